@@ -1,0 +1,1 @@
+"""ftsup's supervisor: the daemon and CLI. Never imports torch (it must outlive the workers)."""

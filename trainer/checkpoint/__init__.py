@@ -1,0 +1,46 @@
+"""The shared checkpoint engine.
+
+`layout` and `errors` are torch-free (the supervisor imports them); the engine itself
+(`CheckpointEngine`) needs torch and is imported only when first used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainer.checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    ManifestError,
+    NoCheckpointError,
+)
+from trainer.checkpoint.layout import RetentionPolicy
+
+_LAZY = {
+    "CheckpointEngine": "trainer.checkpoint.engine",
+    "SaveResult": "trainer.checkpoint.engine",
+    "LoadResult": "trainer.checkpoint.engine",
+}
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointEngine",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointSaveError",
+    "LoadResult",
+    "ManifestError",
+    "NoCheckpointError",
+    "RetentionPolicy",
+    "SaveResult",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

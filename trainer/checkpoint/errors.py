@@ -1,0 +1,40 @@
+"""The checkpoint engine's exception tree (torch-free).
+
+Every error a user can meet carries a message that says what is wrong and what to do;
+callers catch `CheckpointError` to handle them all.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base of every error raised by `trainer.checkpoint`."""
+
+
+class ManifestError(CheckpointError):
+    """A manifest is missing, unreadable, or describes something unsafe or impossible."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A committed checkpoint's files do not match its manifest (size or checksum)."""
+
+    def __init__(self, message: str, *, path: str | None = None, file: str | None = None):
+        super().__init__(message)
+        self.path = path
+        self.file = file
+
+
+class NoCheckpointError(CheckpointError):
+    """No consistent checkpoint exists where one was asked for."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint does not fit the state it is loaded into (names, shapes, dtypes)."""
+
+    def __init__(self, message: str, *, keys: list[str] | None = None):
+        super().__init__(message)
+        self.keys = keys or []
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed; the previous committed checkpoint is untouched."""

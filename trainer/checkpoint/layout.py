@@ -1,0 +1,501 @@
+"""The checkpoint store on disk: names, manifests, verification, quarantine, retention.
+
+This module is the *torch-free* half of the engine (stdlib only): the supervisor imports it
+to pick the resume point, and `ftsup ckpt` uses it to list and verify. It never writes tensor
+data; it knows the commit protocol's names and the manifest format (ARCHITECTURE section 2):
+
+    <root>/step-000001200/            committed (renamed into place after every rank finished)
+    <root>/step-000001200/manifest.json
+    <root>/step-000001300.partial/    in progress or torn: never loaded
+    <root>/step-000001100.corrupt/    quarantined after it failed to load
+
+Checksums are ``crc32x64k``: the file is cut into 64 KiB blocks, each block gets a CRC-32,
+and the file checksum is the CRC-32 of those block CRCs (little-endian uint32). The block
+list lets a loader verify exactly the byte ranges it reads, without reading whole files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+import time
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    ManifestError,
+    NoCheckpointError,
+)
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+CHECKSUM_ALGORITHM = "crc32x64k"
+CHECKSUM_BLOCK_BYTES = 64 * 1024
+KINDS = ("periodic", "emergency", "final")
+
+_STEP_RE = re.compile(r"^step-(\d{9,})$")
+_PARTIAL_RE = re.compile(r"^step-(\d{9,})\.partial$")
+_READ_CHUNK = 16 * 1024 * 1024
+
+
+# --------------------------------------------------------------------------- names
+
+
+def step_dirname(step: int) -> str:
+    if step < 0:
+        raise CheckpointError(f"step must be >= 0, got {step}")
+    return f"step-{step:09d}"
+
+
+def partial_dirname(step: int) -> str:
+    return step_dirname(step) + ".partial"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    """Step of a committed checkpoint directory name, or None for anything else."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def parse_partial_dirname(name: str) -> int | None:
+    m = _PARTIAL_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+# --------------------------------------------------------------------------- checksums
+
+
+def block_crcs(data: bytes | bytearray | memoryview, start_crcs: list[int] | None = None) -> list[int]:
+    """CRC-32 of each 64 KiB block of `data` (the last block may be short)."""
+    mv = memoryview(data).cast("B")
+    out = start_crcs if start_crcs is not None else []
+    for off in range(0, len(mv), CHECKSUM_BLOCK_BYTES):
+        out.append(zlib.crc32(mv[off : off + CHECKSUM_BLOCK_BYTES]))
+    return out
+
+
+def pack_block_crcs(crcs: list[int]) -> bytes:
+    return struct.pack(f"<{len(crcs)}I", *crcs)
+
+
+def unpack_block_crcs(raw: bytes) -> list[int]:
+    if len(raw) % 4:
+        raise CheckpointCorruptError("block checksum list has a torn entry")
+    return list(struct.unpack(f"<{len(raw) // 4}I", raw))
+
+
+def checksum_from_block_crcs(crcs: list[int]) -> str:
+    return f"{CHECKSUM_ALGORITHM}:{zlib.crc32(pack_block_crcs(crcs)):08x}"
+
+
+def checksum_bytes(data: bytes | bytearray | memoryview) -> str:
+    return checksum_from_block_crcs(block_crcs(data))
+
+
+def file_block_crcs(path: str | os.PathLike[str]) -> list[int]:
+    crcs: list[int] = []
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            chunk = f.read(_READ_CHUNK)  # a multiple of the block size
+            if not chunk:
+                break
+            block_crcs(chunk, crcs)
+    return crcs
+
+
+def file_checksum(path: str | os.PathLike[str]) -> str:
+    return checksum_from_block_crcs(file_block_crcs(path))
+
+
+# --------------------------------------------------------------------------- durable writes
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_durable(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write `data` to a new file and fsync it (the directory is the caller's to fsync)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
+    """Replace `path` with `obj` as JSON, atomically (tmp file, fsync, rename, fsync dir)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write_file_durable(tmp, json.dumps(obj, indent=1, sort_keys=True).encode())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a committed checkpoint holds; `files` maps safe relative paths to entries."""
+
+    step: int
+    world_size: int
+    kind: str
+    created_unix: float
+    files: Mapping[str, FileEntry]
+    tensor_bytes: int
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format_version": self.format_version,
+            "step": self.step,
+            "world_size": self.world_size,
+            "kind": self.kind,
+            "created_unix": self.created_unix,
+            "checksum_algorithm": CHECKSUM_ALGORITHM,
+            "checksum_block_bytes": CHECKSUM_BLOCK_BYTES,
+            "files": {
+                p: {"size": e.size, "checksum": e.checksum} for p, e in sorted(self.files.items())
+            },
+            "tensor_bytes": self.tensor_bytes,
+            "metadata": dict(self.metadata),
+        }
+
+
+def validate_relpath(rel: str) -> str:
+    """Refuse anything but a plain relative path inside the checkpoint directory."""
+    if not isinstance(rel, str) or not rel:
+        raise ManifestError(f"manifest file path {rel!r} is not a non-empty string")
+    if "\\" in rel or "\x00" in rel:
+        raise ManifestError(f"manifest file path {rel!r} contains a backslash or NUL byte")
+    if rel.startswith("/") or os.path.isabs(rel):
+        raise ManifestError(f"manifest file path {rel!r} is absolute; only relative paths are allowed")
+    parts = rel.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise ManifestError(
+            f"manifest file path {rel!r} contains '..', '.' or an empty component; refusing it"
+        )
+    return rel
+
+
+def resolve_inside(ckpt_dir: str | os.PathLike[str], rel: str) -> Path:
+    """Absolute path of `rel` under `ckpt_dir`, refusing symlinks that escape it."""
+    validate_relpath(rel)
+    base = Path(ckpt_dir).resolve()
+    target = (base / rel).resolve()
+    if target != base and base not in target.parents:
+        raise ManifestError(
+            f"manifest file path {rel!r} resolves to {target}, outside the checkpoint {base} "
+            "(a symlink escaping the directory); refusing it"
+        )
+    return target
+
+
+def _require(obj: Mapping[str, Any], key: str, types: type | tuple[type, ...], where: str) -> Any:
+    if key not in obj:
+        raise ManifestError(f"{where}: key '{key}' is missing")
+    value = obj[key]
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise ManifestError(f"{where}: key '{key}' must be {types}, got a bool")
+    if not isinstance(value, types):
+        raise ManifestError(f"{where}: key '{key}' has type {type(value).__name__}, expected {types}")
+    return value
+
+
+def parse_manifest(raw: bytes | str, where: str = "manifest.json") -> Manifest:
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise ManifestError(f"{where}: top level must be an object")
+    version = _require(obj, "format_version", int, where)
+    if version != FORMAT_VERSION:
+        raise ManifestError(
+            f"{where}: format_version {version} is not supported by this ftsup "
+            f"(it reads version {FORMAT_VERSION}); upgrade ftsup to read it"
+        )
+    algo = obj.get("checksum_algorithm", CHECKSUM_ALGORITHM)
+    if algo != CHECKSUM_ALGORITHM or obj.get("checksum_block_bytes", CHECKSUM_BLOCK_BYTES) != CHECKSUM_BLOCK_BYTES:
+        raise ManifestError(f"{where}: checksum algorithm {algo!r} is not supported")
+    step = _require(obj, "step", int, where)
+    world_size = _require(obj, "world_size", int, where)
+    kind = _require(obj, "kind", str, where)
+    if kind not in KINDS:
+        raise ManifestError(f"{where}: kind {kind!r} is not one of {', '.join(KINDS)}")
+    if step < 0 or world_size < 1:
+        raise ManifestError(f"{where}: step must be >= 0 and world_size >= 1")
+    created = _require(obj, "created_unix", (int, float), where)
+    tensor_bytes = _require(obj, "tensor_bytes", int, where)
+    files_raw = _require(obj, "files", dict, where)
+    files: dict[str, FileEntry] = {}
+    for rel, entry in files_raw.items():
+        validate_relpath(rel)
+        if rel == MANIFEST_NAME:
+            raise ManifestError(f"{where}: the manifest must not list itself")
+        if not isinstance(entry, dict):
+            raise ManifestError(f"{where}: files[{rel!r}] must be an object")
+        size = _require(entry, "size", int, f"{where}: files[{rel!r}]")
+        checksum = _require(entry, "checksum", str, f"{where}: files[{rel!r}]")
+        if size < 0 or not checksum.startswith(CHECKSUM_ALGORITHM + ":"):
+            raise ManifestError(f"{where}: files[{rel!r}] has a bad size or checksum")
+        files[rel] = FileEntry(size=size, checksum=checksum)
+    metadata = obj.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise ManifestError(f"{where}: metadata must be an object")
+    return Manifest(
+        step=step,
+        world_size=world_size,
+        kind=kind,
+        created_unix=float(created),
+        files=files,
+        tensor_bytes=tensor_bytes,
+        metadata=metadata,
+        format_version=version,
+    )
+
+
+def read_manifest(ckpt_dir: str | os.PathLike[str]) -> Manifest:
+    path = Path(ckpt_dir) / MANIFEST_NAME
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ManifestError(f"{path}: no manifest (the checkpoint was never committed)") from None
+    except OSError as e:
+        raise ManifestError(f"{path}: cannot read manifest ({e.strerror})") from None
+    manifest = parse_manifest(raw, str(path))
+    expected = parse_step_dirname(Path(ckpt_dir).name)
+    if expected is not None and expected != manifest.step:
+        raise ManifestError(f"{path}: records step {manifest.step} but lives in {Path(ckpt_dir).name}")
+    return manifest
+
+
+# --------------------------------------------------------------------------- verification
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a checkpoint is not consistent; `file` is None for manifest-level problems."""
+
+    file: str | None
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.reason}" if self.file else self.reason
+
+
+def check_checkpoint(ckpt_dir: str | os.PathLike[str], *, deep: bool = False) -> tuple[Manifest | None, list[Problem]]:
+    """(manifest, problems): fast = manifest parses and sizes match; deep adds checksums."""
+    try:
+        manifest = read_manifest(ckpt_dir)
+    except ManifestError as e:
+        return None, [Problem(MANIFEST_NAME, str(e))]
+    problems: list[Problem] = []
+    for rel, entry in sorted(manifest.files.items()):
+        try:
+            path = resolve_inside(ckpt_dir, rel)
+        except ManifestError as e:
+            problems.append(Problem(rel, str(e)))
+            continue
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            problems.append(Problem(rel, "missing"))
+            continue
+        if st.st_size != entry.size:
+            problems.append(Problem(rel, f"size {st.st_size} != recorded {entry.size}"))
+            continue
+        if deep:
+            actual = file_checksum(path)
+            if actual != entry.checksum:
+                problems.append(Problem(rel, f"checksum {actual} != recorded {entry.checksum}"))
+    return manifest, problems
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    path: str
+    consistent: bool
+    kind: str | None = None
+    world_size: int | None = None
+    created_unix: float | None = None
+    problems: tuple[Problem, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "kind": self.kind,
+            "world_size": self.world_size,
+            "created_unix": self.created_unix,
+            "consistent": self.consistent,
+            "path": self.path,
+            "problems": [str(p) for p in self.problems],
+        }
+
+
+def inspect_checkpoint(ckpt_dir: str | os.PathLike[str], *, deep: bool = False) -> CheckpointInfo:
+    ckpt_dir = Path(ckpt_dir)
+    step = parse_step_dirname(ckpt_dir.name)
+    manifest, problems = check_checkpoint(ckpt_dir, deep=deep)
+    return CheckpointInfo(
+        step=manifest.step if manifest else (step if step is not None else -1),
+        path=str(ckpt_dir),
+        consistent=manifest is not None and not problems,
+        kind=manifest.kind if manifest else None,
+        world_size=manifest.world_size if manifest else None,
+        created_unix=manifest.created_unix if manifest else None,
+        problems=tuple(problems),
+    )
+
+
+def committed_dirs(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """(step, path) of every committed-looking directory, oldest first."""
+    root = Path(root)
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return []
+    out = []
+    for e in entries:
+        step = parse_step_dirname(e.name)
+        if step is not None and e.is_dir(follow_symlinks=False):
+            out.append((step, Path(e.path)))
+    return sorted(out)
+
+
+def list_checkpoints(root: str | os.PathLike[str], *, deep: bool = False) -> list[CheckpointInfo]:
+    """Every committed checkpoint under `root`, oldest first, each checked (fast or deep)."""
+    return [inspect_checkpoint(p, deep=deep) for _, p in committed_dirs(root)]
+
+
+def latest_consistent(root: str | os.PathLike[str], *, deep: bool = False, below: int | None = None) -> CheckpointInfo | None:
+    """The highest step whose manifest parses and whose files check out (optionally < `below`)."""
+    for step, path in reversed(committed_dirs(root)):
+        if below is not None and step >= below:
+            continue
+        info = inspect_checkpoint(path, deep=deep)
+        if info.consistent:
+            return info
+    return None
+
+
+def find_checkpoint(root: str | os.PathLike[str], step: int | None, *, deep: bool = False) -> CheckpointInfo:
+    """The checkpoint for `step` (or the latest consistent one); raises when there is none."""
+    if step is None:
+        info = latest_consistent(root, deep=deep)
+        if info is None:
+            raise NoCheckpointError(f"no consistent checkpoint under {root}")
+        return info
+    path = Path(root) / step_dirname(step)
+    if not path.is_dir():
+        raise NoCheckpointError(f"no committed checkpoint for step {step} under {root}")
+    return inspect_checkpoint(path, deep=deep)
+
+
+def quarantine(root: str | os.PathLike[str], step: int) -> Path:
+    """Rename `step-N` to `step-N.corrupt` (never deleting evidence) and return the new path."""
+    src = Path(root) / step_dirname(step)
+    dst = src.with_name(src.name + ".corrupt")
+    n = 1
+    while dst.exists():
+        dst = src.with_name(f"{src.name}.corrupt.{n}")
+        n += 1
+    os.rename(src, dst)
+    fsync_dir(root)
+    return dst
+
+
+# --------------------------------------------------------------------------- retention
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """Which committed checkpoints to keep."""
+
+    keep_last: int = 3
+    """Keep this many of the newest consistent checkpoints (>= 1)."""
+    keep_every: int | None = None
+    """Also keep every checkpoint whose step is a multiple of this (None: none extra)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keep_last, int) or self.keep_last < 1:
+            raise CheckpointError(
+                f"retention keep_last must be an integer >= 1, got {self.keep_last!r}; "
+                "the newest consistent checkpoint is always kept"
+            )
+        if self.keep_every is not None and (not isinstance(self.keep_every, int) or self.keep_every < 1):
+            raise CheckpointError(f"retention keep_every must be None or an integer >= 1, got {self.keep_every!r}")
+
+
+def retention_victims(
+    steps_consistent: Iterable[tuple[int, bool]],
+    policy: RetentionPolicy,
+    protect: Iterable[int] = (),
+) -> list[int]:
+    """Pure: which committed steps to delete. Inconsistent ones are left for quarantine/operators."""
+    items = sorted(steps_consistent)
+    consistent = [s for s, ok in items if ok]
+    keep = set(protect)
+    keep.update(consistent[-policy.keep_last :])
+    if policy.keep_every:
+        keep.update(s for s in consistent if s % policy.keep_every == 0)
+    return [s for s in consistent if s not in keep]
+
+
+def apply_retention(
+    root: str | os.PathLike[str],
+    policy: RetentionPolicy,
+    *,
+    protect: Iterable[int] = (),
+    running_step: int | None = None,
+) -> list[Path]:
+    """Delete what `policy` lets go, and `.partial` directories older than `running_step`."""
+    root = Path(root)
+    infos = list_checkpoints(root)
+    removed: list[Path] = []
+    for step in retention_victims(((i.step, i.consistent) for i in infos), policy, protect):
+        path = root / step_dirname(step)
+        # Rename first so that a crash mid-delete never leaves a half-deleted "committed" dir.
+        doomed = root / f".{path.name}.deleting-{os.getpid()}"
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(path)
+    for e in list(os.scandir(root)) if root.is_dir() else []:
+        step = parse_partial_dirname(e.name)
+        stale_delete = e.name.startswith(".step-") and ".deleting-" in e.name
+        if (step is not None and running_step is not None and step < running_step) or stale_delete:
+            shutil.rmtree(e.path, ignore_errors=True)
+            removed.append(Path(e.path))
+    if removed:
+        fsync_dir(root)
+    return removed
+
+
+def now_unix() -> float:
+    return time.time()
