@@ -102,12 +102,21 @@ def checksum_bytes(data: bytes | bytearray | memoryview) -> str:
 
 def file_block_crcs(path: str | os.PathLike[str]) -> list[int]:
     crcs: list[int] = []
+    buf = bytearray(_READ_CHUNK)  # a multiple of the block size
+    view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while True:
-            chunk = f.read(_READ_CHUNK)  # a multiple of the block size
-            if not chunk:
+            # One read may return less than asked (network filesystems, pipes); fill the
+            # whole buffer first, or block boundaries would drift and checksums mismatch.
+            n = 0
+            while n < len(buf):
+                got = f.readinto(view[n:])
+                if not got:
+                    break
+                n += got
+            block_crcs(view[:n], crcs)
+            if n < len(buf):
                 break
-            block_crcs(chunk, crcs)
     return crcs
 
 
