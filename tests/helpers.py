@@ -1,0 +1,78 @@
+"""Shared test helpers: fake checkpoint stores built with the real manifest code, no torch.
+
+A fake checkpoint is laid out exactly as the commit protocol leaves it (files, then
+`manifest.json` written last, then the directory under its final name), so tests of the
+reader, the CLI and the supervisor see what a real save produces, minus the tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from trainer.checkpoint import layout
+
+
+def make_fake_checkpoint(
+    root: str | Path,
+    step: int,
+    files: Mapping[str, bytes],
+    *,
+    kind: str = "periodic",
+    world_size: int = 2,
+    created_unix: float = 1_700_000_000.0,
+    metadata: Mapping[str, Any] | None = None,
+    partial: bool = False,
+    manifest: bool = True,
+) -> Path:
+    """Write `files` and a manifest recording them under `root`; return the checkpoint dir.
+
+    `partial=True` leaves it as `step-N.partial` (a save in progress or torn);
+    `manifest=False` leaves the manifest out (a commit that never happened).
+    """
+    root = Path(root)
+    name = layout.partial_dirname(step) if partial else layout.step_dirname(step)
+    ckpt = root / name
+    ckpt.mkdir(parents=True)
+    entries = {}
+    for rel, data in files.items():
+        path = ckpt / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        entries[rel] = layout.FileEntry(size=len(data), checksum=layout.checksum_bytes(data))
+    if manifest:
+        m = layout.Manifest(
+            step=step,
+            world_size=world_size,
+            kind=kind,
+            created_unix=created_unix,
+            files=entries,
+            tensor_bytes=sum(len(d) for d in files.values()),
+            metadata=dict(metadata or {}),
+        )
+        layout.write_json_atomic(ckpt / layout.MANIFEST_NAME, m.to_json())
+    return ckpt
+
+
+def default_files(seed: int = 0) -> dict[str, bytes]:
+    """Two small shards and per-rank state, distinct per `seed`, one shard spanning 2 blocks."""
+    block = layout.CHECKSUM_BLOCK_BYTES
+    return {
+        "shard-00000.safetensors": bytes((seed + i) % 251 for i in range(block + 100)),
+        "shard-00001.safetensors": bytes((seed * 7 + i) % 241 for i in range(1000)),
+        "rank-00000/state.json": b'{"rank": 0}',
+    }
+
+
+def flip_byte(path: str | Path, offset: int = 0) -> None:
+    """Invert one byte in place: same size, different content (only a deep check sees it)."""
+    path = Path(path)
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def write_manifest_json(ckpt: str | Path, obj: Mapping[str, Any]) -> None:
+    """Overwrite a checkpoint's manifest with raw JSON (for malformed-manifest tests)."""
+    layout.write_json_atomic(Path(ckpt) / layout.MANIFEST_NAME, dict(obj))

@@ -1,0 +1,413 @@
+"""The torch-free checkpoint store: checksums, manifests, listing, quarantine, retention."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import default_files, flip_byte, make_fake_checkpoint, write_manifest_json
+from trainer.checkpoint import layout
+from trainer.checkpoint.errors import CheckpointError, ManifestError, NoCheckpointError
+
+BLOCK = layout.CHECKSUM_BLOCK_BYTES
+
+
+def valid_manifest_json(**overrides: Any) -> dict[str, Any]:
+    obj = layout.Manifest(
+        step=100,
+        world_size=2,
+        kind="periodic",
+        created_unix=1_700_000_000.0,
+        files={"a/shard.bin": layout.FileEntry(size=3, checksum=layout.checksum_bytes(b"abc"))},
+        tensor_bytes=3,
+        metadata={"global_batch_size": 8},
+    ).to_json()
+    obj.update(overrides)
+    return obj
+
+
+def parse(obj: dict[str, Any]) -> layout.Manifest:
+    return layout.parse_manifest(json.dumps(obj), where="m.json")
+
+
+# --------------------------------------------------------------------------- names
+
+
+def test_step_dirnames_are_zero_padded_and_round_trip() -> None:
+    assert layout.step_dirname(1200) == "step-000001200"
+    assert layout.parse_step_dirname("step-000001200") == 1200
+    assert layout.parse_partial_dirname(layout.partial_dirname(7)) == 7
+
+
+def test_partial_and_corrupt_names_are_not_committed_steps() -> None:
+    names = ["step-000000007.partial", "step-000000007.corrupt", "step-7", "x-000000007"]
+    assert [layout.parse_step_dirname(n) for n in names] == [None, None, None, None]
+
+
+# --------------------------------------------------------------------------- checksums
+
+
+def test_block_crcs_cover_each_64k_block_and_a_short_tail() -> None:
+    data = bytes(range(256)) * (BLOCK // 256) * 2 + b"tail"
+    expected = [
+        zlib.crc32(data[:BLOCK]),
+        zlib.crc32(data[BLOCK : 2 * BLOCK]),
+        zlib.crc32(b"tail"),
+    ]
+    assert layout.block_crcs(data) == expected
+
+
+def test_block_crcs_pack_and_unpack_round_trip() -> None:
+    crcs = [0, 1, 0xFFFFFFFF, 12345]
+    assert layout.unpack_block_crcs(layout.pack_block_crcs(crcs)) == crcs
+
+
+def test_file_checksum_equals_checksum_of_its_bytes(tmp_path: Path) -> None:
+    data = os.urandom(3 * BLOCK + 17)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    assert layout.file_checksum(path) == layout.checksum_bytes(data)
+
+
+def test_file_checksum_of_empty_file_equals_checksum_of_no_bytes(tmp_path: Path) -> None:
+    path = tmp_path / "empty"
+    path.write_bytes(b"")
+    assert layout.file_checksum(path) == layout.checksum_bytes(b"")
+
+
+def test_file_checksum_is_independent_of_how_reads_are_split(tmp_path: Path) -> None:
+    # A pipe hands the reader short reads (whatever the writer has pushed so far), as a
+    # network filesystem may; block boundaries must still fall every 64 KiB of the file.
+    data = os.urandom(5 * BLOCK + 999)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+
+    def write_in_odd_pieces() -> None:
+        with open(fifo, "wb", buffering=0) as f:
+            for off in range(0, len(data), 10_007):
+                f.write(data[off : off + 10_007])
+
+    writer = threading.Thread(target=write_in_odd_pieces, daemon=True)
+    writer.start()
+    try:
+        actual = layout.file_checksum(fifo)
+    finally:
+        writer.join(timeout=30)
+    assert actual == layout.checksum_bytes(data)
+
+
+def test_checksum_names_its_algorithm() -> None:
+    assert layout.checksum_bytes(b"x").startswith("crc32x64k:")
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+def test_manifest_round_trips_through_json() -> None:
+    obj = valid_manifest_json()
+    assert parse(obj).to_json() == obj
+
+
+@pytest.mark.parametrize(
+    "bad_path",
+    ["/etc/passwd", "../outside.bin", "a/../../b", "a//b", "a/./b", "a\\b", "trailing/"],
+)
+def test_manifest_refuses_unsafe_file_paths_naming_them(bad_path: str) -> None:
+    obj = valid_manifest_json(files={bad_path: {"size": 1, "checksum": "crc32x64k:00000000"}})
+    with pytest.raises(ManifestError) as e:
+        parse(obj)
+    assert repr(bad_path) in str(e.value)
+
+
+def test_manifest_refuses_to_list_itself() -> None:
+    obj = valid_manifest_json(
+        files={layout.MANIFEST_NAME: {"size": 1, "checksum": "crc32x64k:00000000"}}
+    )
+    with pytest.raises(ManifestError, match="must not list itself"):
+        parse(obj)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("step", "100"),
+        ("step", True),
+        ("world_size", 2.0),
+        ("kind", 3),
+        ("created_unix", "yesterday"),
+        ("tensor_bytes", None),
+        ("files", []),
+    ],
+)
+def test_manifest_wrong_type_names_the_key(key: str, value: Any) -> None:
+    with pytest.raises(ManifestError) as e:
+        parse(valid_manifest_json(**{key: value}))
+    assert f"'{key}'" in str(e.value)
+
+
+def test_manifest_missing_key_names_the_key() -> None:
+    obj = valid_manifest_json()
+    del obj["world_size"]
+    with pytest.raises(ManifestError, match="'world_size' is missing"):
+        parse(obj)
+
+
+def test_manifest_file_entry_wrong_type_names_the_file_and_key() -> None:
+    obj = valid_manifest_json(files={"s.bin": {"size": "3", "checksum": "crc32x64k:00000000"}})
+    with pytest.raises(ManifestError) as e:
+        parse(obj)
+    assert ("'s.bin'" in str(e.value), "'size'" in str(e.value)) == (True, True)
+
+
+def test_manifest_unsupported_format_version_says_to_upgrade() -> None:
+    with pytest.raises(ManifestError, match="format_version 2 is not supported.*upgrade"):
+        parse(valid_manifest_json(format_version=2))
+
+
+def test_manifest_unknown_kind_is_refused() -> None:
+    with pytest.raises(ManifestError, match="kind 'hourly'"):
+        parse(valid_manifest_json(kind="hourly"))
+
+
+def test_manifest_other_checksum_algorithm_is_refused() -> None:
+    with pytest.raises(ManifestError, match="'sha256' is not supported"):
+        parse(valid_manifest_json(checksum_algorithm="sha256"))
+
+
+def test_manifest_that_is_not_json_is_a_manifest_error() -> None:
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        layout.parse_manifest(b'{"step": 1', where="m.json")
+
+
+def test_manifest_in_wrong_directory_is_refused(tmp_path: Path) -> None:
+    ckpt = make_fake_checkpoint(tmp_path, 100, {"a": b"a"})
+    moved = ckpt.rename(tmp_path / layout.step_dirname(200))
+    with pytest.raises(ManifestError, match="records step 100 but lives in step-000000200"):
+        layout.read_manifest(moved)
+
+
+# --------------------------------------------------------------------------- resolve_inside
+
+
+def test_resolve_inside_accepts_a_nested_file(tmp_path: Path) -> None:
+    assert layout.resolve_inside(tmp_path, "a/b.bin") == tmp_path.resolve() / "a" / "b.bin"
+
+
+def test_resolve_inside_refuses_a_symlink_escaping_the_checkpoint(tmp_path: Path) -> None:
+    outside = tmp_path / "secret.bin"
+    outside.write_bytes(b"secret")
+    ckpt = tmp_path / "step-000000001"
+    ckpt.mkdir()
+    (ckpt / "shard.bin").symlink_to(outside)
+    with pytest.raises(ManifestError, match="outside the checkpoint"):
+        layout.resolve_inside(ckpt, "shard.bin")
+
+
+def test_check_reports_an_escaping_symlink_as_a_problem_of_that_file(tmp_path: Path) -> None:
+    ckpt = make_fake_checkpoint(tmp_path / "ckpts", 1, {"shard.bin": b"secret"})
+    outside = tmp_path / "secret.bin"
+    outside.write_bytes(b"secret")  # same size and content: only the escape is wrong
+    (ckpt / "shard.bin").unlink()
+    (ckpt / "shard.bin").symlink_to(outside)
+    _, problems = layout.check_checkpoint(ckpt, deep=True)
+    assert [p.file for p in problems] == ["shard.bin"]
+
+
+# --------------------------------------------------------------------------- listing
+
+
+@pytest.fixture()
+def store(tmp_path: Path) -> Path:
+    """100 and 200 good; 300 with a wrong size; 400 without manifest; 500 torn (.partial)."""
+    root = tmp_path / "ckpts"
+    make_fake_checkpoint(root, 100, default_files(1))
+    make_fake_checkpoint(root, 200, default_files(2))
+    bad = make_fake_checkpoint(root, 300, default_files(3))
+    with open(bad / "shard-00001.safetensors", "ab") as f:
+        f.write(b"x")
+    make_fake_checkpoint(root, 400, default_files(4), manifest=False)
+    make_fake_checkpoint(root, 500, default_files(5), partial=True)
+    return root
+
+
+def test_list_shows_committed_dirs_oldest_first_without_partials(store: Path) -> None:
+    infos = layout.list_checkpoints(store)
+    assert [(i.step, i.consistent) for i in infos] == [
+        (100, True),
+        (200, True),
+        (300, False),
+        (400, False),
+    ]
+
+
+def test_list_names_the_file_with_a_wrong_size(store: Path) -> None:
+    info = layout.list_checkpoints(store)[2]
+    assert [str(p) for p in info.problems] == [
+        "shard-00001.safetensors: size 1001 != recorded 1000"
+    ]
+
+
+def test_list_reports_a_missing_manifest_as_a_manifest_problem(store: Path) -> None:
+    info = layout.list_checkpoints(store)[3]
+    assert ([p.file for p in info.problems], info.kind) == ([layout.MANIFEST_NAME], None)
+
+
+def test_list_reports_a_missing_file(tmp_path: Path) -> None:
+    ckpt = make_fake_checkpoint(tmp_path, 1, default_files())
+    (ckpt / "rank-00000" / "state.json").unlink()
+    info = layout.inspect_checkpoint(ckpt)
+    assert [str(p) for p in info.problems] == ["rank-00000/state.json: missing"]
+
+
+def test_list_of_a_missing_root_is_empty(tmp_path: Path) -> None:
+    assert layout.list_checkpoints(tmp_path / "nope") == []
+
+
+def test_latest_consistent_skips_broken_newer_checkpoints(store: Path) -> None:
+    info = layout.latest_consistent(store)
+    assert info is not None and info.step == 200
+
+
+def test_latest_consistent_below_a_step(store: Path) -> None:
+    info = layout.latest_consistent(store, below=200)
+    assert info is not None and info.step == 100
+
+
+def test_flipped_byte_is_seen_only_by_the_deep_check(tmp_path: Path) -> None:
+    make_fake_checkpoint(tmp_path, 100, default_files(1))
+    ckpt = make_fake_checkpoint(tmp_path, 200, default_files(2))
+    flip_byte(ckpt / "shard-00000.safetensors", offset=BLOCK + 5)
+    fast = layout.latest_consistent(tmp_path)
+    deep = layout.latest_consistent(tmp_path, deep=True)
+    assert (fast and fast.step, deep and deep.step) == (200, 100)
+
+
+def test_deep_check_names_the_flipped_file(tmp_path: Path) -> None:
+    ckpt = make_fake_checkpoint(tmp_path, 100, default_files())
+    flip_byte(ckpt / "shard-00001.safetensors")
+    _, problems = layout.check_checkpoint(ckpt, deep=True)
+    assert [p.file for p in problems] == ["shard-00001.safetensors"]
+
+
+def test_find_checkpoint_without_any_raises_no_checkpoint(tmp_path: Path) -> None:
+    make_fake_checkpoint(tmp_path, 100, default_files(), manifest=False)
+    with pytest.raises(NoCheckpointError):
+        layout.find_checkpoint(tmp_path, None)
+
+
+def test_find_checkpoint_of_an_absent_step_raises_no_checkpoint(store: Path) -> None:
+    with pytest.raises(NoCheckpointError, match="step 150"):
+        layout.find_checkpoint(store, 150)
+
+
+# --------------------------------------------------------------------------- quarantine
+
+
+def test_quarantine_renames_to_corrupt_keeping_the_files(tmp_path: Path) -> None:
+    make_fake_checkpoint(tmp_path, 100, {"a.bin": b"a"})
+    dst = layout.quarantine(tmp_path, 100)
+    assert (dst.name, (dst / "a.bin").read_bytes()) == ("step-000000100.corrupt", b"a")
+
+
+def test_quarantine_never_overwrites_earlier_evidence(tmp_path: Path) -> None:
+    make_fake_checkpoint(tmp_path, 100, {"a.bin": b"first"})
+    layout.quarantine(tmp_path, 100)
+    make_fake_checkpoint(tmp_path, 100, {"a.bin": b"second"})
+    dst = layout.quarantine(tmp_path, 100)
+    assert (dst.name, (tmp_path / "step-000000100.corrupt" / "a.bin").read_bytes()) == (
+        "step-000000100.corrupt.1",
+        b"first",
+    )
+
+
+def test_quarantined_checkpoint_is_no_longer_listed(tmp_path: Path) -> None:
+    make_fake_checkpoint(tmp_path, 100, {"a.bin": b"a"})
+    make_fake_checkpoint(tmp_path, 200, {"a.bin": b"b"})
+    layout.quarantine(tmp_path, 200)
+    assert [i.step for i in layout.list_checkpoints(tmp_path)] == [100]
+
+
+# --------------------------------------------------------------------------- retention
+
+
+def test_retention_keeps_the_last_k_consistent() -> None:
+    steps = [(s, True) for s in (100, 200, 300, 400, 500)]
+    policy = layout.RetentionPolicy(keep_last=2)
+    assert layout.retention_victims(steps, policy) == [100, 200, 300]
+
+
+def test_retention_keeps_every_nth_step() -> None:
+    steps = [(s, True) for s in (100, 200, 300, 400, 500)]
+    policy = layout.RetentionPolicy(keep_last=1, keep_every=200)
+    assert layout.retention_victims(steps, policy) == [100, 300]
+
+
+def test_retention_keeps_protected_steps() -> None:
+    steps = [(s, True) for s in (100, 200, 300)]
+    policy = layout.RetentionPolicy(keep_last=1)
+    assert layout.retention_victims(steps, policy, protect=[100]) == [200]
+
+
+def test_retention_leaves_inconsistent_checkpoints_alone() -> None:
+    steps = [(100, False), (200, True), (300, False), (400, True)]
+    policy = layout.RetentionPolicy(keep_last=1)
+    assert layout.retention_victims(steps, policy) == [200]
+
+
+def test_retention_never_deletes_the_newest_consistent_even_if_newer_ones_are_broken() -> None:
+    steps = [(100, True), (200, True), (300, False), (400, False)]
+    policy = layout.RetentionPolicy(keep_last=1)
+    assert layout.retention_victims(steps, policy) == [100]
+
+
+@pytest.mark.parametrize("kwargs", [{"keep_last": 0}, {"keep_every": 0}, {"keep_last": 1.5}])
+def test_retention_policy_refuses_values_that_would_delete_everything(
+    kwargs: dict[str, Any],
+) -> None:
+    with pytest.raises(CheckpointError, match="retention keep_"):
+        layout.RetentionPolicy(**kwargs)
+
+
+def test_apply_retention_deletes_victims_and_keeps_the_rest(tmp_path: Path) -> None:
+    for step in (100, 200, 300):
+        make_fake_checkpoint(tmp_path, step, {"a.bin": b"a"})
+    layout.apply_retention(tmp_path, layout.RetentionPolicy(keep_last=2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000200", "step-000000300"]
+
+
+def test_apply_retention_removes_only_partials_older_than_the_running_save(
+    tmp_path: Path,
+) -> None:
+    make_fake_checkpoint(tmp_path, 100, {"a.bin": b"a"})
+    for step in (50, 150, 200, 250):
+        make_fake_checkpoint(tmp_path, step, {"a.bin": b"a"}, partial=True, manifest=False)
+    layout.apply_retention(tmp_path, layout.RetentionPolicy(keep_last=1), running_step=200)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-000000100",
+        "step-000000200.partial",
+        "step-000000250.partial",
+    ]
+
+
+def test_apply_retention_without_a_running_save_keeps_partials(tmp_path: Path) -> None:
+    make_fake_checkpoint(tmp_path, 100, {"a.bin": b"a"}, partial=True, manifest=False)
+    layout.apply_retention(tmp_path, layout.RetentionPolicy(keep_last=1))
+    assert [p.name for p in tmp_path.iterdir()] == ["step-000000100.partial"]
+
+
+def test_apply_retention_finishes_an_interrupted_deletion(tmp_path: Path) -> None:
+    make_fake_checkpoint(tmp_path, 100, {"a.bin": b"a"})
+    (tmp_path / ".step-000000050.deleting-12345").mkdir()
+    layout.apply_retention(tmp_path, layout.RetentionPolicy(keep_last=1))
+    assert [p.name for p in tmp_path.iterdir()] == ["step-000000100"]
+
+
+def test_write_json_atomic_leaves_no_temporary_file(tmp_path: Path) -> None:
+    write_manifest_json(tmp_path, {"x": 1})
+    assert [p.name for p in tmp_path.iterdir()] == [layout.MANIFEST_NAME]
