@@ -1,0 +1,785 @@
+"""CheckpointEngine: sharded, asynchronous, atomic, verified, reshardable checkpoints.
+
+What happens on `save(step, state)`:
+
+1. (caller's thread) The state is split into tensors and a JSON skeleton (`codec`). The first
+   time a state of this structure is saved, DCP's `DefaultSavePlanner` plans who writes what
+   (replicated tensors are written once in total, spread across ranks by bytes; DTensor shards
+   by their owners); the plan is cached until the structure changes.
+2. (caller's thread) This rank's chunks are copied into a reused, page-aligned host buffer
+   (pinned for CUDA) laid out as the shard file. This copy is the only blocking part.
+3. (writer thread) The buffer is written as `step-N.partial/shard-RRRRR.safetensors` (O_DIRECT
+   where possible, checksummed from memory), fsynced; rank 0 gathers every rank's file list,
+   writes the DCP metadata and `manifest.json`, fsyncs, renames to `step-N/`, fsyncs the parent.
+   Any failure removes the `.partial` directory and surfaces on the next `save`/`wait`.
+
+`load(state)` picks the latest consistent checkpoint (or a given step), checks that names,
+shapes and dtypes match before touching anything, and lets DCP's `DefaultLoadPlanner` map the
+saved chunks onto this rank's tensors (any world size). Our reader reads only the byte ranges
+needed, verifies their checksums on every rank first, and only then copies. A corrupt newest
+checkpoint is quarantined and the previous one is loaded.
+
+Not here: choosing when to save (the training loop or the supervisor does), the contents of the
+per-rank state (trainer.state), Hugging Face export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
+from torch.distributed.checkpoint.storage import StorageReader
+
+from trainer.checkpoint import codec, layout
+from trainer.checkpoint.comm import GroupComm, LocalComm, make_comm
+from trainer.checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    NoCheckpointError,
+)
+from trainer.checkpoint.shardio import ShardLayout, VerifiedFile, aligned_buffer, build_layout, write_shard
+
+log = structlog.get_logger("ftsup.checkpoint")
+
+DCP_META_NAME = "dcp_metadata.json"
+Hook = Callable[[str, int], None]
+"""Called as hook(point, step) at: staged, shard_written, metadata_written, manifest_written,
+renamed. For fault-injection tests (e.g. SIGKILL at an exact point of the protocol)."""
+
+
+def shard_name(rank: int) -> str:
+    return f"shard-{rank:05d}.safetensors"
+
+
+def crc_name(rank: int) -> str:
+    return f"shard-{rank:05d}.crc32"
+
+
+def rank_state_name(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    step: int
+    path: str
+    kind: str
+    tensor_bytes: int  # bytes of tensor data this rank wrote
+    stage_s: float  # the blocking part of save()
+    durable_s: float  # from the call until committed and fsynced
+    skipped: bool = False  # the step was already committed; nothing was written
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    step: int
+    path: str
+    kind: str
+    saved_world_size: int
+    metadata: Mapping[str, Any]
+    rank_state: Any  # this rank's saved rank_state, or None (rank >= saved world size)
+    bytes_read: int
+    load_s: float
+
+
+@dataclass
+class _Plan:
+    signature: tuple[Any, ...]
+    layout: ShardLayout
+    sources: list[tuple[str, tuple[int, ...]]]  # (fqn, chunk offsets) per layout slot
+    meta_json: dict[str, Any] | None  # rank 0 only: DCP metadata + every rank's slots
+    tensor_bytes: int
+
+
+@dataclass
+class _Job:
+    step: int
+    kind: str
+    buf_index: int
+    plan: _Plan
+    skeleton: Any
+    rank_state: bytes
+    metadata: dict[str, Any]
+    t0: float
+    stage_s: float
+    cuda_event: Any
+    future: Future[SaveResult] = field(default_factory=Future)
+
+
+class SaveHandle:
+    def __init__(self, future: Future[SaveResult]):
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        return self._future.result(timeout)
+
+
+def _state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state.items()}
+
+
+def _is_stateful(v: Any) -> bool:
+    return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
+
+
+def _local_chunks(t: torch.Tensor) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    if codec._is_dtensor(t):
+        return [(tuple(c.offsets), tuple(c.sizes)) for c in t.__create_chunk_list__()]
+    return [((0,) * t.dim(), tuple(t.shape))]
+
+
+def _signature(flat: Mapping[str, torch.Tensor]) -> tuple[Any, ...]:
+    return tuple(
+        (k, codec._is_dtensor(t), tuple(t.shape), t.dtype, tuple(_local_chunks(t))) for k, t in flat.items()
+    )
+
+
+def _local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if codec._is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+class CheckpointEngine:
+    """Save and load sharded checkpoints under `directory` (shared by all ranks).
+
+    With torch.distributed initialised, constructing the engine is a collective call (it
+    creates the engine's own gloo group), and every rank must call `save`/`load` with states of
+    the same structure at the same steps.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        process_group: Any = "auto",
+        max_in_flight: int = 1,
+        retention: layout.RetentionPolicy | None = None,
+        o_direct: bool = True,
+        hook: Hook | None = None,
+    ):
+        if max_in_flight < 1:
+            raise CheckpointError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self.directory = Path(directory)
+        self.retention = retention if retention is not None else layout.RetentionPolicy()
+        self.o_direct = o_direct
+        self._hook = hook or (lambda point, step: None)
+        self._comm: LocalComm | GroupComm = make_comm(process_group)
+        self.rank = self._comm.rank
+        self.world_size = self._comm.world_size
+        if self.rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        self._plan: _Plan | None = None
+        self._buffers: list[torch.Tensor | None] = [None] * max_in_flight
+        self._free: queue.Queue[int] = queue.Queue()
+        for i in range(max_in_flight):
+            self._free.put(i)
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._in_flight: list[Future[SaveResult]] = []
+        self._failure: BaseException | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._writer = threading.Thread(target=self._writer_loop, name="ftsup-ckpt-writer", daemon=True)
+        self._writer.start()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Finish in-flight saves, stop the writer thread. Raises a pending save failure."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._jobs.put(None)
+            self._writer.join()
+
+    def __enter__(self) -> CheckpointEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait(self) -> None:
+        """Block until every in-flight save has finished; raise the first failure, once."""
+        self._drain()
+        self._raise_failure()
+
+    def _drain(self) -> None:
+        with self._lock:
+            pending = list(self._in_flight)
+        for fut in pending:
+            try:
+                fut.result()
+            except BaseException:  # noqa: S110 - recorded in self._failure by the writer
+                pass
+
+    def _raise_failure(self) -> None:
+        with self._lock:
+            failure, self._failure = self._failure, None
+            self._in_flight = [f for f in self._in_flight if not f.done()]
+        if failure is not None:
+            raise CheckpointSaveError(f"an earlier checkpoint save failed: {failure}") from failure
+
+    # ------------------------------------------------------------------ save
+
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        kind: str = "periodic",
+        rank_state: Any = None,
+        metadata: Mapping[str, Any] | None = None,
+        block: bool = False,
+    ) -> SaveHandle | SaveResult:
+        """Stage `state` and write it in the background as checkpoint `step`.
+
+        Returns a SaveHandle, or the SaveResult when `block=True` (final and emergency saves).
+        Raises CheckpointSaveError if an earlier background save failed.
+        """
+        if self._closed:
+            raise CheckpointError("save() on a closed CheckpointEngine")
+        if kind not in layout.KINDS:
+            raise CheckpointError(f"kind must be one of {', '.join(layout.KINDS)}, got {kind!r}")
+        t0 = time.perf_counter()
+        self._raise_failure()
+        flat, skeleton = codec.flatten(_state_dicts(state))
+        rank_state_bytes = json.dumps(codec.encode_inline(rank_state)).encode()
+        meta = dict(metadata or {})
+        json.dumps(meta)  # fail now, in the caller, if it is not JSON
+        signature = _signature(flat)
+        if self._plan is None or self._plan.signature != signature:
+            self.wait()  # planning uses the engine's group: the writer must be idle
+            self._plan = self._make_plan(flat, signature)
+            self._buffers = [None] * len(self._buffers)
+        plan = self._plan
+        buf_index = self._free.get()  # bounds saves in flight and host memory
+        try:
+            buf, event = self._stage(plan, flat, buf_index)
+        except BaseException:
+            self._free.put(buf_index)
+            raise
+        stage_s = time.perf_counter() - t0
+        self._hook("staged", step)
+        job = _Job(step, kind, buf_index, plan, skeleton, rank_state_bytes, meta, t0, stage_s, event)
+        with self._lock:
+            self._in_flight.append(job.future)
+        self._jobs.put(job)
+        handle = SaveHandle(job.future)
+        if not block:
+            return handle
+        try:
+            return handle.wait()
+        except CheckpointSaveError:
+            with self._lock:  # reported here; do not raise it a second time on the next call
+                self._failure = None
+            raise
+
+    def _make_plan(self, flat: dict[str, torch.Tensor], signature: tuple[Any, ...]) -> _Plan:
+        planner = DefaultSavePlanner(flatten_state_dict=False)
+        planner.set_up_planner(flat, None, self.rank == 0)
+        local = planner.create_local_plan()
+        gathered = self._comm.gather(local)
+        meta_json: dict[str, Any] | None = None
+        per_rank: list[SavePlan] | None = None
+        if self.rank == 0:
+            assert gathered is not None
+            per_rank, metadata = planner.create_global_plan(gathered)
+            meta_json = _metadata_to_json(metadata, [_plan_chunks(p) for p in per_rank])
+        mine = planner.finish_plan(self._comm.scatter(per_rank))
+        chunks = _plan_chunks(mine)
+        shard = build_layout(chunks)
+        sources = [(s.fqn, s.offsets) for s in shard.slots]
+        nbytes = sum(s.nbytes for s in shard.slots)
+        return _Plan(signature, shard, sources, meta_json, nbytes)
+
+    def _stage(self, plan: _Plan, flat: dict[str, torch.Tensor], index: int) -> tuple[torch.Tensor, Any]:
+        cuda = any(_local_tensor(t).is_cuda for t in flat.values())
+        buf = self._buffers[index]
+        if buf is None or buf.numel() != plan.layout.total_size:
+            buf = aligned_buffer(plan.layout.total_size, pin=cuda)
+            buf[: plan.layout.data_start].copy_(torch.frombuffer(bytearray(plan.layout.header), dtype=torch.uint8))
+            self._buffers[index] = buf
+        with torch.no_grad():
+            for slot, (fqn, offsets) in zip(plan.layout.slots, plan.sources):
+                src = _local_tensor(flat[fqn]).detach()
+                if tuple(src.shape) != slot.sizes:
+                    # The signature matched, so this is a chunk narrower than the local tensor.
+                    src = _narrow(src, offsets, flat[fqn], slot.sizes)
+                if slot.nbytes == 0:
+                    continue
+                dst = buf[slot.byte_offset : slot.byte_offset + slot.nbytes].view(slot.dtype).view(slot.sizes)
+                dst.copy_(src, non_blocking=cuda)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return buf, event
+
+    # ------------------------------------------------------------------ writer thread
+
+    def _writer_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                result = self._write_job(job)
+            except BaseException as e:
+                err = e if isinstance(e, CheckpointError) else CheckpointSaveError(f"step {job.step}: {e}")
+                log.error("checkpoint_save_failed", step=job.step, rank=self.rank, reason=str(err))
+                with self._lock:
+                    self._failure = err
+                job.future.set_exception(err)
+            else:
+                job.future.set_result(result)
+
+    def _write_job(self, job: _Job) -> SaveResult:
+        step, comm = job.step, self._comm
+        root = self.directory
+        partial = root / layout.partial_dirname(step)
+        final = root / layout.step_dirname(step)
+        try:
+            prep: dict[str, Any] | None = None
+            if self.rank == 0:
+                prep = self._prepare_partial(step, partial, final)
+            prep = comm.broadcast(prep)
+            if prep.get("skip"):
+                return SaveResult(step, str(final), job.kind, 0, job.stage_s, 0.0, skipped=True)
+            if "error" in prep:
+                raise CheckpointSaveError(f"step {step}: cannot prepare {partial}: {prep['error']}")
+            report = self._write_rank_files(job, partial)
+        finally:
+            self._free.put(job.buf_index)
+        reports = comm.gather(report)
+        outcome: dict[str, Any] | None = None
+        if self.rank == 0:
+            assert reports is not None
+            outcome = self._commit(job, partial, final, reports)
+        outcome = comm.broadcast(outcome)
+        if not outcome["ok"]:
+            raise CheckpointSaveError(f"step {step}: {outcome['error']}; the previous checkpoint is intact")
+        durable_s = time.perf_counter() - job.t0
+        if self.rank == 0:
+            log.info(
+                "checkpoint_committed", step=step, kind=job.kind, world_size=self.world_size,
+                duration_s=round(durable_s, 4), path=str(final),
+            )  # fmt: skip
+        return SaveResult(step, str(final), job.kind, job.plan.tensor_bytes, job.stage_s, durable_s)
+
+    def _prepare_partial(self, step: int, partial: Path, final: Path) -> dict[str, Any]:
+        try:
+            if final.exists():
+                return {"skip": True}  # nothing ever overwrites a committed checkpoint
+            # The writer runs saves in order, so any .partial of this or an older step is torn.
+            for e in os.scandir(self.directory):
+                s = layout.parse_partial_dirname(e.name)
+                if s is not None and s <= step:
+                    shutil.rmtree(e.path, ignore_errors=True)
+            partial.mkdir()
+            layout.fsync_dir(self.directory)
+            return {}
+        except OSError as e:
+            return {"error": f"{e.strerror or e} ({e.filename or partial})"}
+
+    def _write_rank_files(self, job: _Job, partial: Path) -> dict[str, Any]:
+        files: dict[str, dict[str, Any]] = {}
+        try:
+            if job.cuda_event is not None:
+                job.cuda_event.synchronize()
+            buf = self._buffers[job.buf_index]
+            assert buf is not None
+            shard = shard_name(self.rank)
+            size, crcs = write_shard(str(partial / shard), buf, o_direct=self.o_direct)
+            files[shard] = {"size": size, "checksum": layout.checksum_from_block_crcs(crcs)}
+            packed = layout.pack_block_crcs(crcs)
+            layout.write_file_durable(partial / crc_name(self.rank), packed)
+            files[crc_name(self.rank)] = {"size": len(packed), "checksum": layout.checksum_bytes(packed)}
+            layout.write_file_durable(partial / rank_state_name(self.rank), job.rank_state)
+            files[rank_state_name(self.rank)] = {
+                "size": len(job.rank_state),
+                "checksum": layout.checksum_bytes(job.rank_state),
+            }
+            self._hook("shard_written", job.step)
+            return {"ok": True, "files": files, "tensor_bytes": job.plan.tensor_bytes}
+        except Exception as e:  # adapter boundary: every rank must still reach the gather
+            msg = f"rank {self.rank}: {type(e).__name__}: {e}"
+            log.error("checkpoint_write_failed", step=job.step, rank=self.rank, reason=msg)
+            return {"ok": False, "error": msg}
+
+    def _commit(self, job: _Job, partial: Path, final: Path, reports: list[dict[str, Any]]) -> dict[str, Any]:
+        errors = [r["error"] for r in reports if not r["ok"]]
+        try:
+            if errors:
+                raise CheckpointSaveError("; ".join(errors))
+            assert job.plan.meta_json is not None
+            files: dict[str, layout.FileEntry] = {}
+            for r in reports:
+                files.update({k: layout.FileEntry(v["size"], v["checksum"]) for k, v in r["files"].items()})
+            meta = dict(job.plan.meta_json, skeleton=job.skeleton)
+            raw = json.dumps(meta, separators=(",", ":")).encode()
+            layout.write_file_durable(partial / DCP_META_NAME, raw)
+            files[DCP_META_NAME] = layout.FileEntry(len(raw), layout.checksum_bytes(raw))
+            self._hook("metadata_written", job.step)
+            manifest = layout.Manifest(
+                step=job.step, world_size=self.world_size, kind=job.kind, created_unix=time.time(),
+                files=files, tensor_bytes=sum(r["tensor_bytes"] for r in reports), metadata=job.metadata,
+            )  # fmt: skip
+            layout.write_file_durable(
+                partial / layout.MANIFEST_NAME, json.dumps(manifest.to_json(), indent=1).encode()
+            )
+            layout.fsync_dir(partial)
+            self._hook("manifest_written", job.step)
+            os.rename(partial, final)
+            layout.fsync_dir(self.directory)
+            self._hook("renamed", job.step)
+        except Exception as e:  # adapter boundary: report to every rank, leave no torn dir
+            shutil.rmtree(partial, ignore_errors=True)
+            return {"ok": False, "error": str(e)}
+        try:
+            layout.apply_retention(self.directory, self.retention, protect={job.step})
+        except OSError as e:
+            # A failed deletion must not fail a committed save; the next commit retries.
+            log.warning("checkpoint_retention_failed", step=job.step, reason=str(e))
+        return {"ok": True}
+
+    # ------------------------------------------------------------------ load
+
+    def load(self, state: Mapping[str, Any], *, step: int | None = None) -> LoadResult:
+        """Restore `state` in place from checkpoint `step` (None: the latest consistent one).
+
+        With `step=None`, a checkpoint that turns out corrupt while loading is quarantined
+        (`step-N.corrupt`) and the next older one is tried. Raises NoCheckpointError when
+        nothing consistent is left, CheckpointMismatchError when names, shapes or dtypes differ
+        (before anything is modified).
+        """
+        if self._closed:
+            raise CheckpointError("load() on a closed CheckpointEngine")
+        t0 = time.perf_counter()
+        self._drain()
+        dicts = _state_dicts(state)
+        flat, _ = codec.flatten(dicts)
+        while True:
+            choice: dict[str, Any] | None = self._choose(step) if self.rank == 0 else None
+            choice = self._comm.broadcast(choice)
+            if "error" in choice:
+                raise NoCheckpointError(choice["error"])
+            try:
+                return self._load_from(choice, state, dicts, flat, t0)
+            except CheckpointCorruptError as e:
+                if step is not None:
+                    raise
+                if self.rank == 0:
+                    moved = layout.quarantine(self.directory, choice["step"])
+                    log.error("checkpoint_quarantined", step=choice["step"], reason=str(e), path=str(moved))
+
+    def _choose(self, step: int | None) -> dict[str, Any]:
+        """Rank 0: the checkpoint to load and its verified DCP metadata (or why there is none)."""
+        while True:
+            try:
+                info = layout.find_checkpoint(self.directory, step)
+            except NoCheckpointError as e:
+                return {"error": str(e)}
+            if not info.consistent:
+                problems = "; ".join(map(str, info.problems))
+                if step is not None:
+                    return {"error": f"checkpoint {info.path} is not consistent: {problems}"}
+                moved = layout.quarantine(self.directory, info.step)
+                log.error("checkpoint_quarantined", step=info.step, reason=problems, path=str(moved))
+                continue
+            manifest = layout.read_manifest(info.path)
+            entry = manifest.files.get(DCP_META_NAME)
+            raw = (Path(info.path) / DCP_META_NAME).read_bytes() if entry else b""
+            if entry is None or layout.checksum_bytes(raw) != entry.checksum:
+                if step is not None:
+                    return {"error": f"{info.path}/{DCP_META_NAME}: missing or checksum mismatch"}
+                layout.quarantine(self.directory, info.step)
+                continue
+            return {"step": info.step, "path": info.path, "manifest": manifest.to_json(), "meta": json.loads(raw)}
+
+    def _load_from(
+        self, choice: dict[str, Any], state: Mapping[str, Any], dicts: dict[str, Any],
+        flat: dict[str, torch.Tensor], t0: float,
+    ) -> LoadResult:  # fmt: skip
+        path = Path(choice["path"])
+        manifest = layout.parse_manifest(json.dumps(choice["manifest"]))
+        meta = choice["meta"]
+        mismatches = _mismatches(meta["tensors"], flat)
+        rank_state: Any = None
+        status = 0  # 0 fine, 1 corrupt, 2 mismatch: agreed by all ranks before any byte moves
+        corrupt: CheckpointCorruptError | None = None
+        if mismatches:
+            status = 2
+        else:
+            try:
+                rank_state = self._read_rank_state(path, manifest)
+            except CheckpointCorruptError as e:
+                status, corrupt = 1, e
+        agreed = self._comm.all_reduce_max(status)
+        if agreed == 2:
+            shown = "; ".join(mismatches[:20]) or "(reported by another rank)"
+            raise CheckpointMismatchError(
+                f"checkpoint {path} does not fit the state being loaded ({len(mismatches)} mismatched keys): "
+                f"{shown}; nothing was loaded",
+                keys=[m.split(":")[0] for m in mismatches],
+            )
+        if agreed == 1:
+            raise corrupt or CheckpointCorruptError(f"{path}: another rank found a corrupt file", path=str(path))
+        reader = _Reader(path, manifest, meta, self._comm)
+        try:
+            dcp_load(
+                flat,
+                storage_reader=reader,
+                planner=DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=False),
+                process_group=self._comm.group,
+            )
+        except CheckpointException as e:
+            for failure in e.failures.values():
+                if isinstance(failure, CheckpointCorruptError):
+                    raise failure from None
+            raise CheckpointError(f"loading {path} failed: {e}") from e
+        rebuilt = codec.rebuild(meta["skeleton"], flat)
+        for key, value in state.items():
+            if _is_stateful(value):
+                value.load_state_dict(rebuilt[key])
+            elif isinstance(state, dict):
+                state[key] = rebuilt[key]
+        load_s = time.perf_counter() - t0
+        log.info("checkpoint_loaded", step=manifest.step, rank=self.rank, duration_s=round(load_s, 4),
+                 path=str(path), bytes_read=reader.bytes_read)  # fmt: skip
+        return LoadResult(
+            step=manifest.step, path=str(path), kind=manifest.kind, saved_world_size=manifest.world_size,
+            metadata=manifest.metadata, rank_state=rank_state, bytes_read=reader.bytes_read, load_s=load_s,
+        )  # fmt: skip
+
+    def _read_rank_state(self, path: Path, manifest: layout.Manifest) -> Any:
+        name = rank_state_name(self.rank)
+        entry = manifest.files.get(name)
+        if entry is None:
+            return None  # this rank did not exist when the checkpoint was saved
+        raw = (path / name).read_bytes()
+        if layout.checksum_bytes(raw) != entry.checksum:
+            raise CheckpointCorruptError(f"{path}/{name}: checksum mismatch", path=str(path), file=name)
+        return codec.decode_inline(json.loads(raw))
+
+
+def read_rank_state(checkpoint_path: str | os.PathLike[str], rank: int) -> Any:
+    """Any rank's saved rank_state (verified), e.g. to re-deal RNG streams on a new world size."""
+    path = Path(checkpoint_path)
+    manifest = layout.read_manifest(path)
+    name = rank_state_name(rank)
+    if name not in manifest.files:
+        raise NoCheckpointError(f"{path} has no rank_state for rank {rank} (saved on {manifest.world_size})")
+    raw = (path / name).read_bytes()
+    if layout.checksum_bytes(raw) != manifest.files[name].checksum:
+        raise CheckpointCorruptError(f"{path}/{name}: checksum mismatch", path=str(path), file=name)
+    return codec.decode_inline(json.loads(raw))
+
+
+# ---------------------------------------------------------------------- planning helpers
+
+
+def _plan_chunks(plan: SavePlan) -> list[tuple[str, tuple[int, ...], tuple[int, ...], torch.dtype]]:
+    out = []
+    for item in plan.items:
+        td = item.tensor_data
+        if td is None:
+            raise CheckpointError(f"unexpected non-tensor write item {item.index.fqn}")
+        out.append((item.index.fqn, tuple(td.chunk.offsets), tuple(td.chunk.sizes), td.properties.dtype))
+    return out
+
+
+def _narrow(src: torch.Tensor, offsets: tuple[int, ...], whole: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+    base = _local_chunks(whole)[0][0]
+    for dim, (o, b, n) in enumerate(zip(offsets, base, sizes)):
+        src = src.narrow(dim, o - b, n)
+    return src
+
+
+def _metadata_to_json(metadata: Metadata, per_rank_chunks: list[list[Any]]) -> dict[str, Any]:
+    tensors: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(f"unexpected non-tensor entry {fqn} in the save plan")
+        tensors[fqn] = {
+            "dtype": codec.dtype_name(md.properties.dtype),
+            "size": list(md.size),
+            "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks],
+        }
+    storage = []
+    for rank, chunks in enumerate(per_rank_chunks):
+        for slot in build_layout(chunks).slots:
+            storage.append({
+                "fqn": slot.fqn, "offsets": list(slot.offsets), "sizes": list(slot.sizes),
+                "file": shard_name(rank), "crc_file": crc_name(rank),
+                "byte_offset": slot.byte_offset, "nbytes": slot.nbytes,
+            })  # fmt: skip
+    return {"tensors": tensors, "storage": storage}
+
+
+def _mismatches(saved: Mapping[str, Any], flat: Mapping[str, torch.Tensor]) -> list[str]:
+    out = []
+    for key in sorted(set(saved) | set(flat)):
+        if key not in flat:
+            out.append(f"{key}: in the checkpoint but not in the state being loaded")
+        elif key not in saved:
+            out.append(f"{key}: in the state being loaded but not in the checkpoint")
+        else:
+            s, t = saved[key], flat[key]
+            if list(t.shape) != s["size"]:
+                out.append(f"{key}: shape {list(t.shape)} != saved {s['size']}")
+            elif codec.dtype_name(t.dtype) != s["dtype"]:
+                out.append(f"{key}: dtype {codec.dtype_name(t.dtype)} != saved {s['dtype']}")
+    return out
+
+
+# ---------------------------------------------------------------------- the DCP reader
+
+
+@dataclass(frozen=True)
+class _Loc:
+    file: str
+    crc_file: str
+    byte_offset: int
+    sizes: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class _Reader(StorageReader):
+    """A DCP StorageReader over our shard files: ranged reads, verified before any copy."""
+
+    def __init__(self, path: Path, manifest: layout.Manifest, meta: Mapping[str, Any], comm: LocalComm | GroupComm):
+        self.path = path
+        self.manifest = manifest
+        self.comm = comm
+        self.bytes_read = 0
+        sd_meta = {}
+        for fqn, t in meta["tensors"].items():
+            dtype = codec.dtype_from_name(t["dtype"])
+            sd_meta[fqn] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=dtype),
+                size=torch.Size(t["size"]),
+                chunks=[ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])) for c in t["chunks"]],
+            )
+        self.locs: dict[MetadataIndex, _Loc] = {}
+        for s in meta["storage"]:
+            for name in (s["file"], s["crc_file"]):
+                layout.validate_relpath(name)
+                if name not in manifest.files:
+                    raise CheckpointCorruptError(f"{path}: metadata names {name}, absent from the manifest")
+            dtype = sd_meta[s["fqn"]].properties.dtype
+            self.locs[MetadataIndex(s["fqn"], torch.Size(s["offsets"]))] = _Loc(
+                s["file"], s["crc_file"], s["byte_offset"], tuple(s["sizes"]), dtype
+            )
+        self.metadata = Metadata(state_dict_metadata=sd_meta, storage_data=self.locs)
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        ready: list[tuple[Any, torch.Tensor]] = []
+        error: CheckpointError | None = None
+        try:
+            ready = self._read_verified(plan)
+        except CheckpointError as e:
+            error = e
+        except OSError as e:
+            error = CheckpointCorruptError(f"{self.path}: {e}", path=str(self.path))
+        # Every rank verifies its bytes before any rank copies one: nothing partially loaded.
+        if self.comm.all_reduce_max(1 if error else 0):
+            raise error or CheckpointCorruptError(
+                f"{self.path}: another rank found a corrupt or unreadable shard", path=str(self.path)
+            )
+        with torch.no_grad():
+            for req, src in ready:
+                target = planner.resolve_tensor(req).detach()
+                target.copy_(src)
+                planner.commit_tensor(req, target)
+        fut: torch.futures.Future[None] = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_verified(self, plan: LoadPlan) -> list[tuple[Any, torch.Tensor]]:
+        by_file: dict[str, list[tuple[Any, _Loc, int, int, int]]] = {}
+        for req in plan.items:
+            loc = self.locs.get(req.storage_index)
+            if loc is None:
+                raise CheckpointCorruptError(f"{self.path}: no stored chunk for {req.storage_index.fqn}")
+            strides = _contiguous_strides(loc.sizes)
+            first = sum(o * s for o, s in zip(req.storage_offsets, strides))
+            last = sum((o + n - 1) * s for o, n, s in zip(req.storage_offsets, req.lengths, strides))
+            n_elems = last - first + 1 if all(n > 0 for n in req.lengths) else 0
+            item = loc.dtype.itemsize
+            start = loc.byte_offset + first * item
+            by_file.setdefault(loc.file, []).append((req, loc, start, start + n_elems * item, first))
+        ready = []
+        for file, reqs in by_file.items():
+            entry = self.manifest.files[file]
+            crc_file = reqs[0][1].crc_file
+            vf = VerifiedFile(
+                str(layout.resolve_inside(self.path, file)), entry.size, entry.checksum,
+                str(layout.resolve_inside(self.path, crc_file)), file,
+            )  # fmt: skip
+            regions = vf.read_ranges([(s, e) for _, _, s, e, _ in reqs])
+            self.bytes_read += vf.bytes_read
+            for req, loc, s, e, _ in reqs:
+                if e == s:
+                    ready.append((req, torch.empty(tuple(req.lengths), dtype=loc.dtype)))
+                    continue
+                base, region = next((b, r) for b, r in regions if b <= s and e <= b + r.numel())
+                span = region[s - base : e - base].view(loc.dtype)
+                src = span.as_strided(tuple(req.lengths), _contiguous_strides(loc.sizes), span.storage_offset())
+                ready.append((req, src))
+        return ready
+
+
+def _contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    strides = []
+    acc = 1
+    for s in reversed(sizes):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))
