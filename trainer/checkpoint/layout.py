@@ -496,9 +496,12 @@ def apply_retention(
         shutil.rmtree(doomed, ignore_errors=True)
         removed.append(path)
     for e in list(os.scandir(root)) if root.is_dir() else []:
-        step = parse_partial_dirname(e.name)
+        partial_step = parse_partial_dirname(e.name)
+        stale_partial = (
+            partial_step is not None and running_step is not None and partial_step < running_step
+        )
         stale_delete = e.name.startswith(".step-") and ".deleting-" in e.name
-        if (step is not None and running_step is not None and step < running_step) or stale_delete:
+        if stale_partial or stale_delete:
             shutil.rmtree(e.path, ignore_errors=True)
             removed.append(Path(e.path))
     if removed:
