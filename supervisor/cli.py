@@ -1,0 +1,306 @@
+"""The `ftsup` command line: parse argv, run one subcommand, turn errors into exit statuses.
+
+Subcommands (ARCHITECTURE section 5 is the contract for names, flags and JSON shapes):
+
+    ftsup ckpt list DIR [--json] [--deep]              every committed checkpoint, oldest first
+    ftsup ckpt verify DIR [--step N] [--deep] [--json] one checkpoint (default: the newest)
+    ftsup bench checkpoint ...                         delegated to `trainer.bench`
+
+Exit statuses: 0 success; 1 the command ran and found a problem (verify: not consistent);
+2 usage errors, a missing directory or checkpoint, or any `CheckpointError`, reported as one
+line `ftsup: error: ...` on stderr.
+
+This module never imports torch: `trainer.checkpoint.layout` is stdlib-only, and the
+benchmark module is imported only when `ftsup bench` is what was asked for. It does not
+decide anything about checkpoints itself; it prints what `layout` finds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from supervisor.errors import SupervisorError, UsageError
+from trainer.checkpoint import layout
+from trainer.checkpoint.errors import CheckpointError, NoCheckpointError
+
+EXIT_OK = 0
+EXIT_PROBLEM = 1
+EXIT_USAGE = 2
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `ftsup` with `argv` (default: sys.argv[1:]) and return the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        parser = build_parser(load_bench=_asks_for(args_list, "bench"))
+        try:
+            args = parser.parse_args(args_list)
+        except SystemExit as e:  # argparse exits for --help (0) and usage errors (2)
+            return e.code if isinstance(e.code, int) else EXIT_USAGE
+        handler: Handler = args.handler
+        return handler(args)
+    except (CheckpointError, SupervisorError, OSError) as e:
+        # The CLI boundary: a user gets one actionable line, not a traceback.
+        print(f"ftsup: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def build_parser(*, load_bench: bool = False) -> argparse.ArgumentParser:
+    """The full parser; `load_bench` imports `trainer.bench` to add its flags (needs torch)."""
+    parser = argparse.ArgumentParser(
+        prog="ftsup",
+        description="Fault-tolerant training supervisor for PyTorch.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # One registrar per top-level command; `run`, `status`, `export-hf` and `demo`
+    # (ARCHITECTURE section 5) slot in here as they are written.
+    _add_ckpt(commands)
+    _add_bench(commands, load=load_bench)
+    return parser
+
+
+def _asks_for(argv: Sequence[str], command: str) -> bool:
+    """Whether the first positional argument is `command` (there are no global options yet)."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    return first == command
+
+
+# --------------------------------------------------------------------------- ckpt
+
+
+def _add_ckpt(commands: Any) -> None:
+    ckpt = commands.add_parser("ckpt", help="inspect a checkpoint directory")
+    actions = ckpt.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
+
+    p = actions.add_parser(
+        "list",
+        help="list committed checkpoints, oldest first",
+        description="List every committed checkpoint under DIR, oldest first, and whether it "
+        "is consistent (manifest parses, files have the recorded sizes; --deep: checksums).",
+    )
+    p.add_argument("dir", metavar="DIR", type=Path, help="the checkpoint directory")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--deep", action="store_true", help="also verify every checksum (reads all)")
+    p.set_defaults(handler=cmd_ckpt_list)
+
+    p = actions.add_parser(
+        "verify",
+        help="verify one checkpoint (default: the newest committed)",
+        description="Verify the checkpoint of --step, or else the newest committed one (even "
+        "when it is broken: then verify fails). Exit 0 when consistent, 1 when not.",
+    )
+    p.add_argument("dir", metavar="DIR", type=Path, help="the checkpoint directory")
+    p.add_argument("--step", type=_step_number, help="the step to verify (default: newest)")
+    p.add_argument("--deep", action="store_true", help="also verify every checksum (reads all)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=cmd_ckpt_verify)
+
+
+def _step_number(text: str) -> int:
+    try:
+        step = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step number") from None
+    if step < 0:
+        raise argparse.ArgumentTypeError(f"a step number is >= 0, got {step}")
+    return step
+
+
+def cmd_ckpt_list(args: argparse.Namespace) -> int:
+    root = _checkpoint_root(args.dir)
+    infos = layout.list_checkpoints(root, deep=args.deep)
+    if args.json:
+        _print_json({"checkpoints": [info.to_json() for info in infos]})
+        return EXIT_OK
+    if not infos:
+        print(f"no committed checkpoints under {root}")
+    else:
+        print(_checkpoint_table(infos))
+        broken = sum(not i.consistent for i in infos)
+        check = "deep check (checksums)" if args.deep else "fast check (sizes; --deep: checksums)"
+        print(f"\n{len(infos)} committed, {broken} inconsistent; {check}")
+    for line in _uncommitted_lines(root):
+        print(line)
+    return EXIT_OK
+
+
+def cmd_ckpt_verify(args: argparse.Namespace) -> int:
+    root = _checkpoint_root(args.dir)
+    committed = dict(layout.committed_dirs(root))
+    if args.step is None:
+        if not committed:
+            raise NoCheckpointError(f"no committed checkpoint under {root}")
+        path = committed[max(committed)]
+    elif args.step in committed:
+        path = committed[args.step]
+    else:
+        raise NoCheckpointError(_no_step_message(root, args.step))
+
+    manifest, problems = layout.check_checkpoint(path, deep=args.deep)
+    consistent = manifest is not None and not problems
+    step = manifest.step if manifest else layout.parse_step_dirname(path.name)
+    if args.json:
+        _print_json(
+            {
+                "path": str(path),
+                "step": step,
+                "consistent": consistent,
+                "deep": args.deep,
+                "problems": [{"file": p.file, "reason": p.reason} for p in problems],
+                "kind": manifest.kind if manifest else None,
+                "world_size": manifest.world_size if manifest else None,
+                "created_unix": manifest.created_unix if manifest else None,
+                "files": len(manifest.files) if manifest else None,
+                "bytes": sum(e.size for e in manifest.files.values()) if manifest else None,
+            }
+        )
+    elif manifest is not None and consistent:
+        total = sum(e.size for e in manifest.files.values())
+        how = "checksums verified" if args.deep else "sizes checked; --deep verifies checksums"
+        print(
+            f"{path.name}: consistent ({manifest.kind}, world size {manifest.world_size}, "
+            f"{len(manifest.files)} files, {_human_bytes(total)}; {how})"
+        )
+    else:
+        print(f"{path.name}: NOT consistent ({len(problems)} problem(s)):")
+        for p in problems:
+            print(f"  {p}")
+        if args.step is None:
+            fallback = layout.latest_consistent(root, below=step)
+            print(
+                f"the newest older checkpoint passing the fast check is step {fallback.step}"
+                if fallback
+                else "no older checkpoint passes the fast check either"
+            )
+    return EXIT_OK if consistent else EXIT_PROBLEM
+
+
+def _checkpoint_root(path: Path) -> Path:
+    if not path.exists():
+        raise UsageError(f"checkpoint directory {path} does not exist")
+    if not path.is_dir():
+        raise UsageError(f"{path} is not a directory")
+    return path
+
+
+def _no_step_message(root: Path, step: int) -> str:
+    name = layout.step_dirname(step)
+    others = sorted(p.name for p in root.glob(f"{name}.*"))
+    found = f" (found {', '.join(others)}: not committed)" if others else ""
+    return f"no committed checkpoint for step {step} under {root}{found}"
+
+
+def _uncommitted_lines(root: Path) -> list[str]:
+    """Partial and quarantined directories, which are not checkpoints but worth seeing."""
+    lines = []
+    for p in sorted(root.iterdir()):
+        if layout.parse_partial_dirname(p.name) is not None:
+            lines.append(f"not committed: {p.name} (a save in progress or torn by a crash)")
+        elif p.name.startswith("step-") and ".corrupt" in p.name:
+            lines.append(f"quarantined: {p.name}")
+    return lines
+
+
+def _checkpoint_table(infos: Sequence[layout.CheckpointInfo]) -> str:
+    rows = [("STEP", "KIND", "WORLD", "CREATED (UTC)", "STATUS", "PATH")]
+    for i in infos:
+        rows.append(
+            (
+                str(i.step),
+                i.kind or "-",
+                str(i.world_size) if i.world_size is not None else "-",
+                _utc(i.created_unix),
+                "ok" if i.consistent else "INCONSISTENT",
+                i.path,
+            )
+        )
+    # Pad every column but the last (the path), so long paths do not widen the table.
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]) - 1)]
+    lines = []
+    for row, info in zip(rows, [None, *infos], strict=True):
+        padded = [row[c].ljust(w) for c, w in enumerate(widths)]
+        lines.append("  ".join([*padded, row[-1]]))
+        lines.extend(f"    {p}" for p in (info.problems if info else ()))
+    return "\n".join(lines)
+
+
+def _utc(created_unix: float | None) -> str:
+    if created_unix is None:
+        return "-"
+    return datetime.fromtimestamp(created_unix, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _human_bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    size, unit = n / 1024, "KiB"
+    for bigger in ("MiB", "GiB", "TiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, bigger
+    return f"{size:.1f} {unit}"
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2))
+
+
+# --------------------------------------------------------------------------- bench
+
+
+def _add_bench(commands: Any, *, load: bool) -> None:
+    bench = commands.add_parser("bench", help="benchmarks (need torch; see README)")
+    kinds = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    p = kinds.add_parser(
+        "checkpoint",
+        help="checkpoint save/load throughput",
+        description="Benchmark the checkpoint engine (see trainer/bench.py).",
+    )
+    if not load:
+        # Building `ftsup ckpt ...` must not import torch; this stub is never dispatched to,
+        # because `main` loads the real one whenever `bench` is the command.
+        p.set_defaults(handler=_bench_not_loaded)
+        return
+    module = _import_bench()
+    add_arguments = getattr(module, "add_checkpoint_arguments", None)
+    run = getattr(module, "run_checkpoint", None)
+    if add_arguments is None or run is None:
+        raise UsageError(
+            f"{module.__name__} does not provide add_checkpoint_arguments and run_checkpoint; "
+            "this installation's benchmark is incomplete"
+        )
+    add_arguments(p)
+    p.set_defaults(handler=run)
+
+
+def _import_bench() -> ModuleType:
+    try:
+        return importlib.import_module("trainer.bench")
+    except ModuleNotFoundError as e:
+        if e.name == "trainer.bench":
+            raise UsageError(f"this ftsup installation has no benchmarks ({e})") from None
+        raise UsageError(
+            f"ftsup bench needs module {e.name!r}, which is not installed; install torch "
+            "first, then ftsup with its extras, as the README shows"
+        ) from None
+
+
+def _bench_not_loaded(args: argparse.Namespace) -> int:
+    raise UsageError("the benchmark was not loaded; run it as `ftsup bench checkpoint ...`")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

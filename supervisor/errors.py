@@ -1,0 +1,11 @@
+"""The supervisor's exception tree: every error a user can meet says what to do about it."""
+
+from __future__ import annotations
+
+
+class SupervisorError(Exception):
+    """Base of every error raised by `supervisor`."""
+
+
+class UsageError(SupervisorError):
+    """The command line asks for something that cannot be done as given (exit status 2)."""

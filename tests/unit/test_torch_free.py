@@ -1,0 +1,42 @@
+"""The supervisor side never imports torch (ARCHITECTURE section 2), checked in a new process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers import default_files, make_fake_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def modules_loaded_after(code: str) -> set[str]:
+    """Names in sys.modules after running `code` in a new interpreter from the repo root."""
+    probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return set(json.loads(done.stdout.splitlines()[-1]))
+
+
+def test_importing_supervisor_and_the_checkpoint_reader_does_not_import_torch() -> None:
+    loaded = modules_loaded_after(
+        "import supervisor, supervisor.cli, trainer.checkpoint, trainer.checkpoint.layout"
+    )
+    assert "torch" not in loaded
+
+
+def test_ftsup_ckpt_verify_does_not_import_torch_or_the_benchmark(tmp_path: Path) -> None:
+    make_fake_checkpoint(tmp_path, 100, default_files())
+    loaded = modules_loaded_after(
+        "from supervisor.cli import main\n"
+        f"assert main(['ckpt', 'verify', {str(tmp_path)!r}, '--deep', '--json']) == 0"
+    )
+    assert {"torch", "trainer.bench"} & loaded == set()
