@@ -1,0 +1,64 @@
+"""Run real torchrun jobs and plain subprocesses from tests, and never leave one behind.
+
+torchrun starts each rank in a session of its own, so killing torchrun's process group does
+not reach the ranks: on timeout we walk the process tree with psutil.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = REPO / "tests" / "bin"
+
+
+@dataclass(frozen=True)
+class Finished:
+    returncode: int
+    output: str
+
+
+def kill_tree(pid: int) -> None:
+    try:
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def run(argv: list[str], *, timeout: float = 120, env: dict[str, str] | None = None) -> Finished:
+    full_env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(env or {}))
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, cwd=REPO)  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{argv} timed out after {timeout}s; output:\n{out[-4000:]}") from None
+    finally:
+        kill_tree(proc.pid)
+    return Finished(proc.returncode, out)
+
+
+def torchrun(script: str, args: list[str], *, nproc: int, timeout: float = 120) -> Finished:
+    """`torchrun --standalone` (a free rendezvous port on localhost) running tests/bin/<script>."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "--max-restarts=0", str(BIN / script), *args]  # fmt: skip
+    return run(argv, timeout=timeout)
+
+
+def python(script: str, args: list[str], *, timeout: float = 120) -> Finished:
+    return run([sys.executable, str(BIN / script), *args], timeout=timeout)
