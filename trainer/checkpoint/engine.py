@@ -31,6 +31,7 @@ import queue
 import shutil
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -554,14 +555,19 @@ class CheckpointEngine:
             raise corrupt or CheckpointCorruptError(f"{path}: another rank found a corrupt file", path=str(path))
         reader = _Reader(path, manifest, meta, self._comm)
         try:
-            dcp_load(
-                flat,
-                storage_reader=reader,
-                planner=DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=False),
-                process_group=self._comm.group,
-            )
+            with warnings.catch_warnings():
+                # A single process without torch.distributed is a supported mode, not a mistake.
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp_load(
+                    flat,
+                    storage_reader=reader,
+                    planner=DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=False),
+                    process_group=self._comm.group,
+                )
         except CheckpointException as e:
             for failure in e.failures.values():
+                if isinstance(failure, tuple):  # DCP wraps per-rank errors as (exception, stack)
+                    failure = failure[0]
                 if isinstance(failure, CheckpointCorruptError):
                     raise failure from None
             raise CheckpointError(f"loading {path} failed: {e}") from e

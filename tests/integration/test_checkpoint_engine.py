@@ -1,0 +1,250 @@
+"""The checkpoint engine in one process: faults, bad input, resource bounds."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+import structlog
+import torch
+
+from tests.helpers import flip_byte
+from trainer.checkpoint import (
+    CheckpointCorruptError,
+    CheckpointEngine,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    NoCheckpointError,
+    RetentionPolicy,
+    layout,
+)
+from trainer.checkpoint.engine import read_rank_state
+from trainer.checkpoint.stateful import ModelOptimState
+
+
+def make_state(width: int = 32, seed: int = 0) -> ModelOptimState:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(4, 8)).sum().backward()
+    optim.step()
+    optim.zero_grad()
+    return ModelOptimState(model, optim)
+
+
+def snapshot(state: ModelOptimState) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in state.state_dict()["model"].items():
+        out[f"model.{k}"] = v.detach().clone()
+    for p, s in state.state_dict()["optim"]["state"].items():
+        for k, v in s.items():
+            out[f"optim.{p}.{k}"] = v.detach().clone()
+    return out
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def bump(state: ModelOptimState) -> None:
+    with torch.no_grad():
+        for p in state.model.parameters():
+            p.add_(1.0)
+
+
+@pytest.fixture
+def engine(tmp_path):
+    eng = CheckpointEngine(tmp_path / "ckpt", retention=RetentionPolicy(keep_last=5))
+    yield eng
+    try:
+        eng.close()
+    except CheckpointError:
+        pass
+
+
+def test_blocking_save_then_load_restores_model_optimizer_and_rank_state(engine):
+    state = make_state()
+    want = snapshot(state)
+    res = engine.save(7, {"app": state}, kind="final", rank_state={"rng": torch.get_rng_state(), "t": (1, "a")},
+                      metadata={"samples": 56}, block=True)  # fmt: skip
+    assert (res.step, res.kind, Path(res.path).name) == (7, "final", "step-000000007")
+    rng = torch.get_rng_state()
+    fresh = make_state(seed=1)
+    loaded = engine.load({"app": fresh})
+    assert (loaded.step, loaded.kind, dict(loaded.metadata)) == (7, "final", {"samples": 56})
+    assert same(snapshot(fresh), want)
+    assert torch.equal(loaded.rank_state["rng"], rng) and loaded.rank_state["t"] == (1, "a")
+    assert fresh.optimizer.param_groups[0]["lr"] == 0.01
+
+
+def test_shard_files_are_readable_safetensors(engine):
+    from safetensors.torch import load_file
+
+    state = make_state()
+    res = engine.save(1, {"app": state}, block=True)
+    tensors = load_file(os.path.join(res.path, "shard-00000.safetensors"))
+    assert torch.equal(tensors["app.model.0.weight@0,0"], state.model[0].weight.detach())
+
+
+def test_async_save_returns_before_commit_and_reuses_one_staging_buffer(engine):
+    state = make_state(width=256)
+    handles = [engine.save(s, {"app": state}) for s in range(1, 6)]
+    results = [h.wait() for h in handles]
+    assert [r.step for r in results] == [1, 2, 3, 4, 5]
+    assert len(engine._buffers) == 1 and engine._buffers[0] is not None
+    ptr = engine._buffers[0].data_ptr()
+    engine.save(6, {"app": state}).wait()
+    assert engine._buffers[0].data_ptr() == ptr  # reused, not re-allocated per save
+
+
+def test_saving_a_committed_step_again_never_overwrites_it(engine):
+    state = make_state()
+    engine.save(3, {"app": state}, block=True)
+    before = (Path(engine.directory) / "step-000000003" / "manifest.json").read_bytes()
+    bump(state)
+    res = engine.save(3, {"app": state}, kind="emergency", block=True)
+    assert res.skipped
+    assert (Path(engine.directory) / "step-000000003" / "manifest.json").read_bytes() == before
+
+
+def test_retention_keeps_last_k_and_every_nth(tmp_path):
+    eng = CheckpointEngine(tmp_path, retention=RetentionPolicy(keep_last=2, keep_every=4))
+    state = make_state()
+    for step in range(1, 10):
+        eng.save(step, {"app": state})
+    eng.close()
+    assert [i.step for i in layout.list_checkpoints(tmp_path)] == [4, 8, 9]
+
+
+def test_flipped_byte_fails_deep_verify_and_load_falls_back_to_previous(engine):
+    state = make_state()
+    engine.save(1, {"app": state}, block=True)
+    want = snapshot(state)
+    bump(state)
+    engine.save(2, {"app": state}, block=True)
+    shard = Path(engine.directory) / "step-000000002" / "shard-00000.safetensors"
+    flip_byte(shard, shard.stat().st_size - 10)
+    _, problems = layout.check_checkpoint(shard.parent, deep=True)
+    assert [p.file for p in problems] == ["shard-00000.safetensors"]
+    fresh = make_state(seed=3)
+    with pytest.raises(CheckpointCorruptError, match="shard-00000.safetensors"):
+        engine.load({"app": fresh}, step=2)
+    with structlog.testing.capture_logs() as logs:
+        loaded = engine.load({"app": fresh})
+    assert loaded.step == 1 and same(snapshot(fresh), want)
+    assert [e["event"] for e in logs if e["event"] == "checkpoint_quarantined"] == ["checkpoint_quarantined"]
+    assert (Path(engine.directory) / "step-000000002.corrupt").is_dir()
+
+
+def test_corrupt_load_leaves_the_target_untouched(engine):
+    state = make_state()
+    engine.save(1, {"app": state}, block=True)
+    shard = Path(engine.directory) / "step-000000001" / "shard-00000.safetensors"
+    flip_byte(shard, 5000)
+    fresh = make_state(seed=4)
+    before = snapshot(fresh)
+    with pytest.raises(CheckpointCorruptError):
+        engine.load({"app": fresh}, step=1)
+    assert same(snapshot(fresh), before)
+
+
+def test_mismatched_names_or_shapes_list_every_key_and_load_nothing(engine):
+    engine.save(1, {"app": make_state(width=32)}, block=True)
+    other = make_state(width=48, seed=5)
+    before = snapshot(other)
+    with pytest.raises(CheckpointMismatchError) as err:
+        engine.load({"app": other})
+    assert "app.model.0.weight" in err.value.keys and "app.optim.state.2.weight.exp_avg" in err.value.keys
+    assert "shape [48, 8] != saved [32, 8]" in str(err.value)
+    assert same(snapshot(other), before)
+    with pytest.raises(CheckpointMismatchError, match="in the checkpoint but not in the state"):
+        engine.load({"app": ModelOptimState(make_state().model)})  # no optimizer
+
+
+@pytest.mark.parametrize("bad", ["/etc/passwd", "../escape.bin", "a/../../b"])
+def test_manifest_with_unsafe_path_is_refused(engine, bad):
+    state = make_state()
+    engine.save(1, {"app": state}, block=True)
+    ckpt = Path(engine.directory) / "step-000000001"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"][bad] = {"size": 1, "checksum": "crc32x64k:00000000"}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(NoCheckpointError, match="not consistent"):
+        engine.load({"app": make_state()}, step=1)
+    with pytest.raises(NoCheckpointError):  # the only checkpoint is quarantined, nothing is left
+        engine.load({"app": make_state()})
+
+
+def test_symlink_escaping_the_checkpoint_is_refused(engine, tmp_path):
+    state = make_state()
+    engine.save(1, {"app": state}, block=True)
+    ckpt = Path(engine.directory) / "step-000000001"
+    outside = tmp_path / "outside.json"
+    shutil.copy(ckpt / "rank-00000.json", outside)
+    (ckpt / "rank-00000.json").unlink()
+    (ckpt / "rank-00000.json").symlink_to(outside)
+    _, problems = layout.check_checkpoint(ckpt)
+    assert [p.file for p in problems] == ["rank-00000.json"] and "outside the checkpoint" in problems[0].reason
+    with pytest.raises(NoCheckpointError, match="outside the checkpoint"):
+        engine.load({"app": make_state()}, step=1)
+
+
+def test_unpicklable_free_state_is_refused_with_its_path(engine):
+    with pytest.raises(CheckpointError, match=r"app\.extra.*without pickle"):
+        engine.save(1, {"app": {"extra": object()}}, block=True)
+
+
+def test_rank_state_of_any_rank_can_be_read_back(engine):
+    res = engine.save(1, {"app": make_state()}, rank_state={"seed": 11}, block=True)
+    assert read_rank_state(res.path, 0) == {"seed": 11}
+    with pytest.raises(NoCheckpointError, match="no rank_state for rank 1"):
+        read_rank_state(res.path, 1)
+
+
+# --------------------------------------------------------------------------- disk full
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("mounting a size-limited tmpfs needs root")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_during_background_save_surfaces_and_keeps_previous(small_tmpfs):
+    eng = CheckpointEngine(small_tmpfs / "ckpt", retention=RetentionPolicy(keep_last=5))
+    state = make_state(width=4096)  # ~0.6 MiB per checkpoint
+    res = eng.save(1, {"app": state}, block=True)
+    size = sum(f.stat().st_size for f in Path(res.path).iterdir())
+    want = snapshot(state)
+    filler = small_tmpfs / "filler"
+    with open(filler, "wb") as f:  # leave less room than one checkpoint needs
+        free = shutil.disk_usage(small_tmpfs).free
+        f.write(b"\0" * (free - size // 2))
+    bump(state)
+    with structlog.testing.capture_logs() as logs:
+        handle = eng.save(2, {"app": state})
+        with pytest.raises(CheckpointSaveError, match="No space left"):
+            handle.wait()
+        with pytest.raises(CheckpointSaveError, match="No space left"):
+            eng.save(3, {"app": state})  # the failure surfaces on the next call...
+    assert "checkpoint_save_failed" in [e["event"] for e in logs]
+    assert not list((small_tmpfs / "ckpt").glob("*.partial"))
+    assert layout.latest_consistent(small_tmpfs / "ckpt", deep=True).step == 1
+    filler.unlink()
+    assert eng.save(3, {"app": state}, block=True).step == 3  # ...once, and the next save works
+    fresh = make_state(width=4096, seed=9)
+    eng.load({"app": fresh}, step=1)
+    assert same(snapshot(fresh), want)
+    eng.close()
