@@ -359,8 +359,17 @@ class CheckpointEngine:
                 with self._lock:
                     self._failure = err
                 job.future.set_exception(err)
-            else:
-                job.future.set_result(result)
+                continue
+            job.future.set_result(result)
+            if self.rank == 0 and not result.skipped:
+                self._retain(job.step)
+
+    def _retain(self, newest: int) -> None:
+        try:
+            layout.apply_retention(self.directory, self.retention, protect={newest})
+        except OSError as e:
+            # A failed deletion must not fail a committed save; the next commit retries.
+            log.warning("checkpoint_retention_failed", step=newest, reason=str(e))
 
     def _write_job(self, job: _Job) -> SaveResult:
         step, comm = job.step, self._comm
@@ -464,11 +473,6 @@ class CheckpointEngine:
         except Exception as e:  # adapter boundary: report to every rank, leave no torn dir
             shutil.rmtree(partial, ignore_errors=True)
             return {"ok": False, "error": str(e)}
-        try:
-            layout.apply_retention(self.directory, self.retention, protect={job.step})
-        except OSError as e:
-            # A failed deletion must not fail a committed save; the next commit retries.
-            log.warning("checkpoint_retention_failed", step=job.step, reason=str(e))
         return {"ok": True}
 
     # ------------------------------------------------------------------ load

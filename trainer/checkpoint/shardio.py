@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import struct
 import threading
@@ -101,11 +102,29 @@ def build_layout(chunks: Sequence[tuple[str, tuple[int, ...], tuple[int, ...], t
 # --------------------------------------------------------------------------- host buffers
 
 
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not in Python's mmap module yet
+
+
 def aligned_buffer(nbytes: int, *, pin: bool = False) -> torch.Tensor:
-    """A page-aligned uint8 CPU tensor of `nbytes` (pinned when asked, for CUDA staging)."""
-    raw = torch.empty(round_up(max(nbytes, 1), PAGE) + PAGE, dtype=torch.uint8, pin_memory=pin)
-    skew = (-raw.data_ptr()) % PAGE
-    return raw[skew : skew + nbytes]
+    """A page-aligned uint8 CPU tensor of `nbytes` (pinned when asked, for CUDA staging).
+
+    Unpinned buffers are anonymous mappings asked for huge pages and populated up front: on a
+    VM, faulting in fresh 4 KiB pages one by one during the first copy costs about 2 s per GiB,
+    which is exactly the stall a reused staging buffer exists to avoid.
+    """
+    if pin:
+        raw = torch.empty(round_up(max(nbytes, 1), PAGE) + PAGE, dtype=torch.uint8, pin_memory=True)
+        skew = (-raw.data_ptr()) % PAGE
+        return raw[skew : skew + nbytes]
+    size = round_up(max(nbytes, 1), PAGE)
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    for advice in (getattr(mmap, "MADV_HUGEPAGE", None), _MADV_POPULATE_WRITE):
+        if advice is not None:
+            try:
+                m.madvise(advice)
+            except OSError:  # an older kernel: pages fault in on first use instead
+                pass
+    return torch.frombuffer(m, dtype=torch.uint8)[:nbytes]
 
 
 def as_memoryview(t: torch.Tensor) -> memoryview:
