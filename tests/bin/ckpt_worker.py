@@ -66,7 +66,9 @@ def digests(state: ModelOptimState) -> dict[str, str]:
                 walk(f"{prefix}.{k}" if prefix else str(k), v)
         elif isinstance(obj, torch.Tensor):
             full = obj.full_tensor() if hasattr(obj, "full_tensor") else obj
-            out[prefix] = hashlib.sha256(full.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            out[prefix] = hashlib.sha256(
+                full.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+            ).hexdigest()
 
     walk("", state.state_dict())
     return out

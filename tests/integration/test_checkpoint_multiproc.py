@@ -55,7 +55,11 @@ def test_async_save_holds_the_state_at_the_call_while_training_goes_on(fsdp_ckpt
 def test_rank_state_and_metadata_travel_with_the_checkpoint(fsdp_ckpt, tmp_path):
     ckpt, _ = fsdp_ckpt
     loaded = _load(ckpt, tmp_path / "load.json", "--step", "1", nproc=2)
-    assert (loaded["step"], loaded["rank_state"], loaded["metadata"]) == (1, {"rank": 0, "step": 1}, {"global_batch": 8})
+    assert (loaded["step"], loaded["rank_state"], loaded["metadata"]) == (
+        1,
+        {"rank": 0, "step": 1},
+        {"global_batch": 8},
+    )
 
 
 def test_ddp_saved_on_2_ranks_loads_on_3_ranks_and_writes_replicas_once(tmp_path):

@@ -34,9 +34,7 @@ def store(tmp_path: Path) -> Path:
 # --------------------------------------------------------------------------- ckpt list
 
 
-def test_list_json_prints_the_contract_fields_oldest_first(
-    store: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_list_json_prints_the_contract_fields_oldest_first(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "ckpt", "list", str(store), "--json")
     contract = ("step", "kind", "world_size", "created_unix", "consistent", "path")
     rows = [{k: c[k] for k in contract} for c in json.loads(out)["checkpoints"]]
@@ -63,9 +61,7 @@ def test_list_json_prints_the_contract_fields_oldest_first(
     )
 
 
-def test_list_json_of_an_empty_directory_is_an_empty_list(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_list_json_of_an_empty_directory_is_an_empty_list(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "ckpt", "list", str(tmp_path), "--json")
     assert (code, json.loads(out)) == (0, {"checkpoints": []})
 
@@ -76,9 +72,7 @@ def test_list_json_leaves_partials_out(store: Path, capsys: pytest.CaptureFixtur
     assert [c["step"] for c in json.loads(out)["checkpoints"]] == [100, 200]
 
 
-def test_list_deep_marks_a_flipped_byte_inconsistent(
-    store: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_list_deep_marks_a_flipped_byte_inconsistent(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
     flip_byte(store / "step-000000200" / "shard-00000.safetensors")
     _, fast, _ = run(capsys, "ckpt", "list", str(store), "--json")
     _, deep, _ = run(capsys, "ckpt", "list", str(store), "--json", "--deep")
@@ -103,14 +97,10 @@ def test_list_human_shows_one_row_per_checkpoint_and_the_problem_under_it(
     )
 
 
-def test_list_human_mentions_a_torn_partial(
-    store: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_list_human_mentions_a_torn_partial(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
     make_fake_checkpoint(store, 300, default_files(3), partial=True, manifest=False)
     _, out, _ = run(capsys, "ckpt", "list", str(store))
-    assert out.splitlines()[-1] == (
-        "not committed: step-000000300.partial (a save in progress or torn by a crash)"
-    )
+    assert out.splitlines()[-1] == ("not committed: step-000000300.partial (a save in progress or torn by a crash)")
 
 
 def test_list_of_a_missing_directory_is_one_error_line_and_exit_2(
@@ -133,9 +123,7 @@ def test_list_of_a_file_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixtur
 # --------------------------------------------------------------------------- ckpt verify
 
 
-def test_verify_of_a_good_checkpoint_exits_0(
-    store: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_verify_of_a_good_checkpoint_exits_0(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "ckpt", "verify", str(store), "--deep")
     assert (code, out.split(":")[0]) == (0, "step-000000200")
 
@@ -148,9 +136,7 @@ def test_verify_without_step_checks_the_newest_even_when_an_older_one_is_fine(
     assert (code, out.splitlines()[0]) == (1, "step-000000300: NOT consistent (1 problem(s)):")
 
 
-def test_verify_names_the_file_with_a_flipped_byte_when_deep(
-    store: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_verify_names_the_file_with_a_flipped_byte_when_deep(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ckpt = store / "step-000000200"
     shard = ckpt / "shard-00001.safetensors"
     recorded = layout.read_manifest(ckpt).files["shard-00001.safetensors"].checksum
@@ -162,9 +148,7 @@ def test_verify_names_the_file_with_a_flipped_byte_when_deep(
     )
 
 
-def test_verify_fast_does_not_read_contents(
-    store: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_verify_fast_does_not_read_contents(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
     flip_byte(store / "step-000000200" / "shard-00001.safetensors")
     code, _, _ = run(capsys, "ckpt", "verify", str(store))
     assert code == 0
@@ -176,9 +160,7 @@ def test_verify_an_older_step_by_number(store: Path, capsys: pytest.CaptureFixtu
     assert (code, json.loads(out)["step"]) == (0, 100)
 
 
-def test_verify_json_prints_one_object_with_the_problems(
-    store: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_verify_json_prints_one_object_with_the_problems(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (store / "step-000000200" / "shard-00001.safetensors").unlink()
     code, out, _ = run(capsys, "ckpt", "verify", str(store), "--json")
     report = json.loads(out)
@@ -197,9 +179,7 @@ def test_verify_json_prints_one_object_with_the_problems(
     )
 
 
-def test_verify_json_of_a_good_checkpoint_has_no_problems(
-    store: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_verify_json_of_a_good_checkpoint_has_no_problems(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "ckpt", "verify", str(store), "--deep", "--json")
     report = json.loads(out)
     assert (code, report["consistent"], report["deep"], report["problems"]) == (0, True, True, [])
@@ -218,17 +198,13 @@ def test_verify_of_an_absent_step_is_exit_2_and_says_what_is_there(
     )
 
 
-def test_verify_of_an_empty_directory_is_exit_2(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_verify_of_an_empty_directory_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "ckpt", "verify", str(tmp_path))
     assert (code, err) == (2, f"ftsup: error: no committed checkpoint under {tmp_path}\n")
 
 
 @pytest.mark.parametrize("step", ["-1", "ten"])
-def test_verify_refuses_a_bad_step_number(
-    store: Path, step: str, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_verify_refuses_a_bad_step_number(store: Path, step: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "ckpt", "verify", str(store), "--step", step)
     assert (code, "argument --step" in err) == (2, True)
 

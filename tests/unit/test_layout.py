@@ -126,9 +126,7 @@ def test_manifest_refuses_unsafe_file_paths_naming_them(bad_path: str) -> None:
 
 
 def test_manifest_refuses_to_list_itself() -> None:
-    obj = valid_manifest_json(
-        files={layout.MANIFEST_NAME: {"size": 1, "checksum": "crc32x64k:00000000"}}
-    )
+    obj = valid_manifest_json(files={layout.MANIFEST_NAME: {"size": 1, "checksum": "crc32x64k:00000000"}})
     with pytest.raises(ManifestError, match="must not list itself"):
         parse(obj)
 
@@ -248,9 +246,7 @@ def test_list_shows_committed_dirs_oldest_first_without_partials(store: Path) ->
 
 def test_list_names_the_file_with_a_wrong_size(store: Path) -> None:
     info = layout.list_checkpoints(store)[2]
-    assert [str(p) for p in info.problems] == [
-        "shard-00001.safetensors: size 1001 != recorded 1000"
-    ]
+    assert [str(p) for p in info.problems] == ["shard-00001.safetensors: size 1001 != recorded 1000"]
 
 
 def test_list_reports_a_missing_manifest_as_a_manifest_problem(store: Path) -> None:

@@ -7,10 +7,7 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-INSTALL = (
-    "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0"
-    " && .venv/bin/pip install -e '.[test]'"
-)
+INSTALL = "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 && .venv/bin/pip install -e '.[test]'"
 MAIN_JOB = (
     f"{INSTALL} && .venv/bin/ftsup bench checkpoint --size-mb 256 --ranks 2"
     " --dir /tmp/ftsup-bench --json /tmp/ftsup-bench.json"

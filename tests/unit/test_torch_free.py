@@ -27,16 +27,13 @@ def modules_loaded_after(code: str) -> set[str]:
 
 
 def test_importing_supervisor_and_the_checkpoint_reader_does_not_import_torch() -> None:
-    loaded = modules_loaded_after(
-        "import supervisor, supervisor.cli, trainer.checkpoint, trainer.checkpoint.layout"
-    )
+    loaded = modules_loaded_after("import supervisor, supervisor.cli, trainer.checkpoint, trainer.checkpoint.layout")
     assert "torch" not in loaded
 
 
 def test_ftsup_ckpt_verify_does_not_import_torch_or_the_benchmark(tmp_path: Path) -> None:
     make_fake_checkpoint(tmp_path, 100, default_files())
     loaded = modules_loaded_after(
-        "from supervisor.cli import main\n"
-        f"assert main(['ckpt', 'verify', {str(tmp_path)!r}, '--deep', '--json']) == 0"
+        f"from supervisor.cli import main\nassert main(['ckpt', 'verify', {str(tmp_path)!r}, '--deep', '--json']) == 0"
     )
     assert {"torch", "trainer.bench"} & loaded == set()

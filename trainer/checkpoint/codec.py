@@ -64,8 +64,7 @@ def encode(obj: Any, on_tensor: Callable[[tuple[Any, ...], torch.Tensor], Any], 
         for k, v in obj.items():
             if not isinstance(k, (str, int)) or isinstance(k, bool):
                 raise CheckpointError(
-                    f"state key {k!r} at {_path_str(path)} is a {type(k).__name__}; "
-                    "only str and int keys can be saved"
+                    f"state key {k!r} at {_path_str(path)} is a {type(k).__name__}; only str and int keys can be saved"
                 )
             items.append([k, encode(v, on_tensor, (*path, k))])
         return {"d": items}

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -152,14 +153,12 @@ def _is_stateful(v: Any) -> bool:
 
 def _local_chunks(t: torch.Tensor) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     if codec._is_dtensor(t):
-        return [(tuple(c.offsets), tuple(c.sizes)) for c in t.__create_chunk_list__()]
+        return [(tuple(c.offsets), tuple(c.sizes)) for c in t.__create_chunk_list__()]  # type: ignore[attr-defined]
     return [((0,) * t.dim(), tuple(t.shape))]
 
 
 def _signature(flat: Mapping[str, torch.Tensor]) -> tuple[Any, ...]:
-    return tuple(
-        (k, codec._is_dtensor(t), tuple(t.shape), t.dtype, tuple(_local_chunks(t))) for k, t in flat.items()
-    )
+    return tuple((k, codec._is_dtensor(t), tuple(t.shape), t.dtype, tuple(_local_chunks(t))) for k, t in flat.items())
 
 
 def _local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -329,7 +328,7 @@ class CheckpointEngine:
             buf[: plan.layout.data_start].copy_(torch.frombuffer(bytearray(plan.layout.header), dtype=torch.uint8))
             self._buffers[index] = buf
         with torch.no_grad():
-            for slot, (fqn, offsets) in zip(plan.layout.slots, plan.sources):
+            for slot, (fqn, offsets) in zip(plan.layout.slots, plan.sources, strict=True):
                 src = _local_tensor(flat[fqn]).detach()
                 if tuple(src.shape) != slot.sizes:
                     # The signature matched, so this is a chunk narrower than the local tensor.
@@ -462,9 +461,7 @@ class CheckpointEngine:
                 step=job.step, world_size=self.world_size, kind=job.kind, created_unix=time.time(),
                 files=files, tensor_bytes=sum(r["tensor_bytes"] for r in reports), metadata=job.metadata,
             )  # fmt: skip
-            layout.write_file_durable(
-                partial / layout.MANIFEST_NAME, json.dumps(manifest.to_json(), indent=1).encode()
-            )
+            layout.write_file_durable(partial / layout.MANIFEST_NAME, json.dumps(manifest.to_json(), indent=1).encode())
             layout.fsync_dir(partial)
             self._hook("manifest_written", job.step)
             os.rename(partial, final)
@@ -569,9 +566,9 @@ class CheckpointEngine:
                     process_group=self._comm.group,
                 )
         except CheckpointException as e:
-            for failure in e.failures.values():
-                if isinstance(failure, tuple):  # DCP wraps per-rank errors as (exception, stack)
-                    failure = failure[0]
+            for wrapped in e.failures.values():
+                # DCP wraps each rank's error as (exception, stack)
+                failure = wrapped[0] if isinstance(wrapped, tuple) else wrapped
                 if isinstance(failure, CheckpointCorruptError):
                     raise failure from None
             raise CheckpointError(f"loading {path} failed: {e}") from e
@@ -628,7 +625,7 @@ def _plan_chunks(plan: SavePlan) -> list[tuple[str, tuple[int, ...], tuple[int, 
 
 def _narrow(src: torch.Tensor, offsets: tuple[int, ...], whole: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
     base = _local_chunks(whole)[0][0]
-    for dim, (o, b, n) in enumerate(zip(offsets, base, sizes)):
+    for dim, (o, b, n) in enumerate(zip(offsets, base, sizes, strict=True)):
         src = src.narrow(dim, o - b, n)
     return src
 
@@ -690,7 +687,7 @@ class _Reader(StorageReader):
         self.manifest = manifest
         self.comm = comm
         self.bytes_read = 0
-        sd_meta = {}
+        sd_meta: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         for fqn, t in meta["tensors"].items():
             dtype = codec.dtype_from_name(t["dtype"])
             sd_meta[fqn] = TensorStorageMetadata(
@@ -704,7 +701,10 @@ class _Reader(StorageReader):
                 layout.validate_relpath(name)
                 if name not in manifest.files:
                     raise CheckpointCorruptError(f"{path}: metadata names {name}, absent from the manifest")
-            dtype = sd_meta[s["fqn"]].properties.dtype
+            md = sd_meta[s["fqn"]]
+            if not isinstance(md, TensorStorageMetadata):
+                raise CheckpointCorruptError(f"{path}: {s['fqn']} is not a tensor entry")
+            dtype = md.properties.dtype
             self.locs[MetadataIndex(s["fqn"], torch.Size(s["offsets"]))] = _Loc(
                 s["file"], s["crc_file"], s["byte_offset"], tuple(s["sizes"]), dtype
             )
@@ -759,8 +759,8 @@ class _Reader(StorageReader):
             if loc is None:
                 raise CheckpointCorruptError(f"{self.path}: no stored chunk for {req.storage_index.fqn}")
             strides = _contiguous_strides(loc.sizes)
-            first = sum(o * s for o, s in zip(req.storage_offsets, strides))
-            last = sum((o + n - 1) * s for o, n, s in zip(req.storage_offsets, req.lengths, strides))
+            first = sum(o * s for o, s in zip(req.storage_offsets, strides, strict=True))
+            last = sum((o + n - 1) * s for o, n, s in zip(req.storage_offsets, req.lengths, strides, strict=True))
             n_elems = last - first + 1 if all(n > 0 for n in req.lengths) else 0
             item = loc.dtype.itemsize
             start = loc.byte_offset + first * item

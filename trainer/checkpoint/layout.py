@@ -188,9 +188,7 @@ class Manifest:
             "created_unix": self.created_unix,
             "checksum_algorithm": CHECKSUM_ALGORITHM,
             "checksum_block_bytes": CHECKSUM_BLOCK_BYTES,
-            "files": {
-                p: {"size": e.size, "checksum": e.checksum} for p, e in sorted(self.files.items())
-            },
+            "files": {p: {"size": e.size, "checksum": e.checksum} for p, e in sorted(self.files.items())},
             "tensor_bytes": self.tensor_bytes,
             "metadata": dict(self.metadata),
         }
@@ -206,9 +204,7 @@ def validate_relpath(rel: str) -> str:
         raise ManifestError(f"manifest file path {rel!r} is absolute; only relative paths are allowed")
     parts = rel.split("/")
     if any(p in ("", ".", "..") for p in parts):
-        raise ManifestError(
-            f"manifest file path {rel!r} contains '..', '.' or an empty component; refusing it"
-        )
+        raise ManifestError(f"manifest file path {rel!r} contains '..', '.' or an empty component; refusing it")
     return rel
 
 
@@ -403,7 +399,9 @@ def list_checkpoints(root: str | os.PathLike[str], *, deep: bool = False) -> lis
     return [inspect_checkpoint(p, deep=deep) for _, p in committed_dirs(root)]
 
 
-def latest_consistent(root: str | os.PathLike[str], *, deep: bool = False, below: int | None = None) -> CheckpointInfo | None:
+def latest_consistent(
+    root: str | os.PathLike[str], *, deep: bool = False, below: int | None = None
+) -> CheckpointInfo | None:
     """The highest step whose manifest parses and whose files check out (optionally < `below`)."""
     for step, path in reversed(committed_dirs(root)):
         if below is not None and step >= below:
@@ -497,9 +495,7 @@ def apply_retention(
         removed.append(path)
     for e in list(os.scandir(root)) if root.is_dir() else []:
         partial_step = parse_partial_dirname(e.name)
-        stale_partial = (
-            partial_step is not None and running_step is not None and partial_step < running_step
-        )
+        stale_partial = partial_step is not None and running_step is not None and partial_step < running_step
         stale_delete = e.name.startswith(".step-") and ".deleting-" in e.name
         if stale_partial or stale_delete:
             shutil.rmtree(e.path, ignore_errors=True)

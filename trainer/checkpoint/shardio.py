@@ -93,8 +93,7 @@ def build_layout(chunks: Sequence[tuple[str, tuple[int, ...], tuple[int, ...], t
     raw = raw + b" " * (data_start - 8 - len(raw))
     header = struct.pack("<Q", len(raw)) + raw
     slots = tuple(
-        ChunkSlot(fqn, offsets, sizes, dtype, data_start + start, n)
-        for fqn, offsets, sizes, dtype, start, n in rel
+        ChunkSlot(fqn, offsets, sizes, dtype, data_start + start, n) for fqn, offsets, sizes, dtype, start, n in rel
     )
     return ShardLayout(slots=slots, header=header, total_size=data_start + pos)
 
@@ -128,7 +127,7 @@ def aligned_buffer(nbytes: int, *, pin: bool = False) -> torch.Tensor:
 
 
 def as_memoryview(t: torch.Tensor) -> memoryview:
-    return memoryview(t.numpy()).cast("B")
+    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- write
@@ -243,7 +242,7 @@ class VerifiedFile:
                 got = block_crcs(mv)
                 want = self.crcs[s // B : s // B + len(got)]
                 if got != want:
-                    bad = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+                    bad = next(i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)
                     raise CheckpointCorruptError(
                         f"{self.rel}: checksum mismatch in bytes {s + bad * B}..{s + (bad + 1) * B}",
                         file=self.rel,
