@@ -1,0 +1,183 @@
+"""The ftsup rows, run inside a rank: async and blocking saves, RSS growth, and loads.
+
+Written against `trainer.checkpoint.CheckpointEngine`. When that module cannot be
+imported every row here reports "not available" (the same on every rank, before any
+collective), so the rest of the benchmark still runs.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+from trainer.bench import probes, synthetic
+from trainer.bench.peer_rows import load_row, total_bytes
+from trainer.bench.rank import Ctx, RowFn, RowUnavailable
+
+# Steps are numbered per row so that retention (keep the last 3) leaves ftsup_sync's last
+# save, the one the load rows read, as the newest checkpoint.
+_ASYNC_STEP0 = 1_000
+_RSS_STEP0 = 10_000
+_SYNC_STEP0 = 100_000
+
+
+def _engine_class() -> Any:
+    try:
+        from trainer.checkpoint.engine import CheckpointEngine
+    except ImportError as exc:
+        raise RowUnavailable(f"trainer.checkpoint.engine is not importable: {exc}") from exc
+    return CheckpointEngine
+
+
+def _engine(ctx: Ctx) -> Any:
+    """The engine every save row shares (collective construction, once per rank)."""
+    if "engine" not in ctx.shared:
+        from trainer.checkpoint import RetentionPolicy
+
+        cls = _engine_class()
+        ctx.shared["engine"] = cls(
+            ctx.run_dir / "ftsup",
+            max_in_flight=1,
+            retention=RetentionPolicy(keep_last=3),
+        )
+    return ctx.shared["engine"]
+
+
+def _result_fields(res: Any) -> dict[str, Any]:
+    return {
+        "engine_stage_s": getattr(res, "stage_s", None),
+        "engine_durable_s": getattr(res, "durable_s", None),
+        "engine_tensor_bytes": getattr(res, "tensor_bytes", None),
+    }
+
+
+def ftsup_async(ctx: Ctx) -> None:
+    """engine.save() then training steps until it is durable on every rank."""
+    eng = _engine(ctx)
+    total = total_bytes(ctx)
+    labels: list[int | str] = ["warmup"] if ctx.spec["warmup"] else []
+    labels += list(range(ctx.repeats))
+    for n, i in enumerate(labels):
+        ctx.barrier()
+        baseline = ctx.trainer.baseline(int(ctx.spec["baseline_steps"]))
+        ctx.barrier()
+        start = time.perf_counter()
+        handle = eng.save(_ASYNC_STEP0 + n, ctx.syn.state(), kind="periodic")
+        block = time.perf_counter() - start
+        waiter = probes.Waiter(handle.wait, start)
+        log = ctx.trainer.run_while(waiter, int(ctx.spec["steps_during"]), baseline)
+        durable = waiter.join(float(ctx.spec["save_timeout_s"]))
+        ctx.rec.record(
+            "ftsup_async",
+            i,
+            stall_s=block + log.extra_s,
+            block_s=block,
+            extra_step_s=log.extra_s,
+            steps_during=len(log.during),
+            baseline_step_s=baseline,
+            durable_s=durable,
+            bytes=total,
+            **_result_fields(waiter.result),
+        )
+        ctx.barrier()
+
+
+def ftsup_rss(ctx: Ctx) -> None:
+    """RSS after N consecutive async saves (each with a step while it writes) minus before."""
+    eng = _engine(ctx)
+    saves = int(ctx.spec["rss_saves"])
+    handle = eng.save(_RSS_STEP0, ctx.syn.state(), kind="periodic")
+    handle.wait()
+    gc.collect()
+    before = probes.current_rss()
+    start = time.perf_counter()
+    for n in range(1, saves + 1):
+        handle = eng.save(_RSS_STEP0 + n, ctx.syn.state(), kind="periodic")
+        ctx.trainer.step()
+        handle.wait()
+    seconds = time.perf_counter() - start
+    gc.collect()
+    after = probes.current_rss()
+    ctx.rec.record(
+        "ftsup_rss",
+        0,
+        rss_before=before,
+        rss_after=after,
+        rss_growth_bytes=None if before is None or after is None else after - before,
+        rss_saves=saves,
+        wall_s=seconds,
+    )
+
+
+def ftsup_sync(ctx: Ctx) -> None:
+    """engine.save(block=True); its last save is the one the load rows read back."""
+    eng = _engine(ctx)
+    total = total_bytes(ctx)
+    for i in range(ctx.repeats):
+        step = _SYNC_STEP0 + i
+        if i == ctx.repeats - 1:
+            ref = synthetic.full_checksum(ctx.syn.app.state_dict())
+            if ctx.rank == 0:
+                ctx.rec.record("ftsup_sync", "reference", checksum=ref, step=step)
+            ctx.shared["reference"] = {"checksum": ref, "step": step}
+        ctx.barrier()
+        start = time.perf_counter()
+        res = eng.save(step, ctx.syn.state(), kind="final", block=True)
+        ctx.barrier()
+        seconds = time.perf_counter() - start
+        ctx.rec.record(
+            "ftsup_sync",
+            i,
+            stall_s=seconds,
+            durable_s=seconds,
+            bytes=total,
+            **_result_fields(res),
+        )
+    eng.wait()
+
+
+def _load_with_fresh_engine(ctx: Ctx, name: str, reference: dict[str, Any]) -> None:
+    """A new engine on the store, as a restarted job would have, loading one step."""
+    cls = _engine_class()
+    from trainer.checkpoint import RetentionPolicy
+
+    eng = cls(
+        ctx.run_dir / "ftsup",
+        max_in_flight=1,
+        retention=RetentionPolicy(keep_last=3),
+    )
+    try:
+        load_row(
+            ctx,
+            name,
+            reference["checksum"],
+            lambda: eng.load(ctx.syn.state(), step=int(reference["step"])),
+        )
+    finally:
+        eng.close()
+
+
+def ftsup_load_same(ctx: Ctx) -> None:
+    """Load ftsup_sync's last checkpoint on the world size that wrote it."""
+    if "engine" in ctx.shared:
+        ctx.shared.pop("engine").close()
+    reference = ctx.shared.get("reference")
+    if reference is None:
+        raise RowUnavailable("ftsup_sync did not run, so there is no checkpoint to load")
+    _load_with_fresh_engine(ctx, "ftsup_load_same", reference)
+
+
+def ftsup_load_reshard(ctx: Ctx) -> None:
+    """Load ftsup_sync's last checkpoint on this group's (different) world size."""
+    _engine_class()
+    _load_with_fresh_engine(ctx, "ftsup_load_reshard", ctx.spec["references"]["ftsup"])
+
+
+ROWS: dict[str, RowFn] = {
+    "ftsup_async": ftsup_async,
+    "ftsup_rss": ftsup_rss,
+    "ftsup_sync": ftsup_sync,
+    "ftsup_load_same": ftsup_load_same,
+    "ftsup_load_reshard": ftsup_load_reshard,
+}
