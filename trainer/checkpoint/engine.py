@@ -474,13 +474,20 @@ class CheckpointEngine:
 
     # ------------------------------------------------------------------ load
 
-    def load(self, state: Mapping[str, Any], *, step: int | None = None) -> LoadResult:
+    def load(
+        self,
+        state: Mapping[str, Any],
+        *,
+        step: int | None = None,
+        check: Callable[[Mapping[str, Any]], None] | None = None,
+    ) -> LoadResult:
         """Restore `state` in place from checkpoint `step` (None: the latest consistent one).
 
         With `step=None`, a checkpoint that turns out corrupt while loading is quarantined
         (`step-N.corrupt`) and the next older one is tried. Raises NoCheckpointError when
         nothing consistent is left, CheckpointMismatchError when names, shapes or dtypes differ
-        (before anything is modified).
+        (before anything is modified). `check(manifest_metadata)` may raise to refuse a checkpoint
+        before anything is modified (e.g. one from another model configuration).
         """
         if self._closed:
             raise CheckpointError("load() on a closed CheckpointEngine")
@@ -494,7 +501,7 @@ class CheckpointEngine:
             if "error" in choice:
                 raise NoCheckpointError(choice["error"])
             try:
-                return self._load_from(choice, state, dicts, flat, t0)
+                return self._load_from(choice, state, flat, t0, check)
             except CheckpointCorruptError as e:
                 if step is not None:
                     raise
@@ -527,12 +534,18 @@ class CheckpointEngine:
             return {"step": info.step, "path": info.path, "manifest": manifest.to_json(), "meta": json.loads(raw)}
 
     def _load_from(
-        self, choice: dict[str, Any], state: Mapping[str, Any], dicts: dict[str, Any],
-        flat: dict[str, torch.Tensor], t0: float,
+        self,
+        choice: dict[str, Any],
+        state: Mapping[str, Any],
+        flat: dict[str, torch.Tensor],
+        t0: float,
+        check: Callable[[Mapping[str, Any]], None] | None,
     ) -> LoadResult:  # fmt: skip
         path = Path(choice["path"])
         manifest = layout.parse_manifest(json.dumps(choice["manifest"]))
         meta = choice["meta"]
+        if check is not None:
+            check(manifest.metadata)  # the same metadata on every rank: all raise or none does
         mismatches = _mismatches(meta["tensors"], flat)
         rank_state: Any = None
         status = 0  # 0 fine, 1 corrupt, 2 mismatch: agreed by all ranks before any byte moves

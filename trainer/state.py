@@ -1,0 +1,149 @@
+"""TrainingState: everything a run needs to continue exactly where it stopped.
+
+One `Stateful` object holding the model, optimizer, LR scheduler, grad scaler (optional), the
+step, the data position (global samples consumed) and the configuration that must not change
+across a resume. RNG streams are per rank and travel as the checkpoint's `rank_state`.
+
+    state = TrainingState(model, optimizer, scheduler, schedule=schedule, config=model_config)
+    state.resume(engine)                  # latest consistent checkpoint, or a fresh start
+    ...
+    state.step += 1; state.samples = schedule.position_after(state.step)
+    state.save(engine)                    # async; kind="final"/"emergency" with block=True
+
+Model and optimizer go through `torch.distributed.checkpoint.state_dict`, so the same code
+serves a single process, DDP and FSDP2, and the checkpoint reshards to another world size.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from trainer import rng
+from trainer.checkpoint.engine import CheckpointEngine, LoadResult, SaveHandle, SaveResult
+from trainer.checkpoint.errors import CheckpointMismatchError, NoCheckpointError
+from trainer.data import DataPositionError, GlobalBatchSchedule
+
+
+class TrainingState:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        scaler: Any = None,
+        *,
+        schedule: GlobalBatchSchedule,
+        config: Mapping[str, Any] | None = None,
+    ):
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.schedule = schedule
+        self.config = dict(config or {})
+        self.step = 0
+        self.samples = 0
+
+    # ------------------------------------------------------------------ Stateful
+
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        sd: dict[str, Any] = {
+            "model": model_sd,
+            "optim": optim_sd,
+            "progress": {"step": self.step, "samples": self.samples},
+        }
+        if self.scheduler is not None:
+            sd["scheduler"] = self.scheduler.state_dict()
+        if self.scaler is not None:
+            sd["scaler"] = self.scaler.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        progress = sd.get("progress")
+        if not isinstance(progress, Mapping) or not isinstance(progress.get("step"), int):
+            raise DataPositionError(f"checkpoint progress entry is missing or malformed: {progress!r:.200}")
+        self.schedule.check_position(progress["step"], progress.get("samples"))
+        for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler)):
+            if (obj is None) != (name not in sd):
+                have = "has" if name in sd else "has no"
+                raise CheckpointMismatchError(
+                    f"the checkpoint {have} {name} state but this run {'has' if obj else 'has no'} {name}",
+                    keys=[name],
+                )
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(sd["scheduler"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(sd["scaler"])
+        self.step = progress["step"]
+        self.samples = progress["samples"]
+
+    # ------------------------------------------------------------------ with the engine
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "samples": self.samples,
+            "global_batch": self.schedule.global_batch,
+            "dataset_size": self.schedule.dataset_size,
+            "data_seed": self.schedule.seed,
+            "config": self.config,
+        }
+
+    def save(self, engine: CheckpointEngine, *, kind: str = "periodic", block: bool = False) -> SaveHandle | SaveResult:
+        return engine.save(
+            self.step,
+            {"train": self},
+            kind=kind,
+            rank_state={"rng": rng.capture()},
+            metadata=self.metadata(),
+            block=block,
+        )
+
+    def check_metadata(self, meta: Mapping[str, Any]) -> None:
+        """Refuse, before any tensor moves, a checkpoint of another model or data configuration."""
+        diffs = []
+        saved_config = meta.get("config", {})
+        for key in sorted(set(saved_config) | set(self.config)):
+            if saved_config.get(key) != self.config.get(key):
+                diffs.append(f"config.{key}: checkpoint {saved_config.get(key)!r} != this run {self.config.get(key)!r}")
+        for key, mine in (
+            ("global_batch", self.schedule.global_batch),
+            ("dataset_size", self.schedule.dataset_size),
+            ("data_seed", self.schedule.seed),
+        ):
+            if meta.get(key) != mine:
+                diffs.append(f"{key}: checkpoint {meta.get(key)!r} != this run {mine!r}")
+        if diffs:
+            raise CheckpointMismatchError(
+                "the checkpoint is from a different configuration: " + "; ".join(diffs),
+                keys=[d.split(":")[0] for d in diffs],
+            )
+        if "step" in meta:
+            self.schedule.check_position(meta["step"], meta.get("samples"))
+
+    def resume(self, engine: CheckpointEngine, step: int | None = None) -> LoadResult | None:
+        """Load checkpoint `step` (None: `FTSUP_RESUME_STEP` if set, else the latest consistent one).
+
+        Returns None (and leaves the fresh state) when there is no checkpoint and none was asked for.
+        """
+        if step is None and os.environ.get("FTSUP_RESUME_STEP", "").strip():
+            step = int(os.environ["FTSUP_RESUME_STEP"])
+        try:
+            result = engine.load({"train": self}, step=step, check=self.check_metadata)
+        except NoCheckpointError:
+            if step is not None:
+                raise
+            return None
+        saved = result.rank_state
+        if saved is not None and "rng" in saved:
+            rng.restore(saved["rng"])
+        else:  # this rank did not exist when the checkpoint was saved
+            rng.reseed(self.schedule.seed, self.schedule.rank, self.step)
+        return result
