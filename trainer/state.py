@@ -94,7 +94,11 @@ class TrainingState:
             "dataset_size": self.schedule.dataset_size,
             "data_seed": self.schedule.seed,
             "config": self.config,
+            "components": self._components(),
         }
+
+    def _components(self) -> list[str]:
+        return [name for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler)) if obj is not None]
 
     def save(self, engine: CheckpointEngine, *, kind: str = "periodic", block: bool = False) -> SaveHandle | SaveResult:
         return engine.save(
@@ -120,6 +124,11 @@ class TrainingState:
         ):
             if meta.get(key) != mine:
                 diffs.append(f"{key}: checkpoint {meta.get(key)!r} != this run {mine!r}")
+        saved_parts = set(meta.get("components", self._components()))
+        for name in sorted(saved_parts ^ set(self._components())):
+            have = "has" if name in saved_parts else "has no"
+            mine = "has no" if name in saved_parts else "has"
+            diffs.append(f"{name}: the checkpoint {have} {name} state but this run {mine} {name}")
         if diffs:
             raise CheckpointMismatchError(
                 "the checkpoint is from a different configuration: " + "; ".join(diffs),

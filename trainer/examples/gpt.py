@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.checkpoint import CheckpointEngine, RetentionPolicy
+from trainer.checkpoint import CheckpointEngine, CheckpointError, RetentionPolicy
 from trainer.data import DataConfigError, GlobalBatchSchedule, RankBatchSampler
 from trainer.examples.corpus import TokenWindows, generate
 from trainer.rng import micro_batch_seed
@@ -271,7 +271,11 @@ def train(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return train(parse_args(argv))
+    try:
+        return train(parse_args(argv))
+    except CheckpointError as e:  # a refused checkpoint: say why in one line, take no step
+        print(f"gpt: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
