@@ -170,3 +170,16 @@ def test_a_failing_rank_fails_the_group_without_waiting_for_the_deadline(tmp_pat
     outcome = launch.run_group(2, [sys.executable, "-c", code], tmp_path, "fail", timeout_s=120, peer_failure_grace_s=1)
     assert (outcome.status, outcome.exits[0].returncode, outcome.leftover_pids) == ("failed", 3, ())
     assert time.monotonic() - start < 15
+
+
+def test_a_process_mode_run_past_its_timeout_is_reported_hung_and_leaves_nothing(tmp_path: Path) -> None:
+    others = [n for n in ROW_NAMES if n != "dcp_async_process"]
+    argv = [sys.executable, "-m", "trainer.bench", "checkpoint", "--size-mb", "4",
+            "--dir", str(tmp_path / "d"), "--json", str(tmp_path / "out.json"),
+            "--process-timeout-s", "1", "--skip", *others]  # fmt: skip
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
+    rows = {r["name"]: r for r in json.loads((tmp_path / "out.json").read_text())["results"]}
+    row = rows["dcp_async_process"]
+    assert (done.returncode, row["status"], row["stall_s"], row["durable_s"]) == (0, "hung", None, None)
+    assert {rows[n]["status"] for n in others} == {"skipped"}
+    assert _descendants() == []

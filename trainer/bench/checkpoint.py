@@ -217,7 +217,8 @@ def run_checkpoint(args: argparse.Namespace) -> int:
         _run_groups(run, args, reshard, skip, not_run)
     finally:
         data = _assemble(run, args, reshard, skip, not_run)
-        broken = [g for p, g in run.groups.items() if p != "process" and g["status"] != "ok"]
+        # A hung process-mode group is an expected outcome; anything else keeps the logs.
+        broken = [p for p, g in run.groups.items() if p != "process" and g["status"] not in ("ok", "not run")]
         if args.keep or broken:
             _log(f"run folder kept: {run.dir}")
         else:

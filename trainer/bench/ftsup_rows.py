@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from trainer.bench import probes, synthetic
-from trainer.bench.peer_rows import load_row, total_bytes
+from trainer.bench.peer_rows import load_row, raw_write_once, total_bytes
 from trainer.bench.rank import Ctx, RowFn, RowUnavailable
 
 # Steps are numbered per row so that retention (keep the last 3) leaves ftsup_sync's last
@@ -58,8 +58,9 @@ def ftsup_async(ctx: Ctx) -> None:
     total = total_bytes(ctx)
     labels: list[int | str] = ["warmup"] if ctx.spec["warmup"] else []
     labels += list(range(ctx.repeats))
+    mine = synthetic.local_bytes(ctx.syn.app.state_dict())
     for n, i in enumerate(labels):
-        ctx.barrier()
+        raw_s = raw_write_once(ctx, mine)
         baseline = ctx.trainer.baseline(int(ctx.spec["baseline_steps"]))
         ctx.barrier()
         start = time.perf_counter()
@@ -78,6 +79,7 @@ def ftsup_async(ctx: Ctx) -> None:
             baseline_step_s=baseline,
             durable_s=durable,
             bytes=total,
+            raw_adjacent_s=raw_s,
             **_result_fields(waiter.result),
         )
         ctx.barrier()
@@ -114,8 +116,10 @@ def ftsup_sync(ctx: Ctx) -> None:
     """engine.save(block=True); its last save is the one the load rows read back."""
     eng = _engine(ctx)
     total = total_bytes(ctx)
+    mine = synthetic.local_bytes(ctx.syn.app.state_dict())
     for i in range(ctx.repeats):
         step = _SYNC_STEP0 + i
+        raw_s = raw_write_once(ctx, mine)
         if i == ctx.repeats - 1:
             ref = synthetic.full_checksum(ctx.syn.app.state_dict())
             if ctx.rank == 0:
@@ -132,6 +136,7 @@ def ftsup_sync(ctx: Ctx) -> None:
             stall_s=seconds,
             durable_s=seconds,
             bytes=total,
+            raw_adjacent_s=raw_s,
             **_result_fields(res),
         )
     eng.wait()
