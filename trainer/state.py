@@ -16,7 +16,6 @@ serves a single process, DDP and FSDP2, and the checkpoint reshards to another w
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -137,15 +136,16 @@ class TrainingState:
         if "step" in meta:
             self.schedule.check_position(meta["step"], meta.get("samples"))
 
-    def resume(self, engine: CheckpointEngine, step: int | None = None) -> LoadResult | None:
-        """Load checkpoint `step` (None: `FTSUP_RESUME_STEP` if set, else the latest consistent one).
+    def resume(
+        self, engine: CheckpointEngine, step: int | None = None, *, at_most: int | None = None
+    ) -> LoadResult | None:
+        """Load checkpoint `step`, or the latest consistent one (of at most `at_most`, which is how
+        the supervisor's choice, `FTSUP_RESUME_STEP`, is passed: a corrupt one is still skipped).
 
-        Returns None (and leaves the fresh state) when there is no checkpoint and none was asked for.
+        Returns None (and leaves the fresh state) when there is no checkpoint and no step was asked for.
         """
-        if step is None and os.environ.get("FTSUP_RESUME_STEP", "").strip():
-            step = int(os.environ["FTSUP_RESUME_STEP"])
         try:
-            result = engine.load({"train": self}, step=step, check=self.check_metadata)
+            result = engine.load({"train": self}, step=step, at_most=at_most, check=self.check_metadata)
         except NoCheckpointError:
             if step is not None:
                 raise

@@ -479,6 +479,7 @@ class CheckpointEngine:
         state: Mapping[str, Any],
         *,
         step: int | None = None,
+        at_most: int | None = None,
         check: Callable[[Mapping[str, Any]], None] | None = None,
     ) -> LoadResult:
         """Restore `state` in place from checkpoint `step` (None: the latest consistent one).
@@ -487,7 +488,9 @@ class CheckpointEngine:
         (`step-N.corrupt`) and the next older one is tried. Raises NoCheckpointError when
         nothing consistent is left, CheckpointMismatchError when names, shapes or dtypes differ
         (before anything is modified). `check(manifest_metadata)` may raise to refuse a checkpoint
-        before anything is modified (e.g. one from another model configuration).
+        before anything is modified (e.g. one from another model configuration). `at_most`: like
+        `step=None` (with fallback), but only checkpoints of at most that step are considered; the
+        supervisor passes its choice this way, so a checkpoint that fails is still skipped.
         """
         if self._closed:
             raise CheckpointError("load() on a closed CheckpointEngine")
@@ -496,7 +499,7 @@ class CheckpointEngine:
         dicts = _state_dicts(state)
         flat, _ = codec.flatten(dicts)
         while True:
-            choice: dict[str, Any] | None = self._choose(step) if self.rank == 0 else None
+            choice: dict[str, Any] | None = self._choose(step, at_most) if self.rank == 0 else None
             choice = self._comm.broadcast(choice)
             if "error" in choice:
                 raise NoCheckpointError(choice["error"])
@@ -509,11 +512,17 @@ class CheckpointEngine:
                     moved = layout.quarantine(self.directory, choice["step"])
                     log.error("checkpoint_quarantined", step=choice["step"], reason=str(e), path=str(moved))
 
-    def _choose(self, step: int | None) -> dict[str, Any]:
+    def _choose(self, step: int | None, at_most: int | None = None) -> dict[str, Any]:
         """Rank 0: the checkpoint to load and its verified DCP metadata (or why there is none)."""
         while True:
             try:
-                info = layout.find_checkpoint(self.directory, step)
+                if step is None and at_most is not None:
+                    found = layout.latest_consistent(self.directory, below=at_most + 1)
+                    if found is None:
+                        raise NoCheckpointError(f"no consistent checkpoint of step <= {at_most} under {self.directory}")
+                    info = found
+                else:
+                    info = layout.find_checkpoint(self.directory, step)
             except NoCheckpointError as e:
                 return {"error": str(e)}
             if not info.consistent:

@@ -17,7 +17,8 @@ order on another world size.
 
 `--fault KIND@STEP` injects a failure on rank `--fault-rank` for tests and demos: `kill`
 (SIGKILL after step STEP), `kill-in-save` (SIGKILL in the background writer while step
-STEP's checkpoint is being written), `exit` (exit code 3 after step STEP).
+STEP's checkpoint is being written), `exit` (exit code 3 after step STEP), `stop` (SIGSTOP
+itself after step STEP: a hang).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from trainer.checkpoint import CheckpointEngine, CheckpointError, RetentionPolic
 from trainer.data import DataConfigError, GlobalBatchSchedule, RankBatchSampler
 from trainer.examples.corpus import TokenWindows, generate
 from trainer.rng import micro_batch_seed
+from trainer.runtime import runtime
 from trainer.state import TrainingState
 
 # ---------------------------------------------------------------------- model
@@ -179,12 +181,14 @@ def _fault(args: argparse.Namespace, rank: int) -> tuple[str, int]:
     if not args.fault:
         return "", -1
     kind, _, at = args.fault.partition("@")
-    if kind not in ("kill", "kill-in-save", "exit") or not at.isdigit():
-        raise SystemExit(f"--fault must be KIND@STEP with KIND kill, kill-in-save or exit; got {args.fault!r}")
+    if kind not in ("kill", "kill-in-save", "exit", "stop") or not at.isdigit():
+        raise SystemExit(f"--fault must be KIND@STEP with KIND kill, kill-in-save, exit or stop; got {args.fault!r}")
     return (kind, int(at)) if rank == args.fault_rank else ("", -1)
 
 
 def train(args: argparse.Namespace) -> int:
+    rt = runtime()
+    rt.beat(rt.env.resume_step or 0, "init")
     rank, world, device = _setup(args)
     fault, fault_step = _fault(args, rank)
     dataset = TokenWindows(generate(args.corpus_bytes), args.seq_len)
@@ -209,7 +213,8 @@ def train(args: argparse.Namespace) -> int:
 
     engine = CheckpointEngine(args.ckpt_dir, retention=RetentionPolicy(keep_last=args.keep_last), hook=hook)
     state = TrainingState(model, optimizer, scheduler, schedule=schedule, config=config)
-    state.resume(engine)
+    with rt.phase("load"):
+        state.resume(engine, at_most=rt.env.resume_step)
     loss_log = open(args.loss_log, "a") if args.loss_log and rank == 0 else None  # noqa: SIM115
     sample_log = open(args.sample_log.replace("{rank}", str(rank)), "a") if args.sample_log else None  # noqa: SIM115
     loader = torch.utils.data.DataLoader(
@@ -238,6 +243,7 @@ def train(args: argparse.Namespace) -> int:
             optimizer.zero_grad(set_to_none=True)
             state.step, state.samples = step, schedule.position_after(step)
             mean = float(total.item()) / schedule.micro_batches_per_step
+            rt.beat(step, "train", loss=mean)
             if loss_log is not None:
                 line = {
                     "step": step,
@@ -258,9 +264,14 @@ def train(args: argparse.Namespace) -> int:
                 os.kill(os.getpid(), signal.SIGKILL)
             if step == fault_step and fault == "exit":
                 return 3
+            if step == fault_step and fault == "stop":  # a hang: alive, silent, holding its peers
+                os.kill(os.getpid(), signal.SIGSTOP)
         if state.step == args.steps:
-            state.save(engine, kind="final", block=True)
-        engine.close()
+            with rt.phase("save"):
+                state.save(engine, kind="final", block=True)
+        with rt.phase("save"):
+            engine.close()
+        rt.beat(state.step, "done")
     finally:
         for f in (loss_log, sample_log):
             if f is not None:

@@ -1,0 +1,438 @@
+"""The supervisor's decisions: a pure state machine `step(state, event, now) -> (state, actions)`.
+
+No I/O, no clock: the daemon feeds events with the time they happened and carries out the
+actions. Tests drive it with a fake clock and no processes.
+
+    (start) --PrepareLaunch--> preparing --LaunchReady--> running --failure--> stopping
+       ^                                                    |                    |
+       |                                            exit 0: Exit(0)     WorkersExited
+       +--------------------- backoff <--- restart allowed -+--------------------+
+                                 |
+                                 +--- crash loop / budget spent: Exit(3 / 4)
+
+An attempt fails when torchrun exits non-zero, when a rank stops sending heartbeats for the
+heartbeat timeout, when the job makes no step progress for the progress timeout, or when it
+has not reached its first training step within the startup timeout. Timeouts are phase-aware
+(a rank in `save` or `load` gets `save_timeout_s`) and, unless configured, learned from the
+observed step times: max(min_timeout_s, multiplier x p99 step time).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+# Exit codes of `ftsup run` (documented in the README).
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_CONFIG = 2
+EXIT_CRASH_LOOP = 3
+EXIT_BUDGET = 4
+EXIT_EVICTED = 5
+EXIT_STOPPED = 6
+
+SLOW_PHASES = frozenset({"save", "load"})
+QUIET_PHASES = frozenset({"done"})  # finished training, tearing down: torchrun's exit decides
+STEP_HISTORY = 200
+
+
+# ---------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the policy needs from the config (seconds throughout)."""
+
+    nproc_max: int  # local slots at most
+    min_world_size: int = 1
+    max_world_size: int | None = None
+    nnodes_max: int = 1
+    heartbeat_timeout_s: float | None = None  # None: learned
+    progress_timeout_s: float | None = None  # None: learned
+    startup_timeout_s: float = 300.0
+    save_timeout_s: float = 900.0
+    min_timeout_s: float = 2.0
+    step_time_multiplier: float = 3.0
+    max_restarts: int = 10
+    window_s: float = 3600.0
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 60.0
+    max_attempts_without_progress: int = 3
+
+
+# ---------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class Start:
+    pass
+
+
+@dataclass(frozen=True)
+class LaunchReady:
+    """Inputs for a launch, gathered by the daemon: healthy local slots, the checkpoint to
+    resume from (None: fresh start), and the number the world size must divide (or None)."""
+
+    healthy_slots: int
+    resume_step: int | None
+    batch_divisor: int | None = None
+
+
+@dataclass(frozen=True)
+class WorkersStarted:
+    attempt: int
+    pids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    attempt: int
+    local_rank: int  # ranks are tracked per node: this supervisor sees its own
+    step: int
+    phase: str
+    rank: int = -1  # global rank, for logs
+
+
+@dataclass(frozen=True)
+class RankExited:
+    """A rank process ended while the attempt runs (seen before torchrun reacts)."""
+
+    attempt: int
+    pid: int
+    exitcode: int | None
+    signal: int | None = None
+
+
+@dataclass(frozen=True)
+class WorkersExited:
+    """torchrun (and so the attempt) is gone, with its exit code (negative: signal)."""
+
+    attempt: int
+    exitcode: int
+
+
+@dataclass(frozen=True)
+class Tick:
+    pass
+
+
+@dataclass(frozen=True)
+class OperatorStop:
+    reason: str = "operator"
+
+
+Event = Start | LaunchReady | WorkersStarted | Heartbeat | RankExited | WorkersExited | Tick | OperatorStop
+
+
+# ---------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class PrepareLaunch:
+    """Probe slot health, pick the latest consistent checkpoint, then send LaunchReady."""
+
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Launch:
+    attempt: int
+    nproc: int  # local ranks for this attempt
+    resume_step: int | None
+
+
+@dataclass(frozen=True)
+class StopWorkers:
+    attempt: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Exit:
+    code: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Log:
+    event: str
+    level: str = "info"
+    fields: tuple[tuple[str, object], ...] = ()
+
+    def as_dict(self) -> dict[str, object]:
+        return dict(self.fields)
+
+
+def log(event: str, level: str = "info", **fields: object) -> Log:
+    return Log(event, level, tuple(sorted(fields.items())))
+
+
+Action = PrepareLaunch | Launch | StopWorkers | Exit | Log
+
+
+# ---------------------------------------------------------------------- state
+
+
+@dataclass(frozen=True)
+class RankView:
+    last_beat: float
+    step: int
+    phase: str
+
+
+@dataclass(frozen=True)
+class Attempt:
+    number: int
+    nproc: int
+    resume_step: int | None
+    launched_at: float
+    started: bool = False
+    ranks: tuple[tuple[int, RankView], ...] = ()
+    max_step: int = -1
+    progress_at: float = 0.0  # when max_step last grew (or launch)
+    step_times: tuple[float, ...] = ()  # seconds per step, newest last, bounded
+    last_step_at: tuple[int, float] | None = None  # (step, time) of the newest step seen
+
+    def rank_map(self) -> dict[int, RankView]:
+        return dict(self.ranks)
+
+
+@dataclass(frozen=True)
+class State:
+    phase: str = "init"  # init | preparing | running | stopping | backoff | done
+    attempt_no: int = 0
+    attempt: Attempt | None = None
+    stop_reason: str | None = None
+    final: Exit | None = None  # set when the stop must end the daemon, not restart
+    restarts: tuple[float, ...] = ()  # times of restarts inside the window
+    failures_in_a_row: int = 0
+    no_progress_streak: int = 0
+    best_step: int = -1  # the highest step any attempt reached
+    resume_at: float = 0.0
+    step_times: tuple[float, ...] = ()  # carried across attempts for learned timeouts
+    last_failure: str | None = None
+
+
+# ---------------------------------------------------------------------- pure helpers
+
+
+def p99(values: Sequence[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def heartbeat_timeout(s: Settings, step_times: Sequence[float]) -> float | None:
+    """Seconds of silence that mean a hang in `train`; None until steps have been seen."""
+    if s.heartbeat_timeout_s is not None:
+        return s.heartbeat_timeout_s
+    q = p99(step_times)
+    return None if q is None else max(s.min_timeout_s, s.step_time_multiplier * q)
+
+
+def progress_timeout(s: Settings, step_times: Sequence[float]) -> float | None:
+    if s.progress_timeout_s is not None:
+        return s.progress_timeout_s
+    hb = heartbeat_timeout(s, step_times)
+    return None if hb is None else 2 * hb
+
+
+def choose_world_size(
+    s: Settings, healthy_slots: int, batch_divisor: int | None
+) -> tuple[int | None, str]:
+    """Local ranks for the next attempt: healthy slots, at most nproc_max, such that the job's
+    world size stays within [min, max] and divides the batch. (None, why) when impossible."""
+    n = min(healthy_slots, s.nproc_max)
+    if s.max_world_size is not None:
+        n = min(n, s.max_world_size)
+    while n >= 1:
+        if batch_divisor is None or batch_divisor % n == 0 or s.nnodes_max > 1:
+            break
+        n -= 1
+    if n < 1 or (s.nnodes_max == 1 and n < s.min_world_size):
+        return None, (
+            f"{healthy_slots} healthy slot(s) allow no world size >= min_world_size {s.min_world_size}"
+            + (f" that divides {batch_divisor}" if batch_divisor else "")
+        )
+    return n, f"{healthy_slots} healthy slot(s) -> {n} rank(s)"
+
+
+def backoff_s(s: Settings, failures_in_a_row: int) -> float:
+    if failures_in_a_row <= 0:
+        return 0.0
+    return min(s.backoff_max_s, s.backoff_initial_s * 2 ** (failures_in_a_row - 1))
+
+
+# ---------------------------------------------------------------------- the machine
+
+
+def step(s: Settings, st: State, ev: Event, now: float) -> tuple[State, list[Action]]:
+    """One transition. Unknown or stale events leave the state unchanged."""
+    if st.phase == "done":
+        return st, []
+    if isinstance(ev, Start) and st.phase == "init":
+        return _prepare(st, now)
+    if isinstance(ev, OperatorStop):
+        return _operator_stop(st, ev, now)
+    if isinstance(ev, LaunchReady) and st.phase == "preparing":
+        return _launch(s, st, ev, now)
+    att = st.attempt
+    if isinstance(ev, WorkersStarted) and att and ev.attempt == att.number:
+        return replace(st, attempt=replace(att, started=True)), [
+            log("workers_launched", attempt=att.number, world_size=att.nproc, resume_step=att.resume_step)
+        ]
+    if isinstance(ev, Heartbeat) and att and ev.attempt == att.number and st.phase == "running":
+        return _heartbeat(st, att, ev, now), []
+    if isinstance(ev, RankExited) and att and ev.attempt == att.number and st.phase == "running":
+        how = f"signal {ev.signal}" if ev.signal else f"exit code {ev.exitcode}"
+        if ev.exitcode == 0 and not ev.signal:
+            return st, []  # a rank finishing cleanly is not a failure; torchrun's exit decides
+        return _fail(st, att, f"rank process {ev.pid} ended with {how}", now, "worker_exited", pid=ev.pid)
+    if isinstance(ev, WorkersExited) and att and ev.attempt == att.number:
+        return _exited(s, st, att, ev, now)
+    if isinstance(ev, Tick):
+        return _tick(s, st, now)
+    return st, []
+
+
+def _prepare(st: State, now: float) -> tuple[State, list[Action]]:
+    n = st.attempt_no + 1
+    return replace(st, phase="preparing", attempt_no=n, attempt=None), [PrepareLaunch(n)]
+
+
+def _launch(s: Settings, st: State, ev: LaunchReady, now: float) -> tuple[State, list[Action]]:
+    n, why = choose_world_size(s, ev.healthy_slots, ev.batch_divisor)
+    if n is None:
+        exit_ = Exit(EXIT_BUDGET, f"cannot launch: {why}")
+        return replace(st, phase="done", final=exit_), [
+            log("job_failed", "error", attempt=st.attempt_no, reason=exit_.reason),
+            exit_,
+        ]
+    att = Attempt(st.attempt_no, n, ev.resume_step, launched_at=now, progress_at=now)
+    return replace(st, phase="running", attempt=att), [
+        log("world_size_chosen", attempt=st.attempt_no, world_size=n, reason=why, step=ev.resume_step),
+        Launch(st.attempt_no, n, ev.resume_step),
+    ]
+
+
+def _heartbeat(st: State, att: Attempt, ev: Heartbeat, now: float) -> State:
+    ranks = att.rank_map()
+    ranks[ev.local_rank] = RankView(now, ev.step, ev.phase)
+    att = replace(att, ranks=tuple(sorted(ranks.items())))
+    step_times = st.step_times
+    if ev.phase == "train" and ev.step > att.max_step:
+        if att.last_step_at is not None and ev.step > att.last_step_at[0]:
+            per_step = (now - att.last_step_at[1]) / (ev.step - att.last_step_at[0])
+            step_times = (*step_times, per_step)[-STEP_HISTORY:]
+        att = replace(att, max_step=ev.step, progress_at=now, last_step_at=(ev.step, now))
+    return replace(st, attempt=att, step_times=step_times, best_step=max(st.best_step, att.max_step))
+
+
+def _fail(st: State, att: Attempt, reason: str, now: float, event: str, **fields: object) -> tuple[State, list[Action]]:
+    if st.phase != "running":
+        return st, []
+    return replace(st, phase="stopping", stop_reason=reason, last_failure=reason), [
+        log(event, "error", attempt=att.number, world_size=att.nproc, reason=reason, step=att.max_step, **fields),
+        StopWorkers(att.number, reason),
+    ]
+
+
+def _operator_stop(st: State, ev: OperatorStop, now: float) -> tuple[State, list[Action]]:
+    exit_ = Exit(EXIT_STOPPED, f"stopped: {ev.reason}")
+    if st.phase == "running" and st.attempt:
+        return replace(st, phase="stopping", stop_reason=exit_.reason, final=exit_), [
+            log("stop_requested", attempt=st.attempt.number, reason=ev.reason),
+            StopWorkers(st.attempt.number, exit_.reason),
+        ]
+    if st.phase == "stopping":
+        return replace(st, final=exit_), []
+    return replace(st, phase="done", final=exit_), [log("job_stopped", reason=ev.reason), exit_]
+
+
+def _tick(s: Settings, st: State, now: float) -> tuple[State, list[Action]]:
+    if st.phase == "backoff" and now >= st.resume_at:
+        return _prepare(st, now)
+    att = st.attempt
+    if st.phase != "running" or att is None:
+        return st, []
+    ranks = att.rank_map()
+    slow = any(r.phase in SLOW_PHASES for r in ranks.values())
+    training = [r for r in ranks.values() if r.phase == "train"]
+    if not training:  # still starting up (or loading: that has its own, longer timeout)
+        if now - att.launched_at > s.startup_timeout_s and not slow:
+            return _fail(st, att, f"no training step within startup_timeout_s={s.startup_timeout_s:g}", now,
+                         "startup_timed_out")  # fmt: skip
+    hb = heartbeat_timeout(s, st.step_times)
+    for rank, view in sorted(ranks.items()):
+        silent = now - view.last_beat
+        if view.phase in SLOW_PHASES:
+            if silent > s.save_timeout_s:
+                return _fail(st, att, f"rank {rank} silent for {silent:.1f}s in phase {view.phase}", now,
+                             "heartbeat_timed_out", rank=rank, timeout_s=s.save_timeout_s)  # fmt: skip
+        elif view.phase == "train" and hb is not None and silent > hb:
+            return _fail(st, att, f"rank {rank} silent for {silent:.1f}s (timeout {hb:.1f}s)", now,
+                         "heartbeat_timed_out", rank=rank, timeout_s=round(hb, 3))  # fmt: skip
+    if len(ranks) < att.nproc and att.max_step >= 0 and hb is not None and now - att.progress_at > hb:
+        missing = sorted(set(range(att.nproc)) - set(ranks))
+        return _fail(st, att, f"local ranks {missing} never sent a heartbeat", now, "heartbeat_timed_out")
+    pt = progress_timeout(s, st.step_times)
+    if pt is not None and training and not slow and not any(r.phase in QUIET_PHASES for r in ranks.values()):
+        if now - att.progress_at > pt:
+            return _fail(st, att, f"no step progress for {now - att.progress_at:.1f}s (timeout {pt:.1f}s)", now,
+                         "progress_timed_out", timeout_s=round(pt, 3))  # fmt: skip
+    return st, []
+
+
+def _exited(s: Settings, st: State, att: Attempt, ev: WorkersExited, now: float) -> tuple[State, list[Action]]:
+    if st.final is not None:
+        return replace(st, phase="done", attempt=None), [
+            log("job_stopped", attempt=att.number, reason=st.final.reason),
+            st.final,
+        ]
+    if st.phase == "running" and ev.exitcode == 0:
+        exit_ = Exit(EXIT_OK, "training command exited 0")
+        return replace(st, phase="done", attempt=None, final=exit_), [
+            log("job_succeeded", attempt=att.number, world_size=att.nproc, step=att.max_step),
+            exit_,
+        ]
+    reason = st.stop_reason if st.phase == "stopping" else f"torchrun exited with code {ev.exitcode}"
+    actions: list[Action] = []
+    if st.phase == "running":
+        actions.append(log("worker_exited", "error", attempt=att.number, reason=reason, step=att.max_step))
+    progressed = att.max_step > (att.resume_step if att.resume_step is not None else 0)
+    streak = 0 if progressed else st.no_progress_streak + 1
+    failures = 1 if progressed else st.failures_in_a_row + 1
+    restarts = tuple(t for t in st.restarts if now - t < s.window_s)
+    if streak >= s.max_attempts_without_progress:
+        exit_ = Exit(EXIT_CRASH_LOOP, f"crash loop: {streak} attempts in a row made no step progress ({reason})")
+        return replace(st, phase="done", attempt=None, final=exit_, last_failure=reason), [
+            *actions,
+            log("crash_loop_detected", "error", attempt=att.number, reason=exit_.reason, step=att.max_step),
+            exit_,
+        ]
+    if len(restarts) >= s.max_restarts:
+        exit_ = Exit(EXIT_BUDGET, f"restart budget spent: {len(restarts)} restarts within {s.window_s:g}s ({reason})")
+        return replace(st, phase="done", attempt=None, final=exit_, last_failure=reason), [
+            *actions,
+            log("restart_budget_exhausted", "error", attempt=att.number, reason=exit_.reason),
+            exit_,
+        ]
+    wait = backoff_s(s, failures)
+    return replace(
+        st, phase="backoff", attempt=None, stop_reason=None, restarts=(*restarts, now), failures_in_a_row=failures,
+        no_progress_streak=streak, resume_at=now + wait, last_failure=reason,
+    ), [*actions, log("restart_scheduled", attempt=att.number, reason=reason, duration_s=round(wait, 3))]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Convenience holder: the settings and current state, advanced by `feed`."""
+
+    settings: Settings
+    state: State = field(default_factory=State)
+
+    def feed(self, ev: Event, now: float) -> tuple[Machine, list[Action]]:
+        st, actions = step(self.settings, self.state, ev, now)
+        return replace(self, state=st), actions

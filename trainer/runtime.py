@@ -1,0 +1,145 @@
+"""The rank side of the supervisor channel: heartbeats out, (later) save/stop requests in.
+
+    from trainer.runtime import runtime
+    rt = runtime()                         # reads the environment once; a no-op without a supervisor
+    with rt.phase("load", step=0): state.resume(engine)
+    for step in ...:
+        ...
+        rt.beat(step, loss=loss, step_time_s=dt)
+
+Heartbeats are fire-and-forget datagrams on a UNIX socket whose path the supervisor exports
+(`FTSUP_HEARTBEAT_SOCKET`). Sending never blocks and never raises: a full queue or a missing
+supervisor drops the beat (counted in `dropped`). The client also arms a parent-death signal,
+so that a rank never outlives its torchrun agent (torchrun starts ranks in sessions of their
+own, where signals to the agent's process group do not reach them).
+
+This module is the one place where the trainer reads `FTSUP_*` environment variables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+PHASES = ("init", "load", "train", "save", "done")
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class RuntimeEnv:
+    heartbeat_socket: str | None = None
+    control_file: str | None = None
+    checkpoint_dir: str | None = None
+    resume_step: int | None = None
+    attempt: int = 0
+    run_id: str | None = None
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> RuntimeEnv:
+        env = os.environ if env is None else env
+
+        def num(key: str, default: int | None) -> int | None:
+            raw = env.get(key, "").strip()
+            if not raw:
+                return default
+            try:
+                return int(raw)
+            except ValueError:
+                raise ValueError(f"environment variable {key}={raw!r} is not an integer") from None
+
+        return cls(
+            heartbeat_socket=env.get("FTSUP_HEARTBEAT_SOCKET") or None,
+            control_file=env.get("FTSUP_CONTROL_FILE") or None,
+            checkpoint_dir=env.get("FTSUP_CHECKPOINT_DIR") or None,
+            resume_step=num("FTSUP_RESUME_STEP", None),
+            attempt=num("FTSUP_ATTEMPT", 0) or 0,
+            run_id=env.get("FTSUP_RUN_ID") or None,
+            rank=num("RANK", 0) or 0,
+            local_rank=num("LOCAL_RANK", 0) or 0,
+            world_size=num("WORLD_SIZE", 1) or 1,
+        )
+
+
+class RuntimeClient:
+    def __init__(self, env: RuntimeEnv, *, clock=time.time):  # type: ignore[no-untyped-def]
+        self.env = env
+        self._clock = clock
+        self._sock: socket.socket | None = None
+        self._phase = "init"
+        self._step = env.resume_step or 0
+        self.sent = 0
+        self.dropped = 0
+        if env.heartbeat_socket:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._sock.setblocking(False)
+            _arm_parent_death_signal()
+
+    @property
+    def supervised(self) -> bool:
+        return self._sock is not None
+
+    def beat(self, step: int, phase: str | None = None, **figures: float | int | str) -> None:
+        """Report `step` (optimizer steps completed) and the phase; never blocks, never raises."""
+        if phase is not None:
+            self._phase = phase
+        self._step = step
+        if self._sock is None or self.env.heartbeat_socket is None:
+            return
+        msg = {
+            "v": 1, "attempt": self.env.attempt, "rank": self.env.rank, "local_rank": self.env.local_rank,
+            "pid": os.getpid(), "step": step, "phase": self._phase, "t": self._clock(),
+        }  # fmt: skip
+        msg.update(figures)
+        try:
+            self._sock.sendto(json.dumps(msg).encode(), self.env.heartbeat_socket)
+            self.sent += 1
+        except OSError:  # no supervisor listening, or its queue is full: drop, never stall training
+            self.dropped += 1
+
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int | None = None) -> Iterator[None]:
+        """Mark a long phase (load, save) so that the supervisor applies its longer timeout."""
+        before = self._phase
+        self.beat(self._step if step is None else step, name)
+        try:
+            yield
+        finally:
+            self.beat(self._step, before)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def _arm_parent_death_signal() -> None:
+    """SIGKILL this rank when its parent (the torchrun agent) dies; Linux only, best effort."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        parent = os.getppid()
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the guard was armed
+            os.kill(os.getpid(), signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+_client: RuntimeClient | None = None
+
+
+def runtime() -> RuntimeClient:
+    """The process's client (created on first use from the environment)."""
+    global _client
+    if _client is None:
+        _client = RuntimeClient(RuntimeEnv.from_environ())
+    return _client
