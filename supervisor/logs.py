@@ -1,0 +1,66 @@
+"""Structured logs: one JSON object per line (`event`, `level`, `timestamp`, and the fixed keys
+`attempt`, `world_size`, `rank`, `step`, `reason`, `duration_s` where they apply).
+
+`configure()` is called once by `ftsup run`; everything else just uses `structlog.get_logger()`.
+The event names are listed in `EVENTS` (snake_case, past tense), and a test checks that the
+daemon and the policy use no others.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+import structlog
+
+EVENTS = frozenset(
+    {
+        "supervisor_started", "config_loaded", "journal_adopted", "leftovers_stopped", "health_probed",
+        "health_unknown", "checkpoint_chosen", "checkpoint_quarantined", "world_size_chosen", "workers_launched",
+        "heartbeat_timed_out", "progress_timed_out", "startup_timed_out", "worker_exited", "workers_stopped",
+        "orphans_found", "restart_scheduled", "crash_loop_detected", "restart_budget_exhausted", "job_succeeded",
+        "job_failed", "job_stopped", "stop_requested", "eviction_noticed", "save_requested", "checkpoint_committed",
+        "save_skipped", "requeue_requested", "watcher_blind", "supervisor_exited",
+    }
+)  # fmt: skip
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+class _Tee:
+    """Write each line to several streams (stderr and the node's log file)."""
+
+    def __init__(self, *streams: TextIO):
+        self.streams = streams
+
+    def write(self, s: str) -> None:
+        for st in self.streams:
+            st.write(s)
+
+    def flush(self) -> None:
+        for st in self.streams:
+            st.flush()
+
+
+def configure(level: str = "info", fmt: str = "json", file: Path | None = None) -> TextIO | None:
+    """Set up structlog; returns the opened log file (the caller closes it) or None."""
+    out: Any = sys.stderr
+    handle = None
+    if file is not None:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(file, "a", buffering=1)  # noqa: SIM115 - owned by the daemon, closed at exit
+        out = _Tee(sys.stderr, handle)
+    renderer: Any = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer()
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
+        logger_factory=structlog.WriteLoggerFactory(file=out),
+        cache_logger_on_first_use=False,
+    )
+    return handle

@@ -1,0 +1,230 @@
+"""The supervisor's state machine, driven by a fake clock: no processes, no sleeps."""
+
+from __future__ import annotations
+
+import pytest
+
+from supervisor import policy as P
+from supervisor.logs import EVENTS
+
+S = P.Settings(nproc_max=2, startup_timeout_s=60, save_timeout_s=100, min_timeout_s=2.0, backoff_initial_s=1,
+               backoff_max_s=8, max_restarts=5, window_s=1000, max_attempts_without_progress=3)  # fmt: skip
+
+
+class Driver:
+    """Feeds events at explicit times and remembers every action."""
+
+    def __init__(self, settings: P.Settings = S):
+        self.m = P.Machine(settings)
+        self.now = 0.0
+        self.actions: list[P.Action] = []
+
+    def feed(self, ev: P.Event, at: float | None = None) -> list[P.Action]:
+        if at is not None:
+            self.now = at
+        self.m, acts = self.m.feed(ev, self.now)
+        self.actions += acts
+        return acts
+
+    @property
+    def st(self) -> P.State:
+        return self.m.state
+
+    def launch(self, healthy: int = 2, resume: int | None = None, divisor: int | None = None) -> P.Launch:
+        acts = self.feed(P.Start()) if self.st.phase == "init" else self.feed(P.Tick())
+        assert any(isinstance(a, P.PrepareLaunch) for a in acts), acts
+        acts = self.feed(P.LaunchReady(healthy, resume, divisor))
+        (launch,) = [a for a in acts if isinstance(a, P.Launch)]
+        self.feed(P.WorkersStarted(launch.attempt))
+        return launch
+
+    def train(self, steps: range, dt: float = 0.5, ranks: int = 2) -> None:
+        att = self.st.attempt
+        assert att is not None
+        for s in steps:
+            self.now += dt
+            for r in range(ranks):
+                self.feed(P.Heartbeat(att.number, r, s, "train"))
+
+    def events(self) -> list[str]:
+        return [a.event for a in self.actions if isinstance(a, P.Log)]
+
+
+def test_a_clean_exit_ends_the_job_with_code_0():
+    d = Driver()
+    d.launch()
+    d.train(range(1, 5))
+    acts = d.feed(P.WorkersExited(1, 0))
+    assert P.Exit(P.EXIT_OK, "training command exited 0") in acts
+    assert d.st.phase == "done"
+
+
+def test_a_rank_silent_past_the_learned_timeout_is_a_hang():
+    d = Driver()
+    d.launch()
+    d.train(range(1, 11), dt=0.5)  # p99 step time 0.5 s -> timeout max(2, 1.5) = 2 s
+    d.feed(P.Heartbeat(1, 0, 11, "train"), at=d.now + 0.5)
+    d.feed(P.Heartbeat(1, 0, 11, "train"), at=d.now + 1.4)
+    assert d.feed(P.Tick()) == []  # rank 1 silent for 1.9 s
+    d.feed(P.Heartbeat(1, 0, 11, "train"), at=d.now + 0.7)
+    acts = d.feed(P.Tick())  # rank 1 now silent for 2.6 s, rank 0 alive
+    assert P.StopWorkers(1, "rank 1 silent for 2.6s (timeout 2.0s)") in acts
+    assert d.st.phase == "stopping"
+
+
+def test_the_learned_timeout_follows_slow_steps():
+    assert P.heartbeat_timeout(S, [4.0] * 50) == 12.0
+    assert P.heartbeat_timeout(S, [0.1] * 50) == 2.0
+    assert P.heartbeat_timeout(S, []) is None
+
+
+def test_a_configured_timeout_overrides_the_learned_one():
+    s = P.Settings(nproc_max=2, heartbeat_timeout_s=30.0)
+    assert P.heartbeat_timeout(s, [4.0] * 50) == 30.0
+
+
+def test_a_save_much_longer_than_a_step_is_not_a_hang():
+    d = Driver()
+    d.launch()
+    d.train(range(1, 11), dt=0.5)
+    for r in range(2):
+        d.feed(P.Heartbeat(1, r, 10, "save"))
+    assert d.feed(P.Tick(), at=d.now + 20 * 0.5 * 9) == []  # a save 90 s long, 20x longer than a step
+    assert d.st.phase == "running"
+    acts = d.feed(P.Tick(), at=d.now + 11)  # past save_timeout_s=100
+    assert any(isinstance(a, P.StopWorkers) for a in acts)
+
+
+def test_no_first_step_within_the_startup_timeout_fails_the_attempt():
+    d = Driver()
+    d.launch()
+    d.feed(P.Heartbeat(1, 0, 0, "init"))
+    assert d.feed(P.Tick(), at=59) == []
+    acts = d.feed(P.Tick(), at=61)
+    assert "startup_timed_out" in [a.event for a in acts if isinstance(a, P.Log)]
+
+
+def test_a_long_load_is_not_a_startup_timeout():
+    d = Driver()
+    d.launch()
+    d.feed(P.Heartbeat(1, 0, 0, "load"))
+    assert d.feed(P.Tick(), at=90) == []
+
+
+def test_heartbeats_without_step_progress_time_out():
+    d = Driver(P.Settings(nproc_max=2, progress_timeout_s=10.0, heartbeat_timeout_s=100.0))
+    d.launch()
+    d.train(range(1, 3))
+    for t in range(1, 12):
+        d.feed(P.Heartbeat(1, 0, 2, "train"), at=d.now + 1)
+        d.feed(P.Heartbeat(1, 1, 2, "train"))
+        acts = d.feed(P.Tick())
+    assert "progress_timed_out" in [a.event for a in acts if isinstance(a, P.Log)]
+
+
+def test_a_failure_restarts_after_exponential_backoff_from_the_latest_checkpoint():
+    d = Driver()
+    d.launch()
+    d.train(range(1, 5))
+    d.feed(P.WorkersExited(1, 1))
+    assert (d.st.phase, d.st.resume_at - d.now) == ("backoff", 1.0)
+    assert d.feed(P.Tick(), at=d.now + 0.5) == []
+    d.now = d.st.resume_at
+    launch = d.launch(resume=4)
+    assert (launch.attempt, launch.resume_step, launch.nproc) == (2, 4, 2)
+
+
+def test_backoff_doubles_up_to_the_maximum():
+    assert [P.backoff_s(S, n) for n in range(1, 7)] == [1, 2, 4, 8, 8, 8]
+
+
+def test_attempts_without_step_progress_trip_the_crash_loop_breaker():
+    d = Driver()
+    d.launch()
+    d.train(range(1, 5))
+    for _ in range(4):
+        d.feed(P.WorkersExited(d.st.attempt.number, 1))
+        if d.st.phase == "done":
+            break
+        d.feed(P.Tick(), at=d.st.resume_at)
+        d.feed(P.LaunchReady(2, 4))
+        d.feed(P.WorkersStarted(d.st.attempt.number))
+        d.train(range(5, 5), dt=0.1)  # dies before finishing step 5 every time
+    exits = [a for a in d.actions if isinstance(a, P.Exit)]
+    assert [e.code for e in exits] == [P.EXIT_CRASH_LOOP]
+    assert "crash_loop_detected" in d.events()
+    assert d.st.attempt_no == 4  # the first attempt progressed; three more did not
+
+
+def test_the_restart_budget_is_counted_in_a_window():
+    d = Driver(P.Settings(nproc_max=1, max_restarts=2, window_s=100, backoff_initial_s=0))
+    for i in range(3):
+        d.launch(healthy=1)
+        d.train(range(10 * i + 1, 10 * i + 3), ranks=1)
+        d.feed(P.WorkersExited(d.st.attempt.number, 1))
+    assert [a.code for a in d.actions if isinstance(a, P.Exit)] == [P.EXIT_BUDGET]
+
+
+def test_restarts_outside_the_window_do_not_count():
+    d = Driver(P.Settings(nproc_max=1, max_restarts=2, window_s=100, backoff_initial_s=0))
+    for i in range(4):
+        d.launch(healthy=1)
+        d.train(range(10 * i + 1, 10 * i + 3), ranks=1, dt=30)
+        d.feed(P.WorkersExited(d.st.attempt.number, 1))
+    assert [a for a in d.actions if isinstance(a, P.Exit)] == []
+
+
+@pytest.mark.parametrize(
+    ("healthy", "divisor", "expected"),
+    [(2, None, 2), (1, None, 1), (8, None, 4), (3, 6, 3), (4, 6, 3), (5, 12, 4), (2, 5, 1)],
+)
+def test_world_size_is_healthy_slots_clamped_and_dividing_the_batch(healthy, divisor, expected):
+    s = P.Settings(nproc_max=4)
+    assert P.choose_world_size(s, healthy, divisor)[0] == expected
+
+
+def test_too_few_healthy_slots_end_the_job_with_a_reason():
+    d = Driver(P.Settings(nproc_max=4, min_world_size=2))
+    d.feed(P.Start())
+    acts = d.feed(P.LaunchReady(1, None))
+    (exit_,) = [a for a in acts if isinstance(a, P.Exit)]
+    assert exit_.code == P.EXIT_BUDGET and "min_world_size 2" in exit_.reason
+
+
+def test_an_unhealthy_slot_shrinks_the_next_attempt():
+    d = Driver()
+    d.launch(healthy=2)
+    d.train(range(1, 4))
+    d.feed(P.WorkersExited(1, 1))
+    d.now = d.st.resume_at
+    assert d.launch(healthy=1, resume=3).nproc == 1
+
+
+def test_operator_stop_stops_workers_then_exits_without_restart():
+    d = Driver()
+    d.launch()
+    acts = d.feed(P.OperatorStop("SIGINT"))
+    assert any(isinstance(a, P.StopWorkers) for a in acts)
+    acts = d.feed(P.WorkersExited(1, -15))
+    assert [a.code for a in acts if isinstance(a, P.Exit)] == [P.EXIT_STOPPED]
+
+
+def test_heartbeats_of_an_old_attempt_are_ignored():
+    d = Driver()
+    d.launch()
+    d.train(range(1, 3))
+    d.feed(P.WorkersExited(1, 1))
+    d.now = d.st.resume_at
+    d.launch(resume=2)
+    before = d.st
+    d.feed(P.Heartbeat(1, 0, 99, "train"))
+    assert d.st == before
+
+
+def test_every_logged_event_is_a_known_event():
+    d = Driver()
+    d.launch()
+    d.train(range(1, 5))
+    d.feed(P.Tick(), at=d.now + 50)
+    d.feed(P.WorkersExited(1, 1))
+    assert set(d.events()) <= EVENTS
