@@ -67,9 +67,67 @@ def build_parser(*, load_bench: bool = False) -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     # One registrar per top-level command; `run`, `status`, `export-hf` and `demo`
     # (ARCHITECTURE section 5) slot in here as they are written.
+    _add_run(commands)
+    _add_status(commands)
     _add_ckpt(commands)
     _add_bench(commands, load=load_bench)
     return parser
+
+
+# --------------------------------------------------------------------------- run, status
+
+
+def _add_run(commands: Any) -> None:
+    p = commands.add_parser("run", help="supervise a training job (a long-running daemon)")
+    p.add_argument("--config", required=True, type=Path, help="the job's YAML config")
+    p.set_defaults(handler=cmd_run)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from supervisor.config import load_config
+    from supervisor.daemon import Daemon
+
+    cfg = load_config(args.config)  # a ConfigError becomes one line and exit 2, before anything starts
+    return Daemon(cfg).run()
+
+
+def _add_status(commands: Any) -> None:
+    p = commands.add_parser("status", help="what the supervisor of a job is doing")
+    p.add_argument("--config", required=True, type=Path, help="the job's YAML config")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=cmd_status)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import psutil
+
+    from supervisor.config import load_config
+    from supervisor.journal import Journal
+
+    cfg = load_config(args.config)
+    rec = Journal(Path(cfg.job.state_dir) / "journal.json").read()
+    latest = layout.latest_consistent(cfg.checkpoint.dir)
+    alive = rec is not None and psutil.pid_exists(rec.supervisor_pid) and rec.status not in (
+        "succeeded", "failed", "stopped", "evicted")  # fmt: skip
+    out = {
+        "run_id": cfg.job.run_id,
+        "node_id": cfg.launch.node_id,
+        "supervisor_running": bool(alive),
+        "journal": rec.to_json() if rec else None,
+        "latest_checkpoint": latest.to_json() if latest else None,
+        "checkpoint_dir": str(cfg.checkpoint.dir),
+    }
+    if args.json:
+        _print_json(out)
+        return EXIT_OK
+    print(f"run {out['run_id']} on node {out['node_id']}: supervisor {'running' if alive else 'not running'}")
+    if rec:
+        print(f"  status {rec.status}, attempt {rec.attempt}, world size {rec.world_size}, "
+              f"resumed from step {rec.resume_step}")  # fmt: skip
+        if rec.last_failure:
+            print(f"  last failure: {rec.last_failure}")
+    print(f"  latest consistent checkpoint: {latest.step if latest else 'none'} in {cfg.checkpoint.dir}")
+    return EXIT_OK
 
 
 def _asks_for(argv: Sequence[str], command: str) -> bool:

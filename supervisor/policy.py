@@ -193,6 +193,7 @@ class Attempt:
     progress_at: float = 0.0  # when max_step last grew (or launch)
     step_times: tuple[float, ...] = ()  # seconds per step, newest last, bounded
     last_step_at: tuple[int, float] | None = None  # (step, time) of the newest step seen
+    best_before: int = -1  # the highest step any earlier attempt reached
 
     def rank_map(self) -> dict[int, RankView]:
         return dict(self.ranks)
@@ -310,7 +311,7 @@ def _launch(s: Settings, st: State, ev: LaunchReady, now: float) -> tuple[State,
             log("job_failed", "error", attempt=st.attempt_no, reason=exit_.reason),
             exit_,
         ]
-    att = Attempt(st.attempt_no, n, ev.resume_step, launched_at=now, progress_at=now)
+    att = Attempt(st.attempt_no, n, ev.resume_step, launched_at=now, progress_at=now, best_before=st.best_step)
     return replace(st, phase="running", attempt=att), [
         log("world_size_chosen", attempt=st.attempt_no, world_size=n, reason=why, step=ev.resume_step),
         Launch(st.attempt_no, n, ev.resume_step),
@@ -401,7 +402,9 @@ def _exited(s: Settings, st: State, att: Attempt, ev: WorkersExited, now: float)
     actions: list[Action] = []
     if st.phase == "running":
         actions.append(log("worker_exited", "error", attempt=att.number, reason=reason, step=att.max_step))
-    progressed = att.max_step > (att.resume_step if att.resume_step is not None else 0)
+    # Progress means reaching a step no earlier attempt reached: a job that dies at the same
+    # step every time (with or without checkpoints) is a crash loop, however often it restarts.
+    progressed = att.max_step > max(att.best_before, att.resume_step if att.resume_step is not None else 0)
     streak = 0 if progressed else st.no_progress_streak + 1
     failures = 1 if progressed else st.failures_in_a_row + 1
     restarts = tuple(t for t in st.restarts if now - t < s.window_s)

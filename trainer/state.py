@@ -90,6 +90,7 @@ class TrainingState:
             "step": self.step,
             "samples": self.samples,
             "global_batch": self.schedule.global_batch,
+            "micro_batch": self.schedule.micro_batch,
             "dataset_size": self.schedule.dataset_size,
             "data_seed": self.schedule.seed,
             "config": self.config,

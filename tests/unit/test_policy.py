@@ -228,3 +228,12 @@ def test_every_logged_event_is_a_known_event():
     d.feed(P.Tick(), at=d.now + 50)
     d.feed(P.WorkersExited(1, 1))
     assert set(d.events()) <= EVENTS
+
+
+def test_a_job_that_dies_at_the_same_step_without_checkpoints_is_a_crash_loop():
+    d = Driver(P.Settings(nproc_max=1, backoff_initial_s=0, max_attempts_without_progress=2))
+    for _ in range(3):
+        d.launch(healthy=1)
+        d.train(range(1, 3), ranks=1)  # reaches step 2, never a checkpoint
+        d.feed(P.WorkersExited(d.st.attempt.number, 1))
+    assert [a.code for a in d.actions if isinstance(a, P.Exit)] == [P.EXIT_CRASH_LOOP]

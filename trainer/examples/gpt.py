@@ -133,6 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus-bytes", type=int, default=1 << 20)
     p.add_argument("--fault", default="", help="KIND@STEP: kill, kill-in-save or exit")
     p.add_argument("--fault-rank", type=int, default=0)
+    p.add_argument("--fault-attempt", type=int, default=1,
+                   help="under ftsup run, inject only in this attempt (FTSUP_ATTEMPT), so a restart gets past it; -1: every attempt")
     args = p.parse_args(argv)
     if not args.ckpt_dir:
         p.error("--ckpt-dir is required (or set FTSUP_CHECKPOINT_DIR)")
@@ -177,8 +179,8 @@ def _no_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[
     return contextlib.nullcontext()
 
 
-def _fault(args: argparse.Namespace, rank: int) -> tuple[str, int]:
-    if not args.fault:
+def _fault(args: argparse.Namespace, rank: int, attempt: int) -> tuple[str, int]:
+    if not args.fault or (args.fault_attempt >= 0 and attempt not in (0, args.fault_attempt)):
         return "", -1
     kind, _, at = args.fault.partition("@")
     if kind not in ("kill", "kill-in-save", "exit", "stop") or not at.isdigit():
@@ -190,7 +192,7 @@ def train(args: argparse.Namespace) -> int:
     rt = runtime()
     rt.beat(rt.env.resume_step or 0, "init")
     rank, world, device = _setup(args)
-    fault, fault_step = _fault(args, rank)
+    fault, fault_step = _fault(args, rank, rt.env.attempt)
     dataset = TokenWindows(generate(args.corpus_bytes), args.seq_len)
     try:
         schedule = GlobalBatchSchedule(len(dataset), args.global_batch, args.micro_batch, world, rank, args.seed)

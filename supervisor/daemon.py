@@ -1,0 +1,305 @@
+"""`ftsup run`: the long-running loop that turns events into the policy's decisions and the
+decisions into processes.
+
+The loop waits (up to a tick) on the heartbeat socket and on signals, then feeds the policy:
+heartbeats, torchrun's exit, a tick for timeouts. It carries out each action with the thin
+adapters (launcher, health probe, checkpoint reader, journal) and logs each event once. It
+never imports torch.
+
+On start it reads the node's journal: processes of an attempt that a previous supervisor left
+running (it was `kill -9`ed, the node's systemd restarted it) are stopped before anything new
+is launched, so two attempts never run at once.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from supervisor import health, launcher, logs, policy
+from supervisor.config import JobConfig
+from supervisor.heartbeat import HeartbeatReceiver
+from supervisor.journal import Journal, JournalRecord
+from trainer.checkpoint import layout
+
+TICK_S = 0.1
+_UNIX_PATH_MAX = 100
+
+log = structlog.get_logger("ftsup.supervisor")
+
+
+def settings_from(cfg: JobConfig, nproc_max: int) -> policy.Settings:
+    hb, rs, ln = cfg.heartbeat, cfg.restart, cfg.launch
+    return policy.Settings(
+        nproc_max=nproc_max, min_world_size=ln.min_world_size, max_world_size=ln.max_world_size,
+        nnodes_max=ln.max_nodes, heartbeat_timeout_s=hb.timeout_s, progress_timeout_s=hb.progress_timeout_s,
+        startup_timeout_s=hb.startup_timeout_s, save_timeout_s=hb.save_timeout_s, min_timeout_s=hb.min_timeout_s,
+        step_time_multiplier=hb.step_time_multiplier, max_restarts=rs.max_restarts, window_s=rs.window_s,
+        backoff_initial_s=rs.backoff_initial_s, backoff_max_s=rs.backoff_max_s,
+        max_attempts_without_progress=rs.max_attempts_without_progress,
+    )  # fmt: skip
+
+
+class Daemon:
+    def __init__(self, cfg: JobConfig, *, clock: Callable[[], float] = time.monotonic):
+        self.cfg = cfg
+        self.clock = clock
+        self.node_dir = Path(cfg.job.state_dir)
+        self.journal = Journal(self.node_dir / "journal.json")
+        self.log_dir = Path(cfg.logging.dir) if cfg.logging.dir else self.node_dir / "logs"
+        self.attempt: launcher.RunningAttempt | None = None
+        self.pending: list[policy.Event] = []
+        self.world_size: int | None = None
+        self.resume_step: int | None = None
+        self.last_failure: str | None = None
+        self._stop_signal: str | None = None
+        self._runtime_dir: Path | None = None
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self) -> int:
+        logfile = logs.configure(self.cfg.logging.level, self.cfg.logging.format, self.log_dir / "supervisor.jsonl")
+        self._runtime_dir = self._make_runtime_dir()
+        receiver = HeartbeatReceiver(self._runtime_dir)
+        wake_r, wake_w = socket.socketpair()
+        wake_r.setblocking(False)
+        wake_w.setblocking(False)
+        old_fd = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
+        handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        old_handlers = {s: signal.signal(s, self._on_signal) for s in handled}
+        sel = selectors.DefaultSelector()
+        sel.register(receiver.fileno(), selectors.EVENT_READ)
+        sel.register(wake_r.fileno(), selectors.EVENT_READ)
+        code = policy.EXIT_INTERNAL
+        try:
+            log.info("supervisor_started", run_id=self.cfg.job.run_id, node_id=self.cfg.launch.node_id,
+                     pid=os.getpid(), config=self.cfg.source)  # fmt: skip
+            self._adopt_journal()
+            nproc_max = self._nproc_max()
+            machine = policy.Machine(settings_from(self.cfg, nproc_max))
+            self.pending.append(policy.Start())
+            while True:
+                while self.pending:
+                    machine, actions = machine.feed(self.pending.pop(0), self.clock())
+                    result = self._execute(actions)
+                    if result is not None:
+                        code = result
+                        return code
+                sel.select(TICK_S)
+                try:
+                    while wake_r.recv(4096):
+                        pass
+                except BlockingIOError:
+                    pass
+                if self._stop_signal:
+                    self.pending.append(policy.OperatorStop(self._stop_signal))
+                    self._stop_signal = None
+                new_pids = False
+                for beat in receiver.drain():
+                    if self.attempt is not None and beat.attempt == self.attempt.number:
+                        new_pids |= beat.pid not in self.attempt.known_pids
+                        self.attempt.known_pids.add(beat.pid)
+                    self.pending.append(policy.Heartbeat(beat.attempt, beat.local_rank, beat.step, beat.phase,
+                                                         beat.rank))  # fmt: skip
+                if new_pids:  # so that a restarted supervisor can find every rank of this attempt
+                    self._write_journal("running")
+                if self.attempt is not None:
+                    rc = self.attempt.poll()
+                    if rc is not None:
+                        self._reap_after_exit(rc)
+                self.pending.append(policy.Tick())
+        finally:
+            if self.attempt is not None:  # an exception must not leave an attempt running
+                self.attempt.stop(self.cfg.restart.stop_grace_s)
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+            signal.set_wakeup_fd(old_fd)
+            sel.close()
+            receiver.close()
+            wake_r.close()
+            wake_w.close()
+            _remove_runtime_dir(self._runtime_dir)
+            log.info("supervisor_exited", code=code)
+            if logfile is not None:
+                logfile.close()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._stop_signal = signal.Signals(signum).name
+
+    # ------------------------------------------------------------------ actions
+
+    def _execute(self, actions: list[policy.Action]) -> int | None:
+        for action in actions:
+            if isinstance(action, policy.Log):
+                getattr(log, action.level)(action.event, **action.as_dict())
+                if action.level == "error" and "reason" in action.as_dict():
+                    self.last_failure = str(action.as_dict()["reason"])
+            elif isinstance(action, policy.PrepareLaunch):
+                self.pending.append(self._prepare(action.attempt))
+            elif isinstance(action, policy.Launch):
+                self._launch(action)
+            elif isinstance(action, policy.StopWorkers):
+                self._stop(action)
+            elif isinstance(action, policy.Exit):
+                self._write_journal(_exit_status(action.code))
+                return action.code
+        return None
+
+    def _prepare(self, attempt: int) -> policy.LaunchReady:
+        h = health.probe(self.cfg.launch.health_command, self.cfg.launch.nproc_per_node)
+        if h.count is None:
+            # A blind probe must not look healthy: keep the last known world size.
+            log.warning("health_unknown", attempt=attempt, reason=h.detail, source=h.source)
+            slots = self.world_size or self._nproc_max()
+        else:
+            slots = h.count
+            log.info("health_probed", attempt=attempt, source=h.source, slots=list(h.slots or ()))
+        step, meta = self._choose_checkpoint(attempt)
+        return policy.LaunchReady(slots, step, self._batch_divisor(meta))
+
+    def _choose_checkpoint(self, attempt: int) -> tuple[int | None, dict[str, Any]]:
+        root = Path(self.cfg.checkpoint.dir)
+        deep = self.cfg.checkpoint.verify_deep
+        while True:
+            committed = layout.committed_dirs(root)
+            if not committed:
+                log.info("checkpoint_chosen", attempt=attempt, step=None, reason="no checkpoint: fresh start")
+                return None, {}
+            newest_step, newest = committed[-1]
+            info = layout.inspect_checkpoint(newest, deep=deep)
+            if info.consistent:
+                meta = dict(layout.read_manifest(newest).metadata)
+                log.info("checkpoint_chosen", attempt=attempt, step=info.step, kind=info.kind)
+                return info.step, meta
+            moved = layout.quarantine(root, newest_step)
+            log.error("checkpoint_quarantined", attempt=attempt, step=newest_step,
+                      reason="; ".join(map(str, info.problems)), path=str(moved))  # fmt: skip
+
+    def _batch_divisor(self, meta: dict[str, Any]) -> int | None:
+        g = self.cfg.launch.global_batch or meta.get("global_batch")
+        b = self.cfg.launch.micro_batch or meta.get("micro_batch")
+        if isinstance(g, int) and g > 0:
+            return g // b if isinstance(b, int) and b > 0 and g % b == 0 else g
+        return None
+
+    def _launch(self, action: policy.Launch) -> None:
+        assert self._runtime_dir is not None
+        ln = self.cfg.launch
+        spec = launcher.LaunchSpec(
+            command=tuple(self.cfg.job.command), nproc=action.nproc, nnodes=ln.nnodes, rdzv_endpoint=ln.rdzv_endpoint,
+            rdzv_id=ln.rdzv_id, extra_args=tuple(ln.torchrun_args),
+        )  # fmt: skip
+        env = dict(os.environ)
+        env.update(self.cfg.job.env)
+        env.update(
+            FTSUP_HEARTBEAT_SOCKET=str(self._runtime_dir / "heartbeat.sock"),
+            FTSUP_CONTROL_FILE=str(self._runtime_dir / "control.json"),
+            FTSUP_CHECKPOINT_DIR=str(self.cfg.checkpoint.dir),
+            FTSUP_RESUME_STEP="" if action.resume_step is None else str(action.resume_step),
+            FTSUP_ATTEMPT=str(action.attempt),
+            FTSUP_RUN_ID=self.cfg.job.run_id,
+            FTSUP_NODE_ID=self.cfg.launch.node_id,
+            PYTHONUNBUFFERED="1",
+        )
+        self.world_size, self.resume_step = action.nproc, action.resume_step
+        log_path = self.log_dir / f"attempt-{action.attempt:04d}.log"
+        self.attempt = launcher.start(action.attempt, launcher.torchrun_argv(spec), env=env,
+                                      cwd=self.cfg.job.workdir, log_path=log_path)  # fmt: skip
+        self._write_journal("running")
+        self.pending.append(policy.WorkersStarted(action.attempt, (self.attempt.pid,)))
+
+    def _stop(self, action: policy.StopWorkers) -> None:
+        att = self.attempt
+        if att is None or att.number != action.attempt:
+            return
+        t0 = self.clock()
+        survivors = att.stop(self.cfg.restart.stop_grace_s, clock=self.clock)
+        if survivors:
+            log.error("orphans_found", attempt=att.number, pids=survivors)
+        log.info("workers_stopped", attempt=att.number, reason=action.reason,
+                 duration_s=round(self.clock() - t0, 3))  # fmt: skip
+        rc = att.poll()
+        self.attempt = None
+        self._write_journal("backoff")
+        self.pending.append(policy.WorkersExited(att.number, rc if rc is not None else -signal.SIGKILL))
+
+    def _reap_after_exit(self, rc: int) -> None:
+        """torchrun exited by itself: make sure none of its ranks outlive it."""
+        att = self.attempt
+        assert att is not None
+        survivors = att.stop(self.cfg.restart.stop_grace_s, clock=self.clock) if att.tree() else []
+        if survivors:
+            log.error("orphans_found", attempt=att.number, pids=survivors)
+        self.attempt = None
+        self.pending.append(policy.WorkersExited(att.number, rc))
+
+    # ------------------------------------------------------------------ journal, slots, runtime dir
+
+    def _write_journal(self, status: str) -> None:
+        att = self.attempt
+        pids: tuple[int, ...] = ()
+        if att is not None:
+            pids = tuple(sorted({att.pid, *att.known_pids, *(p.pid for p in att.tree())}))
+        self.journal.write(JournalRecord(
+            run_id=self.cfg.job.run_id, node_id=self.cfg.launch.node_id, supervisor_pid=os.getpid(),
+            attempt=att.number if att else 0, world_size=self.world_size, resume_step=self.resume_step, pids=pids,
+            attempt_started_unix=att.started_at if att else None, last_failure=self.last_failure, status=status,
+            updated_unix=time.time(),
+        ))  # fmt: skip
+
+    def _adopt_journal(self) -> None:
+        rec = self.journal.read()
+        if rec is None:
+            return
+        log.info("journal_adopted", attempt=rec.attempt, status=rec.status, world_size=rec.world_size,
+                 step=rec.resume_step, supervisor_pid=rec.supervisor_pid)  # fmt: skip
+        if rec.pids and rec.attempt_started_unix is not None:
+            stopped = launcher.kill_leftovers(
+                rec.pids, started_before=rec.updated_unix, grace_s=self.cfg.restart.stop_grace_s
+            )
+            if stopped:
+                log.warning("leftovers_stopped", attempt=rec.attempt, pids=stopped)
+
+    def _nproc_max(self) -> int:
+        n = self.cfg.launch.nproc_per_node
+        if n != "auto":
+            return int(n)
+        h = health.probe(None, "auto")
+        return h.count or 1
+
+    def _make_runtime_dir(self) -> Path:
+        preferred = self.node_dir / "run"
+        if len(str(preferred / "heartbeat.sock")) <= _UNIX_PATH_MAX:
+            preferred.mkdir(parents=True, exist_ok=True)
+            os.chmod(preferred, 0o700)
+            return preferred
+        return Path(tempfile.mkdtemp(prefix="ftsup-"))  # UNIX socket paths are limited to ~108 bytes
+
+
+def _remove_runtime_dir(path: Path | None) -> None:
+    if path is None:
+        return
+    for name in ("heartbeat.sock", "control.json"):
+        try:
+            (path / name).unlink()
+        except FileNotFoundError:
+            pass
+    try:
+        path.rmdir()
+    except OSError:
+        pass
+
+
+def _exit_status(code: int) -> str:
+    return {
+        policy.EXIT_OK: "succeeded", policy.EXIT_EVICTED: "evicted", policy.EXIT_STOPPED: "stopped",
+    }.get(code, "failed")  # fmt: skip
