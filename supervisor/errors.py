@@ -9,3 +9,7 @@ class SupervisorError(Exception):
 
 class UsageError(SupervisorError):
     """The command line asks for something that cannot be done as given (exit status 2)."""
+
+
+class ConfigError(SupervisorError):
+    """The job config cannot be used as written (exit status 2); the one-line message names the key path and the fix."""
