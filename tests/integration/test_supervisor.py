@@ -1,0 +1,173 @@
+"""`ftsup run` keeping the reference trainer alive: real torchrun, gloo, CPU.
+
+Each test writes a job config, runs the supervisor as a real process, and checks the loss log
+(each step's line from the last attempt that logged it) against an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from tests.procs import REPO, kill_tree, run
+from trainer.checkpoint import layout
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 16
+TRAINER = ["-m", "trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "4", "--n-layer", "2",
+           "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000"]  # fmt: skip
+
+
+def write_job(tmp: Path, *trainer_args: str, nproc: int = 2, **sections: dict) -> Path:
+    cfg: dict = {
+        "job": {"command": [sys.executable, *TRAINER, "--loss-log", str(tmp / "loss.jsonl"), *trainer_args],
+                "workdir": str(REPO), "state_dir": str(tmp / "state"), "env": {"PYTHONPATH": str(REPO)}},
+        "launch": {"nproc_per_node": nproc},
+        "checkpoint": {"dir": str(tmp / "ckpt")},
+        "restart": {"backoff_initial_s": 0.2, "stop_grace_s": 3},
+    }  # fmt: skip
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    path = tmp / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def ftsup(*args: str, timeout: float = 240):
+    return run([sys.executable, "-m", "supervisor.cli", *args], timeout=timeout)
+
+
+def last_lines(log: Path) -> dict[int, dict]:
+    out = {}
+    for line in log.read_text().splitlines():
+        j = json.loads(line)
+        out[j["step"]] = j
+    return out
+
+
+def events(tmp: Path) -> list[dict]:
+    return [json.loads(x) for x in (tmp / "state" / "logs" / "supervisor.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, dict]:
+    tmp = tmp_path_factory.mktemp("ref")
+    r = ftsup("run", "--config", str(write_job(tmp)))
+    assert r.returncode == 0, r.output[-4000:]
+    return last_lines(tmp / "loss.jsonl")
+
+
+def hexes(lines: dict[int, dict]) -> dict[int, str]:
+    return {s: j["loss_hex"] for s, j in lines.items()}
+
+
+def test_sigkilled_rank_is_restarted_and_the_run_is_bitwise_uninterrupted(reference, tmp_path):
+    r = ftsup("run", "--config", str(write_job(tmp_path, "--fault", "kill@7", "--fault-rank", "1")))
+    assert r.returncode == 0, r.output[-4000:]
+    assert hexes(last_lines(tmp_path / "loss.jsonl")) == hexes(reference)
+    evs = [e["event"] for e in events(tmp_path)]
+    assert evs.count("workers_launched") == 2 and "job_succeeded" in evs
+
+
+def test_sigstopped_rank_is_detected_as_a_hang_and_the_run_completes(reference, tmp_path):
+    r = ftsup("run", "--config", str(write_job(tmp_path, "--fault", "stop@9", "--fault-rank", "1")))
+    assert r.returncode == 0, r.output[-4000:]
+    assert hexes(last_lines(tmp_path / "loss.jsonl")) == hexes(reference)
+    hang = [e for e in events(tmp_path) if e["event"] == "heartbeat_timed_out"]
+    assert len(hang) == 1 and hang[0]["attempt"] == 1
+
+
+def test_unhealthy_slot_shrinks_the_world_size_and_keeps_the_global_batch(reference, tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(  # healthy: both slots on the first probe, slot 1 gone afterwards
+        "import pathlib, sys\n"
+        f"p = pathlib.Path({str(tmp_path / 'probes')!r})\n"
+        "n = int(p.read_text()) if p.exists() else 0\n"
+        "p.write_text(str(n + 1))\n"
+        "print('0 1' if n == 0 else '0')\n"
+    )
+    job = write_job(tmp_path, "--fault", "kill@6", "--fault-rank", "1",
+                    launch={"health_command": [sys.executable, str(probe)]})  # fmt: skip
+    r = ftsup("run", "--config", str(job))
+    assert r.returncode == 0, r.output[-4000:]
+    got = last_lines(tmp_path / "loss.jsonl")
+    resumed = [e for e in events(tmp_path) if e["event"] == "workers_launched"][-1]
+    assert (resumed["world_size"], resumed["resume_step"]) == (1, 4)
+    assert [got[s]["world_size"] for s in range(5, STEPS + 1)] == [1] * (STEPS - 4)
+    assert [got[s]["samples"] for s in sorted(got)] == [12 * s for s in range(1, STEPS + 1)]
+    for s in range(5, STEPS + 1):
+        assert got[s]["loss"] == pytest.approx(reference[s]["loss"], rel=1e-4)
+
+
+def test_crash_loop_stops_with_its_exit_code_and_says_why(tmp_path):
+    job = write_job(tmp_path, "--fault", "exit@3", "--fault-attempt", "-1", "--ckpt-every", "100",
+                    restart={"max_attempts_without_progress": 2, "backoff_initial_s": 0.1})  # fmt: skip
+    r = ftsup("run", "--config", str(job))
+    assert r.returncode == 3, r.output[-4000:]
+    crash = [e for e in events(tmp_path) if e["event"] == "crash_loop_detected"]
+    assert len(crash) == 1 and "2 attempts in a row made no step progress" in crash[0]["reason"]
+    assert [e["event"] for e in events(tmp_path)].count("workers_launched") == 3
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "expected"),
+    [
+        ("restart", "backof_initial_s", 1, "restart.backof_initial_s"),
+        ("launch", "min_world_size", 9, "launch.min_world_size"),
+        ("heartbeat", "timeout_s", -1, "heartbeat.timeout_s"),
+    ],
+)
+def test_a_bad_config_exits_2_with_one_line_naming_the_key_and_launches_nothing(tmp_path, section, key, value,
+                                                                                   expected):  # fmt: skip
+    job = write_job(tmp_path, **{section: {key: value}})
+    r = ftsup("run", "--config", str(job), timeout=60)
+    assert r.returncode == 2
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0] and lines[0].startswith("ftsup: error:")
+    assert not (tmp_path / "state").exists() and not (tmp_path / "loss.jsonl").exists()
+
+
+def test_a_supervisor_killed_with_sigkill_leaves_nothing_and_a_restart_finishes_the_job(reference, tmp_path):
+    job = write_job(tmp_path, "--steps", "60", restart={"backoff_initial_s": 0.2})
+    # 60 steps instead of 16: the loss log of steps 1..16 must still match, the run is just longer.
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config", str(job)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # wait until a checkpoint exists and training goes on
+            info = layout.latest_consistent(tmp_path / "ckpt")
+            if info is not None and info.step >= 8:
+                break
+            time.sleep(0.05)
+        journal = json.loads((tmp_path / "state" / "journal.json").read_text())
+        pids = journal["pids"]
+        assert len(pids) >= 3  # torchrun and both ranks
+        proc.kill()
+        proc.wait(timeout=10)
+        gone_deadline = time.monotonic() + 30  # the ranks' parent-death guards take them down
+        while time.monotonic() < gone_deadline and any(
+            psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids
+        ):
+            time.sleep(0.05)  # fmt: skip
+        assert [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"] == []
+    finally:
+        kill_tree(proc.pid)
+    r = ftsup("run", "--config", str(job))
+    assert r.returncode == 0, r.output[-4000:]
+    evs = events(tmp_path)
+    assert "journal_adopted" in [e["event"] for e in evs]
+    resumed = [e for e in evs if e["event"] == "workers_launched"][-1]
+    assert resumed["resume_step"] >= 8
+    got = last_lines(tmp_path / "loss.jsonl")
+    assert sorted(got) == list(range(1, 61))
