@@ -4,8 +4,8 @@ The parent (this module, torch-free) writes a spec per group of ranks and launch
 
 1. the main group (R ranks): raw_write, memcpy, torch_save, dcp_save, dcp_async,
    ftsup_async (+ RSS growth over N saves), ftsup_sync, ftsup_load_same;
-2. the reshard group (R' != R ranks): dcp_load_reshard, ftsup_load_reshard, reading the
-   checkpoints the main group left;
+2. the reshard group (R' != R ranks): dcp_load_reshard and ftsup_load_reshard, interleaved,
+   reading the checkpoints the main group left;
 3. the DCP process-mode group (R ranks), last and alone, under its own timeout: it has been
    seen to hang, and then reports "hung" instead of stalling the benchmark.
 
@@ -262,7 +262,15 @@ def _run_groups(run: _Run, args: argparse.Namespace, reshard: int, skip: set[str
         "dcp": main.get("dcp_save", {}).get("reference"),
     }
     gib = max(args.size_mb / 1024, 1 / 64)
-    run.launch("reshard", reshard, reshard_rows, 180 + gib * args.repeats * 90, references=refs, **pinned)
+    run.launch(
+        "reshard",
+        reshard,
+        ["reshard_loads"] if reshard_rows else [],  # one row function interleaves both loads
+        180 + gib * args.repeats * 90,
+        references=refs,
+        reshard_loads=reshard_rows,
+        **pinned,
+    )
     process_rows = [r for r in PROCESS_ROWS if r not in skip]
     run.launch("process", args.ranks, process_rows, args.process_timeout_s, **pinned)
 

@@ -1,8 +1,8 @@
-"""The ftsup rows, run inside a rank: async and blocking saves, RSS growth, and loads.
+"""The ftsup save rows, run inside a rank: async and blocking saves, RSS growth.
 
 Written against `trainer.checkpoint.CheckpointEngine`. When that module cannot be
-imported every row here reports "not available" (the same on every rank, before any
-collective), so the rest of the benchmark still runs.
+imported every row here (and the ftsup loads in `trainer.bench.loads`) reports "not
+available" (the same on every rank, before any collective), so the rest still runs.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from trainer.bench import probes, synthetic
-from trainer.bench.peer_rows import load_row, raw_write_once, total_bytes
+from trainer.bench.peer_rows import raw_write_once, total_bytes
 from trainer.bench.rank import Ctx, RowFn, RowUnavailable
 
 # Steps are numbered per row so that retention (keep the last 3) leaves ftsup_sync's last
@@ -22,7 +22,7 @@ _RSS_STEP0 = 10_000
 _SYNC_STEP0 = 100_000
 
 
-def _engine_class() -> Any:
+def engine_class() -> Any:
     try:
         from trainer.checkpoint.engine import CheckpointEngine
     except ImportError as exc:
@@ -35,7 +35,7 @@ def _engine(ctx: Ctx) -> Any:
     if "engine" not in ctx.shared:
         from trainer.checkpoint import RetentionPolicy
 
-        cls = _engine_class()
+        cls = engine_class()
         ctx.shared["engine"] = cls(
             ctx.run_dir / "ftsup",
             max_in_flight=1,
@@ -142,47 +142,8 @@ def ftsup_sync(ctx: Ctx) -> None:
     eng.wait()
 
 
-def _load_with_fresh_engine(ctx: Ctx, name: str, reference: dict[str, Any]) -> None:
-    """A new engine on the store, as a restarted job would have, loading one step."""
-    cls = _engine_class()
-    from trainer.checkpoint import RetentionPolicy
-
-    eng = cls(
-        ctx.run_dir / "ftsup",
-        max_in_flight=1,
-        retention=RetentionPolicy(keep_last=3),
-    )
-    try:
-        load_row(
-            ctx,
-            name,
-            reference["checksum"],
-            lambda: eng.load(ctx.syn.state(), step=int(reference["step"])),
-        )
-    finally:
-        eng.close()
-
-
-def ftsup_load_same(ctx: Ctx) -> None:
-    """Load ftsup_sync's last checkpoint on the world size that wrote it."""
-    if "engine" in ctx.shared:
-        ctx.shared.pop("engine").close()
-    reference = ctx.shared.get("reference")
-    if reference is None:
-        raise RowUnavailable("ftsup_sync did not run, so there is no checkpoint to load")
-    _load_with_fresh_engine(ctx, "ftsup_load_same", reference)
-
-
-def ftsup_load_reshard(ctx: Ctx) -> None:
-    """Load ftsup_sync's last checkpoint on this group's (different) world size."""
-    _engine_class()
-    _load_with_fresh_engine(ctx, "ftsup_load_reshard", ctx.spec["references"]["ftsup"])
-
-
 ROWS: dict[str, RowFn] = {
     "ftsup_async": ftsup_async,
     "ftsup_rss": ftsup_rss,
     "ftsup_sync": ftsup_sync,
-    "ftsup_load_same": ftsup_load_same,
-    "ftsup_load_reshard": ftsup_load_reshard,
 }

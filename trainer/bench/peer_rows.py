@@ -1,8 +1,9 @@
 """The reference rows, run inside a rank: the disk's and memory's limits, and the peers.
 
 `raw_write` and `memcpy` bound what any checkpointer can do on this machine; `torch_save`,
-`dcp_save`, `dcp_async`, `dcp_async_process` and `dcp_load_reshard` are what ftsup is
-compared against. Each writes under its own folder of the run directory.
+`dcp_save`, `dcp_async` and `dcp_async_process` are what ftsup's saves are compared
+against (loads: `trainer.bench.loads`). Each writes under its own folder of the run
+directory.
 """
 
 from __future__ import annotations
@@ -297,56 +298,6 @@ def dcp_async_process(ctx: Ctx) -> None:
     _async_row(ctx, "dcp_async_process", AsyncCheckpointerType.PROCESS)
 
 
-def dcp_load_reshard(ctx: Ctx) -> None:
-    """dcp.load of dcp_save's last checkpoint into this group's (different) world size."""
-    ref = ctx.spec["references"]["dcp"]
-    load_row(
-        ctx,
-        "dcp_load_reshard",
-        ref["checksum"],
-        lambda: dcp.load(ctx.syn.state(), checkpoint_id=ref["path"], process_group=ctx.dcp_pg),
-    )
-
-
-def load_row(ctx: Ctx, name: str, reference: str | None, load: Any) -> None:
-    """Time `load()` into zeroed state with a cold page cache; check the result bitwise.
-
-    The first repeat also checks that zeroing changed the checksum, so that "exact" cannot
-    come from a load that did nothing.
-    """
-    for i in range(ctx.repeats):
-        sd = ctx.syn.app.state_dict()
-        synthetic.zero_(sd)
-        perturbed = None
-        if i == 0:
-            zeroed = synthetic.full_checksum(sd)
-            perturbed = zeroed != reference if ctx.rank == 0 else None
-        del sd
-        dropped = ctx.drop_cache()
-        before = probes.io_counters()
-        start = time.perf_counter()
-        result = load()
-        seconds = time.perf_counter() - start
-        after = probes.io_counters()
-        ctx.barrier()
-        got = synthetic.full_checksum(ctx.syn.app.state_dict())
-        exact = None
-        if ctx.rank == 0:
-            exact = got == reference and perturbed is not False
-        ctx.rec.record(
-            name,
-            i,
-            load_s=seconds,
-            bytes_read=probes.io_delta(before, after, "read_bytes"),
-            rchar=probes.io_delta(before, after, "rchar"),
-            needed_bytes=synthetic.local_bytes(ctx.syn.app.state_dict()),
-            engine_bytes_read=getattr(result, "bytes_read", None),
-            exact=exact,
-            perturbed=perturbed,
-            cache_dropped=dropped,
-        )
-
-
 ROWS: dict[str, RowFn] = {
     "raw_write": raw_write,
     "memcpy": memcpy,
@@ -354,5 +305,4 @@ ROWS: dict[str, RowFn] = {
     "dcp_save": dcp_save,
     "dcp_async": dcp_async,
     "dcp_async_process": dcp_async_process,
-    "dcp_load_reshard": dcp_load_reshard,
 }

@@ -32,7 +32,8 @@ ROW_NAMES = (
 _MAX = {
     "stall_s", "durable_s", "load_s", "block_s", "extra_step_s", "copy_s", "baseline_step_s",
     "engine_stage_s", "engine_durable_s", "steps_during", "rss_growth_bytes", "rss_before",
-    "rss_after", "wall_s", "copy_plain_s", "copy_hugepage_s", "raw_adjacent_s",
+    "rss_after", "wall_s", "copy_plain_s", "copy_hugepage_s", "raw_adjacent_s", "peak_rss_bytes",
+    "peak_rss_increase_bytes",
 }  # fmt: skip
 _SUM = {"bytes", "bytes_read", "rchar", "needed_bytes", "engine_bytes_read", "engine_tensor_bytes"}
 _ALL = {"exact", "perturbed", "cache_dropped"}
@@ -101,6 +102,8 @@ def combine(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
         if errors:
             combined["error"] = errors[0]
         for src, dst in (("peak_rss", "peak_rss_bytes"), ("rss_increase", "peak_rss_increase_bytes")):
+            if combined.get(dst) is not None:
+                continue  # measured around each repeat: closer than the whole row's peak
             known = [r[src] for r in finals if r.get(src) is not None]
             combined[dst] = max(known) if known else None
         out[row] = combined
