@@ -8,6 +8,7 @@ available" (the same on every rank, before any collective), so the rest still ru
 from __future__ import annotations
 
 import gc
+import os
 import time
 from typing import Any
 
@@ -20,6 +21,8 @@ from trainer.bench.rank import Ctx, RowFn, RowUnavailable
 _ASYNC_STEP0 = 1_000
 _RSS_STEP0 = 10_000
 _SYNC_STEP0 = 100_000
+KEEP_LAST = 3
+_SETTLE_S = 10.0
 
 
 def engine_class() -> Any:
@@ -39,9 +42,27 @@ def _engine(ctx: Ctx) -> Any:
         ctx.shared["engine"] = cls(
             ctx.run_dir / "ftsup",
             max_in_flight=1,
-            retention=RetentionPolicy(keep_last=3),
+            retention=RetentionPolicy(keep_last=KEEP_LAST),
         )
     return ctx.shared["engine"]
+
+
+def _settle(ctx: Ctx) -> None:
+    """Wait (bounded) for rank 0's retention to delete old checkpoints, then sync.
+
+    The engine applies retention after a save's future resolves, so a deletion of a whole
+    checkpoint (and the discards it triggers) can overlap whatever is measured next. The
+    peers' rows delete and sync between repeats; this gives ftsup's rows the same footing.
+    """
+    if ctx.rank == 0:
+        from trainer.checkpoint import layout
+
+        deadline = time.monotonic() + _SETTLE_S
+        root = ctx.run_dir / "ftsup"
+        while len(layout.committed_dirs(root)) > KEEP_LAST and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.sync()
+    ctx.barrier()
 
 
 def _result_fields(res: Any) -> dict[str, Any]:
@@ -60,6 +81,7 @@ def ftsup_async(ctx: Ctx) -> None:
     labels += list(range(ctx.repeats))
     mine = synthetic.local_bytes(ctx.syn.app.state_dict())
     for n, i in enumerate(labels):
+        _settle(ctx)
         raw_s = raw_write_once(ctx, mine)
         baseline = ctx.trainer.baseline(int(ctx.spec["baseline_steps"]))
         ctx.barrier()
@@ -119,6 +141,7 @@ def ftsup_sync(ctx: Ctx) -> None:
     mine = synthetic.local_bytes(ctx.syn.app.state_dict())
     for i in range(ctx.repeats):
         step = _SYNC_STEP0 + i
+        _settle(ctx)
         raw_s = raw_write_once(ctx, mine)
         if i == ctx.repeats - 1:
             ref = synthetic.full_checksum(ctx.syn.app.state_dict())

@@ -79,10 +79,10 @@ def _load_once(ctx: Ctx, case: LoadCase, repeat: int) -> None:
 
 def _engine(ctx: Ctx) -> Any:
     """A new engine on the store, as a restarted job would have (collective)."""
-    from trainer.bench.ftsup_rows import engine_class  # the import check lives there
+    from trainer.bench.ftsup_rows import KEEP_LAST, engine_class  # the import check lives there
     from trainer.checkpoint import RetentionPolicy
 
-    return engine_class()(ctx.run_dir / "ftsup", max_in_flight=1, retention=RetentionPolicy(keep_last=3))
+    return engine_class()(ctx.run_dir / "ftsup", max_in_flight=1, retention=RetentionPolicy(keep_last=KEEP_LAST))
 
 
 def _ftsup_case(ctx: Ctx, name: str, eng: Any, reference: dict[str, Any]) -> LoadCase:
