@@ -63,6 +63,7 @@ class Daemon:
         self.last_failure: str | None = None
         self._stop_signal: str | None = None
         self._runtime_dir: Path | None = None
+        self._ranks_seen: frozenset[int] = frozenset()
 
     # ------------------------------------------------------------------ main loop
 
@@ -116,6 +117,8 @@ class Daemon:
                     rc = self.attempt.poll()
                     if rc is not None:
                         self._reap_after_exit(rc)
+                    else:
+                        self._watch_worker_group()
                 self.pending.append(policy.Tick())
         finally:
             if self.attempt is not None:  # an exception must not leave an attempt running
@@ -211,6 +214,7 @@ class Daemon:
             PYTHONUNBUFFERED="1",
         )
         self.world_size, self.resume_step = action.nproc, action.resume_step
+        self._ranks_seen = frozenset()
         log_path = self.log_dir / f"attempt-{action.attempt:04d}.log"
         self.attempt = launcher.start(action.attempt, launcher.torchrun_argv(spec), env=env,
                                       cwd=self.cfg.job.workdir, log_path=log_path)  # fmt: skip
@@ -231,6 +235,17 @@ class Daemon:
         self.attempt = None
         self._write_journal("backoff")
         self.pending.append(policy.WorkersExited(att.number, rc if rc is not None else -signal.SIGKILL))
+
+    def _watch_worker_group(self) -> None:
+        """Notice torchrun replacing its ranks (a rendezvous membership change)."""
+        att = self.attempt
+        assert att is not None
+        pids = att.rank_pids()
+        if self._ranks_seen and not pids & self._ranks_seen:
+            # Its ranks are gone (or replaced) while torchrun lives on: it is re-forming the
+            # worker group, which takes a rendezvous and a fresh start of every rank.
+            self.pending.append(policy.WorkersRestarted(att.number))
+        self._ranks_seen = pids
 
     def _reap_after_exit(self, rc: int) -> None:
         """torchrun exited by itself: make sure none of its ranks outlive it."""

@@ -88,6 +88,13 @@ class RunningAttempt:
     def poll(self) -> int | None:
         return self.proc.poll()
 
+    def rank_pids(self) -> frozenset[int]:
+        """torchrun's direct children: the rank processes of the current worker group."""
+        try:
+            return frozenset(c.pid for c in psutil.Process(self.proc.pid).children() if _alive(c))
+        except psutil.NoSuchProcess:
+            return frozenset()
+
     def tree(self) -> list[psutil.Process]:
         """torchrun and every descendant still alive, plus ranks we learned of by heartbeat."""
         procs: dict[int, psutil.Process] = {}

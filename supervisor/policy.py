@@ -86,6 +86,14 @@ class WorkersStarted:
 
 
 @dataclass(frozen=True)
+class WorkersRestarted:
+    """torchrun replaced its rank processes itself (a node joined or left the rendezvous): the
+    new ranks start from scratch, so they get the startup timeout again."""
+
+    attempt: int
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     attempt: int
     local_rank: int  # ranks are tracked per node: this supervisor sees its own
@@ -122,7 +130,17 @@ class OperatorStop:
     reason: str = "operator"
 
 
-Event = Start | LaunchReady | WorkersStarted | Heartbeat | RankExited | WorkersExited | Tick | OperatorStop
+Event = (
+    Start
+    | LaunchReady
+    | WorkersStarted
+    | WorkersRestarted
+    | Heartbeat
+    | RankExited
+    | WorkersExited
+    | Tick
+    | OperatorStop
+)
 
 
 # ---------------------------------------------------------------------- actions
@@ -240,9 +258,7 @@ def progress_timeout(s: Settings, step_times: Sequence[float]) -> float | None:
     return None if hb is None else 2 * hb
 
 
-def choose_world_size(
-    s: Settings, healthy_slots: int, batch_divisor: int | None
-) -> tuple[int | None, str]:
+def choose_world_size(s: Settings, healthy_slots: int, batch_divisor: int | None) -> tuple[int | None, str]:
     """Local ranks for the next attempt: healthy slots, at most nproc_max, such that the job's
     world size stays within [min, max] and divides the batch. (None, why) when impossible."""
     n = min(healthy_slots, s.nproc_max)
@@ -283,6 +299,10 @@ def step(s: Settings, st: State, ev: Event, now: float) -> tuple[State, list[Act
     if isinstance(ev, WorkersStarted) and att and ev.attempt == att.number:
         return replace(st, attempt=replace(att, started=True)), [
             log("workers_launched", attempt=att.number, world_size=att.nproc, resume_step=att.resume_step)
+        ]
+    if isinstance(ev, WorkersRestarted) and att and ev.attempt == att.number and st.phase == "running":
+        return replace(st, attempt=replace(att, ranks=(), launched_at=now, progress_at=now, last_step_at=None)), [
+            log("workers_restarted", attempt=att.number, world_size=att.nproc, step=att.max_step)
         ]
     if isinstance(ev, Heartbeat) and att and ev.attempt == att.number and st.phase == "running":
         return _heartbeat(st, att, ev, now), []
@@ -375,7 +395,7 @@ def _tick(s: Settings, st: State, now: float) -> tuple[State, list[Action]]:
         elif view.phase == "train" and hb is not None and silent > hb:
             return _fail(st, att, f"rank {rank} silent for {silent:.1f}s (timeout {hb:.1f}s)", now,
                          "heartbeat_timed_out", rank=rank, timeout_s=round(hb, 3))  # fmt: skip
-    if len(ranks) < att.nproc and att.max_step >= 0 and hb is not None and now - att.progress_at > hb:
+    if training and len(ranks) < att.nproc and hb is not None and now - att.progress_at > hb:
         missing = sorted(set(range(att.nproc)) - set(ranks))
         return _fail(st, att, f"local ranks {missing} never sent a heartbeat", now, "heartbeat_timed_out")
     pt = progress_timeout(s, st.step_times)

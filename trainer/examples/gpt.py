@@ -30,6 +30,7 @@ import math
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -131,10 +132,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--corpus-bytes", type=int, default=1 << 20)
+    p.add_argument(
+        "--min-step-s",
+        type=float,
+        default=0.0,
+        help="pad each step to at least this long (demos and tests that need time to act; no effect on the math)",
+    )
     p.add_argument("--fault", default="", help="KIND@STEP: kill, kill-in-save or exit")
     p.add_argument("--fault-rank", type=int, default=0)
-    p.add_argument("--fault-attempt", type=int, default=1,
-                   help="under ftsup run, inject only in this attempt (FTSUP_ATTEMPT), so a restart gets past it; -1: every attempt")
+    p.add_argument(
+        "--fault-attempt",
+        type=int,
+        default=1,
+        help="under ftsup run, inject only in this attempt (FTSUP_ATTEMPT) so a restart gets past it; -1: every one",
+    )
     args = p.parse_args(argv)
     if not args.ckpt_dir:
         p.error("--ckpt-dir is required (or set FTSUP_CHECKPOINT_DIR)")
@@ -226,6 +237,7 @@ def train(args: argparse.Namespace) -> int:
     try:
         for step in range(state.step + 1, args.steps + 1):
             model.train()
+            t_start = time.monotonic()
             total = torch.zeros((), dtype=torch.float64, device=device)
             micro = schedule.rank_micro_batches(step)
             for i, mb in enumerate(micro):
@@ -260,6 +272,8 @@ def train(args: argparse.Namespace) -> int:
                 ids_now = [i for mb in micro for i in mb.sample_ids]
                 sample_log.write(json.dumps({"step": step, "rank": rank, "world_size": world, "ids": ids_now}) + "\n")
                 sample_log.flush()
+            if args.min_step_s > 0:
+                time.sleep(max(0.0, args.min_step_s - (time.monotonic() - t_start)))
             if step % args.ckpt_every == 0 and step < args.steps:
                 state.save(engine)
             if step == fault_step and fault == "kill":

@@ -1,0 +1,106 @@
+"""Two supervisors on 127.0.0.1 acting as two nodes of one job (c10d rendezvous, --nnodes 1:2).
+
+Node B is stopped (its supervisor SIGKILLed; its torchrun and ranks follow through their
+parent-death guards); node A relaunches on its own from the latest checkpoint at the smaller
+world size; B started again joins, and the job completes with every step's samples in order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.procs import REPO, kill_tree
+from trainer.checkpoint import layout
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node_config(tmp: Path, node: str, port: int) -> Path:
+    cfg = {
+        "job": {
+            "command": [sys.executable, "-m", "trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "4",
+                        "--n-layer", "2", "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000",
+                        "--min-step-s", "0.15", "--loss-log", str(tmp / "loss.jsonl")],
+            "workdir": str(REPO), "run_id": "mn-test", "state_dir": str(tmp / node),
+            "env": {"PYTHONPATH": str(REPO)},
+        },
+        "launch": {"nproc_per_node": 1, "nnodes": "1:2", "rdzv_endpoint": f"127.0.0.1:{port}", "node_id": node,
+                   "torchrun_args": ["--rdzv-conf=last_call_timeout=2,join_timeout=120,read_timeout=10"]},
+        "checkpoint": {"dir": str(tmp / "ckpt")},
+        "restart": {"backoff_initial_s": 0.5, "stop_grace_s": 3, "max_attempts_without_progress": 5},
+    }  # fmt: skip
+    path = tmp / f"{node}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def start(cfg: Path, out: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config", str(cfg)], env=env,
+                            stdout=open(out, "ab"), stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def lines(log: Path) -> list[dict]:
+    return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+
+
+def wait_for(what, deadline_s: float, message: str):
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        got = what()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(message)
+
+
+def test_losing_a_node_relaunches_smaller_and_the_node_can_rejoin(tmp_path):
+    port = free_port()
+    a_cfg, b_cfg = node_config(tmp_path, "node-a", port), node_config(tmp_path, "node-b", port)
+    a = start(a_cfg, tmp_path / "a.out")
+    b = start(b_cfg, tmp_path / "b.out")
+    b2 = None
+    try:
+        wait_for(lambda: any(j["world_size"] == 2 for j in lines(tmp_path / "loss.jsonl")), 120,
+                 "the two nodes never trained together")  # fmt: skip
+        wait_for(lambda: (i := layout.latest_consistent(tmp_path / "ckpt")) is not None and i.step >= 8, 120,
+                 "no checkpoint")  # fmt: skip
+        b.kill()
+        b.wait(timeout=10)
+        saved = layout.latest_consistent(tmp_path / "ckpt").step
+        wait_for(lambda: any(j["world_size"] == 1 for j in lines(tmp_path / "loss.jsonl")), 120,
+                 "node A never continued alone")  # fmt: skip
+        alone = [j for j in lines(tmp_path / "loss.jsonl") if j["world_size"] == 1]
+        assert alone[0]["step"] <= saved + 4 + 1  # resumed from a checkpoint at most one interval back
+        b2 = start(b_cfg, tmp_path / "b2.out")
+        assert a.wait(timeout=240) == 0, (tmp_path / "a.out").read_text()[-3000:]
+        assert b2.wait(timeout=60) == 0, (tmp_path / "b2.out").read_text()[-3000:]
+    finally:
+        for p in (a, b, b2):
+            if p is not None:
+                kill_tree(p.pid)
+    final: dict[int, dict] = {}
+    for j in lines(tmp_path / "loss.jsonl"):
+        final[j["step"]] = j
+    assert sorted(final) == list(range(1, STEPS + 1))
+    assert [final[s]["samples"] for s in sorted(final)] == [12 * s for s in range(1, STEPS + 1)]
+    a_events = [json.loads(x) for x in (tmp_path / "node-a" / "logs" / "supervisor.jsonl").read_text().splitlines()]
+    launches = [e for e in a_events if e["event"] == "workers_launched"]
+    assert len(launches) >= 2 and launches[1]["resume_step"] is not None
