@@ -64,7 +64,7 @@ class HeartbeatReceiver:
         return self.sock.fileno()
 
     def drain(self) -> list[Beat]:
-        beats = []
+        beats: list[Beat] = []
         while True:
             try:
                 raw = self.sock.recv(MAX_DATAGRAM)

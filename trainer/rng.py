@@ -25,7 +25,7 @@ from trainer.checkpoint.errors import CheckpointError
 
 
 def capture() -> dict[str, Any]:
-    np_state = np.random.get_state()
+    np_state: tuple[Any, ...] = tuple(np.random.get_state())
     state: dict[str, Any] = {
         "python": _python_state_to_json(random.getstate()),
         "numpy": {

@@ -127,8 +127,8 @@ class TrainingState:
         saved_parts = set(meta.get("components", self._components()))
         for name in sorted(saved_parts ^ set(self._components())):
             have = "has" if name in saved_parts else "has no"
-            mine = "has no" if name in saved_parts else "has"
-            diffs.append(f"{name}: the checkpoint {have} {name} state but this run {mine} {name}")
+            ours = "has no" if name in saved_parts else "has"
+            diffs.append(f"{name}: the checkpoint {have} {name} state but this run {ours} {name}")
         if diffs:
             raise CheckpointMismatchError(
                 "the checkpoint is from a different configuration: " + "; ".join(diffs),

@@ -115,7 +115,7 @@ def test_heartbeats_without_step_progress_time_out():
     d = Driver(P.Settings(nproc_max=2, progress_timeout_s=10.0, heartbeat_timeout_s=100.0))
     d.launch()
     d.train(range(1, 3))
-    for t in range(1, 12):
+    for _ in range(1, 12):
         d.feed(P.Heartbeat(1, 0, 2, "train"), at=d.now + 1)
         d.feed(P.Heartbeat(1, 1, 2, "train"))
         acts = d.feed(P.Tick())
