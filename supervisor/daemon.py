@@ -13,10 +13,12 @@ is launched, so two attempts never run at once.
 
 from __future__ import annotations
 
+import json
 import os
 import selectors
 import signal
 import socket
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,8 +27,12 @@ from typing import Any
 
 import structlog
 
-from supervisor import health, launcher, logs, policy
+from supervisor import health, launcher, logs, policy, systemd
 from supervisor.config import JobConfig
+from supervisor.eviction.notices import Blind, Notice, Seeing, from_signal
+from supervisor.eviction.providers import WatchError
+from supervisor.eviction.runner import WatcherThreads
+from supervisor.eviction.setup import build_watchers
 from supervisor.heartbeat import HeartbeatReceiver
 from supervisor.journal import Journal, JournalRecord
 from trainer.checkpoint import layout
@@ -45,7 +51,7 @@ def settings_from(cfg: JobConfig, nproc_max: int) -> policy.Settings:
         startup_timeout_s=hb.startup_timeout_s, save_timeout_s=hb.save_timeout_s, min_timeout_s=hb.min_timeout_s,
         step_time_multiplier=hb.step_time_multiplier, max_restarts=rs.max_restarts, window_s=rs.window_s,
         backoff_initial_s=rs.backoff_initial_s, backoff_max_s=rs.backoff_max_s,
-        max_attempts_without_progress=rs.max_attempts_without_progress,
+        max_attempts_without_progress=rs.max_attempts_without_progress, save_margin_s=cfg.eviction.save_margin_s,
     )  # fmt: skip
 
 
@@ -61,7 +67,9 @@ class Daemon:
         self.world_size: int | None = None
         self.resume_step: int | None = None
         self.last_failure: str | None = None
-        self._stop_signal: str | None = None
+        self._signals: list[str] = []
+        self._notices: dict[str, Notice] = {}  # by source, to acknowledge once saved
+        self._watchers: WatcherThreads | None = None
         self._runtime_dir: Path | None = None
         self._ranks_seen: frozenset[int] = frozenset()
 
@@ -75,8 +83,12 @@ class Daemon:
         wake_r.setblocking(False)
         wake_w.setblocking(False)
         old_fd = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
-        handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        handled = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP} | {
+            getattr(signal, name) for name in self.cfg.eviction.signals
+        }
         old_handlers = {s: signal.signal(s, self._on_signal) for s in handled}
+        self._watchers = WatcherThreads(build_watchers(self.cfg.eviction), self.cfg.eviction.poll_interval_s,
+                                        wake=wake_w).start()  # fmt: skip
         sel = selectors.DefaultSelector()
         sel.register(receiver.fileno(), selectors.EVENT_READ)
         sel.register(wake_r.fileno(), selectors.EVENT_READ)
@@ -85,6 +97,7 @@ class Daemon:
             log.info("supervisor_started", run_id=self.cfg.job.run_id, node_id=self.cfg.launch.node_id,
                      pid=os.getpid(), config=self.cfg.source)  # fmt: skip
             self._adopt_journal()
+            systemd.notify("READY=1", f"STATUS=supervising {self.cfg.job.run_id}")
             nproc_max = self._nproc_max()
             machine = policy.Machine(settings_from(self.cfg, nproc_max))
             self.pending.append(policy.Start())
@@ -101,16 +114,17 @@ class Daemon:
                         pass
                 except BlockingIOError:
                     pass
-                if self._stop_signal:
-                    self.pending.append(policy.OperatorStop(self._stop_signal))
-                    self._stop_signal = None
+                while self._signals:
+                    self.pending.append(self._signal_event(self._signals.pop(0)))
+                for report in self._watchers.drain():
+                    self._watch_report(report)
                 new_pids = False
                 for beat in receiver.drain():
                     if self.attempt is not None and beat.attempt == self.attempt.number:
                         new_pids |= beat.pid not in self.attempt.known_pids
                         self.attempt.known_pids.add(beat.pid)
                     self.pending.append(policy.Heartbeat(beat.attempt, beat.local_rank, beat.step, beat.phase,
-                                                         beat.rank))  # fmt: skip
+                                                         beat.rank, beat.figures))  # fmt: skip
                 if new_pids:  # so that a restarted supervisor can find every rank of this attempt
                     self._write_journal("running")
                 if self.attempt is not None:
@@ -123,6 +137,8 @@ class Daemon:
         finally:
             if self.attempt is not None:  # an exception must not leave an attempt running
                 self.attempt.stop(self.cfg.restart.stop_grace_s)
+            self._watchers.close()
+            systemd.notify("STOPPING=1")
             for s, h in old_handlers.items():
                 signal.signal(s, h)
             signal.set_wakeup_fd(old_fd)
@@ -136,7 +152,29 @@ class Daemon:
                 logfile.close()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self._stop_signal = signal.Signals(signum).name
+        self._signals.append(signal.Signals(signum).name)  # handled in the loop, not in the handler
+
+    def _signal_event(self, name: str) -> policy.Event:
+        if name in self.cfg.eviction.signals:
+            return self._notice_event(from_signal(name, time.time(), self.cfg.eviction.default_deadline_s))
+        return policy.OperatorStop(name)
+
+    def _notice_event(self, notice: Notice) -> policy.EvictionNoticed:
+        self._notices[notice.source] = notice
+        deadline = self.clock() + (notice.deadline_unix - time.time())  # wall clock -> the loop's clock
+        latest = layout.latest_consistent(self.cfg.checkpoint.dir)
+        state_bytes = layout.read_manifest(latest.path).tensor_bytes if latest else None
+        systemd.extend_timeout(max(1.0, notice.deadline_unix - time.time()) + self.cfg.restart.stop_grace_s)
+        return policy.EvictionNoticed(notice.source, deadline, notice.detail, notice.advisory, state_bytes)
+
+    def _watch_report(self, report: Notice | Blind | Seeing) -> None:
+        if isinstance(report, Notice):
+            self.pending.append(self._notice_event(report))
+        elif isinstance(report, Blind):
+            # A blind watcher must not look healthy: say so; the eviction state is unknown.
+            log.warning("watcher_blind", source=report.source, reason=report.reason)
+        else:
+            log.info("watcher_seeing", source=report.source)
 
     # ------------------------------------------------------------------ actions
 
@@ -152,10 +190,54 @@ class Daemon:
                 self._launch(action)
             elif isinstance(action, policy.StopWorkers):
                 self._stop(action)
+            elif isinstance(action, policy.RequestSave):
+                self._request_save(action)
+            elif isinstance(action, policy.AckEviction):
+                self._ack(action.source)
             elif isinstance(action, policy.Exit):
                 self._write_journal(_exit_status(action.code))
+                if action.code == policy.EXIT_EVICTED:
+                    self._requeue()
                 return action.code
         return None
+
+    def _control_path(self) -> Path:
+        assert self._runtime_dir is not None
+        return self._runtime_dir / "control.json"
+
+    def _request_save(self, action: policy.RequestSave) -> None:
+        deadline_unix = None if action.deadline is None else time.time() + (action.deadline - self.clock())
+        body = {"seq": action.seq, "action": "save", "stop": action.stop, "reason": action.reason,
+                "deadline_unix": deadline_unix}  # fmt: skip
+        path = self._control_path()
+        tmp = path.with_name(".control.json.tmp")
+        tmp.write_text(json.dumps(body))
+        os.replace(tmp, path)  # ranks see the old request or the new one, never half of one
+
+    def _ack(self, source: str) -> None:
+        notice = self._notices.get(source)
+        if notice is None or self._watchers is None:
+            return
+        try:
+            self._watchers.ack(notice)
+        except WatchError as e:
+            log.warning("watcher_blind", source=source, reason=f"acknowledgement failed: {e}")
+
+    def _requeue(self) -> None:
+        argv = list(self.cfg.eviction.requeue_command or ())
+        job_id = os.environ.get("SLURM_JOB_ID")
+        if not argv and job_id:
+            argv = ["scontrol", "requeue", job_id]
+        if not argv:
+            return
+        log.info("requeue_requested", reason=" ".join(argv))
+        try:
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            log.error("requeue_failed", reason=str(e))
+            return
+        if out.returncode != 0:
+            log.error("requeue_failed", reason=f"{argv[0]} exited {out.returncode}: {out.stderr.strip()[:300]}")
 
     def _prepare(self, attempt: int) -> policy.LaunchReady:
         h = health.probe(self.cfg.launch.health_command, self.cfg.launch.nproc_per_node)
@@ -215,6 +297,10 @@ class Daemon:
         )
         self.world_size, self.resume_step = action.nproc, action.resume_step
         self._ranks_seen = frozenset()
+        try:  # a new attempt starts with no request pending
+            self._control_path().unlink()
+        except FileNotFoundError:
+            pass
         log_path = self.log_dir / f"attempt-{action.attempt:04d}.log"
         self.attempt = launcher.start(action.attempt, launcher.torchrun_argv(spec), env=env,
                                       cwd=self.cfg.job.workdir, log_path=log_path)  # fmt: skip

@@ -59,6 +59,9 @@ class Settings:
     backoff_initial_s: float = 1.0
     backoff_max_s: float = 60.0
     max_attempts_without_progress: int = 3
+    save_margin_s: float = 5.0  # safety margin when deciding whether an emergency save fits
+    stop_margin_s: float = 1.0  # ranks still running this long before an eviction deadline are stopped
+    assumed_save_bytes_per_s: float = 256 * 2**20  # until a save has been measured
 
 
 # ---------------------------------------------------------------------- events
@@ -100,6 +103,10 @@ class Heartbeat:
     step: int
     phase: str
     rank: int = -1  # global rank, for logs
+    figures: tuple[tuple[str, float], ...] = ()  # save_s, saved_step, stopped_step, loss, ...
+
+    def figure(self, name: str) -> float | None:
+        return dict(self.figures).get(name)
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,18 @@ class OperatorStop:
     reason: str = "operator"
 
 
+@dataclass(frozen=True)
+class EvictionNoticed:
+    """An eviction is coming (signal, cloud metadata, file, command), due at `deadline` (the
+    daemon's clock). `advisory` (AWS rebalance): save now, keep training."""
+
+    source: str
+    deadline: float
+    detail: str = ""
+    advisory: bool = False
+    state_bytes: int | None = None  # size of the last checkpoint, to estimate a save before one is timed
+
+
 Event = (
     Start
     | LaunchReady
@@ -140,6 +159,7 @@ Event = (
     | WorkersExited
     | Tick
     | OperatorStop
+    | EvictionNoticed
 )
 
 
@@ -167,6 +187,23 @@ class StopWorkers:
 
 
 @dataclass(frozen=True)
+class RequestSave:
+    """Ask the ranks (control file) to save at the next step boundary, and maybe stop after."""
+
+    seq: int
+    stop: bool
+    reason: str
+    deadline: float | None
+
+
+@dataclass(frozen=True)
+class AckEviction:
+    """Tell the notice's source that we are ready (Azure: StartRequests)."""
+
+    source: str
+
+
+@dataclass(frozen=True)
 class Exit:
     code: int
     reason: str
@@ -186,7 +223,7 @@ def log(event: str, level: str = "info", **fields: object) -> Log:
     return Log(event, level, tuple(sorted(fields.items())))
 
 
-Action = PrepareLaunch | Launch | StopWorkers | Exit | Log
+Action = PrepareLaunch | Launch | StopWorkers | RequestSave | AckEviction | Exit | Log
 
 
 # ---------------------------------------------------------------------- state
@@ -218,6 +255,15 @@ class Attempt:
 
 
 @dataclass(frozen=True)
+class Eviction:
+    source: str
+    deadline: float
+    noticed_at: float
+    save_seq: int | None  # None: no save was requested (no time for one)
+    committed_step: int | None = None
+
+
+@dataclass(frozen=True)
 class State:
     phase: str = "init"  # init | preparing | running | stopping | backoff | done
     attempt_no: int = 0
@@ -231,6 +277,9 @@ class State:
     resume_at: float = 0.0
     step_times: tuple[float, ...] = ()  # carried across attempts for learned timeouts
     last_failure: str | None = None
+    save_times: tuple[float, ...] = ()  # measured save durations (s), newest last
+    save_seq: int = 0  # the newest save request's number
+    eviction: Eviction | None = None
 
 
 # ---------------------------------------------------------------------- pure helpers
@@ -304,8 +353,10 @@ def step(s: Settings, st: State, ev: Event, now: float) -> tuple[State, list[Act
         return replace(st, attempt=replace(att, ranks=(), launched_at=now, progress_at=now, last_step_at=None)), [
             log("workers_restarted", attempt=att.number, world_size=att.nproc, step=att.max_step)
         ]
-    if isinstance(ev, Heartbeat) and att and ev.attempt == att.number and st.phase == "running":
-        return _heartbeat(st, att, ev, now), []
+    if isinstance(ev, Heartbeat) and att and ev.attempt == att.number and st.phase in ("running", "stopping"):
+        return _heartbeat_and_saves(st, att, ev, now)
+    if isinstance(ev, EvictionNoticed):
+        return _evict(s, st, ev, now)
     if isinstance(ev, RankExited) and att and ev.attempt == att.number and st.phase == "running":
         how = f"signal {ev.signal}" if ev.signal else f"exit code {ev.exitcode}"
         if ev.exitcode == 0 and not ev.signal:
@@ -351,6 +402,108 @@ def _heartbeat(st: State, att: Attempt, ev: Heartbeat, now: float) -> State:
     return replace(st, attempt=att, step_times=step_times, best_step=max(st.best_step, att.max_step))
 
 
+def _heartbeat_and_saves(st: State, att: Attempt, ev: Heartbeat, now: float) -> tuple[State, list[Action]]:
+    actions: list[Action] = []
+    if st.phase == "running":
+        st = _heartbeat(st, att, ev, now)
+    save_s = ev.figure("save_s")
+    if save_s is not None and ev.local_rank == 0:
+        st = replace(st, save_times=(*st.save_times, save_s)[-20:])
+    saved = ev.figure("saved_step")
+    ej = st.eviction
+    if saved is not None and ej is not None and ej.committed_step is None and ev.local_rank == 0:
+        st = replace(st, eviction=replace(ej, committed_step=int(saved)))
+        actions += [
+            log(
+                "checkpoint_committed",
+                attempt=att.number,
+                step=int(saved),
+                kind="emergency",
+                duration_s=round(save_s or 0.0, 3),
+                reason=f"eviction: {ej.source}",
+            ),  # fmt: skip
+            AckEviction(ej.source),
+        ]
+    return st, actions
+
+
+def save_estimate_s(s: Settings, st: State, state_bytes: int | None) -> float | None:
+    """How long a blocking save takes: the slowest of the recent measured ones, else a guess from
+    the checkpoint's size, else unknown."""
+    if st.save_times:
+        return max(st.save_times[-5:])
+    if state_bytes:
+        return state_bytes / s.assumed_save_bytes_per_s
+    return None
+
+
+def save_fits(s: Settings, st: State, now: float, deadline: float, state_bytes: int | None) -> tuple[bool, str]:
+    step_s = p99(st.step_times) or 0.0
+    est = save_estimate_s(s, st, state_bytes)
+    need = step_s + 1.5 * (est or 0.0) + s.save_margin_s
+    left = deadline - now
+    basis = f"save ~{est:.2f}s" if est is not None else "no save measured yet"
+    why = f"needs {need:.1f}s ({basis}, step {step_s:.2f}s, margin {s.save_margin_s:g}s), {left:.1f}s left"
+    return need <= left, why
+
+
+def _evict(s: Settings, st: State, ev: EvictionNoticed, now: float) -> tuple[State, list[Action]]:
+    att = st.attempt
+    notice = log("eviction_noticed", "warning", reason=f"{ev.source}: {ev.detail}",
+                 deadline_in_s=round(ev.deadline - now, 3), attempt=st.attempt_no)  # fmt: skip
+    if ev.advisory:
+        if st.phase != "running" or att is None:
+            return st, [notice]
+        seq = st.save_seq + 1
+        return replace(st, save_seq=seq), [
+            notice,
+            log("save_requested", attempt=att.number, reason=f"{ev.source}: {ev.detail}", stop=False),
+            RequestSave(seq, False, f"{ev.source}: {ev.detail}", ev.deadline),
+        ]
+    if st.eviction is not None:
+        return st, []  # one eviction at a time; later notices of it change nothing
+    exit_ = Exit(EXIT_EVICTED, f"evicted: {ev.source}: {ev.detail}")
+    if st.phase == "stopping":
+        return replace(st, final=exit_, eviction=Eviction(ev.source, ev.deadline, now, None)), [notice]
+    if st.phase != "running" or att is None or att.max_step < 0:
+        # Nothing trained in this attempt since its checkpoint: nothing to save.
+        base = replace(st, final=exit_, eviction=Eviction(ev.source, ev.deadline, now, None))
+        if st.phase == "running" and att is not None:
+            return replace(base, phase="stopping", stop_reason=exit_.reason), [
+                notice,
+                log("save_skipped", attempt=att.number, reason="no training step since the last checkpoint"),
+                StopWorkers(att.number, exit_.reason),
+            ]
+        return replace(base, phase="done"), [notice, exit_]
+    fits, why = save_fits(s, st, now, ev.deadline, ev.state_bytes)
+    if not fits:
+        return replace(
+            st,
+            phase="stopping",
+            stop_reason=exit_.reason,
+            final=exit_,
+            eviction=Eviction(ev.source, ev.deadline, now, None),
+        ), [  # fmt: skip
+            notice,
+            log(
+                "save_skipped",
+                "warning",
+                attempt=att.number,
+                step=att.max_step,
+                reason=f"an emergency save would not finish before the deadline: {why}; "
+                "the last committed checkpoint stays the resume point",
+            ),  # fmt: skip
+            AckEviction(ev.source),
+            StopWorkers(att.number, exit_.reason),
+        ]
+    seq = st.save_seq + 1
+    return replace(st, save_seq=seq, final=exit_, eviction=Eviction(ev.source, ev.deadline, now, seq)), [
+        notice,
+        log("save_requested", attempt=att.number, step=att.max_step, reason=f"{ev.source}: {why}", stop=True),
+        RequestSave(seq, True, f"{ev.source}: {ev.detail}", ev.deadline),
+    ]
+
+
 def _fail(st: State, att: Attempt, reason: str, now: float, event: str, **fields: object) -> tuple[State, list[Action]]:
     if st.phase != "running":
         return st, []
@@ -377,6 +530,19 @@ def _tick(s: Settings, st: State, now: float) -> tuple[State, list[Action]]:
         return _prepare(st, now)
     att = st.attempt
     if st.phase != "running" or att is None:
+        return st, []
+    ej = st.eviction
+    if ej is not None:
+        # Saving for an eviction: the usual timeouts are off (a save is long, the ranks then
+        # exit on their own); what counts is leaving before the deadline.
+        if now >= ej.deadline - s.stop_margin_s:
+            why = "the eviction deadline is here"
+            if ej.committed_step is None:
+                why += " before the save committed"
+            return replace(st, phase="stopping", stop_reason=why), [
+                log("stop_requested", "warning", attempt=att.number, reason=why),
+                StopWorkers(att.number, why),
+            ]
         return st, []
     ranks = att.rank_map()
     slow = any(r.phase in SLOW_PHASES for r in ranks.values())

@@ -1,4 +1,4 @@
-"""The rank side of the supervisor channel: heartbeats out, (later) save/stop requests in.
+"""The rank side of the supervisor channel: heartbeats out, save/stop requests in.
 
     from trainer.runtime import runtime
     rt = runtime()                         # reads the environment once; a no-op without a supervisor
@@ -13,6 +13,12 @@ supervisor drops the beat (counted in `dropped`). The client also arms a parent-
 so that a rank never outlives its torchrun agent (torchrun starts ranks in sessions of their
 own, where signals to the agent's process group do not reach them).
 
+Requests come the other way through a small JSON file the supervisor replaces atomically
+(`FTSUP_CONTROL_FILE`): `{"seq": n, "action": "save", "stop": bool, "reason": ..., "deadline_unix": ...}`.
+A rank checks it once per step with one `stat()`; then all ranks agree on it with one tiny
+all-reduce (MAX), so that a notice seen by one node's supervisor reaches every rank of the job
+at the same step (`agree`).
+
 This module is the one place where the trainer reads `FTSUP_*` environment variables.
 """
 
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+from typing import Any
 import json
 import os
 import signal
@@ -79,6 +86,7 @@ class RuntimeClient:
         self._step = env.resume_step or 0
         self.sent = 0
         self.dropped = 0
+        self.control = ControlReader(env.control_file)
         if env.heartbeat_socket:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._sock.setblocking(False)
@@ -120,6 +128,70 @@ class RuntimeClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+@dataclass(frozen=True)
+class Request:
+    seq: int
+    stop: bool = False
+    reason: str = ""
+    deadline_unix: float | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self.seq > 0
+
+
+NO_REQUEST = Request(0)
+
+
+class ControlReader:
+    """Reads the supervisor's control file when it changes (one stat() per call otherwise)."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+        self._sig: tuple[int, int, int] | None = None
+        self._last = NO_REQUEST
+
+    def poll(self) -> Request:
+        if not self.path:
+            return NO_REQUEST
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return self._last
+        sig = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if sig != self._sig:
+            self._sig = sig
+            try:
+                with open(self.path) as f:
+                    obj = json.load(f)
+                self._last = Request(
+                    int(obj["seq"]), bool(obj.get("stop", False)), str(obj.get("reason", "")), obj.get("deadline_unix")
+                )
+            except (OSError, ValueError, KeyError, TypeError):
+                self._sig = None  # a torn or odd file: read it again next step
+        return self._last
+
+
+def agree(request: Request, device: Any = "cpu") -> Request:
+    """All ranks of the job agree on the newest request (one all-reduce of two integers, MAX).
+
+    Must be called by every rank at the same point of every step. Without torch.distributed it
+    returns `request` as is. The agreed request carries the highest seq and whether any rank's
+    supervisor asked to stop; reason and deadline are this rank's own copy (may be empty).
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return request
+    t = torch.tensor([request.seq, int(request.stop)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    seq, stop = (int(x) for x in t.tolist())
+    if seq == request.seq:
+        return Request(seq, bool(stop), request.reason, request.deadline_unix)
+    return Request(seq, bool(stop), "requested on another node", None)
 
 
 def _arm_parent_death_signal() -> None:

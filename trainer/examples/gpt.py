@@ -43,7 +43,7 @@ from trainer.checkpoint import CheckpointEngine, CheckpointError, RetentionPolic
 from trainer.data import DataConfigError, GlobalBatchSchedule, RankBatchSampler
 from trainer.examples.corpus import TokenWindows, generate
 from trainer.rng import micro_batch_seed
-from trainer.runtime import runtime
+from trainer.runtime import agree, runtime
 from trainer.state import TrainingState
 
 # ---------------------------------------------------------------------- model
@@ -234,6 +234,9 @@ def train(args: argparse.Namespace) -> int:
         dataset, batch_sampler=RankBatchSampler(schedule, state.step, args.steps), num_workers=args.num_workers
     )
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = iter(loader)
+    handled = 0  # the supervisor's save requests already served
+    stopped = False
+    in_flight = None  # the newest periodic save, to report its duration when it lands
     try:
         for step in range(state.step + 1, args.steps + 1):
             model.train()
@@ -274,15 +277,28 @@ def train(args: argparse.Namespace) -> int:
                 sample_log.flush()
             if args.min_step_s > 0:
                 time.sleep(max(0.0, args.min_step_s - (time.monotonic() - t_start)))
+            if in_flight is not None and in_flight.done():
+                rt.beat(step, "train", save_s=in_flight.wait().durable_s)
+                in_flight = None
             if step % args.ckpt_every == 0 and step < args.steps:
-                state.save(engine)
+                in_flight = state.save(engine)
+            request = agree(rt.control.poll(), device)  # every rank, every step: one tiny all-reduce
+            if request.seq > handled:
+                handled = request.seq
+                t_save = time.monotonic()
+                with rt.phase("save", step):
+                    state.save(engine, kind="emergency", block=True)
+                rt.beat(step, "train", saved_step=step, save_s=time.monotonic() - t_save)
+                if request.stop:  # evicted: the checkpoint of this very step is committed; leave
+                    stopped = True
+                    break
             if step == fault_step and fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             if step == fault_step and fault == "exit":
                 return 3
             if step == fault_step and fault == "stop":  # a hang: alive, silent, holding its peers
                 os.kill(os.getpid(), signal.SIGSTOP)
-        if state.step == args.steps:
+        if state.step == args.steps and not stopped:
             with rt.phase("save"):
                 state.save(engine, kind="final", block=True)
         with rt.phase("save"):
@@ -306,4 +322,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is closed and committed by now; skip the interpreter's teardown of torch, which
+    # takes seconds here and would only delay a restart or an eviction.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
