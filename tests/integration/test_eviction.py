@@ -1,0 +1,183 @@
+"""Evictions end to end: the reference trainer under `ftsup run`, a notice at a step, an
+emergency checkpoint of that very step, exit 5, and a second `ftsup run` that finishes the job
+with a loss log bitwise equal to an uninterrupted run. Cloud endpoints are a local server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from supervisor.policy import EXIT_EVICTED
+from tests.metadata_server import MetadataServer
+from tests.procs import REPO, kill_tree, run
+from trainer.checkpoint import layout
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 30
+TRAINER = ["-m", "trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "5", "--n-layer", "2",
+           "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000", "--min-step-s", "0.12"]  # fmt: skip
+_rnd = random.Random(5)
+
+
+def write_job(tmp: Path, **eviction) -> Path:
+    cfg = {
+        "job": {"command": [sys.executable, *TRAINER, "--loss-log", str(tmp / "loss.jsonl")], "workdir": str(REPO),
+                "state_dir": str(tmp / "state"), "env": {"PYTHONPATH": str(REPO)}},
+        "launch": {"nproc_per_node": 2},
+        "checkpoint": {"dir": str(tmp / "ckpt")},
+        "restart": {"backoff_initial_s": 0.2, "stop_grace_s": 3},
+        "eviction": {"poll_interval_s": 0.1, "default_deadline_s": 30, "save_margin_s": 2, **eviction},
+    }  # fmt: skip
+    path = tmp / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def loss_lines(log: Path) -> list[dict]:
+    return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+
+
+def last_per_step(log: Path) -> dict[int, str]:
+    return {j["step"]: j["loss_hex"] for j in loss_lines(log)}
+
+
+def events(tmp: Path) -> list[dict]:
+    return [json.loads(x) for x in (tmp / "state" / "logs" / "supervisor.jsonl").read_text().splitlines()]
+
+
+def start(job: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config", str(job)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+
+
+def wait_for_step(log: Path, step: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        lines = loss_lines(log)
+        if lines and lines[-1]["step"] >= step:
+            return
+        assert proc.poll() is None, "the supervisor exited before the notice"
+        time.sleep(0.02)
+    raise AssertionError(f"step {step} never logged")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, str]:
+    tmp = tmp_path_factory.mktemp("ref")
+    r = run([sys.executable, "-m", "supervisor.cli", "run", "--config", str(write_job(tmp))], timeout=240)
+    assert r.returncode == 0, r.output[-3000:]
+    return last_per_step(tmp / "loss.jsonl")
+
+
+SOURCES = ["SIGTERM", "SIGUSR1", "aws", "gcp", "azure"]
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_notice_saves_the_current_step_exits_5_and_a_rerun_is_bitwise_uninterrupted(reference, tmp_path, source):
+    at = _rnd.randrange(6, 20)
+    with MetadataServer() as srv:
+        providers = [] if source.startswith("SIG") else [source]
+        job = write_job(tmp_path, providers=providers, endpoint=srv.url)
+        proc = start(job)
+        try:
+            wait_for_step(tmp_path / "loss.jsonl", at, proc)
+            if source.startswith("SIG"):
+                proc.send_signal(getattr(signal, source))
+            else:
+                {"aws": srv.state.evict_aws, "gcp": srv.state.evict_gcp, "azure": srv.state.evict_azure}[source]()
+            assert proc.wait(timeout=60) == EXIT_EVICTED
+        finally:
+            kill_tree(proc.pid)
+        acks = list(srv.state.acks)
+    last_logged = loss_lines(tmp_path / "loss.jsonl")[-1]["step"]
+    latest = layout.latest_consistent(tmp_path / "ckpt", deep=True)
+    # Zero steps lost: the newest checkpoint is the step the ranks were on (a periodic save of that
+    # very step, if one was already on its way, supersedes the emergency one: never two of a step).
+    assert latest.step == last_logged
+    assert latest.kind == ("periodic" if last_logged % 5 == 0 else "emergency")
+    if source == "azure":
+        assert acks == ["602d9444-d2cd-49c7-8624-8643e7171297"]
+    journal = json.loads((tmp_path / "state" / "journal.json").read_text())
+    assert journal["status"] == "evicted"
+    r = run([sys.executable, "-m", "supervisor.cli", "run", "--config", str(job)], timeout=240)
+    assert r.returncode == 0, r.output[-3000:]
+    launched = [e for e in events(tmp_path) if e["event"] == "workers_launched"][-1]
+    assert launched["resume_step"] == last_logged
+    assert last_per_step(tmp_path / "loss.jsonl") == reference
+
+
+def test_a_deadline_too_short_for_a_save_tears_nothing_and_says_why(tmp_path):
+    notice = tmp_path / "evict-now"
+    job = write_job(tmp_path, file=str(notice))
+    proc = start(job)
+    try:
+        wait_for_step(tmp_path / "loss.jsonl", 12, proc)
+        before = layout.latest_consistent(tmp_path / "ckpt")
+        notice.write_text('{"deadline_s": 1.0}')
+        assert proc.wait(timeout=60) == EXIT_EVICTED
+    finally:
+        kill_tree(proc.pid)
+    after = layout.latest_consistent(tmp_path / "ckpt", deep=True)
+    assert (after.step, after.kind) == (before.step, "periodic")
+    assert [i.consistent for i in layout.list_checkpoints(tmp_path / "ckpt")] == [True] * len(
+        layout.list_checkpoints(tmp_path / "ckpt")
+    )
+    assert not list((tmp_path / "ckpt").glob("*.partial"))
+    skipped = [e for e in events(tmp_path) if e["event"] == "save_skipped"]
+    assert len(skipped) == 1 and "would not finish before the deadline" in skipped[0]["reason"]
+
+
+def test_a_notice_during_a_periodic_async_save_never_races_two_saves_of_a_step(reference, tmp_path):
+    job = write_job(tmp_path)
+    proc = start(job)
+    try:
+        wait_for_step(tmp_path / "loss.jsonl", 10, proc)  # step 10 has just issued its periodic save
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == EXIT_EVICTED
+    finally:
+        kill_tree(proc.pid)
+    infos = layout.list_checkpoints(tmp_path / "ckpt", deep=True)
+    assert all(i.consistent for i in infos) and not list((tmp_path / "ckpt").glob("*.partial"))
+    steps = [i.step for i in infos]
+    assert len(steps) == len(set(steps)) and 10 in steps
+    last_logged = loss_lines(tmp_path / "loss.jsonl")[-1]["step"]
+    assert max(steps) == last_logged
+    r = run([sys.executable, "-m", "supervisor.cli", "run", "--config", str(job)], timeout=240)
+    assert r.returncode == 0, r.output[-3000:]
+    assert last_per_step(tmp_path / "loss.jsonl") == reference
+
+
+# Down and garbage endpoints are covered per watcher in tests/unit/test_eviction.py; here the
+# worst one for a running job, an endpoint that hangs, over a whole supervised run.
+@pytest.mark.parametrize("mode", ["slow"])
+def test_a_broken_metadata_endpoint_is_logged_and_training_is_undisturbed(reference, tmp_path, mode):
+    with MetadataServer() as srv:
+        if mode != "down":
+            srv.state.set(mode=mode, slow_s=3.0)
+        url = srv.url
+    if mode != "down":  # keep a live (misbehaving) server for the run
+        ctx = MetadataServer()
+        ctx.state.set(mode=mode, slow_s=3.0)
+        url = ctx.__enter__().url
+    try:
+        job = write_job(tmp_path, providers=["aws", "gcp", "azure"], endpoint=url)
+        r = run([sys.executable, "-m", "supervisor.cli", "run", "--config", str(job)], timeout=240)
+    finally:
+        if mode != "down":
+            ctx.__exit__(None, None, None)
+    assert r.returncode == 0, r.output[-3000:]
+    blind = {e["source"] for e in events(tmp_path) if e["event"] == "watcher_blind"}
+    assert blind == {"aws", "gcp", "azure"}
+    assert last_per_step(tmp_path / "loss.jsonl") == reference
