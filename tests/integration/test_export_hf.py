@@ -1,0 +1,62 @@
+"""Export to Hugging Face sharded safetensors: whole tensors from any world size, readable by
+the safetensors library, never from a corrupt checkpoint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import flip_byte
+from tests.procs import torchrun
+from trainer.checkpoint import CheckpointCorruptError, CheckpointEngine, CheckpointError
+from trainer.checkpoint.hf import INDEX_NAME, export_hf
+from trainer.checkpoint.stateful import ModelOptimState
+
+
+def load_index(out: Path) -> dict[str, torch.Tensor]:
+    index = json.loads((out / INDEX_NAME).read_text())
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(set(index["weight_map"].values())):
+        tensors.update(load_file(out / f))
+    assert sorted(tensors) == sorted(index["weight_map"])
+    return tensors
+
+
+@pytest.mark.multiprocess
+def test_fsdp_checkpoint_of_2_ranks_exports_whole_tensors(tmp_path):
+    r = torchrun("ckpt_worker.py", ["save", "--dir", str(tmp_path / "ckpt"), "--parallel", "fsdp", "--steps", "2",
+                                    "--out", str(tmp_path / "save.json")], nproc=2)  # fmt: skip
+    assert r.returncode == 0, r.output[-3000:]
+    digests = json.loads((tmp_path / "save.json").read_text())["digests_2"]
+    index = export_hf(tmp_path / "ckpt", 2, tmp_path / "hf", max_shard_bytes=40_000)
+    tensors = load_index(tmp_path / "hf")
+    assert len(set(index["weight_map"].values())) > 1  # really sharded
+    got = {f"model.{k}": hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+           for k, t in tensors.items()}  # fmt: skip
+    assert got == {k: v for k, v in digests.items() if k.startswith("model.")}
+
+
+def test_export_refuses_a_corrupt_checkpoint_and_leaves_no_output(tmp_path):
+    model = torch.nn.Linear(64, 64)
+    with CheckpointEngine(tmp_path / "ckpt") as eng:
+        res = eng.save(1, {"app": ModelOptimState(model)}, block=True)
+    flip_byte(Path(res.path) / "shard-00000.safetensors", 5000)
+    with pytest.raises(CheckpointCorruptError, match="shard-00000.safetensors"):
+        export_hf(tmp_path / "ckpt", 1, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists() and list(tmp_path.glob(".hf*")) == []
+
+
+def test_export_refuses_a_non_empty_output_directory(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    with CheckpointEngine(tmp_path / "ckpt") as eng:
+        eng.save(1, {"app": ModelOptimState(model)}, block=True)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "keep.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="not empty"):
+        export_hf(tmp_path / "ckpt", 1, tmp_path / "hf")
+    assert (tmp_path / "hf" / "keep.txt").read_text() == "mine"
