@@ -172,9 +172,9 @@ class Daemon:
             self.pending.append(self._notice_event(report))
         elif isinstance(report, Blind):
             # A blind watcher must not look healthy: say so; the eviction state is unknown.
-            log.warning("watcher_blind", source=report.source, reason=report.reason)
+            log.warning("watcher_went_blind", source=report.source, reason=report.reason)
         else:
-            log.info("watcher_seeing", source=report.source)
+            log.info("watcher_recovered", source=report.source)
 
     # ------------------------------------------------------------------ actions
 
@@ -221,7 +221,7 @@ class Daemon:
         try:
             self._watchers.ack(notice)
         except WatchError as e:
-            log.warning("watcher_blind", source=source, reason=f"acknowledgement failed: {e}")
+            log.warning("watcher_went_blind", source=source, reason=f"acknowledgement failed: {e}")
 
     def _requeue(self) -> None:
         argv = list(self.cfg.eviction.requeue_command or ())
@@ -243,7 +243,7 @@ class Daemon:
         h = health.probe(self.cfg.launch.health_command, self.cfg.launch.nproc_per_node)
         if h.count is None:
             # A blind probe must not look healthy: keep the last known world size.
-            log.warning("health_unknown", attempt=attempt, reason=h.detail, source=h.source)
+            log.warning("health_probe_failed", attempt=attempt, reason=h.detail, source=h.source)
             slots = self.world_size or self._nproc_max()
         else:
             slots = h.count

@@ -178,6 +178,6 @@ def test_a_broken_metadata_endpoint_is_logged_and_training_is_undisturbed(refere
         if mode != "down":
             ctx.__exit__(None, None, None)
     assert r.returncode == 0, r.output[-3000:]
-    blind = {e["source"] for e in events(tmp_path) if e["event"] == "watcher_blind"}
+    blind = {e["source"] for e in events(tmp_path) if e["event"] == "watcher_went_blind"}
     assert blind == {"aws", "gcp", "azure"}
     assert last_per_step(tmp_path / "loss.jsonl") == reference
