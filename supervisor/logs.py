@@ -23,7 +23,8 @@ EVENTS = frozenset(
         "heartbeat_timed_out", "progress_timed_out", "startup_timed_out", "worker_exited", "workers_stopped",
         "orphans_found", "restart_scheduled", "crash_loop_detected", "restart_budget_exhausted", "job_succeeded",
         "job_failed", "job_stopped", "stop_requested", "eviction_noticed", "save_requested", "checkpoint_committed",
-        "save_skipped", "requeue_requested", "requeue_failed", "watcher_went_blind", "watcher_recovered", "supervisor_exited",
+        "save_skipped", "requeue_requested", "requeue_failed", "watcher_went_blind", "watcher_recovered",
+        "supervisor_exited",
     }
 )  # fmt: skip
 
