@@ -312,7 +312,12 @@ class Daemon:
         if att is None or att.number != action.attempt:
             return
         t0 = self.clock()
-        survivors = att.stop(self.cfg.restart.stop_grace_s, clock=self.clock)
+        grace = (
+            self.cfg.restart.stop_grace_s
+            if action.grace_s is None
+            else min(action.grace_s, self.cfg.restart.stop_grace_s)
+        )
+        survivors = att.stop(grace, clock=self.clock)
         if survivors:
             log.error("orphans_found", attempt=att.number, pids=survivors)
         log.info("workers_stopped", attempt=att.number, reason=action.reason,

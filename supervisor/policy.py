@@ -184,6 +184,7 @@ class Launch:
 class StopWorkers:
     attempt: int
     reason: str
+    grace_s: float | None = None  # SIGTERM -> SIGKILL grace; None: the configured one
 
 
 @dataclass(frozen=True)
@@ -494,7 +495,8 @@ def _evict(s: Settings, st: State, ev: EvictionNoticed, now: float) -> tuple[Sta
                 "the last committed checkpoint stays the resume point",
             ),  # fmt: skip
             AckEviction(ev.source),
-            StopWorkers(att.number, exit_.reason),
+            # Leave before the deadline: the grace to SIGKILL must end inside it.
+            StopWorkers(att.number, exit_.reason, grace_s=max(0.5, ev.deadline - now - s.stop_margin_s)),
         ]
     seq = st.save_seq + 1
     return replace(st, save_seq=seq, final=exit_, eviction=Eviction(ev.source, ev.deadline, now, seq)), [
@@ -541,7 +543,7 @@ def _tick(s: Settings, st: State, now: float) -> tuple[State, list[Action]]:
                 why += " before the save committed"
             return replace(st, phase="stopping", stop_reason=why), [
                 log("stop_requested", "warning", attempt=att.number, reason=why),
-                StopWorkers(att.number, why),
+                StopWorkers(att.number, why, grace_s=max(0.2, ej.deadline - now - 0.2)),
             ]
         return st, []
     ranks = att.rank_map()
