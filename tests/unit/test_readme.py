@@ -12,7 +12,10 @@ MAIN_JOB = (
     f"{INSTALL} && .venv/bin/ftsup bench checkpoint --size-mb 256 --ranks 2"
     " --dir /tmp/ftsup-bench --json /tmp/ftsup-bench.json"
 )
-TESTS = f"{INSTALL} && .venv/bin/python -m pytest -q tests"
+# The tests also need Debian packages: a real single-node Slurm (tests/integration/test_slurm.py)
+# and systemd-analyze (tests/integration/test_deploy.py).
+APT = "apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y slurm-wlm munge systemd"
+TESTS = f"{APT} && {INSTALL} && .venv/bin/python -m pytest -q tests"
 
 # A title line, then two one-line bash blocks, with nothing but blank lines around them.
 OPENING = re.compile(r"\A# [^\n]+\n\s*```bash\n([^\n]+)\n```\n\s*```bash\n([^\n]+)\n```\n")
