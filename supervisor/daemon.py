@@ -38,6 +38,7 @@ from supervisor.journal import Journal, JournalRecord
 from trainer.checkpoint import layout
 
 TICK_S = 0.1
+_GONE = frozenset({-1})  # torchrun's ranks were seen and are gone
 _UNIX_PATH_MAX = 100
 
 log = structlog.get_logger("ftsup.supervisor")
@@ -72,6 +73,7 @@ class Daemon:
         self._watchers: WatcherThreads | None = None
         self._runtime_dir: Path | None = None
         self._ranks_seen: frozenset[int] = frozenset()
+        self.last_attempt = 0
 
     # ------------------------------------------------------------------ main loop
 
@@ -302,8 +304,11 @@ class Daemon:
         except FileNotFoundError:
             pass
         log_path = self.log_dir / f"attempt-{action.attempt:04d}.log"
+        # SIGTERM and SIGINT stay default: they are how a tree is stopped.
+        ignore = tuple(getattr(signal, n) for n in self.cfg.eviction.signals if n not in ("SIGTERM", "SIGINT"))
         self.attempt = launcher.start(action.attempt, launcher.torchrun_argv(spec), env=env,
-                                      cwd=self.cfg.job.workdir, log_path=log_path)  # fmt: skip
+                                      cwd=self.cfg.job.workdir, log_path=log_path, ignore_signals=ignore)  # fmt: skip
+        self.last_attempt = action.attempt
         self._write_journal("running")
         self.pending.append(policy.WorkersStarted(action.attempt, (self.attempt.pid,)))
 
@@ -332,11 +337,16 @@ class Daemon:
         att = self.attempt
         assert att is not None
         pids = att.rank_pids()
-        if self._ranks_seen and not pids & self._ranks_seen:
-            # Its ranks are gone (or replaced) while torchrun lives on: it is re-forming the
-            # worker group, which takes a rendezvous and a fresh start of every rank.
-            self.pending.append(policy.WorkersRestarted(att.number))
-        self._ranks_seen = pids
+        prev = self._ranks_seen
+        if prev and pids != prev and not pids & prev:
+            # Its ranks are gone (or replaced) while torchrun lives on: ranks finishing, or
+            # torchrun re-forming the worker group (a rendezvous and a fresh start of every rank).
+            # Either way their old heartbeats mean nothing now; only new ranks are a restart.
+            if pids:
+                self.pending.append(policy.WorkersRestarted(att.number, new_ranks=True))
+            elif prev != _GONE:
+                self.pending.append(policy.WorkersRestarted(att.number, new_ranks=False))
+        self._ranks_seen = pids if pids else (_GONE if prev else frozenset())
 
     def _reap_after_exit(self, rc: int) -> None:
         """torchrun exited by itself: make sure none of its ranks outlive it."""
@@ -357,10 +367,19 @@ class Daemon:
             pids = tuple(sorted({att.pid, *att.known_pids, *(p.pid for p in att.tree())}))
         self.journal.write(JournalRecord(
             run_id=self.cfg.job.run_id, node_id=self.cfg.launch.node_id, supervisor_pid=os.getpid(),
-            attempt=att.number if att else 0, world_size=self.world_size, resume_step=self.resume_step, pids=pids,
+            attempt=att.number if att else self.last_attempt, world_size=self.world_size,
+            resume_step=self.resume_step, pids=pids,
             attempt_started_unix=att.started_at if att else None, last_failure=self.last_failure, status=status,
-            updated_unix=time.time(),
+            updated_unix=time.time(), extra=self._journal_extra(),
         ))  # fmt: skip
+
+    def _journal_extra(self) -> dict[str, Any]:
+        latest = layout.latest_consistent(self.cfg.checkpoint.dir)
+        extra: dict[str, Any] = {"latest_checkpoint": latest.step if latest else None}
+        if self._notices:
+            extra["eviction"] = [{"source": n.source, "deadline_unix": n.deadline_unix, "detail": n.detail}
+                                 for n in self._notices.values()]  # fmt: skip
+        return extra
 
     def _adopt_journal(self) -> None:
         rec = self.journal.read()

@@ -69,8 +69,16 @@ def torchrun_argv(spec: LaunchSpec) -> list[str]:
     return argv
 
 
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
-    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+def _child_setup(ignore: tuple[int, ...]) -> Callable[[], None]:
+    def setup() -> None:  # runs in the child between fork and exec
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        # Notice signals are the supervisor's. Slurm delivers a step's signals to every process
+        # in it, and SIGUSR1's default action would kill torchrun and the ranks before they could
+        # save; an ignored disposition survives exec, so the whole tree ignores them.
+        for sig in ignore:
+            signal.signal(sig, signal.SIG_IGN)
+
+    return setup
 
 
 @dataclass
@@ -158,12 +166,13 @@ def start(
     env: Mapping[str, str],
     cwd: str | os.PathLike[str],
     log_path: Path,
+    ignore_signals: tuple[int, ...] = (),
 ) -> RunningAttempt:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(
             list(argv), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_set_pdeathsig,
+            start_new_session=True, preexec_fn=_child_setup(ignore_signals),
         )  # fmt: skip
     return RunningAttempt(number, proc, log_path, time.time())
 

@@ -91,9 +91,11 @@ class WorkersStarted:
 @dataclass(frozen=True)
 class WorkersRestarted:
     """torchrun replaced its rank processes itself (a node joined or left the rendezvous): the
-    new ranks start from scratch, so they get the startup timeout again."""
+    new ranks start from scratch, so they get the startup timeout again. Sent also (with
+    `new_ranks=False`) when the ranks are gone and torchrun has not exited yet."""
 
     attempt: int
+    new_ranks: bool = True
 
 
 @dataclass(frozen=True)
@@ -351,9 +353,10 @@ def step(s: Settings, st: State, ev: Event, now: float) -> tuple[State, list[Act
             log("workers_launched", attempt=att.number, world_size=att.nproc, resume_step=att.resume_step)
         ]
     if isinstance(ev, WorkersRestarted) and att and ev.attempt == att.number and st.phase == "running":
-        return replace(st, attempt=replace(att, ranks=(), launched_at=now, progress_at=now, last_step_at=None)), [
-            log("workers_restarted", attempt=att.number, world_size=att.nproc, step=att.max_step)
-        ]
+        fresh = replace(st, attempt=replace(att, ranks=(), launched_at=now, progress_at=now, last_step_at=None))
+        if not ev.new_ranks:
+            return fresh, []
+        return fresh, [log("workers_restarted", attempt=att.number, world_size=att.nproc, step=att.max_step)]
     if isinstance(ev, Heartbeat) and att and ev.attempt == att.number and st.phase in ("running", "stopping"):
         return _heartbeat_and_saves(st, att, ev, now)
     if isinstance(ev, EvictionNoticed):
@@ -463,6 +466,9 @@ def _evict(s: Settings, st: State, ev: EvictionNoticed, now: float) -> tuple[Sta
         ]
     if st.eviction is not None:
         return st, []  # one eviction at a time; later notices of it change nothing
+    if att is not None and st.phase == "running" and att.ranks and all(r.phase == "done" for _, r in att.ranks):
+        # Training is over and its final checkpoint committed: let the job succeed, not be evicted.
+        return st, [notice]
     exit_ = Exit(EXIT_EVICTED, f"evicted: {ev.source}: {ev.detail}")
     if st.phase == "stopping":
         return replace(st, final=exit_, eviction=Eviction(ev.source, ev.deadline, now, None)), [notice]

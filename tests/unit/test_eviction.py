@@ -182,3 +182,18 @@ def test_a_notice_between_attempts_exits_as_evicted():
     d.feed(P.WorkersExited(1, 1))
     acts = d.feed(P.EvictionNoticed("gcp", d.now + 30, "preempted"))
     assert [a.code for a in acts if isinstance(a, P.Exit)] == [P.EXIT_EVICTED]
+
+
+def test_a_notice_after_training_finished_lets_the_job_succeed():
+    d = running_driver()
+    for r in range(2):
+        d.feed(P.Heartbeat(1, r, 10, "done"))
+    acts = d.feed(P.EvictionNoticed("signal:SIGTERM", d.now + 30, ""))
+    assert [a.event for a in acts if isinstance(a, P.Log)] == ["eviction_noticed"]
+    assert [a.code for a in d.feed(P.WorkersExited(1, 0)) if isinstance(a, P.Exit)] == [P.EXIT_OK]
+
+
+def test_ranks_gone_before_torchrun_exits_is_not_logged_as_a_restart():
+    d = running_driver()
+    assert d.feed(P.WorkersRestarted(1, new_ranks=False)) == []
+    assert d.st.attempt.ranks == ()
