@@ -5,6 +5,8 @@ Subcommands (ARCHITECTURE section 5 is the contract for names, flags and JSON sh
     ftsup ckpt list DIR [--json] [--deep]              every committed checkpoint, oldest first
     ftsup ckpt verify DIR [--step N] [--deep] [--json] one checkpoint (default: the newest)
     ftsup bench checkpoint ...                         delegated to `trainer.bench`
+    ftsup bench recovery ...                           `supervisor.bench_recovery` (torch-free)
+    ftsup demo [--dir DIR] [--steps N] [--json FILE]   `supervisor.demo`: faults injected, bitwise check
 
 Exit statuses: 0 success; 1 the command ran and found a problem (verify: not consistent);
 2 usage errors, a missing directory or checkpoint, or any `CheckpointError`, reported as one
@@ -45,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run `ftsup` with `argv` (default: sys.argv[1:]) and return the exit status."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     try:
-        parser = build_parser(load_bench=_asks_for(args_list, "bench"))
+        parser = build_parser(load_bench=_asks_for(args_list, "bench") and not _asks_for(args_list, "recovery", 1))
         try:
             args = parser.parse_args(args_list)
         except SystemExit as e:  # argparse exits for --help (0) and usage errors (2)
@@ -71,6 +73,7 @@ def build_parser(*, load_bench: bool = False) -> argparse.ArgumentParser:
     _add_status(commands)
     _add_ckpt(commands)
     _add_bench(commands, load=load_bench)
+    _add_demo(commands)
     return parser
 
 
@@ -130,10 +133,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _asks_for(argv: Sequence[str], command: str) -> bool:
-    """Whether the first positional argument is `command` (there are no global options yet)."""
-    first = next((a for a in argv if not a.startswith("-")), None)
-    return first == command
+def _asks_for(argv: Sequence[str], command: str, position: int = 0) -> bool:
+    """Whether the positional argument at `position` is `command` (there are no global options yet)."""
+    positionals = [a for a in argv if not a.startswith("-")]
+    return len(positionals) > position and positionals[position] == command
 
 
 # --------------------------------------------------------------------------- ckpt
@@ -320,8 +323,19 @@ def _print_json(obj: Any) -> None:
 
 
 def _add_bench(commands: Any, *, load: bool) -> None:
-    bench = commands.add_parser("bench", help="benchmarks (need torch; see README)")
+    from supervisor import bench_recovery
+
+    bench = commands.add_parser("bench", help="benchmarks (checkpoint needs torch; see README)")
     kinds = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    p = kinds.add_parser(
+        "recovery",
+        help="fault -> first resumed step, ftsup vs torchrun --max-restarts=3",
+        description="Inject SIGKILL and SIGSTOP into the reference trainer's ranks under ftsup run and under "
+        "plain torchrun; report detection and recovery times, lost steps and orphans (see "
+        "supervisor/bench_recovery.py). Runs torch only in subprocesses.",
+    )
+    bench_recovery.add_arguments(p)
+    p.set_defaults(handler=bench_recovery.run)
     p = kinds.add_parser(
         "checkpoint",
         help="checkpoint save/load throughput",
@@ -354,6 +368,20 @@ def _import_bench() -> ModuleType:
             f"ftsup bench needs module {e.name!r}, which is not installed; install torch "
             "first, then ftsup with its extras, as the README shows"
         ) from None
+
+
+def _add_demo(commands: Any) -> None:
+    from supervisor import demo
+
+    p = commands.add_parser(
+        "demo",
+        help="the reference trainer under ftsup run, with faults injected; losses compared bitwise",
+        description="Run the reference trainer under `ftsup run` uninterrupted, then again while SIGKILLing a "
+        "rank, SIGSTOPping a rank and SIGKILLing the supervisor; report detection and recovery and compare the "
+        "loss logs bitwise. Exit 0 only when everything matched and nothing is left running.",
+    )
+    demo.add_arguments(p)
+    p.set_defaults(handler=demo.run)
 
 
 def _bench_not_loaded(args: argparse.Namespace) -> int:
