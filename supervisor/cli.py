@@ -47,7 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run `ftsup` with `argv` (default: sys.argv[1:]) and return the exit status."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     try:
-        parser = build_parser(load_bench=_asks_for(args_list, "bench") and not _asks_for(args_list, "recovery", 1))
+        torch_free_bench = _asks_for(args_list, "recovery", 1) or _asks_for(args_list, "eviction", 1)
+        parser = build_parser(load_bench=_asks_for(args_list, "bench") and not torch_free_bench)
         try:
             args = parser.parse_args(args_list)
         except SystemExit as e:  # argparse exits for --help (0) and usage errors (2)
@@ -168,6 +169,32 @@ def _add_ckpt(commands: Any) -> None:
     p.add_argument("--deep", action="store_true", help="also verify every checksum (reads all)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_ckpt_verify)
+
+    p = actions.add_parser(
+        "export-hf",
+        help="export a checkpoint's model as Hugging Face sharded safetensors (needs torch)",
+        description="Write OUT/model-0000k-of-0000n.safetensors and OUT/model.safetensors.index.json from "
+        "checkpoint --step (default: the latest consistent one), whatever world size saved it. The checkpoint "
+        "is deep-verified first; OUT must not exist or be empty.",
+    )
+    p.add_argument("dir", metavar="DIR", type=Path, help="the checkpoint directory")
+    p.add_argument("--step", type=_step_number, help="the step to export (default: latest consistent)")
+    p.add_argument("out", metavar="OUT", type=Path, help="the output directory")
+    p.add_argument("--prefix", help="key prefix of the model's tensors (default: found automatically)")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest file size (default 5 GB)")
+    p.set_defaults(handler=cmd_ckpt_export_hf)
+
+
+def cmd_ckpt_export_hf(args: argparse.Namespace) -> int:
+    try:
+        from trainer.checkpoint.hf import export_hf
+    except ModuleNotFoundError as e:
+        raise UsageError(f"ftsup ckpt export-hf needs {e.name!r}; install torch as the README shows") from None
+    index = export_hf(args.dir, args.step, args.out, prefix=args.prefix, max_shard_bytes=int(args.max_shard_gb * 1e9))
+    files = sorted(set(index["weight_map"].values()))
+    print(f"exported step {index['metadata']['ftsup_step']}: {len(index['weight_map'])} tensors, "
+          f"{index['metadata']['total_size']} bytes in {len(files)} file(s) under {args.out}")  # fmt: skip
+    return EXIT_OK
 
 
 def _step_number(text: str) -> int:
@@ -336,6 +363,16 @@ def _add_bench(commands: Any, *, load: bool) -> None:
     )
     bench_recovery.add_arguments(p)
     p.set_defaults(handler=bench_recovery.run)
+    from supervisor import bench_eviction
+
+    p = kinds.add_parser(
+        "eviction",
+        help="steps lost per eviction: ftsup's emergency saves vs periodic checkpoints only",
+        description=bench_eviction.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_eviction.add_arguments(p)
+    p.set_defaults(handler=bench_eviction.run)
     p = kinds.add_parser(
         "checkpoint",
         help="checkpoint save/load throughput",

@@ -60,3 +60,15 @@ def test_export_refuses_a_non_empty_output_directory(tmp_path):
     with pytest.raises(CheckpointError, match="not empty"):
         export_hf(tmp_path / "ckpt", 1, tmp_path / "hf")
     assert (tmp_path / "hf" / "keep.txt").read_text() == "mine"
+
+
+def test_ftsup_ckpt_export_hf_writes_the_index_and_says_what_it_did(tmp_path, capsys):
+    from supervisor.cli import main
+
+    model = torch.nn.Linear(8, 8)
+    with CheckpointEngine(tmp_path / "ckpt") as eng:
+        eng.save(4, {"app": ModelOptimState(model)}, block=True)
+    assert main(["ckpt", "export-hf", str(tmp_path / "ckpt"), "--step", "4", str(tmp_path / "hf")]) == 0
+    assert "exported step 4: 2 tensors" in capsys.readouterr().out
+    tensors = load_index(tmp_path / "hf")
+    assert torch.equal(tensors["weight"], model.weight.detach()) and torch.equal(tensors["bias"], model.bias.detach())
