@@ -173,7 +173,7 @@ def test_manifest_with_unsafe_path_is_refused(engine, bad):
     engine.save(1, {"app": state}, block=True)
     ckpt = Path(engine.directory) / "step-000000001"
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    manifest["files"][bad] = {"size": 1, "checksum": "crc32x64k:00000000"}
+    manifest["files"][bad] = {"size": 1, "checksum": f"{layout.CHECKSUM_ALGORITHM}:00000000"}
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(NoCheckpointError, match="not consistent"):
         engine.load({"app": make_state()}, step=1)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import default_files, flip_byte, make_fake_checkpoint, write_manifest_json
-from trainer.checkpoint import layout
+from trainer.checkpoint import blocksum, layout
 from trainer.checkpoint.errors import CheckpointError, ManifestError, NoCheckpointError
 
 BLOCK = layout.CHECKSUM_BLOCK_BYTES
@@ -56,11 +56,21 @@ def test_partial_and_corrupt_names_are_not_committed_steps() -> None:
 def test_block_crcs_cover_each_64k_block_and_a_short_tail() -> None:
     data = bytes(range(256)) * (BLOCK // 256) * 2 + b"tail"
     expected = [
-        zlib.crc32(data[:BLOCK]),
-        zlib.crc32(data[BLOCK : 2 * BLOCK]),
-        zlib.crc32(b"tail"),
+        blocksum.crc32c_python(data[:BLOCK]),
+        blocksum.crc32c_python(data[BLOCK : 2 * BLOCK]),
+        blocksum.crc32c_python(b"tail"),
     ]
     assert layout.block_crcs(data) == expected
+
+
+def test_block_crcs_of_the_older_algorithm_are_zlib_crc32() -> None:
+    data = bytes(range(256)) * (BLOCK // 256) + b"tail"
+    assert layout.block_crcs(data, algorithm="crc32x64k") == [zlib.crc32(data[:BLOCK]), zlib.crc32(b"tail")]
+
+
+def test_block_crcs_append_to_the_list_given() -> None:
+    crcs = [7]
+    assert (layout.block_crcs(b"abc", crcs), crcs) == ([7, blocksum.crc32c_python(b"abc")],) * 2
 
 
 def test_block_crcs_pack_and_unpack_round_trip() -> None:
@@ -103,7 +113,23 @@ def test_file_checksum_is_independent_of_how_reads_are_split(tmp_path: Path) -> 
 
 
 def test_checksum_names_its_algorithm() -> None:
-    assert layout.checksum_bytes(b"x").startswith("crc32x64k:")
+    assert (layout.checksum_bytes(b"x")[:11], layout.checksum_bytes(b"x", "crc32x64k")[:10]) == (
+        "crc32cx64k:",
+        "crc32x64k:",
+    )
+
+
+def test_file_checksum_of_the_older_algorithm_equals_its_checksum_of_the_bytes(tmp_path: Path) -> None:
+    data = os.urandom(2 * BLOCK + 5)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    assert layout.file_checksum(path, "crc32x64k") == layout.checksum_bytes(data, "crc32x64k")
+
+
+@pytest.mark.parametrize("recorded", ["crc32x64k", "md5:00000000", "crc32cx64k:0000000", "crc32cx64k:0000000G"])
+def test_recorded_checksum_without_a_known_algorithm_and_8_hex_digits_is_refused(recorded: str) -> None:
+    with pytest.raises(ManifestError, match="upgrade ftsup"):
+        layout.checksum_matches(b"", recorded)
 
 
 # --------------------------------------------------------------------------- manifest
@@ -174,8 +200,44 @@ def test_manifest_unknown_kind_is_refused() -> None:
 
 
 def test_manifest_other_checksum_algorithm_is_refused() -> None:
-    with pytest.raises(ManifestError, match="'sha256' is not supported"):
+    with pytest.raises(ManifestError, match="'sha256' is not supported.*upgrade"):
         parse(valid_manifest_json(checksum_algorithm="sha256"))
+
+
+def test_manifest_is_written_with_crc32c() -> None:
+    obj = valid_manifest_json()
+    assert (obj["checksum_algorithm"], obj["files"]["a/shard.bin"]["checksum"][:11]) == ("crc32cx64k", "crc32cx64k:")
+
+
+def test_manifest_of_an_earlier_version_keeps_its_crc32_algorithm() -> None:
+    old = layout.checksum_bytes(b"abc", "crc32x64k")
+    obj = valid_manifest_json(checksum_algorithm="crc32x64k", files={"s.bin": {"size": 3, "checksum": old}})
+    manifest = parse(obj)
+    assert (manifest.checksum_algorithm, manifest.to_json()) == ("crc32x64k", obj)
+
+
+def test_manifest_without_an_algorithm_is_read_as_crc32x64k() -> None:
+    obj = valid_manifest_json(files={"s.bin": {"size": 3, "checksum": layout.checksum_bytes(b"abc", "crc32x64k")}})
+    del obj["checksum_algorithm"]
+    assert parse(obj).checksum_algorithm == "crc32x64k"
+
+
+def test_manifest_file_checksum_of_another_algorithm_than_the_manifests_is_refused() -> None:
+    obj = valid_manifest_json(files={"s.bin": {"size": 3, "checksum": layout.checksum_bytes(b"abc", "crc32x64k")}})
+    with pytest.raises(ManifestError, match=r"files\['s.bin'\] checksum 'crc32x64k:.*' is not 'crc32cx64k:"):
+        parse(obj)
+
+
+def test_deep_check_of_an_older_checkpoint_uses_its_algorithm(tmp_path: Path) -> None:
+    ckpt = make_fake_checkpoint(tmp_path, 100, default_files())
+    obj = json.loads((ckpt / layout.MANIFEST_NAME).read_text())
+    for rel, entry in obj["files"].items():
+        entry["checksum"] = layout.file_checksum(ckpt / rel, "crc32x64k")
+    obj["checksum_algorithm"] = "crc32x64k"
+    write_manifest_json(ckpt, obj)
+    flip_byte(ckpt / sorted(obj["files"])[0])
+    _, problems = layout.check_checkpoint(ckpt, deep=True)
+    assert [(p.file, p.reason.startswith("checksum crc32x64k:")) for p in problems] == [(sorted(obj["files"])[0], True)]
 
 
 def test_manifest_that_is_not_json_is_a_manifest_error() -> None:

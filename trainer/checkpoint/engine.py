@@ -25,6 +25,7 @@ per-rank state (trainer.state), Hugging Face export.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import queue
@@ -54,7 +55,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import StorageReader
 
-from trainer.checkpoint import codec, layout
+from trainer.checkpoint import blocksum, codec, layout
 from trainer.checkpoint.comm import GroupComm, LocalComm, make_comm
 from trainer.checkpoint.errors import (
     CheckpointCorruptError,
@@ -165,6 +166,20 @@ def _local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if codec._is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
+@functools.cache
+def _warn_if_checksums_are_slow() -> None:
+    """Once per process: say so when block checksums run in pure Python (the C extension is
+    not built). Saves and loads stay correct, but checksumming then takes seconds per GiB and
+    holds the GIL, so training stalls during every save."""
+    if blocksum.implementation() == "python":
+        log.warning(
+            "checkpoint_checksums_slow",
+            implementation="python",
+            reason="the C extension trainer.checkpoint._blocksum is not built; reinstall ftsup with a C "
+            "compiler and the Python headers available (pip install -e .) to checksum in hardware",
+        )
+
+
 class CheckpointEngine:
     """Save and load sharded checkpoints under `directory` (shared by all ranks).
 
@@ -189,6 +204,7 @@ class CheckpointEngine:
         self.retention = retention if retention is not None else layout.RetentionPolicy()
         self.o_direct = o_direct
         self._hook = hook or (lambda point, step: None)
+        _warn_if_checksums_are_slow()
         self._comm: LocalComm | GroupComm = make_comm(process_group)
         self.rank = self._comm.rank
         self.world_size = self._comm.world_size
@@ -535,7 +551,7 @@ class CheckpointEngine:
             manifest = layout.read_manifest(info.path)
             entry = manifest.files.get(DCP_META_NAME)
             raw = (Path(info.path) / DCP_META_NAME).read_bytes() if entry else b""
-            if entry is None or layout.checksum_bytes(raw) != entry.checksum:
+            if entry is None or not layout.checksum_matches(raw, entry.checksum):
                 if step is not None:
                     return {"error": f"{info.path}/{DCP_META_NAME}: missing or checksum mismatch"}
                 layout.quarantine(self.directory, info.step)
@@ -614,7 +630,7 @@ class CheckpointEngine:
         if entry is None:
             return None  # this rank did not exist when the checkpoint was saved
         raw = (path / name).read_bytes()
-        if layout.checksum_bytes(raw) != entry.checksum:
+        if not layout.checksum_matches(raw, entry.checksum):
             raise CheckpointCorruptError(f"{path}/{name}: checksum mismatch", path=str(path), file=name)
         return codec.decode_inline(json.loads(raw))
 
@@ -627,7 +643,7 @@ def read_rank_state(checkpoint_path: str | os.PathLike[str], rank: int) -> Any:
     if name not in manifest.files:
         raise NoCheckpointError(f"{path} has no rank_state for rank {rank} (saved on {manifest.world_size})")
     raw = (path / name).read_bytes()
-    if layout.checksum_bytes(raw) != manifest.files[name].checksum:
+    if not layout.checksum_matches(raw, manifest.files[name].checksum):
         raise CheckpointCorruptError(f"{path}/{name}: checksum mismatch", path=str(path), file=name)
     return codec.decode_inline(json.loads(raw))
 

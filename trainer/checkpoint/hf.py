@@ -50,7 +50,7 @@ def model_prefix(keys: list[str]) -> str:
 def _read_meta(ckpt: Path, manifest: layout.Manifest) -> dict[str, Any]:
     raw = (ckpt / DCP_META_NAME).read_bytes()
     entry = manifest.files.get(DCP_META_NAME)
-    if entry is None or layout.checksum_bytes(raw) != entry.checksum:
+    if entry is None or not layout.checksum_matches(raw, entry.checksum):
         raise CheckpointCorruptError(f"{ckpt}/{DCP_META_NAME}: missing or checksum mismatch", path=str(ckpt))
     meta: dict[str, Any] = json.loads(raw)
     return meta

@@ -9,9 +9,11 @@ data; it knows the commit protocol's names and the manifest format (ARCHITECTURE
     <root>/step-000001300.partial/    in progress or torn: never loaded
     <root>/step-000001100.corrupt/    quarantined after it failed to load
 
-Checksums are ``crc32x64k``: the file is cut into 64 KiB blocks, each block gets a CRC-32,
-and the file checksum is the CRC-32 of those block CRCs (little-endian uint32). The block
-list lets a loader verify exactly the byte ranges it reads, without reading whole files.
+Checksums (`blocksum`) are ``crc32cx64k``: the file is cut into 64 KiB blocks, each block
+gets a CRC-32C, and the file checksum is the CRC-32C of those block checksums (little-endian
+uint32). The block list lets a loader verify exactly the byte ranges it reads, without reading
+whole files. Checkpoints written by earlier versions (``crc32x64k``, zlib's CRC-32) still verify:
+each checksum string names its algorithm, and so does the manifest.
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ import re
 import shutil
 import struct
 import time
-import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.checkpoint import blocksum
 from trainer.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -37,8 +39,9 @@ from trainer.checkpoint.errors import (
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-CHECKSUM_ALGORITHM = "crc32x64k"
-CHECKSUM_BLOCK_BYTES = 64 * 1024
+CHECKSUM_ALGORITHM = blocksum.CURRENT
+"""What new checkpoints are written with; `blocksum.ALGORITHMS` lists what verifies."""
+CHECKSUM_BLOCK_BYTES = blocksum.BLOCK_BYTES
 KINDS = ("periodic", "emergency", "final")
 
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
@@ -73,17 +76,22 @@ def parse_partial_dirname(name: str) -> int | None:
 # --------------------------------------------------------------------------- checksums
 
 
-def block_crcs(data: bytes | bytearray | memoryview, start_crcs: list[int] | None = None) -> list[int]:
-    """CRC-32 of each 64 KiB block of `data` (the last block may be short)."""
-    mv = memoryview(data).cast("B")
-    out = start_crcs if start_crcs is not None else []
-    for off in range(0, len(mv), CHECKSUM_BLOCK_BYTES):
-        out.append(zlib.crc32(mv[off : off + CHECKSUM_BLOCK_BYTES]))
-    return out
+def block_crcs(
+    data: bytes | bytearray | memoryview,
+    start_crcs: list[int] | None = None,
+    algorithm: str = CHECKSUM_ALGORITHM,
+) -> list[int]:
+    """Checksum of each 64 KiB block of `data` (the last block may be short), appended to
+    `start_crcs` when given."""
+    sums = blocksum.block_checksums(data, algorithm)
+    if start_crcs is None:
+        return sums
+    start_crcs.extend(sums)
+    return start_crcs
 
 
 def pack_block_crcs(crcs: list[int]) -> bytes:
-    return struct.pack(f"<{len(crcs)}I", *crcs)
+    return blocksum.pack(crcs)
 
 
 def unpack_block_crcs(raw: bytes) -> list[int]:
@@ -92,15 +100,31 @@ def unpack_block_crcs(raw: bytes) -> list[int]:
     return list(struct.unpack(f"<{len(raw) // 4}I", raw))
 
 
-def checksum_from_block_crcs(crcs: list[int]) -> str:
-    return f"{CHECKSUM_ALGORITHM}:{zlib.crc32(pack_block_crcs(crcs)):08x}"
+def checksum_from_block_crcs(crcs: list[int], algorithm: str = CHECKSUM_ALGORITHM) -> str:
+    return f"{algorithm}:{blocksum.file_checksum_of_blocks(crcs, algorithm):08x}"
 
 
-def checksum_bytes(data: bytes | bytearray | memoryview) -> str:
-    return checksum_from_block_crcs(block_crcs(data))
+def checksum_bytes(data: bytes | bytearray | memoryview, algorithm: str = CHECKSUM_ALGORITHM) -> str:
+    return checksum_from_block_crcs(block_crcs(data, algorithm=algorithm), algorithm)
 
 
-def file_block_crcs(path: str | os.PathLike[str]) -> list[int]:
+def checksum_algorithm(checksum: str) -> str:
+    """The algorithm a recorded checksum names (``crc32cx64k:1a2b3c4d`` -> ``crc32cx64k``)."""
+    algorithm, _, digits = checksum.partition(":")
+    if algorithm not in blocksum.ALGORITHMS or not re.fullmatch(r"[0-9a-f]{8}", digits):
+        raise ManifestError(
+            f"checksum {checksum!r} is not '<algorithm>:<8 hex digits>' with an algorithm this ftsup "
+            f"knows ({', '.join(blocksum.ALGORITHMS)}); upgrade ftsup to read it"
+        )
+    return algorithm
+
+
+def checksum_matches(data: bytes | bytearray | memoryview, recorded: str) -> bool:
+    """Whether `data` has the checksum `recorded`, computed with the algorithm it names."""
+    return checksum_bytes(data, checksum_algorithm(recorded)) == recorded
+
+
+def file_block_crcs(path: str | os.PathLike[str], algorithm: str = CHECKSUM_ALGORITHM) -> list[int]:
     crcs: list[int] = []
     buf = bytearray(_READ_CHUNK)  # a multiple of the block size
     view = memoryview(buf)
@@ -114,14 +138,14 @@ def file_block_crcs(path: str | os.PathLike[str]) -> list[int]:
                 if not got:
                     break
                 n += got
-            block_crcs(view[:n], crcs)
+            block_crcs(view[:n], crcs, algorithm)
             if n < len(buf):
                 break
     return crcs
 
 
-def file_checksum(path: str | os.PathLike[str]) -> str:
-    return checksum_from_block_crcs(file_block_crcs(path))
+def file_checksum(path: str | os.PathLike[str], algorithm: str = CHECKSUM_ALGORITHM) -> str:
+    return checksum_from_block_crcs(file_block_crcs(path, algorithm), algorithm)
 
 
 # --------------------------------------------------------------------------- durable writes
@@ -178,6 +202,8 @@ class Manifest:
     tensor_bytes: int
     metadata: Mapping[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    checksum_algorithm: str = CHECKSUM_ALGORITHM
+    """What every checksum in `files` is computed with (older checkpoints: ``crc32x64k``)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -186,7 +212,7 @@ class Manifest:
             "world_size": self.world_size,
             "kind": self.kind,
             "created_unix": self.created_unix,
-            "checksum_algorithm": CHECKSUM_ALGORITHM,
+            "checksum_algorithm": self.checksum_algorithm,
             "checksum_block_bytes": CHECKSUM_BLOCK_BYTES,
             "files": {p: {"size": e.size, "checksum": e.checksum} for p, e in sorted(self.files.items())},
             "tensor_bytes": self.tensor_bytes,
@@ -245,9 +271,18 @@ def parse_manifest(raw: bytes | str, where: str = "manifest.json") -> Manifest:
             f"{where}: format_version {version} is not supported by this ftsup "
             f"(it reads version {FORMAT_VERSION}); upgrade ftsup to read it"
         )
-    algo = obj.get("checksum_algorithm", CHECKSUM_ALGORITHM)
-    if algo != CHECKSUM_ALGORITHM or obj.get("checksum_block_bytes", CHECKSUM_BLOCK_BYTES) != CHECKSUM_BLOCK_BYTES:
-        raise ManifestError(f"{where}: checksum algorithm {algo!r} is not supported")
+    # Format 1 manifests have always named their algorithm; one without is read as the first one.
+    algo = obj.get("checksum_algorithm", blocksum.CRC32_X64K)
+    if not isinstance(algo, str) or algo not in blocksum.ALGORITHMS:
+        raise ManifestError(
+            f"{where}: checksum algorithm {algo!r} is not supported by this ftsup "
+            f"(it reads {', '.join(blocksum.ALGORITHMS)}); upgrade ftsup to read it"
+        )
+    block_bytes = obj.get("checksum_block_bytes", CHECKSUM_BLOCK_BYTES)
+    if block_bytes != CHECKSUM_BLOCK_BYTES:
+        raise ManifestError(
+            f"{where}: checksum_block_bytes {block_bytes!r} is not supported (only {CHECKSUM_BLOCK_BYTES})"
+        )
     step = _require(obj, "step", int, where)
     world_size = _require(obj, "world_size", int, where)
     kind = _require(obj, "kind", str, where)
@@ -267,8 +302,10 @@ def parse_manifest(raw: bytes | str, where: str = "manifest.json") -> Manifest:
             raise ManifestError(f"{where}: files[{rel!r}] must be an object")
         size = _require(entry, "size", int, f"{where}: files[{rel!r}]")
         checksum = _require(entry, "checksum", str, f"{where}: files[{rel!r}]")
-        if size < 0 or not checksum.startswith(CHECKSUM_ALGORITHM + ":"):
-            raise ManifestError(f"{where}: files[{rel!r}] has a bad size or checksum")
+        if size < 0:
+            raise ManifestError(f"{where}: files[{rel!r}] has a negative size")
+        if not re.fullmatch(re.escape(algo) + r":[0-9a-f]{8}", checksum):
+            raise ManifestError(f"{where}: files[{rel!r}] checksum {checksum!r} is not '{algo}:<8 hex digits>'")
         files[rel] = FileEntry(size=size, checksum=checksum)
     metadata = obj.get("metadata", {})
     if not isinstance(metadata, dict):
@@ -282,6 +319,7 @@ def parse_manifest(raw: bytes | str, where: str = "manifest.json") -> Manifest:
         tensor_bytes=tensor_bytes,
         metadata=metadata,
         format_version=version,
+        checksum_algorithm=algo,
     )
 
 
@@ -336,7 +374,7 @@ def check_checkpoint(ckpt_dir: str | os.PathLike[str], *, deep: bool = False) ->
             problems.append(Problem(rel, f"size {st.st_size} != recorded {entry.size}"))
             continue
         if deep:
-            actual = file_checksum(path)
+            actual = file_checksum(path, manifest.checksum_algorithm)
             if actual != entry.checksum:
                 problems.append(Problem(rel, f"checksum {actual} != recorded {entry.checksum}"))
     return manifest, problems

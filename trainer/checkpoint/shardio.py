@@ -25,7 +25,13 @@ from dataclasses import dataclass
 import torch
 
 from trainer.checkpoint.errors import CheckpointCorruptError
-from trainer.checkpoint.layout import CHECKSUM_BLOCK_BYTES, block_crcs, checksum_from_block_crcs, unpack_block_crcs
+from trainer.checkpoint.layout import (
+    CHECKSUM_BLOCK_BYTES,
+    block_crcs,
+    checksum_algorithm,
+    checksum_from_block_crcs,
+    unpack_block_crcs,
+)
 
 PAGE = 4096
 WRITE_BLOCK = 64 * 1024 * 1024
@@ -209,8 +215,11 @@ class VerifiedFile:
             raw = f.read()
         self.bytes_read = len(raw)
         self.crcs = unpack_block_crcs(raw)
+        # Checkpoints of earlier versions use another algorithm; the recorded checksum names it.
+        self.algorithm = checksum_algorithm(checksum)
         # The file's checksum is defined over its block CRCs, so the sidecar verifies itself.
-        if checksum_from_block_crcs(self.crcs) != checksum or len(self.crcs) != -(-size // CHECKSUM_BLOCK_BYTES):
+        blocks = -(-size // CHECKSUM_BLOCK_BYTES)
+        if checksum_from_block_crcs(self.crcs, self.algorithm) != checksum or len(self.crcs) != blocks:
             raise CheckpointCorruptError(f"{rel}: block checksums do not match the manifest", file=rel)
 
     def read_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, torch.Tensor]]:
@@ -239,7 +248,7 @@ class VerifiedFile:
                         raise CheckpointCorruptError(f"{self.rel}: file ends early at byte {s + pos}", file=self.rel)
                     pos += n
                 self.bytes_read += e - s
-                got = block_crcs(mv)
+                got = block_crcs(mv, algorithm=self.algorithm)
                 want = self.crcs[s // B : s // B + len(got)]
                 if got != want:
                     bad = next(i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)

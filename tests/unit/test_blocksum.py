@@ -1,0 +1,164 @@
+"""Block checksums: CRC-32C from the C extension (hardware and portable paths) and from pure
+Python agree with each other and with the published check values; the older zlib algorithm
+still verifies."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from trainer.checkpoint import blocksum, layout
+
+REPO = Path(__file__).resolve().parents[2]
+BLOCK = blocksum.BLOCK_BYTES
+EXT = blocksum.extension()
+
+Crc = Callable[[bytes], int]
+
+
+@pytest.fixture
+def ext() -> ModuleType:
+    """The C extension; tests that need it are skipped, saying so, where it is not built."""
+    if EXT is None:
+        pytest.skip("the C extension trainer.checkpoint._blocksum is not built")
+    return EXT
+
+
+def _implementations() -> dict[str, Crc]:
+    impls: dict[str, Crc] = {"python": blocksum.crc32c_python}
+    if EXT is not None:
+        c_ext = EXT
+        impls["c-best"] = c_ext.crc32c
+        impls["c-software"] = lambda data: c_ext.crc32c(data, software=True)
+    return impls
+
+
+IMPLS = _implementations()
+
+# RFC 3720 (iSCSI) appendix B.4, and the "123456789" check value of the CRC catalogue.
+VECTORS = [
+    (b"", 0x00000000),
+    (b"123456789", 0xE3069283),
+    (bytes(32), 0x8A9136AA),
+    (b"\xff" * 32, 0x62A8AB43),
+    (bytes(range(32)), 0x46DD794E),
+    (bytes(range(31, -1, -1)), 0x113FDB5C),
+]
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize(("data", "expected"), VECTORS, ids=[f"vector{i}" for i in range(len(VECTORS))])
+def test_crc32c_matches_the_published_check_values(impl: str, data: bytes, expected: int) -> None:
+    assert IMPLS[impl](data) == expected
+
+
+def test_the_c_extension_uses_the_crc32c_instruction_where_the_cpu_has_one(ext: ModuleType) -> None:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    expected = "sse4.2" if " sse4_2" in flags and os.uname().machine == "x86_64" else "software"
+    assert (ext.implementation(), blocksum.implementation()) == (expected, expected)
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_crc32c_continues_from_a_previous_value_like_zlib(impl: str) -> None:
+    data = random.Random(1).randbytes(1000)
+    crc = IMPLS[impl]
+    assert blocksum.crc32c(data[600:], crc(data[:600])) == crc(data)
+
+
+def test_c_and_python_agree_on_every_length_and_alignment(ext: ModuleType) -> None:
+    data = random.Random(2).randbytes(3 * 4096 + 64)
+    cases = [(start, n) for start in range(9) for n in (*range(0, 40), 4095, 4096, 4097, 3 * 4096 + 7)]
+    for start, n in cases:
+        piece = memoryview(data)[start : start + n]
+        expected = blocksum.crc32c_python(piece)
+        assert (ext.crc32c(piece), ext.crc32c(piece, software=True)) == (expected, expected), (start, n)
+
+
+@pytest.mark.parametrize("nblocks_and_tail", [(0, 0), (0, 5), (1, 0), (2, 1), (3, 0), (4, 4097), (7, 3)])
+def test_c_block_checksums_are_crc32c_of_each_block_on_both_paths(
+    ext: ModuleType, nblocks_and_tail: tuple[int, int]
+) -> None:
+    nblocks, tail = nblocks_and_tail
+    data = random.Random(3).randbytes(nblocks * BLOCK + tail)
+    expected = [blocksum.crc32c_python(data[off : off + BLOCK]) for off in range(0, len(data), BLOCK)]
+    packed = blocksum.pack(expected)
+    assert (ext.crc32c_blocks(data), ext.crc32c_blocks(data, software=True)) == (packed, packed)
+
+
+def test_c_block_checksums_take_any_block_size_and_unaligned_buffers(ext: ModuleType) -> None:
+    data = random.Random(4).randbytes(10_000)
+    view = memoryview(data)[3:]
+    expected = [blocksum.crc32c_python(view[off : off + 1000]) for off in range(0, len(view), 1000)]
+    assert ext.crc32c_blocks(view, 1000) == blocksum.pack(expected)
+
+
+@pytest.mark.parametrize(("function", "args", "message"), [
+    ("crc32c_blocks", (b"abc", 0), "block_bytes must be positive"),
+    ("crc32c", (b"abc", -1), "unsigned 32-bit"),
+    ("crc32c", (b"abc", 2**32), "unsigned 32-bit"),
+])  # fmt: skip
+def test_c_extension_refuses_impossible_arguments(
+    ext: ModuleType, function: str, args: tuple[object, ...], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        getattr(ext, function)(*args)
+
+
+def test_block_checksums_cover_each_64k_block_and_a_short_tail() -> None:
+    data = bytes(range(256)) * (BLOCK // 256) * 2 + b"tail"
+    expected = [blocksum.crc32c_python(data[:BLOCK]), blocksum.crc32c_python(data[BLOCK:-4]),
+                blocksum.crc32c_python(b"tail")]  # fmt: skip
+    assert blocksum.block_checksums(data) == expected
+
+
+def test_older_checkpoints_algorithm_is_zlib_crc32_of_each_block() -> None:
+    data = os.urandom(2 * BLOCK + 9)
+    expected = [zlib.crc32(data[:BLOCK]), zlib.crc32(data[BLOCK : 2 * BLOCK]), zlib.crc32(data[2 * BLOCK :])]
+    assert blocksum.block_checksums(data, blocksum.CRC32_X64K) == expected
+
+
+def test_file_checksum_is_the_algorithms_crc_of_the_packed_block_checksums() -> None:
+    sums = [1, 2, 0xFFFFFFFF]
+    packed = blocksum.pack(sums)
+    assert (
+        blocksum.file_checksum_of_blocks(sums, blocksum.CRC32C_X64K),
+        blocksum.file_checksum_of_blocks(sums, blocksum.CRC32_X64K),
+    ) == (blocksum.crc32c_python(packed), zlib.crc32(packed))
+
+
+def test_unknown_algorithm_is_refused_naming_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="'sha256' is not one of crc32cx64k, crc32x64k"):
+        blocksum.block_checksums(b"x", "sha256")
+
+
+def test_recorded_checksums_verify_with_the_algorithm_they_name() -> None:
+    data = os.urandom(BLOCK + 1)
+    old = layout.checksum_bytes(data, blocksum.CRC32_X64K)
+    new = layout.checksum_bytes(data)
+    assert (old.split(":")[0], new.split(":")[0], layout.checksum_matches(data, old),
+            layout.checksum_matches(data, new), layout.checksum_matches(data + b"!", new)) == (
+        "crc32x64k", "crc32cx64k", True, True, False)  # fmt: skip
+
+
+def test_without_the_extension_checksums_are_the_same_and_say_python(tmp_path: Path) -> None:
+    # A source checkout that was never built: importing the extension fails.
+    probe = (
+        "import sys, json\n"
+        "sys.modules['trainer.checkpoint._blocksum'] = None\n"
+        "from trainer.checkpoint import blocksum, layout\n"
+        "data = bytes(range(256)) * 700\n"
+        "print(json.dumps([blocksum.implementation(), layout.checksum_bytes(data), blocksum.block_checksums(data)]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    data = bytes(range(256)) * 700
+    assert json.loads(done.stdout) == ["python", layout.checksum_bytes(data), blocksum.block_checksums(data)]
