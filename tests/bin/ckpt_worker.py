@@ -1,7 +1,7 @@
 """A tiny training rank for checkpoint tests, run under torchrun (or alone, as one rank).
 
     ckpt_worker.py save --dir D --parallel fsdp|ddp|none --steps 1,2 [--async] [--train-during N]
-                        [--kill-at POINT:STEP:RANK] --out FILE
+                        [--kill-at POINT:STEP:RANK] [--process-group auto|none] --out FILE
     ckpt_worker.py load --dir D --parallel ... [--step N] --out FILE
 
 `save` trains a small model deterministically and saves at the listed steps; `load` builds the
@@ -86,6 +86,7 @@ def main() -> int:
     p.add_argument("--train-during", type=int, default=0)
     p.add_argument("--kill-at", default="")
     p.add_argument("--out", required=True)
+    p.add_argument("--process-group", default="auto", choices=["auto", "none"], help="the engine's process_group")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -103,7 +104,8 @@ def main() -> int:
 
     model, optim = build(args.parallel, seed=0 if args.mode == "save" else 99, width=args.width)
     state = ModelOptimState(model, optim)
-    engine = CheckpointEngine(args.dir, retention=RetentionPolicy(keep_last=10), hook=hook)
+    group = None if args.process_group == "none" else "auto"
+    engine = CheckpointEngine(args.dir, process_group=group, retention=RetentionPolicy(keep_last=10), hook=hook)
     result: dict[str, object] = {}
     if args.mode == "save":
         for step in range(1, max(map(int, args.steps.split(","))) + 1):

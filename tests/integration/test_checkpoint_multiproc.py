@@ -75,6 +75,19 @@ def test_ddp_saved_on_2_ranks_loads_on_3_ranks_and_writes_replicas_once(tmp_path
     assert manifest.tensor_bytes == total
 
 
+def test_process_group_none_under_torch_distributed_means_all_ranks(tmp_path):
+    # Not a single-process engine per rank: those would all write shard-00000 into one checkpoint.
+    saved = _save(tmp_path / "ckpt", tmp_path / "save.json", "--steps", "1", "--process-group", "none")
+    loaded = _load(tmp_path / "ckpt", tmp_path / "load.json", nproc=2)
+    manifest = layout.read_manifest(tmp_path / "ckpt" / layout.step_dirname(1))
+    shards = sorted(p for p in manifest.files if p.endswith(".safetensors"))
+    assert (manifest.world_size, shards, loaded["digests"] == saved["digests_1"]) == (
+        2,
+        ["shard-00000.safetensors", "shard-00001.safetensors"],
+        True,
+    )
+
+
 KILL_POINTS = [
     ("staged", 1),  # a rank dies right after staging, before writing
     ("shard_written", 1),  # a rank dies after writing its shard, before the commit

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer.checkpoint.errors import CheckpointError
+
 
 class LocalComm:
     rank = 0
@@ -63,10 +65,16 @@ class GroupComm:
 
 
 def make_comm(process_group: Any = "auto", timeout_s: float = 1800.0) -> LocalComm | GroupComm:
-    """`"auto"`: a new gloo group over all ranks when torch.distributed is initialised (a
-    collective call), else a local single-process comm. A given group is used as is."""
-    if process_group is None or not (dist.is_available() and dist.is_initialized()):
+    """`"auto"` or None: a new gloo group over all ranks when torch.distributed is initialised
+    (a collective call), else a local single-process comm. A given group is used as is.
+
+    None means "auto", never "single process": under torch.distributed every rank would
+    otherwise think it is rank 0 of 1 and write the same shard file names into one checkpoint.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
         return LocalComm()
-    if process_group == "auto":
+    if process_group is None or (isinstance(process_group, str) and process_group == "auto"):
         return GroupComm(dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
+    if isinstance(process_group, str):
+        raise CheckpointError(f'process_group must be "auto", None or a ProcessGroup, got {process_group!r}')
     return GroupComm(process_group)

@@ -186,6 +186,10 @@ class CheckpointEngine:
     With torch.distributed initialised, constructing the engine is a collective call (it
     creates the engine's own gloo group), and every rank must call `save`/`load` with states of
     the same structure at the same steps.
+
+    `process_group`: "auto" (the default) or None: a new gloo group over all ranks when
+    torch.distributed is initialised, otherwise a single process. A ProcessGroup: the ranks of
+    that group, used as is (from the writer thread too, so it must not be the training group).
     """
 
     def __init__(
