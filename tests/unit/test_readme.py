@@ -8,10 +8,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 INSTALL = "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 && .venv/bin/pip install -e '.[test]'"
-MAIN_JOB = (
-    f"{INSTALL} && .venv/bin/ftsup bench checkpoint --size-mb 256 --ranks 2"
-    " --dir /tmp/ftsup-bench --json /tmp/ftsup-bench.json"
-)
+MAIN_JOB = f"{INSTALL} && .venv/bin/ftsup demo"
 # The tests also need Debian packages: a real single-node Slurm (tests/integration/test_slurm.py)
 # and systemd-analyze (tests/integration/test_deploy.py).
 APT = "apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y slurm-wlm munge systemd"
