@@ -20,7 +20,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -306,17 +306,27 @@ class LossLogTail:
 def last_line_per_step(path: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
     """Each step's line from the last attempt that logged it (later lines win); torn lines skipped."""
     out: dict[int, dict[str, Any]] = {}
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        return out
-    for raw in text.splitlines():
+    for rec in _json_lines(path):
         try:
-            rec = json.loads(raw)
             out[int(rec["step"])] = rec
         except (ValueError, KeyError, TypeError):
             continue
     return out
+
+
+def _json_lines(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a JSON-lines file (none when it does not exist); other lines skipped."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return
+    for raw in text.splitlines():
+        try:
+            rec = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            yield rec
 
 
 # --------------------------------------------------------------------------- the supervisor's logs
@@ -332,13 +342,8 @@ class LogEvent:
 def read_events(path: str | os.PathLike[str]) -> list[LogEvent]:
     """The supervisor's JSON log lines (every `ftsup run` of the job appends to the same file)."""
     out: list[LogEvent] = []
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        return out
-    for raw in text.splitlines():
+    for rec in _json_lines(path):
         try:
-            rec = json.loads(raw)
             t = datetime.fromisoformat(str(rec["timestamp"]).replace("Z", "+00:00")).timestamp()
             out.append(LogEvent(t, str(rec["event"]), rec))
         except (ValueError, KeyError, TypeError):
