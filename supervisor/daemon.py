@@ -73,6 +73,7 @@ class Daemon:
         self._watchers: WatcherThreads | None = None
         self._runtime_dir: Path | None = None
         self._ranks_seen: frozenset[int] = frozenset()
+        self._rank_phase: dict[int, str] = {}  # pid -> last heartbeat phase, this attempt
         self.last_attempt = 0
 
     # ------------------------------------------------------------------ main loop
@@ -98,10 +99,11 @@ class Daemon:
         try:
             log.info("supervisor_started", run_id=self.cfg.job.run_id, node_id=self.cfg.launch.node_id,
                      pid=os.getpid(), config=self.cfg.source)  # fmt: skip
-            self._adopt_journal()
+            adopted = self._adopt_journal()
             systemd.notify("READY=1", f"STATUS=supervising {self.cfg.job.run_id}")
             nproc_max = self._nproc_max()
-            machine = policy.Machine(settings_from(self.cfg, nproc_max))
+            # Attempt numbers go on from the journal: log files and FTSUP_ATTEMPT stay unique.
+            machine = policy.Machine(settings_from(self.cfg, nproc_max), policy.State(attempt_no=adopted))
             self.pending.append(policy.Start())
             while True:
                 while self.pending:
@@ -125,6 +127,7 @@ class Daemon:
                     if self.attempt is not None and beat.attempt == self.attempt.number:
                         new_pids |= beat.pid not in self.attempt.known_pids
                         self.attempt.known_pids.add(beat.pid)
+                        self._rank_phase[beat.pid] = beat.phase
                     self.pending.append(policy.Heartbeat(beat.attempt, beat.local_rank, beat.step, beat.phase,
                                                          beat.rank, beat.figures))  # fmt: skip
                 if new_pids:  # so that a restarted supervisor can find every rank of this attempt
@@ -134,6 +137,7 @@ class Daemon:
                     if rc is not None:
                         self._reap_after_exit(rc)
                     else:
+                        self._watch_ranks()
                         self._watch_worker_group()
                 self.pending.append(policy.Tick())
         finally:
@@ -299,6 +303,7 @@ class Daemon:
         )
         self.world_size, self.resume_step = action.nproc, action.resume_step
         self._ranks_seen = frozenset()
+        self._rank_phase = {}
         try:  # a new attempt starts with no request pending
             self._control_path().unlink()
         except FileNotFoundError:
@@ -331,6 +336,16 @@ class Daemon:
         self.attempt = None
         self._write_journal("backoff")
         self.pending.append(policy.WorkersExited(att.number, rc if rc is not None else -signal.SIGKILL))
+
+    def _watch_ranks(self) -> None:
+        """A rank that died while training (single node): fail now, not when torchrun exits."""
+        att = self.attempt
+        if att is None or self.cfg.launch.max_nodes > 1:
+            return  # on several nodes torchrun replaces ranks itself when the membership changes
+        for pid, phase in list(self._rank_phase.items()):
+            if phase != "done" and not launcher.pid_alive(pid):
+                del self._rank_phase[pid]
+                self.pending.append(policy.RankExited(att.number, pid, None))
 
     def _watch_worker_group(self) -> None:
         """Notice torchrun replacing its ranks (a rendezvous membership change)."""
@@ -381,10 +396,11 @@ class Daemon:
                                  for n in self._notices.values()]  # fmt: skip
         return extra
 
-    def _adopt_journal(self) -> None:
+    def _adopt_journal(self) -> int:
+        """Stop what a previous supervisor left running; return its last attempt number."""
         rec = self.journal.read()
         if rec is None:
-            return
+            return 0
         log.info("journal_adopted", attempt=rec.attempt, status=rec.status, world_size=rec.world_size,
                  step=rec.resume_step, supervisor_pid=rec.supervisor_pid)  # fmt: skip
         if rec.pids and rec.attempt_started_unix is not None:
@@ -393,6 +409,7 @@ class Daemon:
             )
             if stopped:
                 log.warning("leftovers_stopped", attempt=rec.attempt, pids=stopped)
+        return rec.attempt
 
     def _nproc_max(self) -> int:
         n = self.cfg.launch.nproc_per_node

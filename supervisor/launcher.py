@@ -151,6 +151,13 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
+def pid_alive(pid: int) -> bool:
+    try:
+        return _alive(psutil.Process(pid))
+    except psutil.NoSuchProcess:
+        return False
+
+
 def signal_all(procs: Sequence[psutil.Process], sig: int) -> None:
     for p in procs:
         try:

@@ -362,7 +362,11 @@ def step(s: Settings, st: State, ev: Event, now: float) -> tuple[State, list[Act
     if isinstance(ev, EvictionNoticed):
         return _evict(s, st, ev, now)
     if isinstance(ev, RankExited) and att and ev.attempt == att.number and st.phase == "running":
-        how = f"signal {ev.signal}" if ev.signal else f"exit code {ev.exitcode}"
+        how = (
+            f"signal {ev.signal}"
+            if ev.signal
+            else ("an unknown status" if ev.exitcode is None else f"exit code {ev.exitcode}")
+        )
         if ev.exitcode == 0 and not ev.signal:
             return st, []  # a rank finishing cleanly is not a failure; torchrun's exit decides
         return _fail(st, att, f"rank process {ev.pid} ended with {how}", now, "worker_exited", pid=ev.pid)

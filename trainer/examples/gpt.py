@@ -32,7 +32,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.checkpoint import CheckpointEngine, CheckpointError, RetentionPolicy
+from trainer.checkpoint.engine import SaveHandle
 from trainer.data import DataConfigError, GlobalBatchSchedule, RankBatchSampler
 from trainer.examples.corpus import TokenWindows, generate
 from trainer.rng import micro_batch_seed
@@ -138,6 +139,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="pad each step to at least this long (demos and tests that need time to act; no effect on the math)",
     )
+    p.add_argument(
+        "--save-delay-s",
+        type=float,
+        default=0.0,
+        help="block each periodic save this much longer (tests of long saves; no effect on the math)",
+    )
     p.add_argument("--fault", default="", help="KIND@STEP: kill, kill-in-save or exit")
     p.add_argument("--fault-rank", type=int, default=0)
     p.add_argument(
@@ -185,8 +192,9 @@ def _wrap(model: nn.Module, args: argparse.Namespace, world: int, device: torch.
 def _no_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return contextlib.nullcontext() if sync else model.no_sync()
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(sync)
+    set_sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2
+    if callable(set_sync):
+        set_sync(sync)
     return contextlib.nullcontext()
 
 
@@ -215,7 +223,7 @@ def train(args: argparse.Namespace) -> int:
         "n_embd": args.n_embd, "dropout": args.dropout, "lr": args.lr, "warmup": args.warmup, "steps": args.steps,
     }  # fmt: skip
     torch.manual_seed(args.seed)  # the same initial weights on every rank and world size
-    model = GPT(256, args.seq_len, args.n_layer, args.n_head, args.n_embd, args.dropout).to(device)
+    model: nn.Module = GPT(256, args.seq_len, args.n_layer, args.n_head, args.n_embd, args.dropout).to(device)
     model = _wrap(model, args, world, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(args.warmup, args.steps))
@@ -236,7 +244,7 @@ def train(args: argparse.Namespace) -> int:
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = iter(loader)
     handled = 0  # the supervisor's save requests already served
     stopped = False
-    in_flight = None  # the newest periodic save, to report its duration when it lands
+    in_flight: SaveHandle | None = None  # the newest periodic save, to report its duration when it lands
     try:
         for step in range(state.step + 1, args.steps + 1):
             model.train()
@@ -281,7 +289,10 @@ def train(args: argparse.Namespace) -> int:
                 rt.beat(step, "train", save_s=in_flight.wait().durable_s)
                 in_flight = None
             if step % args.ckpt_every == 0 and step < args.steps:
-                in_flight = state.save(engine)
+                with rt.phase("save", step):  # staging blocks this rank; the write goes on in the background
+                    in_flight = cast(SaveHandle, state.save(engine))
+                    if args.save_delay_s > 0:
+                        time.sleep(args.save_delay_s)
             request = agree(rt.control.poll(), device)  # every rank, every step: one tiny all-reduce
             if request.seq > handled:
                 handled = request.seq
