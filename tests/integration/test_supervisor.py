@@ -170,3 +170,14 @@ def test_a_supervisor_killed_with_sigkill_leaves_nothing_and_a_restart_finishes_
     assert resumed["resume_step"] >= 8
     got = last_lines(tmp_path / "loss.jsonl")
     assert sorted(got) == list(range(1, 61))
+
+
+def test_a_save_twenty_times_longer_than_a_step_raises_no_false_alarm(tmp_path):
+    # Steps of ~0.1 s give a learned hang timeout of max(3 x p99, 2 s) = 2 s; each periodic save
+    # blocks for 2.5 s (25 steps' worth) inside the "save" phase.
+    job = write_job(tmp_path, "--min-step-s", "0.1", "--save-delay-s", "2.5", "--steps", "12")
+    r = ftsup("run", "--config", str(job))
+    assert r.returncode == 0, r.output[-4000:]
+    evs = [e["event"] for e in events(tmp_path)]
+    assert evs.count("workers_launched") == 1
+    assert [e for e in evs if e.endswith("timed_out")] == []
