@@ -148,6 +148,13 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     state: MetadataState
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that gave up on a slow answer (the "slow" mode) closes its socket: expected.
+        import sys
+
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)
+
 
 class MetadataServer:
     """`with MetadataServer() as srv:` serves on 127.0.0.1:<free port> at `srv.url`."""
