@@ -9,13 +9,31 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = REPO / "tests" / "bin"
+
+
+T = TypeVar("T")
+
+
+def wait_for(what: Callable[[], T], timeout_s: float, message: str | Callable[[], str], poll_s: float = 0.05) -> T:
+    """Poll `what()` until it returns something truthy (returned) or `timeout_s` passes (fail with
+    `message`, which may be a callable so that it shows the state at the deadline)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = what()
+        if got:
+            return got
+        time.sleep(poll_s)  # a poll interval under a deadline, not a wait for something to happen
+    raise AssertionError(message() if callable(message) else message)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -27,21 +26,11 @@ import yaml
 
 from supervisor import policy
 from supervisor.config import load_config
-from tests.procs import REPO, kill_tree
+from tests.procs import REPO, kill_tree, wait_for
 from trainer.checkpoint import layout
 
 UNIT = REPO / "deploy" / "systemd" / "ftsup@.service"
 SBATCH = REPO / "deploy" / "slurm" / "ftsup.sbatch"
-
-
-def wait_for(what, timeout_s: float, message: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = what()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(message)
 
 
 def skip(reason: str) -> None:

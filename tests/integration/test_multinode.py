@@ -12,13 +12,12 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.procs import REPO, kill_tree
+from tests.procs import REPO, kill_tree, wait_for
 from trainer.checkpoint import layout
 
 pytestmark = pytest.mark.multiprocess
@@ -59,16 +58,6 @@ def start(cfg: Path, out: Path) -> subprocess.Popen:
 
 def lines(log: Path) -> list[dict]:
     return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
-
-
-def wait_for(what, deadline_s: float, message: str):
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        got = what()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(message)
 
 
 def test_losing_a_node_relaunches_smaller_and_the_node_can_rejoin(tmp_path):

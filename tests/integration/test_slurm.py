@@ -30,7 +30,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.procs import REPO, run
+from tests.procs import REPO, run, wait_for
 from trainer.checkpoint import layout
 
 pytestmark = pytest.mark.multiprocess
@@ -59,16 +58,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_for(what, timeout_s: float, message):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = what()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(message() if callable(message) else message)
 
 
 @dataclass

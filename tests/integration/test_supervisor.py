@@ -10,14 +10,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 import yaml
 
-from tests.procs import REPO, kill_tree, run
+from tests.procs import REPO, kill_tree, run, wait_for
 from trainer.checkpoint import layout
 
 pytestmark = pytest.mark.multiprocess
@@ -143,23 +142,21 @@ def test_a_supervisor_killed_with_sigkill_leaves_nothing_and_a_restart_finishes_
     proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config", str(job)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # wait until a checkpoint exists and training goes on
-            info = layout.latest_consistent(tmp_path / "ckpt")
-            if info is not None and info.step >= 8:
-                break
-            time.sleep(0.05)
+        # wait until a checkpoint exists and training goes on
+        wait_for(lambda: (i := layout.latest_consistent(tmp_path / "ckpt")) is not None and i.step >= 8, 120,
+                 "no checkpoint of step >= 8")  # fmt: skip
         journal = json.loads((tmp_path / "state" / "journal.json").read_text())
         pids = journal["pids"]
         assert len(pids) >= 3  # torchrun and both ranks
         proc.kill()
         proc.wait(timeout=10)
-        gone_deadline = time.monotonic() + 30  # the ranks' parent-death guards take them down
-        while time.monotonic() < gone_deadline and any(
-            psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids
-        ):
-            time.sleep(0.05)  # fmt: skip
-        assert [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"] == []
+
+        def left() -> list[int]:
+            return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+
+        # the ranks' parent-death guards take them down
+        wait_for(lambda: not left(), 30, lambda: f"still running: {left()}")
+        assert left() == []
     finally:
         kill_tree(proc.pid)
     r = ftsup("run", "--config", str(job))

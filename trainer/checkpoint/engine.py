@@ -45,15 +45,10 @@ from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
-    TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
-from torch.distributed.checkpoint.storage import StorageReader
+from torch.distributed.checkpoint.planner import SavePlan
 
 from trainer.checkpoint import blocksum, codec, layout
 from trainer.checkpoint.comm import GroupComm, LocalComm, make_comm
@@ -64,7 +59,8 @@ from trainer.checkpoint.errors import (
     CheckpointSaveError,
     NoCheckpointError,
 )
-from trainer.checkpoint.shardio import ShardLayout, VerifiedFile, aligned_buffer, build_layout, write_shard
+from trainer.checkpoint.reader import ShardReader
+from trainer.checkpoint.shardio import ShardLayout, aligned_buffer, build_layout, write_shard
 
 log = structlog.get_logger("ftsup.checkpoint")
 
@@ -553,11 +549,11 @@ class CheckpointEngine:
                 log.error("checkpoint_quarantined", step=info.step, reason=problems, path=str(moved))
                 continue
             manifest = layout.read_manifest(info.path)
-            entry = manifest.files.get(DCP_META_NAME)
-            raw = (Path(info.path) / DCP_META_NAME).read_bytes() if entry else b""
-            if entry is None or not layout.checksum_matches(raw, entry.checksum):
+            try:
+                raw = layout.read_verified(info.path, manifest, DCP_META_NAME)
+            except CheckpointCorruptError as e:
                 if step is not None:
-                    return {"error": f"{info.path}/{DCP_META_NAME}: missing or checksum mismatch"}
+                    return {"error": str(e)}
                 layout.quarantine(self.directory, info.step)
                 continue
             return {"step": info.step, "path": info.path, "manifest": manifest.to_json(), "meta": json.loads(raw)}
@@ -596,7 +592,7 @@ class CheckpointEngine:
             )
         if agreed == 1:
             raise corrupt or CheckpointCorruptError(f"{path}: another rank found a corrupt file", path=str(path))
-        reader = _Reader(path, manifest, meta, self._comm)
+        reader = ShardReader(path, manifest, meta, self._comm)
         try:
             with warnings.catch_warnings():
                 # A single process without torch.distributed is a supported mode, not a mistake.
@@ -630,13 +626,9 @@ class CheckpointEngine:
 
     def _read_rank_state(self, path: Path, manifest: layout.Manifest) -> Any:
         name = rank_state_name(self.rank)
-        entry = manifest.files.get(name)
-        if entry is None:
+        if name not in manifest.files:
             return None  # this rank did not exist when the checkpoint was saved
-        raw = (path / name).read_bytes()
-        if not layout.checksum_matches(raw, entry.checksum):
-            raise CheckpointCorruptError(f"{path}/{name}: checksum mismatch", path=str(path), file=name)
-        return codec.decode_inline(json.loads(raw))
+        return codec.decode_inline(json.loads(layout.read_verified(path, manifest, name)))
 
 
 def read_rank_state(checkpoint_path: str | os.PathLike[str], rank: int) -> Any:
@@ -646,10 +638,7 @@ def read_rank_state(checkpoint_path: str | os.PathLike[str], rank: int) -> Any:
     name = rank_state_name(rank)
     if name not in manifest.files:
         raise NoCheckpointError(f"{path} has no rank_state for rank {rank} (saved on {manifest.world_size})")
-    raw = (path / name).read_bytes()
-    if not layout.checksum_matches(raw, manifest.files[name].checksum):
-        raise CheckpointCorruptError(f"{path}/{name}: checksum mismatch", path=str(path), file=name)
-    return codec.decode_inline(json.loads(raw))
+    return codec.decode_inline(json.loads(layout.read_verified(path, manifest, name)))
 
 
 # ---------------------------------------------------------------------- planning helpers
@@ -707,131 +696,3 @@ def _mismatches(saved: Mapping[str, Any], flat: Mapping[str, torch.Tensor]) -> l
             elif codec.dtype_name(t.dtype) != s["dtype"]:
                 out.append(f"{key}: dtype {codec.dtype_name(t.dtype)} != saved {s['dtype']}")
     return out
-
-
-# ---------------------------------------------------------------------- the DCP reader
-
-
-@dataclass(frozen=True)
-class _Loc:
-    file: str
-    crc_file: str
-    byte_offset: int
-    sizes: tuple[int, ...]
-    dtype: torch.dtype
-
-
-class _Reader(StorageReader):
-    """A DCP StorageReader over our shard files: ranged reads, verified before any copy."""
-
-    def __init__(self, path: Path, manifest: layout.Manifest, meta: Mapping[str, Any], comm: LocalComm | GroupComm):
-        self.path = path
-        self.manifest = manifest
-        self.comm = comm
-        self.bytes_read = 0
-        sd_meta: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-        for fqn, t in meta["tensors"].items():
-            dtype = codec.dtype_from_name(t["dtype"])
-            sd_meta[fqn] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=dtype),
-                size=torch.Size(t["size"]),
-                chunks=[ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])) for c in t["chunks"]],
-            )
-        self.locs: dict[MetadataIndex, _Loc] = {}
-        for s in meta["storage"]:
-            for name in (s["file"], s["crc_file"]):
-                layout.validate_relpath(name)
-                if name not in manifest.files:
-                    raise CheckpointCorruptError(f"{path}: metadata names {name}, absent from the manifest")
-            md = sd_meta[s["fqn"]]
-            if not isinstance(md, TensorStorageMetadata):
-                raise CheckpointCorruptError(f"{path}: {s['fqn']} is not a tensor entry")
-            dtype = md.properties.dtype
-            self.locs[MetadataIndex(s["fqn"], torch.Size(s["offsets"]))] = _Loc(
-                s["file"], s["crc_file"], s["byte_offset"], tuple(s["sizes"]), dtype
-            )
-        self.metadata = Metadata(state_dict_metadata=sd_meta, storage_data=self.locs)
-
-    def reset(self, checkpoint_id: Any = None) -> None:
-        pass
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return self.metadata
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return True
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
-        ready: list[tuple[Any, torch.Tensor]] = []
-        error: CheckpointError | None = None
-        try:
-            ready = self._read_verified(plan)
-        except CheckpointError as e:
-            error = e
-        except OSError as e:
-            error = CheckpointCorruptError(f"{self.path}: {e}", path=str(self.path))
-        # Every rank verifies its bytes before any rank copies one: nothing partially loaded.
-        if self.comm.all_reduce_max(1 if error else 0):
-            raise error or CheckpointCorruptError(
-                f"{self.path}: another rank found a corrupt or unreadable shard", path=str(self.path)
-            )
-        with torch.no_grad():
-            for req, src in ready:
-                target = planner.resolve_tensor(req).detach()
-                target.copy_(src)
-                planner.commit_tensor(req, target)
-        fut: torch.futures.Future[None] = torch.futures.Future()
-        fut.set_result(None)
-        return fut
-
-    def _read_verified(self, plan: LoadPlan) -> list[tuple[Any, torch.Tensor]]:
-        by_file: dict[str, list[tuple[Any, _Loc, int, int, int]]] = {}
-        for req in plan.items:
-            loc = self.locs.get(req.storage_index)
-            if loc is None:
-                raise CheckpointCorruptError(f"{self.path}: no stored chunk for {req.storage_index.fqn}")
-            strides = _contiguous_strides(loc.sizes)
-            first = sum(o * s for o, s in zip(req.storage_offsets, strides, strict=True))
-            last = sum((o + n - 1) * s for o, n, s in zip(req.storage_offsets, req.lengths, strides, strict=True))
-            n_elems = last - first + 1 if all(n > 0 for n in req.lengths) else 0
-            item = loc.dtype.itemsize
-            start = loc.byte_offset + first * item
-            by_file.setdefault(loc.file, []).append((req, loc, start, start + n_elems * item, first))
-        ready = []
-        for file, reqs in by_file.items():
-            entry = self.manifest.files[file]
-            crc_file = reqs[0][1].crc_file
-            vf = VerifiedFile(
-                str(layout.resolve_inside(self.path, file)), entry.size, entry.checksum,
-                str(layout.resolve_inside(self.path, crc_file)), file,
-            )  # fmt: skip
-            regions = vf.read_ranges([(s, e) for _, _, s, e, _ in reqs])
-            self.bytes_read += vf.bytes_read
-            for req, loc, s, e, _ in reqs:
-                if e == s:
-                    ready.append((req, torch.empty(tuple(req.lengths), dtype=loc.dtype)))
-                    continue
-                base, region = next((b, r) for b, r in regions if b <= s and e <= b + r.numel())
-                span = region[s - base : e - base].view(loc.dtype)
-                src = span.as_strided(tuple(req.lengths), _contiguous_strides(loc.sizes), span.storage_offset())
-                ready.append((req, src))
-        return ready
-
-
-def _contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
-    strides = []
-    acc = 1
-    for s in reversed(sizes):
-        strides.append(acc)
-        acc *= s
-    return tuple(reversed(strides))

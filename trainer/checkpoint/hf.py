@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from trainer.checkpoint import codec, layout
+from trainer.checkpoint.engine import DCP_META_NAME
 from trainer.checkpoint.errors import CheckpointCorruptError, CheckpointError
 
-DCP_META_NAME = "dcp_metadata.json"
 INDEX_NAME = "model.safetensors.index.json"
 _ST_DTYPES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
@@ -48,11 +48,7 @@ def model_prefix(keys: list[str]) -> str:
 
 
 def _read_meta(ckpt: Path, manifest: layout.Manifest) -> dict[str, Any]:
-    raw = (ckpt / DCP_META_NAME).read_bytes()
-    entry = manifest.files.get(DCP_META_NAME)
-    if entry is None or not layout.checksum_matches(raw, entry.checksum):
-        raise CheckpointCorruptError(f"{ckpt}/{DCP_META_NAME}: missing or checksum mismatch", path=str(ckpt))
-    meta: dict[str, Any] = json.loads(raw)
+    meta: dict[str, Any] = json.loads(layout.read_verified(ckpt, manifest, DCP_META_NAME))
     return meta
 
 

@@ -338,6 +338,20 @@ def read_manifest(ckpt_dir: str | os.PathLike[str]) -> Manifest:
     return manifest
 
 
+def read_verified(ckpt_dir: str | os.PathLike[str], manifest: Manifest, rel: str) -> bytes:
+    """A small file of a committed checkpoint, whole, after checking it against the manifest."""
+    entry = manifest.files.get(rel)
+    if entry is None:
+        raise CheckpointCorruptError(f"{ckpt_dir}/{rel}: missing from the manifest", path=str(ckpt_dir), file=rel)
+    try:
+        raw = resolve_inside(ckpt_dir, rel).read_bytes()
+    except OSError as e:
+        raise CheckpointCorruptError(f"{ckpt_dir}/{rel}: {e.strerror}", path=str(ckpt_dir), file=rel) from None
+    if not checksum_matches(raw, entry.checksum):
+        raise CheckpointCorruptError(f"{ckpt_dir}/{rel}: checksum mismatch", path=str(ckpt_dir), file=rel)
+    return raw
+
+
 # --------------------------------------------------------------------------- verification
 
 

@@ -1,0 +1,157 @@
+"""`ShardReader`: the DCP `StorageReader` under `CheckpointEngine.load`.
+
+DCP's `DefaultLoadPlanner` maps saved chunks onto the loading rank's tensors (any world size);
+this reader turns each request (a box inside a saved chunk) into the smallest contiguous byte
+range that covers it, widens it to the checksum blocks, merges neighbours, reads and verifies
+every block, and only when every rank's reads verified (one all-reduce) copies into the
+caller's tensors, so a corrupt checkpoint leaves them untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+
+from trainer.checkpoint import codec, layout
+from trainer.checkpoint.comm import GroupComm, LocalComm
+from trainer.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from trainer.checkpoint.shardio import VerifiedFile
+
+
+@dataclass(frozen=True)
+class ChunkLocation:
+    file: str
+    crc_file: str
+    byte_offset: int
+    sizes: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class ShardReader(StorageReader):
+    """A DCP StorageReader over our shard files: ranged reads, verified before any copy."""
+
+    def __init__(self, path: Path, manifest: layout.Manifest, meta: Mapping[str, Any], comm: LocalComm | GroupComm):
+        self.path = path
+        self.manifest = manifest
+        self.comm = comm
+        self.bytes_read = 0
+        sd_meta: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+        for fqn, t in meta["tensors"].items():
+            dtype = codec.dtype_from_name(t["dtype"])
+            sd_meta[fqn] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=dtype),
+                size=torch.Size(t["size"]),
+                chunks=[ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])) for c in t["chunks"]],
+            )
+        self.locs: dict[MetadataIndex, ChunkLocation] = {}
+        for s in meta["storage"]:
+            for name in (s["file"], s["crc_file"]):
+                layout.validate_relpath(name)
+                if name not in manifest.files:
+                    raise CheckpointCorruptError(f"{path}: metadata names {name}, absent from the manifest")
+            md = sd_meta[s["fqn"]]
+            if not isinstance(md, TensorStorageMetadata):
+                raise CheckpointCorruptError(f"{path}: {s['fqn']} is not a tensor entry")
+            dtype = md.properties.dtype
+            self.locs[MetadataIndex(s["fqn"], torch.Size(s["offsets"]))] = ChunkLocation(
+                s["file"], s["crc_file"], s["byte_offset"], tuple(s["sizes"]), dtype
+            )
+        self.metadata = Metadata(state_dict_metadata=sd_meta, storage_data=self.locs)
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        ready: list[tuple[Any, torch.Tensor]] = []
+        error: CheckpointError | None = None
+        try:
+            ready = self._read_verified(plan)
+        except CheckpointError as e:
+            error = e
+        except OSError as e:
+            error = CheckpointCorruptError(f"{self.path}: {e}", path=str(self.path))
+        # Every rank verifies its bytes before any rank copies one: nothing partially loaded.
+        if self.comm.all_reduce_max(1 if error else 0):
+            raise error or CheckpointCorruptError(
+                f"{self.path}: another rank found a corrupt or unreadable shard", path=str(self.path)
+            )
+        with torch.no_grad():
+            for req, src in ready:
+                target = planner.resolve_tensor(req).detach()
+                target.copy_(src)
+                planner.commit_tensor(req, target)
+        fut: torch.futures.Future[None] = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_verified(self, plan: LoadPlan) -> list[tuple[Any, torch.Tensor]]:
+        by_file: dict[str, list[tuple[Any, ChunkLocation, int, int, int]]] = {}
+        for req in plan.items:
+            loc = self.locs.get(req.storage_index)
+            if loc is None:
+                raise CheckpointCorruptError(f"{self.path}: no stored chunk for {req.storage_index.fqn}")
+            strides = _contiguous_strides(loc.sizes)
+            first = sum(o * s for o, s in zip(req.storage_offsets, strides, strict=True))
+            last = sum((o + n - 1) * s for o, n, s in zip(req.storage_offsets, req.lengths, strides, strict=True))
+            n_elems = last - first + 1 if all(n > 0 for n in req.lengths) else 0
+            item = loc.dtype.itemsize
+            start = loc.byte_offset + first * item
+            by_file.setdefault(loc.file, []).append((req, loc, start, start + n_elems * item, first))
+        ready = []
+        for file, reqs in by_file.items():
+            entry = self.manifest.files[file]
+            crc_file = reqs[0][1].crc_file
+            vf = VerifiedFile(
+                str(layout.resolve_inside(self.path, file)), entry.size, entry.checksum,
+                str(layout.resolve_inside(self.path, crc_file)), file,
+            )  # fmt: skip
+            regions = vf.read_ranges([(s, e) for _, _, s, e, _ in reqs])
+            self.bytes_read += vf.bytes_read
+            for req, loc, s, e, _ in reqs:
+                if e == s:
+                    ready.append((req, torch.empty(tuple(req.lengths), dtype=loc.dtype)))
+                    continue
+                base, region = next((b, r) for b, r in regions if b <= s and e <= b + r.numel())
+                span = region[s - base : e - base].view(loc.dtype)
+                src = span.as_strided(tuple(req.lengths), _contiguous_strides(loc.sizes), span.storage_offset())
+                ready.append((req, src))
+        return ready
+
+
+def _contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    strides = []
+    acc = 1
+    for s in reversed(sizes):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))
