@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from typing import Any
 import json
 import os
 import signal
@@ -34,6 +33,7 @@ import socket
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 PHASES = ("init", "load", "train", "save", "done")
 _PR_SET_PDEATHSIG = 1

@@ -248,3 +248,45 @@ def test_disk_full_during_background_save_surfaces_and_keeps_previous(small_tmpf
     eng.load({"app": fresh}, step=1)
     assert same(snapshot(fresh), want)
     eng.close()
+
+
+def _odd_layouts() -> dict[str, torch.Tensor]:
+    """Tensors that take every staging path: contiguous (fused copy+checksum where the CPU has
+    CRC-32C) and not (transposed, narrowed, conjugate views: copied by torch, then checksummed)."""
+    g = torch.Generator().manual_seed(5)
+    big = torch.randn(3 * 65536 // 4 + 77, generator=g)  # several checksum blocks, unaligned end
+    z = torch.randn(6, 5, dtype=torch.complex64, generator=g)
+    return {
+        "big": big,
+        "transposed": torch.randn(33, 17, generator=g).t(),
+        "narrowed": torch.randn(40, 9, generator=g)[3:30, 2:7],
+        "bf16": torch.randn(1001, generator=g).to(torch.bfloat16),
+        "mask": torch.rand(999, generator=g) > 0.5,
+        "scalar": torch.tensor(123456789, dtype=torch.int64),
+        "empty": torch.empty(0, 4),
+        "conj": z.conj(),
+        "f16": torch.randn(4097, generator=g).half(),
+    }
+
+
+def test_fused_staging_writes_the_same_files_as_copy_then_checksum(tmp_path, monkeypatch):
+    from trainer.checkpoint import blocksum
+
+    tensors = _odd_layouts()
+    paths = {}
+    for fused in (True, False):
+        if fused and not blocksum.fused_copy_available():
+            continue
+        monkeypatch.setattr(blocksum, "fused_copy_available", lambda fused=fused: fused)
+        with CheckpointEngine(tmp_path / f"fused-{fused}") as eng:
+            res = eng.save(1, {"t": dict(tensors)}, block=True)
+            assert (res.step, layout.check_checkpoint(res.path, deep=True)[1]) == (1, [])
+            back = {k: torch.zeros_like(v) if not v.is_conj() else torch.zeros_like(v.resolve_conj())
+                    for k, v in tensors.items()}  # fmt: skip
+            eng.load({"t": back})
+        for k, v in tensors.items():
+            assert torch.equal(back[k], v.resolve_conj()), k
+        paths[fused] = Path(res.path)
+    if len(paths) == 2:
+        for name in ("shard-00000.safetensors", "shard-00000.crc32"):
+            assert (paths[True] / name).read_bytes() == (paths[False] / name).read_bytes(), name

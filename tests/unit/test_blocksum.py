@@ -4,6 +4,7 @@ still verifies."""
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import random
@@ -162,3 +163,82 @@ def test_without_the_extension_checksums_are_the_same_and_say_python(tmp_path: P
     assert done.returncode == 0, done.stderr
     data = bytes(range(256)) * 700
     assert json.loads(done.stdout) == ["python", layout.checksum_bytes(data), blocksum.block_checksums(data)]
+
+
+# --------------------------------------------------------------------------- streaming / fused copy
+
+
+def _pieces(rng: random.Random, total: int) -> list[tuple[int, int]]:
+    """Random (offset, length) pieces covering [0, total) in order: tiny, unaligned, several blocks."""
+    out, pos = [], 0
+    while pos < total:
+        n = min(total - pos, rng.choice([1, 7, 4096, BLOCK - 3, BLOCK, 3 * BLOCK, 3 * BLOCK + 5, 7 * BLOCK + 1]))
+        out.append((pos, n))
+        pos += n
+    return out
+
+
+@pytest.mark.parametrize("software", [False, True], ids=["best", "software"])
+def test_streamed_block_checksums_match_the_one_call_ones_for_any_pieces(ext, software):
+    rng = random.Random(7)
+    for trial in range(40):
+        total = rng.choice([0, 1, BLOCK, 3 * BLOCK, rng.randint(1, 12 * BLOCK)])
+        data = rng.randbytes(total)
+        dst = bytearray(total + 16)
+        skew = trial % 2  # an unaligned destination takes the plain-store path
+        view = memoryview(dst)[skew : skew + total]
+        regs = array.array("I", [0xDEADBEEF] * max(1, -(-total // BLOCK)))
+        for off, n in _pieces(rng, total):
+            if rng.random() < 0.5:
+                ext.copy_blocks_update(view[off : off + n], data[off : off + n], off, regs, software=software)
+            else:
+                view[off : off + n] = data[off : off + n]
+                ext.blocks_update(data[off : off + n], off, regs, software=software)
+        got = [r ^ 0xFFFFFFFF for r in regs[: -(-total // BLOCK)]]
+        assert bytes(view) == data, trial
+        assert got == blocksum.block_checksums(data), trial
+
+
+def test_streaming_blocks_copy_and_update_give_the_file_checksums(ext):
+    rng = random.Random(3)
+    total = 9 * BLOCK + 123
+    data = rng.randbytes(total)
+    dst = memoryview(bytearray(total))
+    sums = blocksum.StreamingBlocks(total)
+    for i, (off, n) in enumerate(_pieces(rng, total)):
+        if i % 2:
+            sums.copy(dst[off : off + n], data[off : off + n], off)
+        else:
+            dst[off : off + n] = data[off : off + n]
+            sums.update(dst[off : off + n], off)
+    assert bytes(dst) == data
+    assert sums.finish() == blocksum.block_checksums(data)
+
+
+def test_streaming_blocks_refuse_gaps_overlaps_overruns_and_unfinished_files(ext):
+    sums = blocksum.StreamingBlocks(100)
+    sums.update(bytes(10), 0)
+    with pytest.raises(ValueError, match="expected offset 10, got 11"):
+        sums.update(bytes(5), 11)
+    with pytest.raises(ValueError, match="expected offset 10, got 5"):
+        sums.update(bytes(5), 5)
+    with pytest.raises(ValueError, match="past the file's 100 bytes"):
+        sums.update(bytes(91), 10)
+    with pytest.raises(ValueError, match="90 bytes of the file were never seen"):
+        sums.finish()
+    with pytest.raises(ValueError, match="must be the same size"):
+        sums.copy(memoryview(bytearray(3)), bytes(4), 10)
+
+
+def test_block_registers_array_too_short_is_an_error_not_an_overrun(ext):
+    regs = array.array("I", [0])
+    with pytest.raises(ValueError, match="at least 2 uint32"):
+        ext.blocks_update(bytes(BLOCK + 1), 0, regs)
+    with pytest.raises(ValueError, match="offset must be >= 0"):
+        ext.blocks_update(bytes(1), -1, regs)
+    with pytest.raises(TypeError):
+        ext.copy_blocks_update(bytes(1), bytes(1), 0, regs)  # a read-only destination
+
+
+def test_fused_copy_is_used_exactly_where_the_crc_instruction_is(ext):
+    assert blocksum.fused_copy_available() == (ext.implementation() == "sse4.2")

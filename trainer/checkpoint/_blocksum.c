@@ -21,8 +21,17 @@
  *   crc32c_blocks(data, block_bytes=65536, software=False) -> bytes
  *       the CRC-32C of each `block_bytes` block of `data` (the last one may be short), packed as
  *       little-endian uint32.
+ *   blocks_update(data, offset, regs, block_bytes=65536, software=False) -> None
+ *   copy_blocks_update(dst, src, offset, regs, block_bytes=65536, software=False) -> None
+ *       block checksums of a file assembled piece by piece, in order: `data` (or `src`, copied
+ *       into `dst` in the same pass) holds the file's bytes from `offset` on; `regs` is a
+ *       writable array of uint32, one CRC register per block of the whole file. A piece that
+ *       starts a block starts its register; one that starts inside a block continues it, so the
+ *       pieces must come in file order without gaps. A block's CRC-32C is its register ^ 0xFFFFFFFF
+ *       once every byte of it has been seen. The fused copy exists because a separate checksum
+ *       pass over a staged shard reads every byte a second time (see "fused copy" below).
  *   implementation() -> str
- *       "sse4.2" or "software": what the two functions above use when software=False.
+ *       "sse4.2" or "software": what the functions above use when software=False.
  * `software=True` forces the portable path (for tests on machines that have the instruction).
  */
 
@@ -75,6 +84,8 @@ static uint32_t sw_update(uint32_t crc, const unsigned char *p, size_t n) {
 
 typedef uint32_t (*update_fn)(uint32_t crc, const unsigned char *p, size_t n);
 typedef void (*blocks_fn)(const unsigned char *p, size_t len, size_t block, uint32_t *out);
+typedef void (*stream_fn)(unsigned char *dst, const unsigned char *src, size_t pos, size_t n, size_t block,
+                          uint32_t *regs);
 
 static void sw_blocks(const unsigned char *p, size_t len, size_t block, uint32_t *out) {
     for (size_t off = 0; off < len; off += block) {
@@ -83,9 +94,28 @@ static void sw_blocks(const unsigned char *p, size_t len, size_t block, uint32_t
     }
 }
 
+
+/* The portable counterpart of hw_stream: a plain copy, then the registers over the copy. */
+static void sw_stream(unsigned char *dst, const unsigned char *src, size_t pos, size_t n, size_t block,
+                      uint32_t *regs) {
+    if (dst) {
+        memcpy(dst, src, n);
+        src = dst;
+    }
+    while (n > 0) {
+        size_t k = pos / block, in = pos % block;
+        size_t m = n < block - in ? n : block - in;
+        regs[k] = sw_update(in ? regs[k] : 0xFFFFFFFFu, src, m);
+        src += m;
+        pos += m;
+        n -= m;
+    }
+}
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define HAVE_SSE42_PATH 1
 #include <nmmintrin.h>
+#include <smmintrin.h>
 
 __attribute__((target("sse4.2"))) static uint32_t hw_update(uint32_t crc, const unsigned char *p, size_t n) {
     uint64_t c = crc;
@@ -134,10 +164,98 @@ __attribute__((target("sse4.2"))) static void hw_blocks(const unsigned char *p, 
         out[i++] = ~hw_update(0xFFFFFFFFu, p + off, n);
     }
 }
+
+/* Fused copy: the staging copy into the shard buffer and the block checksums in one pass.
+ *
+ * Staging already reads every byte of the state; a checksum pass afterwards reads all of it
+ * again, on the same cores as training. Here each 16-byte load feeds both the store and the
+ * CRC. Whole blocks go three at a time (three dependency chains, as above) with non-temporal
+ * stores: the staged bytes are next read by the disk (O_DIRECT DMA), not by this CPU, so
+ * filling the cache with them (and reading each destination line first) would only cost. */
+__attribute__((target("sse4.2"))) static uint32_t hw_copy_update(uint32_t crc, unsigned char *dst,
+                                                                 const unsigned char *src, size_t n) {
+    uint64_t c = crc;
+    while (n >= 8) {
+        uint64_t w;
+        memcpy(&w, src, 8);
+        memcpy(dst, &w, 8);
+        c = _mm_crc32_u64(c, w);
+        src += 8;
+        dst += 8;
+        n -= 8;
+    }
+    crc = (uint32_t)c;
+    while (n--) {
+        *dst++ = *src;
+        crc = _mm_crc32_u8(crc, *src++);
+    }
+    return crc;
+}
+
+/* Three whole blocks of `n` bytes (a multiple of 16); `dst` 16-byte aligned. */
+__attribute__((target("sse4.2"))) static void hw_copy_three(unsigned char *dst, const unsigned char *src, size_t n,
+                                                            uint32_t *regs) {
+    uint64_t ca = 0xFFFFFFFFu, cb = 0xFFFFFFFFu, cc = 0xFFFFFFFFu;
+    const unsigned char *a = src, *b = src + n, *c = src + 2 * n;
+    unsigned char *da = dst, *db = dst + n, *dc = dst + 2 * n;
+    for (size_t i = 0; i < n; i += 16) {
+        __m128i va = _mm_loadu_si128((const __m128i *)(a + i));
+        __m128i vb = _mm_loadu_si128((const __m128i *)(b + i));
+        __m128i vc = _mm_loadu_si128((const __m128i *)(c + i));
+        ca = _mm_crc32_u64(ca, (uint64_t)_mm_cvtsi128_si64(va));
+        cb = _mm_crc32_u64(cb, (uint64_t)_mm_cvtsi128_si64(vb));
+        cc = _mm_crc32_u64(cc, (uint64_t)_mm_cvtsi128_si64(vc));
+        ca = _mm_crc32_u64(ca, (uint64_t)_mm_extract_epi64(va, 1));
+        cb = _mm_crc32_u64(cb, (uint64_t)_mm_extract_epi64(vb, 1));
+        cc = _mm_crc32_u64(cc, (uint64_t)_mm_extract_epi64(vc, 1));
+        _mm_stream_si128((__m128i *)(da + i), va);
+        _mm_stream_si128((__m128i *)(db + i), vb);
+        _mm_stream_si128((__m128i *)(dc + i), vc);
+    }
+    regs[0] = (uint32_t)ca;
+    regs[1] = (uint32_t)cb;
+    regs[2] = (uint32_t)cc;
+}
+
+/* Bytes [pos, pos + n) of the file: copied from src to dst (dst == NULL: checksummed only). */
+__attribute__((target("sse4.2"))) static void hw_stream(unsigned char *dst, const unsigned char *src, size_t pos,
+                                                        size_t n, size_t block, uint32_t *regs) {
+    size_t k = pos / block, in = pos % block;
+    if (in != 0 && n > 0) { /* finish the block an earlier piece started */
+        size_t m = n < block - in ? n : block - in;
+        regs[k] = dst ? hw_copy_update(regs[k], dst, src, m) : hw_update(regs[k], src, m);
+        src += m;
+        if (dst) dst += m;
+        n -= m;
+        k++;
+    }
+    if (dst && block % 16 == 0 && ((uintptr_t)dst & 15) == 0) {
+        for (; n >= 3 * block; n -= 3 * block, k += 3, src += 3 * block, dst += 3 * block) {
+            hw_copy_three(dst, src, block, regs + k);
+        }
+        _mm_sfence(); /* non-temporal stores are weakly ordered: publish them before returning */
+    } else if (!dst) {
+        for (; n >= 3 * block; n -= 3 * block, k += 3, src += 3 * block) {
+            uint32_t out[3];
+            hw_three(src, src + block, src + 2 * block, block, out);
+            regs[k] = ~out[0];
+            regs[k + 1] = ~out[1];
+            regs[k + 2] = ~out[2];
+        }
+    }
+    for (; n > 0; k++) { /* the rest, one block at a time; the last may stay open */
+        size_t m = n < block ? n : block;
+        regs[k] = dst ? hw_copy_update(0xFFFFFFFFu, dst, src, m) : hw_update(0xFFFFFFFFu, src, m);
+        src += m;
+        if (dst) dst += m;
+        n -= m;
+    }
+}
 #endif
 
 static update_fn best_update = sw_update;
 static blocks_fn best_blocks = sw_blocks;
+static stream_fn best_stream = sw_stream;
 static const char *best_name = "software";
 
 static void choose_implementation(void) {
@@ -146,6 +264,7 @@ static void choose_implementation(void) {
     if (__builtin_cpu_supports("sse4.2")) {
         best_update = hw_update;
         best_blocks = hw_blocks;
+        best_stream = hw_stream;
         best_name = "sse4.2";
     }
 #endif
@@ -226,6 +345,74 @@ static PyObject *py_crc32c_blocks(PyObject *self, PyObject *args, PyObject *kwar
     return result;
 }
 
+
+/* Shared by blocks_update and copy_blocks_update: dst is NULL for a checksum-only piece. */
+static PyObject *stream_common(Py_buffer *dst, Py_buffer *src, Py_ssize_t offset, Py_buffer *regs, Py_ssize_t block,
+                               int software) {
+    if (block <= 0) {
+        PyErr_Format(PyExc_ValueError, "block_bytes must be positive, got %zd", block);
+        return NULL;
+    }
+    if (offset < 0) {
+        PyErr_Format(PyExc_ValueError, "offset must be >= 0, got %zd", offset);
+        return NULL;
+    }
+    if (dst != NULL && dst->len != src->len) {
+        PyErr_Format(PyExc_ValueError, "dst holds %zd bytes but src %zd: they must be the same size", dst->len,
+                     src->len);
+        return NULL;
+    }
+    size_t n = (size_t)src->len, pos = (size_t)offset, b = (size_t)block;
+    size_t need = n ? (pos + n + b - 1) / b : 0;
+    if ((size_t)regs->len < need * sizeof(uint32_t) || ((uintptr_t)regs->buf % sizeof(uint32_t)) != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "regs must be an aligned array of at least %zu uint32 (one per block up to byte %zu), got %zd bytes",
+                     need, pos + n, regs->len);
+        return NULL;
+    }
+    stream_fn stream = software ? sw_stream : best_stream;
+    unsigned char *d = dst ? (unsigned char *)dst->buf : NULL;
+    if (n >= GIL_RELEASE_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        stream(d, (const unsigned char *)src->buf, pos, n, b, (uint32_t *)regs->buf);
+        Py_END_ALLOW_THREADS
+    } else {
+        stream(d, (const unsigned char *)src->buf, pos, n, b, (uint32_t *)regs->buf);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_blocks_update(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"data", "offset", "regs", "block_bytes", "software", NULL};
+    Py_buffer data, regs;
+    Py_ssize_t offset, block = 65536;
+    int software = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*nw*|np:blocks_update", kwlist, &data, &offset, &regs, &block,
+                                     &software)) {
+        return NULL;
+    }
+    PyObject *result = stream_common(NULL, &data, offset, &regs, block, software);
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&regs);
+    return result;
+}
+
+static PyObject *py_copy_blocks_update(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"dst", "src", "offset", "regs", "block_bytes", "software", NULL};
+    Py_buffer dst, src, regs;
+    Py_ssize_t offset, block = 65536;
+    int software = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "w*y*nw*|np:copy_blocks_update", kwlist, &dst, &src, &offset,
+                                     &regs, &block, &software)) {
+        return NULL;
+    }
+    PyObject *result = stream_common(&dst, &src, offset, &regs, block, software);
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&regs);
+    return result;
+}
+
 static PyObject *py_implementation(PyObject *self, PyObject *unused) { return PyUnicode_FromString(best_name); }
 
 static PyMethodDef methods[] = {
@@ -234,6 +421,12 @@ static PyMethodDef methods[] = {
     {"crc32c_blocks", (PyCFunction)(void (*)(void))py_crc32c_blocks, METH_VARARGS | METH_KEYWORDS,
      "crc32c_blocks(data, block_bytes=65536, software=False) -> bytes\n\n"
      "CRC-32C of each block of data (the last may be short), as little-endian uint32."},
+    {"blocks_update", (PyCFunction)(void (*)(void))py_blocks_update, METH_VARARGS | METH_KEYWORDS,
+     "blocks_update(data, offset, regs, block_bytes=65536, software=False) -> None\n\n"
+     "Continue the per-block CRC registers `regs` over `data`, the file's bytes from `offset` on."},
+    {"copy_blocks_update", (PyCFunction)(void (*)(void))py_copy_blocks_update, METH_VARARGS | METH_KEYWORDS,
+     "copy_blocks_update(dst, src, offset, regs, block_bytes=65536, software=False) -> None\n\n"
+     "Copy src into dst and continue the per-block CRC registers over it, in one pass."},
     {"implementation", py_implementation, METH_NOARGS,
      "implementation() -> str\n\n\"sse4.2\" (hardware CRC-32C) or \"software\" (slicing-by-8 in C)."},
     {NULL, NULL, 0, NULL},

@@ -11,12 +11,17 @@ Two algorithms, named as manifests name them:
 - ``crc32x64k`` (written by earlier versions): the same with zlib's CRC-32. Still verified, so
   that older checkpoints stay loadable; never written.
 
+`StreamingBlocks` computes the same block checksums while a file is being assembled in memory,
+piece by piece, and can fuse them into the copy that assembles it (the checkpoint engine's
+staging copy), so that the bytes are read once instead of twice.
+
 This module is stdlib-only (the supervisor verifies checkpoints without torch). It knows
 nothing of files or manifests; `layout` does.
 """
 
 from __future__ import annotations
 
+import array
 import struct
 import zlib
 from collections.abc import Callable
@@ -142,3 +147,56 @@ def pack(sums: list[int]) -> bytes:
 def file_checksum_of_blocks(sums: list[int], algorithm: str = CURRENT) -> int:
     """The file checksum: the algorithm's CRC over the packed block checksums."""
     return _COMBINE[require_known(algorithm)](pack(sums))
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+def fused_copy_available() -> bool:
+    """Whether `StreamingBlocks.copy` runs in hardware: copying with it then costs less than a
+    plain copy followed by a checksum pass. Elsewhere callers should copy as before and
+    checksum later, off their critical path."""
+    return implementation() == "sse4.2"
+
+
+class StreamingBlocks:
+    """CRC-32C block checksums of a `total`-byte file assembled in order, piece by piece.
+
+    Each piece is either checksummed where it lies (`update`) or copied into place and
+    checksummed in the same pass (`copy`). Pieces must come in file order without gaps or
+    overlaps; `finish()` returns the same list as `block_checksums` of the assembled file.
+    """
+
+    def __init__(self, total: int) -> None:
+        if _ext is None:
+            raise RuntimeError("StreamingBlocks needs the C extension trainer.checkpoint._blocksum")
+        self.total = total
+        self._pos = 0
+        self._regs = array.array("I", bytes(4 * -(-total // BLOCK_BYTES)))
+
+    def _advance(self, offset: int, n: int) -> None:
+        if offset != self._pos:
+            raise ValueError(f"pieces must come in file order: expected offset {self._pos}, got {offset}")
+        if offset + n > self.total:
+            raise ValueError(f"a piece ends at byte {offset + n}, past the file's {self.total} bytes")
+        self._pos += n
+
+    def update(self, data: Data, offset: int) -> None:
+        """`data` holds the file's bytes from `offset` on."""
+        mv = memoryview(data).cast("B")
+        self._advance(offset, len(mv))
+        assert _ext is not None
+        _ext.blocks_update(mv, offset, self._regs, BLOCK_BYTES)
+
+    def copy(self, dst: memoryview, src: Data, offset: int) -> None:
+        """Copy `src` into `dst` (the same size): the file's bytes from `offset` on."""
+        mv = memoryview(src).cast("B")
+        self._advance(offset, len(mv))
+        assert _ext is not None
+        _ext.copy_blocks_update(dst, mv, offset, self._regs, BLOCK_BYTES)
+
+    def finish(self) -> list[int]:
+        """The block checksums, once every byte has been seen."""
+        if self._pos != self.total:
+            raise ValueError(f"{self.total - self._pos} bytes of the file were never seen (from byte {self._pos})")
+        return [r ^ 0xFFFFFFFF for r in self._regs]

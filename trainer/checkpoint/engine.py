@@ -7,9 +7,10 @@ What happens on `save(step, state)`:
    (replicated tensors are written once in total, spread across ranks by bytes; DTensor shards
    by their owners); the plan is cached until the structure changes.
 2. (caller's thread) This rank's chunks are copied into a reused, page-aligned host buffer
-   (pinned for CUDA) laid out as the shard file. This copy is the only blocking part.
+   (pinned for CUDA) laid out as the shard file. This copy is the only blocking part; on CPU
+   it computes the shard's block checksums in the same pass.
 3. (writer thread) The buffer is written as `step-N.partial/shard-RRRRR.safetensors` (O_DIRECT
-   where possible, checksummed from memory), fsynced; rank 0 gathers every rank's file list,
+   where possible; checksummed from memory unless staging did it), fsynced; rank 0 gathers every rank's file list,
    writes the DCP metadata and `manifest.json`, fsyncs, renames to `step-N/`, fsyncs the parent.
    Any failure removes the `.partial` directory and surfaces on the next `save`/`wait`.
 
@@ -60,7 +61,7 @@ from trainer.checkpoint.errors import (
     NoCheckpointError,
 )
 from trainer.checkpoint.reader import ShardReader
-from trainer.checkpoint.shardio import ShardLayout, aligned_buffer, build_layout, write_shard
+from trainer.checkpoint.shardio import ShardLayout, aligned_buffer, as_memoryview, build_layout, write_shard
 
 log = structlog.get_logger("ftsup.checkpoint")
 
@@ -126,6 +127,7 @@ class _Job:
     t0: float
     stage_s: float
     cuda_event: Any
+    crcs: list[int] | None  # the shard's block checksums, when staging computed them
     future: Future[SaveResult] = field(default_factory=Future)
 
 
@@ -298,13 +300,13 @@ class CheckpointEngine:
         plan = self._plan
         buf_index = self._free.get()  # bounds saves in flight and host memory
         try:
-            buf, event = self._stage(plan, flat, buf_index)
+            buf, event, crcs = self._stage(plan, flat, buf_index)
         except BaseException:
             self._free.put(buf_index)
             raise
         stage_s = time.perf_counter() - t0
         self._hook("staged", step)
-        job = _Job(step, kind, buf_index, plan, skeleton, rank_state_bytes, meta, t0, stage_s, event)
+        job = _Job(step, kind, buf_index, plan, skeleton, rank_state_bytes, meta, t0, stage_s, event, crcs)
         with self._lock:
             self._in_flight.append(job.future)
         self._jobs.put(job)
@@ -336,13 +338,26 @@ class CheckpointEngine:
         nbytes = sum(s.nbytes for s in shard.slots)
         return _Plan(signature, shard, sources, meta_json, nbytes)
 
-    def _stage(self, plan: _Plan, flat: dict[str, torch.Tensor], index: int) -> tuple[torch.Tensor, Any]:
+    def _stage(
+        self, plan: _Plan, flat: dict[str, torch.Tensor], index: int
+    ) -> tuple[torch.Tensor, Any, list[int] | None]:
+        """Copy this rank's chunks into staging buffer `index`: (buffer, CUDA event, block CRCs).
+
+        On CPU with hardware CRC-32C the block checksums are computed by the copy itself (one
+        pass over the bytes, see blocksum.StreamingBlocks); otherwise they are None and the
+        writer thread computes them from the buffer.
+        """
         cuda = any(_local_tensor(t).is_cuda for t in flat.values())
         buf = self._buffers[index]
         if buf is None or buf.numel() != plan.layout.total_size:
             buf = aligned_buffer(plan.layout.total_size, pin=cuda)
             buf[: plan.layout.data_start].copy_(torch.frombuffer(bytearray(plan.layout.header), dtype=torch.uint8))
             self._buffers[index] = buf
+        sums = None
+        if not cuda and blocksum.fused_copy_available():
+            sums = blocksum.StreamingBlocks(plan.layout.total_size)
+            mv = as_memoryview(buf)
+            sums.update(mv[: plan.layout.data_start], 0)
         with torch.no_grad():
             for slot, (fqn, offsets) in zip(plan.layout.slots, plan.sources, strict=True):
                 src = _local_tensor(flat[fqn]).detach()
@@ -351,13 +366,21 @@ class CheckpointEngine:
                     src = _narrow(src, offsets, flat[fqn], slot.sizes)
                 if slot.nbytes == 0:
                     continue
-                dst = buf[slot.byte_offset : slot.byte_offset + slot.nbytes].view(slot.dtype).view(slot.sizes)
-                dst.copy_(src, non_blocking=cuda)
+                start, end = slot.byte_offset, slot.byte_offset + slot.nbytes
+                if sums is None:
+                    buf[start:end].view(slot.dtype).view(slot.sizes).copy_(src, non_blocking=cuda)
+                    continue
+                raw = _raw_bytes(src, slot.dtype)
+                if raw is not None:
+                    sums.copy(mv[start:end], raw, start)
+                else:  # a layout only torch copies: copy, then checksum the copy
+                    buf[start:end].view(slot.dtype).view(slot.sizes).copy_(src)
+                    sums.update(mv[start:end], start)
         event = None
         if cuda:
             event = torch.cuda.Event()
             event.record()
-        return buf, event
+        return buf, event, None if sums is None else sums.finish()
 
     # ------------------------------------------------------------------ writer thread
 
@@ -442,7 +465,7 @@ class CheckpointEngine:
             buf = self._buffers[job.buf_index]
             assert buf is not None
             shard = shard_name(self.rank)
-            size, crcs = write_shard(str(partial / shard), buf, o_direct=self.o_direct)
+            size, crcs = write_shard(str(partial / shard), buf, o_direct=self.o_direct, crcs=job.crcs)
             files[shard] = {"size": size, "checksum": layout.checksum_from_block_crcs(crcs)}
             packed = layout.pack_block_crcs(crcs)
             layout.write_file_durable(partial / crc_name(self.rank), packed)
@@ -652,6 +675,21 @@ def _plan_chunks(plan: SavePlan) -> list[tuple[str, tuple[int, ...], tuple[int, 
             raise CheckpointError(f"unexpected non-tensor write item {item.index.fqn}")
         out.append((item.index.fqn, tuple(td.chunk.offsets), tuple(td.chunk.sizes), td.properties.dtype))
     return out
+
+
+def _raw_bytes(src: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
+    """The bytes of a dense, contiguous CPU tensor of `dtype`, without a copy; None otherwise
+    (the caller then copies with torch, which handles every layout)."""
+    if (
+        src.device.type != "cpu"
+        or src.dtype != dtype
+        or not src.is_contiguous()
+        or src.is_conj()
+        or src.is_neg()
+        or src.layout != torch.strided
+    ):
+        return None
+    return as_memoryview(src.reshape(-1).view(torch.uint8))
 
 
 def _narrow(src: torch.Tensor, offsets: tuple[int, ...], whole: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:

@@ -5,7 +5,8 @@ header (padded with spaces so that tensor data starts on a 4 KiB boundary), then
 little-endian bytes of each chunk, packed without holes (largest element size first, so every
 chunk is naturally aligned). The whole file is built in one page-aligned host buffer (the
 staging buffer), so writing it is a few large sequential writes that can bypass the page cache
-with O_DIRECT; block checksums are computed from memory while the disk works.
+with O_DIRECT; block checksums come from the staging copy (which computes them in the same
+pass, see blocksum.StreamingBlocks) or are computed from memory while the disk works.
 
 Reads go the other way: only the byte ranges a rank needs (widened to the 64 KiB checksum
 blocks that cover them), each block verified before any byte reaches the caller's tensors.
@@ -139,15 +140,23 @@ def as_memoryview(t: torch.Tensor) -> memoryview:
 # --------------------------------------------------------------------------- write
 
 
-def write_shard(path: str, buf: torch.Tensor, *, o_direct: bool = True) -> tuple[int, list[int]]:
+def write_shard(
+    path: str, buf: torch.Tensor, *, o_direct: bool = True, crcs: list[int] | None = None
+) -> tuple[int, list[int]]:
     """Write `buf` (page-aligned uint8) as the file `path`, fsync it; return (size, block CRCs).
 
-    The aligned bulk goes through O_DIRECT where the filesystem allows it (tmpfs does not);
-    checksums are computed concurrently from memory, not by re-reading the file.
+    The aligned bulk goes through O_DIRECT where the filesystem allows it (tmpfs does not).
+    `crcs`: the buffer's block checksums when the caller already has them (staging computed
+    them); otherwise they are computed concurrently from memory, not by re-reading the file.
     """
     total = buf.numel()
     mv = as_memoryview(buf)
-    crcs: list[int] = []
+    if crcs is not None:
+        if len(crcs) != -(-total // CHECKSUM_BLOCK_BYTES):
+            raise ValueError(f"{len(crcs)} block checksums given for {total} bytes")
+        _write_file(path, mv, total, o_direct)
+        return total, crcs
+    crcs = []
     crc_error: list[BaseException] = []
 
     def checksum() -> None:
@@ -158,6 +167,16 @@ def write_shard(path: str, buf: torch.Tensor, *, o_direct: bool = True) -> tuple
 
     crc_thread = threading.Thread(target=checksum, name="ftsup-ckpt-crc", daemon=True)
     crc_thread.start()
+    try:
+        _write_file(path, mv, total, o_direct)
+    finally:
+        crc_thread.join()
+    if crc_error:
+        raise crc_error[0]
+    return total, crcs
+
+
+def _write_file(path: str, mv: memoryview, total: int, o_direct: bool) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         bulk = total // PAGE * PAGE if o_direct else 0
@@ -174,10 +193,6 @@ def write_shard(path: str, buf: torch.Tensor, *, o_direct: bool = True) -> tuple
         os.fsync(fd)
     finally:
         os.close(fd)
-        crc_thread.join()
-    if crc_error:
-        raise crc_error[0]
-    return total, crcs
 
 
 def _open_direct(path: str) -> int | None:
