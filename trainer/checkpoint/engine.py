@@ -157,7 +157,15 @@ def _local_chunks(t: torch.Tensor) -> list[tuple[tuple[int, ...], tuple[int, ...
 
 
 def _signature(flat: Mapping[str, torch.Tensor]) -> tuple[Any, ...]:
-    return tuple((k, codec._is_dtensor(t), tuple(t.shape), t.dtype, tuple(_local_chunks(t))) for k, t in flat.items())
+    """What the cached save plan depends on: names, global shapes, dtypes and how each tensor is
+    split. A DTensor's local chunks follow from its mesh, placements and global shape (for this
+    rank), which are much cheaper to compare than the chunk lists are to compute on every save."""
+    return tuple(
+        (k, True, tuple(t.shape), t.dtype, t.device_mesh, tuple(t.placements), tuple(t.to_local().shape))  # type: ignore[attr-defined]
+        if codec._is_dtensor(t)
+        else (k, False, tuple(t.shape), t.dtype)
+        for k, t in flat.items()
+    )
 
 
 def _local_tensor(t: torch.Tensor) -> torch.Tensor:
