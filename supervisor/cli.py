@@ -130,6 +130,8 @@ def cmd_status(args: argparse.Namespace) -> int:
               f"resumed from step {rec.resume_step}")  # fmt: skip
         if rec.last_failure:
             print(f"  last failure: {rec.last_failure}")
+        if rec.extra.get("metrics"):
+            print(f"  metrics: http://{rec.extra['metrics']}/metrics")
     print(f"  latest consistent checkpoint: {latest.step if latest else 'none'} in {cfg.checkpoint.dir}")
     return EXIT_OK
 

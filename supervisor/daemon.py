@@ -29,15 +29,18 @@ import structlog
 
 from supervisor import health, launcher, logs, policy, systemd
 from supervisor.config import JobConfig
+from supervisor.errors import ConfigError
 from supervisor.eviction.notices import Blind, Notice, Seeing, from_signal
 from supervisor.eviction.providers import WatchError
 from supervisor.eviction.runner import WatcherThreads
 from supervisor.eviction.setup import build_watchers
 from supervisor.heartbeat import HeartbeatReceiver
 from supervisor.journal import Journal, JournalRecord
+from supervisor.metrics import Metrics, MetricsServer
 from trainer.checkpoint import layout
 
 TICK_S = 0.1
+CHECKPOINT_REFRESH_S = 2.0  # how often the checkpoint gauges re-read the checkpoint directory
 _GONE = frozenset({-1})  # torchrun's ranks were seen and are gone
 _UNIX_PATH_MAX = 100
 
@@ -75,11 +78,20 @@ class Daemon:
         self._ranks_seen: frozenset[int] = frozenset()
         self._rank_phase: dict[int, str] = {}  # pid -> last heartbeat phase, this attempt
         self.last_attempt = 0
+        self.metrics = Metrics(cfg.job.run_id, cfg.launch.node_id, started_unix=time.time())
+        self._metrics_server: MetricsServer | None = None
+        self._checkpoints_read_at: float | None = None
 
     # ------------------------------------------------------------------ main loop
 
     def run(self) -> int:
         logfile = logs.configure(self.cfg.logging.level, self.cfg.logging.format, self.log_dir / "supervisor.jsonl")
+        try:
+            self._serve_metrics()
+        except BaseException:
+            if logfile is not None:
+                logfile.close()
+            raise
         self._runtime_dir = self._make_runtime_dir()
         receiver = HeartbeatReceiver(self._runtime_dir)
         wake_r, wake_w = socket.socketpair()
@@ -97,8 +109,9 @@ class Daemon:
         sel.register(wake_r.fileno(), selectors.EVENT_READ)
         code = policy.EXIT_INTERNAL
         try:
-            log.info("supervisor_started", run_id=self.cfg.job.run_id, node_id=self.cfg.launch.node_id,
-                     pid=os.getpid(), config=self.cfg.source)  # fmt: skip
+            self._emit("info", "supervisor_started", run_id=self.cfg.job.run_id, node_id=self.cfg.launch.node_id,
+                       pid=os.getpid(), config=self.cfg.source,
+                       metrics=self._metrics_server.address if self._metrics_server else None)  # fmt: skip
             adopted = self._adopt_journal()
             systemd.notify("READY=1", f"STATUS=supervising {self.cfg.job.run_id}")
             nproc_max = self._nproc_max()
@@ -107,11 +120,14 @@ class Daemon:
             self.pending.append(policy.Start())
             while True:
                 while self.pending:
-                    machine, actions = machine.feed(self.pending.pop(0), self.clock())
+                    now = self.clock()
+                    machine, actions = machine.feed(self.pending.pop(0), now)
+                    self.metrics.state(machine.state, machine.settings, now, time.time())
                     result = self._execute(actions)
                     if result is not None:
                         code = result
                         return code
+                self._refresh_checkpoint_metrics()
                 sel.select(TICK_S)
                 try:
                     while wake_r.recv(4096):
@@ -128,6 +144,7 @@ class Daemon:
                         new_pids |= beat.pid not in self.attempt.known_pids
                         self.attempt.known_pids.add(beat.pid)
                         self._rank_phase[beat.pid] = beat.phase
+                        self.metrics.heartbeat(beat.rank, dict(beat.figures))
                     self.pending.append(policy.Heartbeat(beat.attempt, beat.local_rank, beat.step, beat.phase,
                                                          beat.rank, beat.figures))  # fmt: skip
                 if new_pids:  # so that a restarted supervisor can find every rank of this attempt
@@ -153,7 +170,9 @@ class Daemon:
             wake_r.close()
             wake_w.close()
             _remove_runtime_dir(self._runtime_dir)
-            log.info("supervisor_exited", code=code)
+            if self._metrics_server is not None:
+                self._metrics_server.close()
+            self._emit("info", "supervisor_exited", code=code)
             if logfile is not None:
                 logfile.close()
 
@@ -169,7 +188,7 @@ class Daemon:
         self._notices[notice.source] = notice
         deadline = self.clock() + (notice.deadline_unix - time.time())  # wall clock -> the loop's clock
         latest = layout.latest_consistent(self.cfg.checkpoint.dir)
-        state_bytes = layout.read_manifest(latest.path).tensor_bytes if latest else None
+        state_bytes = latest.tensor_bytes if latest else None
         systemd.extend_timeout(max(1.0, notice.deadline_unix - time.time()) + self.cfg.restart.stop_grace_s)
         return policy.EvictionNoticed(notice.source, deadline, notice.detail, notice.advisory, state_bytes)
 
@@ -178,16 +197,16 @@ class Daemon:
             self.pending.append(self._notice_event(report))
         elif isinstance(report, Blind):
             # A blind watcher must not look healthy: say so; the eviction state is unknown.
-            log.warning("watcher_went_blind", source=report.source, reason=report.reason)
+            self._emit("warning", "watcher_went_blind", source=report.source, reason=report.reason)
         else:
-            log.info("watcher_recovered", source=report.source)
+            self._emit("info", "watcher_recovered", source=report.source)
 
     # ------------------------------------------------------------------ actions
 
     def _execute(self, actions: list[policy.Action]) -> int | None:
         for action in actions:
             if isinstance(action, policy.Log):
-                getattr(log, action.level)(action.event, **action.as_dict())
+                self._emit(action.level, action.event, **action.as_dict())
                 if action.level == "error" and "reason" in action.as_dict():
                     self.last_failure = str(action.as_dict()["reason"])
             elif isinstance(action, policy.PrepareLaunch):
@@ -206,6 +225,31 @@ class Daemon:
                     self._requeue()
                 return action.code
         return None
+
+    def _emit(self, level: str, event: str, **fields: Any) -> None:
+        """Log an event and count it: every log event goes through here, so metrics and logs agree."""
+        getattr(log, level)(event, **fields)
+        self.metrics.event(event, fields)
+
+    def _serve_metrics(self) -> None:
+        listen = self.cfg.metrics.listen
+        if listen is None:
+            return
+        try:
+            self._metrics_server = MetricsServer(self.metrics, listen)
+        except OSError as e:
+            raise ConfigError(
+                f"metrics.listen={listen!r}: cannot serve /metrics there ({e.strerror or e}); choose a free port "
+                "(0 picks one) or set it to null"
+            ) from None
+
+    def _refresh_checkpoint_metrics(self) -> None:
+        now = self.clock()
+        if self._checkpoints_read_at is not None and now - self._checkpoints_read_at < CHECKPOINT_REFRESH_S:
+            return
+        self._checkpoints_read_at = now
+        root = self.cfg.checkpoint.dir
+        self.metrics.checkpoint(layout.latest_consistent(root), len(layout.committed_dirs(root)))
 
     def _control_path(self) -> Path:
         assert self._runtime_dir is not None
@@ -227,7 +271,7 @@ class Daemon:
         try:
             self._watchers.ack(notice)
         except WatchError as e:
-            log.warning("watcher_went_blind", source=source, reason=f"acknowledgement failed: {e}")
+            self._emit("warning", "watcher_went_blind", source=source, reason=f"acknowledgement failed: {e}")
 
     def _requeue(self) -> None:
         argv = list(self.cfg.eviction.requeue_command or ())
@@ -236,24 +280,26 @@ class Daemon:
             argv = ["scontrol", "requeue", job_id]
         if not argv:
             return
-        log.info("requeue_requested", reason=" ".join(argv))
+        self._emit("info", "requeue_requested", reason=" ".join(argv))
         try:
             out = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
         except (OSError, subprocess.TimeoutExpired) as e:
-            log.error("requeue_failed", reason=str(e))
+            self._emit("error", "requeue_failed", reason=str(e))
             return
         if out.returncode != 0:
-            log.error("requeue_failed", reason=f"{argv[0]} exited {out.returncode}: {out.stderr.strip()[:300]}")
+            self._emit(
+                "error", "requeue_failed", reason=f"{argv[0]} exited {out.returncode}: {out.stderr.strip()[:300]}"
+            )
 
     def _prepare(self, attempt: int) -> policy.LaunchReady:
         h = health.probe(self.cfg.launch.health_command, self.cfg.launch.nproc_per_node)
         if h.count is None:
             # A blind probe must not look healthy: keep the last known world size.
-            log.warning("health_probe_failed", attempt=attempt, reason=h.detail, source=h.source)
+            self._emit("warning", "health_probe_failed", attempt=attempt, reason=h.detail, source=h.source)
             slots = self.world_size or self._nproc_max()
         else:
             slots = h.count
-            log.info("health_probed", attempt=attempt, source=h.source, slots=list(h.slots or ()))
+            self._emit("info", "health_probed", attempt=attempt, source=h.source, slots=list(h.slots or ()))
         step, meta = self._choose_checkpoint(attempt)
         return policy.LaunchReady(slots, step, self._batch_divisor(meta))
 
@@ -263,16 +309,16 @@ class Daemon:
         while True:
             committed = layout.committed_dirs(root)
             if not committed:
-                log.info("checkpoint_chosen", attempt=attempt, step=None, reason="no checkpoint: fresh start")
+                self._emit("info", "checkpoint_chosen", attempt=attempt, step=None, reason="no checkpoint: fresh start")
                 return None, {}
             newest_step, newest = committed[-1]
             info = layout.inspect_checkpoint(newest, deep=deep)
             if info.consistent:
                 meta = dict(layout.read_manifest(newest).metadata)
-                log.info("checkpoint_chosen", attempt=attempt, step=info.step, kind=info.kind)
+                self._emit("info", "checkpoint_chosen", attempt=attempt, step=info.step, kind=info.kind)
                 return info.step, meta
             moved = layout.quarantine(root, newest_step)
-            log.error("checkpoint_quarantined", attempt=attempt, step=newest_step,
+            self._emit("error", "checkpoint_quarantined", attempt=attempt, step=newest_step,
                       reason="; ".join(map(str, info.problems)), path=str(moved))  # fmt: skip
 
     def _batch_divisor(self, meta: dict[str, Any]) -> int | None:
@@ -329,8 +375,8 @@ class Daemon:
         )
         survivors = att.stop(grace, clock=self.clock)
         if survivors:
-            log.error("orphans_found", attempt=att.number, pids=survivors)
-        log.info("workers_stopped", attempt=att.number, reason=action.reason,
+            self._emit("error", "orphans_found", attempt=att.number, pids=survivors)
+        self._emit("info", "workers_stopped", attempt=att.number, reason=action.reason,
                  duration_s=round(self.clock() - t0, 3))  # fmt: skip
         rc = att.poll()
         self.attempt = None
@@ -369,7 +415,7 @@ class Daemon:
         assert att is not None
         survivors = att.stop(self.cfg.restart.stop_grace_s, clock=self.clock) if att.tree() else []
         if survivors:
-            log.error("orphans_found", attempt=att.number, pids=survivors)
+            self._emit("error", "orphans_found", attempt=att.number, pids=survivors)
         self.attempt = None
         self.pending.append(policy.WorkersExited(att.number, rc))
 
@@ -391,6 +437,8 @@ class Daemon:
     def _journal_extra(self) -> dict[str, Any]:
         latest = layout.latest_consistent(self.cfg.checkpoint.dir)
         extra: dict[str, Any] = {"latest_checkpoint": latest.step if latest else None}
+        if self._metrics_server is not None:
+            extra["metrics"] = self._metrics_server.address
         if self._notices:
             extra["eviction"] = [{"source": n.source, "deadline_unix": n.deadline_unix, "detail": n.detail}
                                  for n in self._notices.values()]  # fmt: skip
@@ -401,14 +449,14 @@ class Daemon:
         rec = self.journal.read()
         if rec is None:
             return 0
-        log.info("journal_adopted", attempt=rec.attempt, status=rec.status, world_size=rec.world_size,
+        self._emit("info", "journal_adopted", attempt=rec.attempt, status=rec.status, world_size=rec.world_size,
                  step=rec.resume_step, supervisor_pid=rec.supervisor_pid)  # fmt: skip
         if rec.pids and rec.attempt_started_unix is not None:
             stopped = launcher.kill_leftovers(
                 rec.pids, started_before=rec.updated_unix, grace_s=self.cfg.restart.stop_grace_s
             )
             if stopped:
-                log.warning("leftovers_stopped", attempt=rec.attempt, pids=stopped)
+                self._emit("warning", "leftovers_stopped", attempt=rec.attempt, pids=stopped)
         return rec.attempt
 
     def _nproc_max(self) -> int:

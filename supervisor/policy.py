@@ -457,7 +457,7 @@ def save_fits(s: Settings, st: State, now: float, deadline: float, state_bytes: 
 
 def _evict(s: Settings, st: State, ev: EvictionNoticed, now: float) -> tuple[State, list[Action]]:
     att = st.attempt
-    notice = log("eviction_noticed", "warning", reason=f"{ev.source}: {ev.detail}",
+    notice = log("eviction_noticed", "warning", reason=f"{ev.source}: {ev.detail}", source=ev.source,
                  deadline_in_s=round(ev.deadline - now, 3), attempt=st.attempt_no)  # fmt: skip
     if ev.advisory:
         if st.phase != "running" or att is None:

@@ -7,6 +7,7 @@ not reach the ranks: on timeout we walk the process tree with psutil.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -34,6 +35,13 @@ def wait_for(what: Callable[[], T], timeout_s: float, message: str | Callable[[]
             return got
         time.sleep(poll_s)  # a poll interval under a deadline, not a wait for something to happen
     raise AssertionError(message() if callable(message) else message)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

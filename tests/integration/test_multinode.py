@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,18 +16,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.procs import REPO, kill_tree, wait_for
+from tests.procs import REPO, free_port, kill_tree, wait_for
 from trainer.checkpoint import layout
 
 pytestmark = pytest.mark.multiprocess
 
 STEPS = 60
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node_config(tmp: Path, node: str, port: int) -> Path:

@@ -27,7 +27,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import warnings
@@ -39,7 +38,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.procs import REPO, run, wait_for
+from tests.procs import REPO, free_port, run, wait_for
 from trainer.checkpoint import layout
 
 pytestmark = pytest.mark.multiprocess
@@ -52,12 +51,6 @@ TRAINER = ["-m", "trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", 
            "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000", "--min-step-s", "0.2"]  # fmt: skip
 # Job states from which a job never runs again by itself.
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

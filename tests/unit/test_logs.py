@@ -16,6 +16,7 @@ def logged_events() -> set[str]:
         text = path.read_text()
         found |= set(re.findall(r"\blog\.(?:debug|info|warning|error)\(\s*\"([a-z_]+)\"", text))
         found |= set(re.findall(r"\blog\(\s*\"([a-z_]+)\"", text))  # policy.log(...) actions
+        found |= set(re.findall(r"\b_emit\(\s*\"[a-z]+\",\s*\"([a-z_]+)\"", text))  # the daemon's log-and-count
     return found
 
 
@@ -26,3 +27,9 @@ def test_every_logged_event_is_listed():
 def test_event_names_are_snake_case_past_tense():
     assert [e for e in EVENTS if not re.fullmatch(r"[a-z]+(_[a-z]+)*", e)] == []
     assert [e for e in EVENTS if not re.search(r"(ed|lost|chosen|found|out|blind)$", e)] == []
+
+
+def test_the_scan_sees_the_daemons_events():
+    # The daemon logs through `_emit` (log and count a metric); a scan that missed those calls
+    # would pass the test above vacuously.
+    assert {"supervisor_started", "checkpoint_quarantined", "orphans_found", "eviction_noticed"} <= logged_events()

@@ -9,9 +9,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 INSTALL = "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 && .venv/bin/pip install -e '.[test]'"
 MAIN_JOB = f"{INSTALL} && .venv/bin/ftsup demo"
-# The tests also need Debian packages: a real single-node Slurm (tests/integration/test_slurm.py)
-# and systemd-analyze (tests/integration/test_deploy.py).
-APT = "apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y slurm-wlm munge systemd"
+# The tests also need Debian packages: a real single-node Slurm (tests/integration/test_slurm.py),
+# systemd-analyze (tests/integration/test_deploy.py), Prometheus and promtool
+# (tests/integration/test_metrics_prometheus.py).
+APT = "apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y slurm-wlm munge systemd prometheus"
 TESTS = f"{APT} && {INSTALL} && .venv/bin/python -m pytest -q tests"
 
 # A title line, then two one-line bash blocks, with nothing but blank lines around them.

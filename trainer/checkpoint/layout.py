@@ -403,6 +403,7 @@ class CheckpointInfo:
     world_size: int | None = None
     created_unix: float | None = None
     problems: tuple[Problem, ...] = ()
+    tensor_bytes: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -428,6 +429,7 @@ def inspect_checkpoint(ckpt_dir: str | os.PathLike[str], *, deep: bool = False) 
         world_size=manifest.world_size if manifest else None,
         created_unix=manifest.created_unix if manifest else None,
         problems=tuple(problems),
+        tensor_bytes=manifest.tensor_bytes if manifest else None,
     )
 
 
