@@ -21,6 +21,7 @@ import os
 import struct
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,8 @@ from trainer.checkpoint.layout import (
 
 PAGE = 4096
 WRITE_BLOCK = 64 * 1024 * 1024
+READ_PIECE = 4 * 1024 * 1024  # a multiple of the checksum block
+READ_THREADS = 4
 
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -111,12 +114,14 @@ def build_layout(chunks: Sequence[tuple[str, tuple[int, ...], tuple[int, ...], t
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not in Python's mmap module yet
 
 
-def aligned_buffer(nbytes: int, *, pin: bool = False) -> torch.Tensor:
+def aligned_buffer(nbytes: int, *, pin: bool = False, populate: bool = True) -> torch.Tensor:
     """A page-aligned uint8 CPU tensor of `nbytes` (pinned when asked, for CUDA staging).
 
     Unpinned buffers are anonymous mappings asked for huge pages and populated up front: on a
     VM, faulting in fresh 4 KiB pages one by one during the first copy costs about 2 s per GiB,
-    which is exactly the stall a reused staging buffer exists to avoid.
+    which is exactly the stall a reused staging buffer exists to avoid. `populate=False` leaves
+    that to the first write (read buffers: the kernel faults them in inside `preadv`, in the
+    reading threads, in parallel, instead of in one populate call up front).
     """
     if pin:
         raw = torch.empty(round_up(max(nbytes, 1), PAGE) + PAGE, dtype=torch.uint8, pin_memory=True)
@@ -124,7 +129,7 @@ def aligned_buffer(nbytes: int, *, pin: bool = False) -> torch.Tensor:
         return raw[skew : skew + nbytes]
     size = round_up(max(nbytes, 1), PAGE)
     m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    for advice in (getattr(mmap, "MADV_HUGEPAGE", None), _MADV_POPULATE_WRITE):
+    for advice in (getattr(mmap, "MADV_HUGEPAGE", None), _MADV_POPULATE_WRITE if populate else None):
         if advice is not None:
             try:
                 m.madvise(advice)
@@ -239,7 +244,13 @@ class VerifiedFile:
 
     def read_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, torch.Tensor]]:
         """Read the given [start, end) byte ranges; returns (region_start, region) pairs that
-        cover them, each region widened to whole checksum blocks and verified."""
+        cover them, each region widened to whole checksum blocks and verified.
+
+        Regions are read in pieces of whole checksum blocks by a few threads at once (each
+        piece verified by the thread that read it): one read in flight per rank leaves the
+        disk idle between requests, measured here as 0.65 against 0.87 GB/s per rank with
+        four in flight, three ranks reading at once.
+        """
         B = CHECKSUM_BLOCK_BYTES
         spans = sorted((s // B * B, min(round_up(e, B), self.size)) for s, e in ranges if e > s)
         merged: list[list[int]] = []
@@ -248,30 +259,38 @@ class VerifiedFile:
                 merged[-1][1] = max(merged[-1][1], e)
             else:
                 merged.append([s, e])
-        out = []
+        out = [(s, aligned_buffer(e - s, populate=False)) for s, e in merged]
+        pieces = [
+            (s + lo, as_memoryview(region)[lo : min(lo + READ_PIECE, region.numel())])
+            for s, region in out
+            for lo in range(0, region.numel(), READ_PIECE)
+        ]
         fd = os.open(self.path, os.O_RDONLY)
         try:
             if hasattr(os, "posix_fadvise"):  # read what we ask for, not a readahead window more
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            for s, e in merged:
-                region = aligned_buffer(e - s)
-                mv = as_memoryview(region)
-                pos = 0
-                while pos < e - s:
-                    n = os.preadv(fd, [mv[pos:]], s + pos)
-                    if n <= 0:
-                        raise CheckpointCorruptError(f"{self.rel}: file ends early at byte {s + pos}", file=self.rel)
-                    pos += n
-                self.bytes_read += e - s
-                got = block_crcs(mv, algorithm=self.algorithm)
-                want = self.crcs[s // B : s // B + len(got)]
-                if got != want:
-                    bad = next(i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)
-                    raise CheckpointCorruptError(
-                        f"{self.rel}: checksum mismatch in bytes {s + bad * B}..{s + (bad + 1) * B}",
-                        file=self.rel,
-                    )
-                out.append((s, region))
+            workers = max(1, min(READ_THREADS, len(pieces)))
+            with ThreadPoolExecutor(workers, thread_name_prefix="ftsup-ckpt-read") as pool:
+                # map() re-raises the first failure in piece order, after every read finished.
+                list(pool.map(lambda p: self._read_piece(fd, p[0], p[1]), pieces))
         finally:
             os.close(fd)
+        self.bytes_read += sum(region.numel() for _, region in out)
         return out
+
+    def _read_piece(self, fd: int, start: int, mv: memoryview) -> None:
+        """Fill `mv` with the file's bytes from `start` (a block boundary) and verify its blocks."""
+        B = CHECKSUM_BLOCK_BYTES
+        pos = 0
+        while pos < len(mv):
+            n = os.preadv(fd, [mv[pos:]], start + pos)
+            if n <= 0:
+                raise CheckpointCorruptError(f"{self.rel}: file ends early at byte {start + pos}", file=self.rel)
+            pos += n
+        got = block_crcs(mv, algorithm=self.algorithm)
+        want = self.crcs[start // B : start // B + len(got)]
+        if got != want:
+            bad = next(i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)
+            raise CheckpointCorruptError(
+                f"{self.rel}: checksum mismatch in bytes {start + bad * B}..{start + (bad + 1) * B}", file=self.rel
+            )
