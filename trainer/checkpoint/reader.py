@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from trainer.checkpoint import codec, layout
 from trainer.checkpoint.comm import GroupComm, LocalComm
 from trainer.checkpoint.errors import CheckpointCorruptError, CheckpointError
-from trainer.checkpoint.shardio import VerifiedFile
+from trainer.checkpoint.shardio import VerifiedFile, read_files
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ class ShardReader(StorageReader):
             item = loc.dtype.itemsize
             start = loc.byte_offset + first * item
             by_file.setdefault(loc.file, []).append((req, loc, start, start + n_elems * item, first))
-        ready = []
+        files = []
         for file, reqs in by_file.items():
             entry = self.manifest.files[file]
             crc_file = reqs[0][1].crc_file
@@ -135,7 +135,9 @@ class ShardReader(StorageReader):
                 str(layout.resolve_inside(self.path, file)), entry.size, entry.checksum,
                 str(layout.resolve_inside(self.path, crc_file)), file,
             )  # fmt: skip
-            regions = vf.read_ranges([(s, e) for _, _, s, e, _ in reqs])
+            files.append((vf, [(s, e) for _, _, s, e, _ in reqs]))
+        ready = []
+        for (vf, _), regions, reqs in zip(files, read_files(files), by_file.values(), strict=True):
             self.bytes_read += vf.bytes_read
             for req, loc, s, e, _ in reqs:
                 if e == s:

@@ -244,13 +244,11 @@ class VerifiedFile:
 
     def read_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, torch.Tensor]]:
         """Read the given [start, end) byte ranges; returns (region_start, region) pairs that
-        cover them, each region widened to whole checksum blocks and verified.
+        cover them, each region widened to whole checksum blocks and verified."""
+        return read_files([(self, ranges)])[0]
 
-        Regions are read in pieces of whole checksum blocks by a few threads at once (each
-        piece verified by the thread that read it): one read in flight per rank leaves the
-        disk idle between requests, measured here as 0.65 against 0.87 GB/s per rank with
-        four in flight, three ranks reading at once.
-        """
+    def _regions(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, torch.Tensor]]:
+        """Buffers for the ranges widened to whole blocks, neighbours merged."""
         B = CHECKSUM_BLOCK_BYTES
         spans = sorted((s // B * B, min(round_up(e, B), self.size)) for s, e in ranges if e > s)
         merged: list[list[int]] = []
@@ -259,24 +257,7 @@ class VerifiedFile:
                 merged[-1][1] = max(merged[-1][1], e)
             else:
                 merged.append([s, e])
-        out = [(s, aligned_buffer(e - s, populate=False)) for s, e in merged]
-        pieces = [
-            (s + lo, as_memoryview(region)[lo : min(lo + READ_PIECE, region.numel())])
-            for s, region in out
-            for lo in range(0, region.numel(), READ_PIECE)
-        ]
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            if hasattr(os, "posix_fadvise"):  # read what we ask for, not a readahead window more
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            workers = max(1, min(READ_THREADS, len(pieces)))
-            with ThreadPoolExecutor(workers, thread_name_prefix="ftsup-ckpt-read") as pool:
-                # map() re-raises the first failure in piece order, after every read finished.
-                list(pool.map(lambda p: self._read_piece(fd, p[0], p[1]), pieces))
-        finally:
-            os.close(fd)
-        self.bytes_read += sum(region.numel() for _, region in out)
-        return out
+        return [(s, aligned_buffer(e - s, populate=False)) for s, e in merged]
 
     def _read_piece(self, fd: int, start: int, mv: memoryview) -> None:
         """Fill `mv` with the file's bytes from `start` (a block boundary) and verify its blocks."""
@@ -294,3 +275,38 @@ class VerifiedFile:
             raise CheckpointCorruptError(
                 f"{self.rel}: checksum mismatch in bytes {start + bad * B}..{start + (bad + 1) * B}", file=self.rel
             )
+
+
+def read_files(
+    requests: Sequence[tuple[VerifiedFile, Sequence[tuple[int, int]]]],
+) -> list[list[tuple[int, torch.Tensor]]]:
+    """`read_ranges` of several files at once; for each file, its (region_start, region) pairs.
+
+    Every region is read in pieces of whole checksum blocks by a few threads that serve all the
+    files together (each piece verified by the thread that read it). One read in flight per rank
+    leaves the disk idle between requests: measured here, three ranks reading at once, 0.65 GB/s
+    per rank with one in flight against 0.87 with four. Sharing the threads across files keeps a
+    rank whose share spans two files (the middle rank of a 2-to-3 reshard) as busy as the others.
+    """
+    out = [vf._regions(ranges) for vf, ranges in requests]
+    fds: list[int] = []
+    try:
+        pieces = []
+        for (vf, _), regions in zip(requests, out, strict=True):
+            fd = os.open(vf.path, os.O_RDONLY)
+            fds.append(fd)
+            if hasattr(os, "posix_fadvise"):  # read what we ask for, not a readahead window more
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            for s, region in regions:
+                mv = as_memoryview(region)
+                pieces += [(vf, fd, s + lo, mv[lo : lo + READ_PIECE]) for lo in range(0, len(mv), READ_PIECE)]
+        if pieces:
+            with ThreadPoolExecutor(min(READ_THREADS, len(pieces)), thread_name_prefix="ftsup-ckpt-read") as pool:
+                # map() re-raises the first failure in piece order, after every read finished.
+                list(pool.map(lambda p: p[0]._read_piece(p[1], p[2], p[3]), pieces))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    for (vf, _), regions in zip(requests, out, strict=True):
+        vf.bytes_read += sum(region.numel() for _, region in regions)
+    return out
