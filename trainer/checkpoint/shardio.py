@@ -38,7 +38,7 @@ from trainer.checkpoint.layout import (
 PAGE = 4096
 WRITE_BLOCK = 64 * 1024 * 1024
 READ_PIECE = 4 * 1024 * 1024  # a multiple of the checksum block
-READ_THREADS = 4
+READ_THREADS = 8  # per rank; 8 read a 2-to-3 reshard of 1 GiB a little faster than 4 here (medians 1.07 s vs 1.17 s)
 
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
