@@ -126,8 +126,8 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/metadata/scheduledevents":
             if self.headers.get("Metadata") != "true" or "api-version=" not in query:
                 return self._send(400, json.dumps({"error": "Bad request"}))
-            doc = {"DocumentIncarnation": st.azure_incarnation, "Events": st.azure_events}
-            return self._send(200, json.dumps(doc), {"Content-Type": "application/json"})
+            events = {"DocumentIncarnation": st.azure_incarnation, "Events": st.azure_events}
+            return self._send(200, json.dumps(events), {"Content-Type": "application/json"})
         self._send(404, "Not Found")
 
     def do_POST(self) -> None:
@@ -167,8 +167,7 @@ class MetadataServer:
 
     @property
     def url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://127.0.0.1:{self._server.server_port}"
 
     def __enter__(self) -> MetadataServer:
         self._thread.start()

@@ -25,7 +25,9 @@ BIN = REPO / "tests" / "bin"
 T = TypeVar("T")
 
 
-def wait_for(what: Callable[[], T], timeout_s: float, message: str | Callable[[], str], poll_s: float = 0.05) -> T:
+def wait_for(
+    what: Callable[[], T | None], timeout_s: float, message: str | Callable[[], str], poll_s: float = 0.05
+) -> T:
     """Poll `what()` until it returns something truthy (returned) or `timeout_s` passes (fail with
     `message`, which may be a callable so that it shows the state at the deadline)."""
     deadline = time.monotonic() + timeout_s

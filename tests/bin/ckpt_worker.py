@@ -28,7 +28,7 @@ from trainer.checkpoint.stateful import ModelOptimState
 
 def build(parallel: str, seed: int, width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(
+    layers = torch.nn.Sequential(
         torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(),
         torch.nn.Linear(width, 4),
     )  # fmt: skip
@@ -37,12 +37,13 @@ def build(parallel: str, seed: int, width: int) -> tuple[torch.nn.Module, torch.
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for layer in model:
+        for layer in layers:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    elif parallel == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        fully_shard(layers, mesh=mesh)
+    model: torch.nn.Module = layers
+    if parallel == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(layers)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return model, optim
 

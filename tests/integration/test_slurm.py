@@ -250,7 +250,7 @@ def test_usr1_to_the_batch_shell_saves_requeues_and_the_requeued_job_finishes_bi
     assert json.loads((state / "journal.json").read_text())["status"] == "evicted"
     assert "SIGUSR1 sent to supervisor" in out.read_text()  # to the supervisor alone: the ranks lived to save
 
-    final = wait_for(lambda: (s := slurm.job(job_id))["JobState"] in ENDED and s, 120,
+    final = wait_for(lambda: s if (s := slurm.job(job_id))["JobState"] in ENDED else None, 120,
                      lambda: f"the requeued job {job_id} did not finish\n{output()}")  # fmt: skip
     assert (final["JobState"], final["ExitCode"], final["Restarts"]) == ("COMPLETED", "0:0", "1"), output()
     events = [json.loads(x) for x in (state / "logs" / "supervisor.jsonl").read_text().splitlines()]
