@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from trainer.bench import report
 
 
@@ -101,3 +103,14 @@ def test_targets_compare_in_the_stated_direction() -> None:
         got["ftsup_sync_throughput_vs_raw_write"]["met"],
         got["ftsup_rss_growth_mib"]["met"],
     ) == (False, True, None)
+
+
+def test_extra_step_time_is_measured_against_the_mean_of_unloaded_steps_on_both_sides() -> None:
+    from trainer.bench.probes import StepLog
+
+    # Skewed unloaded steps (median 0.020, mean 0.025) and a drift: slower after the save.
+    log = StepLog(before=[0.02, 0.02, 0.035], during=[0.03] * 10, after=[0.02, 0.02, 0.035])
+    assert log.baseline_s == pytest.approx(0.025)
+    assert log.extra_s == pytest.approx(10 * (0.03 - 0.025))
+    # Steps no slower than usual cost nothing, and never a negative amount.
+    assert StepLog(before=[0.03], during=[0.02, 0.02], after=[0.03]).extra_s == 0.0

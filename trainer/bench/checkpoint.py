@@ -86,8 +86,9 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--baseline-steps",
         type=int,
-        default=5,
-        help="steps timed without a save before each async save",
+        default=10,
+        help="steps timed with no save in flight before and again after each async save "
+        "(their mean is the baseline the steps during the save are compared with)",
     )
     parser.add_argument("--layers", type=int, default=32, help="Linear layers in the model")
     parser.add_argument(

@@ -83,14 +83,16 @@ def ftsup_async(ctx: Ctx) -> None:
     for n, i in enumerate(labels):
         _settle(ctx)
         raw_s = raw_write_once(ctx, mine)
-        baseline = ctx.trainer.baseline(int(ctx.spec["baseline_steps"]))
+        before = ctx.trainer.time_steps(int(ctx.spec["baseline_steps"]))
         ctx.barrier()
         start = time.perf_counter()
         handle = eng.save(_ASYNC_STEP0 + n, ctx.syn.state(), kind="periodic")
         block = time.perf_counter() - start
         waiter = probes.Waiter(handle.wait, start)
-        log = ctx.trainer.run_while(waiter, int(ctx.spec["steps_during"]), baseline)
+        log = ctx.trainer.run_while(waiter, int(ctx.spec["steps_during"]), before)
         durable = waiter.join(float(ctx.spec["save_timeout_s"]))
+        _settle(ctx)  # retention deletes an old checkpoint: not part of the unloaded steps
+        log.after = ctx.trainer.time_steps(int(ctx.spec["baseline_steps"]))
         ctx.rec.record(
             "ftsup_async",
             i,
@@ -98,7 +100,7 @@ def ftsup_async(ctx: Ctx) -> None:
             block_s=block,
             extra_step_s=log.extra_s,
             steps_during=len(log.during),
-            baseline_step_s=baseline,
+            baseline_step_s=log.baseline_s,
             durable_s=durable,
             bytes=total,
             raw_adjacent_s=raw_s,

@@ -259,7 +259,7 @@ def _async_row(ctx: Ctx, name: str, kind: AsyncCheckpointerType) -> None:
     folder = ctx.run_dir / name
     total = total_bytes(ctx)
     for i in ["warmup", *range(ctx.repeats)] if ctx.spec["warmup"] else range(ctx.repeats):
-        baseline = ctx.trainer.baseline(int(ctx.spec["baseline_steps"]))
+        before = ctx.trainer.time_steps(int(ctx.spec["baseline_steps"]))
         ctx.barrier()
         start = time.perf_counter()
         ret = dcp.async_save(
@@ -272,8 +272,9 @@ def _async_row(ctx: Ctx, name: str, kind: AsyncCheckpointerType) -> None:
         # A Future, or (with a zero-overhead stager) an AsyncSaveResponse holding one.
         future = ret.upload_completion if isinstance(ret, AsyncSaveResponse) else ret
         waiter = probes.Waiter(future.result, start)
-        log = ctx.trainer.run_while(waiter, int(ctx.spec["steps_during"]), baseline)
+        log = ctx.trainer.run_while(waiter, int(ctx.spec["steps_during"]), before)
         durable = waiter.join(float(ctx.spec["save_timeout_s"]))
+        log.after = ctx.trainer.time_steps(int(ctx.spec["baseline_steps"]))
         ctx.rec.record(
             name,
             i,
@@ -281,7 +282,7 @@ def _async_row(ctx: Ctx, name: str, kind: AsyncCheckpointerType) -> None:
             block_s=block,
             extra_step_s=log.extra_s,
             steps_during=len(log.during),
-            baseline_step_s=baseline,
+            baseline_step_s=log.baseline_s,
             durable_s=durable,
             bytes=total,
         )

@@ -127,10 +127,24 @@ class Waiter:
 
 @dataclass
 class StepLog:
-    """Step durations taken while a background save was in flight on this rank."""
+    """Step durations around one background save on this rank.
 
-    baseline_s: float
+    `before` and `after` are steps with nothing in flight, timed just before the save call and
+    just after every rank's save finished; `during` are the steps this rank ran while its own
+    save was in flight. The extra time is a sum of step times, so it is compared with the
+    mean of the unloaded steps, not their median: step times here are skewed to the right,
+    and a median baseline would count part of every step's ordinary noise as the save's.
+    Steps on both sides cancel a drift in the machine's speed over the save.
+    """
+
+    before: list[float]
     during: list[float] = field(default_factory=list)
+    after: list[float] = field(default_factory=list)
+
+    @property
+    def baseline_s(self) -> float:
+        unloaded = self.before + self.after
+        return sum(unloaded) / len(unloaded)
 
     @property
     def extra_s(self) -> float:

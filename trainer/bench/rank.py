@@ -67,19 +67,20 @@ class Trainer:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
-    def baseline(self, count: int) -> float:
-        """Median duration of `count` steps with no save in flight."""
+    def time_steps(self, count: int) -> list[float]:
+        """Durations of `count` (at least one) steps with no save in flight."""
         times = []
         for _ in range(max(1, count)):
             start = time.perf_counter()
             self.step()
             self._any(False)
             times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return times
 
-    def run_while(self, waiter: probes.Waiter, min_steps: int, baseline_s: float) -> probes.StepLog:
-        """Step until every rank's save is done (and at least `min_steps` steps ran)."""
-        log = probes.StepLog(baseline_s)
+    def run_while(self, waiter: probes.Waiter, min_steps: int, before: list[float]) -> probes.StepLog:
+        """Step until every rank's save is done (and at least `min_steps` steps ran); the
+        caller adds the `after` steps once whatever follows the save has settled."""
+        log = probes.StepLog(before)
         deadline = time.perf_counter() + self.timeout_s
         count = 0
         while True:
@@ -162,7 +163,7 @@ def main(spec_path: str) -> int:
         trainer = Trainer(step, float(spec["save_timeout_s"]))
         dcp_pg = dist.new_group(backend="gloo")
         ctx = Ctx(rank, world, spec, rec, syn, trainer, dcp_pg, Path(spec["run_dir"]))
-        baseline = trainer.baseline(int(spec["baseline_steps"]))
+        baseline = statistics.median(trainer.time_steps(int(spec["baseline_steps"])))
         sd = syn.app.state_dict()
         rec.record(
             "_config",
