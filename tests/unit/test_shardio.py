@@ -3,6 +3,7 @@ place, and a corrupt block anywhere is named by its byte range, never returned."
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 
 from trainer.checkpoint import layout
 from trainer.checkpoint.errors import CheckpointCorruptError
-from trainer.checkpoint.shardio import READ_PIECE, VerifiedFile
+from trainer.checkpoint.shardio import PAGE, READ_PIECE, VerifiedFile
 
 B = layout.CHECKSUM_BLOCK_BYTES
 
@@ -64,3 +65,93 @@ def test_regions_are_separate_tensors_the_caller_may_keep(tmp_path):
     (s0, r0), (s1, r1) = vf.read_ranges([(0, 10), (3 * B, 3 * B + 10)])
     assert (s0, s1) == (0, 3 * B) and r0.numel() == B and r1.numel() == B
     assert torch.equal(r1[:10], torch.frombuffer(bytearray(data[3 * B : 3 * B + 10]), dtype=torch.uint8))
+
+
+def _cached_pages(path: Path) -> int:
+    """How many of the file's pages are in the page cache (mincore over a read-only map)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    size = os.path.getsize(path)
+    pages = -(-size // mmap.PAGESIZE)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            vec = ctypes.create_string_buffer(pages)
+            assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+            return sum(b & 1 for b in vec.raw)
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_reads_bypass_the_page_cache_where_the_filesystem_allows(tmp_path):
+    size = 2 * READ_PIECE + 3 * B + 100  # an unaligned tail: its last page goes through the cache
+    data, vf = _shard(tmp_path, size)
+    path = tmp_path / "shard.bin"
+    _evict(path)
+    if _cached_pages(path) != 0:
+        pytest.skip("this filesystem keeps clean pages cached after POSIX_FADV_DONTNEED")
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        pytest.skip(f"{tmp_path} does not support O_DIRECT")
+    ((start, region),) = vf.read_ranges([(0, size)])
+    assert start == 0 and bytes(region.numpy()) == data
+    assert _cached_pages(path) <= 1  # at most the tail page
+
+
+def test_without_o_direct_everything_is_read_through_the_cache(tmp_path, monkeypatch):
+    from trainer.checkpoint import shardio
+
+    monkeypatch.setattr(shardio, "_open_direct", lambda path, mode=os.O_WRONLY: None)  # as on a refusing fs
+    size = READ_PIECE + 2 * B + 7
+    data, vf = _shard(tmp_path, size)
+    _evict(tmp_path / "shard.bin")
+    ((start, region),) = vf.read_ranges([(0, size)])
+    assert start == 0 and bytes(region.numpy()) == data
+    assert _cached_pages(tmp_path / "shard.bin") == -(-size // PAGE)
+
+
+def test_an_o_direct_read_refused_with_einval_falls_back_to_the_cache(tmp_path, monkeypatch):
+    from trainer.checkpoint import shardio
+
+    direct_fds: set[int] = set()
+    real_open, real_preadv = shardio._open_direct, os.preadv
+
+    def open_direct(path: str, mode: int = os.O_WRONLY) -> int | None:
+        fd = real_open(path, mode)
+        if fd is not None:
+            direct_fds.add(fd)
+        return fd
+
+    def preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if fd in direct_fds:  # a filesystem that opens O_DIRECT but wants another alignment
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(shardio, "_open_direct", open_direct)
+    monkeypatch.setattr(os, "preadv", preadv)
+    size = 2 * READ_PIECE + 5
+    data, vf = _shard(tmp_path, size)
+    ((start, region),) = vf.read_ranges([(0, size)])
+    if not direct_fds:
+        pytest.skip(f"{tmp_path} does not support O_DIRECT")
+    assert start == 0 and bytes(region.numpy()) == data

@@ -9,7 +9,8 @@ with O_DIRECT; block checksums come from the staging copy (which computes them i
 pass, see blocksum.StreamingBlocks) or are computed from memory while the disk works.
 
 Reads go the other way: only the byte ranges a rank needs (widened to the 64 KiB checksum
-blocks that cover them), each block verified before any byte reaches the caller's tensors.
+blocks that cover them), with O_DIRECT where the filesystem allows it, each block verified
+before any byte reaches the caller's tensors.
 """
 
 from __future__ import annotations
@@ -200,12 +201,13 @@ def _write_file(path: str, mv: memoryview, total: int, o_direct: bool) -> None:
         os.close(fd)
 
 
-def _open_direct(path: str) -> int | None:
+def _open_direct(path: str, mode: int = os.O_WRONLY) -> int | None:
+    """`path` opened with O_DIRECT, or None where the filesystem (tmpfs before Linux 6.6) refuses it."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return None
     try:
-        return os.open(path, os.O_WRONLY | flag)
+        return os.open(path, mode | flag)
     except OSError as e:
         if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
             return None
@@ -259,10 +261,14 @@ class VerifiedFile:
                 merged.append([s, e])
         return [(s, aligned_buffer(e - s, populate=False)) for s, e in merged]
 
-    def _read_piece(self, fd: int, start: int, mv: memoryview) -> None:
-        """Fill `mv` with the file's bytes from `start` (a block boundary) and verify its blocks."""
+    def _read_piece(self, fd: int, direct: int | None, start: int, mv: memoryview) -> None:
+        """Fill `mv` with the file's bytes from `start` (a block boundary) and verify its blocks.
+
+        `direct`: an O_DIRECT descriptor of the file, used for the page-aligned bulk when `mv`
+        is page-aligned; the rest (a file's unaligned tail) goes through `fd`.
+        """
         B = CHECKSUM_BLOCK_BYTES
-        pos = 0
+        pos = 0 if direct is None else _read_direct(direct, start, mv[: len(mv) // PAGE * PAGE])
         while pos < len(mv):
             n = os.preadv(fd, [mv[pos:]], start + pos)
             if n <= 0:
@@ -277,6 +283,22 @@ class VerifiedFile:
             )
 
 
+def _read_direct(fd: int, start: int, mv: memoryview) -> int:
+    """Read as much of `mv` as O_DIRECT gives; returns how many bytes (a multiple of PAGE)."""
+    pos = 0
+    while pos < len(mv):
+        try:
+            n = os.preadv(fd, [mv[pos:]], start + pos)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            break  # this filesystem wants another alignment: the caller reads the rest through the cache
+        if n <= 0:
+            break
+        pos += n
+    return pos // PAGE * PAGE
+
+
 def read_files(
     requests: Sequence[tuple[VerifiedFile, Sequence[tuple[int, int]]]],
 ) -> list[list[tuple[int, torch.Tensor]]]:
@@ -287,6 +309,13 @@ def read_files(
     leaves the disk idle between requests: measured here, three ranks reading at once, 0.65 GB/s
     per rank with one in flight against 0.87 with four. Sharing the threads across files keeps a
     rank whose share spans two files (the middle rank of a 2-to-3 reshard) as busy as the others.
+
+    Pieces are read with O_DIRECT (the regions are page-aligned and start on block boundaries;
+    only a file's unaligned tail goes through the page cache): a checkpoint is read once, so
+    caching it only costs the kernel a page-cache insert and a copy per page, CPU the ranks share.
+    A 2-to-3 reshard of 1 GiB here: median 0.76 of DCP's load time with O_DIRECT against 1.12
+    through the page cache (16 loads each, interleaved with DCP's in the same runs). Where the
+    filesystem refuses O_DIRECT, everything goes through the page cache.
     """
     out = [vf._regions(ranges) for vf, ranges in requests]
     fds: list[int] = []
@@ -297,13 +326,17 @@ def read_files(
             fds.append(fd)
             if hasattr(os, "posix_fadvise"):  # read what we ask for, not a readahead window more
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            direct = _open_direct(vf.path, os.O_RDONLY)
+            if direct is not None:
+                fds.append(direct)
             for s, region in regions:
                 mv = as_memoryview(region)
-                pieces += [(vf, fd, s + lo, mv[lo : lo + READ_PIECE]) for lo in range(0, len(mv), READ_PIECE)]
+                aligned = direct if region.data_ptr() % PAGE == 0 else None
+                pieces += [(vf, fd, aligned, s + lo, mv[lo : lo + READ_PIECE]) for lo in range(0, len(mv), READ_PIECE)]
         if pieces:
             with ThreadPoolExecutor(min(READ_THREADS, len(pieces)), thread_name_prefix="ftsup-ckpt-read") as pool:
                 # map() re-raises the first failure in piece order, after every read finished.
-                list(pool.map(lambda p: p[0]._read_piece(p[1], p[2], p[3]), pieces))
+                list(pool.map(lambda p: p[0]._read_piece(*p[1:]), pieces))
     finally:
         for fd in fds:
             os.close(fd)
