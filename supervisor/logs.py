@@ -32,18 +32,22 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 
 
 class _Tee:
-    """Write each line to several streams (stderr and the node's log file)."""
+    """Write each line to several streams (stderr and the node's log file), skipping any that
+    was closed since (the daemon closes its log file when it returns; code that logs after that
+    in the same process must not fail on it)."""
 
     def __init__(self, *streams: TextIO):
         self.streams = streams
 
     def write(self, s: str) -> None:
         for st in self.streams:
-            st.write(s)
+            if not st.closed:
+                st.write(s)
 
     def flush(self) -> None:
         for st in self.streams:
-            st.flush()
+            if not st.closed:
+                st.flush()
 
 
 def configure(level: str = "info", fmt: str = "json", file: Path | None = None) -> TextIO | None:

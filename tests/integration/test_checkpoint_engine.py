@@ -250,6 +250,39 @@ def test_disk_full_during_background_save_surfaces_and_keeps_previous(small_tmpf
     eng.close()
 
 
+class _BrokenPipe:
+    """A log sink whose reader is gone (e.g. the supervisor died holding the rank's stderr)."""
+
+    def write(self, s: str) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_broken_log_sink_neither_hangs_nor_fails_a_save(tmp_path):
+    old = structlog.get_config()
+    structlog.configure(
+        processors=[structlog.processors.JSONRenderer()],
+        logger_factory=structlog.WriteLoggerFactory(file=_BrokenPipe()),  # type: ignore[arg-type]
+        cache_logger_on_first_use=False,
+    )
+    try:
+        eng = CheckpointEngine(tmp_path / "ckpt")
+        state = make_state()
+        # Committing logs checkpoint_committed; the save is still committed and reported.
+        assert eng.save(1, {"app": state}).wait(timeout=60).step == 1
+        shutil.rmtree(tmp_path / "ckpt")
+        (tmp_path / "ckpt").write_text("not a directory")
+        # A failing save logs checkpoint_save_failed; its error still reaches the caller.
+        with pytest.raises(CheckpointSaveError, match="cannot prepare"):
+            eng.save(2, {"app": state}).wait(timeout=60)
+        with pytest.raises(CheckpointSaveError, match="an earlier checkpoint save failed"):
+            eng.close()  # as after any failed background save: the next call reports it
+    finally:
+        structlog.configure(**old)
+
+
 def _odd_layouts() -> dict[str, torch.Tensor]:
     """Tensors that take every staging path: contiguous (fused copy+checksum where the CPU has
     CRC-32C) and not (transposed, narrowed, conjugate views: copied by torch, then checksummed)."""

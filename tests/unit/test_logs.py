@@ -33,3 +33,23 @@ def test_the_scan_sees_the_daemons_events():
     # The daemon logs through `_emit` (log and count a metric); a scan that missed those calls
     # would pass the test above vacuously.
     assert {"supervisor_started", "checkpoint_quarantined", "orphans_found", "eviction_noticed"} <= logged_events()
+
+
+def test_logging_after_the_daemon_closed_its_log_file_still_works(tmp_path, capsys):
+    import structlog
+
+    from supervisor import logs
+
+    old = structlog.get_config()
+    try:
+        handle = logs.configure("info", "json", tmp_path / "supervisor.jsonl")
+        assert handle is not None
+        structlog.get_logger("t").info("supervisor_started")
+        handle.close()  # what Daemon.run does when it returns
+        structlog.get_logger("t").info("checkpoint_committed")  # e.g. a checkpoint engine in the same process
+    finally:
+        structlog.configure(**old)
+    lines = (tmp_path / "supervisor.jsonl").read_text().splitlines()
+    err = capsys.readouterr().err
+    assert "supervisor_started" in err and "checkpoint_committed" in err
+    assert len(lines) == 1 and "supervisor_started" in lines[0]

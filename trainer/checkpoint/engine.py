@@ -172,6 +172,16 @@ def _local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if codec._is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
+def _log_quietly(method: Callable[..., Any], event: str, **fields: Any) -> None:
+    """Log from the writer thread. A broken log sink (stderr closed, or a pipe whose reader
+    died, e.g. with the supervisor) must not kill the thread that resolves every save's
+    future: the training loop would then hang in its next save or wait instead of going on."""
+    try:
+        method(event, **fields)
+    except (OSError, ValueError):  # ValueError: "I/O operation on closed file"
+        pass
+
+
 @functools.cache
 def _warn_if_checksums_are_slow() -> None:
     """Once per process: say so when block checksums run in pure Python (the C extension is
@@ -401,10 +411,10 @@ class CheckpointEngine:
                 result = self._write_job(job)
             except BaseException as e:
                 err = e if isinstance(e, CheckpointError) else CheckpointSaveError(f"step {job.step}: {e}")
-                log.error("checkpoint_save_failed", step=job.step, rank=self.rank, reason=str(err))
                 with self._lock:
                     self._failure = err
                 job.future.set_exception(err)
+                _log_quietly(log.error, "checkpoint_save_failed", step=job.step, rank=self.rank, reason=str(err))
                 continue
             job.future.set_result(result)
             if self.rank == 0 and not result.skipped:
@@ -415,7 +425,7 @@ class CheckpointEngine:
             layout.apply_retention(self.directory, self.retention, protect={newest})
         except OSError as e:
             # A failed deletion must not fail a committed save; the next commit retries.
-            log.warning("checkpoint_retention_failed", step=newest, reason=str(e))
+            _log_quietly(log.warning, "checkpoint_retention_failed", step=newest, reason=str(e))
 
     def _write_job(self, job: _Job) -> SaveResult:
         step, comm = job.step, self._comm
@@ -444,8 +454,8 @@ class CheckpointEngine:
             raise CheckpointSaveError(f"step {step}: {outcome['error']}; the previous checkpoint is intact")
         durable_s = time.perf_counter() - job.t0
         if self.rank == 0:
-            log.info(
-                "checkpoint_committed", step=step, kind=job.kind, world_size=self.world_size,
+            _log_quietly(
+                log.info, "checkpoint_committed", step=step, kind=job.kind, world_size=self.world_size,
                 duration_s=round(durable_s, 4), path=str(final),
             )  # fmt: skip
         return SaveResult(step, str(final), job.kind, job.plan.tensor_bytes, job.stage_s, durable_s)
@@ -487,7 +497,7 @@ class CheckpointEngine:
             return {"ok": True, "files": files, "tensor_bytes": job.plan.tensor_bytes}
         except Exception as e:  # adapter boundary: every rank must still reach the gather
             msg = f"rank {self.rank}: {type(e).__name__}: {e}"
-            log.error("checkpoint_write_failed", step=job.step, rank=self.rank, reason=msg)
+            _log_quietly(log.error, "checkpoint_write_failed", step=job.step, rank=self.rank, reason=msg)
             return {"ok": False, "error": msg}
 
     def _commit(self, job: _Job, partial: Path, final: Path, reports: list[dict[str, Any]]) -> dict[str, Any]:
