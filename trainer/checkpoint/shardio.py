@@ -264,8 +264,9 @@ class VerifiedFile:
     def _read_piece(self, fd: int, direct: int | None, start: int, mv: memoryview) -> None:
         """Fill `mv` with the file's bytes from `start` (a block boundary) and verify its blocks.
 
-        `direct`: an O_DIRECT descriptor of the file, used for the page-aligned bulk when `mv`
-        is page-aligned; the rest (a file's unaligned tail) goes through `fd`.
+        `direct`: an O_DIRECT descriptor of the file, used for the page-aligned bulk (`mv` lies
+        in a page-aligned buffer at a multiple of READ_PIECE); the rest (a file's unaligned
+        tail, or all of it where the filesystem refuses the alignment) goes through `fd`.
         """
         B = CHECKSUM_BLOCK_BYTES
         pos = 0 if direct is None else _read_direct(direct, start, mv[: len(mv) // PAGE * PAGE])
@@ -331,8 +332,7 @@ def read_files(
                 fds.append(direct)
             for s, region in regions:
                 mv = as_memoryview(region)
-                aligned = direct if region.data_ptr() % PAGE == 0 else None
-                pieces += [(vf, fd, aligned, s + lo, mv[lo : lo + READ_PIECE]) for lo in range(0, len(mv), READ_PIECE)]
+                pieces += [(vf, fd, direct, s + lo, mv[lo : lo + READ_PIECE]) for lo in range(0, len(mv), READ_PIECE)]
         if pieces:
             with ThreadPoolExecutor(min(READ_THREADS, len(pieces)), thread_name_prefix="ftsup-ckpt-read") as pool:
                 # map() re-raises the first failure in piece order, after every read finished.
