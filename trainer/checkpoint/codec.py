@@ -95,6 +95,15 @@ def decode(node: Any, on_tensor: Callable[[Any], Any]) -> Any:
     raise CheckpointError(f"malformed checkpoint skeleton tag {tag!r}")
 
 
+def is_stateful(v: Any) -> bool:
+    return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
+
+
+def state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
+    """`state` with every Stateful value (model, optimizer, ...) replaced by its state_dict()."""
+    return {k: (v.state_dict() if is_stateful(v) else v) for k, v in state.items()}
+
+
 def flatten(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], Any]:
     """(flat tensors by key, skeleton). Keys are dotted paths; a collision is an error."""
     flat: dict[str, torch.Tensor] = {}

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 
 from trainer.checkpoint import codec, layout
-from trainer.checkpoint.engine import DCP_META_NAME
 from trainer.checkpoint.errors import CheckpointCorruptError, CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -48,7 +47,7 @@ def model_prefix(keys: list[str]) -> str:
 
 
 def _read_meta(ckpt: Path, manifest: layout.Manifest) -> dict[str, Any]:
-    meta: dict[str, Any] = json.loads(layout.read_verified(ckpt, manifest, DCP_META_NAME))
+    meta: dict[str, Any] = json.loads(layout.read_verified(ckpt, manifest, layout.DCP_META_NAME))
     return meta
 
 

@@ -39,6 +39,7 @@ from trainer.checkpoint.errors import (
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+DCP_META_NAME = "dcp_metadata.json"
 CHECKSUM_ALGORITHM = blocksum.CURRENT
 """What new checkpoints are written with; `blocksum.ALGORITHMS` lists what verifies."""
 CHECKSUM_BLOCK_BYTES = blocksum.BLOCK_BYTES
@@ -71,6 +72,19 @@ def parse_step_dirname(name: str) -> int | None:
 def parse_partial_dirname(name: str) -> int | None:
     m = _PARTIAL_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+def shard_name(rank: int) -> str:
+    return f"shard-{rank:05d}.safetensors"
+
+
+def crc_name(rank: int) -> str:
+    """The sidecar with the shard's 64 KiB block checksums (little-endian uint32)."""
+    return f"shard-{rank:05d}.crc32"
+
+
+def rank_state_name(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
 
 
 # --------------------------------------------------------------------------- checksums

@@ -1,0 +1,209 @@
+"""The writer side of a save: a staged buffer becomes a committed `step-N/` (ARCHITECTURE section 2).
+
+Runs in the engine's writer thread, one save at a time, in order. Every rank writes its shard,
+the shard's block checksums and its rank state into `step-N.partial/` and fsyncs them; rank 0
+gathers every rank's file sizes and checksums over the engine's own group, writes
+`dcp_metadata.json` and then `manifest.json`, fsyncs the directory, renames it to `step-N/`
+and fsyncs the parent. A failure on any rank is reported to every rank and the `.partial`
+directory is removed, so the previous checkpoint stays the latest consistent one. A committed
+step is never overwritten (saving it again is a no-op). Rank 0 then applies retention.
+
+Not here: staging (`staging`), the queue and the futures the training loop waits on (`engine`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from trainer.checkpoint import layout
+from trainer.checkpoint.comm import GroupComm, LocalComm
+from trainer.checkpoint.errors import CheckpointSaveError
+from trainer.checkpoint.shardio import write_shard
+from trainer.checkpoint.staging import StagingPlan
+
+log = structlog.get_logger("ftsup.checkpoint")
+
+Hook = Callable[[str, int], None]
+"""Called as hook(point, step) at: staged, shard_written, metadata_written, manifest_written,
+renamed. For fault-injection tests (e.g. SIGKILL at an exact point of the protocol)."""
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    step: int
+    path: str
+    kind: str
+    tensor_bytes: int  # bytes of tensor data this rank wrote
+    stage_s: float  # the blocking part of save()
+    durable_s: float  # from the call until committed and fsynced
+    skipped: bool = False  # the step was already committed; nothing was written
+
+
+@dataclass
+class StagedSave:
+    """One save handed from the caller's thread to the writer thread."""
+
+    step: int
+    kind: str
+    buf: torch.Tensor
+    release: Callable[[], None]  # called once the buffer has been written (it may be reused)
+    plan: StagingPlan
+    skeleton: Any
+    rank_state: bytes
+    metadata: dict[str, Any]
+    t0: float
+    stage_s: float
+    cuda_event: Any
+    crcs: list[int] | None  # the shard's block checksums, when staging computed them
+    future: Future[SaveResult] = field(default_factory=Future)
+
+
+def log_quietly(method: Callable[..., Any], event: str, **fields: Any) -> None:
+    """Log from the writer thread. A broken log sink (stderr closed, or a pipe whose reader
+    died, e.g. with the supervisor) must not kill the thread that resolves every save's
+    future: the training loop would then hang in its next save or wait instead of going on."""
+    try:
+        method(event, **fields)
+    except (OSError, ValueError):  # ValueError: "I/O operation on closed file"
+        pass
+
+
+class Committer:
+    """Writes staged saves into `directory` and commits them; one instance per engine."""
+
+    def __init__(
+        self,
+        directory: Path,
+        comm: LocalComm | GroupComm,
+        *,
+        o_direct: bool,
+        retention: layout.RetentionPolicy,
+        hook: Hook,
+    ):  # fmt: skip
+        self.directory = directory
+        self.comm = comm
+        self.rank = comm.rank
+        self.world_size = comm.world_size
+        self.o_direct = o_direct
+        self.retention = retention
+        self.hook = hook
+
+    def write(self, job: StagedSave) -> SaveResult:
+        """Write, gather, commit: a collective over the engine's group (every rank, same order)."""
+        step, comm = job.step, self.comm
+        partial = self.directory / layout.partial_dirname(step)
+        final = self.directory / layout.step_dirname(step)
+        try:
+            prep: dict[str, Any] | None = None
+            if self.rank == 0:
+                prep = self._prepare_partial(step, partial, final)
+            prep = comm.broadcast(prep)
+            if prep.get("skip"):
+                return SaveResult(step, str(final), job.kind, 0, job.stage_s, 0.0, skipped=True)
+            if "error" in prep:
+                raise CheckpointSaveError(f"step {step}: cannot prepare {partial}: {prep['error']}")
+            report = self._write_rank_files(job, partial)
+        finally:
+            job.release()
+        reports = comm.gather(report)
+        outcome: dict[str, Any] | None = None
+        if self.rank == 0:
+            assert reports is not None
+            outcome = self._commit(job, partial, final, reports)
+        outcome = comm.broadcast(outcome)
+        if not outcome["ok"]:
+            raise CheckpointSaveError(f"step {step}: {outcome['error']}; the previous checkpoint is intact")
+        durable_s = time.perf_counter() - job.t0
+        if self.rank == 0:
+            log_quietly(
+                log.info, "checkpoint_committed", step=step, kind=job.kind, world_size=self.world_size,
+                duration_s=round(durable_s, 4), path=str(final),
+            )  # fmt: skip
+        return SaveResult(step, str(final), job.kind, job.plan.tensor_bytes, job.stage_s, durable_s)
+
+    def retain(self, newest: int) -> None:
+        """Rank 0, after a commit: apply the retention policy, never deleting `newest`."""
+        try:
+            layout.apply_retention(self.directory, self.retention, protect={newest})
+        except OSError as e:
+            # A failed deletion must not fail a committed save; the next commit retries.
+            log_quietly(log.warning, "checkpoint_retention_failed", step=newest, reason=str(e))
+
+    def _prepare_partial(self, step: int, partial: Path, final: Path) -> dict[str, Any]:
+        try:
+            if final.exists():
+                return {"skip": True}  # nothing ever overwrites a committed checkpoint
+            # The writer runs saves in order, so any .partial of this or an older step is torn.
+            for e in os.scandir(self.directory):
+                s = layout.parse_partial_dirname(e.name)
+                if s is not None and s <= step:
+                    shutil.rmtree(e.path, ignore_errors=True)
+            partial.mkdir()
+            layout.fsync_dir(self.directory)
+            return {}
+        except OSError as e:
+            return {"error": f"{e.strerror or e} ({e.filename or partial})"}
+
+    def _write_rank_files(self, job: StagedSave, partial: Path) -> dict[str, Any]:
+        files: dict[str, dict[str, Any]] = {}
+        try:
+            if job.cuda_event is not None:
+                job.cuda_event.synchronize()
+            shard = layout.shard_name(self.rank)
+            size, crcs = write_shard(str(partial / shard), job.buf, o_direct=self.o_direct, crcs=job.crcs)
+            files[shard] = {"size": size, "checksum": layout.checksum_from_block_crcs(crcs)}
+            packed = layout.pack_block_crcs(crcs)
+            crc_file = layout.crc_name(self.rank)
+            layout.write_file_durable(partial / crc_file, packed)
+            files[crc_file] = {"size": len(packed), "checksum": layout.checksum_bytes(packed)}
+            rank_file = layout.rank_state_name(self.rank)
+            layout.write_file_durable(partial / rank_file, job.rank_state)
+            files[rank_file] = {"size": len(job.rank_state), "checksum": layout.checksum_bytes(job.rank_state)}
+            self.hook("shard_written", job.step)
+            return {"ok": True, "files": files, "tensor_bytes": job.plan.tensor_bytes}
+        except Exception as e:  # adapter boundary: every rank must still reach the gather
+            msg = f"rank {self.rank}: {type(e).__name__}: {e}"
+            log_quietly(log.error, "checkpoint_write_failed", step=job.step, rank=self.rank, reason=msg)
+            return {"ok": False, "error": msg}
+
+    def _commit(
+        self, job: StagedSave, partial: Path, final: Path, reports: list[dict[str, Any]]
+    ) -> dict[str, Any]:  # fmt: skip
+        errors = [r["error"] for r in reports if not r["ok"]]
+        try:
+            if errors:
+                raise CheckpointSaveError("; ".join(errors))
+            assert job.plan.meta_json is not None
+            files: dict[str, layout.FileEntry] = {}
+            for r in reports:
+                files.update({k: layout.FileEntry(v["size"], v["checksum"]) for k, v in r["files"].items()})
+            meta = dict(job.plan.meta_json, skeleton=job.skeleton)
+            raw = json.dumps(meta, separators=(",", ":")).encode()
+            layout.write_file_durable(partial / layout.DCP_META_NAME, raw)
+            files[layout.DCP_META_NAME] = layout.FileEntry(len(raw), layout.checksum_bytes(raw))
+            self.hook("metadata_written", job.step)
+            manifest = layout.Manifest(
+                step=job.step, world_size=self.world_size, kind=job.kind, created_unix=time.time(),
+                files=files, tensor_bytes=sum(r["tensor_bytes"] for r in reports), metadata=job.metadata,
+            )  # fmt: skip
+            layout.write_file_durable(partial / layout.MANIFEST_NAME, json.dumps(manifest.to_json(), indent=1).encode())
+            layout.fsync_dir(partial)
+            self.hook("manifest_written", job.step)
+            os.rename(partial, final)
+            layout.fsync_dir(self.directory)
+            self.hook("renamed", job.step)
+        except Exception as e:  # adapter boundary: report to every rank, leave no torn dir
+            shutil.rmtree(partial, ignore_errors=True)
+            return {"ok": False, "error": str(e)}
+        return {"ok": True}

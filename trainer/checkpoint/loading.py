@@ -1,0 +1,210 @@
+"""Loading: the latest consistent (or a given) checkpoint, into the caller's state, on any world size.
+
+Rank 0 picks the checkpoint (fast verification, then the verified DCP metadata) and tells every
+rank. Names, shapes and dtypes are compared with the saved metadata before anything is read; a
+mismatch lists every differing key and loads nothing. DCP's `DefaultLoadPlanner` maps the saved
+chunks onto this rank's tensors (N ranks saved, M load) and our `ShardReader` reads and verifies
+only the byte ranges needed; every rank's reads verify before any byte is copied. Loading
+"latest", a checkpoint that turns out corrupt is quarantined (`step-N.corrupt`) and the next
+older one is tried.
+
+Not here: the reader's byte ranges and verified reads (`reader`, `shardio`), saving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from trainer.checkpoint import codec, layout
+from trainer.checkpoint.comm import GroupComm, LocalComm
+from trainer.checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    NoCheckpointError,
+)
+from trainer.checkpoint.reader import ShardReader
+
+log = structlog.get_logger("ftsup.checkpoint")
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    step: int
+    path: str
+    kind: str
+    saved_world_size: int
+    metadata: Mapping[str, Any]
+    rank_state: Any  # this rank's saved rank_state, or None (rank >= saved world size)
+    bytes_read: int
+    load_s: float
+
+
+def load(
+    directory: Path,
+    comm: LocalComm | GroupComm,
+    state: Mapping[str, Any],
+    *,
+    step: int | None,
+    at_most: int | None,
+    check: Callable[[Mapping[str, Any]], None] | None,
+) -> LoadResult:
+    """`CheckpointEngine.load` (see there); a collective over the engine's group."""
+    t0 = time.perf_counter()
+    flat, _ = codec.flatten(codec.state_dicts(state))
+    while True:
+        choice: dict[str, Any] | None = _choose(directory, step, at_most) if comm.rank == 0 else None
+        choice = comm.broadcast(choice)
+        if "error" in choice:
+            raise NoCheckpointError(choice["error"])
+        try:
+            return _load_from(comm, choice, state, flat, t0, check)
+        except CheckpointCorruptError as e:
+            if step is not None:
+                raise
+            if comm.rank == 0:
+                moved = layout.quarantine(directory, choice["step"])
+                log.error("checkpoint_quarantined", step=choice["step"], reason=str(e), path=str(moved))
+
+
+def read_rank_state(checkpoint_path: str | os.PathLike[str], rank: int) -> Any:
+    """Any rank's saved rank_state (verified), e.g. to re-deal RNG streams on a new world size."""
+    path = Path(checkpoint_path)
+    manifest = layout.read_manifest(path)
+    if layout.rank_state_name(rank) not in manifest.files:
+        raise NoCheckpointError(f"{path} has no rank_state for rank {rank} (saved on {manifest.world_size})")
+    return _read_own_rank_state(path, manifest, rank)
+
+
+def _choose(directory: Path, step: int | None, at_most: int | None) -> dict[str, Any]:
+    """Rank 0: the checkpoint to load and its verified DCP metadata (or why there is none)."""
+    while True:
+        try:
+            if step is None and at_most is not None:
+                found = layout.latest_consistent(directory, below=at_most + 1)
+                if found is None:
+                    raise NoCheckpointError(f"no consistent checkpoint of step <= {at_most} under {directory}")
+                info = found
+            else:
+                info = layout.find_checkpoint(directory, step)
+        except NoCheckpointError as e:
+            return {"error": str(e)}
+        if not info.consistent:
+            problems = "; ".join(map(str, info.problems))
+            if step is not None:
+                return {"error": f"checkpoint {info.path} is not consistent: {problems}"}
+            moved = layout.quarantine(directory, info.step)
+            log.error("checkpoint_quarantined", step=info.step, reason=problems, path=str(moved))
+            continue
+        manifest = layout.read_manifest(info.path)
+        try:
+            raw = layout.read_verified(info.path, manifest, layout.DCP_META_NAME)
+        except CheckpointCorruptError as e:
+            if step is not None:
+                return {"error": str(e)}
+            layout.quarantine(directory, info.step)
+            continue
+        return {"step": info.step, "path": info.path, "manifest": manifest.to_json(), "meta": json.loads(raw)}
+
+
+def _load_from(
+    comm: LocalComm | GroupComm,
+    choice: dict[str, Any],
+    state: Mapping[str, Any],
+    flat: dict[str, torch.Tensor],
+    t0: float,
+    check: Callable[[Mapping[str, Any]], None] | None,
+) -> LoadResult:  # fmt: skip
+    path = Path(choice["path"])
+    manifest = layout.parse_manifest(json.dumps(choice["manifest"]))
+    meta = choice["meta"]
+    if check is not None:
+        check(manifest.metadata)  # the same metadata on every rank: all raise or none does
+    mismatches = _mismatches(meta["tensors"], flat)
+    rank_state: Any = None
+    status = 0  # 0 fine, 1 corrupt, 2 mismatch: agreed by all ranks before any byte moves
+    corrupt: CheckpointCorruptError | None = None
+    if mismatches:
+        status = 2
+    else:
+        try:
+            rank_state = _read_own_rank_state(path, manifest, comm.rank)
+        except CheckpointCorruptError as e:
+            status, corrupt = 1, e
+    agreed = comm.all_reduce_max(status)
+    if agreed == 2:
+        shown = "; ".join(mismatches[:20]) or "(reported by another rank)"
+        raise CheckpointMismatchError(
+            f"checkpoint {path} does not fit the state being loaded ({len(mismatches)} mismatched keys): "
+            f"{shown}; nothing was loaded",
+            keys=[m.split(":")[0] for m in mismatches],
+        )
+    if agreed == 1:
+        raise corrupt or CheckpointCorruptError(f"{path}: another rank found a corrupt file", path=str(path))
+    reader = ShardReader(path, manifest, meta, comm)
+    try:
+        with warnings.catch_warnings():
+            # A single process without torch.distributed is a supported mode, not a mistake.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp_load(
+                flat,
+                storage_reader=reader,
+                planner=DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=False),
+                process_group=comm.group,
+            )
+    except CheckpointException as e:
+        for wrapped in e.failures.values():
+            # DCP wraps each rank's error as (exception, stack)
+            failure = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+            if isinstance(failure, CheckpointCorruptError):
+                raise failure from None
+        raise CheckpointError(f"loading {path} failed: {e}") from e
+    rebuilt = codec.rebuild(meta["skeleton"], flat)
+    for key, value in state.items():
+        if codec.is_stateful(value):
+            value.load_state_dict(rebuilt[key])
+        elif isinstance(state, dict):
+            state[key] = rebuilt[key]
+    load_s = time.perf_counter() - t0
+    log.info("checkpoint_loaded", step=manifest.step, rank=comm.rank, duration_s=round(load_s, 4),
+             path=str(path), bytes_read=reader.bytes_read)  # fmt: skip
+    return LoadResult(
+        step=manifest.step, path=str(path), kind=manifest.kind, saved_world_size=manifest.world_size,
+        metadata=manifest.metadata, rank_state=rank_state, bytes_read=reader.bytes_read, load_s=load_s,
+    )  # fmt: skip
+
+
+def _read_own_rank_state(path: Path, manifest: layout.Manifest, rank: int) -> Any:
+    name = layout.rank_state_name(rank)
+    if name not in manifest.files:
+        return None  # this rank did not exist when the checkpoint was saved
+    return codec.decode_inline(json.loads(layout.read_verified(path, manifest, name)))
+
+
+def _mismatches(saved: Mapping[str, Any], flat: Mapping[str, torch.Tensor]) -> list[str]:
+    out = []
+    for key in sorted(set(saved) | set(flat)):
+        if key not in flat:
+            out.append(f"{key}: in the checkpoint but not in the state being loaded")
+        elif key not in saved:
+            out.append(f"{key}: in the state being loaded but not in the checkpoint")
+        else:
+            s, t = saved[key], flat[key]
+            if list(t.shape) != s["size"]:
+                out.append(f"{key}: shape {list(t.shape)} != saved {s['size']}")
+            elif codec.dtype_name(t.dtype) != s["dtype"]:
+                out.append(f"{key}: dtype {codec.dtype_name(t.dtype)} != saved {s['dtype']}")
+    return out

@@ -1,0 +1,178 @@
+"""Save planning and staging: the part of `CheckpointEngine.save` that runs in the caller's thread.
+
+Planning: the first time a state of a given structure is saved, DCP's `DefaultSavePlanner`
+decides which rank writes which chunk (replicated tensors once in total, spread across ranks by
+bytes; DTensor shards by their owners). The plan fixes the byte layout of each rank's shard
+file, so it is cached under a cheap signature of the state (names, global shapes, dtypes, how
+each tensor is split) until the structure changes.
+
+Staging: this rank's chunks are copied into a page-aligned host buffer (pinned for CUDA) that
+already holds the file header, laid out exactly as the shard file. On CPU with hardware
+CRC-32C the copy computes the block checksums in the same pass (`blocksum.StreamingBlocks`);
+elsewhere the writer computes them from the buffer.
+
+Not here: the buffers' reuse and bounds (the engine owns them), writing and committing
+(`commit`), loading (`loading`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan
+
+from trainer.checkpoint import blocksum, codec, layout
+from trainer.checkpoint.comm import GroupComm, LocalComm
+from trainer.checkpoint.errors import CheckpointError
+from trainer.checkpoint.shardio import ShardLayout, aligned_buffer, as_memoryview, build_layout
+
+
+@dataclass
+class StagingPlan:
+    signature: tuple[Any, ...]
+    layout: ShardLayout
+    sources: list[tuple[str, tuple[int, ...]]]  # (fqn, chunk offsets) per layout slot
+    meta_json: dict[str, Any] | None  # rank 0 only: DCP metadata + every rank's slots
+    tensor_bytes: int
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if codec._is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def _local_chunks(t: torch.Tensor) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    if codec._is_dtensor(t):
+        return [(tuple(c.offsets), tuple(c.sizes)) for c in t.__create_chunk_list__()]  # type: ignore[attr-defined]
+    return [((0,) * t.dim(), tuple(t.shape))]
+
+
+def signature(flat: dict[str, torch.Tensor]) -> tuple[Any, ...]:
+    """What the cached save plan depends on: names, global shapes, dtypes and how each tensor is
+    split. A DTensor's local chunks follow from its mesh, placements and global shape (for this
+    rank), which are much cheaper to compare than the chunk lists are to compute on every save."""
+    return tuple(
+        (k, True, tuple(t.shape), t.dtype, t.device_mesh, tuple(t.placements), tuple(t.to_local().shape))  # type: ignore[attr-defined]
+        if codec._is_dtensor(t)
+        else (k, False, tuple(t.shape), t.dtype)
+        for k, t in flat.items()
+    )
+
+
+def make_plan(flat: dict[str, torch.Tensor], sig: tuple[Any, ...], comm: LocalComm | GroupComm) -> StagingPlan:
+    """Plan this save with DCP's planner (a collective on `comm`: every rank calls it)."""
+    planner = DefaultSavePlanner(flatten_state_dict=False)
+    planner.set_up_planner(flat, None, comm.rank == 0)
+    local = planner.create_local_plan()
+    gathered = comm.gather(local)
+    meta_json: dict[str, Any] | None = None
+    per_rank: list[SavePlan] | None = None
+    if comm.rank == 0:
+        assert gathered is not None
+        per_rank, metadata = planner.create_global_plan(gathered)
+        meta_json = _metadata_to_json(metadata, [_plan_chunks(p) for p in per_rank])
+    mine = planner.finish_plan(comm.scatter(per_rank))
+    shard = build_layout(_plan_chunks(mine))
+    sources = [(s.fqn, s.offsets) for s in shard.slots]
+    nbytes = sum(s.nbytes for s in shard.slots)
+    return StagingPlan(sig, shard, sources, meta_json, nbytes)
+
+
+def stage(
+    plan: StagingPlan, flat: dict[str, torch.Tensor], buf: torch.Tensor | None
+) -> tuple[torch.Tensor, Any, list[int] | None]:
+    """Copy this rank's chunks into `buf` (allocated here when None or of another size):
+    (buffer, CUDA event, block CRCs).
+
+    On CPU with hardware CRC-32C the block checksums are computed by the copy itself (one
+    pass over the bytes, see blocksum.StreamingBlocks); otherwise they are None and the
+    writer thread computes them from the buffer.
+    """
+    cuda = any(local_tensor(t).is_cuda for t in flat.values())
+    if buf is None or buf.numel() != plan.layout.total_size:
+        buf = aligned_buffer(plan.layout.total_size, pin=cuda)
+        buf[: plan.layout.data_start].copy_(torch.frombuffer(bytearray(plan.layout.header), dtype=torch.uint8))
+    sums = None
+    if not cuda and blocksum.fused_copy_available():
+        sums = blocksum.StreamingBlocks(plan.layout.total_size)
+        mv = as_memoryview(buf)
+        sums.update(mv[: plan.layout.data_start], 0)
+    with torch.no_grad():
+        for slot, (fqn, offsets) in zip(plan.layout.slots, plan.sources, strict=True):
+            src = local_tensor(flat[fqn]).detach()
+            if tuple(src.shape) != slot.sizes:
+                # The signature matched, so this is a chunk narrower than the local tensor.
+                src = _narrow(src, offsets, flat[fqn], slot.sizes)
+            if slot.nbytes == 0:
+                continue
+            start, end = slot.byte_offset, slot.byte_offset + slot.nbytes
+            if sums is None:
+                buf[start:end].view(slot.dtype).view(slot.sizes).copy_(src, non_blocking=cuda)
+                continue
+            raw = _raw_bytes(src, slot.dtype)
+            if raw is not None:
+                sums.copy(mv[start:end], raw, start)
+            else:  # a layout only torch copies: copy, then checksum the copy
+                buf[start:end].view(slot.dtype).view(slot.sizes).copy_(src)
+                sums.update(mv[start:end], start)
+    event = None
+    if cuda:
+        event = torch.cuda.Event()
+        event.record()
+    return buf, event, None if sums is None else sums.finish()
+
+
+def _plan_chunks(plan: SavePlan) -> list[tuple[str, tuple[int, ...], tuple[int, ...], torch.dtype]]:
+    out = []
+    for item in plan.items:
+        td = item.tensor_data
+        if td is None:
+            raise CheckpointError(f"unexpected non-tensor write item {item.index.fqn}")
+        out.append((item.index.fqn, tuple(td.chunk.offsets), tuple(td.chunk.sizes), td.properties.dtype))
+    return out
+
+
+def _raw_bytes(src: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
+    """The bytes of a dense, contiguous CPU tensor of `dtype`, without a copy; None otherwise
+    (the caller then copies with torch, which handles every layout)."""
+    if (
+        src.device.type != "cpu"
+        or src.dtype != dtype
+        or not src.is_contiguous()
+        or src.is_conj()
+        or src.is_neg()
+        or src.layout != torch.strided
+    ):
+        return None
+    return as_memoryview(src.reshape(-1).view(torch.uint8))
+
+
+def _narrow(src: torch.Tensor, offsets: tuple[int, ...], whole: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+    base = _local_chunks(whole)[0][0]
+    for dim, (o, b, n) in enumerate(zip(offsets, base, sizes, strict=True)):
+        src = src.narrow(dim, o - b, n)
+    return src
+
+
+def _metadata_to_json(metadata: Metadata, per_rank_chunks: list[list[Any]]) -> dict[str, Any]:
+    tensors: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(f"unexpected non-tensor entry {fqn} in the save plan")
+        tensors[fqn] = {
+            "dtype": codec.dtype_name(md.properties.dtype),
+            "size": list(md.size),
+            "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks],
+        }
+    storage = []
+    for rank, chunks in enumerate(per_rank_chunks):
+        for slot in build_layout(chunks).slots:
+            storage.append({
+                "fqn": slot.fqn, "offsets": list(slot.offsets), "sizes": list(slot.sizes),
+                "file": layout.shard_name(rank), "crc_file": layout.crc_name(rank),
+                "byte_offset": slot.byte_offset, "nbytes": slot.nbytes,
+            })  # fmt: skip
+    return {"tensors": tensors, "storage": storage}
