@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint import layout
+from trainer.checkpoint import checksums, layout
 
 
 def make_fake_checkpoint(
@@ -40,7 +40,7 @@ def make_fake_checkpoint(
         path = ckpt / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
-        entries[rel] = layout.FileEntry(size=len(data), checksum=layout.checksum_bytes(data))
+        entries[rel] = layout.FileEntry(size=len(data), checksum=checksums.checksum_bytes(data))
     if manifest:
         m = layout.Manifest(
             step=step,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import flip_byte
-from trainer.checkpoint import CheckpointEngine, NoCheckpointError, RetentionPolicy, blocksum, layout
+from trainer.checkpoint import CheckpointEngine, NoCheckpointError, RetentionPolicy, blocksum, checksums, layout
 from trainer.checkpoint.hf import export_hf
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,12 +29,12 @@ def rewrite_as_crc32x64k(ckpt: Path) -> None:
     manifest = json.loads((ckpt / layout.MANIFEST_NAME).read_text())
     old = blocksum.CRC32_X64K
     for shard in ckpt.glob("*.safetensors"):
-        crcs = layout.file_block_crcs(shard, old)
-        shard.with_suffix(".crc32").write_bytes(layout.pack_block_crcs(crcs))
-        manifest["files"][shard.name]["checksum"] = layout.checksum_from_block_crcs(crcs, old)
+        crcs = checksums.file_block_crcs(shard, old)
+        shard.with_suffix(".crc32").write_bytes(checksums.pack_block_crcs(crcs))
+        manifest["files"][shard.name]["checksum"] = checksums.checksum_from_block_crcs(crcs, old)
     for rel in manifest["files"]:
         if not rel.endswith(".safetensors"):
-            manifest["files"][rel]["checksum"] = layout.file_checksum(ckpt / rel, old)
+            manifest["files"][rel]["checksum"] = checksums.file_checksum(ckpt / rel, old)
     manifest["checksum_algorithm"] = old
     (ckpt / layout.MANIFEST_NAME).write_text(json.dumps(manifest))
 

@@ -17,7 +17,7 @@ from types import ModuleType
 
 import pytest
 
-from trainer.checkpoint import blocksum, layout
+from trainer.checkpoint import blocksum, checksums
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK = blocksum.BLOCK_BYTES
@@ -143,10 +143,10 @@ def test_unknown_algorithm_is_refused_naming_the_known_ones() -> None:
 
 def test_recorded_checksums_verify_with_the_algorithm_they_name() -> None:
     data = os.urandom(BLOCK + 1)
-    old = layout.checksum_bytes(data, blocksum.CRC32_X64K)
-    new = layout.checksum_bytes(data)
-    assert (old.split(":")[0], new.split(":")[0], layout.checksum_matches(data, old),
-            layout.checksum_matches(data, new), layout.checksum_matches(data + b"!", new)) == (
+    old = checksums.checksum_bytes(data, blocksum.CRC32_X64K)
+    new = checksums.checksum_bytes(data)
+    assert (old.split(":")[0], new.split(":")[0], checksums.checksum_matches(data, old),
+            checksums.checksum_matches(data, new), checksums.checksum_matches(data + b"!", new)) == (
         "crc32x64k", "crc32cx64k", True, True, False)  # fmt: skip
 
 
@@ -155,14 +155,15 @@ def test_without_the_extension_checksums_are_the_same_and_say_python(tmp_path: P
     probe = (
         "import sys, json\n"
         "sys.modules['trainer.checkpoint._blocksum'] = None\n"
-        "from trainer.checkpoint import blocksum, layout\n"
+        "from trainer.checkpoint import blocksum, checksums\n"
         "data = bytes(range(256)) * 700\n"
-        "print(json.dumps([blocksum.implementation(), layout.checksum_bytes(data), blocksum.block_checksums(data)]))\n"
+        "sums = [blocksum.implementation(), checksums.checksum_bytes(data), blocksum.block_checksums(data)]\n"
+        "print(json.dumps(sums))\n"
     )
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     data = bytes(range(256)) * 700
-    assert json.loads(done.stdout) == ["python", layout.checksum_bytes(data), blocksum.block_checksums(data)]
+    assert json.loads(done.stdout) == ["python", checksums.checksum_bytes(data), blocksum.block_checksums(data)]
 
 
 # --------------------------------------------------------------------------- streaming / fused copy

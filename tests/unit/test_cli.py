@@ -12,7 +12,7 @@ import pytest
 
 from supervisor.cli import main
 from tests.helpers import default_files, flip_byte, make_fake_checkpoint
-from trainer.checkpoint import layout
+from trainer.checkpoint import checksums, layout
 from trainer.checkpoint.errors import CheckpointSaveError
 
 
@@ -144,7 +144,7 @@ def test_verify_names_the_file_with_a_flipped_byte_when_deep(store: Path, capsys
     code, out, _ = run(capsys, "ckpt", "verify", str(store), "--step", "200", "--deep")
     assert (code, out.splitlines()[1]) == (
         1,
-        f"  shard-00001.safetensors: checksum {layout.file_checksum(shard)} != recorded {recorded}",
+        f"  shard-00001.safetensors: checksum {checksums.file_checksum(shard)} != recorded {recorded}",
     )
 
 

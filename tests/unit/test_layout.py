@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import default_files, flip_byte, make_fake_checkpoint, write_manifest_json
-from trainer.checkpoint import blocksum, layout
+from trainer.checkpoint import blocksum, checksums, layout, retention
 from trainer.checkpoint.errors import CheckpointError, ManifestError, NoCheckpointError
 
 BLOCK = layout.CHECKSUM_BLOCK_BYTES
@@ -24,7 +24,7 @@ def valid_manifest_json(**overrides: Any) -> dict[str, Any]:
         world_size=2,
         kind="periodic",
         created_unix=1_700_000_000.0,
-        files={"a/shard.bin": layout.FileEntry(size=3, checksum=layout.checksum_bytes(b"abc"))},
+        files={"a/shard.bin": layout.FileEntry(size=3, checksum=checksums.checksum_bytes(b"abc"))},
         tensor_bytes=3,
         metadata={"global_batch_size": 8},
     ).to_json()
@@ -60,35 +60,35 @@ def test_block_crcs_cover_each_64k_block_and_a_short_tail() -> None:
         blocksum.crc32c_python(data[BLOCK : 2 * BLOCK]),
         blocksum.crc32c_python(b"tail"),
     ]
-    assert layout.block_crcs(data) == expected
+    assert checksums.block_crcs(data) == expected
 
 
 def test_block_crcs_of_the_older_algorithm_are_zlib_crc32() -> None:
     data = bytes(range(256)) * (BLOCK // 256) + b"tail"
-    assert layout.block_crcs(data, algorithm="crc32x64k") == [zlib.crc32(data[:BLOCK]), zlib.crc32(b"tail")]
+    assert checksums.block_crcs(data, algorithm="crc32x64k") == [zlib.crc32(data[:BLOCK]), zlib.crc32(b"tail")]
 
 
 def test_block_crcs_append_to_the_list_given() -> None:
     crcs = [7]
-    assert (layout.block_crcs(b"abc", crcs), crcs) == ([7, blocksum.crc32c_python(b"abc")],) * 2
+    assert (checksums.block_crcs(b"abc", crcs), crcs) == ([7, blocksum.crc32c_python(b"abc")],) * 2
 
 
 def test_block_crcs_pack_and_unpack_round_trip() -> None:
     crcs = [0, 1, 0xFFFFFFFF, 12345]
-    assert layout.unpack_block_crcs(layout.pack_block_crcs(crcs)) == crcs
+    assert checksums.unpack_block_crcs(checksums.pack_block_crcs(crcs)) == crcs
 
 
 def test_file_checksum_equals_checksum_of_its_bytes(tmp_path: Path) -> None:
     data = os.urandom(3 * BLOCK + 17)
     path = tmp_path / "f.bin"
     path.write_bytes(data)
-    assert layout.file_checksum(path) == layout.checksum_bytes(data)
+    assert checksums.file_checksum(path) == checksums.checksum_bytes(data)
 
 
 def test_file_checksum_of_empty_file_equals_checksum_of_no_bytes(tmp_path: Path) -> None:
     path = tmp_path / "empty"
     path.write_bytes(b"")
-    assert layout.file_checksum(path) == layout.checksum_bytes(b"")
+    assert checksums.file_checksum(path) == checksums.checksum_bytes(b"")
 
 
 def test_file_checksum_is_independent_of_how_reads_are_split(tmp_path: Path) -> None:
@@ -106,14 +106,14 @@ def test_file_checksum_is_independent_of_how_reads_are_split(tmp_path: Path) -> 
     writer = threading.Thread(target=write_in_odd_pieces, daemon=True)
     writer.start()
     try:
-        actual = layout.file_checksum(fifo)
+        actual = checksums.file_checksum(fifo)
     finally:
         writer.join(timeout=30)
-    assert actual == layout.checksum_bytes(data)
+    assert actual == checksums.checksum_bytes(data)
 
 
 def test_checksum_names_its_algorithm() -> None:
-    assert (layout.checksum_bytes(b"x")[:11], layout.checksum_bytes(b"x", "crc32x64k")[:10]) == (
+    assert (checksums.checksum_bytes(b"x")[:11], checksums.checksum_bytes(b"x", "crc32x64k")[:10]) == (
         "crc32cx64k:",
         "crc32x64k:",
     )
@@ -123,13 +123,13 @@ def test_file_checksum_of_the_older_algorithm_equals_its_checksum_of_the_bytes(t
     data = os.urandom(2 * BLOCK + 5)
     path = tmp_path / "f.bin"
     path.write_bytes(data)
-    assert layout.file_checksum(path, "crc32x64k") == layout.checksum_bytes(data, "crc32x64k")
+    assert checksums.file_checksum(path, "crc32x64k") == checksums.checksum_bytes(data, "crc32x64k")
 
 
 @pytest.mark.parametrize("recorded", ["crc32x64k", "md5:00000000", "crc32cx64k:0000000", "crc32cx64k:0000000G"])
 def test_recorded_checksum_without_a_known_algorithm_and_8_hex_digits_is_refused(recorded: str) -> None:
     with pytest.raises(ManifestError, match="upgrade ftsup"):
-        layout.checksum_matches(b"", recorded)
+        checksums.checksum_matches(b"", recorded)
 
 
 # --------------------------------------------------------------------------- manifest
@@ -210,20 +210,20 @@ def test_manifest_is_written_with_crc32c() -> None:
 
 
 def test_manifest_of_an_earlier_version_keeps_its_crc32_algorithm() -> None:
-    old = layout.checksum_bytes(b"abc", "crc32x64k")
+    old = checksums.checksum_bytes(b"abc", "crc32x64k")
     obj = valid_manifest_json(checksum_algorithm="crc32x64k", files={"s.bin": {"size": 3, "checksum": old}})
     manifest = parse(obj)
     assert (manifest.checksum_algorithm, manifest.to_json()) == ("crc32x64k", obj)
 
 
 def test_manifest_without_an_algorithm_is_read_as_crc32x64k() -> None:
-    obj = valid_manifest_json(files={"s.bin": {"size": 3, "checksum": layout.checksum_bytes(b"abc", "crc32x64k")}})
+    obj = valid_manifest_json(files={"s.bin": {"size": 3, "checksum": checksums.checksum_bytes(b"abc", "crc32x64k")}})
     del obj["checksum_algorithm"]
     assert parse(obj).checksum_algorithm == "crc32x64k"
 
 
 def test_manifest_file_checksum_of_another_algorithm_than_the_manifests_is_refused() -> None:
-    obj = valid_manifest_json(files={"s.bin": {"size": 3, "checksum": layout.checksum_bytes(b"abc", "crc32x64k")}})
+    obj = valid_manifest_json(files={"s.bin": {"size": 3, "checksum": checksums.checksum_bytes(b"abc", "crc32x64k")}})
     with pytest.raises(ManifestError, match=r"files\['s.bin'\] checksum 'crc32x64k:.*' is not 'crc32cx64k:"):
         parse(obj)
 
@@ -232,7 +232,7 @@ def test_deep_check_of_an_older_checkpoint_uses_its_algorithm(tmp_path: Path) ->
     ckpt = make_fake_checkpoint(tmp_path, 100, default_files())
     obj = json.loads((ckpt / layout.MANIFEST_NAME).read_text())
     for rel, entry in obj["files"].items():
-        entry["checksum"] = layout.file_checksum(ckpt / rel, "crc32x64k")
+        entry["checksum"] = checksums.file_checksum(ckpt / rel, "crc32x64k")
     obj["checksum_algorithm"] = "crc32x64k"
     write_manifest_json(ckpt, obj)
     flip_byte(ckpt / sorted(obj["files"])[0])
@@ -396,32 +396,32 @@ def test_quarantined_checkpoint_is_no_longer_listed(tmp_path: Path) -> None:
 
 def test_retention_keeps_the_last_k_consistent() -> None:
     steps = [(s, True) for s in (100, 200, 300, 400, 500)]
-    policy = layout.RetentionPolicy(keep_last=2)
-    assert layout.retention_victims(steps, policy) == [100, 200, 300]
+    policy = retention.RetentionPolicy(keep_last=2)
+    assert retention.retention_victims(steps, policy) == [100, 200, 300]
 
 
 def test_retention_keeps_every_nth_step() -> None:
     steps = [(s, True) for s in (100, 200, 300, 400, 500)]
-    policy = layout.RetentionPolicy(keep_last=1, keep_every=200)
-    assert layout.retention_victims(steps, policy) == [100, 300]
+    policy = retention.RetentionPolicy(keep_last=1, keep_every=200)
+    assert retention.retention_victims(steps, policy) == [100, 300]
 
 
 def test_retention_keeps_protected_steps() -> None:
     steps = [(s, True) for s in (100, 200, 300)]
-    policy = layout.RetentionPolicy(keep_last=1)
-    assert layout.retention_victims(steps, policy, protect=[100]) == [200]
+    policy = retention.RetentionPolicy(keep_last=1)
+    assert retention.retention_victims(steps, policy, protect=[100]) == [200]
 
 
 def test_retention_leaves_inconsistent_checkpoints_alone() -> None:
     steps = [(100, False), (200, True), (300, False), (400, True)]
-    policy = layout.RetentionPolicy(keep_last=1)
-    assert layout.retention_victims(steps, policy) == [200]
+    policy = retention.RetentionPolicy(keep_last=1)
+    assert retention.retention_victims(steps, policy) == [200]
 
 
 def test_retention_never_deletes_the_newest_consistent_even_if_newer_ones_are_broken() -> None:
     steps = [(100, True), (200, True), (300, False), (400, False)]
-    policy = layout.RetentionPolicy(keep_last=1)
-    assert layout.retention_victims(steps, policy) == [100]
+    policy = retention.RetentionPolicy(keep_last=1)
+    assert retention.retention_victims(steps, policy) == [100]
 
 
 @pytest.mark.parametrize("kwargs", [{"keep_last": 0}, {"keep_every": 0}, {"keep_last": 1.5}])
@@ -429,13 +429,13 @@ def test_retention_policy_refuses_values_that_would_delete_everything(
     kwargs: dict[str, Any],
 ) -> None:
     with pytest.raises(CheckpointError, match="retention keep_"):
-        layout.RetentionPolicy(**kwargs)
+        retention.RetentionPolicy(**kwargs)
 
 
 def test_apply_retention_deletes_victims_and_keeps_the_rest(tmp_path: Path) -> None:
     for step in (100, 200, 300):
         make_fake_checkpoint(tmp_path, step, {"a.bin": b"a"})
-    layout.apply_retention(tmp_path, layout.RetentionPolicy(keep_last=2))
+    retention.apply_retention(tmp_path, retention.RetentionPolicy(keep_last=2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000200", "step-000000300"]
 
 
@@ -445,7 +445,7 @@ def test_apply_retention_removes_only_partials_older_than_the_running_save(
     make_fake_checkpoint(tmp_path, 100, {"a.bin": b"a"})
     for step in (50, 150, 200, 250):
         make_fake_checkpoint(tmp_path, step, {"a.bin": b"a"}, partial=True, manifest=False)
-    layout.apply_retention(tmp_path, layout.RetentionPolicy(keep_last=1), running_step=200)
+    retention.apply_retention(tmp_path, retention.RetentionPolicy(keep_last=1), running_step=200)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "step-000000100",
         "step-000000200.partial",
@@ -455,14 +455,14 @@ def test_apply_retention_removes_only_partials_older_than_the_running_save(
 
 def test_apply_retention_without_a_running_save_keeps_partials(tmp_path: Path) -> None:
     make_fake_checkpoint(tmp_path, 100, {"a.bin": b"a"}, partial=True, manifest=False)
-    layout.apply_retention(tmp_path, layout.RetentionPolicy(keep_last=1))
+    retention.apply_retention(tmp_path, retention.RetentionPolicy(keep_last=1))
     assert [p.name for p in tmp_path.iterdir()] == ["step-000000100.partial"]
 
 
 def test_apply_retention_finishes_an_interrupted_deletion(tmp_path: Path) -> None:
     make_fake_checkpoint(tmp_path, 100, {"a.bin": b"a"})
     (tmp_path / ".step-000000050.deleting-12345").mkdir()
-    layout.apply_retention(tmp_path, layout.RetentionPolicy(keep_last=1))
+    retention.apply_retention(tmp_path, retention.RetentionPolicy(keep_last=1))
     assert [p.name for p in tmp_path.iterdir()] == ["step-000000100"]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint import layout
+from trainer.checkpoint import checksums, layout
 from trainer.checkpoint.errors import CheckpointCorruptError
 from trainer.checkpoint.shardio import PAGE, READ_PIECE, VerifiedFile
 
@@ -22,10 +22,10 @@ def _shard(tmp_path: Path, size: int) -> tuple[bytes, VerifiedFile]:
     data = random.Random(size).randbytes(size)
     path = tmp_path / "shard.bin"
     path.write_bytes(data)
-    crcs = layout.block_crcs(data)
+    crcs = checksums.block_crcs(data)
     crc_path = tmp_path / "shard.crc32"
-    crc_path.write_bytes(layout.pack_block_crcs(crcs))
-    vf = VerifiedFile(str(path), size, layout.checksum_from_block_crcs(crcs), str(crc_path), "shard.bin")
+    crc_path.write_bytes(checksums.pack_block_crcs(crcs))
+    vf = VerifiedFile(str(path), size, checksums.checksum_from_block_crcs(crcs), str(crc_path), "shard.bin")
     return data, vf
 
 

@@ -16,7 +16,7 @@ from trainer.checkpoint.errors import (
     ManifestError,
     NoCheckpointError,
 )
-from trainer.checkpoint.layout import RetentionPolicy
+from trainer.checkpoint.retention import RetentionPolicy
 
 _LAZY = {
     "CheckpointEngine": "trainer.checkpoint.engine",

@@ -26,9 +26,10 @@ from typing import Any
 import structlog
 import torch
 
-from trainer.checkpoint import layout
+from trainer.checkpoint import checksums, layout
 from trainer.checkpoint.comm import GroupComm, LocalComm
 from trainer.checkpoint.errors import CheckpointSaveError
+from trainer.checkpoint.retention import RetentionPolicy, apply_retention
 from trainer.checkpoint.shardio import write_shard
 from trainer.checkpoint.staging import StagingPlan
 
@@ -88,7 +89,7 @@ class Committer:
         comm: LocalComm | GroupComm,
         *,
         o_direct: bool,
-        retention: layout.RetentionPolicy,
+        retention: RetentionPolicy,
         hook: Hook,
     ):  # fmt: skip
         self.directory = directory
@@ -135,7 +136,7 @@ class Committer:
     def retain(self, newest: int) -> None:
         """Rank 0, after a commit: apply the retention policy, never deleting `newest`."""
         try:
-            layout.apply_retention(self.directory, self.retention, protect={newest})
+            apply_retention(self.directory, self.retention, protect={newest})
         except OSError as e:
             # A failed deletion must not fail a committed save; the next commit retries.
             log_quietly(log.warning, "checkpoint_retention_failed", step=newest, reason=str(e))
@@ -162,14 +163,14 @@ class Committer:
                 job.cuda_event.synchronize()
             shard = layout.shard_name(self.rank)
             size, crcs = write_shard(str(partial / shard), job.buf, o_direct=self.o_direct, crcs=job.crcs)
-            files[shard] = {"size": size, "checksum": layout.checksum_from_block_crcs(crcs)}
-            packed = layout.pack_block_crcs(crcs)
+            files[shard] = {"size": size, "checksum": checksums.checksum_from_block_crcs(crcs)}
+            packed = checksums.pack_block_crcs(crcs)
             crc_file = layout.crc_name(self.rank)
             layout.write_file_durable(partial / crc_file, packed)
-            files[crc_file] = {"size": len(packed), "checksum": layout.checksum_bytes(packed)}
+            files[crc_file] = {"size": len(packed), "checksum": checksums.checksum_bytes(packed)}
             rank_file = layout.rank_state_name(self.rank)
             layout.write_file_durable(partial / rank_file, job.rank_state)
-            files[rank_file] = {"size": len(job.rank_state), "checksum": layout.checksum_bytes(job.rank_state)}
+            files[rank_file] = {"size": len(job.rank_state), "checksum": checksums.checksum_bytes(job.rank_state)}
             self.hook("shard_written", job.step)
             return {"ok": True, "files": files, "tensor_bytes": job.plan.tensor_bytes}
         except Exception as e:  # adapter boundary: every rank must still reach the gather
@@ -191,7 +192,7 @@ class Committer:
             meta = dict(job.plan.meta_json, skeleton=job.skeleton)
             raw = json.dumps(meta, separators=(",", ":")).encode()
             layout.write_file_durable(partial / layout.DCP_META_NAME, raw)
-            files[layout.DCP_META_NAME] = layout.FileEntry(len(raw), layout.checksum_bytes(raw))
+            files[layout.DCP_META_NAME] = layout.FileEntry(len(raw), checksums.checksum_bytes(raw))
             self.hook("metadata_written", job.step)
             manifest = layout.Manifest(
                 step=job.step, world_size=self.world_size, kind=job.kind, created_unix=time.time(),

@@ -43,6 +43,7 @@ from trainer.checkpoint.comm import GroupComm, LocalComm, make_comm
 from trainer.checkpoint.commit import Committer, Hook, SaveResult, StagedSave, log_quietly
 from trainer.checkpoint.errors import CheckpointError, CheckpointSaveError
 from trainer.checkpoint.loading import LoadResult, read_rank_state
+from trainer.checkpoint.retention import RetentionPolicy
 
 __all__ = ["CheckpointEngine", "Hook", "LoadResult", "SaveHandle", "SaveResult", "read_rank_state"]
 
@@ -92,14 +93,14 @@ class CheckpointEngine:
         *,
         process_group: Any = "auto",
         max_in_flight: int = 1,
-        retention: layout.RetentionPolicy | None = None,
+        retention: RetentionPolicy | None = None,
         o_direct: bool = True,
         hook: Hook | None = None,
     ):
         if max_in_flight < 1:
             raise CheckpointError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.directory = Path(directory)
-        self.retention = retention if retention is not None else layout.RetentionPolicy()
+        self.retention = retention if retention is not None else RetentionPolicy()
         self.o_direct = o_direct
         self._hook = hook or (lambda point, step: None)
         _warn_if_checksums_are_slow()

@@ -1,4 +1,4 @@
-"""The checkpoint store on disk: names, manifests, verification, quarantine, retention.
+"""The checkpoint store on disk: names, manifests, verification, quarantine.
 
 This module is the *torch-free* half of the engine (stdlib only): the supervisor imports it
 to pick the resume point, and `ftsup ckpt` uses it to list and verify. It never writes tensor
@@ -9,11 +9,12 @@ data; it knows the commit protocol's names and the manifest format (ARCHITECTURE
     <root>/step-000001300.partial/    in progress or torn: never loaded
     <root>/step-000001100.corrupt/    quarantined after it failed to load
 
-Checksums (`blocksum`) are ``crc32cx64k``: the file is cut into 64 KiB blocks, each block
-gets a CRC-32C, and the file checksum is the CRC-32C of those block checksums (little-endian
-uint32). The block list lets a loader verify exactly the byte ranges it reads, without reading
-whole files. Checkpoints written by earlier versions (``crc32x64k``, zlib's CRC-32) still verify:
-each checksum string names its algorithm, and so does the manifest.
+Checksums (computed by `blocksum`, recorded as strings by `checksums`) are ``crc32cx64k``: the
+file is cut into 64 KiB blocks, each block gets a CRC-32C, and the file checksum is the CRC-32C
+of those block checksums (little-endian uint32). The block list lets a loader verify exactly the
+byte ranges it reads, without reading whole files. Checkpoints written by earlier versions
+(``crc32x64k``, zlib's CRC-32) still verify: each checksum string names its algorithm, and so
+does the manifest. Which checkpoints to keep, and deleting the others, is `retention`'s.
 """
 
 from __future__ import annotations
@@ -21,15 +22,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import struct
-import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint import blocksum
+from trainer.checkpoint import blocksum, checksums
 from trainer.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -85,81 +83,6 @@ def crc_name(rank: int) -> str:
 
 def rank_state_name(rank: int) -> str:
     return f"rank-{rank:05d}.json"
-
-
-# --------------------------------------------------------------------------- checksums
-
-
-def block_crcs(
-    data: bytes | bytearray | memoryview,
-    start_crcs: list[int] | None = None,
-    algorithm: str = CHECKSUM_ALGORITHM,
-) -> list[int]:
-    """Checksum of each 64 KiB block of `data` (the last block may be short), appended to
-    `start_crcs` when given."""
-    sums = blocksum.block_checksums(data, algorithm)
-    if start_crcs is None:
-        return sums
-    start_crcs.extend(sums)
-    return start_crcs
-
-
-def pack_block_crcs(crcs: list[int]) -> bytes:
-    return blocksum.pack(crcs)
-
-
-def unpack_block_crcs(raw: bytes) -> list[int]:
-    if len(raw) % 4:
-        raise CheckpointCorruptError("block checksum list has a torn entry")
-    return list(struct.unpack(f"<{len(raw) // 4}I", raw))
-
-
-def checksum_from_block_crcs(crcs: list[int], algorithm: str = CHECKSUM_ALGORITHM) -> str:
-    return f"{algorithm}:{blocksum.file_checksum_of_blocks(crcs, algorithm):08x}"
-
-
-def checksum_bytes(data: bytes | bytearray | memoryview, algorithm: str = CHECKSUM_ALGORITHM) -> str:
-    return checksum_from_block_crcs(block_crcs(data, algorithm=algorithm), algorithm)
-
-
-def checksum_algorithm(checksum: str) -> str:
-    """The algorithm a recorded checksum names (``crc32cx64k:1a2b3c4d`` -> ``crc32cx64k``)."""
-    algorithm, _, digits = checksum.partition(":")
-    if algorithm not in blocksum.ALGORITHMS or not re.fullmatch(r"[0-9a-f]{8}", digits):
-        raise ManifestError(
-            f"checksum {checksum!r} is not '<algorithm>:<8 hex digits>' with an algorithm this ftsup "
-            f"knows ({', '.join(blocksum.ALGORITHMS)}); upgrade ftsup to read it"
-        )
-    return algorithm
-
-
-def checksum_matches(data: bytes | bytearray | memoryview, recorded: str) -> bool:
-    """Whether `data` has the checksum `recorded`, computed with the algorithm it names."""
-    return checksum_bytes(data, checksum_algorithm(recorded)) == recorded
-
-
-def file_block_crcs(path: str | os.PathLike[str], algorithm: str = CHECKSUM_ALGORITHM) -> list[int]:
-    crcs: list[int] = []
-    buf = bytearray(_READ_CHUNK)  # a multiple of the block size
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            # One read may return less than asked (network filesystems, pipes); fill the
-            # whole buffer first, or block boundaries would drift and checksums mismatch.
-            n = 0
-            while n < len(buf):
-                got = f.readinto(view[n:])
-                if not got:
-                    break
-                n += got
-            block_crcs(view[:n], crcs, algorithm)
-            if n < len(buf):
-                break
-    return crcs
-
-
-def file_checksum(path: str | os.PathLike[str], algorithm: str = CHECKSUM_ALGORITHM) -> str:
-    return checksum_from_block_crcs(file_block_crcs(path, algorithm), algorithm)
 
 
 # --------------------------------------------------------------------------- durable writes
@@ -361,7 +284,7 @@ def read_verified(ckpt_dir: str | os.PathLike[str], manifest: Manifest, rel: str
         raw = resolve_inside(ckpt_dir, rel).read_bytes()
     except OSError as e:
         raise CheckpointCorruptError(f"{ckpt_dir}/{rel}: {e.strerror}", path=str(ckpt_dir), file=rel) from None
-    if not checksum_matches(raw, entry.checksum):
+    if not checksums.checksum_matches(raw, entry.checksum):
         raise CheckpointCorruptError(f"{ckpt_dir}/{rel}: checksum mismatch", path=str(ckpt_dir), file=rel)
     return raw
 
@@ -402,7 +325,7 @@ def check_checkpoint(ckpt_dir: str | os.PathLike[str], *, deep: bool = False) ->
             problems.append(Problem(rel, f"size {st.st_size} != recorded {entry.size}"))
             continue
         if deep:
-            actual = file_checksum(path, manifest.checksum_algorithm)
+            actual = checksums.file_checksum(path, manifest.checksum_algorithm)
             if actual != entry.checksum:
                 problems.append(Problem(rel, f"checksum {actual} != recorded {entry.checksum}"))
     return manifest, problems
@@ -504,74 +427,3 @@ def quarantine(root: str | os.PathLike[str], step: int) -> Path:
     os.rename(src, dst)
     fsync_dir(root)
     return dst
-
-
-# --------------------------------------------------------------------------- retention
-
-
-@dataclass(frozen=True)
-class RetentionPolicy:
-    """Which committed checkpoints to keep."""
-
-    keep_last: int = 3
-    """Keep this many of the newest consistent checkpoints (>= 1)."""
-    keep_every: int | None = None
-    """Also keep every checkpoint whose step is a multiple of this (None: none extra)."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.keep_last, int) or self.keep_last < 1:
-            raise CheckpointError(
-                f"retention keep_last must be an integer >= 1, got {self.keep_last!r}; "
-                "the newest consistent checkpoint is always kept"
-            )
-        if self.keep_every is not None and (not isinstance(self.keep_every, int) or self.keep_every < 1):
-            raise CheckpointError(f"retention keep_every must be None or an integer >= 1, got {self.keep_every!r}")
-
-
-def retention_victims(
-    steps_consistent: Iterable[tuple[int, bool]],
-    policy: RetentionPolicy,
-    protect: Iterable[int] = (),
-) -> list[int]:
-    """Pure: which committed steps to delete. Inconsistent ones are left for quarantine/operators."""
-    items = sorted(steps_consistent)
-    consistent = [s for s, ok in items if ok]
-    keep = set(protect)
-    keep.update(consistent[-policy.keep_last :])
-    if policy.keep_every:
-        keep.update(s for s in consistent if s % policy.keep_every == 0)
-    return [s for s in consistent if s not in keep]
-
-
-def apply_retention(
-    root: str | os.PathLike[str],
-    policy: RetentionPolicy,
-    *,
-    protect: Iterable[int] = (),
-    running_step: int | None = None,
-) -> list[Path]:
-    """Delete what `policy` lets go, and `.partial` directories older than `running_step`."""
-    root = Path(root)
-    infos = list_checkpoints(root)
-    removed: list[Path] = []
-    for step in retention_victims(((i.step, i.consistent) for i in infos), policy, protect):
-        path = root / step_dirname(step)
-        # Rename first so that a crash mid-delete never leaves a half-deleted "committed" dir.
-        doomed = root / f".{path.name}.deleting-{os.getpid()}"
-        os.rename(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
-        removed.append(path)
-    for e in list(os.scandir(root)) if root.is_dir() else []:
-        partial_step = parse_partial_dirname(e.name)
-        stale_partial = partial_step is not None and running_step is not None and partial_step < running_step
-        stale_delete = e.name.startswith(".step-") and ".deleting-" in e.name
-        if stale_partial or stale_delete:
-            shutil.rmtree(e.path, ignore_errors=True)
-            removed.append(Path(e.path))
-    if removed:
-        fsync_dir(root)
-    return removed
-
-
-def now_unix() -> float:
-    return time.time()

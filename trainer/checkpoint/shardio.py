@@ -27,14 +27,14 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.checkpoint.errors import CheckpointCorruptError
-from trainer.checkpoint.layout import (
-    CHECKSUM_BLOCK_BYTES,
+from trainer.checkpoint.checksums import (
     block_crcs,
     checksum_algorithm,
     checksum_from_block_crcs,
     unpack_block_crcs,
 )
+from trainer.checkpoint.errors import CheckpointCorruptError
+from trainer.checkpoint.layout import CHECKSUM_BLOCK_BYTES
 
 PAGE = 4096
 WRITE_BLOCK = 64 * 1024 * 1024

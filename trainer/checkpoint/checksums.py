@@ -1,0 +1,94 @@
+"""Recorded checksums: what manifests and `.crc32` sidecars hold, of bytes, files and block lists.
+
+A recorded checksum is a string that names its algorithm, ``<algorithm>:<8 hex digits>``
+(``crc32cx64k:1a2b3c4d``), so that checkpoints written by earlier versions still verify. A
+file's checksum is computed over its 64 KiB block checksums (`blocksum`), which the sidecar
+`shard-RRRRR.crc32` stores as little-endian uint32: a loader verifies exactly the blocks it
+reads, and the sidecar verifies itself against the manifest.
+
+Stdlib-only, like `layout` (the supervisor verifies checkpoints without torch). Not here: the
+algorithms themselves (`blocksum`), where files live and what a manifest contains (`layout`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+
+from trainer.checkpoint import blocksum
+from trainer.checkpoint.errors import CheckpointCorruptError, ManifestError
+
+_READ_CHUNK = 16 * 1024 * 1024
+
+
+def block_crcs(
+    data: bytes | bytearray | memoryview,
+    start_crcs: list[int] | None = None,
+    algorithm: str = blocksum.CURRENT,
+) -> list[int]:
+    """Checksum of each 64 KiB block of `data` (the last block may be short), appended to
+    `start_crcs` when given."""
+    sums = blocksum.block_checksums(data, algorithm)
+    if start_crcs is None:
+        return sums
+    start_crcs.extend(sums)
+    return start_crcs
+
+
+def pack_block_crcs(crcs: list[int]) -> bytes:
+    return blocksum.pack(crcs)
+
+
+def unpack_block_crcs(raw: bytes) -> list[int]:
+    if len(raw) % 4:
+        raise CheckpointCorruptError("block checksum list has a torn entry")
+    return list(struct.unpack(f"<{len(raw) // 4}I", raw))
+
+
+def checksum_from_block_crcs(crcs: list[int], algorithm: str = blocksum.CURRENT) -> str:
+    return f"{algorithm}:{blocksum.file_checksum_of_blocks(crcs, algorithm):08x}"
+
+
+def checksum_bytes(data: bytes | bytearray | memoryview, algorithm: str = blocksum.CURRENT) -> str:
+    return checksum_from_block_crcs(block_crcs(data, algorithm=algorithm), algorithm)
+
+
+def checksum_algorithm(checksum: str) -> str:
+    """The algorithm a recorded checksum names (``crc32cx64k:1a2b3c4d`` -> ``crc32cx64k``)."""
+    algorithm, _, digits = checksum.partition(":")
+    if algorithm not in blocksum.ALGORITHMS or not re.fullmatch(r"[0-9a-f]{8}", digits):
+        raise ManifestError(
+            f"checksum {checksum!r} is not '<algorithm>:<8 hex digits>' with an algorithm this ftsup "
+            f"knows ({', '.join(blocksum.ALGORITHMS)}); upgrade ftsup to read it"
+        )
+    return algorithm
+
+
+def checksum_matches(data: bytes | bytearray | memoryview, recorded: str) -> bool:
+    """Whether `data` has the checksum `recorded`, computed with the algorithm it names."""
+    return checksum_bytes(data, checksum_algorithm(recorded)) == recorded
+
+
+def file_block_crcs(path: str | os.PathLike[str], algorithm: str = blocksum.CURRENT) -> list[int]:
+    crcs: list[int] = []
+    buf = bytearray(_READ_CHUNK)  # a multiple of the block size
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            # One read may return less than asked (network filesystems, pipes); fill the
+            # whole buffer first, or block boundaries would drift and checksums mismatch.
+            n = 0
+            while n < len(buf):
+                got = f.readinto(view[n:])
+                if not got:
+                    break
+                n += got
+            block_crcs(view[:n], crcs, algorithm)
+            if n < len(buf):
+                break
+    return crcs
+
+
+def file_checksum(path: str | os.PathLike[str], algorithm: str = blocksum.CURRENT) -> str:
+    return checksum_from_block_crcs(file_block_crcs(path, algorithm), algorithm)
