@@ -23,6 +23,31 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+# The policy's vocabulary; callers use it as policy.X (policy.Heartbeat, policy.Launch, ...).
+from supervisor.policy_io import (
+    AckEviction,
+    Action,
+    Event,
+    EvictionNoticed,
+    Exit,
+    Heartbeat,
+    Launch,
+    LaunchReady,
+    OperatorStop,
+    PrepareLaunch,
+    RankExited,
+    RequestSave,
+    Settings,
+    Start,
+    StopWorkers,
+    Tick,
+    WorkersExited,
+    WorkersRestarted,
+    WorkersStarted,
+    log,
+)
+from supervisor.policy_io import Log as Log  # not used here, only by callers
+
 # Exit codes of `ftsup run` (documented in the README).
 EXIT_OK = 0
 EXIT_INTERNAL = 1
@@ -35,198 +60,6 @@ EXIT_STOPPED = 6
 SLOW_PHASES = frozenset({"save", "load"})
 QUIET_PHASES = frozenset({"done"})  # finished training, tearing down: torchrun's exit decides
 STEP_HISTORY = 200
-
-
-# ---------------------------------------------------------------------- settings
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What the policy needs from the config (seconds throughout)."""
-
-    nproc_max: int  # local slots at most
-    min_world_size: int = 1
-    max_world_size: int | None = None
-    nnodes_max: int = 1
-    heartbeat_timeout_s: float | None = None  # None: learned
-    progress_timeout_s: float | None = None  # None: learned
-    startup_timeout_s: float = 300.0
-    save_timeout_s: float = 900.0
-    min_timeout_s: float = 2.0
-    step_time_multiplier: float = 3.0
-    max_restarts: int = 10
-    window_s: float = 3600.0
-    backoff_initial_s: float = 1.0
-    backoff_max_s: float = 60.0
-    max_attempts_without_progress: int = 3
-    save_margin_s: float = 5.0  # safety margin when deciding whether an emergency save fits
-    stop_margin_s: float = 1.0  # ranks still running this long before an eviction deadline are stopped
-    assumed_save_bytes_per_s: float = 256 * 2**20  # until a save has been measured
-
-
-# ---------------------------------------------------------------------- events
-
-
-@dataclass(frozen=True)
-class Start:
-    pass
-
-
-@dataclass(frozen=True)
-class LaunchReady:
-    """Inputs for a launch, gathered by the daemon: healthy local slots, the checkpoint to
-    resume from (None: fresh start), and the number the world size must divide (or None)."""
-
-    healthy_slots: int
-    resume_step: int | None
-    batch_divisor: int | None = None
-
-
-@dataclass(frozen=True)
-class WorkersStarted:
-    attempt: int
-    pids: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class WorkersRestarted:
-    """torchrun replaced its rank processes itself (a node joined or left the rendezvous): the
-    new ranks start from scratch, so they get the startup timeout again. Sent also (with
-    `new_ranks=False`) when the ranks are gone and torchrun has not exited yet."""
-
-    attempt: int
-    new_ranks: bool = True
-
-
-@dataclass(frozen=True)
-class Heartbeat:
-    attempt: int
-    local_rank: int  # ranks are tracked per node: this supervisor sees its own
-    step: int
-    phase: str
-    rank: int = -1  # global rank, for logs
-    figures: tuple[tuple[str, float], ...] = ()  # save_s, saved_step, stopped_step, loss, ...
-
-    def figure(self, name: str) -> float | None:
-        return dict(self.figures).get(name)
-
-
-@dataclass(frozen=True)
-class RankExited:
-    """A rank process ended while the attempt runs (seen before torchrun reacts)."""
-
-    attempt: int
-    pid: int
-    exitcode: int | None
-    signal: int | None = None
-
-
-@dataclass(frozen=True)
-class WorkersExited:
-    """torchrun (and so the attempt) is gone, with its exit code (negative: signal)."""
-
-    attempt: int
-    exitcode: int
-
-
-@dataclass(frozen=True)
-class Tick:
-    pass
-
-
-@dataclass(frozen=True)
-class OperatorStop:
-    reason: str = "operator"
-
-
-@dataclass(frozen=True)
-class EvictionNoticed:
-    """An eviction is coming (signal, cloud metadata, file, command), due at `deadline` (the
-    daemon's clock). `advisory` (AWS rebalance): save now, keep training."""
-
-    source: str
-    deadline: float
-    detail: str = ""
-    advisory: bool = False
-    state_bytes: int | None = None  # size of the last checkpoint, to estimate a save before one is timed
-
-
-Event = (
-    Start
-    | LaunchReady
-    | WorkersStarted
-    | WorkersRestarted
-    | Heartbeat
-    | RankExited
-    | WorkersExited
-    | Tick
-    | OperatorStop
-    | EvictionNoticed
-)
-
-
-# ---------------------------------------------------------------------- actions
-
-
-@dataclass(frozen=True)
-class PrepareLaunch:
-    """Probe slot health, pick the latest consistent checkpoint, then send LaunchReady."""
-
-    attempt: int
-
-
-@dataclass(frozen=True)
-class Launch:
-    attempt: int
-    nproc: int  # local ranks for this attempt
-    resume_step: int | None
-
-
-@dataclass(frozen=True)
-class StopWorkers:
-    attempt: int
-    reason: str
-    grace_s: float | None = None  # SIGTERM -> SIGKILL grace; None: the configured one
-
-
-@dataclass(frozen=True)
-class RequestSave:
-    """Ask the ranks (control file) to save at the next step boundary, and maybe stop after."""
-
-    seq: int
-    stop: bool
-    reason: str
-    deadline: float | None
-
-
-@dataclass(frozen=True)
-class AckEviction:
-    """Tell the notice's source that we are ready (Azure: StartRequests)."""
-
-    source: str
-
-
-@dataclass(frozen=True)
-class Exit:
-    code: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class Log:
-    event: str
-    level: str = "info"
-    fields: tuple[tuple[str, object], ...] = ()
-
-    def as_dict(self) -> dict[str, object]:
-        return dict(self.fields)
-
-
-def log(event: str, level: str = "info", **fields: object) -> Log:
-    return Log(event, level, tuple(sorted(fields.items())))
-
-
-Action = PrepareLaunch | Launch | StopWorkers | RequestSave | AckEviction | Exit | Log
 
 
 # ---------------------------------------------------------------------- state
