@@ -14,6 +14,9 @@ Rules (HOUSE_STYLE habit 4):
 YAML is read as PyYAML's YAML 1.1 with two traps removed: an unquoted `1:2` is the string "1:2" (not the base-60
 integer 62), so `nnodes: 1:2` means what it says; `1e3` is a number. A key given twice is an error, not "last wins".
 
+This module knows the sections: their keys, defaults and the rules between keys. How a single value is read and
+how its errors are worded (`Where`, `Section`, the parse functions, the YAML loader) is `supervisor.config_values`.
+
 This module decides nothing at runtime: `nproc_per_node: auto`, learned timeouts and `eviction.providers: [auto]`
 are kept as written for the daemon to resolve. Its only I/O is reading the file and, when `launch.node_id` is
 not set, asking for the hostname.
@@ -21,42 +24,24 @@ not set, asking for the hostname.
 
 from __future__ import annotations
 
-import difflib
 import hashlib
-import math
 import os
-import re
-import signal
 import socket
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields, is_dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NoReturn, TypeVar
-from urllib.parse import urlsplit
+from typing import Any, Literal
 
-import yaml
-
+from supervisor import config_values
+from supervisor.config_values import Section, Where
 from supervisor.errors import ConfigError
 
 SECTIONS = ("job", "launch", "checkpoint", "heartbeat", "restart", "eviction", "metrics", "logging")
-PROVIDERS = ("aws", "gcp", "azure")
+PROVIDERS = config_values.PROVIDERS  # eviction.providers, checked in config_values
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("json", "console")
 
 _EXAMPLE = "deploy/examples/job.yaml"
-# Ids name files, the rendezvous and FTSUP_RUN_ID: keep them to characters that are safe in all three.
-_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-# torchrun flags that ftsup derives from the config; passing them again would contradict it.
-_TORCHRUN_OWNED = {
-    "nnodes": "launch.nnodes",
-    "nproc-per-node": "launch.nproc_per_node",
-    "max-restarts": "restart.max_restarts (restarts are ftsup's decision; torchrun always gets 0)",
-    "rdzv-backend": "nothing (ftsup always uses c10d)",
-    "rdzv-endpoint": "launch.rdzv_endpoint",
-    "rdzv-id": "launch.rdzv_id",
-    "standalone": "nothing (leave launch.rdzv_endpoint unset for a single node)",
-}
 
 
 # --------------------------------------------------------------------------- the sections
@@ -246,7 +231,7 @@ class JobConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable copy (paths as strings, tuples as lists) for `ftsup status --json` and the journal."""
-        return _plain_dataclass(self)
+        return config_values.plain_dataclass(self)
 
 
 def split_host_port(value: str) -> tuple[str, int]:
@@ -273,7 +258,7 @@ def load_config(path: str | os.PathLike[str], *, hostname: str | None = None) ->
         raise ConfigError(f"{source}: not UTF-8 text (bad byte at offset {e.start}); save it as UTF-8") from None
     except OSError as e:
         raise ConfigError(f"{source}: cannot read it: {e.strerror or e}") from None
-    raw = _load_yaml(text, source)
+    raw = config_values.load_yaml(text, source)
     if raw is None:
         raise ConfigError(
             f"{source}: the file is empty (or only comments); a job config needs at least job.command "
@@ -297,38 +282,47 @@ def parse_config(
     default `launch.node_id` (None: `socket.gethostname()`, asked only when needed).
     """
     base = Path(os.path.abspath(base_dir if base_dir is not None else os.curdir))
-    top = _Where(source)
+    top = Where(source)
     if not isinstance(mapping, Mapping):
-        top.fail(f"expected a mapping of sections ({', '.join(SECTIONS)}) at the top level, got {_describe(mapping)}")
-    _check_keys(top, mapping, SECTIONS, noun="section")
+        top.fail(
+            f"expected a mapping of sections ({', '.join(SECTIONS)}) at the top level, "
+            f"got {config_values.describe(mapping)}"
+        )
+    config_values.check_keys(top, mapping, SECTIONS, noun="section")
     # Every section's keys are checked before any value, so a misspelt key is reported before what it causes.
-    job = _Section(top.child("job"), mapping.get("job"), _field_names(JobSection))
-    launch = _Section(top.child("launch"), mapping.get("launch"), _field_names(LaunchConfig))
-    checkpoint = _Section(top.child("checkpoint"), mapping.get("checkpoint"), _field_names(CheckpointConfig))
-    heartbeat = _Section(top.child("heartbeat"), mapping.get("heartbeat"), _field_names(HeartbeatConfig))
-    restart = _Section(top.child("restart"), mapping.get("restart"), _field_names(RestartConfig))
-    eviction = _Section(top.child("eviction"), mapping.get("eviction"), _field_names(EvictionConfig))
-    metrics = _Section(top.child("metrics"), mapping.get("metrics"), _field_names(MetricsConfig))
-    logging = _Section(top.child("logging"), mapping.get("logging"), _field_names(LoggingConfig))
+    job = Section(top.child("job"), mapping.get("job"), config_values.field_names(JobSection))
+    launch = Section(top.child("launch"), mapping.get("launch"), config_values.field_names(LaunchConfig))
+    checkpoint = Section(
+        top.child("checkpoint"), mapping.get("checkpoint"), config_values.field_names(CheckpointConfig)
+    )
+    heartbeat = Section(top.child("heartbeat"), mapping.get("heartbeat"), config_values.field_names(HeartbeatConfig))
+    restart = Section(top.child("restart"), mapping.get("restart"), config_values.field_names(RestartConfig))
+    eviction = Section(top.child("eviction"), mapping.get("eviction"), config_values.field_names(EvictionConfig))
+    metrics = Section(top.child("metrics"), mapping.get("metrics"), config_values.field_names(MetricsConfig))
+    logging = Section(top.child("logging"), mapping.get("logging"), config_values.field_names(LoggingConfig))
 
     digest = hashlib.sha256(str(config_path if config_path is not None else base).encode()).hexdigest()
-    run_id = job.optional("run_id", _identifier, f"ftsup-{digest[:8]}")
+    run_id = job.optional("run_id", config_values.identifier, f"ftsup-{digest[:8]}")
     launch_config = _parse_launch(launch, run_id=run_id, hostname=hostname)
     return JobConfig(
         job=_parse_job(job, base, run_id=run_id, node_id=launch_config.node_id),
         launch=launch_config,
         checkpoint=CheckpointConfig(
-            dir=checkpoint.required("dir", _path(base), "set it to the checkpoint store directory, e.g. ./checkpoints"),
-            verify_deep=checkpoint.optional("verify_deep", _boolean, False),
+            dir=checkpoint.required(
+                "dir", config_values.path(base), "set it to the checkpoint store directory, e.g. ./checkpoints"
+            ),
+            verify_deep=checkpoint.optional("verify_deep", config_values.boolean, False),
         ),
         heartbeat=_parse_heartbeat(heartbeat),
         restart=_parse_restart(restart),
         eviction=_parse_eviction(eviction, base),
-        metrics=MetricsConfig(listen=metrics.nullable("listen", _host_port(min_port=0, example="0.0.0.0:9400"))),
+        metrics=MetricsConfig(
+            listen=metrics.nullable("listen", config_values.host_port(min_port=0, example="0.0.0.0:9400"))
+        ),
         logging=LoggingConfig(
-            dir=logging.nullable("dir", _path(base)),
-            level=logging.optional("level", _choice(LOG_LEVELS), "info"),
-            format=logging.optional("format", _choice(LOG_FORMATS), "json"),
+            dir=logging.nullable("dir", config_values.path(base)),
+            level=logging.optional("level", config_values.choice(LOG_LEVELS), "info"),
+            format=logging.optional("format", config_values.choice(LOG_FORMATS), "json"),
         ),
         source=source,
     )
@@ -337,36 +331,38 @@ def parse_config(
 # --------------------------------------------------------------------------- section parsers
 
 
-def _parse_job(sec: _Section, base: Path, *, run_id: str, node_id: str) -> JobSection:
-    workdir = sec.optional("workdir", _path(base), base)
+def _parse_job(sec: Section, base: Path, *, run_id: str, node_id: str) -> JobSection:
+    workdir = sec.optional("workdir", config_values.path(base), base)
     return JobSection(
-        command=sec.required("command", _argv, "give the training command as a list, e.g. [python, train.py]"),
+        command=sec.required(
+            "command", config_values.argv, "give the training command as a list, e.g. [python, train.py]"
+        ),
         workdir=workdir,
         run_id=run_id,
-        state_dir=sec.optional("state_dir", _path(base), workdir / ".ftsup" / node_id),
-        env=sec.optional("env", _env, {}),
+        state_dir=sec.optional("state_dir", config_values.path(base), workdir / ".ftsup" / node_id),
+        env=sec.optional("env", config_values.env, {}),
     )
 
 
-def _parse_launch(sec: _Section, *, run_id: str, hostname: str | None) -> LaunchConfig:
+def _parse_launch(sec: Section, *, run_id: str, hostname: str | None) -> LaunchConfig:
     auto: Literal["auto"] = "auto"
-    nproc = sec.optional("nproc_per_node", _nproc, auto)
-    nnodes = sec.optional("nnodes", _nnodes, "1")
-    min_world = sec.optional("min_world_size", _integer(1), 1)
-    max_world = sec.nullable("max_world_size", _integer(1))
-    node_id = sec.optional("node_id", _identifier, None)
+    nproc = sec.optional("nproc_per_node", config_values.nproc, auto)
+    nnodes = sec.optional("nnodes", config_values.nnodes, "1")
+    min_world = sec.optional("min_world_size", config_values.integer(1), 1)
+    max_world = sec.nullable("max_world_size", config_values.integer(1))
+    node_id = sec.optional("node_id", config_values.identifier, None)
     config = LaunchConfig(
         node_id=node_id if node_id is not None else _hostname(sec.where.child("node_id"), hostname),
-        rdzv_id=sec.optional("rdzv_id", _identifier, run_id),
+        rdzv_id=sec.optional("rdzv_id", config_values.identifier, run_id),
         nproc_per_node=nproc,
         nnodes=nnodes,
         min_world_size=min_world,
         max_world_size=max_world,
-        rdzv_endpoint=sec.nullable("rdzv_endpoint", _host_port(min_port=1, example="node0:29400")),
-        health_command=sec.nullable("health_command", _argv),
-        torchrun_args=sec.optional("torchrun_args", _torchrun_args, ()),
-        global_batch=sec.nullable("global_batch", _integer(1)),
-        micro_batch=sec.nullable("micro_batch", _integer(1)),
+        rdzv_endpoint=sec.nullable("rdzv_endpoint", config_values.host_port(min_port=1, example="node0:29400")),
+        health_command=sec.nullable("health_command", config_values.argv),
+        torchrun_args=sec.optional("torchrun_args", config_values.torchrun_args, ()),
+        global_batch=sec.nullable("global_batch", config_values.integer(1)),
+        micro_batch=sec.nullable("micro_batch", config_values.integer(1)),
     )
 
     if max_world is not None and min_world > max_world:
@@ -387,7 +383,7 @@ def _parse_launch(sec: _Section, *, run_id: str, hostname: str | None) -> Launch
     return config
 
 
-def _check_batches(sec: _Section, config: LaunchConfig) -> None:
+def _check_batches(sec: Section, config: LaunchConfig) -> None:
     """Refuse a global batch that no allowed world size can split evenly (ARCHITECTURE section 3)."""
     g, micro = config.global_batch, config.micro_batch
     if g is None:
@@ -411,16 +407,26 @@ def _check_batches(sec: _Section, config: LaunchConfig) -> None:
         )
 
 
-def _parse_heartbeat(sec: _Section) -> HeartbeatConfig:
+def _hostname(where: Where, given: str | None) -> str:
+    """The default `launch.node_id`: `given`, else the hostname (this module's one I/O besides reading the file)."""
+    name = given if given is not None else socket.gethostname()
+    if not config_values.ID.match(name):
+        where.fail(f"the hostname {name!r} is not a valid id; set launch.node_id explicitly")
+    return name
+
+
+def _parse_heartbeat(sec: Section) -> HeartbeatConfig:
     learned = "; leave it out (or null) to learn it from observed step times"
     config = HeartbeatConfig(
-        timeout_s=sec.nullable("timeout_s", _seconds(fix=learned)),
-        progress_timeout_s=sec.nullable("progress_timeout_s", _seconds(fix=learned)),
-        startup_timeout_s=sec.optional("startup_timeout_s", _seconds(), 300.0),
-        save_timeout_s=sec.optional("save_timeout_s", _seconds(), 900.0),
-        min_timeout_s=sec.optional("min_timeout_s", _seconds(), 2.0),
-        step_time_multiplier=sec.optional("step_time_multiplier", _number(low=1.0, low_ok=True, unit=""), 3.0),
-        interval_s=sec.optional("interval_s", _seconds(), 0.5),
+        timeout_s=sec.nullable("timeout_s", config_values.seconds(fix=learned)),
+        progress_timeout_s=sec.nullable("progress_timeout_s", config_values.seconds(fix=learned)),
+        startup_timeout_s=sec.optional("startup_timeout_s", config_values.seconds(), 300.0),
+        save_timeout_s=sec.optional("save_timeout_s", config_values.seconds(), 900.0),
+        min_timeout_s=sec.optional("min_timeout_s", config_values.seconds(), 2.0),
+        step_time_multiplier=sec.optional(
+            "step_time_multiplier", config_values.number(low=1.0, low_ok=True, unit=""), 3.0
+        ),
+        interval_s=sec.optional("interval_s", config_values.seconds(), 0.5),
     )
     # A timeout no longer than the beat interval would call every idle rank hung.
     for key in ("timeout_s", "min_timeout_s"):
@@ -434,14 +440,14 @@ def _parse_heartbeat(sec: _Section) -> HeartbeatConfig:
     return config
 
 
-def _parse_restart(sec: _Section) -> RestartConfig:
+def _parse_restart(sec: Section) -> RestartConfig:
     config = RestartConfig(
-        max_restarts=sec.optional("max_restarts", _integer(0), 10),
-        window_s=sec.optional("window_s", _seconds(), 3600.0),
-        backoff_initial_s=sec.optional("backoff_initial_s", _seconds(zero_ok=True), 1.0),
-        backoff_max_s=sec.optional("backoff_max_s", _seconds(zero_ok=True), 60.0),
-        max_attempts_without_progress=sec.optional("max_attempts_without_progress", _integer(1), 3),
-        stop_grace_s=sec.optional("stop_grace_s", _seconds(), 10.0),
+        max_restarts=sec.optional("max_restarts", config_values.integer(0), 10),
+        window_s=sec.optional("window_s", config_values.seconds(), 3600.0),
+        backoff_initial_s=sec.optional("backoff_initial_s", config_values.seconds(zero_ok=True), 1.0),
+        backoff_max_s=sec.optional("backoff_max_s", config_values.seconds(zero_ok=True), 60.0),
+        max_attempts_without_progress=sec.optional("max_attempts_without_progress", config_values.integer(1), 3),
+        stop_grace_s=sec.optional("stop_grace_s", config_values.seconds(), 10.0),
     )
     if config.backoff_max_s < config.backoff_initial_s:
         sec.fail(
@@ -452,17 +458,17 @@ def _parse_restart(sec: _Section) -> RestartConfig:
     return config
 
 
-def _parse_eviction(sec: _Section, base: Path) -> EvictionConfig:
+def _parse_eviction(sec: Section, base: Path) -> EvictionConfig:
     config = EvictionConfig(
-        signals=sec.optional("signals", _signals, ("SIGTERM", "SIGUSR1")),
-        providers=sec.optional("providers", _providers, ()),
-        endpoint=sec.nullable("endpoint", _url),
-        poll_interval_s=sec.optional("poll_interval_s", _seconds(), 1.0),
-        default_deadline_s=sec.optional("default_deadline_s", _seconds(), 30.0),
-        save_margin_s=sec.optional("save_margin_s", _seconds(zero_ok=True), 5.0),
-        file=sec.nullable("file", _path(base)),
-        command=sec.nullable("command", _argv),
-        requeue_command=sec.nullable("requeue_command", _argv),
+        signals=sec.optional("signals", config_values.signals, ("SIGTERM", "SIGUSR1")),
+        providers=sec.optional("providers", config_values.providers, ()),
+        endpoint=sec.nullable("endpoint", config_values.url),
+        poll_interval_s=sec.optional("poll_interval_s", config_values.seconds(), 1.0),
+        default_deadline_s=sec.optional("default_deadline_s", config_values.seconds(), 30.0),
+        save_margin_s=sec.optional("save_margin_s", config_values.seconds(zero_ok=True), 5.0),
+        file=sec.nullable("file", config_values.path(base)),
+        command=sec.nullable("command", config_values.argv),
+        requeue_command=sec.nullable("requeue_command", config_values.argv),
     )
     if config.save_margin_s >= config.default_deadline_s:
         sec.fail(
@@ -471,418 +477,3 @@ def _parse_eviction(sec: _Section, base: Path) -> EvictionConfig:
             f"{config.default_deadline_s:g}; lower save_margin_s or raise default_deadline_s",
         )
     return config
-
-
-# --------------------------------------------------------------------------- where errors point, sections
-
-
-@dataclass(frozen=True)
-class _Where:
-    """A key path inside a source, for error messages: `job.yaml: restart.window_s: ...`."""
-
-    source: str
-    path: str = ""
-
-    def child(self, key: str) -> _Where:
-        return _Where(self.source, f"{self.path}.{key}" if self.path else key)
-
-    def item(self, index: int) -> _Where:
-        return _Where(self.source, f"{self.path}[{index}]")
-
-    def fail(self, message: str) -> NoReturn:
-        raise ConfigError(f"{self.source}: {self.path}: {message}" if self.path else f"{self.source}: {message}")
-
-
-_T = TypeVar("_T")
-_D = TypeVar("_D")
-_Parse = Callable[[object, _Where], _T]
-
-
-class _Section:
-    """One YAML section: its keys checked on construction, its values read through parse functions."""
-
-    def __init__(self, where: _Where, raw: object, keys: Sequence[str]) -> None:
-        if raw is None:  # `metrics:` with nothing under it: all defaults
-            raw = {}
-        if not isinstance(raw, Mapping):
-            where.fail(f"expected a mapping with keys such as {', '.join(keys[:3])}, got {_describe(raw)}")
-        _check_keys(where, raw, keys, noun="key")
-        self.where = where
-        self._raw = raw
-
-    def fail(self, key: str, message: str) -> NoReturn:
-        self.where.child(key).fail(message)
-
-    def required(self, key: str, parse: _Parse[_T], fix: str) -> _T:
-        if self._raw.get(key) is None:
-            self.fail(key, f"required; {fix}")
-        return parse(self._raw[key], self.where.child(key))
-
-    def optional(self, key: str, parse: _Parse[_T], default: _D) -> _T | _D:
-        if key not in self._raw:
-            return default
-        value = self._raw[key]
-        if value is None:
-            shown = "auto-detected" if default is None else _yaml_repr(default)
-            self.fail(key, f"null is not allowed here; remove the key to use the default ({shown})")
-        return parse(value, self.where.child(key))
-
-    def nullable(self, key: str, parse: _Parse[_T]) -> _T | None:
-        value = self._raw.get(key)
-        return None if value is None else parse(value, self.where.child(key))
-
-
-def _check_keys(where: _Where, raw: Mapping[Any, Any], keys: Sequence[str], *, noun: str) -> None:
-    for key in raw:
-        if not isinstance(key, str):
-            where.fail(f"{_describe(key)} is not a valid {noun} name; expected one of {', '.join(keys)}")
-        if key not in keys:
-            where.child(key).fail(f"unknown {noun} ({_suggest(key, keys)})")
-
-
-def _suggest(key: str, keys: Sequence[str]) -> str:
-    normal = key.strip().lower().replace("-", "_")
-    close = [normal] if normal in keys else difflib.get_close_matches(normal, keys, n=1, cutoff=0.6)
-    return f"did you mean {close[0]!r}?" if close else f"expected one of {', '.join(keys)}"
-
-
-def _field_names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in fields(cls))
-
-
-# --------------------------------------------------------------------------- value parsers
-
-
-def _describe(value: object) -> str:
-    """How a wrong value is shown in a message: its YAML spelling and kind."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return f"{str(value).lower()} (a boolean)"
-    if isinstance(value, int | float):
-        return f"the number {value!r}"
-    if isinstance(value, str):
-        shown = value if len(value) <= 60 else value[:57] + "..."
-        return f"the string {shown!r}"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, Mapping):
-        return "a mapping"
-    return f"a {type(value).__name__} ({value!s})"
-
-
-def _yaml_repr(value: object) -> str:
-    if isinstance(value, tuple):
-        return "[" + ", ".join(str(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{}" if not value else str(value)
-    return str(value)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _integer(minimum: int) -> _Parse[int]:
-    def parse(value: object, where: _Where) -> int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            hint = ""
-            if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-                hint = "; write it without quotes"
-            elif isinstance(value, float) and value.is_integer():
-                hint = f"; write {int(value)}"
-            where.fail(f"expected a whole number >= {minimum}, got {_describe(value)}{hint}")
-        if value < minimum:
-            where.fail(f"must be at least {minimum}, got {value}")
-        return value
-
-    return parse
-
-
-def _number(*, low: float, low_ok: bool, unit: str = " seconds", fix: str = "") -> _Parse[float]:
-    def parse(value: object, where: _Where) -> float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            what = "a number of seconds" if unit else "a number"
-            hint = "; write a plain number (every *_s key is in seconds)" if unit and isinstance(value, str) else ""
-            where.fail(f"expected {what}, got {_describe(value)}{hint}")
-        number = float(value)
-        if not math.isfinite(number):
-            where.fail(f"{value!r} is not a finite number; write a finite value{fix}")
-        if number < low or (number == low and not low_ok):
-            bound = "at least" if low_ok else "above"
-            where.fail(f"must be {bound} {low:g}{unit}, got {value!r}{fix}")
-        return number
-
-    return parse
-
-
-def _seconds(*, zero_ok: bool = False, fix: str = "") -> _Parse[float]:
-    return _number(low=0.0, low_ok=zero_ok, fix=fix)
-
-
-def _boolean(value: object, where: _Where) -> bool:
-    if not isinstance(value, bool):
-        hint = "; write it without quotes" if isinstance(value, str) and value.lower() in ("true", "false") else ""
-        where.fail(f"expected true or false, got {_describe(value)}{hint}")
-    return value
-
-
-def _string(value: object, where: _Where) -> str:
-    if not isinstance(value, str):
-        hint = "; quote it" if isinstance(value, int | float | bool) or not isinstance(value, list | Mapping) else ""
-        where.fail(f"expected a string, got {_describe(value)}{hint}")
-    if not value:
-        where.fail("must not be empty")
-    return value
-
-
-def _identifier(value: object, where: _Where) -> str:
-    text = _string(value, where)
-    if not _ID.match(text):
-        where.fail(
-            f"{text!r} is not a valid id; use letters, digits, '.', '_' and '-', starting with a letter or digit"
-        )
-    return text
-
-
-def _hostname(where: _Where, given: str | None) -> str:
-    name = given if given is not None else socket.gethostname()
-    if not _ID.match(name):
-        where.fail(f"the hostname {name!r} is not a valid id; set launch.node_id explicitly")
-    return name
-
-
-def _choice(choices: Sequence[str]) -> _Parse[str]:
-    def parse(value: object, where: _Where) -> str:
-        text = _string(value, where).lower()
-        if text not in choices:
-            where.fail(f"{value!r} is not one of {', '.join(choices)} ({_suggest(text, choices)})")
-        return text
-
-    return parse
-
-
-def _argument(value: object, where: _Where) -> str:
-    if isinstance(value, str):
-        return value
-    if _is_number(value):
-        where.fail(
-            f'{_describe(value)} is not a string; quote it ("{value}") so the argument is passed exactly as written'
-        )
-    if value is None:
-        where.fail('an empty item (null); remove it, or write "" for an empty argument')
-    if isinstance(value, bool):
-        where.fail(f"{_describe(value)} is not a string; quote it as written so the argument is passed as a string")
-    where.fail(f"expected a string argument, got {_describe(value)}")
-
-
-def _string_list(value: object, where: _Where, example: str = "[--flag, value]") -> tuple[str, ...]:
-    if not isinstance(value, list):
-        hint = "; split it into a list (no shell runs it)" if isinstance(value, str) else ""
-        where.fail(f"expected a list of strings such as {example}, got {_describe(value)}{hint}")
-    return tuple(_argument(item, where.item(i)) for i, item in enumerate(value))
-
-
-def _argv(value: object, where: _Where) -> tuple[str, ...]:
-    argv = _string_list(value, where, example="[python, train.py]")
-    if not argv or not argv[0]:
-        where.fail("needs at least a program name, e.g. [python, train.py]")
-    return argv
-
-
-def _torchrun_args(value: object, where: _Where) -> tuple[str, ...]:
-    args = _string_list(value, where)
-    for i, arg in enumerate(args):
-        name = arg.partition("=")[0].lstrip("-").replace("_", "-")
-        if arg.startswith("--") and name in _TORCHRUN_OWNED:
-            where.item(i).fail(f"{arg!r} is set by ftsup; remove it and use {_TORCHRUN_OWNED[name]}")
-    return args
-
-
-def _env(value: object, where: _Where) -> dict[str, str]:
-    if not isinstance(value, Mapping):
-        where.fail(f"expected a mapping of NAME: value, got {_describe(value)}")
-    env: dict[str, str] = {}
-    for name, item in value.items():
-        if not isinstance(name, str) or not _ENV_NAME.match(name):
-            where.fail(f"{name!r} is not a valid environment variable name (letters, digits, '_')")
-        if not isinstance(item, str):
-            where.child(name).fail(f"expected a string, got {_describe(item)}; quote it")
-        env[name] = item
-    return env
-
-
-def _path(base: Path) -> _Parse[Path]:
-    def parse(value: object, where: _Where) -> Path:
-        text = _string(value, where)
-        if text.startswith("~"):
-            where.fail(f"{text!r}: '~' is not expanded here; write the full path")
-        if "${" in text:
-            where.fail(f"{text!r}: environment variables are not expanded in the config; write the value itself")
-        if "\0" in text:
-            where.fail("a path cannot contain a NUL character")
-        return Path(os.path.normpath(base / text))
-
-    return parse
-
-
-def _nproc(value: object, where: _Where) -> int | Literal["auto"]:
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    if isinstance(value, str):
-        where.fail(f"expected a whole number >= 1 or auto, got {_describe(value)}")
-    return _integer(1)(value, where)
-
-
-def _nnodes(value: object, where: _Where) -> str:
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        where.fail(f"expected a node count N or a range MIN:MAX such as 1:2, got {_describe(value)}")
-    low, sep, high = str(value).strip().partition(":")
-    if not low.isdigit() or (sep and not high.isdigit()):
-        where.fail(f"{value!r} is not N or MIN:MAX (whole numbers), e.g. 2 or 1:2")
-    lowest, highest = int(low), int(high or low)
-    if lowest < 1:
-        where.fail(f"{value!r}: the node count must be at least 1")
-    if lowest > highest:
-        where.fail(f"{value!r}: MIN {lowest} is above MAX {highest}; write {highest}:{lowest}")
-    return str(lowest) if lowest == highest else f"{lowest}:{highest}"
-
-
-def _host_port(*, min_port: int, example: str) -> _Parse[str]:
-    def parse(value: object, where: _Where) -> str:
-        if not isinstance(value, str):
-            where.fail(f"expected a quoted host:port such as {example}, got {_describe(value)}")
-        text = _string(value, where).strip()
-        host, sep, port = text.rpartition(":")
-        bare_host = host.removeprefix("[").removesuffix("]")
-        if not sep or not bare_host or not port.isdigit():
-            where.fail(f"{text!r} is not host:port, e.g. {example}")
-        if not min_port <= int(port) <= 65535:
-            where.fail(f"port {port} is outside {min_port}..65535")
-        return text
-
-    return parse
-
-
-def _url(value: object, where: _Where) -> str:
-    text = _string(value, where).strip()
-    parts = urlsplit(text)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        where.fail(f"{text!r} is not an http(s) URL such as http://127.0.0.1:8080")
-    return text.rstrip("/")
-
-
-def _signals(value: object, where: _Where) -> tuple[str, ...]:
-    if not isinstance(value, list):
-        where.fail(f"expected a list of signal names such as [SIGTERM, SIGUSR1], got {_describe(value)}")
-    names: list[str] = []
-    for i, item in enumerate(value):
-        name = _signal_name(item, where.item(i))
-        if name not in names:
-            names.append(name)
-    return tuple(names)
-
-
-def _signal_name(value: object, where: _Where) -> str:
-    if not isinstance(value, str) or not value.strip():
-        hint = "; use the name, since numbers differ between platforms" if _is_number(value) else ""
-        where.fail(f"expected a signal name such as SIGUSR1, got {_describe(value)}{hint}")
-    name = value.strip().upper()
-    name = name if name.startswith("SIG") else "SIG" + name
-    known = signal.Signals.__members__
-    if name not in known:
-        suggestion = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
-        fix = f"did you mean {suggestion[0]!r}?" if suggestion else "`kill -l` lists them"
-        where.fail(f"{value!r} is not a signal on this system ({fix})")
-    canonical = known[name].name  # aliases such as SIGIOT become SIGABRT
-    if canonical in ("SIGKILL", "SIGSTOP"):
-        where.fail(f"{canonical} cannot be caught, so it can never deliver an eviction notice; remove it")
-    return canonical
-
-
-def _providers(value: object, where: _Where) -> tuple[str, ...]:
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list):
-        where.fail(f"expected a list such as [aws] or auto, got {_describe(value)}")
-    names: list[str] = []
-    for i, item in enumerate(items):
-        text = _string(item, where.item(i)).strip().lower()
-        if text not in (*PROVIDERS, "auto"):
-            where.item(i).fail(f"{item!r} is not a provider ({_suggest(text, (*PROVIDERS, 'auto'))})")
-        if text not in names:
-            names.append(text)
-    if "auto" in names and len(names) > 1:
-        where.fail("auto detects the provider; give auto alone or list the providers without it")
-    return tuple(names)
-
-
-def _plain_dataclass(value: Any) -> dict[str, Any]:
-    return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
-
-
-def _plain(value: object) -> object:
-    if is_dataclass(value) and not isinstance(value, type):
-        return _plain_dataclass(value)
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, tuple | list):
-        return [_plain(v) for v in value]
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
-# --------------------------------------------------------------------------- YAML
-
-
-class _Loader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships without type hints
-    """SafeLoader without base-60 numbers and with duplicate keys refused."""
-
-    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-        seen: set[tuple[str, str]] = set()
-        for key_node, _ in node.value:
-            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
-                ident = (key_node.tag, key_node.value)
-                if ident in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"the key {key_node.value!r} is given twice; keep one", key_node.start_mark
-                    )
-                seen.add(ident)
-        return super().construct_mapping(node, deep=deep)
-
-
-_INT = "tag:yaml.org,2002:int"
-_FLOAT = "tag:yaml.org,2002:float"
-_Loader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT, _FLOAT)]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-# PyYAML's own patterns minus the sexagesimal (`1:2` = 62) forms; floats as in YAML 1.2, so `1e3` is a number.
-# Order matters: the first matching resolver wins, so integers are tried before floats.
-_Loader.add_implicit_resolver(
-    _INT,
-    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
-    list("-+0123456789"),
-)
-_Loader.add_implicit_resolver(
-    _FLOAT,
-    re.compile(
-        r"^(?:[-+]?(?:\.[0-9_]+|[0-9][0-9_]*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
-    ),
-    list("-+0123456789."),
-)
-
-
-def _load_yaml(text: str, source: str) -> object:
-    try:
-        return yaml.load(text, Loader=_Loader)  # safe: _Loader is a SafeLoader
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        detail = e.problem or "cannot parse"
-        if e.context:
-            at = f" at line {e.context_mark.line + 1}" if e.context_mark is not None and e.problem_mark else ""
-            detail += f" ({e.context}{at})"
-        raise ConfigError(f"{source}: {where}invalid YAML: {detail}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: invalid YAML: {' '.join(str(e).split())}") from None

@@ -1,0 +1,466 @@
+"""Config values: raw YAML values turned into typed values, or one `ConfigError` naming the key path and the fix.
+
+The building blocks of `supervisor.config`:
+- `Where` is a key path inside a source (`job.yaml: restart.window_s`); `Where.fail` raises the one-line error;
+- `Section` is one YAML mapping whose keys are checked on construction (unknown keys are errors, with a "did you
+  mean" from `suggest`) and whose values are read as `required`, `optional` (null refused) or `nullable`;
+- a parse function (`Parse[T]`) takes a raw value and its `Where` and returns a `T` or fails: `integer`,
+  `seconds`, `string`, `path`, `argv`, `host_port`, `signals`, ...; messages show the wrong value as YAML spells
+  it (`describe`) and say how to write it instead;
+- `load_yaml` reads text with PyYAML's SafeLoader minus base-60 integers, with YAML 1.2 floats (`1e3` is a
+  number) and with duplicate keys refused; `plain_dataclass` turns a parsed config back into JSON-ready values.
+
+It does not assemble the sections: which keys a section has, their defaults and the rules between keys are
+`supervisor.config`'s (a few messages name the key to use instead, such as for a torchrun flag that ftsup sets).
+It does no I/O: no file, no environment variable, no hostname is read here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+import signal
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal, NoReturn, TypeVar
+from urllib.parse import urlsplit
+
+import yaml
+
+from supervisor.errors import ConfigError
+
+# Ids name files, the rendezvous and FTSUP_RUN_ID: keep them to characters that are safe in all three.
+ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+PROVIDERS = ("aws", "gcp", "azure")
+# torchrun flags that ftsup derives from the config; passing them again would contradict it.
+_TORCHRUN_OWNED = {
+    "nnodes": "launch.nnodes",
+    "nproc-per-node": "launch.nproc_per_node",
+    "max-restarts": "restart.max_restarts (restarts are ftsup's decision; torchrun always gets 0)",
+    "rdzv-backend": "nothing (ftsup always uses c10d)",
+    "rdzv-endpoint": "launch.rdzv_endpoint",
+    "rdzv-id": "launch.rdzv_id",
+    "standalone": "nothing (leave launch.rdzv_endpoint unset for a single node)",
+}
+
+
+# --------------------------------------------------------------------------- where errors point, sections
+
+
+@dataclass(frozen=True)
+class Where:
+    """A key path inside a source, for error messages: `job.yaml: restart.window_s: ...`."""
+
+    source: str
+    path: str = ""
+
+    def child(self, key: str) -> Where:
+        return Where(self.source, f"{self.path}.{key}" if self.path else key)
+
+    def item(self, index: int) -> Where:
+        return Where(self.source, f"{self.path}[{index}]")
+
+    def fail(self, message: str) -> NoReturn:
+        raise ConfigError(f"{self.source}: {self.path}: {message}" if self.path else f"{self.source}: {message}")
+
+
+_T = TypeVar("_T")
+_D = TypeVar("_D")
+Parse = Callable[[object, Where], _T]
+
+
+class Section:
+    """One YAML section: its keys checked on construction, its values read through parse functions."""
+
+    def __init__(self, where: Where, raw: object, keys: Sequence[str]) -> None:
+        if raw is None:  # `metrics:` with nothing under it: all defaults
+            raw = {}
+        if not isinstance(raw, Mapping):
+            where.fail(f"expected a mapping with keys such as {', '.join(keys[:3])}, got {describe(raw)}")
+        check_keys(where, raw, keys, noun="key")
+        self.where = where
+        self._raw = raw
+
+    def fail(self, key: str, message: str) -> NoReturn:
+        self.where.child(key).fail(message)
+
+    def required(self, key: str, parse: Parse[_T], fix: str) -> _T:
+        if self._raw.get(key) is None:
+            self.fail(key, f"required; {fix}")
+        return parse(self._raw[key], self.where.child(key))
+
+    def optional(self, key: str, parse: Parse[_T], default: _D) -> _T | _D:
+        if key not in self._raw:
+            return default
+        value = self._raw[key]
+        if value is None:
+            shown = "auto-detected" if default is None else _yaml_repr(default)
+            self.fail(key, f"null is not allowed here; remove the key to use the default ({shown})")
+        return parse(value, self.where.child(key))
+
+    def nullable(self, key: str, parse: Parse[_T]) -> _T | None:
+        value = self._raw.get(key)
+        return None if value is None else parse(value, self.where.child(key))
+
+
+def check_keys(where: Where, raw: Mapping[Any, Any], keys: Sequence[str], *, noun: str) -> None:
+    """Fail on the first key of `raw` that is not one of `keys` (`noun` names them: "key", "section")."""
+    for key in raw:
+        if not isinstance(key, str):
+            where.fail(f"{describe(key)} is not a valid {noun} name; expected one of {', '.join(keys)}")
+        if key not in keys:
+            where.child(key).fail(f"unknown {noun} ({suggest(key, keys)})")
+
+
+def suggest(key: str, keys: Sequence[str]) -> str:
+    """The end of an "unknown key" message: "did you mean 'x'?" when one of `keys` is close, else all of them."""
+    normal = key.strip().lower().replace("-", "_")
+    close = [normal] if normal in keys else difflib.get_close_matches(normal, keys, n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}?" if close else f"expected one of {', '.join(keys)}"
+
+
+def field_names(cls: type) -> tuple[str, ...]:
+    """The keys of a section: the field names of its dataclass."""
+    return tuple(f.name for f in fields(cls))
+
+
+# --------------------------------------------------------------------------- value parsers
+
+
+def describe(value: object) -> str:
+    """How a wrong value is shown in a message: its YAML spelling and kind."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"{str(value).lower()} (a boolean)"
+    if isinstance(value, int | float):
+        return f"the number {value!r}"
+    if isinstance(value, str):
+        shown = value if len(value) <= 60 else value[:57] + "..."
+        return f"the string {shown!r}"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    return f"a {type(value).__name__} ({value!s})"
+
+
+def _yaml_repr(value: object) -> str:
+    if isinstance(value, tuple):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{}" if not value else str(value)
+    return str(value)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def integer(minimum: int) -> Parse[int]:
+    """A parse function for whole numbers of at least `minimum` (a quoted "3" or a 3.0 is refused, with the fix)."""
+
+    def parse(value: object, where: Where) -> int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            hint = ""
+            if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+                hint = "; write it without quotes"
+            elif isinstance(value, float) and value.is_integer():
+                hint = f"; write {int(value)}"
+            where.fail(f"expected a whole number >= {minimum}, got {describe(value)}{hint}")
+        if value < minimum:
+            where.fail(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def number(*, low: float, low_ok: bool, unit: str = " seconds", fix: str = "") -> Parse[float]:
+    """A parse function for finite numbers above `low` (or equal to it when `low_ok`); `fix` ends its messages."""
+
+    def parse(value: object, where: Where) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            what = "a number of seconds" if unit else "a number"
+            hint = "; write a plain number (every *_s key is in seconds)" if unit and isinstance(value, str) else ""
+            where.fail(f"expected {what}, got {describe(value)}{hint}")
+        result = float(value)
+        if not math.isfinite(result):
+            where.fail(f"{value!r} is not a finite number; write a finite value{fix}")
+        if result < low or (result == low and not low_ok):
+            bound = "at least" if low_ok else "above"
+            where.fail(f"must be {bound} {low:g}{unit}, got {value!r}{fix}")
+        return result
+
+    return parse
+
+
+def seconds(*, zero_ok: bool = False, fix: str = "") -> Parse[float]:
+    """A parse function for a duration in seconds, above 0 (or at least 0 when `zero_ok`)."""
+    return number(low=0.0, low_ok=zero_ok, fix=fix)
+
+
+def boolean(value: object, where: Where) -> bool:
+    if not isinstance(value, bool):
+        hint = "; write it without quotes" if isinstance(value, str) and value.lower() in ("true", "false") else ""
+        where.fail(f"expected true or false, got {describe(value)}{hint}")
+    return value
+
+
+def string(value: object, where: Where) -> str:
+    if not isinstance(value, str):
+        hint = "; quote it" if isinstance(value, int | float | bool) or not isinstance(value, list | Mapping) else ""
+        where.fail(f"expected a string, got {describe(value)}{hint}")
+    if not value:
+        where.fail("must not be empty")
+    return value
+
+
+def identifier(value: object, where: Where) -> str:
+    text = string(value, where)
+    if not ID.match(text):
+        where.fail(
+            f"{text!r} is not a valid id; use letters, digits, '.', '_' and '-', starting with a letter or digit"
+        )
+    return text
+
+
+def choice(choices: Sequence[str]) -> Parse[str]:
+    def parse(value: object, where: Where) -> str:
+        text = string(value, where).lower()
+        if text not in choices:
+            where.fail(f"{value!r} is not one of {', '.join(choices)} ({suggest(text, choices)})")
+        return text
+
+    return parse
+
+
+def _argument(value: object, where: Where) -> str:
+    if isinstance(value, str):
+        return value
+    if _is_number(value):
+        where.fail(
+            f'{describe(value)} is not a string; quote it ("{value}") so the argument is passed exactly as written'
+        )
+    if value is None:
+        where.fail('an empty item (null); remove it, or write "" for an empty argument')
+    if isinstance(value, bool):
+        where.fail(f"{describe(value)} is not a string; quote it as written so the argument is passed as a string")
+    where.fail(f"expected a string argument, got {describe(value)}")
+
+
+def string_list(value: object, where: Where, example: str = "[--flag, value]") -> tuple[str, ...]:
+    if not isinstance(value, list):
+        hint = "; split it into a list (no shell runs it)" if isinstance(value, str) else ""
+        where.fail(f"expected a list of strings such as {example}, got {describe(value)}{hint}")
+    return tuple(_argument(item, where.item(i)) for i, item in enumerate(value))
+
+
+def argv(value: object, where: Where) -> tuple[str, ...]:
+    args = string_list(value, where, example="[python, train.py]")
+    if not args or not args[0]:
+        where.fail("needs at least a program name, e.g. [python, train.py]")
+    return args
+
+
+def torchrun_args(value: object, where: Where) -> tuple[str, ...]:
+    args = string_list(value, where)
+    for i, arg in enumerate(args):
+        name = arg.partition("=")[0].lstrip("-").replace("_", "-")
+        if arg.startswith("--") and name in _TORCHRUN_OWNED:
+            where.item(i).fail(f"{arg!r} is set by ftsup; remove it and use {_TORCHRUN_OWNED[name]}")
+    return args
+
+
+def env(value: object, where: Where) -> dict[str, str]:
+    if not isinstance(value, Mapping):
+        where.fail(f"expected a mapping of NAME: value, got {describe(value)}")
+    variables: dict[str, str] = {}
+    for name, item in value.items():
+        if not isinstance(name, str) or not _ENV_NAME.match(name):
+            where.fail(f"{name!r} is not a valid environment variable name (letters, digits, '_')")
+        if not isinstance(item, str):
+            where.child(name).fail(f"expected a string, got {describe(item)}; quote it")
+        variables[name] = item
+    return variables
+
+
+def path(base: Path) -> Parse[Path]:
+    def parse(value: object, where: Where) -> Path:
+        text = string(value, where)
+        if text.startswith("~"):
+            where.fail(f"{text!r}: '~' is not expanded here; write the full path")
+        if "${" in text:
+            where.fail(f"{text!r}: environment variables are not expanded in the config; write the value itself")
+        if "\0" in text:
+            where.fail("a path cannot contain a NUL character")
+        return Path(os.path.normpath(base / text))
+
+    return parse
+
+
+def nproc(value: object, where: Where) -> int | Literal["auto"]:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, str):
+        where.fail(f"expected a whole number >= 1 or auto, got {describe(value)}")
+    return integer(1)(value, where)
+
+
+def nnodes(value: object, where: Where) -> str:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        where.fail(f"expected a node count N or a range MIN:MAX such as 1:2, got {describe(value)}")
+    low, sep, high = str(value).strip().partition(":")
+    if not low.isdigit() or (sep and not high.isdigit()):
+        where.fail(f"{value!r} is not N or MIN:MAX (whole numbers), e.g. 2 or 1:2")
+    lowest, highest = int(low), int(high or low)
+    if lowest < 1:
+        where.fail(f"{value!r}: the node count must be at least 1")
+    if lowest > highest:
+        where.fail(f"{value!r}: MIN {lowest} is above MAX {highest}; write {highest}:{lowest}")
+    return str(lowest) if lowest == highest else f"{lowest}:{highest}"
+
+
+def host_port(*, min_port: int, example: str) -> Parse[str]:
+    def parse(value: object, where: Where) -> str:
+        if not isinstance(value, str):
+            where.fail(f"expected a quoted host:port such as {example}, got {describe(value)}")
+        text = string(value, where).strip()
+        host, sep, port = text.rpartition(":")
+        bare_host = host.removeprefix("[").removesuffix("]")
+        if not sep or not bare_host or not port.isdigit():
+            where.fail(f"{text!r} is not host:port, e.g. {example}")
+        if not min_port <= int(port) <= 65535:
+            where.fail(f"port {port} is outside {min_port}..65535")
+        return text
+
+    return parse
+
+
+def url(value: object, where: Where) -> str:
+    text = string(value, where).strip()
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        where.fail(f"{text!r} is not an http(s) URL such as http://127.0.0.1:8080")
+    return text.rstrip("/")
+
+
+def signals(value: object, where: Where) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        where.fail(f"expected a list of signal names such as [SIGTERM, SIGUSR1], got {describe(value)}")
+    names: list[str] = []
+    for i, item in enumerate(value):
+        name = _signal_name(item, where.item(i))
+        if name not in names:
+            names.append(name)
+    return tuple(names)
+
+
+def _signal_name(value: object, where: Where) -> str:
+    if not isinstance(value, str) or not value.strip():
+        hint = "; use the name, since numbers differ between platforms" if _is_number(value) else ""
+        where.fail(f"expected a signal name such as SIGUSR1, got {describe(value)}{hint}")
+    name = value.strip().upper()
+    name = name if name.startswith("SIG") else "SIG" + name
+    known = signal.Signals.__members__
+    if name not in known:
+        suggestion = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+        fix = f"did you mean {suggestion[0]!r}?" if suggestion else "`kill -l` lists them"
+        where.fail(f"{value!r} is not a signal on this system ({fix})")
+    canonical = known[name].name  # aliases such as SIGIOT become SIGABRT
+    if canonical in ("SIGKILL", "SIGSTOP"):
+        where.fail(f"{canonical} cannot be caught, so it can never deliver an eviction notice; remove it")
+    return canonical
+
+
+def providers(value: object, where: Where) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list):
+        where.fail(f"expected a list such as [aws] or auto, got {describe(value)}")
+    names: list[str] = []
+    for i, item in enumerate(items):
+        text = string(item, where.item(i)).strip().lower()
+        if text not in (*PROVIDERS, "auto"):
+            where.item(i).fail(f"{item!r} is not a provider ({suggest(text, (*PROVIDERS, 'auto'))})")
+        if text not in names:
+            names.append(text)
+    if "auto" in names and len(names) > 1:
+        where.fail("auto detects the provider; give auto alone or list the providers without it")
+    return tuple(names)
+
+
+def plain_dataclass(value: Any) -> dict[str, Any]:
+    """A JSON-ready copy of a dataclass instance: nested dataclasses as dicts, paths as strings, tuples as lists."""
+    return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+
+
+def _plain(value: object) -> object:
+    if is_dataclass(value) and not isinstance(value, type):
+        return plain_dataclass(value)
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+class _Loader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships without type hints
+    """SafeLoader without base-60 numbers and with duplicate keys refused."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: set[tuple[str, str]] = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                ident = (key_node.tag, key_node.value)
+                if ident in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key_node.value!r} is given twice; keep one", key_node.start_mark
+                    )
+                seen.add(ident)
+        return super().construct_mapping(node, deep=deep)
+
+
+_INT = "tag:yaml.org,2002:int"
+_FLOAT = "tag:yaml.org,2002:float"
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+# PyYAML's own patterns minus the sexagesimal (`1:2` = 62) forms; floats as in YAML 1.2, so `1e3` is a number.
+# Order matters: the first matching resolver wins, so integers are tried before floats.
+_Loader.add_implicit_resolver(
+    _INT,
+    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"),
+)
+_Loader.add_implicit_resolver(
+    _FLOAT,
+    re.compile(
+        r"^(?:[-+]?(?:\.[0-9_]+|[0-9][0-9_]*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(text: str, source: str) -> object:
+    """The YAML document in `text` (None when empty), or a `ConfigError` naming `source` and the line and column."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # safe: _Loader is a SafeLoader
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        detail = e.problem or "cannot parse"
+        if e.context:
+            at = f" at line {e.context_mark.line + 1}" if e.context_mark is not None and e.problem_mark else ""
+            detail += f" ({e.context}{at})"
+        raise ConfigError(f"{source}: {where}invalid YAML: {detail}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: invalid YAML: {' '.join(str(e).split())}") from None
