@@ -323,3 +323,38 @@ def test_fused_staging_writes_the_same_files_as_copy_then_checksum(tmp_path, mon
     if len(paths) == 2:
         for name in ("shard-00000.safetensors", "shard-00000.crc32"):
             assert (paths[True] / name).read_bytes() == (paths[False] / name).read_bytes(), name
+
+
+def _spares(root: Path) -> dict[str, int]:
+    pool = root / ".recycle"
+    return {p.name: p.stat().st_ino for p in pool.iterdir()} if pool.is_dir() else {}
+
+
+def test_shard_files_of_deleted_checkpoints_are_written_over_by_the_next_save(tmp_path):
+    root = tmp_path / "ckpt"
+    with CheckpointEngine(root, retention=RetentionPolicy(keep_last=1)) as eng:
+        big = make_state(width=512)
+        first = Path(eng.save(1, {"app": big}, block=True).path) / "shard-00000.safetensors"
+        inode = first.stat().st_ino  # the file lives on (in the pool, then in step 3): no reuse by chance
+        eng.save(2, {"app": big}, block=True)  # retention moves step 1's shard into the pool
+        small = make_state(width=16, seed=2)  # a smaller shard: the longer spare is cut to size
+        want = snapshot(small)
+        res = eng.save(3, {"app": small}, block=True)
+        shard = Path(res.path) / "shard-00000.safetensors"
+        assert shard.stat().st_ino == inode  # the spare was claimed, not a new file
+        manifest, problems = layout.check_checkpoint(res.path, deep=True)
+        assert problems == [] and manifest is not None
+        assert shard.stat().st_size == manifest.files["shard-00000.safetensors"].size
+        fresh = make_state(width=16, seed=5)
+        eng.load({"app": fresh})
+        assert same(snapshot(fresh), want)
+    assert len(_spares(root)) == 1  # step 2's shard (retention ran once the engine closed)
+
+
+def test_without_recycling_deleted_checkpoints_leave_nothing_behind(tmp_path):
+    root = tmp_path / "ckpt"
+    with CheckpointEngine(root, retention=RetentionPolicy(keep_last=1), recycle=False) as eng:
+        state = make_state()
+        for step in (1, 2, 3):
+            eng.save(step, {"app": state}, block=True)
+    assert sorted(p.name for p in root.iterdir()) == ["step-000000003"]

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from tests.helpers import default_files, flip_byte, make_fake_checkpoint, write_manifest_json
-from trainer.checkpoint import blocksum, checksums, layout, retention
-from trainer.checkpoint.errors import CheckpointError, ManifestError, NoCheckpointError
+from trainer.checkpoint import blocksum, checksums, layout
+from trainer.checkpoint.errors import ManifestError, NoCheckpointError
 
 BLOCK = layout.CHECKSUM_BLOCK_BYTES
 
@@ -389,81 +389,6 @@ def test_quarantined_checkpoint_is_no_longer_listed(tmp_path: Path) -> None:
     make_fake_checkpoint(tmp_path, 200, {"a.bin": b"b"})
     layout.quarantine(tmp_path, 200)
     assert [i.step for i in layout.list_checkpoints(tmp_path)] == [100]
-
-
-# --------------------------------------------------------------------------- retention
-
-
-def test_retention_keeps_the_last_k_consistent() -> None:
-    steps = [(s, True) for s in (100, 200, 300, 400, 500)]
-    policy = retention.RetentionPolicy(keep_last=2)
-    assert retention.retention_victims(steps, policy) == [100, 200, 300]
-
-
-def test_retention_keeps_every_nth_step() -> None:
-    steps = [(s, True) for s in (100, 200, 300, 400, 500)]
-    policy = retention.RetentionPolicy(keep_last=1, keep_every=200)
-    assert retention.retention_victims(steps, policy) == [100, 300]
-
-
-def test_retention_keeps_protected_steps() -> None:
-    steps = [(s, True) for s in (100, 200, 300)]
-    policy = retention.RetentionPolicy(keep_last=1)
-    assert retention.retention_victims(steps, policy, protect=[100]) == [200]
-
-
-def test_retention_leaves_inconsistent_checkpoints_alone() -> None:
-    steps = [(100, False), (200, True), (300, False), (400, True)]
-    policy = retention.RetentionPolicy(keep_last=1)
-    assert retention.retention_victims(steps, policy) == [200]
-
-
-def test_retention_never_deletes_the_newest_consistent_even_if_newer_ones_are_broken() -> None:
-    steps = [(100, True), (200, True), (300, False), (400, False)]
-    policy = retention.RetentionPolicy(keep_last=1)
-    assert retention.retention_victims(steps, policy) == [100]
-
-
-@pytest.mark.parametrize("kwargs", [{"keep_last": 0}, {"keep_every": 0}, {"keep_last": 1.5}])
-def test_retention_policy_refuses_values_that_would_delete_everything(
-    kwargs: dict[str, Any],
-) -> None:
-    with pytest.raises(CheckpointError, match="retention keep_"):
-        retention.RetentionPolicy(**kwargs)
-
-
-def test_apply_retention_deletes_victims_and_keeps_the_rest(tmp_path: Path) -> None:
-    for step in (100, 200, 300):
-        make_fake_checkpoint(tmp_path, step, {"a.bin": b"a"})
-    retention.apply_retention(tmp_path, retention.RetentionPolicy(keep_last=2))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000200", "step-000000300"]
-
-
-def test_apply_retention_removes_only_partials_older_than_the_running_save(
-    tmp_path: Path,
-) -> None:
-    make_fake_checkpoint(tmp_path, 100, {"a.bin": b"a"})
-    for step in (50, 150, 200, 250):
-        make_fake_checkpoint(tmp_path, step, {"a.bin": b"a"}, partial=True, manifest=False)
-    retention.apply_retention(tmp_path, retention.RetentionPolicy(keep_last=1), running_step=200)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "step-000000100",
-        "step-000000200.partial",
-        "step-000000250.partial",
-    ]
-
-
-def test_apply_retention_without_a_running_save_keeps_partials(tmp_path: Path) -> None:
-    make_fake_checkpoint(tmp_path, 100, {"a.bin": b"a"}, partial=True, manifest=False)
-    retention.apply_retention(tmp_path, retention.RetentionPolicy(keep_last=1))
-    assert [p.name for p in tmp_path.iterdir()] == ["step-000000100.partial"]
-
-
-def test_apply_retention_finishes_an_interrupted_deletion(tmp_path: Path) -> None:
-    make_fake_checkpoint(tmp_path, 100, {"a.bin": b"a"})
-    (tmp_path / ".step-000000050.deleting-12345").mkdir()
-    retention.apply_retention(tmp_path, retention.RetentionPolicy(keep_last=1))
-    assert [p.name for p in tmp_path.iterdir()] == ["step-000000100"]
 
 
 def test_write_json_atomic_leaves_no_temporary_file(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from trainer.checkpoint import checksums, layout
 from trainer.checkpoint.errors import CheckpointCorruptError
-from trainer.checkpoint.shardio import PAGE, READ_PIECE, VerifiedFile
+from trainer.checkpoint.shardio import PAGE, READ_PIECE, VerifiedFile, aligned_buffer, write_shard
 
 B = layout.CHECKSUM_BLOCK_BYTES
 
@@ -155,3 +155,43 @@ def test_an_o_direct_read_refused_with_einval_falls_back_to_the_cache(tmp_path, 
     if not direct_fds:
         pytest.skip(f"{tmp_path} does not support O_DIRECT")
     assert start == 0 and bytes(region.numpy()) == data
+
+
+@pytest.mark.parametrize("old_size", [0, 5000, 3 * PAGE + 17, 4 * 65536 + 123])
+def test_a_recycled_file_written_over_holds_exactly_the_new_bytes(tmp_path, old_size):
+    total = 2 * 65536 + 300  # an unaligned tail, so both the O_DIRECT and the buffered path write
+    buf = aligned_buffer(total)
+    buf.copy_(torch.randint(0, 256, (total,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)))
+    path = tmp_path / "recycled.safetensors"
+    path.write_bytes(b"\xee" * old_size)
+    size, crcs = write_shard(str(path), buf, reuse=True)
+    assert size == total == path.stat().st_size
+    assert path.read_bytes() == bytes(buf.numpy())
+    assert crcs == checksums.block_crcs(bytes(buf.numpy()))
+
+
+def test_a_new_shard_file_is_never_written_over(tmp_path):
+    path = tmp_path / "shard.safetensors"
+    path.write_bytes(b"committed")
+    with pytest.raises(FileExistsError):
+        write_shard(str(path), aligned_buffer(4096))
+    assert path.read_bytes() == b"committed"
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hardlink", "fifo"])
+def test_a_spare_that_is_not_a_plain_file_of_its_own_is_replaced_never_followed(tmp_path, kind):
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"not the checkpoint's")
+    path = tmp_path / "recycled.safetensors"
+    if kind == "symlink":
+        path.symlink_to(outside)
+    elif kind == "hardlink":
+        os.link(outside, path)
+    else:
+        os.mkfifo(path)
+    buf = aligned_buffer(3 * PAGE)
+    buf.fill_(7)
+    write_shard(str(path), buf, reuse=True)
+    assert outside.read_bytes() == b"not the checkpoint's"
+    assert not path.is_symlink() and path.stat().st_nlink == 1
+    assert path.read_bytes() == bytes([7]) * (3 * PAGE)

@@ -110,6 +110,12 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
         help="one unmeasured save before the async rows (reported as cold_*)",
     )
     parser.add_argument(
+        "--recycle",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ftsup writes over the shard files of checkpoints retention deleted (the engine's default)",
+    )
+    parser.add_argument(
         "--skip",
         nargs="+",
         default=[],
@@ -165,6 +171,7 @@ class _Run:
             "shape": self.shape.to_json(),
             "repeats": args.repeats,
             "warmup": args.warmup,
+            "recycle": args.recycle,
             "steps_during": args.steps_during,
             "baseline_steps": args.baseline_steps,
             "step_kind": args.step_kind,
@@ -342,6 +349,7 @@ def _assemble(
         "dir": str(args.dir),
         "repeats": args.repeats,
         "warmup": args.warmup,
+        "recycle": args.recycle,
         "steps_during": args.steps_during,
         "rss_saves": args.rss_saves,
         "layers": run.shape.layers,

@@ -43,6 +43,7 @@ def _engine(ctx: Ctx) -> Any:
             ctx.run_dir / "ftsup",
             max_in_flight=1,
             retention=RetentionPolicy(keep_last=KEEP_LAST),
+            recycle=bool(ctx.spec.get("recycle", True)),
         )
     return ctx.shared["engine"]
 

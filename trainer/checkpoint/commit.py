@@ -29,7 +29,7 @@ import torch
 from trainer.checkpoint import checksums, layout
 from trainer.checkpoint.comm import GroupComm, LocalComm
 from trainer.checkpoint.errors import CheckpointSaveError
-from trainer.checkpoint.retention import RetentionPolicy, apply_retention
+from trainer.checkpoint.retention import RetentionPolicy, apply_retention, claim_spare
 from trainer.checkpoint.shardio import write_shard
 from trainer.checkpoint.staging import StagingPlan
 
@@ -90,6 +90,7 @@ class Committer:
         *,
         o_direct: bool,
         retention: RetentionPolicy,
+        recycle: bool,
         hook: Hook,
     ):  # fmt: skip
         self.directory = directory
@@ -98,6 +99,7 @@ class Committer:
         self.world_size = comm.world_size
         self.o_direct = o_direct
         self.retention = retention
+        self.recycle = recycle
         self.hook = hook
 
     def write(self, job: StagedSave) -> SaveResult:
@@ -136,7 +138,8 @@ class Committer:
     def retain(self, newest: int) -> None:
         """Rank 0, after a commit: apply the retention policy, never deleting `newest`."""
         try:
-            apply_retention(self.directory, self.retention, protect={newest})
+            spares = self.world_size if self.recycle else 0  # one save's shard files
+            apply_retention(self.directory, self.retention, protect={newest}, spares=spares)
         except OSError as e:
             # A failed deletion must not fail a committed save; the next commit retries.
             log_quietly(log.warning, "checkpoint_retention_failed", step=newest, reason=str(e))
@@ -162,7 +165,9 @@ class Committer:
             if job.cuda_event is not None:
                 job.cuda_event.synchronize()
             shard = layout.shard_name(self.rank)
-            size, crcs = write_shard(str(partial / shard), job.buf, o_direct=self.o_direct, crcs=job.crcs)
+            dest = partial / shard
+            reuse = self.recycle and claim_spare(self.directory, dest)
+            size, crcs = write_shard(str(dest), job.buf, o_direct=self.o_direct, crcs=job.crcs, reuse=reuse)
             files[shard] = {"size": size, "checksum": checksums.checksum_from_block_crcs(crcs)}
             packed = checksums.pack_block_crcs(crcs)
             crc_file = layout.crc_name(self.rank)

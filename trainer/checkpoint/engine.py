@@ -85,6 +85,10 @@ class CheckpointEngine:
     `process_group`: "auto" (the default) or None: a new gloo group over all ranks when
     torch.distributed is initialised, otherwise a single process. A ProcessGroup: the ranks of
     that group, used as is (from the writer thread too, so it must not be the training group).
+
+    `recycle`: shard files of checkpoints that retention deletes are kept (one save's worth, in
+    `.recycle/`) and written over by the next save, which the filesystem does faster than new
+    files (see `retention.RECYCLE_DIRNAME`). False deletes them.
     """
 
     def __init__(
@@ -95,6 +99,7 @@ class CheckpointEngine:
         max_in_flight: int = 1,
         retention: RetentionPolicy | None = None,
         o_direct: bool = True,
+        recycle: bool = True,
         hook: Hook | None = None,
     ):
         if max_in_flight < 1:
@@ -110,7 +115,7 @@ class CheckpointEngine:
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
         self._committer = Committer(
-            self.directory, self._comm, o_direct=o_direct, retention=self.retention, hook=self._hook
+            self.directory, self._comm, o_direct=o_direct, retention=self.retention, recycle=recycle, hook=self._hook
         )  # fmt: skip
         self._plan: staging.StagingPlan | None = None
         self._buffers: list[torch.Tensor | None] = [None] * max_in_flight

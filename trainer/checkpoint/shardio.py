@@ -15,10 +15,12 @@ before any byte reaches the caller's tensors.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import mmap
 import os
+import stat
 import struct
 import threading
 from collections.abc import Sequence
@@ -147,20 +149,22 @@ def as_memoryview(t: torch.Tensor) -> memoryview:
 
 
 def write_shard(
-    path: str, buf: torch.Tensor, *, o_direct: bool = True, crcs: list[int] | None = None
+    path: str, buf: torch.Tensor, *, o_direct: bool = True, crcs: list[int] | None = None, reuse: bool = False
 ) -> tuple[int, list[int]]:
     """Write `buf` (page-aligned uint8) as the file `path`, fsync it; return (size, block CRCs).
 
     The aligned bulk goes through O_DIRECT where the filesystem allows it (tmpfs does not).
     `crcs`: the buffer's block checksums when the caller already has them (staging computed
     them); otherwise they are computed concurrently from memory, not by re-reading the file.
+    `reuse`: `path` is an existing file (a recycled shard) to write over and cut to size;
+    otherwise it must not exist yet.
     """
     total = buf.numel()
     mv = as_memoryview(buf)
     if crcs is not None:
         if len(crcs) != -(-total // CHECKSUM_BLOCK_BYTES):
             raise ValueError(f"{len(crcs)} block checksums given for {total} bytes")
-        _write_file(path, mv, total, o_direct)
+        _write_file(path, mv, total, o_direct, reuse)
         return total, crcs
     crcs = []
     crc_error: list[BaseException] = []
@@ -174,7 +178,7 @@ def write_shard(
     crc_thread = threading.Thread(target=checksum, name="ftsup-ckpt-crc", daemon=True)
     crc_thread.start()
     try:
-        _write_file(path, mv, total, o_direct)
+        _write_file(path, mv, total, o_direct, reuse)
     finally:
         crc_thread.join()
     if crc_error:
@@ -182,9 +186,13 @@ def write_shard(
     return total, crcs
 
 
-def _write_file(path: str, mv: memoryview, total: int, o_direct: bool) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+def _write_file(path: str, mv: memoryview, total: int, o_direct: bool, reuse: bool) -> None:
+    fd = _open_recycled(path) if reuse else None
+    if fd is None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
+        if reuse:
+            os.ftruncate(fd, total)  # every byte below is written; a longer old file is cut
         bulk = total // PAGE * PAGE if o_direct else 0
         if bulk:
             dfd = _open_direct(path)
@@ -199,6 +207,26 @@ def _write_file(path: str, mv: memoryview, total: int, o_direct: bool) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _open_recycled(path: str) -> int | None:
+    """`path` opened for writing over, if it is a plain file of its own; otherwise it is removed
+    (the caller creates a new file). A symlink or a hard link in the pool must never lead a save
+    to write over a file outside the checkpoint."""
+    try:
+        # O_NONBLOCK: a FIFO without a reader fails (ENXIO) instead of blocking the writer.
+        fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.EISDIR, errno.ENOENT, errno.ENXIO):
+            raise
+    else:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+            return fd
+        os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # removes the link, never what it points to
+    return None
 
 
 def _open_direct(path: str, mode: int = os.O_WRONLY) -> int | None:
