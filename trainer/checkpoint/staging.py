@@ -50,6 +50,7 @@ def _local_chunks(t: torch.Tensor) -> list[tuple[tuple[int, ...], tuple[int, ...
     return [((0,) * t.dim(), tuple(t.shape))]
 
 
+@torch.no_grad()  # DTensor.to_local() then skips autograd: 0.2 us a tensor instead of 5
 def signature(flat: dict[str, torch.Tensor]) -> tuple[Any, ...]:
     """What the cached save plan depends on: names, global shapes, dtypes and how each tensor is
     split. A DTensor's local chunks follow from its mesh, placements and global shape (for this
@@ -81,6 +82,7 @@ def make_plan(flat: dict[str, torch.Tensor], sig: tuple[Any, ...], comm: LocalCo
     return StagingPlan(sig, shard, sources, meta_json, nbytes)
 
 
+@torch.no_grad()
 def stage(
     plan: StagingPlan, flat: dict[str, torch.Tensor], buf: torch.Tensor | None
 ) -> tuple[torch.Tensor, Any, list[int] | None]:
@@ -100,24 +102,23 @@ def stage(
         sums = blocksum.StreamingBlocks(plan.layout.total_size)
         mv = as_memoryview(buf)
         sums.update(mv[: plan.layout.data_start], 0)
-    with torch.no_grad():
-        for slot, (fqn, offsets) in zip(plan.layout.slots, plan.sources, strict=True):
-            src = local_tensor(flat[fqn]).detach()
-            if tuple(src.shape) != slot.sizes:
-                # The signature matched, so this is a chunk narrower than the local tensor.
-                src = _narrow(src, offsets, flat[fqn], slot.sizes)
-            if slot.nbytes == 0:
-                continue
-            start, end = slot.byte_offset, slot.byte_offset + slot.nbytes
-            if sums is None:
-                buf[start:end].view(slot.dtype).view(slot.sizes).copy_(src, non_blocking=cuda)
-                continue
-            raw = _raw_bytes(src, slot.dtype)
-            if raw is not None:
-                sums.copy(mv[start:end], raw, start)
-            else:  # a layout only torch copies: copy, then checksum the copy
-                buf[start:end].view(slot.dtype).view(slot.sizes).copy_(src)
-                sums.update(mv[start:end], start)
+    for slot, (fqn, offsets) in zip(plan.layout.slots, plan.sources, strict=True):
+        src = local_tensor(flat[fqn]).detach()
+        if tuple(src.shape) != slot.sizes:
+            # The signature matched, so this is a chunk narrower than the local tensor.
+            src = _narrow(src, offsets, flat[fqn], slot.sizes)
+        if slot.nbytes == 0:
+            continue
+        start, end = slot.byte_offset, slot.byte_offset + slot.nbytes
+        if sums is None:
+            buf[start:end].view(slot.dtype).view(slot.sizes).copy_(src, non_blocking=cuda)
+            continue
+        raw = _raw_bytes(src, slot.dtype)
+        if raw is not None:
+            sums.copy(mv[start:end], raw, start)
+        else:  # a layout only torch copies: copy, then checksum the copy
+            buf[start:end].view(slot.dtype).view(slot.sizes).copy_(src)
+            sums.update(mv[start:end], start)
     event = None
     if cuda:
         event = torch.cuda.Event()
