@@ -144,3 +144,24 @@ def test_a_spare_taken_by_another_rank_meanwhile_is_skipped(tmp_path: Path, monk
 def test_without_a_pool_there_is_nothing_to_claim(tmp_path: Path) -> None:
     assert retention.claim_spare(tmp_path, tmp_path / "dest") is False
     assert not (tmp_path / "dest").exists()
+
+
+def test_something_else_named_like_the_pool_never_stops_deletion(tmp_path: Path) -> None:
+    (tmp_path / RECYCLE).write_bytes(b"not a directory")
+    for step in (100, 200):
+        make_fake_checkpoint(tmp_path, step, default_files(step))
+    retention.apply_retention(tmp_path, retention.RetentionPolicy(keep_last=1), spares=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [RECYCLE, "step-000000200"]
+    assert retention.claim_spare(tmp_path, tmp_path / "dest") is False
+
+
+def test_only_plain_files_are_claimed_and_the_rest_is_trimmed(tmp_path: Path) -> None:
+    pool = tmp_path / RECYCLE
+    (pool / "a-directory").mkdir(parents=True)
+    (pool / "b-link").symlink_to(tmp_path / "elsewhere")
+    (pool / "c-file").write_bytes(b"spare")
+    assert retention.claim_spare(tmp_path, tmp_path / "dest") is True
+    assert (tmp_path / "dest").read_bytes() == b"spare"
+    assert retention.claim_spare(tmp_path, tmp_path / "dest2") is False
+    retention.apply_retention(tmp_path, retention.RetentionPolicy(keep_last=1))
+    assert _pool(tmp_path) == []

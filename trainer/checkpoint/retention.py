@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,8 +117,11 @@ def _keep_spares(root: Path, doomed: Path, spares: int) -> None:
         if held >= spares:
             return
         if e.name.endswith(".safetensors") and e.is_file(follow_symlinks=False):
-            pool.mkdir(exist_ok=True)
-            os.rename(e.path, pool / f"{doomed.name.lstrip('.')}-{e.name}")
+            try:
+                pool.mkdir(exist_ok=True)
+                os.rename(e.path, pool / f"{doomed.name.lstrip('.')}-{e.name}")
+            except OSError:
+                return  # e.g. something else named .recycle: recycling must never stop deletion
             held += 1
 
 
@@ -125,13 +129,16 @@ def _trim_spares(root: Path, spares: int) -> None:
     pool = root / RECYCLE_DIRNAME
     for name in _pool_files(pool)[spares:]:
         with contextlib.suppress(FileNotFoundError):  # claimed by a rank meanwhile
-            os.unlink(pool / name)
+            if (pool / name).is_dir() and not (pool / name).is_symlink():
+                shutil.rmtree(pool / name)
+            else:
+                os.unlink(pool / name)
 
 
 def _pool_files(pool: Path) -> list[str]:
     try:
         return sorted(os.listdir(pool))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
 
 
@@ -144,6 +151,8 @@ def claim_spare(root: str | os.PathLike[str], dest: str | os.PathLike[str]) -> b
     pool = Path(root) / RECYCLE_DIRNAME
     for name in _pool_files(pool):
         try:
+            if not stat.S_ISREG(os.lstat(pool / name).st_mode):
+                continue  # only ever a plain file of ours; anything else is left to trimming
             os.rename(pool / name, dest)
         except FileNotFoundError:
             continue  # another rank took it
