@@ -105,8 +105,6 @@ class CheckpointEngine:
         if max_in_flight < 1:
             raise CheckpointError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.directory = Path(directory)
-        self.retention = retention if retention is not None else RetentionPolicy()
-        self.o_direct = o_direct
         self._hook = hook or (lambda point, step: None)
         _warn_if_checksums_are_slow()
         self._comm: LocalComm | GroupComm = make_comm(process_group)
@@ -114,8 +112,9 @@ class CheckpointEngine:
         self.world_size = self._comm.world_size
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
+        policy = retention if retention is not None else RetentionPolicy()
         self._committer = Committer(
-            self.directory, self._comm, o_direct=o_direct, retention=self.retention, recycle=recycle, hook=self._hook
+            self.directory, self._comm, o_direct=o_direct, retention=policy, recycle=recycle, hook=self._hook
         )  # fmt: skip
         self._plan: staging.StagingPlan | None = None
         self._buffers: list[torch.Tensor | None] = [None] * max_in_flight
@@ -129,6 +128,14 @@ class CheckpointEngine:
         self._closed = False
         self._writer = threading.Thread(target=self._writer_loop, name="ftsup-ckpt-writer", daemon=True)
         self._writer.start()
+
+    @property
+    def retention(self) -> RetentionPolicy:
+        return self._committer.retention
+
+    @property
+    def o_direct(self) -> bool:
+        return self._committer.o_direct
 
     # ------------------------------------------------------------------ lifecycle
 
