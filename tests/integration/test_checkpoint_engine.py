@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -81,6 +82,31 @@ def test_blocking_save_then_load_restores_model_optimizer_and_rank_state(engine)
     assert same(snapshot(fresh), want)
     assert torch.equal(loaded.rank_state["rng"], rng) and loaded.rank_state["t"] == (1, "a")
     assert fresh.optimizer.param_groups[0]["lr"] == 0.01
+
+
+def test_the_garbage_collector_is_paused_inside_save_and_load_and_left_as_it_was(tmp_path: Path) -> None:
+    seen: list[tuple[str, bool]] = []
+
+    def hook(point: str, step: int) -> None:
+        if point == "staged":  # called in the caller's thread, inside save()
+            seen.append((point, gc.isenabled()))
+
+    with CheckpointEngine(tmp_path / "ckpt", hook=hook) as eng:
+        assert gc.isenabled()
+        eng.save(1, {"app": make_state()}, block=True)
+        eng.save(2, {"app": make_state()}).wait()
+        eng.load({"app": make_state(seed=1)}, check=lambda meta: seen.append(("check", gc.isenabled())))
+        assert gc.isenabled()
+        with pytest.raises(CheckpointMismatchError):
+            eng.load({"app": make_state(width=16)})
+        assert gc.isenabled()  # also after an error
+        gc.disable()
+        try:
+            eng.save(3, {"app": make_state()}, block=True)
+            assert not gc.isenabled()  # a caller that runs without it keeps it off
+        finally:
+            gc.enable()
+    assert seen == [("staged", False), ("staged", False), ("check", False), ("staged", False)]
 
 
 def test_shard_files_are_readable_safetensors(engine):

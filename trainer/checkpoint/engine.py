@@ -38,7 +38,7 @@ from typing import Any
 import structlog
 import torch
 
-from trainer.checkpoint import blocksum, codec, layout, loading, staging
+from trainer.checkpoint import blocksum, codec, gcpause, layout, loading, staging
 from trainer.checkpoint.comm import GroupComm, LocalComm, make_comm
 from trainer.checkpoint.commit import Committer, Hook, SaveResult, StagedSave, log_quietly
 from trainer.checkpoint.errors import CheckpointError, CheckpointSaveError
@@ -194,6 +194,13 @@ class CheckpointEngine:
         Returns a SaveHandle, or the SaveResult when `block=True` (final and emergency saves).
         Raises CheckpointSaveError if an earlier background save failed.
         """
+        with gcpause.paused():
+            return self._save(step, state, kind, rank_state, metadata, block)
+
+    def _save(
+        self, step: int, state: Mapping[str, Any], kind: str, rank_state: Any, metadata: Mapping[str, Any] | None,
+        block: bool,
+    ) -> SaveHandle | SaveResult:  # fmt: skip
         if self._closed:
             raise CheckpointError("save() on a closed CheckpointEngine")
         if kind not in layout.KINDS:
@@ -277,4 +284,5 @@ class CheckpointEngine:
         if self._closed:
             raise CheckpointError("load() on a closed CheckpointEngine")
         self._drain()
-        return loading.load(self.directory, self._comm, state, step=step, at_most=at_most, check=check)
+        with gcpause.paused():
+            return loading.load(self.directory, self._comm, state, step=step, at_most=at_most, check=check)
