@@ -107,7 +107,9 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
         "--warmup",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="one unmeasured save before the async rows (reported as cold_*)",
+        help="unmeasured saves before the async rows, reported as cold_*: one for DCP's, and for "
+        "ftsup's as many as its engine takes to reach its steady state (keep_last + 1; after "
+        "them every save writes over recycled shard files)",
     )
     parser.add_argument(
         "--recycle",

@@ -75,10 +75,19 @@ def _result_fields(res: Any) -> dict[str, Any]:
 
 
 def ftsup_async(ctx: Ctx) -> None:
-    """engine.save() then training steps until it is durable on every rank."""
+    """engine.save() then training steps until it is durable on every rank.
+
+    With warmup, the measured saves are those of a long run's steady state: the unmeasured
+    ones before them (the first reported as cold_*) are as many as the engine takes to start
+    writing over recycled shard files, KEEP_LAST + 1 (retention lets the first checkpoint go
+    only once the last of them committed). A run saving for days takes a handful of first
+    saves and thousands of steady ones.
+    """
     eng = _engine(ctx)
     total = total_bytes(ctx)
-    labels: list[int | str] = ["warmup"] if ctx.spec["warmup"] else []
+    labels: list[int | str] = []
+    if ctx.spec["warmup"]:
+        labels += ["warmup"] + [f"fill-{k}" for k in range(KEEP_LAST)]
     labels += list(range(ctx.repeats))
     mine = synthetic.local_bytes(ctx.syn.app.state_dict())
     for n, i in enumerate(labels):
