@@ -13,7 +13,7 @@ import torch
 
 from trainer.checkpoint import checksums, layout
 from trainer.checkpoint.errors import CheckpointCorruptError
-from trainer.checkpoint.shardio import PAGE, READ_PIECE, VerifiedFile, aligned_buffer, write_shard
+from trainer.checkpoint.shardio import PAGE, READ_PIECE, VerifiedFile, aligned_buffer, read_files, write_shard
 
 B = layout.CHECKSUM_BLOCK_BYTES
 
@@ -116,6 +116,34 @@ def test_reads_bypass_the_page_cache_where_the_filesystem_allows(tmp_path):
     ((start, region),) = vf.read_ranges([(0, size)])
     assert start == 0 and bytes(region.numpy()) == data
     assert _cached_pages(path) <= 1  # at most the tail page
+
+
+def test_many_regions_of_several_files_are_each_page_aligned_and_read_around_the_cache(tmp_path):
+    """A reshard's many small regions (including unaligned file tails) share one buffer; each
+    region must still start on a page, or O_DIRECT would refuse it and the read go through the
+    cache."""
+    files = []
+    for i, size in enumerate((5 * B + 100, 7 * B + 4000)):
+        (tmp_path / str(i)).mkdir()
+        files.append(_shard(tmp_path / str(i), size))
+        _evict(tmp_path / str(i) / "shard.bin")
+    if _cached_pages(tmp_path / "0" / "shard.bin") != 0:
+        pytest.skip("this filesystem keeps clean pages cached after POSIX_FADV_DONTNEED")
+    try:
+        os.close(os.open(tmp_path / "0" / "shard.bin", os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        pytest.skip(f"{tmp_path} does not support O_DIRECT")
+    asks = [[(10, 20), (2 * B + 5, 2 * B + 9), (5 * B + 1, 5 * B + 100)], [(B, 2 * B), (4 * B, 7 * B + 4000)]]
+    got = read_files([(vf, ranges) for (_, vf), ranges in zip(files, asks, strict=True)])
+    for (data, vf), ranges, regions in zip(files, asks, got, strict=True):
+        assert [s for s, _ in regions] == sorted({s // B * B for s, _ in ranges})  # none merged here
+        for s, region in regions:
+            assert region.data_ptr() % PAGE == 0
+            assert bytes(region.numpy()) == data[s : s + region.numel()]
+        for s, e in ranges:
+            base, region = next((b, r) for b, r in regions if b <= s and e <= b + r.numel())
+            assert bytes(region[s - base : e - base].numpy()) == data[s:e]
+        assert _cached_pages(Path(vf.path)) <= 1  # at most the unaligned tail page
 
 
 def test_without_o_direct_everything_is_read_through_the_cache(tmp_path, monkeypatch):
