@@ -31,6 +31,19 @@ def test_repeats_are_reduced_to_their_median() -> None:
     assert report.combine(recs)["x"]["stall_s"] == 2.0
 
 
+def test_each_repeats_timings_are_kept_in_order_after_combining_ranks() -> None:
+    recs = [
+        _rec("x", 0, 1, stall_s=4.0, block_s=0.5, bytes=1),
+        _rec("x", 1, 1, stall_s=6.0, block_s=0.25, bytes=1),
+        _rec("x", 0, 0, stall_s=2.0, block_s=0.5, bytes=1),
+        _rec("x", 0, "warmup", stall_s=9.0),
+    ]
+    got = report.combine(recs)["x"]
+    assert got["per_repeat"] == [{"stall_s": 2.0, "block_s": 0.5}, {"stall_s": 6.0, "block_s": 0.5}]
+    assert report.result_row("x", got, "ok")["per_repeat"] == got["per_repeat"]
+    assert "per_repeat" not in report.combine([_rec("y", 0, 0, bytes=1)])["y"]
+
+
 def test_warmup_is_kept_out_of_the_median_and_reported_as_cold() -> None:
     recs = [_rec("x", 0, "warmup", stall_s=9.0), _rec("x", 0, 0, stall_s=1.0)]
     got = report.combine(recs)["x"]

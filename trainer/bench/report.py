@@ -40,6 +40,9 @@ _ALL = {"exact", "perturbed", "cache_dropped"}
 _PASS = {"rss_saves"}
 _FIRST = {"error"}  # text: the first one known
 
+# Timings also listed repeat by repeat (after combining ranks): the spread behind a median.
+_PER_REPEAT = ("stall_s", "block_s", "extra_step_s", "durable_s", "load_s", "copy_s")
+
 # Fields every result row has, null when not measured.
 CORE_FIELDS = (
     "stall_s", "durable_s", "gib_per_s", "load_s", "bytes_read", "rchar", "exact",
@@ -74,7 +77,8 @@ def _median_over_repeats(field: str, values: list[Any]) -> Any:
 def combine(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per row name: medians over numbered repeats, plus status, peak RSS and extras.
 
-    Returns {row: {"repeats": n, <field>: value, "status_by_rank": {...}, ...}}.
+    Returns {row: {"repeats": n, <field>: value, "per_repeat": [{<timing>: value}, ...],
+    "status_by_rank": {...}, ...}}.
     """
     by_row: dict[str, dict[Any, list[Mapping[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for rec in records:
@@ -88,6 +92,9 @@ def combine(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
         for f in fields:
             combined[f] = _median_over_repeats(f, [r.get(f) for r in per_repeat])
         combined["repeats"] = len(numbered)
+        spread = [{f: r[f] for f in _PER_REPEAT if r.get(f) is not None} for r in per_repeat]
+        if any(spread):
+            combined["per_repeat"] = spread
         if "warmup" in by_repeat:
             warm = _combine_records(by_repeat["warmup"])
             combined["cold_stall_s"] = warm.get("stall_s")
