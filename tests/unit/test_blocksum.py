@@ -5,6 +5,7 @@ still verifies."""
 from __future__ import annotations
 
 import array
+import ctypes
 import json
 import os
 import random
@@ -198,6 +199,32 @@ def test_streamed_block_checksums_match_the_one_call_ones_for_any_pieces(ext, so
         got = [r ^ 0xFFFFFFFF for r in regs[: -(-total // BLOCK)]]
         assert bytes(view) == data, trial
         assert got == blocksum.block_checksums(data), trial
+
+
+def _address(buf: bytearray) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+@pytest.mark.parametrize("dst_skew", [0, 4, 13])
+@pytest.mark.parametrize("rel", [0, 16, 2048, 4096 - 129, 4096 - 128, 4096 - 64, 4096 - 4, 4095])
+def test_fused_copy_is_exact_wherever_the_source_lies_against_the_destination(ext, rel, dst_skew):
+    """The copy takes another route where the source trails the destination by less than 128
+    bytes modulo 4096 (store-to-load aliasing, see _blocksum.c), and plain stores at the ends
+    of an unaligned destination: every route gives the same bytes and checksums."""
+    total = 7 * BLOCK + 100
+    data = random.Random(rel * 16 + dst_skew).randbytes(total)
+    dbuf, sbuf = bytearray(total + 2 * 4096), bytearray(total + 2 * 4096)
+    d0 = (dst_skew - _address(dbuf)) % 4096
+    s0 = (dst_skew + rel - _address(sbuf)) % 4096
+    sbuf[s0 : s0 + total] = data
+    dst, src = memoryview(dbuf)[d0 : d0 + total], memoryview(sbuf)[s0 : s0 + total]
+    assert (_address(sbuf) + s0 - _address(dbuf) - d0) % 4096 == rel
+    regs = array.array("I", bytes(4 * -(-total // BLOCK)))
+    for off, n in [(0, 100), (100, 5 * BLOCK), (5 * BLOCK + 100, total - 5 * BLOCK - 100)]:
+        ext.copy_blocks_update(dst[off : off + n], src[off : off + n], off, regs)
+    assert bytes(dst) == data
+    assert [r ^ 0xFFFFFFFF for r in regs] == blocksum.block_checksums(data)
+    assert dbuf[:d0] == bytes(d0) and dbuf[d0 + total :] == bytes(len(dbuf) - d0 - total)
 
 
 def test_streaming_blocks_copy_and_update_give_the_file_checksums(ext):

@@ -192,13 +192,19 @@ __attribute__((target("sse4.2"))) static uint32_t hw_copy_update(uint32_t crc, u
     return crc;
 }
 
-/* Three whole blocks of `n` bytes (a multiple of 16); `dst` 16-byte aligned. */
-__attribute__((target("sse4.2"))) static void hw_copy_three(unsigned char *dst, const unsigned char *src, size_t n,
-                                                            uint32_t *regs) {
-    uint64_t ca = 0xFFFFFFFFu, cb = 0xFFFFFFFFu, cc = 0xFFFFFFFFu;
+/* Three whole blocks of `n` bytes (a multiple of 16), fused. The three destinations share
+ * their alignment: the few bytes before the first 16-byte boundary, and after the last, take
+ * plain stores. */
+__attribute__((target("sse4.2"))) static void hw_fused_three(unsigned char *dst, const unsigned char *src, size_t n,
+                                                             uint32_t *regs) {
     const unsigned char *a = src, *b = src + n, *c = src + 2 * n;
     unsigned char *da = dst, *db = dst + n, *dc = dst + 2 * n;
-    for (size_t i = 0; i < n; i += 16) {
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    size_t end = head + ((n - head) & ~(size_t)15);
+    uint64_t ca = hw_copy_update(0xFFFFFFFFu, da, a, head);
+    uint64_t cb = hw_copy_update(0xFFFFFFFFu, db, b, head);
+    uint64_t cc = hw_copy_update(0xFFFFFFFFu, dc, c, head);
+    for (size_t i = head; i < end; i += 16) {
         __m128i va = _mm_loadu_si128((const __m128i *)(a + i));
         __m128i vb = _mm_loadu_si128((const __m128i *)(b + i));
         __m128i vc = _mm_loadu_si128((const __m128i *)(c + i));
@@ -212,9 +218,57 @@ __attribute__((target("sse4.2"))) static void hw_copy_three(unsigned char *dst, 
         _mm_stream_si128((__m128i *)(db + i), vb);
         _mm_stream_si128((__m128i *)(dc + i), vc);
     }
-    regs[0] = (uint32_t)ca;
-    regs[1] = (uint32_t)cb;
-    regs[2] = (uint32_t)cc;
+    regs[0] = hw_copy_update((uint32_t)ca, da + end, a + end, n - end);
+    regs[1] = hw_copy_update((uint32_t)cb, db + end, b + end, n - end);
+    regs[2] = hw_copy_update((uint32_t)cc, dc + end, c + end, n - end);
+}
+
+/* `len` bytes from src to dst, back to front, with non-temporal stores (plain ones for the
+ * unaligned ends). */
+__attribute__((target("sse4.2"))) static void nt_copy_backward(unsigned char *dst, const unsigned char *src,
+                                                               size_t len) {
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    if (head > len) head = len;
+    size_t tail = (len - head) & 15;
+    memcpy(dst + len - tail, src + len - tail, tail);
+    unsigned char *d = dst + head;
+    const unsigned char *s = src + head;
+    for (size_t i = len - head - tail; i >= 16; i -= 16) {
+        _mm_stream_si128((__m128i *)(d + i - 16), _mm_loadu_si128((const __m128i *)(s + i - 16)));
+    }
+    memcpy(dst, src, head);
+}
+
+/* Store-to-load aliasing. A load whose address matches a store still in flight in its low 12
+ * bits (the page offset) is held back until that store is done, even though the addresses
+ * differ. In a forward copy whose source lies a little *behind* its destination modulo 4096,
+ * every load meets such a store: measured here with the source 64 bytes behind, the fused copy
+ * ran 10 times slower. Which slots of a shard hit this is chance (the tensors' addresses
+ * against their offsets in the file); in 2 ranks' staging of 1 GiB (96 slots per rank) it
+ * added about a quarter to the copy time. */
+#define ALIAS_WINDOW 128
+
+static int aliased(const unsigned char *dst, const unsigned char *src) {
+    return (((uintptr_t)src - (uintptr_t)dst) & 4095) >= 4096 - ALIAS_WINDOW;
+}
+
+/* Three whole blocks of `n` bytes (a multiple of 16): fused in one pass unless the source
+ * trails the destination. Then in two passes, the checksums first (loads only; they leave
+ * the three blocks in cache) and the copy second, back to front, so that the loads meet only
+ * stores made long before. The second pass reads from cache: the memory traffic is the same
+ * as fused, and it takes about 1.4 times as long (against 2 to 15 times, fused). */
+__attribute__((target("sse4.2"))) static void hw_copy_three(unsigned char *dst, const unsigned char *src, size_t n,
+                                                            uint32_t *regs) {
+    if (!aliased(dst, src)) {
+        hw_fused_three(dst, src, n, regs);
+        return;
+    }
+    uint32_t out[3];
+    hw_three(src, src + n, src + 2 * n, n, out);
+    regs[0] = ~out[0];
+    regs[1] = ~out[1];
+    regs[2] = ~out[2];
+    nt_copy_backward(dst, src, 3 * n);
 }
 
 /* Bytes [pos, pos + n) of the file: copied from src to dst (dst == NULL: checksummed only). */
@@ -229,7 +283,7 @@ __attribute__((target("sse4.2"))) static void hw_stream(unsigned char *dst, cons
         n -= m;
         k++;
     }
-    if (dst && block % 16 == 0 && ((uintptr_t)dst & 15) == 0) {
+    if (dst && block % 16 == 0) {
         for (; n >= 3 * block; n -= 3 * block, k += 3, src += 3 * block, dst += 3 * block) {
             hw_copy_three(dst, src, block, regs + k);
         }
