@@ -57,7 +57,13 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
         help="folder to write into; a fresh subfolder is used and removed",
     )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
-    parser.add_argument("--repeats", type=int, default=3, help="repeats per row (median)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="repeats per row; each figure is their median (default 5: on a shared machine one "
+        "repeat in five can be disturbed, and three leave the median exposed to it)",
+    )
     parser.add_argument(
         "--steps-during",
         type=int,
