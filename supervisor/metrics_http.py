@@ -4,8 +4,9 @@ One thread and one selector serve every connection, so however many clients conn
 supervisor runs one extra thread. What a client can hold is bounded:
 
 - at most `max_connections` open at once; a new connection beyond that closes the oldest one
-  still sending its request (an idle or slow client), so a scraper that connects and asks at
-  once is served even while others hold connections open;
+  still sending its request (an idle or slow client) from the address holding the most
+  connections, so a scraper that connects and asks at once is served even while others hold
+  connections open;
 - a request head of at most `max_request_bytes`, complete within `request_timeout_s` of the
   connection (a client dribbling a byte a second is cut off, however steadily it sends);
 - `response_timeout_s` to take the answer (a client that stops reading is dropped), then a
@@ -25,6 +26,7 @@ import selectors
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,7 +36,6 @@ REQUEST_TIMEOUT_S = 5.0
 RESPONSE_TIMEOUT_S = 10.0
 LINGER_S = 1.0  # after answering, to let the client read before its unread input resets the connection
 _MAX_DRAIN = 64 * 1024
-_ACCEPTS_PER_PASS = 64  # then the connections already open get their turn
 
 Render = Callable[[str], tuple[bytes, str]]
 """accept header -> (body, content type)."""
@@ -48,6 +49,7 @@ def _ignore(reason: str) -> None:
 class _Conn:
     sock: socket.socket
     deadline: float
+    peer: str
     inbuf: bytearray = field(default_factory=bytearray)
     out: memoryview | None = None  # the response, once the request is in
     draining: int = 0  # bytes read and dropped after the response (closing with unread input resets it)
@@ -128,39 +130,56 @@ class BoundedHTTPServer:
         while not self._stop:
             now = time.monotonic()
             soonest = min((c.deadline for c in self._conns.values()), default=now + 1.0)
-            for key, mask in self._sel.select(max(0.0, min(1.0, soonest - now))):
-                if key.fileobj is self._listener:
-                    self._accept()
-                elif key.fileobj is self._wake_r:
+            ready = self._sel.select(max(0.0, min(1.0, soonest - now)))
+            # Connections first, then new ones: a request that has arrived is answered before
+            # a burst of new connections can push its connection out.
+            accept = False
+            for key, mask in ready:
+                if key.fileobj is self._wake_r:
                     return
-                else:
-                    conn = self._conns.get(key.fd)
-                    if conn is not None:
-                        self._step(conn, mask)
+                if key.fileobj is self._listener:
+                    accept = True
+                elif (conn := self._conns.get(key.fd)) is not None:
+                    self._step(conn, mask)
+            if accept:
+                self._accept()
             now = time.monotonic()
             for conn in [c for c in self._conns.values() if c.deadline <= now]:
                 self._drop(conn, counted=not conn.done)
 
     def _accept(self) -> None:
-        for _ in range(_ACCEPTS_PER_PASS):
+        # A few per pass, so that the connections already open get their turn in between.
+        for _ in range(max(1, self.max_connections // 4)):
             try:
-                sock, _ = self._listener.accept()
+                sock, peer = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:  # e.g. out of file descriptors: leave it in the backlog for later
                 return
             sock.setblocking(False)
             if len(self._conns) >= self.max_connections:
-                # Make room: an answered connection, else the oldest still sending its request,
-                # else the oldest of all.
-                conns = list(self._conns.values())
-                done = [c for c in conns if c.done]
-                reading = [c for c in conns if c.out is None]
-                victim = (done or reading or conns)[0]
-                self._drop(victim, counted=not victim.done)
-            conn = _Conn(sock, time.monotonic() + self.request_timeout_s)
+                self._make_room()
+            conn = _Conn(sock, time.monotonic() + self.request_timeout_s, peer[0])
             self._conns[sock.fileno()] = conn
             self._sel.register(sock, selectors.EVENT_READ)
+
+    def _make_room(self) -> None:
+        """Close one connection: an answered one, else the oldest still sending its request from
+        the address that holds the most connections (a flood from one host pushes out its own
+        connections, not a scraper's), else the oldest of all."""
+        conns = list(self._conns.values())
+        done = [c for c in conns if c.done]
+        if done:
+            self._drop(done[0], counted=False)
+            return
+        reading = [c for c in conns if c.out is None]
+        if reading:
+            per_peer = Counter(c.peer for c in reading)
+            busiest = max(per_peer.values())
+            victim = next(c for c in reading if per_peer[c.peer] == busiest)
+        else:
+            victim = conns[0]
+        self._drop(victim)
 
     def _step(self, conn: _Conn, mask: int) -> None:
         try:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import gzip
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -87,6 +89,39 @@ def test_300_idle_connections_start_no_thread(server):
     finally:
         for s in held:
             s.close()
+
+
+CHURN = """
+import socket, sys, time
+port, end, held = int(sys.argv[1]), time.monotonic() + float(sys.argv[2]), []
+while time.monotonic() < end:
+    try:
+        held.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+    except OSError:
+        pass
+    if len(held) == 100:
+        print("flooding", flush=True)
+    if len(held) > 300:
+        for s in held[:150]:
+            s.close()
+        del held[:150]
+"""
+
+
+def test_scrapes_are_served_while_another_process_keeps_opening_connections(server):
+    attacker = subprocess.Popen([sys.executable, "-c", CHURN, str(server.port), "4"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert attacker.stdout is not None and attacker.stdout.readline() == "flooding\n"
+        results = []
+        for _ in range(50):
+            try:
+                results.append("ftsup_supervisor_info" in scrape(server))
+            except OSError as e:
+                results.append(repr(e))
+        assert results == [True] * 50
+    finally:
+        attacker.kill()
+        attacker.wait()
 
 
 def test_connections_past_the_cap_close_the_oldest_idle_ones(server):
