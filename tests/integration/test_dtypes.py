@@ -54,11 +54,13 @@ def save_one(root: Path, t: torch.Tensor) -> None:
         eng.save(1, {"app": {"model": {"w": t.clone()}}}, block=True)
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed"])
 @pytest.mark.parametrize("name", BOTH)
-def test_a_tensor_of_each_dtype_loads_back_bit_for_bit(tmp_path, name):
-    t = sample(name)
+def test_a_tensor_of_each_dtype_loads_back_bit_for_bit(tmp_path, name, transposed):
+    # A transposed tensor takes torch's copy on both sides instead of the fused byte copy.
+    t = sample(name).t() if transposed else sample(name)
     save_one(tmp_path / "ckpt", t)
-    into = {"app": {"model": {"w": sample(name, seed=1)}}}
+    into = {"app": {"model": {"w": sample(name, seed=1).t() if transposed else sample(name, seed=1)}}}
     with CheckpointEngine(tmp_path / "ckpt") as eng:
         eng.load(into)
     got = into["app"]["model"]["w"]
