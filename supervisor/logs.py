@@ -2,8 +2,9 @@
 `attempt`, `world_size`, `rank`, `step`, `reason`, `duration_s` where they apply).
 
 `configure()` is called once by `ftsup run`; everything else just uses `structlog.get_logger()`.
-The event names are listed in `EVENTS` (snake_case, past tense), and a test checks that the
-daemon and the policy use no others.
+The event names are defined here, once, in `EVENTS` (snake_case, past tense): the policy's log
+actions and the daemon's own events use no others (tests/unit/test_logs.py captures what they
+emit), and `ftsup_events_total` counts each under its name.
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ import structlog
 
 EVENTS = frozenset(
     {
-        "supervisor_started", "config_loaded", "journal_adopted", "leftovers_stopped", "health_probed",
+        "supervisor_started", "journal_adopted", "leftovers_stopped", "health_probed",
         "health_probe_failed", "checkpoint_chosen", "checkpoint_quarantined", "world_size_chosen", "workers_launched",
         "workers_restarted",
         "heartbeat_timed_out", "progress_timed_out", "startup_timed_out", "worker_exited", "workers_stopped",
         "orphans_found", "restart_scheduled", "crash_loop_detected", "restart_budget_exhausted", "job_succeeded",
         "job_failed", "job_stopped", "stop_requested", "eviction_noticed", "save_requested", "checkpoint_committed",
         "save_skipped", "requeue_requested", "requeue_failed", "watcher_went_blind", "watcher_recovered",
-        "supervisor_exited",
+        "supervisor_exited", "metrics_scrape_failed",
     }
 )  # fmt: skip
 

@@ -12,24 +12,29 @@ Three feeds, all called by the daemon's loop (one thread):
 - `heartbeat(...)` and `checkpoint(info)`: figures the ranks report, and the newest
   consistent checkpoint on disk.
 
-`MetricsServer` serves the registry on `metrics.listen` (prometheus_client's WSGI server in a
-daemon thread; `close()` stops it). This module does not decide anything and never imports torch.
+`MetricsServer` serves the registry on `metrics.listen` (`metrics_http`: one thread, bounded
+connections, request sizes and times; `close()` stops it). This module does not decide
+anything and never imports torch.
 """
 
 from __future__ import annotations
 
 import statistics
-import threading
 from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
 
+import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import choose_encoder
 
 from supervisor import policy
 from supervisor.config import split_host_port
+from supervisor.logs import EVENTS
+from supervisor.metrics_http import BoundedHTTPServer
 from trainer.checkpoint import layout
+
+log = structlog.get_logger("ftsup.supervisor")
 
 PHASES = ("init", "preparing", "running", "stopping", "backoff", "done")
 """The policy's phases, one series each in `ftsup_phase`."""
@@ -121,6 +126,8 @@ class Metrics:
                                 registry=r)  # fmt: skip
         self.ckpt_count = Gauge("ftsup_checkpoints", "Committed checkpoints in the checkpoint directory.", registry=r)
 
+        for name in sorted(EVENTS):  # the event label's values: the listed events, from zero
+            self.events.labels(name)
         for name in PHASES:
             self.phase.labels(name)
         for kind in FAILURE_KINDS.values():
@@ -215,23 +222,28 @@ class Metrics:
 
 
 class MetricsServer:
-    """/metrics over HTTP on `listen` ("host:port"; port 0 picks a free one), until `close()`."""
+    """/metrics over HTTP on `listen` ("host:port"; port 0 picks a free one), until `close()`.
+    `limits` override metrics_http's bounds (max_connections, request_timeout_s, ...)."""
 
-    def __init__(self, metrics: Metrics, listen: str) -> None:
+    def __init__(self, metrics: Metrics, listen: str, **limits: Any) -> None:
         host, port = split_host_port(listen)
-        self._httpd, self._thread = start_http_server(port, addr=host, registry=metrics.registry)
+        registry = metrics.registry
+
+        def render(accept: str) -> tuple[bytes, str]:
+            encoder, content_type = choose_encoder(accept)  # the format the scraper asks for
+            return encoder(registry), content_type
+
+        def failed(reason: str) -> None:  # logged and counted, as the daemon's own events are
+            log.error("metrics_scrape_failed", reason=reason)
+            metrics.event("metrics_scrape_failed", {"reason": reason})
+
+        self._httpd = BoundedHTTPServer(host, port, render, on_error=failed, **limits)
         self.host = host
-        self.port = int(self._httpd.server_port)
-        self._closed = threading.Event()
+        self.port = self._httpd.port
 
     @property
     def address(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     def close(self) -> None:
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)
+        self._httpd.close()

@@ -1,13 +1,11 @@
 """`ftsup bench checkpoint`, run small for real: every row reported, sane figures, no leftovers.
 
 One module-scoped run (16 MiB of state, 2 ranks, 3 for resharding, one repeat) serves every
-claim below; it takes about 35 s on 2 cores. The ftsup rows are skipped only when the engine
-module is absent from this checkout.
+claim below; it takes about 35 s on 2 cores.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -26,7 +24,6 @@ pytestmark = pytest.mark.multiprocess
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 150
-ENGINE_PRESENT = importlib.util.find_spec("trainer.checkpoint.engine") is not None
 FTSUP_ROWS = ("ftsup_async", "ftsup_sync", "ftsup_load_same", "ftsup_load_reshard")
 LOAD_ROWS = ("ftsup_load_same", "ftsup_load_reshard", "dcp_load_reshard")
 
@@ -86,44 +83,36 @@ def test_peer_rows_complete_or_report_a_hang(bench: dict[str, Any]) -> None:
     assert statuses == expected
 
 
-def test_a_hung_row_has_null_figures(bench: dict[str, Any]) -> None:
-    row = _rows(bench)["dcp_async_process"]
-    if row["status"] != "hung":
-        pytest.skip("dcp_async_process completed in this run")
-    assert (row["stall_s"], row["durable_s"], row["gib_per_s"]) == (None, None, None)
-
-
 def test_ftsup_rows_complete(bench: dict[str, Any]) -> None:
-    if not ENGINE_PRESENT:
-        pytest.skip("trainer.checkpoint.engine is not in this checkout")
     rows = _rows(bench)
     assert {n: rows[n]["status"] for n in FTSUP_ROWS} == {n: "ok" for n in FTSUP_ROWS}
 
 
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and x > 0
+
+
 def test_save_rows_have_positive_times_and_throughput(bench: dict[str, Any]) -> None:
+    # Every one of these rows completes (the two tests above): none is left out here.
     rows = _rows(bench)
-    bad = {}
-    for name in ("torch_save", "dcp_save", "dcp_async", "ftsup_async", "ftsup_sync"):
-        r = rows[name]
-        if r["status"] != "ok":
-            continue
-        if not (r["stall_s"] > 0 and r["durable_s"] > 0 and r["gib_per_s"] > 0):
-            bad[name] = (r["stall_s"], r["durable_s"], r["gib_per_s"])
-    assert bad == {}
+    names = ("torch_save", "dcp_save", "dcp_async", "ftsup_async", "ftsup_sync")
+    got = {n: tuple(_positive(rows[n][f]) for f in ("stall_s", "durable_s", "gib_per_s")) for n in names}
+    assert got == {n: (True, True, True) for n in names}
 
 
 def test_async_rows_block_no_longer_than_they_take_to_be_durable(bench: dict[str, Any]) -> None:
     rows = _rows(bench)
-    ok = [n for n in ("dcp_async", "ftsup_async") if rows[n]["status"] == "ok"]
-    assert {n: rows[n]["block_s"] <= rows[n]["durable_s"] for n in ok} == {n: True for n in ok}
+    names = ("dcp_async", "ftsup_async")
+    got = {n: _positive(rows[n]["block_s"]) and rows[n]["block_s"] <= rows[n]["durable_s"] for n in names}
+    assert got == {n: True for n in names}
 
 
-def test_loads_are_exact_and_read_bytes_from_disk(bench: dict[str, Any]) -> None:
+def test_loads_are_exact_and_measure_the_bytes_they_read(bench: dict[str, Any]) -> None:
+    # bytes_read may be 0 where the page cache cannot be dropped (it then serves DCP's reads).
     rows = _rows(bench)
-    done = [n for n in LOAD_ROWS if rows[n]["status"] == "ok"]
-    got = {n: (rows[n]["exact"], rows[n]["load_s"] > 0, rows[n]["bytes_read"] is not None)
-           for n in done}  # fmt: skip
-    assert got == {n: (True, True, True) for n in done}
+    got = {n: (rows[n]["exact"], _positive(rows[n]["load_s"]), isinstance(rows[n]["bytes_read"], int))
+           for n in LOAD_ROWS}  # fmt: skip
+    assert got == {n: (True, True, True) for n in LOAD_ROWS}
 
 
 def test_raw_write_and_memcpy_are_measured(bench: dict[str, Any]) -> None:
@@ -132,8 +121,6 @@ def test_raw_write_and_memcpy_are_measured(bench: dict[str, Any]) -> None:
 
 
 def test_rss_growth_is_reported_with_ftsup_async(bench: dict[str, Any]) -> None:
-    if not ENGINE_PRESENT:
-        pytest.skip("trainer.checkpoint.engine is not in this checkout")
     row = _rows(bench)["ftsup_async"]
     assert (row["rss_saves"], isinstance(row["rss_growth_bytes"], int)) == (3, True)
 

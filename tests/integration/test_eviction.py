@@ -107,8 +107,8 @@ def test_notice_saves_the_current_step_exits_5_and_a_rerun_is_bitwise_uninterrup
     # very step, if one was already on its way, supersedes the emergency one: never two of a step).
     assert latest.step == last_logged
     assert latest.kind == ("periodic" if last_logged % 5 == 0 else "emergency")
-    if source == "azure":
-        assert acks == ["602d9444-d2cd-49c7-8624-8643e7171297"]
+    # Azure's notice is acknowledged once the save is committed; nothing else is ever acknowledged.
+    assert acks == (["602d9444-d2cd-49c7-8624-8643e7171297"] if source == "azure" else [])
     journal = json.loads((tmp_path / "state" / "journal.json").read_text())
     assert journal["status"] == "evicted"
     r = run([sys.executable, "-m", "supervisor.cli", "run", "--config", str(job)], timeout=240)
@@ -161,22 +161,11 @@ def test_a_notice_during_a_periodic_async_save_never_races_two_saves_of_a_step(r
 
 # Down and garbage endpoints are covered per watcher in tests/unit/test_eviction.py; here the
 # worst one for a running job, an endpoint that hangs, over a whole supervised run.
-@pytest.mark.parametrize("mode", ["slow"])
-def test_a_broken_metadata_endpoint_is_logged_and_training_is_undisturbed(reference, tmp_path, mode):
+def test_a_hanging_metadata_endpoint_is_logged_and_training_is_undisturbed(reference, tmp_path):
     with MetadataServer() as srv:
-        if mode != "down":
-            srv.state.set(mode=mode, slow_s=3.0)
-        url = srv.url
-    if mode != "down":  # keep a live (misbehaving) server for the run
-        ctx = MetadataServer()
-        ctx.state.set(mode=mode, slow_s=3.0)
-        url = ctx.__enter__().url
-    try:
-        job = write_job(tmp_path, providers=["aws", "gcp", "azure"], endpoint=url)
+        srv.state.set(mode="slow", slow_s=3.0)  # every answer 3 s late
+        job = write_job(tmp_path, providers=["aws", "gcp", "azure"], endpoint=srv.url)
         r = run([sys.executable, "-m", "supervisor.cli", "run", "--config", str(job)], timeout=240)
-    finally:
-        if mode != "down":
-            ctx.__exit__(None, None, None)
     assert r.returncode == 0, r.output[-3000:]
     blind = {e["source"] for e in events(tmp_path) if e["event"] == "watcher_went_blind"}
     assert blind == {"aws", "gcp", "azure"}

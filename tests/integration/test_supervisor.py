@@ -135,16 +135,15 @@ def test_a_bad_config_exits_2_with_one_line_naming_the_key_and_launches_nothing(
     assert not (tmp_path / "state").exists() and not (tmp_path / "loss.jsonl").exists()
 
 
-def test_a_supervisor_killed_with_sigkill_leaves_nothing_and_a_restart_finishes_the_job(reference, tmp_path):
-    job = write_job(tmp_path, "--steps", "60", restart={"backoff_initial_s": 0.2})
-    # 60 steps instead of 16: the loss log of steps 1..16 must still match, the run is just longer.
+def test_a_supervisor_killed_with_sigkill_leaves_nothing_and_a_restart_finishes_the_run_bitwise(reference, tmp_path):
+    # Steps of at least 0.5 s (a sleep, which changes no loss) leave seconds between the first
+    # checkpoint and the end of the run, in which the supervisor is killed.
+    job = write_job(tmp_path, "--min-step-s", "0.5")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config", str(job)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
-        # wait until a checkpoint exists and training goes on
-        wait_for(lambda: (i := layout.latest_consistent(tmp_path / "ckpt")) is not None and i.step >= 8, 120,
-                 "no checkpoint of step >= 8")  # fmt: skip
+        wait_for(lambda: layout.latest_consistent(tmp_path / "ckpt") is not None, 120, "no checkpoint")
         journal = json.loads((tmp_path / "state" / "journal.json").read_text())
         pids = journal["pids"]
         assert len(pids) >= 3  # torchrun and both ranks
@@ -156,17 +155,15 @@ def test_a_supervisor_killed_with_sigkill_leaves_nothing_and_a_restart_finishes_
 
         # the ranks' parent-death guards take them down
         wait_for(lambda: not left(), 30, lambda: f"still running: {left()}")
-        assert left() == []
     finally:
         kill_tree(proc.pid)
+    assert len(last_lines(tmp_path / "loss.jsonl")) < STEPS  # killed before the run's end
     r = ftsup("run", "--config", str(job))
     assert r.returncode == 0, r.output[-4000:]
     evs = events(tmp_path)
     assert "journal_adopted" in [e["event"] for e in evs]
-    resumed = [e for e in evs if e["event"] == "workers_launched"][-1]
-    assert resumed["resume_step"] >= 8
-    got = last_lines(tmp_path / "loss.jsonl")
-    assert sorted(got) == list(range(1, 61))
+    assert [e for e in evs if e["event"] == "workers_launched"][-1]["resume_step"] >= 4
+    assert hexes(last_lines(tmp_path / "loss.jsonl")) == hexes(reference)
 
 
 def test_a_save_twenty_times_longer_than_a_step_raises_no_false_alarm(tmp_path):

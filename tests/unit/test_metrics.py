@@ -100,14 +100,25 @@ def test_progress_timestamp_is_unix_time_of_the_last_new_step():
     stepped_at = run.now
     run.feed(P.Heartbeat(1, 0, 3, "train", 0), at=run.now + 5)  # a heartbeat, but no new step
     assert run.value("ftsup_last_progress_timestamp_seconds") == WALL + stepped_at
-    assert run.value("ftsup_step_duration_seconds") == 0.5
-    assert run.value("ftsup_heartbeat_timeout_seconds") == S.min_timeout_s  # 3 x 0.5 s is below the floor
 
 
-def test_heartbeat_timeout_is_nan_until_steps_are_seen_and_loss_comes_from_rank_0():
+def test_step_duration_and_heartbeat_timeout_follow_the_step_times():
+    run = Run()
+    run.launch()
+    run.train(range(1, 4))
+    got = (run.value("ftsup_step_duration_seconds"), run.value("ftsup_heartbeat_timeout_seconds"))
+    assert got == (0.5, S.min_timeout_s)  # 3 x 0.5 s is below the floor
+
+
+def test_heartbeat_timeout_is_nan_until_steps_are_seen():
     run = Run()
     run.launch()
     assert math.isnan(run.value("ftsup_heartbeat_timeout_seconds"))
+
+
+def test_loss_comes_from_rank_0_only():
+    run = Run()
+    run.launch()
     run.metrics.heartbeat(1, {"loss": 9.0})
     run.metrics.heartbeat(0, {"loss": 2.25})
     run.metrics.heartbeat(1, {"loss": 7.0})
@@ -122,9 +133,15 @@ def test_eviction_notice_counts_by_source_and_exports_the_deadline_in_unix_time(
     assert run.value("ftsup_evictions_noticed_total", source="aws") == 1
     assert run.value("ftsup_save_requests_total", stop="true") == 1
     assert run.value("ftsup_eviction_deadline_timestamp_seconds") == WALL + run.now + 120
+
+
+def test_the_emergency_save_counts_one_emergency_checkpoint_and_its_duration():
+    run = Run()
+    run.launch()
+    run.train(range(1, 3))
+    run.feed(P.EvictionNoticed("aws", run.now + 120, "spot interruption", False, 1 << 20))
     run.feed(P.Heartbeat(1, 0, 2, "train", 0, (("save_s", 0.5), ("saved_step", 2))))
-    assert run.value("ftsup_emergency_checkpoints_total") == 1
-    assert run.value("ftsup_save_duration_seconds") == 0.5
+    assert (run.value("ftsup_emergency_checkpoints_total"), run.value("ftsup_save_duration_seconds")) == (1, 0.5)
 
 
 def test_daemon_only_events_update_their_own_metrics():
@@ -169,6 +186,9 @@ def test_names_follow_the_conventions_prefix_units_and_total_suffix():
         else:
             assert not fam.name.endswith("_total"), fam.name
         assert not any(unit in fam.name for unit in ("_ms", "_milliseconds", "_mib", "_gib", "_minutes"))
+
+
+def test_failure_kinds_are_the_four_documented_ones():
     assert set(FAILURE_KINDS.values()) == {"crash", "hang", "no_progress", "startup"}
 
 

@@ -13,36 +13,85 @@ inlined as base64, so it travels as one JSON file per rank.
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from trainer.checkpoint.errors import CheckpointError
 
-_DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-        torch.complex64, torch.complex128,
-        torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64,
-    )
-}  # fmt: skip
+
+@dataclass(frozen=True)
+class DType:
+    """One dtype a checkpoint can hold: its torch dtype, the name the checkpoint records
+    (`dcp_metadata.json`, inline rank state) and its safetensors name (None: safetensors has
+    none, so a shard stores the chunk as raw bytes, `U8`, and an export refuses it)."""
+
+    torch: torch.dtype
+    name: str
+    safetensors: str | None
+    # Values per torch element in a safetensors shape: float4_e2m1fn_x2 packs two 4-bit values
+    # in one byte, and safetensors counts the 4-bit values (its last dimension is twice torch's).
+    packed: int = 1
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise CheckpointError(f"tensor dtype {dtype} is not supported by the checkpoint format")
-    return name
+def _dt(dtype: torch.dtype, st: str | None, packed: int = 1) -> DType:
+    return DType(dtype, str(dtype).removeprefix("torch."), st, packed)
 
 
-def dtype_from_name(name: str) -> torch.dtype:
+DTYPES: tuple[DType, ...] = (
+    _dt(torch.float64, "F64"), _dt(torch.float32, "F32"), _dt(torch.float16, "F16"), _dt(torch.bfloat16, "BF16"),
+    _dt(torch.int64, "I64"), _dt(torch.int32, "I32"), _dt(torch.int16, "I16"), _dt(torch.int8, "I8"),
+    _dt(torch.uint64, "U64"), _dt(torch.uint32, "U32"), _dt(torch.uint16, "U16"), _dt(torch.uint8, "U8"),
+    _dt(torch.bool, "BOOL"), _dt(torch.complex64, "C64"), _dt(torch.complex128, None),
+    _dt(torch.float8_e4m3fn, "F8_E4M3"), _dt(torch.float8_e4m3fnuz, "F8_E4M3FNUZ"),
+    _dt(torch.float8_e5m2, "F8_E5M2"), _dt(torch.float8_e5m2fnuz, "F8_E5M2FNUZ"),
+    _dt(torch.float8_e8m0fnu, "F8_E8M0"), _dt(torch.float4_e2m1fn_x2, "F4", packed=2),
+)  # fmt: skip
+"""The one dtype table of the project: what save, load, the shard headers and the Hugging Face
+export use. Every dtype torch and safetensors both have is here (and complex128, which only
+the checkpoint holds); any other dtype (sub-byte ints, quantized, bits) is refused by name."""
+
+_BY_TORCH = {d.torch: d for d in DTYPES}
+_BY_NAME = {d.name: d for d in DTYPES}
+
+
+def _of(dtype: torch.dtype, what: str | None) -> DType:
     try:
-        return _DTYPES[name]
+        return _BY_TORCH[dtype]
     except KeyError:
-        raise CheckpointError(f"checkpoint names unknown dtype {name!r}") from None
+        where = f"{what}: " if what else ""
+        raise CheckpointError(
+            f"{where}tensor dtype {dtype} is not supported by the checkpoint format "
+            f"(supported: {', '.join(d.name for d in DTYPES)})"
+        ) from None
+
+
+def dtype_name(dtype: torch.dtype, what: str | None = None) -> str:
+    """The checkpoint's name of `dtype`; CheckpointError (naming `what`, a tensor) if it has none."""
+    return _of(dtype, what).name
+
+
+def dtype_from_name(name: object, what: str | None = None) -> torch.dtype:
+    """The torch dtype a checkpoint names; CheckpointError (naming `what`) for an unknown name."""
+    d = _BY_NAME.get(name) if isinstance(name, str) else None
+    if d is None:
+        where = f" for {what}" if what else ""
+        raise CheckpointError(f"checkpoint names unknown dtype {name!r:.60}{where}")
+    return d.torch
+
+
+def safetensors_header(dtype: torch.dtype, sizes: Sequence[int], what: str) -> tuple[str, list[int]] | None:
+    """(safetensors dtype, shape) of a tensor of `dtype` and torch shape `sizes`; None when
+    safetensors cannot describe it (a dtype it lacks, or a packed dtype without a dimension)."""
+    d = _of(dtype, what)
+    if d.safetensors is None or (d.packed > 1 and not sizes):
+        return None
+    shape = list(sizes)
+    if d.packed > 1:
+        shape[-1] *= d.packed
+    return d.safetensors, shape
 
 
 def _path_str(path: tuple[Any, ...]) -> str:
@@ -110,6 +159,7 @@ def flatten(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], Any]:
 
     def lift(path: tuple[Any, ...], t: torch.Tensor) -> str:
         key = _path_str(path)
+        dtype_name(t.dtype, key)  # an unsupported dtype is refused here, naming the tensor, before any planning
         if key in flat:
             raise CheckpointError(f"two state entries flatten to the same key {key!r}; rename one")
         flat[key] = t
@@ -132,9 +182,10 @@ def encode_inline(obj: Any) -> Any:
     def inline(path: tuple[Any, ...], t: torch.Tensor) -> dict[str, Any]:
         if _is_dtensor(t):
             raise CheckpointError(f"rank_state at {_path_str(path)} holds a DTensor; pass it in `state`")
+        name = dtype_name(t.dtype, f"rank_state at {_path_str(path)}")
         t = t.detach().cpu().contiguous()
         raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "b64": base64.b64encode(raw).decode()}
+        return {"dtype": name, "shape": list(t.shape), "b64": base64.b64encode(raw).decode()}
 
     return encode(obj, inline)
 

@@ -16,6 +16,7 @@ automatically or given with `--prefix`.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -30,10 +31,6 @@ from trainer.checkpoint import codec, layout
 from trainer.checkpoint.errors import CheckpointCorruptError, CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
-_ST_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
-    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-}  # fmt: skip
 
 
 def model_prefix(keys: list[str]) -> str:
@@ -54,7 +51,7 @@ def _read_meta(ckpt: Path, manifest: layout.Manifest) -> dict[str, Any]:
 def assemble(ckpt: Path, meta: Mapping[str, Any], fqn: str) -> torch.Tensor:
     """One whole tensor, from every chunk of it in the shard files."""
     t = meta["tensors"][fqn]
-    dtype = codec.dtype_from_name(t["dtype"])
+    dtype = codec.dtype_from_name(t["dtype"], fqn)
     full = torch.empty(t["size"], dtype=dtype)
     for s in meta["storage"]:
         if s["fqn"] != fqn or s["nbytes"] == 0:
@@ -73,13 +70,26 @@ def assemble(ckpt: Path, meta: Mapping[str, Any], fqn: str) -> torch.Tensor:
     return full
 
 
+def _header_entry(name: str, dtype: torch.dtype, shape: list[int]) -> tuple[str, list[int]]:
+    """The safetensors dtype and shape of one exported tensor; CheckpointError naming it when
+    safetensors cannot store it."""
+    entry = codec.safetensors_header(dtype, shape, name)
+    if entry is None:
+        dims = "" if shape else " (0-dimensional)"
+        raise CheckpointError(
+            f"tensor {name!r} has dtype {codec.dtype_name(dtype)}{dims}, which safetensors cannot store; "
+            "convert it (or leave it out with --prefix) before exporting"
+        )
+    return entry
+
+
 def _write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> int:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     pos = 0
     for name, t in tensors:
         n = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[codec.dtype_name(t.dtype)], "shape": list(t.shape),
-                        "data_offsets": [pos, pos + n]}  # fmt: skip
+        st_dtype, shape = _header_entry(name, t.dtype, list(t.shape))
+        header[name] = {"dtype": st_dtype, "shape": shape, "data_offsets": [pos, pos + n]}
         pos += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data 8-byte aligned, as safetensors' own writer does
@@ -116,7 +126,9 @@ def export_hf(root: str | os.PathLike[str], step: int | None, out: str | os.Path
     size = 0
     for k in names:
         t = meta["tensors"][k]
-        n = codec.dtype_from_name(t["dtype"]).itemsize * int(torch.tensor(t["size"]).prod().item() if t["size"] else 1)
+        dtype = codec.dtype_from_name(t["dtype"], k)
+        _header_entry(k[len(prefix) :], dtype, list(t["size"]))  # refused before anything is written
+        n = dtype.itemsize * math.prod(t["size"])
         if shards[-1] and size + n > max_shard_bytes:
             shards.append([])
             size = 0

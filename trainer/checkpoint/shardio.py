@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.checkpoint import codec
 from trainer.checkpoint.checksums import (
     block_crcs,
     checksum_algorithm,
@@ -46,13 +47,6 @@ READ_PIECE = 4 * 1024 * 1024  # a multiple of the checksum block
 # 2-to-3 reshard of 1 GiB here, 32 threads loaded in a median 0.74 s against 1.07 s with 8
 # (8 loads each, interleaved); 8 had measured 1.07 s against 1.17 s with 4.
 READ_THREADS = 32
-
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-}  # fmt: skip
 
 
 def round_up(n: int, a: int) -> int:
@@ -99,12 +93,12 @@ def build_layout(chunks: Sequence[tuple[str, tuple[int, ...], tuple[int, ...], t
         pos += n
     header_obj: dict[str, object] = {"__metadata__": {"format": "pt", "producer": "ftsup"}}
     for fqn, offsets, sizes, dtype, start, n in rel:
-        st = _SAFETENSORS_DTYPES.get(dtype)
         name = f"{fqn}@{','.join(map(str, offsets))}"
-        if st is None:  # e.g. complex: raw bytes; our own metadata has the dtype
-            header_obj[name] = {"dtype": "U8", "shape": [n], "data_offsets": [start, start + n]}
-        else:
-            header_obj[name] = {"dtype": st, "shape": list(sizes), "data_offsets": [start, start + n]}
+        st = codec.safetensors_header(dtype, sizes, fqn)
+        # A dtype safetensors cannot describe (complex128) is stored as its raw bytes; the
+        # checkpoint's own metadata records the dtype.
+        st_dtype, shape = st if st is not None else ("U8", [n])
+        header_obj[name] = {"dtype": st_dtype, "shape": shape, "data_offsets": [start, start + n]}
     raw = json.dumps(header_obj, separators=(",", ":")).encode()
     data_start = round_up(8 + len(raw), PAGE)
     raw = raw + b" " * (data_start - 8 - len(raw))

@@ -1,0 +1,79 @@
+"""A rank that beats like a healthy trainer and, between its beats, sends the supervisor's
+heartbeat socket what a hostile or broken process would: odd ranks, local ranks and attempts,
+thousands of distinct figure names, odd phases, huge and non-finite values, malformed JSON.
+
+    hostile_rank.py PROGRESS FINISH
+
+Counts the hostile bursts it has sent in PROGRESS (rewritten after each); exits 0, after a
+"done" beat, once FINISH exists. No torch: it starts in well under a second. Every datagram
+carries this process's own pid (never another process's: the supervisor may signal it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+BURST = 200  # hostile datagrams between two real beats
+
+
+def hostile(i: int, attempt: int, pid: int) -> list[bytes]:
+    base = {"v": 1, "attempt": attempt, "rank": 0, "local_rank": 0, "pid": pid, "step": 1, "phase": "train",
+            "t": time.time()}  # fmt: skip
+    odd: list[dict[str, object]] = [
+        {**base, "rank": 10**6 + i, "local_rank": 10**6 + i},
+        {**base, "rank": -1 - i, "local_rank": -1},
+        {**base, "rank": 2**62, "local_rank": 2**62},
+        {**base, "attempt": 10**9 + i},
+        {**base, f"figure_{i}": 1.0, f'Ünïcode "name" {{{i}}}': 2.0, f"loss{i}": 3.0},
+        {**base, "phase": f"phase-{i}"},
+        {**base, "loss": 1e308, "save_s": -1e308, "saved_step": 2**70 + i},
+        {**base, "rank": str(i), "step": f"{i}"},
+    ]
+    out = [json.dumps(m).encode() for m in odd]
+    out += [b"{not json " + str(i).encode(), b'{"v": 1, "attempt": NaN, "step": Infinity}', b"[" * 500]
+    return out
+
+
+def main() -> int:
+    progress, finish = Path(sys.argv[1]), Path(sys.argv[2])
+    path = os.environ["FTSUP_HEARTBEAT_SOCKET"]
+    attempt = int(os.environ["FTSUP_ATTEMPT"])
+    pid = os.getpid()
+    real = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # blocking: a real beat waits for room
+    noise = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    noise.setblocking(False)  # hostile datagrams are dropped when the queue is full
+
+    def beat(step: int, phase: str) -> None:
+        msg = {"v": 1, "attempt": attempt, "rank": 0, "local_rank": 0, "pid": pid, "step": step, "phase": phase,
+               "t": time.time(), "loss": 2.0}  # fmt: skip
+        real.sendto(json.dumps(msg).encode(), path)
+
+    step = 0
+    bursts = 0
+    while not finish.exists():
+        step += 1
+        beat(step, "train")
+        sent = 0
+        while sent < BURST:
+            for raw in hostile(bursts * BURST + sent, attempt, pid):
+                try:
+                    noise.sendto(raw, path)
+                except BlockingIOError:
+                    time.sleep(0.001)  # the queue is full; let the supervisor drain it
+                sent += 1
+        bursts += 1
+        tmp = progress.with_suffix(".tmp")
+        tmp.write_text(str(bursts))
+        os.replace(tmp, progress)
+        time.sleep(0.05)  # a step's worth of time
+    beat(step, "done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
