@@ -193,23 +193,28 @@ class Admission:
         self._strangers: set[int] = set()
 
     def admits(self, attempt: _Attempt | None, pid: int) -> bool:
-        if attempt is None:  # between attempts no beat means anything
-            return False
+        if attempt is None:  # between attempts: the last beats of the last attempt's ranks are still read
+            return pid in self._members
         if attempt.number != self._attempt:
             self._attempt, self._members, self._strangers = attempt.number, set(), set()
-        if pid in self._members or pid in attempt.known_pids:
+        if pid in self._members:
             return True
         if pid in self._strangers:
             return False
-        try:
-            proc = psutil.Process(pid)
-            ok = proc.create_time() >= attempt.started_at - 1 and any(p.pid == attempt.pid for p in proc.parents())
-        except psutil.Error:
-            ok = False
+        ok = pid in attempt.known_pids or _descends(pid, attempt)
         if not ok and len(self._strangers) >= self.MAX_STRANGERS:
             self._strangers.clear()
         (self._members if ok else self._strangers).add(pid)
         return ok
+
+
+def _descends(pid: int, attempt: _Attempt) -> bool:
+    """Whether `pid` is a live descendant of the attempt's torchrun, started after it."""
+    try:
+        proc = psutil.Process(pid)
+        return proc.create_time() >= attempt.started_at - 1 and any(p.pid == attempt.pid for p in proc.parents())
+    except psutil.Error:
+        return False
 
 
 class HeartbeatReceiver:

@@ -238,11 +238,19 @@ def test_admission_takes_descendants_of_the_attempt_and_no_one_else():
     try:
         admission = Admission()
         got = (admission.admits(attempt, child.pid), admission.admits(attempt, os.getppid()),
-               admission.admits(None, child.pid))  # fmt: skip
+               Admission().admits(None, child.pid))  # fmt: skip
     finally:
         kill_tree(child.pid)
         child.wait()
     assert got == (True, False, False)
+
+
+def test_after_an_attempt_its_ranks_last_beats_are_still_admitted_and_no_one_elses():
+    admission = Admission()
+    attempt = FakeAttempt(1, -1, 0.0)
+    attempt.known_pids.add(os.getpid())
+    admission.admits(attempt, os.getpid())
+    assert (admission.admits(None, os.getpid()), admission.admits(None, os.getppid())) == (True, False)
 
 
 def test_admission_verdicts_start_afresh_with_each_attempt():
