@@ -37,7 +37,15 @@ from typing import Any, Protocol
 
 import psutil
 
-from trainer.runtime import FIGURE_NAME, MAX_BEAT_BYTES, MAX_FIGURES, MAX_STEP, PHASES, PROTOCOL_VERSION
+from trainer.runtime import (
+    BASE_FIELDS,
+    FIGURE_NAME,
+    MAX_BEAT_BYTES,
+    MAX_FIGURES,
+    MAX_STEP,
+    PHASES,
+    PROTOCOL_VERSION,
+)
 
 DROP_REASONS = ("malformed", "version", "spoofed", "foreign", "refused")
 """Why a message or a connection was dropped: the `reason` label of `ftsup_heartbeats_dropped_total`."""
@@ -48,7 +56,7 @@ PER_CONNECTION = 32  # messages read per connection per drain: several seconds o
 
 _INT_LIMITS = {"attempt": 2**31 - 1, "rank": 2**24, "local_rank": 2**16, "pid": 2**22, "step": MAX_STEP}
 _MAX_INT_DIGITS = 20  # no field or figure needs more; Python would otherwise parse 4300 digits
-_MAX_KEYS = 9 + MAX_FIGURES
+_MAX_KEYS = len(BASE_FIELDS) + MAX_FIGURES
 _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 _ANCILLARY = socket.CMSG_SPACE(_UCRED.size)
 
@@ -141,7 +149,7 @@ def parse_beat(raw: bytes) -> Beat:
         raise BadBeat("malformed", f"phase must be one of {PHASES}, not {phase!r:.40}")
     figures: list[tuple[str, float]] = []
     for name, value in m.items():
-        if name in ("v", "attempt", "rank", "local_rank", "pid", "step", "phase", "t", "mono"):
+        if name in BASE_FIELDS:
             continue
         if not FIGURE_NAME.match(name):
             raise BadBeat("malformed", f"figure name {name!r:.80} is not an identifier of at most 64 characters")
@@ -218,6 +226,8 @@ def _descends(pid: int, attempt: _Attempt) -> bool:
 
 
 class HeartbeatReceiver:
+    """The listening socket and its connections; `drain()` once a tick, `close()` at the end."""
+
     def __init__(
         self, runtime_dir: str | os.PathLike[str], *, counter: Any = None, max_connections: int = MAX_CONNECTIONS,
         accept_budget: int = ACCEPT_BUDGET, per_connection: int = PER_CONNECTION,
@@ -247,9 +257,6 @@ class HeartbeatReceiver:
         self.dropped: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)  # since start
         self._unlogged: dict[str, int] = {}
         self._logged_at = -math.inf
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
 
     @property
     def connections(self) -> int:

@@ -73,7 +73,7 @@ FIGURE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
 MAX_STEP = 10**12
 MAX_FIGURE_INT = 2**53  # larger integers travel as floats (JSON readers differ beyond this)
 DEFAULT_INTERVAL_S = 0.5
-_SNDBUF_BYTES = 1 << 20  # a queue of ~1000 beats (the kernel may cap it lower): survives a busy supervisor
+_SNDBUF_BYTES = 1 << 20  # room for ~2700 beats (~270 where net.core.wmem_max caps it): a busy supervisor loses none
 _RECONNECT_S = 0.05  # at most this often a connect() is tried again after one failed
 
 
@@ -229,7 +229,12 @@ class RuntimeClient:
         thread while the block runs (see the module docstring)."""
         before = self._phase
         self.beat(self._step if step is None else step, name)
-        keepalive = _KeepAlive(self, self.env.heartbeat_interval_s) if name in KEEPALIVE_PHASES else None
+        keepalive = None
+        if name in KEEPALIVE_PHASES and self.supervised:
+            try:
+                keepalive = _KeepAlive(self, self.env.heartbeat_interval_s)
+            except RuntimeError as e:  # no thread to be had: the phase still runs, unbeaten
+                self._warn("thread", f"trainer.runtime: no keepalive thread for phase {name} ({e})")
         try:
             yield
         finally:
