@@ -156,7 +156,7 @@ def test_a_flood_from_inside_and_outside_the_attempt_kills_no_healthy_attempt_an
 
 
 def test_a_rank_stopped_during_a_flood_is_caught_within_its_timeout_plus_1s(job, job_dir):
-    j = job("--steps", "60", "--flood-at", "5", "--flood-s", "4", "--stop-at", "25",
+    j = job("--steps", "60", "--flood-at", "5", "--flood-s", "3", "--stop-at", "12",
             "--stop-mark", str(job_dir / "stopped"))  # fmt: skip
     assert j.finish(timeout_s=120) == 0, j.tail()
     (hang,) = j.events("heartbeat_timed_out")
@@ -225,7 +225,7 @@ def control():
     with open(run + "/control.json", "w") as f:
         f.write('{"seq": 99, "action": "save", "stop": true}')
 print(json.dumps({
-    "state_dir": attempt(lambda: os.listdir(os.path.dirname(run))),
+    "job_dir": attempt(lambda: os.listdir(os.path.dirname(os.path.dirname(run)))),
     "run_dir": attempt(lambda: os.listdir(run)),
     "heartbeat_seqpacket": attempt(seqpacket),
     "heartbeat_datagram": attempt(datagram),
@@ -248,7 +248,7 @@ def test_another_local_user_can_neither_beat_nor_request_a_save_or_a_stop(job, j
     got = json.loads(probe.stdout)
     j.wait_for_step(j.step() + 5)
     assert (j.finish(), j.events("save_requested"), j.events("stop_requested")) == (0, [], [])
-    assert got == {"state_dir": "allowed", **dict.fromkeys(list(got)[1:], "denied")}
+    assert got == {"job_dir": "allowed", **dict.fromkeys(list(got)[1:], "denied")}  # the probe got that far
 
 
 # ---------------------------------------------------------------------- stalls and long phases
