@@ -135,13 +135,14 @@ class HeartbeatConfig:
     startup_timeout_s: float = 300.0
     """From launch to the first training-step heartbeat (imports, rendezvous, checkpoint load)."""
     save_timeout_s: float = 900.0
-    """How long a rank may stay in phase save or load before it counts as hung."""
+    """How long a rank may stay in phase save, load or eval before it counts as hung."""
     min_timeout_s: float = 2.0
     """Floor of the learned timeouts, so that a run of fast steps does not make them hair-trigger."""
     step_time_multiplier: float = 3.0
     """Learned timeout = this x the p99 step time (at least 1)."""
     interval_s: float = 0.5
-    """How often ranks beat while idle within a step; every timeout must be longer."""
+    """How often a rank in phase eval beats (the runtime client does it from a thread, see `rt.phase("eval")`);
+    exported to the ranks as FTSUP_HEARTBEAT_INTERVAL_S. Every timeout must be longer."""
 
 
 @dataclass(frozen=True)

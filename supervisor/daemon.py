@@ -1,8 +1,8 @@
 """`ftsup run`: the long-running loop that turns events into the policy's decisions and the
 decisions into processes.
 
-The loop waits (up to a tick) on the heartbeat socket and on signals, then feeds the policy:
-heartbeats, torchrun's exit, a tick for timeouts. It carries out each action with the thin
+The loop waits (up to a tick) on signals and watchers, then feeds the policy: the heartbeats
+read off the channel, torchrun's exit, a tick for timeouts. It carries out each action with the thin
 adapters (launcher, health probe, checkpoint reader, journal) and logs each event once. It
 never imports torch.
 
@@ -34,7 +34,7 @@ from supervisor.eviction.notices import Blind, Notice, Seeing, from_signal
 from supervisor.eviction.providers import WatchError
 from supervisor.eviction.runner import WatcherThreads
 from supervisor.eviction.setup import build_watchers
-from supervisor.heartbeat import HeartbeatReceiver
+from supervisor.heartbeat import Admission, HeartbeatReceiver
 from supervisor.journal import Journal, JournalRecord
 from supervisor.metrics import Metrics, MetricsServer
 from trainer.checkpoint import layout
@@ -93,7 +93,8 @@ class Daemon:
                 logfile.close()
             raise
         self._runtime_dir = self._make_runtime_dir()
-        receiver = HeartbeatReceiver(self._runtime_dir)
+        receiver = HeartbeatReceiver(self._runtime_dir, counter=self.metrics.heartbeats_dropped)
+        admission = Admission()  # only processes of the running attempt may beat
         wake_r, wake_w = socket.socketpair()
         wake_r.setblocking(False)
         wake_w.setblocking(False)
@@ -105,7 +106,7 @@ class Daemon:
         self._watchers = WatcherThreads(build_watchers(self.cfg.eviction), self.cfg.eviction.poll_interval_s,
                                         wake=wake_w).start()  # fmt: skip
         sel = selectors.DefaultSelector()
-        sel.register(receiver.fileno(), selectors.EVENT_READ)
+        # Beats are read once a tick, not on arrival: a flood costs one bounded drain a tick, not a busy loop.
         sel.register(wake_r.fileno(), selectors.EVENT_READ)
         code = policy.EXIT_INTERNAL
         try:
@@ -139,14 +140,16 @@ class Daemon:
                 for report in self._watchers.drain():
                     self._watch_report(report)
                 new_pids = False
-                for beat in receiver.drain():
+                for beat in receiver.drain(admit=lambda pid: admission.admits(self.attempt, pid)):
                     if self.attempt is not None and beat.attempt == self.attempt.number:
                         new_pids |= beat.pid not in self.attempt.known_pids
                         self.attempt.known_pids.add(beat.pid)
                         self._rank_phase[beat.pid] = beat.phase
                         self.metrics.heartbeat(beat.rank, dict(beat.figures))
                     self.pending.append(policy.Heartbeat(beat.attempt, beat.local_rank, beat.step, beat.phase,
-                                                         beat.rank, beat.figures))  # fmt: skip
+                                                         beat.rank, beat.figures, sent=beat.sent_mono))  # fmt: skip
+                if (dropped := receiver.drops_to_log(self.clock(), every_s=10.0)) is not None:
+                    self._emit("warning", "heartbeats_dropped", **dropped)
                 if new_pids:  # so that a restarted supervisor can find every rank of this attempt
                     self._write_journal("running")
                 if self.attempt is not None:
@@ -339,6 +342,7 @@ class Daemon:
         env.update(self.cfg.job.env)
         env.update(
             FTSUP_HEARTBEAT_SOCKET=str(self._runtime_dir / "heartbeat.sock"),
+            FTSUP_HEARTBEAT_INTERVAL_S=repr(self.cfg.heartbeat.interval_s),
             FTSUP_CONTROL_FILE=str(self._runtime_dir / "control.json"),
             FTSUP_CHECKPOINT_DIR=str(self.cfg.checkpoint.dir),
             FTSUP_RESUME_STEP="" if action.resume_step is None else str(action.resume_step),

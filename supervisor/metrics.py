@@ -30,6 +30,7 @@ from prometheus_client.exposition import choose_encoder
 
 from supervisor import policy
 from supervisor.config import split_host_port
+from supervisor.heartbeat import DROP_REASONS
 from supervisor.logs import EVENTS
 from supervisor.metrics_http import BoundedHTTPServer
 from trainer.checkpoint import layout
@@ -92,6 +93,9 @@ class Metrics:
                                    "(its eviction state is unknown).", ["source"], registry=r)  # fmt: skip
         self.healthy_slots = Gauge("ftsup_healthy_slots", "Healthy device slots at the last health probe.",
                                    registry=r)  # fmt: skip
+        self.heartbeats_dropped = Counter("ftsup_heartbeats_dropped_total", "Heartbeat messages and connections "
+                                          "dropped, by reason: " + ", ".join(DROP_REASONS) + ".", ["reason"],
+                                          registry=r)  # fmt: skip
 
         # ---- gauges, from the policy's state
         self.phase = Gauge("ftsup_phase", "1 for the supervisor's current phase.", ["phase"], registry=r)
@@ -134,6 +138,8 @@ class Metrics:
             self.failures.labels(kind)
         for stop in ("true", "false"):
             self.save_requests.labels(stop)
+        for reason in DROP_REASONS:
+            self.heartbeats_dropped.labels(reason)
         self.step.set(-1)
         self.ckpt_step.set(-1)
         self.hb_timeout.set(float("nan"))

@@ -12,9 +12,13 @@ actions. Tests drive it with a fake clock and no processes.
 
 An attempt fails when torchrun exits non-zero, when a rank stops sending heartbeats for the
 heartbeat timeout, when the job makes no step progress for the progress timeout, or when it
-has not reached its first training step within the startup timeout. Timeouts are phase-aware
-(a rank in `save` or `load` gets `save_timeout_s`) and, unless configured, learned from the
-observed step times: max(min_timeout_s, multiplier x p99 step time).
+has not reached its first training step within the startup timeout. Timeouts are phase-aware:
+a rank in `save` or `load` may be silent for `save_timeout_s`; one in `eval` beats from a thread
+and may stay there for `save_timeout_s`; in these no step progress is expected. Unless
+configured, the timeouts are learned from the step times the ranks measure on their own clocks
+(`Heartbeat.sent`; a step that spans a save, load or eval is not counted): max(min_timeout_s,
+multiplier x p99 step time). Silence is measured from when a beat was read, so a supervisor
+that was busy for a while finds its ranks alive once it reads their queued beats.
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ EXIT_BUDGET = 4
 EXIT_EVICTED = 5
 EXIT_STOPPED = 6
 
-SLOW_PHASES = frozenset({"save", "load"})
+SLOW_PHASES = frozenset({"save", "load"})  # may be silent up to save_timeout_s
+LONG_PHASES = SLOW_PHASES | {"eval"}  # no step progress expected, for up to save_timeout_s
 QUIET_PHASES = frozenset({"done"})  # finished training, tearing down: torchrun's exit decides
 STEP_HISTORY = 200
 
@@ -67,9 +72,11 @@ STEP_HISTORY = 200
 
 @dataclass(frozen=True)
 class RankView:
-    last_beat: float
+    last_beat: float  # when its newest beat was read
     step: int
     phase: str
+    since: float = 0.0  # when it entered this phase
+    mark: tuple[int, float] | None = None  # (step, rank's clock) where the step being timed began
 
 
 @dataclass(frozen=True)
@@ -82,8 +89,6 @@ class Attempt:
     ranks: tuple[tuple[int, RankView], ...] = ()
     max_step: int = -1
     progress_at: float = 0.0  # when max_step last grew (or launch)
-    step_times: tuple[float, ...] = ()  # seconds per step, newest last, bounded
-    last_step_at: tuple[int, float] | None = None  # (step, time) of the newest step seen
     best_before: int = -1  # the highest step any earlier attempt reached
 
     def rank_map(self) -> dict[int, RankView]:
@@ -186,7 +191,7 @@ def step(s: Settings, st: State, ev: Event, now: float) -> tuple[State, list[Act
             log("workers_launched", attempt=att.number, world_size=att.nproc, resume_step=att.resume_step)
         ]
     if isinstance(ev, WorkersRestarted) and att and ev.attempt == att.number and st.phase == "running":
-        fresh = replace(st, attempt=replace(att, ranks=(), launched_at=now, progress_at=now, last_step_at=None))
+        fresh = replace(st, attempt=replace(att, ranks=(), launched_at=now, progress_at=now))
         if not ev.new_ranks:
             return fresh, []
         return fresh, [log("workers_restarted", attempt=att.number, world_size=att.nproc, step=att.max_step)]
@@ -232,14 +237,27 @@ def _launch(s: Settings, st: State, ev: LaunchReady, now: float) -> tuple[State,
 
 def _heartbeat(st: State, att: Attempt, ev: Heartbeat, now: float) -> State:
     ranks = att.rank_map()
-    ranks[ev.local_rank] = RankView(now, ev.step, ev.phase)
-    att = replace(att, ranks=tuple(sorted(ranks.items())))
+    prev = ranks.get(ev.local_rank)
+    sent = now if ev.sent is None else ev.sent
     step_times = st.step_times
+    mark: tuple[int, float] | None = None
+    if ev.phase == "train":
+        if prev is None or prev.phase != "train" or prev.mark is None:
+            mark = (ev.step, sent)  # (back) in train: time steps from here, not across a save or a load
+        elif ev.step > prev.mark[0]:
+            per_step = (sent - prev.mark[1]) / (ev.step - prev.mark[0])
+            if math.isfinite(per_step) and per_step > 0:
+                step_times = (*step_times, per_step)[-STEP_HISTORY:]
+            mark = (ev.step, sent)
+        else:
+            mark = prev.mark  # another beat within the same step
+    since = prev.since if prev is not None and prev.phase == ev.phase else now
+    ranks[ev.local_rank] = RankView(now, ev.step, ev.phase, since, mark)
+    att = replace(att, ranks=tuple(sorted(ranks.items())))
     if ev.phase == "train" and ev.step > att.max_step:
-        if att.last_step_at is not None and ev.step > att.last_step_at[0]:
-            per_step = (now - att.last_step_at[1]) / (ev.step - att.last_step_at[0])
-            step_times = (*step_times, per_step)[-STEP_HISTORY:]
-        att = replace(att, max_step=ev.step, progress_at=now, last_step_at=(ev.step, now))
+        att = replace(att, max_step=ev.step, progress_at=now)
+    elif ev.phase == "train" and prev is not None and prev.phase in LONG_PHASES:
+        att = replace(att, progress_at=max(att.progress_at, now))  # time in a long phase is not a stall
     return replace(st, attempt=att, step_times=step_times, best_step=max(st.best_step, att.max_step))
 
 
@@ -248,9 +266,13 @@ def _heartbeat_and_saves(st: State, att: Attempt, ev: Heartbeat, now: float) -> 
     if st.phase == "running":
         st = _heartbeat(st, att, ev, now)
     save_s = ev.figure("save_s")
+    if save_s is not None and not (math.isfinite(save_s) and save_s >= 0):
+        save_s = None  # a figure that was not a number at the rank
     if save_s is not None and ev.local_rank == 0:
         st = replace(st, save_times=(*st.save_times, save_s)[-20:])
     saved = ev.figure("saved_step")
+    if saved is not None and not (math.isfinite(saved) and saved >= 0):
+        saved = None
     ej = st.eviction
     if saved is not None and ej is not None and ej.committed_step is None and ev.local_rank == 0:
         st = replace(st, eviction=replace(ej, committed_step=int(saved)))
@@ -390,27 +412,29 @@ def _tick(s: Settings, st: State, now: float) -> tuple[State, list[Action]]:
             ]
         return st, []
     ranks = att.rank_map()
-    slow = any(r.phase in SLOW_PHASES for r in ranks.values())
+    long = any(r.phase in LONG_PHASES for r in ranks.values())
     training = [r for r in ranks.values() if r.phase == "train"]
     if not training:  # still starting up (or loading: that has its own, longer timeout)
-        if now - att.launched_at > s.startup_timeout_s and not slow:
+        if now - att.launched_at > s.startup_timeout_s and not long:
             return _fail(st, att, f"no training step within startup_timeout_s={s.startup_timeout_s:g}", now,
                          "startup_timed_out")  # fmt: skip
     hb = heartbeat_timeout(s, st.step_times)
     for rank, view in sorted(ranks.items()):
         silent = now - view.last_beat
-        if view.phase in SLOW_PHASES:
-            if silent > s.save_timeout_s:
-                return _fail(st, att, f"rank {rank} silent for {silent:.1f}s in phase {view.phase}", now,
-                             "heartbeat_timed_out", rank=rank, timeout_s=s.save_timeout_s)  # fmt: skip
-        elif view.phase == "train" and hb is not None and silent > hb:
-            return _fail(st, att, f"rank {rank} silent for {silent:.1f}s (timeout {hb:.1f}s)", now,
-                         "heartbeat_timed_out", rank=rank, timeout_s=round(hb, 3))  # fmt: skip
+        limit = s.save_timeout_s if view.phase in SLOW_PHASES or (view.phase == "eval" and hb is None) else hb
+        if view.phase in (*LONG_PHASES, "train") and limit is not None and silent > limit:
+            where = "" if view.phase == "train" else f" in phase {view.phase}"
+            return _fail(st, att, f"rank {rank} silent for {silent:.1f}s{where} (timeout {limit:.1f}s)", now,
+                         "heartbeat_timed_out", rank=rank, timeout_s=round(limit, 3))  # fmt: skip
+        if view.phase == "eval" and now - view.since > s.save_timeout_s:  # beating, yet stuck in eval
+            return _fail(st, att, f"rank {rank} in phase eval for {now - view.since:.1f}s (timeout "
+                         f"{s.save_timeout_s:g}s)", now, "progress_timed_out", rank=rank,
+                         timeout_s=s.save_timeout_s)  # fmt: skip
     if training and len(ranks) < att.nproc and hb is not None and now - att.progress_at > hb:
         missing = sorted(set(range(att.nproc)) - set(ranks))
         return _fail(st, att, f"local ranks {missing} never sent a heartbeat", now, "heartbeat_timed_out")
     pt = progress_timeout(s, st.step_times)
-    if pt is not None and training and not slow and not any(r.phase in QUIET_PHASES for r in ranks.values()):
+    if pt is not None and training and not long and not any(r.phase in QUIET_PHASES for r in ranks.values()):
         if now - att.progress_at > pt:
             return _fail(st, att, f"no step progress for {now - att.progress_at:.1f}s (timeout {pt:.1f}s)", now,
                          "progress_timed_out", timeout_s=round(pt, 3))  # fmt: skip

@@ -74,12 +74,19 @@ class WorkersRestarted:
 
 @dataclass(frozen=True)
 class Heartbeat:
+    """A beat of one of this node's ranks, fed at the time it was read off the channel.
+
+    `sent` is the rank's own clock when it sent the beat (any clock that does not jump; the
+    daemon passes the rank's monotonic clock): step times are measured on it, so that beats
+    read late (the supervisor was busy) do not look like slow steps. None: the time it was read."""
+
     attempt: int
     local_rank: int  # ranks are tracked per node: this supervisor sees its own
     step: int
     phase: str
     rank: int = -1  # global rank, for logs
     figures: tuple[tuple[str, float], ...] = ()  # save_s, saved_step, stopped_step, loss, ...
+    sent: float | None = None
 
     def figure(self, name: str) -> float | None:
         return dict(self.figures).get(name)

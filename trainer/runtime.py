@@ -5,13 +5,32 @@
     with rt.phase("load", step=0): state.resume(engine)
     for step in ...:
         ...
-        rt.beat(step, loss=loss, step_time_s=dt)
+        rt.beat(step, "train", loss=loss)
+    with rt.phase("eval"):                 # long work without steps: beats every interval from a thread
+        evaluate(model)
 
-Heartbeats are fire-and-forget datagrams on a UNIX socket whose path the supervisor exports
-(`FTSUP_HEARTBEAT_SOCKET`). Sending never blocks and never raises: a full queue or a missing
-supervisor drops the beat (counted in `dropped`). The client also arms a parent-death signal,
-so that a rank never outlives its torchrun agent (torchrun starts ranks in sessions of their
-own, where signals to the agent's process group do not reach them).
+Heartbeats are small JSON messages on a UNIX `SOCK_SEQPACKET` socket whose path the supervisor
+exports (`FTSUP_HEARTBEAT_SOCKET`). Each rank has a connection of its own, so a process that
+floods the socket fills only its own queue, and the kernel tells the supervisor which process
+sent each message (`SCM_CREDENTIALS`): a beat's `pid` is checked, never trusted. Sending never
+blocks and never raises: a full queue, a missing supervisor or a value that cannot be sent drops
+the beat (counted in `dropped`). The client also arms a parent-death signal, so that a rank
+never outlives its torchrun agent (torchrun starts ranks in sessions of their own, where
+signals to the agent's process group do not reach them).
+
+The wire format (`encode_beat`, checked field by field by `supervisor.heartbeat.parse_beat`):
+one flat JSON object `{"v": PROTOCOL_VERSION, "attempt", "rank", "local_rank", "pid", "step",
+"phase", "t": wall clock, "mono": this machine's monotonic clock, figure: number|null, ...}`,
+at most `MAX_BEAT_BYTES`. Figures (`loss`, `save_s`, `saved_step`, ...) are named by
+`FIGURE_NAME`, at most `MAX_FIGURES` of them; a value that is not finite (a NaN loss) travels
+as null. `mono` times the ranks' steps on their own clock, so that a supervisor that was busy
+for a while does not mistake its own stall for slow steps.
+
+Phases: `init`, `load`, `train`, `eval`, `save`, `done`. In `save` and `load` a rank may stay
+silent up to `heartbeat.save_timeout_s`. In `eval` (work without optimizer steps, such as an
+evaluation) the client beats every `heartbeat.interval_s` (`FTSUP_HEARTBEAT_INTERVAL_S`) from a
+thread of its own, so the rank stays under the heartbeat timeout (a frozen or dead rank is
+still caught) while no step progress is expected, for up to `save_timeout_s`.
 
 Requests come the other way through a small JSON file the supervisor replaces atomically
 (`FTSUP_CONTROL_FILE`): `{"seq": n, "action": "save", "stop": bool, "reason": ..., "deadline_unix": ...}`.
@@ -27,21 +46,80 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import math
 import os
+import re
 import signal
 import socket
+import threading
 import time
-from collections.abc import Iterator, Mapping
+import warnings
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-PHASES = ("init", "load", "train", "save", "done")
 _PR_SET_PDEATHSIG = 1
+
+# ---------------------------------------------------------------------- the wire format
+
+PROTOCOL_VERSION = 2
+PHASES = ("init", "load", "train", "eval", "save", "done")
+KEEPALIVE_PHASES = frozenset({"eval"})  # phases in which the client beats from a thread
+BASE_FIELDS = ("v", "attempt", "rank", "local_rank", "pid", "step", "phase", "t", "mono")
+MAX_BEAT_BYTES = 4096
+MAX_FIGURES = 16
+FIGURE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
+MAX_STEP = 10**12
+MAX_FIGURE_INT = 2**53  # larger integers travel as floats (JSON readers differ beyond this)
+DEFAULT_INTERVAL_S = 0.5
+_SNDBUF_BYTES = 1 << 20  # room for ~2700 beats (~270 where net.core.wmem_max caps it): a busy supervisor loses none
+_RECONNECT_S = 0.05  # at most this often a connect() is tried again after one failed
+
+
+def figure_value(value: object) -> float | int | None:
+    """A figure as it travels: an int or a float, None for a number that is not finite (a NaN
+    loss). ValueError for anything else (bools, strings, tensors of more than one element)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        item = getattr(value, "item", None)  # numpy scalars and 0-d tensors
+        try:
+            value = item() if callable(item) else None
+        except (TypeError, ValueError, RuntimeError):
+            value = None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError("a figure must be a number")
+    if isinstance(value, int):
+        return value if -MAX_FIGURE_INT <= value <= MAX_FIGURE_INT else figure_value(float(value))
+    return value if math.isfinite(value) else None
+
+
+def encode_beat(
+    *, attempt: int, rank: int, local_rank: int, pid: int, step: int, phase: str, t: float, mono: float,
+    figures: Mapping[str, object] | None = None,
+) -> bytes:  # fmt: skip
+    """One heartbeat on the wire. Figures that cannot travel (a bad name, a value that is not a
+    number, more than MAX_FIGURES) are left out; the beat itself always goes."""
+    msg: dict[str, object] = {"v": PROTOCOL_VERSION, "attempt": attempt, "rank": rank, "local_rank": local_rank,
+                              "pid": pid, "step": step, "phase": phase, "t": t, "mono": mono}  # fmt: skip
+    for name, raw in (figures or {}).items():
+        if len(msg) - len(BASE_FIELDS) >= MAX_FIGURES:
+            break
+        if name in msg or not FIGURE_NAME.match(name):
+            continue
+        try:
+            msg[name] = figure_value(raw)
+        except (ValueError, OverflowError):
+            continue
+    return json.dumps(msg, allow_nan=False, separators=(",", ":")).encode()
+
+
+# ---------------------------------------------------------------------- environment
 
 
 @dataclass(frozen=True)
 class RuntimeEnv:
     heartbeat_socket: str | None = None
+    heartbeat_interval_s: float = DEFAULT_INTERVAL_S
     control_file: str | None = None
     checkpoint_dir: str | None = None
     resume_step: int | None = None
@@ -64,8 +142,21 @@ class RuntimeEnv:
             except ValueError:
                 raise ValueError(f"environment variable {key}={raw!r} is not an integer") from None
 
+        def seconds(key: str, default: float) -> float:
+            raw = env.get(key, "").strip()
+            if not raw:
+                return default
+            try:
+                value = float(raw)
+            except ValueError:
+                value = math.nan
+            if not (0 < value < math.inf):
+                raise ValueError(f"environment variable {key}={raw!r} is not a positive number of seconds")
+            return value
+
         return cls(
             heartbeat_socket=env.get("FTSUP_HEARTBEAT_SOCKET") or None,
+            heartbeat_interval_s=seconds("FTSUP_HEARTBEAT_INTERVAL_S", DEFAULT_INTERVAL_S),
             control_file=env.get("FTSUP_CONTROL_FILE") or None,
             checkpoint_dir=env.get("FTSUP_CHECKPOINT_DIR") or None,
             resume_step=num("FTSUP_RESUME_STEP", None),
@@ -77,57 +168,179 @@ class RuntimeEnv:
         )
 
 
+# ---------------------------------------------------------------------- the client
+
+
 class RuntimeClient:
-    def __init__(self, env: RuntimeEnv, *, clock=time.time):  # type: ignore[no-untyped-def]
+    """Heartbeats to the supervisor over one connection per process (a forked child opens its
+    own). Thread-safe: the lock is held only around non-blocking socket calls."""
+
+    def __init__(
+        self, env: RuntimeEnv, *, clock: Callable[[], float] = time.time,
+        mono: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
         self.env = env
         self._clock = clock
+        self._mono = mono
+        self._lock = threading.Lock()
         self._sock: socket.socket | None = None
+        self._sock_pid = 0  # the process that opened _sock (a forked child must not write to it)
+        self._retry_at = -math.inf
         self._phase = "init"
         self._step = env.resume_step or 0
+        self._warned: set[str] = set()
         self.sent = 0
         self.dropped = 0
         self.control = ControlReader(env.control_file)
+        _CLIENTS.add(self)
         if env.heartbeat_socket:
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            self._sock.setblocking(False)
             _arm_parent_death_signal()
 
     @property
     def supervised(self) -> bool:
-        return self._sock is not None
+        return self.env.heartbeat_socket is not None
 
     def beat(self, step: int, phase: str | None = None, **figures: float | int | str) -> None:
         """Report `step` (optimizer steps completed) and the phase; never blocks, never raises."""
-        if phase is not None:
-            self._phase = phase
-        self._step = step
-        if self._sock is None or self.env.heartbeat_socket is None:
-            return
-        msg = {
-            "v": 1, "attempt": self.env.attempt, "rank": self.env.rank, "local_rank": self.env.local_rank,
-            "pid": os.getpid(), "step": step, "phase": self._phase, "t": self._clock(),
-        }  # fmt: skip
-        msg.update(figures)
         try:
-            self._sock.sendto(json.dumps(msg).encode(), self.env.heartbeat_socket)
-            self.sent += 1
-        except OSError:  # no supervisor listening, or its queue is full: drop, never stall training
+            if phase is not None:
+                if phase in PHASES:
+                    self._phase = phase
+                else:
+                    self._warn("phase", f"trainer.runtime: unknown phase {phase!r} ignored (one of {PHASES})")
+            try:
+                s = int(step)
+            except (TypeError, ValueError, OverflowError):
+                s = -1
+            if not 0 <= s <= MAX_STEP:
+                self._warn("step", f"trainer.runtime: step {step!r} is not an integer in [0, {MAX_STEP}]; beat dropped")
+                self.dropped += 1
+                return
+            self._step = s
+            self._send(figures)
+        except Exception as e:  # an adapter boundary: a heartbeat must never take training down
+            self._warn("error", f"trainer.runtime: a heartbeat failed ({e!r}); beats that fail are dropped")
             self.dropped += 1
 
     @contextlib.contextmanager
     def phase(self, name: str, step: int | None = None) -> Iterator[None]:
-        """Mark a long phase (load, save) so that the supervisor applies its longer timeout."""
+        """Mark a long phase so that the supervisor applies its timeouts for it: `load` and `save`
+        may be silent up to save_timeout_s; in `eval` this client beats every interval_s from a
+        thread while the block runs (see the module docstring)."""
         before = self._phase
         self.beat(self._step if step is None else step, name)
+        keepalive = None
+        if name in KEEPALIVE_PHASES and self.supervised:
+            try:
+                keepalive = _KeepAlive(self, self.env.heartbeat_interval_s)
+            except RuntimeError as e:  # no thread to be had: the phase still runs, unbeaten
+                self._warn("thread", f"trainer.runtime: no keepalive thread for phase {name} ({e})")
         try:
             yield
         finally:
+            if keepalive is not None:
+                keepalive.stop()
             self.beat(self._step, before)
 
     def close(self) -> None:
+        with self._lock:
+            self._disconnect()
+
+    # ------------------------------------------------------------------ sending
+
+    def _send(self, figures: Mapping[str, object]) -> None:
+        if not self.env.heartbeat_socket:
+            return
+        e = self.env
+        payload = encode_beat(attempt=e.attempt, rank=e.rank, local_rank=e.local_rank, pid=os.getpid(),
+                              step=self._step, phase=self._phase, t=self._clock(), mono=self._mono(),
+                              figures=figures)  # fmt: skip
+        if len(payload) > MAX_BEAT_BYTES:  # only figures can make it this long: send the beat without them
+            payload = encode_beat(attempt=e.attempt, rank=e.rank, local_rank=e.local_rank, pid=os.getpid(),
+                                  step=self._step, phase=self._phase, t=self._clock(), mono=self._mono())  # fmt: skip
+        with self._lock:
+            for _ in range(2):  # a second try on a fresh connection when the supervisor closed ours
+                sock = self._connected()
+                if sock is None:
+                    break
+                try:
+                    sock.send(payload, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+                except BlockingIOError:  # the supervisor is behind: drop, never stall training
+                    break
+                except OSError:  # the supervisor went away or closed this connection
+                    self._disconnect()
+                    continue
+                self.sent += 1
+                return
+            self.dropped += 1
+
+    def _connected(self) -> socket.socket | None:
+        """The connection of this process, opened if needed (caller holds the lock)."""
+        if self._sock is not None and self._sock_pid == os.getpid():
+            return self._sock
+        self._disconnect()
+        now = self._mono()
+        if now < self._retry_at or not self.env.heartbeat_socket:
+            return None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        try:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SNDBUF_BYTES)
+            sock.connect(self.env.heartbeat_socket)  # AF_UNIX: done at once, or EAGAIN when its backlog is full
+        except OSError:
+            sock.close()
+            self._retry_at = now + _RECONNECT_S
+            return None
+        self._sock, self._sock_pid = sock, os.getpid()
+        return sock
+
+    def _disconnect(self) -> None:
         if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+            self._sock.close()  # in a forked child this closes only the child's copy
+        self._sock, self._sock_pid = None, 0
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # another thread may have held it at the fork
+        self._retry_at = -math.inf
+
+    def _warn(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+class _KeepAlive:
+    """A daemon thread that repeats the client's current beat every `interval_s` until stopped."""
+
+    def __init__(self, client: RuntimeClient, interval_s: float) -> None:
+        self._client = client
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ftsup-keepalive", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self._client.beat(self._client._step)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)  # its loop never blocks: it ends within one send
+
+
+_CLIENTS: weakref.WeakSet[RuntimeClient] = weakref.WeakSet()
+
+
+def _reset_clients_after_fork() -> None:
+    for client in list(_CLIENTS):
+        client._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_reset_clients_after_fork)
+
+
+# ---------------------------------------------------------------------- requests
 
 
 @dataclass(frozen=True)
@@ -205,6 +418,8 @@ def _arm_parent_death_signal() -> None:
     except (OSError, AttributeError):
         pass
 
+
+# ---------------------------------------------------------------------- the process's client
 
 _client: RuntimeClient | None = None
 

@@ -40,11 +40,20 @@ class Driver:
 
     def train(self, steps: range, dt: float = 0.5, ranks: int = 2) -> None:
         att = self.st.attempt
-        assert att is not None
+        assert att is not None and len(steps) > 0, "a train() that feeds no step tests nothing"
         for s in steps:
             self.now += dt
             for r in range(ranks):
-                self.feed(P.Heartbeat(att.number, r, s, "train"))
+                self.feed(P.Heartbeat(att.number, r, s, "train", sent=self.now))
+
+    def beat_all(self, step: int, phase: str, sent: float | None = None, ranks: int = 2) -> None:
+        att = self.st.attempt
+        assert att is not None
+        for r in range(ranks):
+            self.feed(P.Heartbeat(att.number, r, step, phase, sent=sent))
+
+    def hb(self) -> float | None:
+        return P.heartbeat_timeout(self.m.settings, self.st.step_times)
 
     def events(self) -> list[str]:
         return [a.event for a in self.actions if isinstance(a, P.Log)]
@@ -72,9 +81,15 @@ def test_a_rank_silent_past_the_learned_timeout_is_a_hang():
     assert d.st.phase == "stopping"
 
 
-def test_the_learned_timeout_follows_slow_steps():
+def test_the_learned_timeout_is_the_multiplier_times_the_p99_step_time():
     assert P.heartbeat_timeout(S, [4.0] * 50) == 12.0
+
+
+def test_the_learned_timeout_is_never_below_min_timeout_s():
     assert P.heartbeat_timeout(S, [0.1] * 50) == 2.0
+
+
+def test_there_is_no_learned_timeout_before_a_step_was_seen():
     assert P.heartbeat_timeout(S, []) is None
 
 
@@ -87,12 +102,27 @@ def test_a_save_much_longer_than_a_step_is_not_a_hang():
     d = Driver()
     d.launch()
     d.train(range(1, 11), dt=0.5)
-    for r in range(2):
-        d.feed(P.Heartbeat(1, r, 10, "save"))
-    assert d.feed(P.Tick(), at=d.now + 20 * 0.5 * 9) == []  # a save 90 s long, 20x longer than a step
-    assert d.st.phase == "running"
-    acts = d.feed(P.Tick(), at=d.now + 11)  # past save_timeout_s=100
-    assert any(isinstance(a, P.StopWorkers) for a in acts)
+    d.beat_all(10, "save")
+    assert (d.feed(P.Tick(), at=d.now + 90), d.st.phase) == ([], "running")  # a save 180 steps long
+
+
+def test_a_rank_silent_in_a_save_past_save_timeout_s_is_a_hang():
+    d = Driver()
+    d.launch()
+    d.train(range(1, 11), dt=0.5)
+    d.beat_all(10, "save")
+    acts = d.feed(P.Tick(), at=d.now + 101)  # past save_timeout_s=100
+    assert P.StopWorkers(1, "rank 0 silent for 101.0s in phase save (timeout 100.0s)") in acts
+
+
+def test_coming_back_from_a_long_save_starts_the_progress_clock_again():
+    d = Driver()
+    d.launch()
+    d.train(range(1, 11), dt=0.5)  # progress timeout: 2 x 2 s
+    d.beat_all(10, "save")
+    d.now += 90
+    d.beat_all(10, "train")  # the save is over; the next step is under way
+    assert d.feed(P.Tick(), at=d.now + 1.5) == []
 
 
 def test_no_first_step_within_the_startup_timeout_fails_the_attempt():
@@ -114,12 +144,15 @@ def test_a_long_load_is_not_a_startup_timeout():
 def test_heartbeats_without_step_progress_time_out():
     d = Driver(P.Settings(nproc_max=2, progress_timeout_s=10.0, heartbeat_timeout_s=100.0))
     d.launch()
-    d.train(range(1, 3))
-    for _ in range(1, 12):
-        d.feed(P.Heartbeat(1, 0, 2, "train"), at=d.now + 1)
-        d.feed(P.Heartbeat(1, 1, 2, "train"))
-        acts = d.feed(P.Tick())
-    assert "progress_timed_out" in [a.event for a in acts if isinstance(a, P.Log)]
+    d.train(range(1, 3))  # step 2 at t=1.0
+    for _ in range(10):
+        d.now += 1
+        d.beat_all(2, "train")
+        d.feed(P.Tick())
+    assert "progress_timed_out" not in d.events()  # 10 s without a step: not yet past the timeout
+    d.beat_all(2, "train")
+    d.feed(P.Tick(), at=d.now + 0.5)
+    assert "progress_timed_out" in d.events()
 
 
 def test_a_failure_restarts_after_exponential_backoff_from_the_latest_checkpoint():
@@ -138,7 +171,7 @@ def test_backoff_doubles_up_to_the_maximum():
     assert [P.backoff_s(S, n) for n in range(1, 7)] == [1, 2, 4, 8, 8, 8]
 
 
-def test_attempts_without_step_progress_trip_the_crash_loop_breaker():
+def test_attempts_that_beat_but_never_pass_their_resume_step_trip_the_crash_loop_breaker():
     d = Driver()
     d.launch()
     d.train(range(1, 5))
@@ -149,11 +182,10 @@ def test_attempts_without_step_progress_trip_the_crash_loop_breaker():
         d.feed(P.Tick(), at=d.st.resume_at)
         d.feed(P.LaunchReady(2, 4))
         d.feed(P.WorkersStarted(d.st.attempt.number))
-        d.train(range(5, 5), dt=0.1)  # dies before finishing step 5 every time
-    exits = [a for a in d.actions if isinstance(a, P.Exit)]
-    assert [e.code for e in exits] == [P.EXIT_CRASH_LOOP]
-    assert "crash_loop_detected" in d.events()
-    assert d.st.attempt_no == 4  # the first attempt progressed; three more did not
+        d.beat_all(4, "load")
+        d.beat_all(4, "train")  # resumed at step 4, dies before finishing step 5 every time
+    exits = [(a.code, d.st.attempt_no) for a in d.actions if isinstance(a, P.Exit)]
+    assert exits == [(P.EXIT_CRASH_LOOP, 4)]  # the first attempt progressed; three more did not
 
 
 def test_the_restart_budget_is_counted_in_a_window():
@@ -237,3 +269,102 @@ def test_a_job_that_dies_at_the_same_step_without_checkpoints_is_a_crash_loop():
         d.train(range(1, 3), ranks=1)  # reaches step 2, never a checkpoint
         d.feed(P.WorkersExited(d.st.attempt.number, 1))
     assert [a.code for a in d.actions if isinstance(a, P.Exit)] == [P.EXIT_CRASH_LOOP]
+
+
+# ---------------------------------------------------------------------- step times from the ranks' clocks
+
+
+def test_a_supervisor_stall_does_not_inflate_the_learned_timeout():
+    d = Driver()
+    d.launch()
+    d.train(range(1, 11), dt=0.5)
+    sent = d.now
+    d.now += 20  # the supervisor did not read for 20 s; the ranks kept stepping every 0.5 s
+    for step in range(11, 51):
+        sent += 0.5
+        d.beat_all(step, "train", sent=sent)  # all read at once, after the stall
+    assert d.hb() == 2.0
+
+
+def test_beats_read_after_a_supervisor_stall_keep_the_ranks_alive():
+    d = Driver()
+    d.launch()
+    d.train(range(1, 11), dt=0.5)
+    d.now += 20
+    d.beat_all(11, "train", sent=d.now - 19.5)  # queued long ago, read just now
+    assert d.feed(P.Tick()) == []
+
+
+def test_a_step_that_spans_a_save_is_not_counted_as_a_step_time():
+    d = Driver()
+    d.launch()
+    d.train(range(1, 11), dt=0.5)
+    d.beat_all(10, "save", sent=d.now)
+    d.now += 60
+    d.beat_all(10, "train", sent=d.now)  # back from a 60 s save
+    d.train(range(11, 13), dt=0.5)
+    assert (max(d.st.step_times), d.hb()) == (0.5, 2.0)
+
+
+def test_step_times_come_from_the_ranks_clock_not_from_when_beats_are_read():
+    d = Driver()
+    d.launch()
+    for step in range(1, 20):
+        d.now += 0.1  # read every 0.1 s, sent 2 s apart (the rank measured its steps)
+        d.beat_all(step, "train", sent=2.0 * step)
+    assert d.hb() == 6.0
+
+
+def test_a_non_finite_save_time_is_not_a_measured_save():
+    d = Driver()
+    d.launch()
+    d.train(range(1, 3))
+    d.feed(P.Heartbeat(1, 0, 2, "train", figures=(("save_s", float("nan")),)))
+    assert d.st.save_times == ()
+
+
+# ---------------------------------------------------------------------- phase eval
+
+
+def test_a_rank_in_eval_that_keeps_beating_is_neither_a_hang_nor_stuck():
+    d = Driver()
+    d.launch()
+    d.train(range(1, 11), dt=0.5)  # heartbeat timeout 2 s, progress timeout 4 s
+    for _ in range(120):  # a 60 s evaluation, beating every 0.5 s
+        d.now += 0.5
+        d.beat_all(10, "eval")
+        d.feed(P.Tick())
+    assert [e for e in d.events() if e.endswith("timed_out")] == []
+
+
+def test_a_rank_silent_in_eval_past_the_heartbeat_timeout_is_a_hang():
+    d = Driver()
+    d.launch()
+    d.train(range(1, 11), dt=0.5)
+    d.beat_all(10, "eval")
+    d.now += 1.0
+    d.feed(P.Heartbeat(1, 1, 10, "eval"))
+    acts = d.feed(P.Tick(), at=d.now + 1.5)  # rank 0 silent for 2.5 s, over the learned 2 s
+    assert P.StopWorkers(1, "rank 0 silent for 2.5s in phase eval (timeout 2.0s)") in acts
+
+
+def test_a_rank_that_beats_in_eval_past_save_timeout_s_is_stuck():
+    d = Driver()
+    d.launch()
+    d.train(range(1, 11), dt=0.5)
+    acts: list[P.Action] = []
+    for _ in range(102):  # 102 s in eval, save_timeout_s=100
+        d.now += 1.0
+        d.beat_all(10, "eval")
+        acts += d.feed(P.Tick())
+    assert P.StopWorkers(1, "rank 0 in phase eval for 101.0s (timeout 100s)") in acts
+
+
+def test_a_long_eval_before_the_first_step_is_not_a_startup_timeout():
+    d = Driver()
+    d.launch()
+    for _ in range(80):  # 80 s of eval; startup_timeout_s=60
+        d.now += 1.0
+        d.beat_all(0, "eval")
+        d.feed(P.Tick())
+    assert d.events().count("startup_timed_out") == 0

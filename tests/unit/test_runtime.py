@@ -1,0 +1,116 @@
+"""The rank's end of the heartbeat channel (`trainer.runtime`) against a real receiver in this
+process: beats never block or raise, what cannot travel is left out, eval keeps beating."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from supervisor.heartbeat import HeartbeatReceiver
+from tests.procs import wait_for
+from trainer.runtime import MAX_FIGURES, RuntimeClient, RuntimeEnv
+
+
+@pytest.fixture
+def receiver(tmp_path: Path):
+    with HeartbeatReceiver(tmp_path / "run") as r:
+        yield r
+
+
+def client(receiver: HeartbeatReceiver | None, interval_s: float = 0.5) -> RuntimeClient:
+    path = str(receiver.path) if receiver is not None else "/nonexistent/heartbeat.sock"
+    return RuntimeClient(RuntimeEnv(heartbeat_socket=path, heartbeat_interval_s=interval_s, attempt=1))
+
+
+def test_a_beat_without_a_supervisor_is_dropped_and_counted_never_raised():
+    c = client(None)
+    c.beat(1, "train", loss=1.0)
+    assert (c.sent, c.dropped) == (0, 1)
+
+
+def test_a_beat_never_blocks_when_the_supervisor_reads_nothing(receiver):
+    c = client(receiver)
+    t0 = time.monotonic()
+    for step in range(20_000):  # far more than the connection's queue holds
+        c.beat(step, "train")
+    assert (c.dropped > 0, time.monotonic() - t0 < 10) == (True, True)
+
+
+def test_figures_that_cannot_travel_are_left_out_and_the_beat_goes(receiver):
+    c = client(receiver)
+    c.beat(3, "train", loss=math.nan, save_s=0.5, big=2**60, note="text", huge=10**400, pid=1, **{"a-b": 1.0})
+    (beat,) = receiver.drain()
+    assert (beat.pid, [name for name, _ in beat.figures]) == (os.getpid(), ["big", "loss", "save_s"])
+
+
+def test_at_most_max_figures_travel(receiver):
+    client(receiver).beat(3, "train", **{f"f{i:02d}": float(i) for i in range(MAX_FIGURES + 5)})
+    (beat,) = receiver.drain()
+    assert len(beat.figures) == MAX_FIGURES
+
+
+def test_an_unknown_phase_keeps_the_last_one_and_warns(receiver):
+    c = client(receiver)
+    c.beat(1, "train")
+    with pytest.warns(RuntimeWarning, match="unknown phase 'evaluate'"):
+        c.beat(2, "evaluate")
+    assert [b.phase for b in receiver.drain()] == ["train", "train"]
+
+
+def test_a_step_that_is_not_a_count_is_dropped_with_a_warning(receiver):
+    c = client(receiver)
+    with pytest.warns(RuntimeWarning, match="step"):
+        c.beat(-5, "train")
+    assert (receiver.drain(), c.dropped) == ([], 1)
+
+
+def test_the_interval_comes_from_the_environment():
+    env = RuntimeEnv.from_environ({"FTSUP_HEARTBEAT_SOCKET": "/x", "FTSUP_HEARTBEAT_INTERVAL_S": "0.25"})
+    assert env.heartbeat_interval_s == 0.25
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "nan", "inf"])
+def test_an_interval_that_is_not_a_positive_duration_is_an_error(value):
+    with pytest.raises(ValueError, match="FTSUP_HEARTBEAT_INTERVAL_S"):
+        RuntimeEnv.from_environ({"FTSUP_HEARTBEAT_INTERVAL_S": value})
+
+
+def test_in_eval_the_client_beats_every_interval_until_the_block_ends(receiver):
+    c = client(receiver, interval_s=0.02)
+    beats = []
+
+    def eval_beats() -> int:
+        beats.extend(receiver.drain())
+        return sum(b.phase == "eval" for b in beats) >= 5
+
+    with c.phase("eval", step=4):
+        wait_for(eval_beats, 10, "fewer than 5 eval beats")
+    keepalives = [t for t in threading.enumerate() if t.name == "ftsup-keepalive"]
+    beats += receiver.drain()
+    assert (beats[-1].phase, beats[-1].step, keepalives) == ("init", 4, [])
+
+
+def test_a_client_whose_connection_was_closed_reconnects(receiver):
+    c = client(receiver)
+    c.beat(1, "train")
+    receiver.drain(admit=lambda pid: False)  # dropped as foreign: the receiver hangs up
+    c.beat(2, "train")
+    assert [b.step for b in receiver.drain()] == [2]
+
+
+def test_a_forked_child_beats_on_a_connection_of_its_own(receiver):
+    c = client(receiver)
+    c.beat(1, "train")
+    pid = os.fork()
+    if pid == 0:  # the child: one beat, then leave without running any cleanup of the parent's
+        c.beat(2, "train")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    c.beat(3, "train")
+    got = sorted((b.step, b.pid) for b in receiver.drain())
+    assert got == [(1, os.getpid()), (2, pid), (3, os.getpid())]
