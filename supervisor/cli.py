@@ -82,6 +82,7 @@ def build_parser(*, load_bench: bool = False) -> argparse.ArgumentParser:
     # (ARCHITECTURE section 5) slot in here as they are written.
     _add_run(commands)
     _add_status(commands)
+    _add_config(commands)
     _add_ckpt(commands)
     _add_bench(commands, load=load_bench)
     _add_demo(commands)
@@ -114,6 +115,32 @@ def cmd_run(args: argparse.Namespace) -> int:
     if daemon.crash is not None:
         print(f"ftsup: error: {daemon.crash}", file=sys.stderr)
     return code
+
+
+def _add_config(commands: Any) -> None:
+    config = commands.add_parser("config", help="check a job config")
+    actions = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    p = actions.add_parser(
+        "check",
+        help="check a job config as `ftsup run` would before it starts anything",
+        description="Parse and validate JOB.yaml, then check what it names on this host (job.workdir, "
+        "checkpoint.dir, job.state_dir, logging.dir, job.command[0] on the ranks' PATH). Exit 0 and one line "
+        "when `ftsup run` would accept it; exit 2 and one line naming the key otherwise.",
+    )
+    p.add_argument("config", metavar="JOB.yaml", type=Path, help="the job's YAML config")
+    p.set_defaults(handler=cmd_config_check)
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    from supervisor import preflight
+    from supervisor.config import load_config
+
+    cfg = load_config(args.config)
+    preflight.check(cfg)
+    print(
+        f"{args.config}: ok (run_id {cfg.job.run_id}, node {cfg.launch.node_id}, checkpoints in {cfg.checkpoint.dir})"
+    )
+    return EXIT_OK
 
 
 def _add_status(commands: Any) -> None:

@@ -275,3 +275,18 @@ def test_a_config_reached_through_a_symlink_is_read(tmp_path: Path) -> None:
     (tmp_path / "real.yaml").write_text(yaml.safe_dump(good(tmp_path)))
     (tmp_path / "job.yaml").symlink_to(tmp_path / "real.yaml")
     assert load_config(tmp_path / "job.yaml").checkpoint.dir == tmp_path / "ckpt"
+
+
+def test_config_check_accepts_what_ftsup_run_would_start(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(good(tmp_path)))
+    code = main(["config", "check", str(config)])
+    out, err = capsys.readouterr()
+    assert (code, out.startswith(f"{config}: ok"), err) == (0, True, "")
+
+
+def test_config_check_refuses_what_ftsup_run_would_refuse(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    case = next(c for c in CASES if c.kind == "missing workdir")
+    code = main(["config", "check", str(write_config(tmp_path, case))])
+    _, err = capsys.readouterr()
+    assert (code, len(err.splitlines()), "job.workdir" in err) == (2, 1, True)
