@@ -203,3 +203,16 @@ def test_a_bug_in_the_loop_exits_1_with_one_line_and_the_traceback_in_the_log(
         "supervisor_exited",
         1,
     )
+
+
+def refuse_the_runtime_dir(self: Daemon) -> Path:
+    raise PermissionError(13, "Permission denied", str(self.node_dir / "run"))
+
+
+def test_an_io_error_while_starting_exits_1_with_one_line_naming_the_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], restore_structlog: None
+) -> None:
+    monkeypatch.setattr(Daemon, "_make_runtime_dir", refuse_the_runtime_dir)
+    code = main(["run", "--config", str(write_config(tmp_path))])
+    last_line = capsys.readouterr().err.splitlines()[-1]
+    assert (code, last_line) == (1, f"ftsup: error: cannot start: {tmp_path / 'state' / 'run'}: Permission denied")
