@@ -26,7 +26,7 @@ def test_the_checkpoint_directory_replaced_by_a_file_mid_run_is_survived_and_the
     loss = tmp_path / "loss.jsonl"
     # No periodic save (only the final one, once the directory is back): the outage is the supervisor's to ride.
     cfg = {
-        "job": {"command": [sys.executable, "-m", "trainer.examples.gpt", "--steps", "60", "--ckpt-every", "1000",
+        "job": {"command": [sys.executable, "-m", "trainer.examples.gpt", "--steps", "100", "--ckpt-every", "1000",
                             "--n-layer", "1", "--n-embd", "32", "--seq-len", "16", "--corpus-bytes", "50000",
                             "--min-step-s", "0.1", "--loss-log", str(loss)],
                 "workdir": str(REPO), "state_dir": str(tmp_path / "state"), "env": {"PYTHONPATH": str(REPO)}},
