@@ -8,9 +8,11 @@ Subcommands (ARCHITECTURE section 5 is the contract for names, flags and JSON sh
     ftsup bench recovery ...                           `supervisor.bench_recovery` (torch-free)
     ftsup demo [--dir DIR] [--steps N] [--json FILE]   `supervisor.demo`: faults injected, bitwise check
 
-Exit statuses: 0 success; 1 the command ran and found a problem (verify: not consistent);
-2 usage errors, a missing directory or checkpoint, or any `CheckpointError`, reported as one
-line `ftsup: error: ...` on stderr.
+Exit statuses: 0 success; 1 the command ran and found a problem (verify: not consistent), or an
+internal error (its traceback on stderr, then one line); 2 usage errors, a bad config, a missing or
+unreadable file, directory or checkpoint, or any `CheckpointError`, reported as one line
+`ftsup: error: ...` on stderr. `ftsup run` has statuses of its own (README, `supervisor.policy`):
+2 only for what is refused before anything starts, 1 for any failure after that.
 
 This module never imports torch: `trainer.checkpoint.layout` is stdlib-only, and the
 benchmark module is imported only when `ftsup bench` is what was asked for. It does not
@@ -23,13 +25,14 @@ import argparse
 import importlib
 import json
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from supervisor.errors import SupervisorError, UsageError
+from supervisor.errors import RunError, SupervisorError, UsageError, error_line
 from trainer.checkpoint import layout
 from trainer.checkpoint.errors import CheckpointError, NoCheckpointError
 
@@ -55,10 +58,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return e.code if isinstance(e.code, int) else EXIT_USAGE
         handler: Handler = args.handler
         return handler(args)
+    # The CLI boundary: a user gets one actionable line, not a traceback, for everything we can name.
+    except RunError as e:
+        print(f"ftsup: error: {e}", file=sys.stderr)
+        return EXIT_PROBLEM
     except (CheckpointError, SupervisorError, OSError) as e:
-        # The CLI boundary: a user gets one actionable line, not a traceback.
         print(f"ftsup: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except Exception as e:  # a bug: the traceback is what its report needs; the last line says what happened
+        traceback.print_exc(file=sys.stderr)
+        print(f"ftsup: error: internal error: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_PROBLEM
 
 
 def build_parser(*, load_bench: bool = False) -> argparse.ArgumentParser:
@@ -72,6 +82,7 @@ def build_parser(*, load_bench: bool = False) -> argparse.ArgumentParser:
     # (ARCHITECTURE section 5) slot in here as they are written.
     _add_run(commands)
     _add_status(commands)
+    _add_config(commands)
     _add_ckpt(commands)
     _add_bench(commands, load=load_bench)
     _add_demo(commands)
@@ -88,11 +99,48 @@ def _add_run(commands: Any) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from supervisor import preflight
     from supervisor.config import load_config
     from supervisor.daemon import Daemon
 
-    cfg = load_config(args.config)  # a ConfigError becomes one line and exit 2, before anything starts
-    return Daemon(cfg).run()
+    # A ConfigError, from the file or from what it names on this host, becomes one line and exit 2: nothing
+    # has started yet. From here on, no failure is a config error: a service manager restarts on 1, not on 2.
+    cfg = load_config(args.config)
+    preflight.check(cfg)
+    try:
+        daemon = Daemon(cfg)
+        code = daemon.run()
+    except OSError as e:
+        raise RunError(f"cannot start: {error_line(e)}") from e
+    if daemon.crash is not None:
+        print(f"ftsup: error: {daemon.crash}", file=sys.stderr)
+    return code
+
+
+def _add_config(commands: Any) -> None:
+    config = commands.add_parser("config", help="check a job config")
+    actions = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    p = actions.add_parser(
+        "check",
+        help="check a job config as `ftsup run` would before it starts anything",
+        description="Parse and validate JOB.yaml, then check what it names on this host (job.workdir, "
+        "checkpoint.dir, job.state_dir, logging.dir, job.command[0] on the ranks' PATH). Exit 0 and one line "
+        "when `ftsup run` would accept it; exit 2 and one line naming the key otherwise.",
+    )
+    p.add_argument("config", metavar="JOB.yaml", type=Path, help="the job's YAML config")
+    p.set_defaults(handler=cmd_config_check)
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    from supervisor import preflight
+    from supervisor.config import load_config
+
+    cfg = load_config(args.config)
+    preflight.check(cfg)
+    print(
+        f"{args.config}: ok (run_id {cfg.job.run_id}, node {cfg.launch.node_id}, checkpoints in {cfg.checkpoint.dir})"
+    )
+    return EXIT_OK
 
 
 def _add_status(commands: Any) -> None:

@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from supervisor import config_values
+from supervisor import config_file, config_values
 from supervisor.config_values import Section, Where
 from supervisor.errors import ConfigError
+from supervisor.policy_io import Settings
 
 SECTIONS = ("job", "launch", "checkpoint", "heartbeat", "restart", "eviction", "metrics", "logging")
 PROVIDERS = config_values.PROVIDERS  # eviction.providers, checked in config_values
@@ -42,6 +43,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("json", "console")
 
 _EXAMPLE = "deploy/examples/job.yaml"
+MAX_WORLD_SIZE = 1_000_000
 
 
 # --------------------------------------------------------------------------- the sections
@@ -251,15 +253,7 @@ def load_config(path: str | os.PathLike[str], *, hostname: str | None = None) ->
     """
     source = os.fspath(path)
     absolute = Path(os.path.abspath(source))
-    try:
-        text = absolute.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: no such file; pass the path of a job config (example: {_EXAMPLE})") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{source}: not UTF-8 text (bad byte at offset {e.start}); save it as UTF-8") from None
-    except OSError as e:
-        raise ConfigError(f"{source}: cannot read it: {e.strerror or e}") from None
-    raw = config_values.load_yaml(text, source)
+    raw = config_file.load_yaml(config_file.read_text(source, absolute, example=_EXAMPLE), source)
     if raw is None:
         raise ConfigError(
             f"{source}: the file is empty (or only comments); a job config needs at least job.command "
@@ -349,8 +343,8 @@ def _parse_launch(sec: Section, *, run_id: str, hostname: str | None) -> LaunchC
     auto: Literal["auto"] = "auto"
     nproc = sec.optional("nproc_per_node", config_values.nproc, auto)
     nnodes = sec.optional("nnodes", config_values.nnodes, "1")
-    min_world = sec.optional("min_world_size", config_values.integer(1), 1)
-    max_world = sec.nullable("max_world_size", config_values.integer(1))
+    min_world = sec.optional("min_world_size", config_values.integer(1, MAX_WORLD_SIZE), 1)
+    max_world = sec.nullable("max_world_size", config_values.integer(1, MAX_WORLD_SIZE))
     node_id = sec.optional("node_id", config_values.identifier, None)
     config = LaunchConfig(
         node_id=node_id if node_id is not None else _hostname(sec.where.child("node_id"), hostname),
@@ -362,8 +356,8 @@ def _parse_launch(sec: Section, *, run_id: str, hostname: str | None) -> LaunchC
         rdzv_endpoint=sec.nullable("rdzv_endpoint", config_values.host_port(min_port=1, example="node0:29400")),
         health_command=sec.nullable("health_command", config_values.argv),
         torchrun_args=sec.optional("torchrun_args", config_values.torchrun_args, ()),
-        global_batch=sec.nullable("global_batch", config_values.integer(1)),
-        micro_batch=sec.nullable("micro_batch", config_values.integer(1)),
+        global_batch=sec.nullable("global_batch", config_values.integer(1, 2**40)),
+        micro_batch=sec.nullable("micro_batch", config_values.integer(1, 2**40)),
     )
 
     if max_world is not None and min_world > max_world:
@@ -399,7 +393,7 @@ def _check_batches(sec: Section, config: LaunchConfig) -> None:
     else:
         return  # the upper bound is known only once "auto" is resolved; the daemon clamps then
     low = config.min_world_size
-    if not any(g % (w * per) == 0 for w in range(low, high + 1)):
+    if g % per or not any(low <= w <= high for w in _divisors(g // per)):
         split = f"world_size x micro_batch {per}" if micro is not None else "world_size"
         sec.fail(
             "global_batch",
@@ -408,10 +402,16 @@ def _check_batches(sec: Section, config: LaunchConfig) -> None:
         )
 
 
+def _divisors(n: int) -> list[int]:
+    """Every divisor of `n` >= 1 (about 2 sqrt(n) steps: world size ranges can span a million)."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return small + [n // d for d in small]
+
+
 def _hostname(where: Where, given: str | None) -> str:
     """The default `launch.node_id`: `given`, else the hostname (this module's one I/O besides reading the file)."""
     name = given if given is not None else socket.gethostname()
-    if not config_values.ID.match(name):
+    if len(name) > config_values.MAX_ID_CHARS or not config_values.ID.match(name):
         where.fail(f"the hostname {name!r} is not a valid id; set launch.node_id explicitly")
     return name
 
@@ -425,7 +425,7 @@ def _parse_heartbeat(sec: Section) -> HeartbeatConfig:
         save_timeout_s=sec.optional("save_timeout_s", config_values.seconds(), 900.0),
         min_timeout_s=sec.optional("min_timeout_s", config_values.seconds(), 2.0),
         step_time_multiplier=sec.optional(
-            "step_time_multiplier", config_values.number(low=1.0, low_ok=True, unit=""), 3.0
+            "step_time_multiplier", config_values.number(low=1.0, low_ok=True, high=1000.0, unit=""), 3.0
         ),
         interval_s=sec.optional("interval_s", config_values.seconds(), 0.5),
     )
@@ -443,11 +443,13 @@ def _parse_heartbeat(sec: Section) -> HeartbeatConfig:
 
 def _parse_restart(sec: Section) -> RestartConfig:
     config = RestartConfig(
-        max_restarts=sec.optional("max_restarts", config_values.integer(0), 10),
+        max_restarts=sec.optional("max_restarts", config_values.integer(0, 1_000_000), 10),
         window_s=sec.optional("window_s", config_values.seconds(), 3600.0),
         backoff_initial_s=sec.optional("backoff_initial_s", config_values.seconds(zero_ok=True), 1.0),
         backoff_max_s=sec.optional("backoff_max_s", config_values.seconds(zero_ok=True), 60.0),
-        max_attempts_without_progress=sec.optional("max_attempts_without_progress", config_values.integer(1), 3),
+        max_attempts_without_progress=sec.optional(
+            "max_attempts_without_progress", config_values.integer(1, 1_000_000), 3
+        ),
         stop_grace_s=sec.optional("stop_grace_s", config_values.seconds(), 10.0),
     )
     if config.backoff_max_s < config.backoff_initial_s:
@@ -478,3 +480,16 @@ def _parse_eviction(sec: Section, base: Path) -> EvictionConfig:
             f"{config.default_deadline_s:g}; lower save_margin_s or raise default_deadline_s",
         )
     return config
+
+
+def settings_from(cfg: JobConfig, nproc_max: int) -> Settings:
+    """The policy's settings: this config, with `launch.nproc_per_node` resolved to `nproc_max`."""
+    hb, rs, ln = cfg.heartbeat, cfg.restart, cfg.launch
+    return Settings(
+        nproc_max=nproc_max, min_world_size=ln.min_world_size, max_world_size=ln.max_world_size,
+        nnodes_max=ln.max_nodes, heartbeat_timeout_s=hb.timeout_s, progress_timeout_s=hb.progress_timeout_s,
+        startup_timeout_s=hb.startup_timeout_s, save_timeout_s=hb.save_timeout_s, min_timeout_s=hb.min_timeout_s,
+        step_time_multiplier=hb.step_time_multiplier, max_restarts=rs.max_restarts, window_s=rs.window_s,
+        backoff_initial_s=rs.backoff_initial_s, backoff_max_s=rs.backoff_max_s,
+        max_attempts_without_progress=rs.max_attempts_without_progress, save_margin_s=cfg.eviction.save_margin_s,
+    )  # fmt: skip

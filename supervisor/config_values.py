@@ -6,9 +6,10 @@ The building blocks of `supervisor.config`:
   mean" from `suggest`) and whose values are read as `required`, `optional` (null refused) or `nullable`;
 - a parse function (`Parse[T]`) takes a raw value and its `Where` and returns a `T` or fails: `integer`,
   `seconds`, `string`, `path`, `argv`, `host_port`, `signals`, ...; messages show the wrong value as YAML spells
-  it (`describe`) and say how to write it instead;
-- `load_yaml` reads text with PyYAML's SafeLoader minus base-60 integers, with YAML 1.2 floats (`1e3` is a
-  number) and with duplicate keys refused; `plain_dataclass` turns a parsed config back into JSON-ready values.
+  it (`describe`) and say how to write it instead; every value is bounded (lengths, counts, magnitudes);
+- `plain_dataclass` turns a parsed config back into JSON-ready values.
+
+Reading the file and its YAML is `supervisor.config_file`.
 
 It does not assemble the sections: which keys a section has, their defaults and the rules between keys are
 `supervisor.config`'s (a few messages name the key to use instead, such as for a torchrun flag that ftsup sets).
@@ -22,19 +23,31 @@ import math
 import os
 import re
 import signal
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar
 from urllib.parse import urlsplit
 
-import yaml
-
 from supervisor.errors import ConfigError
 
-# Ids name files, the rendezvous and FTSUP_RUN_ID: keep them to characters that are safe in all three.
+# Ids name files, the rendezvous and FTSUP_RUN_ID: keep them to characters that are safe in all three, and short
+# (64 is the longest hostname Linux allows, and the hostname is the default node id).
 ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
+MAX_ID_CHARS = 64
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+# Bounds on what a config may hold. A job config is a few kilobytes; these only stop a hostile or broken file
+# from costing memory or time, or from failing later at exec (the kernel caps one argument at 128 KiB and the
+# argument list plus the environment at 2 MiB; a NUL cannot be passed at all).
+MAX_STRING_CHARS = 4096  # paths (PATH_MAX), URLs, names
+MAX_ARG_CHARS = 32_768
+MAX_ARGS = 1024
+MAX_ARGV_CHARS = 262_144
+MAX_ENV_VARS = 1024
+MAX_SECONDS = 1e8  # about three years: longer is a typo, and some waits cannot take more (threading.TIMEOUT_MAX)
+MAX_NPROC_PER_NODE = 4096
+MAX_NODES = 100_000
 PROVIDERS = ("aws", "gcp", "azure")
 # torchrun flags that ftsup derives from the config; passing them again would contradict it.
 _TORCHRUN_OWNED = {
@@ -149,6 +162,13 @@ def describe(value: object) -> str:
     return f"a {type(value).__name__} ({value!s})"
 
 
+def file_kind(mode: int) -> str:
+    """What an `st_mode` is, as messages say it: "a file", "a directory", "a FIFO", ..."""
+    kinds = {stat.S_ISREG: "a file", stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket",
+             stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}  # fmt: skip
+    return next((name for test, name in kinds.items() if test(mode)), "a special file")
+
+
 def _yaml_repr(value: object) -> str:
     if isinstance(value, tuple):
         return "[" + ", ".join(str(v) for v in value) + "]"
@@ -161,8 +181,9 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def integer(minimum: int) -> Parse[int]:
-    """A parse function for whole numbers of at least `minimum` (a quoted "3" or a 3.0 is refused, with the fix)."""
+def integer(minimum: int, maximum: int = 2**31 - 1) -> Parse[int]:
+    """A parse function for whole numbers from `minimum` to `maximum` (a quoted "3" or a 3.0 is refused, with the
+    fix)."""
 
     def parse(value: object, where: Where) -> int:
         if not isinstance(value, int) or isinstance(value, bool):
@@ -173,26 +194,42 @@ def integer(minimum: int) -> Parse[int]:
                 hint = f"; write {int(value)}"
             where.fail(f"expected a whole number >= {minimum}, got {describe(value)}{hint}")
         if value < minimum:
-            where.fail(f"must be at least {minimum}, got {value}")
+            where.fail(f"must be at least {minimum}, got {_short_number(value)}")
+        if value > maximum:
+            where.fail(f"must be at most {maximum}, got {_short_number(value)}")
         return value
 
     return parse
 
 
-def number(*, low: float, low_ok: bool, unit: str = " seconds", fix: str = "") -> Parse[float]:
-    """A parse function for finite numbers above `low` (or equal to it when `low_ok`); `fix` ends its messages."""
+def _short_number(value: int | float) -> str:
+    """A number as a message shows it: a 400-digit integer is not printed whole."""
+    text = repr(value)
+    return text if len(text) <= 24 else f"{text[:12]}... ({len(text)} digits)"
+
+
+def number(
+    *, low: float, low_ok: bool, high: float = MAX_SECONDS, unit: str = " seconds", fix: str = ""
+) -> Parse[float]:
+    """A parse function for finite numbers above `low` (or equal to it when `low_ok`) and at most `high`; `fix`
+    ends its messages."""
 
     def parse(value: object, where: Where) -> float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             what = "a number of seconds" if unit else "a number"
             hint = "; write a plain number (every *_s key is in seconds)" if unit and isinstance(value, str) else ""
             where.fail(f"expected {what}, got {describe(value)}{hint}")
-        result = float(value)
+        try:
+            result = float(value)
+        except OverflowError:  # an integer too large for a float
+            where.fail(f"must be at most {high:g}{unit}, got {_short_number(value)}{fix}")
         if not math.isfinite(result):
             where.fail(f"{value!r} is not a finite number; write a finite value{fix}")
         if result < low or (result == low and not low_ok):
             bound = "at least" if low_ok else "above"
-            where.fail(f"must be {bound} {low:g}{unit}, got {value!r}{fix}")
+            where.fail(f"must be {bound} {low:g}{unit}, got {_short_number(value)}{fix}")
+        if result > high:
+            where.fail(f"must be at most {high:g}{unit}, got {_short_number(value)}{fix}")
         return result
 
     return parse
@@ -216,11 +253,15 @@ def string(value: object, where: Where) -> str:
         where.fail(f"expected a string, got {describe(value)}{hint}")
     if not value:
         where.fail("must not be empty")
+    if len(value) > MAX_STRING_CHARS:
+        where.fail(f"is {len(value)} characters long; at most {MAX_STRING_CHARS} are allowed")
     return value
 
 
 def identifier(value: object, where: Where) -> str:
     text = string(value, where)
+    if len(text) > MAX_ID_CHARS:
+        where.fail(f"is {len(text)} characters long; an id has at most {MAX_ID_CHARS}")
     if not ID.match(text):
         where.fail(
             f"{text!r} is not a valid id; use letters, digits, '.', '_' and '-', starting with a letter or digit"
@@ -240,6 +281,10 @@ def choice(choices: Sequence[str]) -> Parse[str]:
 
 def _argument(value: object, where: Where) -> str:
     if isinstance(value, str):
+        if "\0" in value:
+            where.fail("contains a NUL character, which no program can be passed")
+        if len(value) > MAX_ARG_CHARS:
+            where.fail(f"is {len(value)} characters long; an argument has at most {MAX_ARG_CHARS}")
         return value
     if _is_number(value):
         where.fail(
@@ -256,7 +301,12 @@ def string_list(value: object, where: Where, example: str = "[--flag, value]") -
     if not isinstance(value, list):
         hint = "; split it into a list (no shell runs it)" if isinstance(value, str) else ""
         where.fail(f"expected a list of strings such as {example}, got {describe(value)}{hint}")
-    return tuple(_argument(item, where.item(i)) for i, item in enumerate(value))
+    if len(value) > MAX_ARGS:
+        where.fail(f"has {len(value)} items; at most {MAX_ARGS} are allowed")
+    args = tuple(_argument(item, where.item(i)) for i, item in enumerate(value))
+    if (total := sum(len(a) for a in args)) > MAX_ARGV_CHARS:
+        where.fail(f"is {total} characters long in all; at most {MAX_ARGV_CHARS} are allowed")
+    return args
 
 
 def argv(value: object, where: Where) -> tuple[str, ...]:
@@ -278,13 +328,18 @@ def torchrun_args(value: object, where: Where) -> tuple[str, ...]:
 def env(value: object, where: Where) -> dict[str, str]:
     if not isinstance(value, Mapping):
         where.fail(f"expected a mapping of NAME: value, got {describe(value)}")
+    if len(value) > MAX_ENV_VARS:
+        where.fail(f"has {len(value)} variables; at most {MAX_ENV_VARS} are allowed")
     variables: dict[str, str] = {}
     for name, item in value.items():
-        if not isinstance(name, str) or not _ENV_NAME.match(name):
-            where.fail(f"{name!r} is not a valid environment variable name (letters, digits, '_')")
+        if not isinstance(name, str) or len(name) > MAX_STRING_CHARS or not _ENV_NAME.match(name):
+            shown = describe(name).removeprefix("the string ")
+            where.fail(f"{shown} is not a valid environment variable name (letters, digits, '_')")
         if not isinstance(item, str):
             where.child(name).fail(f"expected a string, got {describe(item)}; quote it")
-        variables[name] = item
+        variables[name] = _argument(item, where.child(name))
+    if (total := sum(len(k) + len(v) for k, v in variables.items())) > MAX_ARGV_CHARS:
+        where.fail(f"is {total} characters long in all; at most {MAX_ARGV_CHARS} are allowed")
     return variables
 
 
@@ -307,18 +362,22 @@ def nproc(value: object, where: Where) -> int | Literal["auto"]:
         return "auto"
     if isinstance(value, str):
         where.fail(f"expected a whole number >= 1 or auto, got {describe(value)}")
-    return integer(1)(value, where)
+    return integer(1, MAX_NPROC_PER_NODE)(value, where)
 
 
 def nnodes(value: object, where: Where) -> str:
     if isinstance(value, bool) or not isinstance(value, int | str):
         where.fail(f"expected a node count N or a range MIN:MAX such as 1:2, got {describe(value)}")
+    if isinstance(value, int):
+        value = integer(1, MAX_NODES)(value, where)
     low, sep, high = str(value).strip().partition(":")
-    if not low.isdigit() or (sep and not high.isdigit()):
-        where.fail(f"{value!r} is not N or MIN:MAX (whole numbers), e.g. 2 or 1:2")
+    if not low.isdigit() or (sep and not high.isdigit()) or len(low) > 6 or len(high) > 6:
+        where.fail(f"{describe(value)} is not N or MIN:MAX (whole numbers up to {MAX_NODES}), e.g. 2 or 1:2")
     lowest, highest = int(low), int(high or low)
     if lowest < 1:
         where.fail(f"{value!r}: the node count must be at least 1")
+    if highest > MAX_NODES:
+        where.fail(f"{value!r}: at most {MAX_NODES} nodes")
     if lowest > highest:
         where.fail(f"{value!r}: MIN {lowest} is above MAX {highest}; write {highest}:{lowest}")
     return str(lowest) if lowest == highest else f"{lowest}:{highest}"
@@ -371,9 +430,29 @@ def _signal_name(value: object, where: Where) -> str:
         fix = f"did you mean {suggestion[0]!r}?" if suggestion else "`kill -l` lists them"
         where.fail(f"{value!r} is not a signal on this system ({fix})")
     canonical = known[name].name  # aliases such as SIGIOT become SIGABRT
-    if canonical in ("SIGKILL", "SIGSTOP"):
-        where.fail(f"{canonical} cannot be caught, so it can never deliver an eviction notice; remove it")
+    if canonical in _NOT_NOTICES:
+        alias = f" ({value!r} is another name for it)" if canonical != name else ""
+        where.fail(f"{canonical}{alias} {_NOT_NOTICES[canonical]}, so it cannot serve as an eviction notice; use "
+                   "SIGTERM, SIGUSR1 or SIGUSR2")  # fmt: skip
     return canonical
+
+
+_UNCATCHABLE = "cannot be caught"
+_FAULT = "is raised by the kernel or the process itself on a fault"
+_TERMINAL = "is sent by the terminal or job control"
+_TIMER = "is sent by timers"
+# Signals that either never reach a handler or arrive for reasons of their own (a supervisor gets SIGCHLD every
+# time one of its children exits): as eviction signals they would be missed or be false evictions.
+_NOT_NOTICES = {
+    "SIGKILL": _UNCATCHABLE, "SIGSTOP": _UNCATCHABLE,
+    "SIGCHLD": "is sent by the kernel every time a child process exits (torchrun is one)",
+    "SIGSEGV": _FAULT, "SIGBUS": _FAULT, "SIGFPE": _FAULT, "SIGILL": _FAULT, "SIGTRAP": _FAULT, "SIGSYS": _FAULT,
+    "SIGABRT": _FAULT, "SIGXFSZ": "is raised by the kernel when a write exceeds the file size limit",
+    "SIGPIPE": "is raised by the kernel on a write to a closed pipe or socket",
+    "SIGURG": "is sent by the kernel for socket events", "SIGIO": "is sent by the kernel for socket events",
+    "SIGCONT": _TERMINAL, "SIGTSTP": _TERMINAL, "SIGTTIN": _TERMINAL, "SIGTTOU": _TERMINAL, "SIGWINCH": _TERMINAL,
+    "SIGALRM": _TIMER, "SIGPROF": _TIMER, "SIGVTALRM": _TIMER,
+}  # fmt: skip
 
 
 def providers(value: object, where: Where) -> tuple[str, ...]:
@@ -407,60 +486,3 @@ def _plain(value: object) -> object:
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
     return value
-
-
-# --------------------------------------------------------------------------- YAML
-
-
-class _Loader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships without type hints
-    """SafeLoader without base-60 numbers and with duplicate keys refused."""
-
-    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-        seen: set[tuple[str, str]] = set()
-        for key_node, _ in node.value:
-            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
-                ident = (key_node.tag, key_node.value)
-                if ident in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"the key {key_node.value!r} is given twice; keep one", key_node.start_mark
-                    )
-                seen.add(ident)
-        return super().construct_mapping(node, deep=deep)
-
-
-_INT = "tag:yaml.org,2002:int"
-_FLOAT = "tag:yaml.org,2002:float"
-_Loader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT, _FLOAT)]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-# PyYAML's own patterns minus the sexagesimal (`1:2` = 62) forms; floats as in YAML 1.2, so `1e3` is a number.
-# Order matters: the first matching resolver wins, so integers are tried before floats.
-_Loader.add_implicit_resolver(
-    _INT,
-    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
-    list("-+0123456789"),
-)
-_Loader.add_implicit_resolver(
-    _FLOAT,
-    re.compile(
-        r"^(?:[-+]?(?:\.[0-9_]+|[0-9][0-9_]*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
-    ),
-    list("-+0123456789."),
-)
-
-
-def load_yaml(text: str, source: str) -> object:
-    """The YAML document in `text` (None when empty), or a `ConfigError` naming `source` and the line and column."""
-    try:
-        return yaml.load(text, Loader=_Loader)  # safe: _Loader is a SafeLoader
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        detail = e.problem or "cannot parse"
-        if e.context:
-            at = f" at line {e.context_mark.line + 1}" if e.context_mark is not None and e.problem_mark else ""
-            detail += f" ({e.context}{at})"
-        raise ConfigError(f"{source}: {where}invalid YAML: {detail}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: invalid YAML: {' '.join(str(e).split())}") from None

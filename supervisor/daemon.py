@@ -9,54 +9,49 @@ never imports torch.
 On start it reads the node's journal: processes of an attempt that a previous supervisor left
 running (it was `kill -9`ed, the node's systemd restarted it) are stopped before anything new
 is launched, so two attempts never run at once.
+
+Once the loop runs, an I/O error of the store, journal or control file is an outage to ride out
+(`supervisor.outages`), a failed launch a failed attempt, any other exception a bug (exit 1).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import selectors
 import signal
-import socket
-import subprocess
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
 from supervisor import health, launcher, logs, policy, systemd
-from supervisor.config import JobConfig
-from supervisor.errors import ConfigError
+from supervisor.config import JobConfig, settings_from
+from supervisor.errors import ConfigError, error_line
 from supervisor.eviction.notices import Blind, Notice, Seeing, from_signal
 from supervisor.eviction.providers import WatchError
+from supervisor.eviction.requeue import requeue
 from supervisor.eviction.runner import WatcherThreads
 from supervisor.eviction.setup import build_watchers
 from supervisor.heartbeat import Admission, HeartbeatReceiver
 from supervisor.journal import Journal, JournalRecord
 from supervisor.metrics import Metrics, MetricsServer
+from supervisor.outages import Outages
+from supervisor.wakeup import Wakeup
 from trainer.checkpoint import layout
+from trainer.checkpoint.errors import CheckpointError
 
+_T = TypeVar("_T")
+_STORE_ERRORS = (OSError, CheckpointError)  # what reading the store raises while it is unreadable or mid-change
 TICK_S = 0.1
 CHECKPOINT_REFRESH_S = 2.0  # how often the checkpoint gauges re-read the checkpoint directory
 _GONE = frozenset({-1})  # torchrun's ranks were seen and are gone
 _UNIX_PATH_MAX = 100
 
 log = structlog.get_logger("ftsup.supervisor")
-
-
-def settings_from(cfg: JobConfig, nproc_max: int) -> policy.Settings:
-    hb, rs, ln = cfg.heartbeat, cfg.restart, cfg.launch
-    return policy.Settings(
-        nproc_max=nproc_max, min_world_size=ln.min_world_size, max_world_size=ln.max_world_size,
-        nnodes_max=ln.max_nodes, heartbeat_timeout_s=hb.timeout_s, progress_timeout_s=hb.progress_timeout_s,
-        startup_timeout_s=hb.startup_timeout_s, save_timeout_s=hb.save_timeout_s, min_timeout_s=hb.min_timeout_s,
-        step_time_multiplier=hb.step_time_multiplier, max_restarts=rs.max_restarts, window_s=rs.window_s,
-        backoff_initial_s=rs.backoff_initial_s, backoff_max_s=rs.backoff_max_s,
-        max_attempts_without_progress=rs.max_attempts_without_progress, save_margin_s=cfg.eviction.save_margin_s,
-    )  # fmt: skip
 
 
 class Daemon:
@@ -71,7 +66,6 @@ class Daemon:
         self.world_size: int | None = None
         self.resume_step: int | None = None
         self.last_failure: str | None = None
-        self._signals: list[str] = []
         self._notices: dict[str, Notice] = {}  # by source, to acknowledge once saved
         self._watchers: WatcherThreads | None = None
         self._runtime_dir: Path | None = None
@@ -81,33 +75,31 @@ class Daemon:
         self.metrics = Metrics(cfg.job.run_id, cfg.launch.node_id, started_unix=time.time())
         self._metrics_server: MetricsServer | None = None
         self._checkpoints_read_at: float | None = None
+        self.crash: str | None = None  # the line for stderr when the loop ended on a bug
+        self.outages = Outages(self._emit, self.metrics.storage_error, clock)
 
     # ------------------------------------------------------------------ main loop
 
     def run(self) -> int:
         logfile = logs.configure(self.cfg.logging.level, self.cfg.logging.format, self.log_dir / "supervisor.jsonl")
-        try:
+        try:  # nothing has started yet: a failure here leaves nothing behind
             self._serve_metrics()
+            self._runtime_dir = self._make_runtime_dir()
+            receiver = HeartbeatReceiver(self._runtime_dir, counter=self.metrics.heartbeats_dropped)
         except BaseException:
+            if self._metrics_server is not None:
+                self._metrics_server.close()
             if logfile is not None:
                 logfile.close()
             raise
-        self._runtime_dir = self._make_runtime_dir()
-        receiver = HeartbeatReceiver(self._runtime_dir, counter=self.metrics.heartbeats_dropped)
         admission = Admission()  # only processes of the running attempt may beat
-        wake_r, wake_w = socket.socketpair()
-        wake_r.setblocking(False)
-        wake_w.setblocking(False)
-        old_fd = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
         handled = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP} | {
-            getattr(signal, name) for name in self.cfg.eviction.signals
+            getattr(signal, n) for n in self.cfg.eviction.signals
         }
-        old_handlers = {s: signal.signal(s, self._on_signal) for s in handled}
-        self._watchers = WatcherThreads(build_watchers(self.cfg.eviction), self.cfg.eviction.poll_interval_s,
-                                        wake=wake_w).start()  # fmt: skip
-        sel = selectors.DefaultSelector()
         # Beats are read once a tick, not on arrival: a flood costs one bounded drain a tick, not a busy loop.
-        sel.register(wake_r.fileno(), selectors.EVENT_READ)
+        wakeup = Wakeup(handled, [])
+        self._watchers = WatcherThreads(build_watchers(self.cfg.eviction), self.cfg.eviction.poll_interval_s,
+                                        wake=wakeup.writer).start()  # fmt: skip
         code = policy.EXIT_INTERNAL
         try:
             self._emit("info", "supervisor_started", run_id=self.cfg.job.run_id, node_id=self.cfg.launch.node_id,
@@ -128,15 +120,10 @@ class Daemon:
                     if result is not None:
                         code = result
                         return code
+                self.outages.run_due()
                 self._refresh_checkpoint_metrics()
-                sel.select(TICK_S)
-                try:
-                    while wake_r.recv(4096):
-                        pass
-                except BlockingIOError:
-                    pass
-                while self._signals:
-                    self.pending.append(self._signal_event(self._signals.pop(0)))
+                wakeup.wait(TICK_S)
+                self.pending.extend(self._signal_event(name) for name in wakeup.signals())
                 for report in self._watchers.drain():
                     self._watch_report(report)
                 new_pids = False
@@ -160,27 +147,29 @@ class Daemon:
                         self._watch_ranks()
                         self._watch_worker_group()
                 self.pending.append(policy.Tick())
+        except Exception as e:
+            # What is expected (outages, failed launches) is handled where it happens; this is a bug. Exit status
+            # 1 is restarted by systemd, and the new supervisor adopts the journal.
+            code = policy.EXIT_INTERNAL
+            what = "I/O error" if isinstance(e, OSError) else "internal error"  # an I/O error not ridden out
+            self.crash = f"{what}: {error_line(e)} (traceback in {self.log_dir / 'supervisor.jsonl'})"
+            self._emit(
+                "error", "supervisor_crashed", reason=f"{what}: {error_line(e)}", traceback=traceback.format_exc()
+            )
+            return code
         finally:
             if self.attempt is not None:  # an exception must not leave an attempt running
                 self.attempt.stop(self.cfg.restart.stop_grace_s)
             self._watchers.close()
             systemd.notify("STOPPING=1")
-            for s, h in old_handlers.items():
-                signal.signal(s, h)
-            signal.set_wakeup_fd(old_fd)
-            sel.close()
+            wakeup.close()
             receiver.close()
-            wake_r.close()
-            wake_w.close()
             _remove_runtime_dir(self._runtime_dir)
             if self._metrics_server is not None:
                 self._metrics_server.close()
             self._emit("info", "supervisor_exited", code=code)
             if logfile is not None:
                 logfile.close()
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self._signals.append(signal.Signals(signum).name)  # handled in the loop, not in the handler
 
     def _signal_event(self, name: str) -> policy.Event:
         if name in self.cfg.eviction.signals:
@@ -190,7 +179,7 @@ class Daemon:
     def _notice_event(self, notice: Notice) -> policy.EvictionNoticed:
         self._notices[notice.source] = notice
         deadline = self.clock() + (notice.deadline_unix - time.time())  # wall clock -> the loop's clock
-        latest = layout.latest_consistent(self.cfg.checkpoint.dir)
+        latest = self._read_store(lambda: layout.latest_consistent(self.cfg.checkpoint.dir))
         state_bytes = latest.tensor_bytes if latest else None
         systemd.extend_timeout(max(1.0, notice.deadline_unix - time.time()) + self.cfg.restart.stop_grace_s)
         return policy.EvictionNoticed(notice.source, deadline, notice.detail, notice.advisory, state_bytes)
@@ -213,26 +202,33 @@ class Daemon:
                 if action.level == "error" and "reason" in action.as_dict():
                     self.last_failure = str(action.as_dict()["reason"])
             elif isinstance(action, policy.PrepareLaunch):
-                self.pending.append(self._prepare(action.attempt))
+                self._prepare_or_retry(action.attempt)
             elif isinstance(action, policy.Launch):
-                self._launch(action)
+                self._launch_or_fail(action)
             elif isinstance(action, policy.StopWorkers):
                 self._stop(action)
             elif isinstance(action, policy.RequestSave):
-                self._request_save(action)
+                self._request_save_or_retry(action)
             elif isinstance(action, policy.AckEviction):
                 self._ack(action.source)
             elif isinstance(action, policy.Exit):
                 self._write_journal(_exit_status(action.code))
                 if action.code == policy.EXIT_EVICTED:
-                    self._requeue()
+                    requeue(self.cfg.eviction.requeue_command, os.environ, self._emit)
                 return action.code
         return None
 
     def _emit(self, level: str, event: str, **fields: Any) -> None:
         """Log an event and count it: every log event goes through here, so metrics and logs agree."""
-        getattr(log, level)(event, **fields)
+        try:
+            getattr(log, level)(event, **fields)
+        except OSError:  # the log file (stderr got the line first); logging that would fail the same way
+            self.metrics.storage_error("log_file")
         self.metrics.event(event, fields)
+
+    def _read_store(self, read: Callable[[], _T], retry: tuple[str, Callable[[], None]] | None = None) -> _T | None:
+        """`read()` of the checkpoint store, or None while it cannot be read (an outage: logged, counted)."""
+        return self.outages.guard("checkpoint_dir", self.cfg.checkpoint.dir, read, errors=_STORE_ERRORS, retry=retry)
 
     def _serve_metrics(self) -> None:
         listen = self.cfg.metrics.listen
@@ -252,11 +248,17 @@ class Daemon:
             return
         self._checkpoints_read_at = now
         root = self.cfg.checkpoint.dir
-        self.metrics.checkpoint(layout.latest_consistent(root), len(layout.committed_dirs(root)))
+        found = self._read_store(lambda: (layout.latest_consistent(root), len(layout.committed_dirs(root))))
+        if found is not None:
+            self.metrics.checkpoint(*found)
 
     def _control_path(self) -> Path:
         assert self._runtime_dir is not None
         return self._runtime_dir / "control.json"
+
+    def _request_save_or_retry(self, action: policy.RequestSave) -> None:
+        again = ("control_file", lambda: self._request_save_or_retry(action))  # a newer request replaces it
+        self.outages.guard("control_file", self._control_path(), lambda: self._request_save(action), retry=again)
 
     def _request_save(self, action: policy.RequestSave) -> None:
         deadline_unix = None if action.deadline is None else time.time() + (action.deadline - self.clock())
@@ -276,23 +278,11 @@ class Daemon:
         except WatchError as e:
             self._emit("warning", "watcher_went_blind", source=source, reason=f"acknowledgement failed: {e}")
 
-    def _requeue(self) -> None:
-        argv = list(self.cfg.eviction.requeue_command or ())
-        job_id = os.environ.get("SLURM_JOB_ID")
-        if not argv and job_id:
-            argv = ["scontrol", "requeue", job_id]
-        if not argv:
-            return
-        self._emit("info", "requeue_requested", reason=" ".join(argv))
-        try:
-            out = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            self._emit("error", "requeue_failed", reason=str(e))
-            return
-        if out.returncode != 0:
-            self._emit(
-                "error", "requeue_failed", reason=f"{argv[0]} exited {out.returncode}: {out.stderr.strip()[:300]}"
-            )
+    def _prepare_or_retry(self, attempt: int) -> None:
+        # While the store cannot be read, wait: the resume point must come from the store, not from its absence.
+        ready = self._read_store(lambda: self._prepare(attempt), ("prepare", lambda: self._prepare_or_retry(attempt)))
+        if ready is not None:
+            self.pending.append(ready)
 
     def _prepare(self, attempt: int) -> policy.LaunchReady:
         h = health.probe(self.cfg.launch.health_command, self.cfg.launch.nproc_per_node)
@@ -330,6 +320,13 @@ class Daemon:
         if isinstance(g, int) and g > 0:
             return g // b if isinstance(b, int) and b > 0 and g % b == 0 else g
         return None
+
+    def _launch_or_fail(self, action: policy.Launch) -> None:
+        try:
+            self._launch(action)
+        except OSError as e:  # nothing started (fork, exec, the log file): a failed attempt, restarted as usual
+            self._emit("error", "launch_failed", attempt=action.attempt, reason=error_line(e))
+            self.pending.append(policy.WorkersExited(action.attempt, 127))
 
     def _launch(self, action: policy.Launch) -> None:
         assert self._runtime_dir is not None
@@ -430,16 +427,18 @@ class Daemon:
         pids: tuple[int, ...] = ()
         if att is not None:
             pids = tuple(sorted({att.pid, *att.known_pids, *(p.pid for p in att.tree())}))
-        self.journal.write(JournalRecord(
+        record = JournalRecord(
             run_id=self.cfg.job.run_id, node_id=self.cfg.launch.node_id, supervisor_pid=os.getpid(),
             attempt=att.number if att else self.last_attempt, world_size=self.world_size,
             resume_step=self.resume_step, pids=pids,
             attempt_started_unix=att.started_at if att else None, last_failure=self.last_failure, status=status,
             updated_unix=time.time(), extra=self._journal_extra(),
-        ))  # fmt: skip
+        )  # fmt: skip
+        again = ("journal", lambda: self._write_journal(status))  # a later write supersedes it
+        self.outages.guard("journal", self.journal.path, lambda: self.journal.write(record), retry=again)
 
     def _journal_extra(self) -> dict[str, Any]:
-        latest = layout.latest_consistent(self.cfg.checkpoint.dir)
+        latest = self._read_store(lambda: layout.latest_consistent(self.cfg.checkpoint.dir))
         extra: dict[str, Any] = {"latest_checkpoint": latest.step if latest else None}
         if self._metrics_server is not None:
             extra["metrics"] = self._metrics_server.address

@@ -1,4 +1,8 @@
-"""The supervisor's exception tree: every error a user can meet says what to do about it."""
+"""The supervisor's exception tree: every error a user can meet says what to do about it.
+
+The exit status of `ftsup` follows the class (see `supervisor.cli.main`): `ConfigError` and `UsageError` are 2
+(refused before anything started), `RunError` is 1 (`ftsup run` accepted its config, then failed).
+"""
 
 from __future__ import annotations
 
@@ -13,3 +17,17 @@ class UsageError(SupervisorError):
 
 class ConfigError(SupervisorError):
     """The job config cannot be used as written (exit status 2); the one-line message names the key path and the fix."""
+
+
+class RunError(SupervisorError):
+    """`ftsup run` accepted its config, then could not start or carry on (exit status 1, which a service manager
+    restarts): an I/O error while it set up, or an internal error (its traceback is in the supervisor's log)."""
+
+
+def error_line(error: BaseException) -> str:
+    """An exception as one line for a message: for an OSError the path and what went wrong (errno names are noise
+    to the person who has to act), else its type and text."""
+    if isinstance(error, OSError):
+        where = f"{error.filename}: " if error.filename is not None else ""
+        return f"{where}{error.strerror or error}"
+    return f"{type(error).__name__}: {error}"

@@ -25,7 +25,8 @@ EVENTS = frozenset(
         "orphans_found", "restart_scheduled", "crash_loop_detected", "restart_budget_exhausted", "job_succeeded",
         "job_failed", "job_stopped", "stop_requested", "eviction_noticed", "save_requested", "checkpoint_committed",
         "save_skipped", "requeue_requested", "requeue_failed", "watcher_went_blind", "watcher_recovered",
-        "supervisor_exited", "metrics_scrape_failed",
+        "supervisor_exited", "metrics_scrape_failed", "storage_failed", "storage_recovered", "launch_failed",
+        "supervisor_crashed",
     }
 )  # fmt: skip
 

@@ -48,6 +48,15 @@ FAILURE_KINDS = {
 }
 """Log events that end an attempt as a failure, and the `kind` label each counts under."""
 
+STORAGE_PURPOSES = {
+    "checkpoint_dir": "the checkpoint store (checkpoint.dir)",
+    "journal": "the journal (job.state_dir)",
+    "control_file": "the control file that asks the ranks to save (job.state_dir)",
+    "log_file": "the supervisor's log file",
+}
+"""What the supervisor reads and writes, the `purpose` label of `ftsup_storage_errors_total`, and what each is
+for (as the `storage_failed` log line says it)."""
+
 
 def _version() -> str:
     try:
@@ -96,6 +105,9 @@ class Metrics:
         self.heartbeats_dropped = Counter("ftsup_heartbeats_dropped_total", "Heartbeat messages and connections "
                                           "dropped, by reason: " + ", ".join(DROP_REASONS) + ".", ["reason"],
                                           registry=r)  # fmt: skip
+        self.storage_errors = Counter("ftsup_storage_errors_total", "I/O errors the supervisor rode out (and retried), "
+                                      "by what failed: checkpoint_dir, journal, control_file, log_file.", ["purpose"],
+                                      registry=r)  # fmt: skip
 
         # ---- gauges, from the policy's state
         self.phase = Gauge("ftsup_phase", "1 for the supervisor's current phase.", ["phase"], registry=r)
@@ -140,6 +152,8 @@ class Metrics:
             self.save_requests.labels(stop)
         for reason in DROP_REASONS:
             self.heartbeats_dropped.labels(reason)
+        for purpose in STORAGE_PURPOSES:
+            self.storage_errors.labels(purpose)
         self.step.set(-1)
         self.ckpt_step.set(-1)
         self.hb_timeout.set(float("nan"))
@@ -173,6 +187,10 @@ class Metrics:
             self.healthy_slots.set(len(fields.get("slots") or ()))
         elif name in ("watcher_went_blind", "watcher_recovered"):
             self.watcher_blind.labels(str(fields.get("source", "unknown"))).set(name == "watcher_went_blind")
+
+    def storage_error(self, purpose: str) -> None:
+        """Count one I/O error of `purpose` (the daemon names it from a fixed set: checkpoint_dir, journal, ...)."""
+        self.storage_errors.labels(purpose).inc()
 
     def state(self, st: policy.State, settings: policy.Settings, now: float, wall: float) -> None:
         """Gauges from the policy's state; `now` is the policy's clock, `wall` the Unix time

@@ -355,8 +355,8 @@ def test_a_save_margin_as_long_as_the_default_deadline_is_refused() -> None:
 
 
 def test_signal_names_are_normalised_and_deduplicated() -> None:
-    config = load(minimal(eviction={"signals": ["USR1", "sigterm", "SIGUSR1", "SIGIOT"]}))
-    assert config.eviction.signals == ("SIGUSR1", "SIGTERM", "SIGABRT")
+    config = load(minimal(eviction={"signals": ["USR1", "sigterm", "SIGUSR1", "pwr"]}))
+    assert config.eviction.signals == ("SIGUSR1", "SIGTERM", "SIGPWR")
 
 
 def test_an_unknown_signal_is_refused_with_the_likely_name() -> None:
@@ -367,7 +367,8 @@ def test_an_unknown_signal_is_refused_with_the_likely_name() -> None:
 
 def test_sigkill_is_refused_because_it_cannot_be_caught() -> None:
     assert error_of(minimal(eviction={"signals": ["KILL"]})) == (
-        "job.yaml: eviction.signals[0]: SIGKILL cannot be caught, so it can never deliver an eviction notice; remove it"
+        "job.yaml: eviction.signals[0]: SIGKILL cannot be caught, so it cannot serve as an eviction notice; use "
+        "SIGTERM, SIGUSR1 or SIGUSR2"
     )
 
 

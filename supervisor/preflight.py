@@ -1,0 +1,131 @@
+"""Checks of a valid job config against this host, made by `ftsup run` before it starts anything.
+
+`supervisor.config` judges a file on its own; what it names must also exist here, and a mistake found only
+after the first launch is found late (a misspelt program fails three attempts, then ends in a crash loop) or
+reads like a runtime failure (a `checkpoint.dir` that is a file was a raw errno line mid-run). `check(cfg)`
+raises one `ConfigError` naming the key for the first of:
+
+- `job.workdir` is not an existing directory this user can enter (it is never created: a typo there would
+  otherwise become a new directory tree, with the state directory inside it);
+- `checkpoint.dir`, `job.state_dir`, `logging.dir`: not a directory, or absent and not creatable (the nearest
+  existing ancestor is a file, or not writable); nothing is created here, the daemon and the ranks do that;
+- `job.command[0]`, and the interpreter that runs torchrun when the command is not Python, does not resolve to
+  an executable file with PATH as the ranks will see it (the supervisor's environment with `job.env` applied),
+  relative paths resolving against `job.workdir` as they will for the ranks.
+
+It reads the filesystem and the environment given; it changes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Mapping
+from pathlib import Path
+
+from supervisor import launcher
+from supervisor.config import JobConfig
+from supervisor.config_values import Where, file_kind
+
+
+def check(cfg: JobConfig, environ: Mapping[str, str] | None = None) -> None:
+    """Raise `ConfigError` for the first key whose path or program cannot serve on this host."""
+    top = Where(cfg.source)
+    env = dict(os.environ if environ is None else environ)
+    env.update(cfg.job.env)
+    workdir = Path(cfg.job.workdir)
+    existing_directory(top.child("job").child("workdir"), workdir)
+    directory_or_creatable(top.child("checkpoint").child("dir"), Path(cfg.checkpoint.dir))
+    directory_or_creatable(top.child("job").child("state_dir"), Path(cfg.job.state_dir))
+    if cfg.logging.dir is not None:
+        directory_or_creatable(top.child("logging").child("dir"), Path(cfg.logging.dir))
+    command = top.child("job").child("command")
+    program(command.item(0), cfg.job.command[0], workdir=workdir, path=env.get("PATH", os.defpath))
+    interpreter = launcher.torchrun_argv(launcher.LaunchSpec(command=tuple(cfg.job.command), nproc=1))[0]
+    if interpreter != cfg.job.command[0]:
+        program(
+            command,
+            interpreter,
+            workdir=workdir,
+            path=env.get("PATH", os.defpath),
+            role="the Python that runs torchrun",
+        )
+
+
+def existing_directory(where: Where, path: Path) -> None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        where.fail(f"{path} does not exist; create it or correct the path (it is never created)")
+    except NotADirectoryError:
+        where.fail(f"{path}: {_blocking_file(path)} is a file, not a directory")
+    except OSError as e:
+        where.fail(f"{path}: cannot look at it: {e.strerror or e}")
+    if not stat.S_ISDIR(st.st_mode):
+        where.fail(f"{path} is {file_kind(st.st_mode)}, not a directory")
+    if not os.access(path, os.X_OK):
+        where.fail(f"{path}: this user (uid {os.getuid()}) may not enter it")
+
+
+def directory_or_creatable(where: Where, path: Path) -> None:
+    """`path` is a directory this user can use, or it can be created: its nearest existing ancestor is one."""
+    here = path
+    while True:
+        try:
+            st = os.stat(here)  # follows links: a store that is a symlink to a directory is the operator's choice
+            break
+        except (FileNotFoundError, NotADirectoryError):
+            if here.parent == here:
+                where.fail(f"{path}: no part of it exists")
+            here = here.parent
+        except OSError as e:
+            where.fail(f"{path}: cannot look at {here}: {e.strerror or e}")
+    if not stat.S_ISDIR(st.st_mode):
+        on_the_way = "" if here == path else f" (on the way to {path})"
+        where.fail(f"{here}{on_the_way} is {file_kind(st.st_mode)}, not a directory")
+    needed = os.R_OK | os.W_OK | os.X_OK if here == path else os.W_OK | os.X_OK
+    if not os.access(here, needed):
+        what = "use" if here == path else f"create {path} in"
+        where.fail(f"this user (uid {os.getuid()}) may not {what} {here} (permissions, or a read-only filesystem)")
+
+
+def program(where: Where, name: str, *, workdir: Path, path: str, role: str = "the training command") -> None:
+    """`name` runs as a program for the ranks: a path (relative to `workdir`) or a name found on `path`."""
+    if "/" in name:
+        candidate = workdir / name
+        problem = _not_executable(candidate)
+        if problem:
+            where.fail(f"{name!r} ({role}, resolved against job.workdir: {candidate}) {problem}")
+        return
+    for entry in path.split(os.pathsep):
+        candidate = workdir / (entry or ".") / name  # an empty PATH entry is the current directory
+        if _not_executable(candidate) is None:
+            return
+    where.fail(
+        f"{name!r} ({role}) is not found on PATH as the ranks see it ({_short(path)}); correct the name, give a "
+        "full path, or set job.env.PATH"
+    )
+
+
+def _not_executable(path: Path) -> str | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return "does not exist"
+    if not stat.S_ISREG(st.st_mode):
+        return f"is {file_kind(st.st_mode)}, not a program"
+    if not os.access(path, os.X_OK):
+        return "is not executable (chmod +x it)"
+    return None
+
+
+def _blocking_file(path: Path) -> Path:
+    """The ancestor of `path` that exists and is not a directory."""
+    for parent in reversed(path.parents):
+        if parent.exists() and not parent.is_dir():
+            return parent
+    return path
+
+
+def _short(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."

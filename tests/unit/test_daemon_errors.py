@@ -1,0 +1,218 @@
+"""The daemon's error boundaries, without torchrun: a storage outage is logged, counted and retried (never fatal),
+a failed launch is a failed attempt, and a bug ends `ftsup run` with exit status 1, its traceback in the log, one
+line on stderr and the same code in `supervisor_exited`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import MutableMapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+import yaml
+from structlog.testing import capture_logs
+
+from supervisor import policy
+from supervisor.cli import main
+from supervisor.config import load_config
+from supervisor.daemon import Daemon
+from supervisor.outages import RETRY_INITIAL_S
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def write_config(tmp: Path, **sections: dict) -> Path:
+    cfg: dict = {
+        "job": {"command": [sys.executable, "-c", "pass"], "workdir": str(tmp), "state_dir": str(tmp / "state")},
+        "launch": {"nproc_per_node": 1},
+        "checkpoint": {"dir": str(tmp / "ckpt")},
+    }
+    for name, keys in sections.items():
+        cfg.setdefault(name, {}).update(keys)
+    path = tmp / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def daemon(tmp: Path, clock: FakeClock, **sections: dict) -> Daemon:
+    return Daemon(load_config(write_config(tmp, **sections), hostname="node-a"), clock=clock)
+
+
+def replace_by_a_file(path: Path) -> Path:
+    """Move the directory `path` aside and put a file in its place (what an outage looks like); return the aside."""
+    aside = path.with_name(path.name + ".aside")
+    path.rename(aside)
+    path.write_text("not a directory")
+    return aside
+
+
+def put_back(path: Path, aside: Path) -> None:
+    path.unlink()
+    aside.rename(path)
+
+
+def storage_errors(d: Daemon, purpose: str) -> float | None:
+    return d.metrics.registry.get_sample_value("ftsup_storage_errors_total", {"purpose": purpose})
+
+
+def events(logs: Sequence[MutableMapping[str, Any]]) -> list[str]:
+    return [e["event"] for e in logs]
+
+
+# --------------------------------------------------------------------------- the checkpoint store
+
+
+def test_an_unreadable_store_delays_the_launch_instead_of_starting_from_scratch(tmp_path: Path) -> None:
+    clock = FakeClock()
+    (tmp_path / "ckpt").mkdir()
+    d = daemon(tmp_path, clock)
+    replace_by_a_file(tmp_path / "ckpt")
+    with capture_logs() as logs:
+        d._prepare_or_retry(1)
+    failed = [e for e in logs if e["event"] == "storage_failed"]
+    assert (d.pending, len(failed), failed[0]["purpose"], failed[0]["path"], storage_errors(d, "checkpoint_dir")) == (
+        [],
+        1,
+        "checkpoint_dir",
+        str(tmp_path / "ckpt"),
+        1.0,
+    )
+
+
+def test_the_delayed_launch_goes_ahead_once_the_store_is_back(tmp_path: Path) -> None:
+    clock = FakeClock()
+    (tmp_path / "ckpt").mkdir()
+    d = daemon(tmp_path, clock)
+    aside = replace_by_a_file(tmp_path / "ckpt")
+    d._prepare_or_retry(1)
+    put_back(tmp_path / "ckpt", aside)
+    clock.now += RETRY_INITIAL_S
+    with capture_logs() as logs:
+        d.outages.run_due()
+    assert (d.pending, "storage_recovered" in events(logs)) == ([policy.LaunchReady(1, None, None)], True)
+
+
+def test_a_store_read_for_the_metrics_that_fails_is_counted_and_not_raised(tmp_path: Path) -> None:
+    clock = FakeClock()
+    (tmp_path / "ckpt").mkdir()
+    d = daemon(tmp_path, clock)
+    replace_by_a_file(tmp_path / "ckpt")
+    with capture_logs() as logs:
+        d._refresh_checkpoint_metrics()
+    assert (events(logs), storage_errors(d, "checkpoint_dir")) == (["storage_failed"], 1.0)
+
+
+def test_a_long_outage_logs_one_line_per_minute_but_counts_every_failure(tmp_path: Path) -> None:
+    clock = FakeClock()
+    (tmp_path / "ckpt").mkdir()
+    d = daemon(tmp_path, clock)
+    replace_by_a_file(tmp_path / "ckpt")
+    with capture_logs() as logs:
+        for _ in range(31):  # one read every 2 s for a minute
+            d._checkpoints_read_at = None
+            d._refresh_checkpoint_metrics()
+            clock.now += 2.0
+    assert (events(logs), storage_errors(d, "checkpoint_dir")) == (["storage_failed", "storage_failed"], 31.0)
+
+
+# --------------------------------------------------------------------------- the journal
+
+
+def test_a_journal_write_that_fails_is_retried_until_it_succeeds(tmp_path: Path) -> None:
+    clock = FakeClock()
+    d = daemon(tmp_path, clock)
+    aside = replace_by_a_file(tmp_path / "state")
+    with capture_logs() as logs:
+        d._write_journal("running")
+    put_back(tmp_path / "state", aside)
+    clock.now += RETRY_INITIAL_S
+    d.outages.run_due()
+    written = json.loads((tmp_path / "state" / "journal.json").read_text())
+    assert (events(logs), storage_errors(d, "journal"), written["status"]) == (["storage_failed"], 1.0, "running")
+
+
+def test_a_journal_retry_waits_longer_after_each_failure(tmp_path: Path) -> None:
+    clock = FakeClock()
+    d = daemon(tmp_path, clock)
+    replace_by_a_file(tmp_path / "state")
+    d._write_journal("running")
+    waits = []
+    for _ in range(3):
+        due = d.outages.due("journal")
+        assert due is not None
+        waits.append(due - clock.now)
+        clock.now = due
+        d.outages.run_due()
+    assert waits == [RETRY_INITIAL_S, 2 * RETRY_INITIAL_S, 4 * RETRY_INITIAL_S]
+
+
+# --------------------------------------------------------------------------- launches
+
+
+def test_a_launch_that_cannot_start_is_a_failed_attempt(tmp_path: Path) -> None:
+    clock = FakeClock()
+    (tmp_path / "logs").write_text("a file where the attempt's log directory should be")
+    d = daemon(tmp_path, clock, logging={"dir": str(tmp_path / "logs")})
+    d._runtime_dir = tmp_path
+    with capture_logs() as logs:
+        d._launch_or_fail(policy.Launch(1, 1, None))
+    failed = [e for e in logs if e["event"] == "launch_failed"]
+    assert (len(failed), str(tmp_path / "logs") in failed[0]["reason"], d.pending, d.attempt) == (
+        1,
+        True,
+        [policy.WorkersExited(1, 127)],
+        None,
+    )
+
+
+# --------------------------------------------------------------------------- bugs
+
+
+@pytest.fixture()
+def restore_structlog():
+    """Daemon.run configures structlog for the process; put the test session's configuration back."""
+    old = structlog.get_config()
+    yield
+    structlog.configure(**old)
+
+
+def raise_a_bug(self: Daemon) -> int:
+    raise RuntimeError("a bug in the loop")
+
+
+def test_a_bug_in_the_loop_exits_1_with_one_line_and_the_traceback_in_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], restore_structlog: None
+) -> None:
+    monkeypatch.setattr(Daemon, "_nproc_max", raise_a_bug)
+    code = main(["run", "--config", str(write_config(tmp_path))])
+    last_line = capsys.readouterr().err.splitlines()[-1]
+    logged = [json.loads(line) for line in (tmp_path / "state" / "logs" / "supervisor.jsonl").read_text().splitlines()]
+    crashed = next(e for e in logged if e["event"] == "supervisor_crashed")
+    assert (code, last_line.startswith("ftsup: error: internal error: RuntimeError: a bug in the loop")) == (1, True)
+    assert ("raise_a_bug" in crashed["traceback"], logged[-1]["event"], logged[-1]["code"]) == (
+        True,
+        "supervisor_exited",
+        1,
+    )
+
+
+def refuse_the_runtime_dir(self: Daemon) -> Path:
+    raise PermissionError(13, "Permission denied", str(self.node_dir / "run"))
+
+
+def test_an_io_error_while_starting_exits_1_with_one_line_naming_the_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], restore_structlog: None
+) -> None:
+    monkeypatch.setattr(Daemon, "_make_runtime_dir", refuse_the_runtime_dir)
+    code = main(["run", "--config", str(write_config(tmp_path))])
+    last_line = capsys.readouterr().err.splitlines()[-1]
+    assert (code, last_line) == (1, f"ftsup: error: cannot start: {tmp_path / 'state' / 'run'}: Permission denied")
