@@ -24,6 +24,7 @@ from supervisor import policy as P
 from supervisor.config import load_config
 from supervisor.daemon import Daemon
 from supervisor.eviction.notices import Blind, Seeing
+from supervisor.eviction.requeue import requeue
 from supervisor.logs import EVENTS
 from tests.helpers import default_files, make_fake_checkpoint
 
@@ -179,7 +180,7 @@ def _daemons_own_events(tmp: Path) -> None:
     bad = make_fake_checkpoint(tmp / "ckpt", 8, default_files(2))
     (bad / "shard-00001.safetensors").write_bytes(b"torn")  # not the size its manifest records
     daemon._prepare(1)  # the probe fails; step 8 is quarantined, step 4 chosen
-    daemon._requeue()  # requested, and failed (exit 3)
+    requeue(daemon.cfg.eviction.requeue_command, {}, daemon._emit)  # requested, and failed (exit 3)
     (tmp / "cpu").mkdir()
     _daemon(tmp / "cpu")._prepare(1)  # probed: CPU slots; no checkpoint: a fresh start
 
