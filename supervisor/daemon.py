@@ -37,7 +37,8 @@ from supervisor.eviction.setup import build_watchers
 from supervisor.heartbeat import HeartbeatReceiver
 from supervisor.journal import Journal, JournalRecord
 from supervisor.metrics import Metrics, MetricsServer
-from trainer.checkpoint import layout
+from trainer.checkpoint import choice, layout
+from trainer.checkpoint.errors import CheckpointError
 
 TICK_S = 0.1
 CHECKPOINT_REFRESH_S = 2.0  # how often the checkpoint gauges re-read the checkpoint directory
@@ -304,22 +305,25 @@ class Daemon:
         return policy.LaunchReady(slots, step, self._batch_divisor(meta))
 
     def _choose_checkpoint(self, attempt: int) -> tuple[int | None, dict[str, Any]]:
-        root = Path(self.cfg.checkpoint.dir)
-        deep = self.cfg.checkpoint.verify_deep
-        while True:
-            committed = layout.committed_dirs(root)
-            if not committed:
-                self._emit("info", "checkpoint_chosen", attempt=attempt, step=None, reason="no checkpoint: fresh start")
-                return None, {}
-            newest_step, newest = committed[-1]
-            info = layout.inspect_checkpoint(newest, deep=deep)
-            if info.consistent:
-                meta = dict(layout.read_manifest(newest).metadata)
-                self._emit("info", "checkpoint_chosen", attempt=attempt, step=info.step, kind=info.kind)
-                return info.step, meta
-            moved = layout.quarantine(root, newest_step)
-            self._emit("error", "checkpoint_quarantined", attempt=attempt, step=newest_step,
-                      reason="; ".join(map(str, info.problems)), path=str(moved))  # fmt: skip
+        picked = choice.choose(self.cfg.checkpoint.dir, deep=self.cfg.checkpoint.verify_deep)
+        for p in picked.passed:
+            if p.action == choice.QUARANTINED:
+                self._emit("error", "checkpoint_quarantined", attempt=attempt, step=p.step, reason=p.reason,
+                           path=p.moved_to)  # fmt: skip
+            else:
+                self._emit("error", "checkpoint_skipped", attempt=attempt, step=p.step, reason=p.reason, path=p.path)
+        if picked.info is None:
+            why = "no checkpoint: fresh start" if not picked.passed else "no usable checkpoint: fresh start"
+            self._emit("warning" if picked.passed else "info", "checkpoint_chosen", attempt=attempt, step=None,
+                       reason=why)  # fmt: skip
+            return None, {}
+        info = picked.info
+        try:
+            meta = dict(layout.read_manifest(info.path).metadata)
+        except CheckpointError:
+            meta = {}  # it changed since the check: the ranks' own load decides
+        self._emit("info", "checkpoint_chosen", attempt=attempt, step=info.step, kind=info.kind)
+        return info.step, meta
 
     def _batch_divisor(self, meta: dict[str, Any]) -> int | None:
         g = self.cfg.launch.global_batch or meta.get("global_batch")
