@@ -17,7 +17,14 @@ import structlog
 import torch
 
 from tests.helpers import write_manifest_json
-from trainer.checkpoint import CheckpointEngine, NoCheckpointError, RetentionPolicy, checksums, layout
+from trainer.checkpoint import (
+    CheckpointEngine,
+    CheckpointSaveError,
+    NoCheckpointError,
+    RetentionPolicy,
+    checksums,
+    layout,
+)
 from trainer.checkpoint.stateful import ModelOptimState
 
 
@@ -253,3 +260,50 @@ def test_when_every_checkpoint_is_unusable_the_error_lists_each(saved: tuple[Pat
         "step-000000002 skipped",
         "step-000000001 quarantined (now step-000000001.corrupt)",
     ]
+
+
+# --------------------------------------------------------------------------- saving over what is there
+
+
+def test_a_save_over_an_inconsistent_step_quarantines_it_and_commits(
+    saved: tuple[Path, list[torch.Tensor], Path],
+) -> None:
+    root, _, broken = saved
+    (broken / "shard-00000.safetensors").write_bytes(b"torn")
+    state = make_state(seed=3)
+    with structlog.testing.capture_logs() as logs, CheckpointEngine(root) as eng:
+        result = eng.save(2, {"app": state}, block=True)
+    assert (result.skipped, layout.inspect_checkpoint(broken).consistent) == (False, True)
+    assert (root / "step-000000002.corrupt" / "shard-00000.safetensors").read_bytes() == b"torn"  # evidence kept
+    assert [e["log_level"] for e in logs if e["event"] == "checkpoint_quarantined"] == ["warning"]
+
+
+def test_a_save_over_a_newer_format_step_fails_and_leaves_it_as_it_is(
+    saved: tuple[Path, list[torch.Tensor], Path],
+) -> None:
+    root, _, newer = saved
+    manifest = json.loads((newer / layout.MANIFEST_NAME).read_text())
+    write_manifest_json(newer, dict(manifest, format_version=layout.FORMAT_VERSION + 1))
+    before = sorted((p.name, p.stat().st_size) for p in newer.iterdir())
+    with structlog.testing.capture_logs() as logs, CheckpointEngine(root) as eng:
+        with pytest.raises(CheckpointSaveError, match="format this ftsup does not read"):
+            eng.save(2, {"app": make_state()}, block=True)
+        assert eng.save(3, {"app": make_state()}, block=True).step == 3  # the next save is not stopped by it
+    assert sorted((p.name, p.stat().st_size) for p in newer.iterdir()) == before
+    assert [e["step"] for e in logs if e["event"] == "checkpoint_save_failed"] == [2]
+
+
+def test_a_save_over_a_symlink_named_like_its_step_fails_and_follows_nothing(
+    saved: tuple[Path, list[torch.Tensor], Path], tmp_path: Path
+) -> None:
+    root, _, _ = saved
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (root / layout.step_dirname(3)).symlink_to(victim)
+    (root / layout.partial_dirname(4)).symlink_to(victim)
+    with CheckpointEngine(root) as eng:
+        with pytest.raises(CheckpointSaveError, match="is not a directory"):
+            eng.save(3, {"app": make_state()}, block=True)
+        with pytest.raises(CheckpointSaveError, match="cannot prepare"):
+            eng.save(4, {"app": make_state()}, block=True)
+    assert list(victim.iterdir()) == []
