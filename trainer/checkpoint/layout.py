@@ -38,6 +38,7 @@ from trainer.checkpoint.errors import (
     ManifestError,
     NoCheckpointError,
 )
+from trainer.checkpoint.safefile import resolve_inside, validate_relpath
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -66,6 +67,10 @@ RANK_STATE_MAX_BYTES = 256 << 20
 """The largest rank state read (RNG streams take a few KiB; small tensors inlined as base64)."""
 SIDECAR_MAX_BYTES = 1 << 30
 """The largest `.crc32` sidecar read: 4 bytes per 64 KiB block, so a 16 TiB shard."""
+
+MAX_PROBLEMS = 100
+"""A check stops after this many problems: a manifest listing 150,000 files that are not there
+is inconsistent after the first, and listing them all costs time and screens."""
 
 _STEP_RE = re.compile(r"^step-(\d{9,18})$")
 _PARTIAL_RE = re.compile(r"^step-(\d{9,18})\.partial$")
@@ -183,33 +188,6 @@ class Manifest:
         }
 
 
-def validate_relpath(rel: str) -> str:
-    """Refuse anything but a plain relative path inside the checkpoint directory."""
-    if not isinstance(rel, str) or not rel:
-        raise ManifestError(f"manifest file path {rel!r} is not a non-empty string")
-    if "\\" in rel or "\x00" in rel:
-        raise ManifestError(f"manifest file path {rel!r} contains a backslash or NUL byte")
-    if rel.startswith("/") or os.path.isabs(rel):
-        raise ManifestError(f"manifest file path {rel!r} is absolute; only relative paths are allowed")
-    parts = rel.split("/")
-    if any(p in ("", ".", "..") for p in parts):
-        raise ManifestError(f"manifest file path {rel!r} contains '..', '.' or an empty component; refusing it")
-    return rel
-
-
-def resolve_inside(ckpt_dir: str | os.PathLike[str], rel: str) -> Path:
-    """Absolute path of `rel` under `ckpt_dir`, refusing symlinks that escape it."""
-    validate_relpath(rel)
-    base = Path(ckpt_dir).resolve()
-    target = (base / rel).resolve()
-    if target != base and base not in target.parents:
-        raise ManifestError(
-            f"manifest file path {rel!r} resolves to {target}, outside the checkpoint {base} "
-            "(a symlink escaping the directory); refusing it"
-        )
-    return target
-
-
 def _require(obj: Mapping[str, Any], key: str, types: type | tuple[type, ...], where: str) -> Any:
     if key not in obj:
         raise ManifestError(f"{where}: key '{key}' is missing")
@@ -261,6 +239,7 @@ def parse_manifest(raw: bytes | str, where: str = "manifest.json") -> Manifest:
         raise ManifestError(f"{where}: tensor_bytes must be in [0, 2**63)")
     files_raw = _require(obj, "files", dict, where)
     files: dict[str, FileEntry] = {}
+    checksum_re = re.compile(re.escape(algo) + r":[0-9a-f]{8}")
     for rel, entry in files_raw.items():
         validate_relpath(rel)
         if rel == MANIFEST_NAME:
@@ -271,7 +250,7 @@ def parse_manifest(raw: bytes | str, where: str = "manifest.json") -> Manifest:
         checksum = _require(entry, "checksum", str, f"{where}: files[{rel!r}]")
         if not 0 <= size < 1 << 63:
             raise ManifestError(f"{where}: files[{rel!r}] has a size outside [0, 2**63)")
-        if not re.fullmatch(re.escape(algo) + r":[0-9a-f]{8}", checksum):
+        if not checksum_re.fullmatch(checksum):
             raise ManifestError(f"{where}: files[{rel!r}] checksum {checksum!r} is not '{algo}:<8 hex digits>'")
         files[rel] = FileEntry(size=size, checksum=checksum)
     metadata = obj.get("metadata", {})
@@ -353,14 +332,21 @@ def check_checkpoint(ckpt_dir: str | os.PathLike[str], *, deep: bool = False) ->
     except ManifestError as e:
         return None, [Problem(MANIFEST_NAME, str(e))]
     problems: list[Problem] = []
+    base = Path(ckpt_dir)
     for rel, entry in sorted(manifest.files.items()):
+        if len(problems) >= MAX_PROBLEMS:
+            problems.append(Problem(None, f"more than {MAX_PROBLEMS} problems; the rest were not checked"))
+            break
         try:
-            path = resolve_inside(ckpt_dir, rel)
+            flat = os.lstat(base / rel) if "/" not in rel else None  # no directory on the way, no link
+            if flat is not None and stat.S_ISREG(flat.st_mode):
+                path, st = base / rel, flat
+            else:  # nested, or a link: resolved, and refused if it leaves the checkpoint
+                path = resolve_inside(ckpt_dir, rel)
+                st = os.stat(path)  # `path` is resolved: no link is left in it
         except ManifestError as e:
             problems.append(Problem(rel, str(e)))
             continue
-        try:
-            st = os.stat(path)  # `path` is resolved: no link is left in it
         except FileNotFoundError:
             problems.append(Problem(rel, "missing"))
             continue

@@ -91,7 +91,7 @@ def apply_retention(
         return []
     removed: list[Path] = []
     try:
-        infos = [i for i in layout.list_checkpoints(root) if newest is None or i.step <= newest]
+        infos = [layout.inspect_checkpoint(p) for s, p in layout.committed_dirs(root) if newest is None or s <= newest]
         victims = set(retention_victims(((i.step, i.consistent) for i in infos), policy, protect))
         for info in infos:
             if info.step not in victims or not info.consistent:

@@ -8,6 +8,9 @@ here: opened without following a final symlink and without blocking (`O_NOFOLLOW
 accepted only as a regular file (`fstat`), read only up to a cap, and, for JSON, checked for
 nesting depth and number of values before `json.loads` sees it.
 
+Paths that a manifest or the DCP metadata names are checked here too: relative, no `..`, and
+not leaving the checkpoint through a symlink.
+
 Stdlib-only, like `layout` (the supervisor reads manifests through it). Not here: what the files
 mean (`layout`, `dcpmeta`), checksums (`checksums`).
 """
@@ -20,9 +23,10 @@ import json
 import os
 import re
 import stat
+from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from trainer.checkpoint.errors import CheckpointCorruptError, CheckpointError, ManifestError
 
 MAX_JSON_DEPTH = 128
 """Deepest JSON nesting accepted in any file of a checkpoint. A state dict's skeleton takes three
@@ -37,6 +41,33 @@ _ESCAPES = re.compile(rb"\\.", re.DOTALL)
 _STRINGS = re.compile(rb'"[^"]*"')
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _DEPTH_STEP = [1 if b in b"[{" else -1 if b in b"]}" else 0 for b in range(256)]
+
+
+def validate_relpath(rel: str) -> str:
+    """Refuse anything but a plain relative path inside the checkpoint directory."""
+    if not isinstance(rel, str) or not rel:
+        raise ManifestError(f"manifest file path {rel!r} is not a non-empty string")
+    if "\\" in rel or "\x00" in rel:
+        raise ManifestError(f"manifest file path {rel!r} contains a backslash or NUL byte")
+    if rel.startswith("/") or os.path.isabs(rel):
+        raise ManifestError(f"manifest file path {rel!r} is absolute; only relative paths are allowed")
+    parts = rel.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise ManifestError(f"manifest file path {rel!r} contains '..', '.' or an empty component; refusing it")
+    return rel
+
+
+def resolve_inside(ckpt_dir: str | os.PathLike[str], rel: str) -> Path:
+    """Absolute path of `rel` under `ckpt_dir`, refusing symlinks that escape it."""
+    validate_relpath(rel)
+    base = Path(ckpt_dir).resolve()
+    target = (base / rel).resolve()
+    if target != base and base not in target.parents:
+        raise ManifestError(
+            f"manifest file path {rel!r} resolves to {target}, outside the checkpoint {base} "
+            "(a symlink escaping the directory); refusing it"
+        )
+    return target
 
 
 def open_regular(path: str | os.PathLike[str], what: str, error: type[CheckpointError] = CheckpointCorruptError) -> int:
