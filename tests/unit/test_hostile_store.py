@@ -366,3 +366,9 @@ def test_checksums_of_a_shard_are_read_only_from_a_regular_file(store: Path) -> 
     path.symlink_to(ckpt / "shard-00001.safetensors")
     with pytest.raises(CheckpointCorruptError, match="symbolic link"):
         checksums.file_checksum(path)
+
+
+def test_a_manifest_that_lists_no_files_is_not_a_checkpoint(store: Path) -> None:
+    ckpt = planted(store, 999_999_999_999)
+    write_manifest_json(ckpt, dict(json.loads((ckpt / layout.MANIFEST_NAME).read_text()), files={}))
+    assert (layout.inspect_checkpoint(ckpt).consistent, newest_usable(store)) == (False, 100)

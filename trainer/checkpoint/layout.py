@@ -238,6 +238,8 @@ def parse_manifest(raw: bytes | str, where: str = "manifest.json") -> Manifest:
     if not 0 <= tensor_bytes < 1 << 63:
         raise ManifestError(f"{where}: tensor_bytes must be in [0, 2**63)")
     files_raw = _require(obj, "files", dict, where)
+    if not files_raw:
+        raise ManifestError(f"{where}: lists no files (every checkpoint has some)")
     files: dict[str, FileEntry] = {}
     checksum_re = re.compile(re.escape(algo) + r":[0-9a-f]{8}")
     for rel, entry in files_raw.items():
