@@ -14,6 +14,10 @@ here, on one thread owned by the daemon (`start`, `close`), never by the loop:
 - `choose()` asks for the resume choice (`trainer.checkpoint.choice`: fresh checks, deep when
   configured, quarantines) and waits for it, at most `timeout_s`; it goes before any scan.
 
+A manifest of CHILD_CHECK_BYTES or more is checked in a child process: the JSON decoder and the
+pre-checks hold the GIL for a whole file at a time (a 58 MiB manifest held it for 3 s here), time
+in which the loop would read no heartbeat.
+
 Results are handed over as immutable values under a lock held only for the swap, never across
 I/O. A scan or choice that raises is caught, counted and kept as `last_error` (the loop logs it);
 the thread goes on. Not here: what to do with the results (the daemon), the checks (`layout`).
@@ -21,7 +25,10 @@ the thread goes on. Not here: what to do with the results (the daemon), the chec
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +38,15 @@ from trainer.checkpoint import choice, layout
 from trainer.checkpoint.errors import ManifestError
 
 REFRESH_S = 2.0
+CHILD_CHECK_BYTES = 4 << 20
+"""Manifests this big (about 15,000 ranks) or bigger are checked in a child process (see above)."""
+CHILD_TIMEOUT_S = 120.0
+_CHILD = (
+    "import json, sys\n"
+    "from trainer.checkpoint import layout\n"
+    "i = layout.inspect_checkpoint(sys.argv[1])\n"
+    "print(json.dumps(dict(i.to_json(), tensor_bytes=i.tensor_bytes)))\n"
+)
 
 
 @dataclass(frozen=True)
@@ -178,9 +194,34 @@ class StoreScanner:
         cached = self._cache.get(path.name)
         if cached is not None and cached[0] == key:
             return cached[1]
-        info = layout.inspect_checkpoint(path)  # fast: `deep` is for the resume choice only
+        big = len(key) > 3 and key[3] >= CHILD_CHECK_BYTES
+        # Fast checks only: `deep` is for the resume choice.
+        info = _inspect_in_child(path) if big else layout.inspect_checkpoint(path)
         self._cache[path.name] = (key, info)
         return info
+
+
+def _inspect_in_child(path: Path) -> layout.CheckpointInfo:
+    """`layout.inspect_checkpoint(path)`, run by a fresh interpreter (no preexec_fn: safe beside
+    the daemon's threads); a child that fails makes the checkpoint one that could not be checked."""
+    top = str(Path(layout.__file__).resolve().parents[2])  # where the `trainer` package lives
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (top, os.environ.get("PYTHONPATH")) if p))
+    try:
+        done = subprocess.run([sys.executable, "-c", _CHILD, str(path)], capture_output=True, text=True,
+                              timeout=CHILD_TIMEOUT_S, env=env, check=False)  # fmt: skip
+        j = json.loads(done.stdout)
+        unknown = bool(j["unknown_format"])
+        problems = tuple(layout.Problem(None, str(p), unknown_format=unknown) for p in j["problems"])
+        return layout.CheckpointInfo(
+            step=int(j["step"]), path=str(path), consistent=bool(j["consistent"]), kind=j["kind"],
+            world_size=j["world_size"], created_unix=j["created_unix"], problems=problems,
+            tensor_bytes=j["tensor_bytes"],
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError, TypeError) as e:
+        step = layout.parse_step_dirname(path.name)
+        why = f"could not be checked in a child process ({type(e).__name__}: {e})"
+        return layout.CheckpointInfo(step=-1 if step is None else step, path=str(path), consistent=False,
+                                     problems=(layout.Problem(layout.MANIFEST_NAME, why),))  # fmt: skip
 
 
 def _fingerprint(path: Path) -> tuple[Any, ...]:

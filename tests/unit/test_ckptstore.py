@@ -158,3 +158,40 @@ def test_close_stops_the_thread(tmp_path: Path) -> None:
     s = StoreScanner(tmp_path / "ckpt", interval_s=60).start()
     s.close(timeout_s=5)
     assert not any(t.name == "ftsup-ckpt-scan" and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_big_manifest_is_checked_in_a_child_process_with_the_same_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    good = make_fake_checkpoint(tmp_path, 100, default_files(1), metadata={"step": 100})
+    newer = make_fake_checkpoint(tmp_path, 200, default_files(2))
+    obj = json.loads((newer / layout.MANIFEST_NAME).read_text())
+    (newer / layout.MANIFEST_NAME).write_text(json.dumps(dict(obj, format_version=99)))
+    for ckpt in (good, newer):
+        here, there = layout.inspect_checkpoint(ckpt), ckptstore._inspect_in_child(ckpt)
+        assert (there.to_json(), there.tensor_bytes) == (here.to_json(), here.tensor_bytes)
+    assert ckptstore._inspect_in_child(newer).unknown_format is True
+    monkeypatch.setattr(ckptstore, "_CHILD", "import sys; sys.exit(3)")
+    failed = ckptstore._inspect_in_child(good)
+    assert (failed.consistent, "could not be checked" in str(failed.problems[0])) == (False, True)
+
+
+def test_the_scanner_sends_manifests_past_the_threshold_to_a_child(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_fake_checkpoint(tmp_path / "ckpt", 100, default_files(1))
+    children: list[Path] = []
+    real = ckptstore._inspect_in_child
+    monkeypatch.setattr(ckptstore, "CHILD_CHECK_BYTES", 1)  # every manifest is "big"
+
+    def in_child(p: Path) -> layout.CheckpointInfo:
+        children.append(p)
+        return real(p)
+
+    monkeypatch.setattr(ckptstore, "_inspect_in_child", in_child)
+    s = StoreScanner(tmp_path / "ckpt", interval_s=0.05).start()
+    try:
+        wait_for(lambda: (v := s.view().latest) and v.step == 100, 30, lambda: f"not found: {s.view()}")
+    finally:
+        s.close()
+    assert [p.name for p in children] == ["step-000000100"]
