@@ -316,7 +316,7 @@ class Daemon:
                 self._emit("error", "checkpoint_quarantined", attempt=attempt, step=p.step, reason=p.reason,
                            path=p.moved_to)  # fmt: skip
             else:
-                self._emit("error", "checkpoint_skipped", attempt=attempt, step=p.step, reason=p.reason, path=p.path)
+                self._emit("warning", "checkpoint_skipped", attempt=attempt, step=p.step, reason=p.reason, path=p.path)
         info = resume.picked.info
         if info is None:
             self._emit("info" if resume.quiet else "warning", "checkpoint_chosen", attempt=attempt, step=None,

@@ -113,7 +113,8 @@ def _choose(directory: Path, step: int | None, at_most: int | None, given_up: li
             if picked.info is None:
                 bound = f" of step <= {at_most}" if at_most is not None else ""
                 rejected = [str(p) for p in given_up]
-                unusable = f" ({len(rejected)} unusable: {'; '.join(rejected)})" if rejected else ""
+                shown = "; ".join(rejected[:5]) + ("; ..." if len(rejected) > 5 else "")
+                unusable = f" ({len(rejected)} unusable: {shown})" if rejected else ""
                 return {"error": f"no consistent checkpoint{bound} under {directory}{unusable}", "rejected": rejected}
             info = picked.info
         try:
@@ -129,8 +130,10 @@ def _choose(directory: Path, step: int | None, at_most: int | None, given_up: li
 
 def _passed_over(p: choice.Passed, given_up: list[choice.Passed]) -> None:
     given_up.append(p)
-    event = "checkpoint_quarantined" if p.action == choice.QUARANTINED else "checkpoint_skipped"
-    log.error(event, step=p.step, reason=p.reason, path=p.moved_to or p.path)
+    if p.action == choice.QUARANTINED:
+        log.error("checkpoint_quarantined", step=p.step, reason=p.reason, path=p.moved_to)
+    else:
+        log.warning("checkpoint_skipped", step=p.step, reason=p.reason, path=p.path)
 
 
 def read_dcp_metadata(path: Path, manifest: layout.Manifest) -> dict[str, Any]:
