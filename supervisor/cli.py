@@ -342,13 +342,24 @@ def _no_step_message(root: Path, step: int) -> str:
 
 
 def _uncommitted_lines(root: Path) -> list[str]:
-    """Partial and quarantined directories, which are not checkpoints but worth seeing."""
+    """Partial and quarantined directories, and what is named like a checkpoint but is none
+    (a link, a file, a name ftsup never writes): not checkpoints, but worth seeing."""
+    committed = {p.name for _, p in layout.committed_dirs(root)}
     lines = []
     for p in sorted(root.iterdir()):
         if layout.parse_partial_dirname(p.name) is not None:
             lines.append(f"not committed: {p.name} (a save in progress or torn by a crash)")
         elif p.name.startswith("step-") and ".corrupt" in p.name:
             lines.append(f"quarantined: {p.name}")
+        elif p.name.startswith("step-") and p.name not in committed:
+            why = (
+                "a symbolic link"
+                if p.is_symlink()
+                else "not a directory"
+                if not p.is_dir()
+                else "not a name ftsup writes"
+            )
+            lines.append(f"not a checkpoint: {p.name[:60]} ({why})")
     return lines
 
 

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import structlog
 
 from supervisor import health, launcher, logs, policy, systemd
+from supervisor.ckptstore import StoreScanner
 from supervisor.config import JobConfig, settings_from
 from supervisor.errors import ConfigError, error_line
 from supervisor.eviction.notices import Blind, Notice, Seeing, from_signal
@@ -41,13 +42,13 @@ from supervisor.journal import Journal, JournalRecord
 from supervisor.metrics import Metrics, MetricsServer
 from supervisor.outages import Outages
 from supervisor.wakeup import Wakeup
-from trainer.checkpoint import layout
+from trainer.checkpoint import choice
 from trainer.checkpoint.errors import CheckpointError
 
 _T = TypeVar("_T")
 _STORE_ERRORS = (OSError, CheckpointError)  # what reading the store raises while it is unreadable or mid-change
 TICK_S = 0.1
-CHECKPOINT_REFRESH_S = 2.0  # how often the checkpoint gauges re-read the checkpoint directory
+CHOICE_TIMEOUT_S = 60.0  # the resume choice waits this long for the store, then leaves it to the ranks
 _GONE = frozenset({-1})  # torchrun's ranks were seen and are gone
 _UNIX_PATH_MAX = 100
 
@@ -74,9 +75,10 @@ class Daemon:
         self.last_attempt = 0
         self.metrics = Metrics(cfg.job.run_id, cfg.launch.node_id, started_unix=time.time())
         self._metrics_server: MetricsServer | None = None
-        self._checkpoints_read_at: float | None = None
         self.crash: str | None = None  # the line for stderr when the loop ended on a bug
         self.outages = Outages(self._emit, self.metrics.storage_error, clock)
+        self._store = StoreScanner(cfg.checkpoint.dir, deep=cfg.checkpoint.verify_deep)  # all reads of the store
+        self._store_seen = (0, 0)  # (scans, errors) of the view last handed to the metrics
 
     # ------------------------------------------------------------------ main loop
 
@@ -100,6 +102,7 @@ class Daemon:
         wakeup = Wakeup(handled, [])
         self._watchers = WatcherThreads(build_watchers(self.cfg.eviction), self.cfg.eviction.poll_interval_s,
                                         wake=wakeup.writer).start()  # fmt: skip
+        self._store.start()
         code = policy.EXIT_INTERNAL
         try:
             self._emit("info", "supervisor_started", run_id=self.cfg.job.run_id, node_id=self.cfg.launch.node_id,
@@ -161,6 +164,7 @@ class Daemon:
             if self.attempt is not None:  # an exception must not leave an attempt running
                 self.attempt.stop(self.cfg.restart.stop_grace_s)
             self._watchers.close()
+            self._store.close()
             systemd.notify("STOPPING=1")
             wakeup.close()
             receiver.close()
@@ -179,7 +183,7 @@ class Daemon:
     def _notice_event(self, notice: Notice) -> policy.EvictionNoticed:
         self._notices[notice.source] = notice
         deadline = self.clock() + (notice.deadline_unix - time.time())  # wall clock -> the loop's clock
-        latest = self._read_store(lambda: layout.latest_consistent(self.cfg.checkpoint.dir))
+        latest = self._store.view().latest  # as last scanned: an estimate, never a wait on the store
         state_bytes = latest.tensor_bytes if latest else None
         systemd.extend_timeout(max(1.0, notice.deadline_unix - time.time()) + self.cfg.restart.stop_grace_s)
         return policy.EvictionNoticed(notice.source, deadline, notice.detail, notice.advisory, state_bytes)
@@ -243,14 +247,14 @@ class Daemon:
             ) from None
 
     def _refresh_checkpoint_metrics(self) -> None:
-        now = self.clock()
-        if self._checkpoints_read_at is not None and now - self._checkpoints_read_at < CHECKPOINT_REFRESH_S:
+        """Hand the scanner's latest view to the metrics (no I/O here); log a failed scan once."""
+        view = self._store.view()
+        if (view.scans, view.errors) == self._store_seen:
             return
-        self._checkpoints_read_at = now
-        root = self.cfg.checkpoint.dir
-        found = self._read_store(lambda: (layout.latest_consistent(root), len(layout.committed_dirs(root))))
-        if found is not None:
-            self.metrics.checkpoint(*found)
+        if view.errors > self._store_seen[1]:
+            self._emit("warning", "checkpoint_scan_failed", reason=view.last_error, failures=view.errors)
+        self._store_seen = (view.scans, view.errors)
+        self.metrics.checkpoint(view.latest, view.committed)
 
     def _control_path(self) -> Path:
         assert self._runtime_dir is not None
@@ -297,22 +301,20 @@ class Daemon:
         return policy.LaunchReady(slots, step, self._batch_divisor(meta))
 
     def _choose_checkpoint(self, attempt: int) -> tuple[int | None, dict[str, Any]]:
-        root = Path(self.cfg.checkpoint.dir)
-        deep = self.cfg.checkpoint.verify_deep
-        while True:
-            committed = layout.committed_dirs(root)
-            if not committed:
-                self._emit("info", "checkpoint_chosen", attempt=attempt, step=None, reason="no checkpoint: fresh start")
-                return None, {}
-            newest_step, newest = committed[-1]
-            info = layout.inspect_checkpoint(newest, deep=deep)
-            if info.consistent:
-                meta = dict(layout.read_manifest(newest).metadata)
-                self._emit("info", "checkpoint_chosen", attempt=attempt, step=info.step, kind=info.kind)
-                return info.step, meta
-            moved = layout.quarantine(root, newest_step)
-            self._emit("error", "checkpoint_quarantined", attempt=attempt, step=newest_step,
-                      reason="; ".join(map(str, info.problems)), path=str(moved))  # fmt: skip
+        resume = self._store.choose(CHOICE_TIMEOUT_S)  # made on the scanner's thread
+        for p in resume.picked.passed:
+            if p.action == choice.QUARANTINED:
+                self._emit("error", "checkpoint_quarantined", attempt=attempt, step=p.step, reason=p.reason,
+                           path=p.moved_to)  # fmt: skip
+            else:
+                self._emit("warning", "checkpoint_skipped", attempt=attempt, step=p.step, reason=p.reason, path=p.path)
+        info = resume.picked.info
+        if info is None:
+            self._emit("info" if resume.quiet else "warning", "checkpoint_chosen", attempt=attempt, step=None,
+                       reason=resume.why_no_checkpoint)  # fmt: skip
+            return None, {}
+        self._emit("info", "checkpoint_chosen", attempt=attempt, step=info.step, kind=info.kind)
+        return info.step, resume.metadata
 
     def _batch_divisor(self, meta: dict[str, Any]) -> int | None:
         g = self.cfg.launch.global_batch or meta.get("global_batch")
@@ -438,7 +440,7 @@ class Daemon:
         self.outages.guard("journal", self.journal.path, lambda: self.journal.write(record), retry=again)
 
     def _journal_extra(self) -> dict[str, Any]:
-        latest = self._read_store(lambda: layout.latest_consistent(self.cfg.checkpoint.dir))
+        latest = self._store.view().latest  # as last scanned
         extra: dict[str, Any] = {"latest_checkpoint": latest.step if latest else None}
         if self._metrics_server is not None:
             extra["metrics"] = self._metrics_server.address

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import structlog
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -26,6 +27,8 @@ from trainer import rng
 from trainer.checkpoint.engine import CheckpointEngine, LoadResult, SaveHandle, SaveResult
 from trainer.checkpoint.errors import CheckpointMismatchError, NoCheckpointError
 from trainer.data import DataPositionError, GlobalBatchSchedule
+
+log = structlog.get_logger("ftsup.trainer")
 
 
 class TrainingState:
@@ -143,13 +146,17 @@ class TrainingState:
         """Load checkpoint `step`, or the latest consistent one (of at most `at_most`, which is how
         the supervisor's choice, `FTSUP_RESUME_STEP`, is passed: a corrupt one is still skipped).
 
-        Returns None (and leaves the fresh state) when there is no checkpoint and no step was asked for.
+        Returns None (and leaves the fresh state) when there is no checkpoint and no step was asked
+        for. When there were checkpoints but none could be used (each was logged, quarantined or
+        skipped), that fresh start is logged too: `training_started_from_scratch`, a warning.
         """
         try:
             result = engine.load({"train": self}, step=step, at_most=at_most, check=self.check_metadata)
-        except NoCheckpointError:
+        except NoCheckpointError as e:
             if step is not None:
                 raise
+            if e.rejected and self.schedule.rank == 0:
+                log.warning("training_started_from_scratch", step=0, unusable=len(e.rejected), reason=str(e))
             return None
         saved = result.rank_state
         if saved is not None and "rng" in saved:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import sys
 
 import pytest
+import structlog
 import torch
 
 from tests.procs import run
-from trainer.checkpoint import CheckpointEngine, CheckpointMismatchError
+from trainer.checkpoint import CheckpointEngine, CheckpointMismatchError, layout
 from trainer.data import DataPositionError, GlobalBatchSchedule
 from trainer.examples.gpt import GPT, WarmupCosine
 from trainer.state import TrainingState
@@ -105,3 +106,23 @@ def test_a_missing_scheduler_on_resume_is_a_mismatch(tmp_path):
         ):
             b.resume(eng)
         assert all(torch.equal(x, y) for x, y in zip(before, b.model.parameters(), strict=True))  # nothing loaded
+
+
+def test_a_fresh_start_after_unusable_checkpoints_is_logged_as_a_warning(tmp_path):
+    with CheckpointEngine(tmp_path) as eng:
+        a = make()
+        step_once(a)
+        a.save(eng, block=True)
+    (tmp_path / layout.step_dirname(1) / layout.MANIFEST_NAME).write_bytes(b"[" * 5000)
+    b = make()
+    with structlog.testing.capture_logs() as logs, CheckpointEngine(tmp_path) as eng:
+        assert b.resume(eng) is None
+    (warning,) = [e for e in logs if e["event"] == "training_started_from_scratch"]
+    assert (warning["log_level"], warning["unusable"], b.step) == ("warning", 1, 0)
+    assert "step-000000001 skipped" in warning["reason"]
+
+
+def test_a_fresh_start_without_any_checkpoint_is_not_a_warning(tmp_path):
+    with structlog.testing.capture_logs() as logs, CheckpointEngine(tmp_path) as eng:
+        assert make().resume(eng) is None
+    assert [e for e in logs if e["log_level"] == "warning"] == []

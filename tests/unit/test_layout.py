@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
-import threading
 import zlib
 from pathlib import Path
 from typing import Any
@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers import default_files, flip_byte, make_fake_checkpoint, write_manifest_json
 from trainer.checkpoint import blocksum, checksums, layout
-from trainer.checkpoint.errors import ManifestError, NoCheckpointError
+from trainer.checkpoint.errors import CheckpointCorruptError, ManifestError, NoCheckpointError
 
 BLOCK = layout.CHECKSUM_BLOCK_BYTES
 
@@ -91,25 +91,32 @@ def test_file_checksum_of_empty_file_equals_checksum_of_no_bytes(tmp_path: Path)
     assert checksums.file_checksum(path) == checksums.checksum_bytes(b"")
 
 
-def test_file_checksum_is_independent_of_how_reads_are_split(tmp_path: Path) -> None:
-    # A pipe hands the reader short reads (whatever the writer has pushed so far), as a
-    # network filesystem may; block boundaries must still fall every 64 KiB of the file.
+class _ShortReads(io.RawIOBase):
+    """Hands out at most `piece` bytes per read, as a network filesystem may."""
+
+    def __init__(self, data: bytes, piece: int):
+        self.data, self.pos, self.piece = data, 0, piece
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), self.piece, len(self.data) - self.pos)
+        b[:n] = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+
+def test_file_checksum_is_independent_of_how_reads_are_split() -> None:
     data = os.urandom(5 * BLOCK + 999)
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)
+    crcs = checksums.stream_block_crcs(_ShortReads(data, 10_007))
+    assert checksums.checksum_from_block_crcs(crcs) == checksums.checksum_bytes(data)
 
-    def write_in_odd_pieces() -> None:
-        with open(fifo, "wb", buffering=0) as f:
-            for off in range(0, len(data), 10_007):
-                f.write(data[off : off + 10_007])
 
-    writer = threading.Thread(target=write_in_odd_pieces, daemon=True)
-    writer.start()
-    try:
-        actual = checksums.file_checksum(fifo)
-    finally:
-        writer.join(timeout=30)
-    assert actual == checksums.checksum_bytes(data)
+def test_file_checksum_of_a_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo")  # no writer: an open for reading that waits would never return
+    with pytest.raises(CheckpointCorruptError, match="not a regular file"):
+        checksums.file_checksum(tmp_path / "fifo")
 
 
 def test_checksum_names_its_algorithm() -> None:
@@ -368,16 +375,14 @@ def test_find_checkpoint_of_an_absent_step_raises_no_checkpoint(store: Path) -> 
 
 
 def test_quarantine_renames_to_corrupt_keeping_the_files(tmp_path: Path) -> None:
-    make_fake_checkpoint(tmp_path, 100, {"a.bin": b"a"})
-    dst = layout.quarantine(tmp_path, 100)
+    ckpt = make_fake_checkpoint(tmp_path, 100, {"a.bin": b"a"})
+    dst = layout.quarantine(ckpt)
     assert (dst.name, (dst / "a.bin").read_bytes()) == ("step-000000100.corrupt", b"a")
 
 
 def test_quarantine_never_overwrites_earlier_evidence(tmp_path: Path) -> None:
-    make_fake_checkpoint(tmp_path, 100, {"a.bin": b"first"})
-    layout.quarantine(tmp_path, 100)
-    make_fake_checkpoint(tmp_path, 100, {"a.bin": b"second"})
-    dst = layout.quarantine(tmp_path, 100)
+    layout.quarantine(make_fake_checkpoint(tmp_path, 100, {"a.bin": b"first"}))
+    dst = layout.quarantine(make_fake_checkpoint(tmp_path, 100, {"a.bin": b"second"}))
     assert (dst.name, (tmp_path / "step-000000100.corrupt" / "a.bin").read_bytes()) == (
         "step-000000100.corrupt.1",
         b"first",
@@ -386,8 +391,7 @@ def test_quarantine_never_overwrites_earlier_evidence(tmp_path: Path) -> None:
 
 def test_quarantined_checkpoint_is_no_longer_listed(tmp_path: Path) -> None:
     make_fake_checkpoint(tmp_path, 100, {"a.bin": b"a"})
-    make_fake_checkpoint(tmp_path, 200, {"a.bin": b"b"})
-    layout.quarantine(tmp_path, 200)
+    layout.quarantine(make_fake_checkpoint(tmp_path, 200, {"a.bin": b"b"}))
     assert [i.step for i in layout.list_checkpoints(tmp_path)] == [100]
 
 

@@ -135,7 +135,7 @@ def test_a_spare_taken_by_another_rank_meanwhile_is_skipped(tmp_path: Path, monk
     first, second = _pool(tmp_path)
     listed = [first, second]
     os.rename(tmp_path / RECYCLE / first, tmp_path / "taken-by-another-rank")  # after this rank listed
-    monkeypatch.setattr(retention, "_pool_files", lambda pool: list(listed))
+    monkeypatch.setattr(retention, "_spares", lambda pool_fd: list(listed))
     assert retention.claim_spare(tmp_path, tmp_path / "mine")
     assert (tmp_path / "mine").stat().st_ino != (tmp_path / "taken-by-another-rank").stat().st_ino
     assert not (tmp_path / RECYCLE / second).exists()
@@ -155,13 +155,91 @@ def test_something_else_named_like_the_pool_never_stops_deletion(tmp_path: Path)
     assert retention.claim_spare(tmp_path, tmp_path / "dest") is False
 
 
-def test_only_plain_files_are_claimed_and_the_rest_is_trimmed(tmp_path: Path) -> None:
+SPARE_NAME = "step-000000100.deleting-7-shard-00000.safetensors"
+
+
+def test_only_plain_files_of_ours_are_claimed_and_the_rest_is_left_alone(tmp_path: Path) -> None:
     pool = tmp_path / RECYCLE
-    (pool / "a-directory").mkdir(parents=True)
-    (pool / "b-link").symlink_to(tmp_path / "elsewhere")
-    (pool / "c-file").write_bytes(b"spare")
+    pool.mkdir()
+    (tmp_path / "elsewhere").write_bytes(b"not ours")
+    (pool / SPARE_NAME.replace("00000", "00001")).mkdir()
+    (pool / SPARE_NAME.replace("00000", "00002")).symlink_to(tmp_path / "elsewhere")
+    os.link(tmp_path / "elsewhere", pool / SPARE_NAME.replace("00000", "00003"))
+    (pool / "planted-file").write_bytes(b"someone's")
+    (pool / SPARE_NAME).write_bytes(b"spare")
     assert retention.claim_spare(tmp_path, tmp_path / "dest") is True
     assert (tmp_path / "dest").read_bytes() == b"spare"
     assert retention.claim_spare(tmp_path, tmp_path / "dest2") is False
     retention.apply_retention(tmp_path, retention.RetentionPolicy(keep_last=1))
-    assert _pool(tmp_path) == []
+    assert len(_pool(tmp_path)) == 4  # nothing retention did not put there is trimmed
+    assert (tmp_path / "elsewhere").read_bytes() == b"not ours"
+
+
+# --------------------------------------------------------------------------- hostile stores
+
+
+def _victim(tmp_path: Path) -> Path:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.safetensors").write_bytes(b"precious")
+    (victim / "notes.txt").write_bytes(b"notes")
+    return victim
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def test_a_pool_that_is_a_symlink_is_never_followed(tmp_path: Path) -> None:
+    victim = _victim(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / RECYCLE).symlink_to(victim)
+    for step in (1, 2, 3):
+        make_fake_checkpoint(ckpt, step, default_files(step))
+    retention.apply_retention(ckpt, retention.RetentionPolicy(keep_last=1), spares=2)
+    assert retention.claim_spare(ckpt, ckpt / "claimed") is False
+    retention.apply_retention(ckpt, retention.RetentionPolicy(keep_last=1))
+    assert _tree(victim) == {"notes.txt": b"notes", "precious.safetensors": b"precious"}
+    assert sorted(p.name for p in ckpt.iterdir()) == [RECYCLE, "step-000000003"]  # deletion went on
+
+
+def test_a_checkpoint_swapped_for_a_symlink_is_never_followed(tmp_path: Path) -> None:
+    victim = _victim(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    for step in (1, 2):
+        make_fake_checkpoint(ckpt, step, default_files(step))
+    (ckpt / ".step-000000000.deleting-1").symlink_to(victim)  # looks like an interrupted deletion
+    (ckpt / "step-000000001.partial").symlink_to(victim)  # looks like a stale partial
+    retention.apply_retention(ckpt, retention.RetentionPolicy(keep_last=1), running_step=5, spares=2)
+    assert _tree(victim) == {"notes.txt": b"notes", "precious.safetensors": b"precious"}
+    assert (ckpt / "step-000000001.partial").is_symlink()  # not ours: left alone
+
+
+def test_a_pool_owned_by_another_user_is_not_used(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("giving a directory to another user needs root")
+    ckpt = tmp_path / "ckpt"
+    (ckpt / RECYCLE).mkdir(parents=True)
+    os.chown(ckpt / RECYCLE, 65534, 65534)
+    for step in (1, 2):
+        make_fake_checkpoint(ckpt, step, default_files(step))
+    retention.apply_retention(ckpt, retention.RetentionPolicy(keep_last=1), spares=2)
+    assert _pool(ckpt) == []  # its owner could swap our spares for links to anything
+
+
+def test_planted_newer_checkpoints_never_push_the_runs_own_out(tmp_path: Path) -> None:
+    for step in (10, 20, 30):
+        make_fake_checkpoint(tmp_path, step, default_files(step))
+    make_fake_checkpoint(tmp_path, 999_999_999_999, default_files(1))  # planted, or another run's
+    retention.apply_retention(tmp_path, retention.RetentionPolicy(keep_last=2), protect={30})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000020", "step-000000030", "step-999999999999"]
+
+
+def test_a_non_canonical_name_is_deleted_by_the_name_found(tmp_path: Path) -> None:
+    make_fake_checkpoint(tmp_path, 5, default_files(5))
+    odd = make_fake_checkpoint(tmp_path, 8, default_files(8))
+    odd.rename(tmp_path / "step-0000000008")  # 10 digits: not a name ftsup writes, but a step-N name
+    make_fake_checkpoint(tmp_path, 9, default_files(9))
+    retention.apply_retention(tmp_path, retention.RetentionPolicy(keep_last=1), protect={9})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000009"]

@@ -29,7 +29,8 @@ def modules_loaded_after(code: str) -> set[str]:
 def test_importing_supervisor_and_the_checkpoint_reader_does_not_import_torch() -> None:
     loaded = modules_loaded_after(
         "import supervisor, supervisor.cli, trainer.checkpoint, trainer.checkpoint.layout, "
-        "trainer.checkpoint.checksums, trainer.checkpoint.retention"
+        "trainer.checkpoint.checksums, trainer.checkpoint.retention, trainer.checkpoint.safefile, "
+        "trainer.checkpoint.choice, trainer.checkpoint.dcpmeta"
     )
     assert "torch" not in loaded
 

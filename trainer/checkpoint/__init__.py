@@ -11,6 +11,7 @@ from typing import Any
 from trainer.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointFormatError,
     CheckpointMismatchError,
     CheckpointSaveError,
     ManifestError,
@@ -28,6 +29,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointEngine",
     "CheckpointError",
+    "CheckpointFormatError",
     "CheckpointMismatchError",
     "CheckpointSaveError",
     "LoadResult",

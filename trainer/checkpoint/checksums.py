@@ -12,11 +12,12 @@ algorithms themselves (`blocksum`), where files live and what a manifest contain
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import struct
 
-from trainer.checkpoint import blocksum
+from trainer.checkpoint import blocksum, safefile
 from trainer.checkpoint.errors import CheckpointCorruptError, ManifestError
 
 _READ_CHUNK = 16 * 1024 * 1024
@@ -71,23 +72,30 @@ def checksum_matches(data: bytes | bytearray | memoryview, recorded: str) -> boo
 
 
 def file_block_crcs(path: str | os.PathLike[str], algorithm: str = blocksum.CURRENT) -> list[int]:
+    """Block checksums of the regular file `path` (a FIFO, device or symlink is refused: it must
+    not block this or feed it for ever)."""
+    fd = safefile.open_regular(path, str(path))
+    with open(fd, "rb", buffering=0) as f:
+        return stream_block_crcs(f, algorithm)
+
+
+def stream_block_crcs(f: io.RawIOBase, algorithm: str = blocksum.CURRENT) -> list[int]:
+    """Block checksums of everything `f` reads, however its reads are split."""
     crcs: list[int] = []
     buf = bytearray(_READ_CHUNK)  # a multiple of the block size
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            # One read may return less than asked (network filesystems, pipes); fill the
-            # whole buffer first, or block boundaries would drift and checksums mismatch.
-            n = 0
-            while n < len(buf):
-                got = f.readinto(view[n:])
-                if not got:
-                    break
-                n += got
-            block_crcs(view[:n], crcs, algorithm)
-            if n < len(buf):
+    while True:
+        # One read may return less than asked (network filesystems); fill the whole buffer
+        # first, or block boundaries would drift and checksums mismatch.
+        n = 0
+        while n < len(buf):
+            got = f.readinto(view[n:])
+            if not got:
                 break
-    return crcs
+            n += got
+        block_crcs(view[:n], crcs, algorithm)
+        if n < len(buf):
+            return crcs
 
 
 def file_checksum(path: str | os.PathLike[str], algorithm: str = blocksum.CURRENT) -> str:

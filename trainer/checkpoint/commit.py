@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -26,10 +27,10 @@ from typing import Any
 import structlog
 import torch
 
-from trainer.checkpoint import checksums, layout
+from trainer.checkpoint import checksums, choice, layout
 from trainer.checkpoint.comm import GroupComm, LocalComm
-from trainer.checkpoint.errors import CheckpointSaveError
-from trainer.checkpoint.retention import RetentionPolicy, apply_retention, claim_spare
+from trainer.checkpoint.errors import CheckpointError, CheckpointSaveError
+from trainer.checkpoint.retention import RetentionPolicy, apply_retention, claim_spare, remove_dir
 from trainer.checkpoint.shardio import write_shard
 from trainer.checkpoint.staging import StagingPlan
 
@@ -113,6 +114,15 @@ class Committer:
                 prep = self._prepare_partial(step, partial, final)
             prep = comm.broadcast(prep)
             if prep.get("skip"):
+                if self.rank == 0:
+                    log_quietly(
+                        log.info,
+                        "checkpoint_save_skipped",
+                        step=step,
+                        kind=job.kind,
+                        path=str(final),
+                        reason="this step is committed already; a checkpoint is never written over",
+                    )
                 return SaveResult(step, str(final), job.kind, 0, job.stage_s, 0.0, skipped=True)
             if "error" in prep:
                 raise CheckpointSaveError(f"step {step}: cannot prepare {partial}: {prep['error']}")
@@ -140,24 +150,54 @@ class Committer:
         try:
             spares = self.world_size if self.recycle else 0  # one save's shard files
             apply_retention(self.directory, self.retention, protect={newest}, spares=spares)
-        except OSError as e:
+        except (OSError, CheckpointError) as e:
             # A failed deletion must not fail a committed save; the next commit retries.
             log_quietly(log.warning, "checkpoint_retention_failed", step=newest, reason=str(e))
 
     def _prepare_partial(self, step: int, partial: Path, final: Path) -> dict[str, Any]:
         try:
-            if final.exists():
-                return {"skip": True}  # nothing ever overwrites a committed checkpoint
+            existing = self._existing(step, final)
+            if existing is not None:
+                return existing
             # The writer runs saves in order, so any .partial of this or an older step is torn.
-            for e in os.scandir(self.directory):
-                s = layout.parse_partial_dirname(e.name)
-                if s is not None and s <= step:
-                    shutil.rmtree(e.path, ignore_errors=True)
-            partial.mkdir()
-            layout.fsync_dir(self.directory)
+            dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                for e in os.scandir(dir_fd):
+                    s = layout.parse_partial_dirname(e.name)
+                    if s is not None and s <= step:
+                        remove_dir(dir_fd, e.name)  # a real directory only: a planted link is left
+                os.mkdir(partial.name, dir_fd=dir_fd)  # fails on anything left there: nothing is reused
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
             return {}
         except OSError as e:
             return {"error": f"{e.strerror or e} ({e.filename or partial})"}
+
+    def _existing(self, step: int, final: Path) -> dict[str, Any] | None:
+        """Rank 0: what to do when `step-N` is already there; None: nothing is (any more).
+
+        A consistent checkpoint is never written over (saving it again is a no-op). One that is
+        not consistent is quarantined (as loading would), and this save takes its place. One of a
+        format this ftsup does not read, or anything but a directory, is never touched: this
+        step's save fails (the caller logs it and training goes on)."""
+        try:
+            st = os.lstat(final)
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISDIR(st.st_mode):
+            return {"error": f"{final} exists and is not a directory (a link or a file); remove it to save this step"}
+        info = layout.inspect_checkpoint(final)
+        if info.consistent:
+            return {"skip": True}
+        reason = "; ".join(map(str, info.problems))
+        if info.unknown_format:
+            return {"error": f"{final} is of a format this ftsup does not read; it is kept as it is ({reason})"}
+        passed = choice.give_up(final, step, reason)
+        if passed.action != choice.QUARANTINED:
+            return {"error": f"{final} is not consistent and could not be quarantined: {passed.reason}"}
+        log_quietly(log.warning, "checkpoint_quarantined", step=step, reason=reason, path=passed.moved_to)
+        return None
 
     def _write_rank_files(self, job: StagedSave, partial: Path) -> dict[str, Any]:
         files: dict[str, dict[str, Any]] = {}

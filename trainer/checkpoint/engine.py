@@ -10,7 +10,9 @@ What happens on `save(step, state)`:
    part; on CPU it computes the shard's block checksums in the same pass.
 3. (writer thread) The buffer is written as `step-N.partial/shard-RRRRR.safetensors` (O_DIRECT
    where possible), fsynced, and rank 0 commits the checkpoint (`commit`). Any failure removes
-   the `.partial` directory and surfaces on the next `save`/`wait`.
+   the `.partial` directory, is logged (`checkpoint_save_failed`) and counted (`failed_saves`),
+   and is raised by that save's handle (and by `wait`), never by a later `save`: a disk that is
+   full for a while costs the checkpoints of that while, not the training run.
 
 `load(state)` restores the latest consistent checkpoint (or a given step) on any world size,
 checking names, shapes and dtypes and every byte's checksum before anything is modified
@@ -51,14 +53,21 @@ log = structlog.get_logger("ftsup.checkpoint")
 
 
 class SaveHandle:
-    def __init__(self, future: Future[SaveResult]):
+    def __init__(self, future: Future[SaveResult], reported: Callable[[BaseException], None] = lambda e: None):
         self._future = future
+        self._reported = reported
 
     def done(self) -> bool:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> SaveResult:
-        return self._future.result(timeout)
+        """The save's result; raises CheckpointSaveError if it failed (then `engine.wait()` does not
+        raise it again)."""
+        try:
+            return self._future.result(timeout)
+        except CheckpointError as e:
+            self._reported(e)
+            raise
 
 
 @functools.cache
@@ -123,7 +132,9 @@ class CheckpointEngine:
             self._free.put(i)
         self._jobs: queue.Queue[StagedSave | None] = queue.Queue()
         self._in_flight: list[Future[SaveResult]] = []
-        self._failure: BaseException | None = None
+        self._failure: BaseException | None = None  # the first failure no handle has raised yet
+        self.failed_saves = 0
+        """Saves that failed since the engine was made (each also logged: checkpoint_save_failed)."""
         self._lock = threading.Lock()
         self._closed = False
         self._writer = threading.Thread(target=self._writer_loop, name="ftsup-ckpt-writer", daemon=True)
@@ -140,11 +151,12 @@ class CheckpointEngine:
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Finish in-flight saves, stop the writer thread. Raises a pending save failure."""
+        """Finish in-flight saves and stop the writer thread. A save that failed was logged and
+        counted, and its handle raises it; closing does not (call `wait()` first to hear of it)."""
         if self._closed:
             return
         try:
-            self.wait()
+            self._drain()
         finally:
             self._closed = True
             self._jobs.put(None)
@@ -157,7 +169,8 @@ class CheckpointEngine:
         self.close()
 
     def wait(self) -> None:
-        """Block until every in-flight save has finished; raise the first failure, once."""
+        """Block until every in-flight save has finished; raise the first failure that no handle
+        has raised yet, once."""
         self._drain()
         self._raise_failure()
 
@@ -177,6 +190,11 @@ class CheckpointEngine:
         if failure is not None:
             raise CheckpointSaveError(f"an earlier checkpoint save failed: {failure}") from failure
 
+    def _reported(self, failure: BaseException) -> None:
+        with self._lock:
+            if self._failure is failure:
+                self._failure = None
+
     # ------------------------------------------------------------------ save
 
     def save(
@@ -191,8 +209,9 @@ class CheckpointEngine:
     ) -> SaveHandle | SaveResult:
         """Stage `state` and write it in the background as checkpoint `step`.
 
-        Returns a SaveHandle, or the SaveResult when `block=True` (final and emergency saves).
-        Raises CheckpointSaveError if an earlier background save failed.
+        Returns a SaveHandle, or the SaveResult when `block=True` (final and emergency saves;
+        raises CheckpointSaveError when that save fails). An earlier background save's failure is
+        not raised here: it was logged and counted, and its own handle raises it.
         """
         with gcpause.paused():
             return self._save(step, state, kind, rank_state, metadata, block)
@@ -206,7 +225,6 @@ class CheckpointEngine:
         if kind not in layout.KINDS:
             raise CheckpointError(f"kind must be one of {', '.join(layout.KINDS)}, got {kind!r}")
         t0 = time.perf_counter()
-        self._raise_failure()
         flat, skeleton = codec.flatten(codec.state_dicts(state))
         rank_state_bytes = json.dumps(codec.encode_inline(rank_state)).encode()
         meta = dict(metadata or {})
@@ -233,15 +251,8 @@ class CheckpointEngine:
         with self._lock:
             self._in_flight.append(job.future)
         self._jobs.put(job)
-        handle = SaveHandle(job.future)
-        if not block:
-            return handle
-        try:
-            return handle.wait()
-        except CheckpointSaveError:
-            with self._lock:  # reported here; do not raise it a second time on the next call
-                self._failure = None
-            raise
+        handle = SaveHandle(job.future, self._reported)
+        return handle.wait() if block else handle
 
     def _writer_loop(self) -> None:
         while True:
@@ -253,9 +264,11 @@ class CheckpointEngine:
             except BaseException as e:
                 err = e if isinstance(e, CheckpointError) else CheckpointSaveError(f"step {job.step}: {e}")
                 with self._lock:
-                    self._failure = err
+                    self._failure = self._failure or err
+                    self.failed_saves += 1
+                log_quietly(log.error, "checkpoint_save_failed", step=job.step, kind=job.kind, rank=self.rank,
+                            reason=str(err), failed_saves=self.failed_saves)  # fmt: skip
                 job.future.set_exception(err)
-                log_quietly(log.error, "checkpoint_save_failed", step=job.step, rank=self.rank, reason=str(err))
                 continue
             job.future.set_result(result)
             if self.rank == 0 and not result.skipped:

@@ -15,6 +15,12 @@ class ManifestError(CheckpointError):
     """A manifest is missing, unreadable, or describes something unsafe or impossible."""
 
 
+class CheckpointFormatError(ManifestError):
+    """A checkpoint in a format this ftsup does not read (a newer `format_version`, checksum
+    algorithm or block size): it is never used, and never renamed or deleted either, since the
+    newer ftsup that wrote it may be running next to this one."""
+
+
 class CheckpointCorruptError(CheckpointError):
     """A committed checkpoint's files do not match its manifest (size or checksum)."""
 
@@ -25,7 +31,14 @@ class CheckpointCorruptError(CheckpointError):
 
 
 class NoCheckpointError(CheckpointError):
-    """No consistent checkpoint exists where one was asked for."""
+    """No consistent checkpoint exists where one was asked for.
+
+    `rejected`: the checkpoints that were there but could not be used (one line each: the
+    directory, what was done with it, why), so that a fresh start after them is never silent."""
+
+    def __init__(self, message: str, *, rejected: list[str] | None = None):
+        super().__init__(message)
+        self.rejected = rejected or []
 
 
 class CheckpointMismatchError(CheckpointError):

@@ -29,6 +29,7 @@ import torch
 
 from trainer.checkpoint import codec, layout
 from trainer.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from trainer.checkpoint.loading import read_dcp_metadata
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -44,8 +45,7 @@ def model_prefix(keys: list[str]) -> str:
 
 
 def _read_meta(ckpt: Path, manifest: layout.Manifest) -> dict[str, Any]:
-    meta: dict[str, Any] = json.loads(layout.read_verified(ckpt, manifest, layout.DCP_META_NAME))
-    return meta
+    return read_dcp_metadata(ckpt, manifest)  # verified, its schema checked
 
 
 def assemble(ckpt: Path, meta: Mapping[str, Any], fqn: str) -> torch.Tensor:

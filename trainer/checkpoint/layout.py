@@ -19,21 +19,26 @@ does the manifest. Which checkpoints to keep, and deleting the others, is `reten
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint import blocksum, checksums
+from trainer.checkpoint import blocksum, checksums, safefile
 from trainer.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointFormatError,
     ManifestError,
     NoCheckpointError,
 )
+from trainer.checkpoint.safefile import resolve_inside, validate_relpath
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -43,17 +48,40 @@ CHECKSUM_ALGORITHM = blocksum.CURRENT
 CHECKSUM_BLOCK_BYTES = blocksum.BLOCK_BYTES
 KINDS = ("periodic", "emergency", "final")
 
-_STEP_RE = re.compile(r"^step-(\d{9,})$")
-_PARTIAL_RE = re.compile(r"^step-(\d{9,})\.partial$")
-_READ_CHUNK = 16 * 1024 * 1024
+MAX_STEP = 10**18 - 1
+"""The largest step a checkpoint may record (18 digits). A directory name with more digits is not
+a checkpoint: `int()` of a few thousand digits raises, and no run takes 10**18 steps."""
+MAX_WORLD_SIZE = 1 << 24
+
+MANIFEST_MAX_BYTES = 64 << 20
+"""The largest manifest read. A rank's three files take about 270 bytes of it, so 64 MiB lists
+about 250,000 ranks, more than twice the largest jobs trained today; anything bigger is refused
+before it is read (a `/dev/zero` or a sparse terabyte named manifest.json must not exhaust memory)."""
+MANIFEST_MAX_VALUES = MANIFEST_MAX_BYTES // 16
+"""JSON values a manifest may hold: a real one has one per 20-30 bytes; decoding this many costs
+a few hundred MB at most, where 64 MiB of `[0,0,...]` would cost several GB."""
+DCP_META_MAX_BYTES = 1 << 30
+"""The largest `dcp_metadata.json` read (about 200 bytes per saved chunk: 5 million chunks, e.g.
+1,500 tensors sharded over 3,000 ranks). Its exact size is recorded in the manifest as well."""
+RANK_STATE_MAX_BYTES = 256 << 20
+"""The largest rank state read (RNG streams take a few KiB; small tensors inlined as base64)."""
+SIDECAR_MAX_BYTES = 1 << 30
+"""The largest `.crc32` sidecar read: 4 bytes per 64 KiB block, so a 16 TiB shard."""
+
+MAX_PROBLEMS = 100
+"""A check stops after this many problems: a manifest listing 150,000 files that are not there
+is inconsistent after the first, and listing them all costs time and screens."""
+
+_STEP_RE = re.compile(r"^step-(\d{9,18})$")
+_PARTIAL_RE = re.compile(r"^step-(\d{9,18})\.partial$")
 
 
 # --------------------------------------------------------------------------- names
 
 
 def step_dirname(step: int) -> str:
-    if step < 0:
-        raise CheckpointError(f"step must be >= 0, got {step}")
+    if not 0 <= step <= MAX_STEP:
+        raise CheckpointError(f"step must be between 0 and {MAX_STEP}, got {step}")
     return f"step-{step:09d}"
 
 
@@ -97,8 +125,9 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 
 
 def write_file_durable(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write `data` to a new file and fsync it (the directory is the caller's to fsync)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    """Write `data` to a new file and fsync it (the directory is the caller's to fsync). The file
+    must not exist: whatever is there (a symlink someone planted) is never written through."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         view = memoryview(data)
         while view:
@@ -113,6 +142,8 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
     """Replace `path` with `obj` as JSON, atomically (tmp file, fsync, rename, fsync dir)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # left by a crashed writer of the same pid (a link there is removed, not followed)
     write_file_durable(tmp, json.dumps(obj, indent=1, sort_keys=True).encode())
     os.replace(tmp, path)
     fsync_dir(path.parent)
@@ -157,33 +188,6 @@ class Manifest:
         }
 
 
-def validate_relpath(rel: str) -> str:
-    """Refuse anything but a plain relative path inside the checkpoint directory."""
-    if not isinstance(rel, str) or not rel:
-        raise ManifestError(f"manifest file path {rel!r} is not a non-empty string")
-    if "\\" in rel or "\x00" in rel:
-        raise ManifestError(f"manifest file path {rel!r} contains a backslash or NUL byte")
-    if rel.startswith("/") or os.path.isabs(rel):
-        raise ManifestError(f"manifest file path {rel!r} is absolute; only relative paths are allowed")
-    parts = rel.split("/")
-    if any(p in ("", ".", "..") for p in parts):
-        raise ManifestError(f"manifest file path {rel!r} contains '..', '.' or an empty component; refusing it")
-    return rel
-
-
-def resolve_inside(ckpt_dir: str | os.PathLike[str], rel: str) -> Path:
-    """Absolute path of `rel` under `ckpt_dir`, refusing symlinks that escape it."""
-    validate_relpath(rel)
-    base = Path(ckpt_dir).resolve()
-    target = (base / rel).resolve()
-    if target != base and base not in target.parents:
-        raise ManifestError(
-            f"manifest file path {rel!r} resolves to {target}, outside the checkpoint {base} "
-            "(a symlink escaping the directory); refusing it"
-        )
-    return target
-
-
 def _require(obj: Mapping[str, Any], key: str, types: type | tuple[type, ...], where: str) -> Any:
     if key not in obj:
         raise ManifestError(f"{where}: key '{key}' is missing")
@@ -196,41 +200,48 @@ def _require(obj: Mapping[str, Any], key: str, types: type | tuple[type, ...], w
 
 
 def parse_manifest(raw: bytes | str, where: str = "manifest.json") -> Manifest:
-    try:
-        obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ManifestError(f"{where}: not valid JSON ({e})") from None
+    """The manifest in `raw`; raises ManifestError naming what is wrong, or CheckpointFormatError
+    (a ManifestError) when it is of a format this ftsup does not read."""
+    data = raw.encode() if isinstance(raw, str) else raw
+    obj = safefile.loads(data, where, max_values=MANIFEST_MAX_VALUES, error=ManifestError)
     if not isinstance(obj, dict):
         raise ManifestError(f"{where}: top level must be an object")
     version = _require(obj, "format_version", int, where)
     if version != FORMAT_VERSION:
-        raise ManifestError(
+        raise CheckpointFormatError(
             f"{where}: format_version {version} is not supported by this ftsup "
             f"(it reads version {FORMAT_VERSION}); upgrade ftsup to read it"
         )
     # Format 1 manifests have always named their algorithm; one without is read as the first one.
     algo = obj.get("checksum_algorithm", blocksum.CRC32_X64K)
     if not isinstance(algo, str) or algo not in blocksum.ALGORITHMS:
-        raise ManifestError(
-            f"{where}: checksum algorithm {algo!r} is not supported by this ftsup "
+        raise CheckpointFormatError(
+            f"{where}: checksum algorithm {algo!r:.40} is not supported by this ftsup "
             f"(it reads {', '.join(blocksum.ALGORITHMS)}); upgrade ftsup to read it"
         )
     block_bytes = obj.get("checksum_block_bytes", CHECKSUM_BLOCK_BYTES)
     if block_bytes != CHECKSUM_BLOCK_BYTES:
-        raise ManifestError(
-            f"{where}: checksum_block_bytes {block_bytes!r} is not supported (only {CHECKSUM_BLOCK_BYTES})"
+        raise CheckpointFormatError(
+            f"{where}: checksum_block_bytes {block_bytes!r:.40} is not supported (only {CHECKSUM_BLOCK_BYTES})"
         )
     step = _require(obj, "step", int, where)
     world_size = _require(obj, "world_size", int, where)
     kind = _require(obj, "kind", str, where)
     if kind not in KINDS:
-        raise ManifestError(f"{where}: kind {kind!r} is not one of {', '.join(KINDS)}")
-    if step < 0 or world_size < 1:
-        raise ManifestError(f"{where}: step must be >= 0 and world_size >= 1")
+        raise ManifestError(f"{where}: kind {kind!r:.40} is not one of {', '.join(KINDS)}")
+    if not 0 <= step <= MAX_STEP or not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ManifestError(f"{where}: step must be in [0, {MAX_STEP}] and world_size in [1, {MAX_WORLD_SIZE}]")
     created = _require(obj, "created_unix", (int, float), where)
+    if not math.isfinite(created) or abs(created) > 1e11:
+        raise ManifestError(f"{where}: created_unix {created!r:.40} is not a time")
     tensor_bytes = _require(obj, "tensor_bytes", int, where)
+    if not 0 <= tensor_bytes < 1 << 63:
+        raise ManifestError(f"{where}: tensor_bytes must be in [0, 2**63)")
     files_raw = _require(obj, "files", dict, where)
+    if not files_raw:
+        raise ManifestError(f"{where}: lists no files (every checkpoint has some)")
     files: dict[str, FileEntry] = {}
+    checksum_re = re.compile(re.escape(algo) + r":[0-9a-f]{8}")
     for rel, entry in files_raw.items():
         validate_relpath(rel)
         if rel == MANIFEST_NAME:
@@ -239,14 +250,18 @@ def parse_manifest(raw: bytes | str, where: str = "manifest.json") -> Manifest:
             raise ManifestError(f"{where}: files[{rel!r}] must be an object")
         size = _require(entry, "size", int, f"{where}: files[{rel!r}]")
         checksum = _require(entry, "checksum", str, f"{where}: files[{rel!r}]")
-        if size < 0:
-            raise ManifestError(f"{where}: files[{rel!r}] has a negative size")
-        if not re.fullmatch(re.escape(algo) + r":[0-9a-f]{8}", checksum):
+        if not 0 <= size < 1 << 63:
+            raise ManifestError(f"{where}: files[{rel!r}] has a size outside [0, 2**63)")
+        if not checksum_re.fullmatch(checksum):
             raise ManifestError(f"{where}: files[{rel!r}] checksum {checksum!r} is not '{algo}:<8 hex digits>'")
         files[rel] = FileEntry(size=size, checksum=checksum)
     metadata = obj.get("metadata", {})
     if not isinstance(metadata, dict):
         raise ManifestError(f"{where}: metadata must be an object")
+    if "step" in metadata and (type(metadata["step"]) is not int or metadata["step"] != step):
+        # The trainer's metadata records the step it saved: a checkpoint copied under another
+        # step (its manifest edited to match the new name) must not become the newest one.
+        raise ManifestError(f"{where}: records step {step} but its metadata says step {metadata['step']!r:.40}")
     return Manifest(
         step=step,
         world_size=world_size,
@@ -261,13 +276,16 @@ def parse_manifest(raw: bytes | str, where: str = "manifest.json") -> Manifest:
 
 
 def read_manifest(ckpt_dir: str | os.PathLike[str]) -> Manifest:
+    """The manifest of `ckpt_dir`: a regular file (never through a symlink, never a FIFO or a
+    device) of at most MANIFEST_MAX_BYTES."""
     path = Path(ckpt_dir) / MANIFEST_NAME
     try:
-        raw = path.read_bytes()
+        os.lstat(path)
     except FileNotFoundError:
         raise ManifestError(f"{path}: no manifest (the checkpoint was never committed)") from None
-    except OSError as e:
-        raise ManifestError(f"{path}: cannot read manifest ({e.strerror})") from None
+    except OSError:
+        pass  # e.g. an unreadable directory: the open below says so
+    raw = safefile.read_regular(path, str(path), MANIFEST_MAX_BYTES, error=ManifestError)
     manifest = parse_manifest(raw, str(path))
     expected = parse_step_dirname(Path(ckpt_dir).name)
     if expected is not None and expected != manifest.step:
@@ -275,15 +293,17 @@ def read_manifest(ckpt_dir: str | os.PathLike[str]) -> Manifest:
     return manifest
 
 
-def read_verified(ckpt_dir: str | os.PathLike[str], manifest: Manifest, rel: str) -> bytes:
-    """A small file of a committed checkpoint, whole, after checking it against the manifest."""
+def read_verified(ckpt_dir: str | os.PathLike[str], manifest: Manifest, rel: str, max_bytes: int) -> bytes:
+    """A small file of a committed checkpoint, whole, after checking it against the manifest: a
+    regular file inside the checkpoint, of the recorded size (at most `max_bytes`) and checksum."""
     entry = manifest.files.get(rel)
     if entry is None:
         raise CheckpointCorruptError(f"{ckpt_dir}/{rel}: missing from the manifest", path=str(ckpt_dir), file=rel)
+    what = f"{ckpt_dir}/{rel}"
     try:
-        raw = resolve_inside(ckpt_dir, rel).read_bytes()
-    except OSError as e:
-        raise CheckpointCorruptError(f"{ckpt_dir}/{rel}: {e.strerror}", path=str(ckpt_dir), file=rel) from None
+        raw = safefile.read_regular(resolve_inside(ckpt_dir, rel), what, max_bytes, exact=entry.size)
+    except CheckpointError as e:
+        raise CheckpointCorruptError(str(e), path=str(ckpt_dir), file=rel) from None
     if not checksums.checksum_matches(raw, entry.checksum):
         raise CheckpointCorruptError(f"{ckpt_dir}/{rel}: checksum mismatch", path=str(ckpt_dir), file=rel)
     return raw
@@ -298,6 +318,8 @@ class Problem:
 
     file: str | None
     reason: str
+    unknown_format: bool = False
+    """The manifest is of a format this ftsup does not read (see CheckpointFormatError)."""
 
     def __str__(self) -> str:
         return f"{self.file}: {self.reason}" if self.file else self.reason
@@ -307,25 +329,44 @@ def check_checkpoint(ckpt_dir: str | os.PathLike[str], *, deep: bool = False) ->
     """(manifest, problems): fast = manifest parses and sizes match; deep adds checksums."""
     try:
         manifest = read_manifest(ckpt_dir)
+    except CheckpointFormatError as e:
+        return None, [Problem(MANIFEST_NAME, str(e), unknown_format=True)]
     except ManifestError as e:
         return None, [Problem(MANIFEST_NAME, str(e))]
     problems: list[Problem] = []
+    base = Path(ckpt_dir)
     for rel, entry in sorted(manifest.files.items()):
+        if len(problems) >= MAX_PROBLEMS:
+            problems.append(Problem(None, f"more than {MAX_PROBLEMS} problems; the rest were not checked"))
+            break
         try:
-            path = resolve_inside(ckpt_dir, rel)
+            flat = os.lstat(base / rel) if "/" not in rel else None  # no directory on the way, no link
+            if flat is not None and stat.S_ISREG(flat.st_mode):
+                path, st = base / rel, flat
+            else:  # nested, or a link: resolved, and refused if it leaves the checkpoint
+                path = resolve_inside(ckpt_dir, rel)
+                st = os.stat(path)  # `path` is resolved: no link is left in it
         except ManifestError as e:
             problems.append(Problem(rel, str(e)))
             continue
-        try:
-            st = os.stat(path)
         except FileNotFoundError:
             problems.append(Problem(rel, "missing"))
+            continue
+        except OSError as e:
+            problems.append(Problem(rel, f"cannot stat ({e.strerror or e})"))
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            problems.append(Problem(rel, "not a regular file"))
             continue
         if st.st_size != entry.size:
             problems.append(Problem(rel, f"size {st.st_size} != recorded {entry.size}"))
             continue
         if deep:
-            actual = checksums.file_checksum(path, manifest.checksum_algorithm)
+            try:
+                actual = checksums.file_checksum(path, manifest.checksum_algorithm)
+            except CheckpointError as e:
+                problems.append(Problem(rel, str(e)))
+                continue
             if actual != entry.checksum:
                 problems.append(Problem(rel, f"checksum {actual} != recorded {entry.checksum}"))
     return manifest, problems
@@ -342,6 +383,11 @@ class CheckpointInfo:
     problems: tuple[Problem, ...] = ()
     tensor_bytes: int | None = None
 
+    @property
+    def unknown_format(self) -> bool:
+        """Written by a newer ftsup: skipped, never quarantined or deleted."""
+        return any(p.unknown_format for p in self.problems)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "step": self.step,
@@ -351,6 +397,7 @@ class CheckpointInfo:
             "consistent": self.consistent,
             "path": self.path,
             "problems": [str(p) for p in self.problems],
+            "unknown_format": self.unknown_format,
         }
 
 
@@ -410,20 +457,24 @@ def find_checkpoint(root: str | os.PathLike[str], step: int | None, *, deep: boo
         if info is None:
             raise NoCheckpointError(f"no consistent checkpoint under {root}")
         return info
-    path = Path(root) / step_dirname(step)
-    if not path.is_dir():
+    # Only what committed_dirs lists: a symlink named step-N (to a checkpoint elsewhere) is not one.
+    found = [p for s, p in committed_dirs(root) if s == step]
+    if not found:
         raise NoCheckpointError(f"no committed checkpoint for step {step} under {root}")
-    return inspect_checkpoint(path, deep=deep)
+    canonical = [p for p in found if p.name == step_dirname(step)]
+    return inspect_checkpoint((canonical or found)[0], deep=deep)
 
 
-def quarantine(root: str | os.PathLike[str], step: int) -> Path:
-    """Rename `step-N` to `step-N.corrupt` (never deleting evidence) and return the new path."""
-    src = Path(root) / step_dirname(step)
+def quarantine(ckpt_dir: str | os.PathLike[str]) -> Path:
+    """Rename the checkpoint directory `ckpt_dir` (as found: its name is never recomputed from its
+    step) to `<name>.corrupt`, never deleting evidence, and return the new path. Raises OSError
+    when it cannot be renamed (e.g. another user's directory in a sticky store)."""
+    src = Path(ckpt_dir)
     dst = src.with_name(src.name + ".corrupt")
     n = 1
-    while dst.exists():
+    while os.path.lexists(dst):  # a dangling link there is something too
         dst = src.with_name(f"{src.name}.corrupt.{n}")
         n += 1
     os.rename(src, dst)
-    fsync_dir(root)
+    fsync_dir(src.parent)
     return dst

@@ -6,7 +6,9 @@ mismatch lists every differing key and loads nothing. DCP's `DefaultLoadPlanner`
 chunks onto this rank's tensors (N ranks saved, M load) and our `ShardReader` reads and verifies
 only the byte ranges needed; every rank's reads verify before any byte is copied. Loading
 "latest", a checkpoint that turns out corrupt is quarantined (`step-N.corrupt`) and the next
-older one is tried.
+older one is tried (`choice`); one of a newer format is skipped, never renamed. Everything read
+from the store is checked before use: the DCP metadata's schema (`dcpmeta`), the rank state's
+JSON; a file that fails makes the checkpoint corrupt, never the load crash.
 
 Not here: the reader's byte ranges and verified reads (`reader`, `shardio`), saving.
 """
@@ -28,7 +30,7 @@ from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from trainer.checkpoint import codec, layout
+from trainer.checkpoint import choice, codec, dcpmeta, layout, safefile
 from trainer.checkpoint.comm import GroupComm, LocalComm
 from trainer.checkpoint.errors import (
     CheckpointCorruptError,
@@ -65,19 +67,19 @@ def load(
     """`CheckpointEngine.load` (see there); a collective over the engine's group."""
     t0 = time.perf_counter()
     flat, _ = codec.flatten(codec.state_dicts(state))
+    given_up: list[choice.Passed] = []  # rank 0's: what was passed over, for the error if nothing is left
     while True:
-        choice: dict[str, Any] | None = _choose(directory, step, at_most) if comm.rank == 0 else None
-        choice = comm.broadcast(choice)
-        if "error" in choice:
-            raise NoCheckpointError(choice["error"])
+        chosen: dict[str, Any] | None = _choose(directory, step, at_most, given_up) if comm.rank == 0 else None
+        chosen = comm.broadcast(chosen)
+        if "error" in chosen:
+            raise NoCheckpointError(chosen["error"], rejected=chosen["rejected"])
         try:
-            return _load_from(comm, choice, state, flat, t0, check)
+            return _load_from(comm, chosen, state, flat, t0, check)
         except CheckpointCorruptError as e:
             if step is not None:
                 raise
             if comm.rank == 0:
-                moved = layout.quarantine(directory, choice["step"])
-                log.error("checkpoint_quarantined", step=choice["step"], reason=str(e), path=str(moved))
+                _passed_over(choice.give_up(chosen["path"], chosen["step"], str(e)), given_up)
 
 
 def read_rank_state(checkpoint_path: str | os.PathLike[str], rank: int) -> Any:
@@ -89,48 +91,72 @@ def read_rank_state(checkpoint_path: str | os.PathLike[str], rank: int) -> Any:
     return _read_own_rank_state(path, manifest, rank)
 
 
-def _choose(directory: Path, step: int | None, at_most: int | None) -> dict[str, Any]:
-    """Rank 0: the checkpoint to load and its verified DCP metadata (or why there is none)."""
+def _choose(directory: Path, step: int | None, at_most: int | None, given_up: list[choice.Passed]) -> dict[str, Any]:
+    """Rank 0: the checkpoint to load and its verified DCP metadata (or why there is none).
+    Loading "latest" (or at most a step), whatever fails is passed over (`choice`), logged and
+    added to `given_up`; loading a given step, its failure is the error."""
     while True:
-        try:
-            if step is None and at_most is not None:
-                found = layout.latest_consistent(directory, below=at_most + 1)
-                if found is None:
-                    raise NoCheckpointError(f"no consistent checkpoint of step <= {at_most} under {directory}")
-                info = found
-            else:
+        if step is not None:
+            try:
                 info = layout.find_checkpoint(directory, step)
-        except NoCheckpointError as e:
-            return {"error": str(e)}
-        if not info.consistent:
-            problems = "; ".join(map(str, info.problems))
-            if step is not None:
-                return {"error": f"checkpoint {info.path} is not consistent: {problems}"}
-            moved = layout.quarantine(directory, info.step)
-            log.error("checkpoint_quarantined", step=info.step, reason=problems, path=str(moved))
-            continue
-        manifest = layout.read_manifest(info.path)
+            except NoCheckpointError as e:
+                return {"error": str(e), "rejected": []}
+            if not info.consistent:
+                return {"error": f"checkpoint {info.path} is not consistent: {'; '.join(map(str, info.problems))}",
+                        "rejected": []}  # fmt: skip
+        else:
+            # Failing the fast check here is skipped, not quarantined: the supervisor (or an
+            # operator) decides that; one that fails while loading is quarantined below.
+            picked = choice.choose(directory, at_most=at_most, quarantine=False, exclude={p.path for p in given_up})
+            for p in picked.passed:
+                _passed_over(p, given_up)
+            if picked.info is None:
+                bound = f" of step <= {at_most}" if at_most is not None else ""
+                rejected = [str(p) for p in given_up]
+                shown = "; ".join(rejected[:5]) + ("; ..." if len(rejected) > 5 else "")
+                unusable = f" ({len(rejected)} unusable: {shown})" if rejected else ""
+                return {"error": f"no consistent checkpoint{bound} under {directory}{unusable}", "rejected": rejected}
+            info = picked.info
         try:
-            raw = layout.read_verified(info.path, manifest, layout.DCP_META_NAME)
-        except CheckpointCorruptError as e:
+            manifest = layout.read_manifest(info.path)
+            meta = read_dcp_metadata(Path(info.path), manifest)
+        except CheckpointError as e:  # it changed since the check, or its metadata is corrupt
             if step is not None:
-                return {"error": str(e)}
-            layout.quarantine(directory, info.step)
+                return {"error": str(e), "rejected": []}
+            _passed_over(choice.give_up(info.path, info.step, str(e)), given_up)
             continue
-        return {"step": info.step, "path": info.path, "manifest": manifest.to_json(), "meta": json.loads(raw)}
+        return {"step": info.step, "path": info.path, "manifest": manifest.to_json(), "meta": meta}
+
+
+def _passed_over(p: choice.Passed, given_up: list[choice.Passed]) -> None:
+    given_up.append(p)
+    if p.action == choice.QUARANTINED:
+        log.error("checkpoint_quarantined", step=p.step, reason=p.reason, path=p.moved_to)
+    else:
+        log.warning("checkpoint_skipped", step=p.step, reason=p.reason, path=p.path)
+
+
+def read_dcp_metadata(path: Path, manifest: layout.Manifest) -> dict[str, Any]:
+    """A checkpoint's `dcp_metadata.json`, verified against the manifest and its schema checked
+    (`dcpmeta`); raises CheckpointCorruptError naming what is wrong."""
+    raw = layout.read_verified(path, manifest, layout.DCP_META_NAME, layout.DCP_META_MAX_BYTES)
+    where = f"{path}/{layout.DCP_META_NAME}"
+    meta = safefile.loads(raw, where, max_values=layout.DCP_META_MAX_BYTES // 8)
+    dcpmeta.validate(meta, manifest, lambda dtype: codec.dtype_from_name(dtype).itemsize, where)
+    return dict(meta)
 
 
 def _load_from(
     comm: LocalComm | GroupComm,
-    choice: dict[str, Any],
+    chosen: dict[str, Any],
     state: Mapping[str, Any],
     flat: dict[str, torch.Tensor],
     t0: float,
     check: Callable[[Mapping[str, Any]], None] | None,
 ) -> LoadResult:  # fmt: skip
-    path = Path(choice["path"])
-    manifest = layout.parse_manifest(json.dumps(choice["manifest"]))
-    meta = choice["meta"]
+    path = Path(chosen["path"])
+    manifest = layout.parse_manifest(json.dumps(chosen["manifest"]))
+    meta = chosen["meta"]
     if check is not None:
         check(manifest.metadata)  # the same metadata on every rank: all raise or none does
     mismatches = _mismatches(meta["tensors"], flat)
@@ -191,7 +217,13 @@ def _read_own_rank_state(path: Path, manifest: layout.Manifest, rank: int) -> An
     name = layout.rank_state_name(rank)
     if name not in manifest.files:
         return None  # this rank did not exist when the checkpoint was saved
-    return codec.decode_inline(json.loads(layout.read_verified(path, manifest, name)))
+    raw = layout.read_verified(path, manifest, name, layout.RANK_STATE_MAX_BYTES)
+    try:
+        return codec.decode_inline(safefile.loads(raw, f"{path}/{name}"))
+    except CheckpointCorruptError:
+        raise
+    except CheckpointError as e:  # a well-checksummed file that is not a rank state
+        raise CheckpointCorruptError(f"{path}/{name}: {e}", path=str(path), file=name) from None
 
 
 def _mismatches(saved: Mapping[str, Any], flat: Mapping[str, torch.Tensor]) -> list[str]:

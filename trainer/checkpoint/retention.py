@@ -5,7 +5,9 @@ newest consistent checkpoint is always kept (and the one just committed is prote
 Inconsistent checkpoints are never deleted here: loading quarantines them and operators decide.
 A deletion renames the directory out of the `step-N` namespace first, so a crash mid-delete
 never leaves a half-deleted directory that looks committed. Stale `.partial` directories (of
-steps older than the running one) and interrupted deletions are cleaned up as well.
+steps older than the running one) and interrupted deletions are cleaned up as well. Anyone who
+can write a shared store can plant links and files in it: nothing here follows a link or acts
+on what it did not create.
 
 Stdlib-only (the supervisor applies retention too). Not here: listing and verifying (`layout`).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import stat
 from collections.abc import Iterable
@@ -68,31 +71,64 @@ def apply_retention(
 ) -> list[Path]:
     """Delete what `policy` lets go, and `.partial` directories older than `running_step`.
 
+    `protect`: steps never deleted; the newest of them is the run's own newest checkpoint (the one
+    just committed): checkpoints of later steps are not of this run's timeline (planted, copied
+    in, or left by a run this one was rolled back from) and are neither deleted nor counted
+    against `keep_last`, so they can never push the run's own checkpoints out.
     `spares`: keep up to this many shard files of deleted checkpoints in `.recycle/` for the
     next saves to write over (see `claim_spare`); 0 empties the pool.
+
+    Every operation is relative to a descriptor of `root` and never follows a link: what is
+    renamed, recycled or removed is a real directory or a plain file of this user's, found under
+    its own name (never a name recomputed from a step).
     """
     root = Path(root)
-    infos = layout.list_checkpoints(root)
+    protect = set(protect)
+    newest = max(protect, default=None)
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
     removed: list[Path] = []
-    for step in retention_victims(((i.step, i.consistent) for i in infos), policy, protect):
-        path = root / layout.step_dirname(step)
-        # Rename first so that a crash mid-delete never leaves a half-deleted "committed" dir.
-        doomed = root / f".{path.name}.deleting-{os.getpid()}"
-        os.rename(path, doomed)
-        _keep_spares(root, doomed, spares)
-        shutil.rmtree(doomed, ignore_errors=True)
-        removed.append(path)
-    _trim_spares(root, spares)
-    for e in list(os.scandir(root)) if root.is_dir() else []:
-        partial_step = layout.parse_partial_dirname(e.name)
-        stale_partial = partial_step is not None and running_step is not None and partial_step < running_step
-        stale_delete = e.name.startswith(".step-") and ".deleting-" in e.name
-        if stale_partial or stale_delete:
-            shutil.rmtree(e.path, ignore_errors=True)
-            removed.append(Path(e.path))
-    if removed:
-        layout.fsync_dir(root)
+    try:
+        infos = [layout.inspect_checkpoint(p) for s, p in layout.committed_dirs(root) if newest is None or s <= newest]
+        victims = set(retention_victims(((i.step, i.consistent) for i in infos), policy, protect))
+        for info in infos:
+            if info.step not in victims or not info.consistent:
+                continue
+            name = Path(info.path).name
+            # Rename first so that a crash mid-delete never leaves a half-deleted "committed" dir.
+            doomed = f".{name}.deleting-{os.getpid()}"
+            os.rename(name, doomed, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+            _keep_spares(root_fd, doomed, spares)
+            remove_dir(root_fd, doomed)
+            removed.append(root / name)
+        _trim_spares(root_fd, spares)
+        for e in list(os.scandir(root_fd)):
+            partial_step = layout.parse_partial_dirname(e.name)
+            stale_partial = partial_step is not None and running_step is not None and partial_step < running_step
+            stale_delete = _DELETING.match(e.name) is not None
+            if (stale_partial or stale_delete) and remove_dir(root_fd, e.name):
+                removed.append(root / e.name)
+        if removed:
+            os.fsync(root_fd)
+    finally:
+        os.close(root_fd)
     return removed
+
+
+def remove_dir(dir_fd: int, name: str) -> bool:
+    """Remove the directory `name` under `dir_fd` and everything in it, if it is a real directory
+    (never through a symlink, never a file); whatever cannot be removed stays. True if it was one."""
+    try:
+        if not stat.S_ISDIR(os.lstat(name, dir_fd=dir_fd).st_mode):
+            return False
+    except FileNotFoundError:
+        return False
+    # rmtree with dir_fd works on descriptors (O_NOFOLLOW at every level): a link swapped in for
+    # a directory meanwhile is refused, never followed.
+    shutil.rmtree(name, ignore_errors=True, dir_fd=dir_fd)
+    return True
 
 
 # --------------------------------------------------------------------------- recycling
@@ -107,39 +143,88 @@ written over a spare in a median 0.16 s against 0.31 s into a new file (reading 
 took the same 0.23 s), and the benchmark's blocking 1 GiB save on two ranks was durable in
 0.36-0.41 s against 0.58-0.61 s. The pool holds what retention would have deleted
 a moment earlier, so it never raises the peak disk usage of a run (a save in flight plus the
-checkpoints kept); between saves it holds one checkpoint's shards more than `keep_last`."""
+checkpoints kept); between saves it holds one checkpoint's shards more than `keep_last`.
+
+The pool is used only when it is a real directory owned by this user (created by `apply_retention`);
+a symlink or anything else named `.recycle` turns recycling off and is left alone. In it, only
+plain files of this user's with one link and a name retention gives them are claimed or trimmed;
+anything else is left where it is."""
+
+_DELETING = re.compile(r"^\.step-\d{9,18}\.deleting-\d+$")
+_SPARE = re.compile(r"^step-\d{9,18}\.deleting-\d+-shard-\d{5,}\.safetensors$")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _keep_spares(root: Path, doomed: Path, spares: int) -> None:
-    pool = root / RECYCLE_DIRNAME
-    held = len(_pool_files(pool))
-    for e in sorted(os.scandir(doomed), key=lambda e: e.name):
-        if held >= spares:
-            return
-        if e.name.endswith(".safetensors") and e.is_file(follow_symlinks=False):
-            try:
-                pool.mkdir(exist_ok=True)
-                os.rename(e.path, pool / f"{doomed.name.lstrip('.')}-{e.name}")
-            except OSError:
-                return  # e.g. something else named .recycle: recycling must never stop deletion
-            held += 1
-
-
-def _trim_spares(root: Path, spares: int) -> None:
-    pool = root / RECYCLE_DIRNAME
-    for name in _pool_files(pool)[spares:]:
-        with contextlib.suppress(FileNotFoundError):  # claimed by a rank meanwhile
-            if (pool / name).is_dir() and not (pool / name).is_symlink():
-                shutil.rmtree(pool / name)
-            else:
-                os.unlink(pool / name)
-
-
-def _pool_files(pool: Path) -> list[str]:
+def _keep_spares(root_fd: int, doomed: str, spares: int) -> None:
+    if spares <= 0:
+        return
+    pool_fd = _open_pool(root_fd, create=True)
+    if pool_fd is None:
+        return  # something else is named .recycle: recycling must never stop deletion
     try:
-        return sorted(os.listdir(pool))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+        held = len(_spares(pool_fd))
+        try:
+            dfd = os.open(doomed, _DIR_FLAGS, dir_fd=root_fd)
+        except OSError:
+            return  # not a real directory (swapped for a link meanwhile): nothing to take from it
+        try:
+            for e in sorted(os.scandir(dfd), key=lambda e: e.name):
+                if held >= spares:
+                    return
+                if e.name.endswith(".safetensors") and _ours(e.stat(follow_symlinks=False)):
+                    try:
+                        os.rename(e.name, f"{doomed.lstrip('.')}-{e.name}", src_dir_fd=dfd, dst_dir_fd=pool_fd)
+                    except OSError:
+                        return
+                    held += 1
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(pool_fd)
+
+
+def _trim_spares(root_fd: int, spares: int) -> None:
+    pool_fd = _open_pool(root_fd, create=False)
+    if pool_fd is None:
+        return
+    try:
+        for name in _spares(pool_fd)[max(spares, 0) :]:
+            with contextlib.suppress(FileNotFoundError):  # claimed by a rank meanwhile
+                os.unlink(name, dir_fd=pool_fd)
+    finally:
+        os.close(pool_fd)
+
+
+def _open_pool(root_fd: int, *, create: bool) -> int | None:
+    """A descriptor of `.recycle` if it is a real directory of this user's (made now if `create`)."""
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(RECYCLE_DIRNAME, 0o700, dir_fd=root_fd)
+    try:
+        fd = os.open(RECYCLE_DIRNAME, _DIR_FLAGS, dir_fd=root_fd)
+    except OSError:  # absent, a symlink (ELOOP), a file (ENOTDIR): not a pool of ours
+        return None
+    if os.fstat(fd).st_uid != os.geteuid():
+        os.close(fd)
+        return None
+    return fd
+
+
+def _spares(pool_fd: int) -> list[str]:
+    """Names of the spares in the pool: plain files of ours, named as retention names them."""
+    out = []
+    for e in os.scandir(pool_fd):
+        if _SPARE.match(e.name):
+            with contextlib.suppress(FileNotFoundError):
+                if _ours(e.stat(follow_symlinks=False)):
+                    out.append(e.name)
+    return sorted(out)
+
+
+def _ours(st: os.stat_result) -> bool:
+    """A plain file of this user's with no other name (a hard link would let a save write over
+    a file outside the checkpoint)."""
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.geteuid()
 
 
 def claim_spare(root: str | os.PathLike[str], dest: str | os.PathLike[str]) -> bool:
@@ -148,13 +233,25 @@ def claim_spare(root: str | os.PathLike[str], dest: str | os.PathLike[str]) -> b
     Ranks claim concurrently (on a shared filesystem, from several nodes): a rename is atomic, so
     each spare goes to one rank and a rank that loses a race tries the next. The caller writes
     the whole file and sets its size; nothing of the old content survives."""
-    pool = Path(root) / RECYCLE_DIRNAME
-    for name in _pool_files(pool):
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        pool_fd = _open_pool(root_fd, create=False)
+        if pool_fd is None:
+            return False
         try:
-            if not stat.S_ISREG(os.lstat(pool / name).st_mode):
-                continue  # only ever a plain file of ours; anything else is left to trimming
-            os.rename(pool / name, dest)
-        except FileNotFoundError:
-            continue  # another rank took it
-        return True
-    return False
+            for name in _spares(pool_fd):
+                try:
+                    if not _ours(os.lstat(name, dir_fd=pool_fd)):
+                        continue  # replaced since it was listed
+                    os.rename(name, dest, src_dir_fd=pool_fd)
+                except FileNotFoundError:
+                    continue  # another rank took it
+                return True
+            return False
+        finally:
+            os.close(pool_fd)
+    finally:
+        os.close(root_fd)

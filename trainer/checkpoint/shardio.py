@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.checkpoint import codec
+from trainer.checkpoint import codec, safefile
 from trainer.checkpoint.checksums import (
     block_crcs,
     checksum_algorithm,
@@ -37,7 +37,7 @@ from trainer.checkpoint.checksums import (
     unpack_block_crcs,
 )
 from trainer.checkpoint.errors import CheckpointCorruptError
-from trainer.checkpoint.layout import CHECKSUM_BLOCK_BYTES
+from trainer.checkpoint.layout import CHECKSUM_BLOCK_BYTES, SIDECAR_MAX_BYTES
 
 PAGE = 4096
 WRITE_BLOCK = 64 * 1024 * 1024
@@ -193,7 +193,10 @@ def _write_file(path: str, mv: memoryview, total: int, o_direct: bool, reuse: bo
             os.ftruncate(fd, total)  # every byte below is written; a longer old file is cut
         bulk = total // PAGE * PAGE if o_direct else 0
         if bulk:
-            dfd = _open_direct(path)
+            dfd = _open_direct(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
+            if dfd is not None and not os.path.samestat(os.fstat(dfd), os.fstat(fd)):
+                os.close(dfd)  # the name was swapped meantime: write only through `fd`
+                dfd = None
             if dfd is None:
                 bulk = 0
             else:
@@ -219,7 +222,7 @@ def _open_recycled(path: str) -> int | None:
             raise
     else:
         st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.geteuid():
             return fd
         os.close(fd)
     with contextlib.suppress(FileNotFoundError):
@@ -259,14 +262,14 @@ class VerifiedFile:
         self.path = path
         self.rel = rel
         self.size = size
-        with open(crc_path, "rb") as f:
-            raw = f.read()
+        blocks = -(-size // CHECKSUM_BLOCK_BYTES)
+        # A regular file of exactly one checksum per block: never a FIFO, a device or a link.
+        raw = safefile.read_regular(crc_path, f"{rel}: its block checksums", SIDECAR_MAX_BYTES, exact=4 * blocks)
         self.bytes_read = len(raw)
         self.crcs = unpack_block_crcs(raw)
         # Checkpoints of earlier versions use another algorithm; the recorded checksum names it.
         self.algorithm = checksum_algorithm(checksum)
         # The file's checksum is defined over its block CRCs, so the sidecar verifies itself.
-        blocks = -(-size // CHECKSUM_BLOCK_BYTES)
         if checksum_from_block_crcs(self.crcs, self.algorithm) != checksum or len(self.crcs) != blocks:
             raise CheckpointCorruptError(f"{rel}: block checksums do not match the manifest", file=rel)
 
@@ -361,13 +364,18 @@ def read_files(
     try:
         pieces = []
         for (vf, _), regions in zip(requests, out, strict=True):
-            fd = os.open(vf.path, os.O_RDONLY)
+            fd = safefile.open_regular(vf.path, vf.rel)  # no link, FIFO or device
             fds.append(fd)
+            st = os.fstat(fd)
+            if st.st_size != vf.size:
+                raise CheckpointCorruptError(f"{vf.rel}: size {st.st_size} != recorded {vf.size}", file=vf.rel)
             if hasattr(os, "posix_fadvise"):  # read what we ask for, not a readahead window more
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            direct = _open_direct(vf.path, os.O_RDONLY)
+            direct = _open_direct(vf.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
             if direct is not None:
                 fds.append(direct)
+                if not os.path.samestat(os.fstat(direct), st):  # replaced meantime: read it all from `fd`
+                    direct = None
             for s, region in regions:
                 mv = as_memoryview(region)
                 pieces += [(vf, fd, direct, s + lo, mv[lo : lo + READ_PIECE]) for lo in range(0, len(mv), READ_PIECE)]

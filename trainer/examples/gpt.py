@@ -19,6 +19,12 @@ order on another world size.
 (SIGKILL after step STEP), `kill-in-save` (SIGKILL in the background writer while step
 STEP's checkpoint is being written), `exit` (exit code 3 after step STEP), `stop` (SIGSTOP
 itself after step STEP: a hang).
+
+A periodic save that fails (a full or read-only store) is logged by the engine
+(`checkpoint_save_failed`) and training goes on; the previous checkpoint stays the resume point.
+An emergency save that fails is logged (`emergency_save_failed`); asked to stop, the trainer then
+stops (exit status 1) with the last committed checkpoint as the resume point. A final save that
+fails ends the run with exit status 1.
 """
 
 from __future__ import annotations
@@ -34,18 +40,21 @@ import time
 from collections.abc import Iterator
 from typing import Any, cast
 
+import structlog
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.checkpoint import CheckpointEngine, CheckpointError, RetentionPolicy
+from trainer.checkpoint import CheckpointEngine, CheckpointError, CheckpointSaveError, RetentionPolicy
 from trainer.checkpoint.engine import SaveHandle
 from trainer.data import DataConfigError, GlobalBatchSchedule, RankBatchSampler
 from trainer.examples.corpus import TokenWindows, generate
 from trainer.rng import micro_batch_seed
 from trainer.runtime import agree, runtime
 from trainer.state import TrainingState
+
+log = structlog.get_logger("ftsup.trainer")
 
 # ---------------------------------------------------------------------- model
 
@@ -244,6 +253,7 @@ def train(args: argparse.Namespace) -> int:
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = iter(loader)
     handled = 0  # the supervisor's save requests already served
     stopped = False
+    code = 0
     in_flight: SaveHandle | None = None  # the newest periodic save, to report its duration when it lands
     try:
         for step in range(state.step + 1, args.steps + 1):
@@ -286,7 +296,10 @@ def train(args: argparse.Namespace) -> int:
             if args.min_step_s > 0:
                 time.sleep(max(0.0, args.min_step_s - (time.monotonic() - t_start)))
             if in_flight is not None and in_flight.done():
-                rt.beat(step, "train", save_s=in_flight.wait().durable_s)
+                try:
+                    rt.beat(step, "train", save_s=in_flight.wait().durable_s)
+                except CheckpointSaveError:
+                    pass  # logged and counted by the engine; the previous checkpoint stands, training goes on
                 in_flight = None
             if step % args.ckpt_every == 0 and step < args.steps:
                 with rt.phase("save", step):  # staging blocks this rank; the write goes on in the background
@@ -297,10 +310,15 @@ def train(args: argparse.Namespace) -> int:
             if request.seq > handled:
                 handled = request.seq
                 t_save = time.monotonic()
-                with rt.phase("save", step):
-                    state.save(engine, kind="emergency", block=True)
-                rt.beat(step, "train", saved_step=step, save_s=time.monotonic() - t_save)
-                if request.stop:  # evicted: the checkpoint of this very step is committed; leave
+                try:
+                    with rt.phase("save", step):
+                        state.save(engine, kind="emergency", block=True)
+                    rt.beat(step, "train", saved_step=step, save_s=time.monotonic() - t_save)
+                except CheckpointSaveError as e:
+                    if rank == 0:
+                        log.error("emergency_save_failed", step=step, stop=request.stop, reason=str(e))
+                    code = 1 if request.stop else 0
+                if request.stop:  # evicted: leave; the resume point is this step's checkpoint or the last one
                     stopped = True
                     break
             if step == fault_step and fault == "kill":
@@ -321,12 +339,15 @@ def train(args: argparse.Namespace) -> int:
                 f.close()
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         return train(parse_args(argv))
+    except CheckpointSaveError as e:  # the final save: training is done, its result is not saved
+        print(f"gpt: error: {e}", file=sys.stderr)
+        return 1
     except CheckpointError as e:  # a refused checkpoint: say why in one line, take no step
         print(f"gpt: error: {e}", file=sys.stderr)
         return 2

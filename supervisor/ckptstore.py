@@ -1,0 +1,234 @@
+"""The checkpoint store as the daemon sees it, read on a thread of its own.
+
+Anyone who can write the store can make reading it slow (a manifest of 150,000 entries, a
+directory of thousands of planted checkpoints, a network filesystem that stalls), and the daemon's
+loop must never wait on that: a stalled loop is a hang it does not detect. So the store is read
+here, on one thread owned by the daemon (`start`, `close`), never by the loop:
+
+- every `interval_s`, a scan (fast checks) finds the newest consistent checkpoint and the number of committed
+  ones (the metrics, the eviction estimate, the journal). Each checkpoint's fast check is cached
+  by (directory, its inode and mtime, the manifest's inode, size, mtime and ctime), so a scan of an
+  unchanged store costs a `scandir` and two `lstat`s per checkpoint looked at, newest first until
+  a consistent one. (A file changed in place under an unchanged manifest shows at the next
+  change of the directory; the resume choice below never uses the cache.)
+- `choose()` asks for the resume choice (`trainer.checkpoint.choice`: fresh checks, deep when
+  configured, quarantines) and waits for it, at most `timeout_s`; it goes before any scan.
+
+A manifest of CHILD_CHECK_BYTES or more is checked in a child process: the JSON decoder and the
+pre-checks hold the GIL for a whole file at a time (a 58 MiB manifest held it for 3 s here), time
+in which the loop would read no heartbeat.
+
+Results are handed over as immutable values under a lock held only for the swap, never across
+I/O. A scan or choice that raises is caught, counted and kept as `last_error` (the loop logs it);
+the thread goes on. Not here: what to do with the results (the daemon), the checks (`layout`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.checkpoint import choice, layout
+from trainer.checkpoint.errors import ManifestError
+
+REFRESH_S = 2.0
+CHILD_CHECK_BYTES = 4 << 20
+"""Manifests this big (about 15,000 ranks) or bigger are checked in a child process (see above)."""
+CHILD_TIMEOUT_S = 120.0
+_CHILD = (
+    "import json, sys\n"
+    "from trainer.checkpoint import layout\n"
+    "i = layout.inspect_checkpoint(sys.argv[1])\n"
+    "print(json.dumps(dict(i.to_json(), tensor_bytes=i.tensor_bytes)))\n"
+)
+
+
+@dataclass(frozen=True)
+class StoreView:
+    """The store as last scanned; `scans` and `errors` count attempts (a failed scan keeps the
+    previous `latest` and `committed`)."""
+
+    latest: layout.CheckpointInfo | None = None
+    committed: int = 0
+    scans: int = 0
+    errors: int = 0
+    last_error: str | None = None
+
+
+@dataclass(frozen=True)
+class Resume:
+    """The resume choice and the chosen checkpoint's manifest metadata; `answered` is False when
+    the store gave no answer in time (or the choice failed): then the ranks' own load picks."""
+
+    picked: choice.Choice
+    metadata: dict[str, Any] = field(default_factory=dict)
+    answered: bool = True
+    error: str | None = None
+
+    @property
+    def quiet(self) -> bool:
+        """Nothing worth a warning: an answer, and nothing passed over."""
+        return self.answered and not self.picked.passed
+
+    @property
+    def why_no_checkpoint(self) -> str:
+        if not self.answered:
+            return f"the checkpoint directory gave no answer ({self.error}); the ranks choose when they load"
+        return "no usable checkpoint: fresh start" if self.picked.passed else "no checkpoint: fresh start"
+
+
+class _Request:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.result: Resume | None = None
+
+
+class StoreScanner:
+    def __init__(self, root: str | os.PathLike[str], *, deep: bool = False, interval_s: float = REFRESH_S):
+        self._root = Path(root)
+        self._deep = deep
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._view = StoreView()
+        self._requests: list[_Request] = []
+        self._cache: dict[str, tuple[tuple[Any, ...], layout.CheckpointInfo]] = {}
+        self._thread = threading.Thread(target=self._run, name="ftsup-ckpt-scan", daemon=True)
+
+    def start(self) -> StoreScanner:
+        self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread. One stuck in the filesystem (a hung network mount) cannot be joined:
+        it is a daemon thread, left to the process's exit, and holds nothing the daemon needs."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def view(self) -> StoreView:
+        with self._lock:
+            return self._view
+
+    def choose(self, timeout_s: float) -> Resume:
+        """The resume choice, made now on the scanner's thread; not `answered` if it failed (counted
+        in the view's errors) or took longer than `timeout_s` (it is still made, and the next scan
+        sees its outcome)."""
+        req = _Request()
+        with self._lock:
+            self._requests.append(req)
+        self._wake.set()
+        if req.done.wait(timeout_s) and req.result is not None:
+            return req.result
+        error = self.view().last_error if req.done.is_set() else f"nothing within {timeout_s:g}s"
+        return Resume(choice.Choice(None), answered=False, error=error)
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._serve_requests()
+            if self._stop.is_set():
+                return
+            self._attempt(self._scan)
+            self._wake.wait(self._interval_s)
+            self._wake.clear()
+
+    def _serve_requests(self) -> None:
+        while True:
+            with self._lock:
+                if not self._requests:
+                    return
+                req = self._requests.pop(0)
+            req.result = self._attempt(self._choose)
+            req.done.set()
+
+    def _attempt(self, work: Any) -> Any:
+        try:
+            return work()
+        except Exception as e:  # adapter boundary: a store error is counted and retried, never fatal
+            with self._lock:
+                v = self._view
+                self._view = StoreView(v.latest, v.committed, v.scans + 1, v.errors + 1, f"{type(e).__name__}: {e}")
+            return None
+
+    def _choose(self) -> Resume:
+        picked = choice.choose(self._root, deep=self._deep)
+        self._cache.clear()  # it may have renamed some
+        meta: dict[str, Any] = {}
+        if picked.info is not None:
+            try:
+                meta = dict(layout.read_manifest(picked.info.path).metadata)
+            except ManifestError:
+                pass  # it changed since the check: the ranks' own load decides
+        return Resume(picked, meta)
+
+    def _scan(self) -> None:
+        dirs = layout.committed_dirs(self._root)
+        latest = None
+        for _, path in reversed(dirs):
+            with self._lock:
+                if self._requests or self._stop.is_set():
+                    return  # the choice goes first; this scan is redone after it
+            info = self._inspect(path)
+            if info.consistent:
+                latest = info
+                break
+        names = {p.name for _, p in dirs}
+        for name in [n for n in self._cache if n not in names]:
+            del self._cache[name]
+        with self._lock:
+            v = self._view
+            self._view = StoreView(latest, len(dirs), v.scans + 1, v.errors, v.last_error)
+
+    def _inspect(self, path: Path) -> layout.CheckpointInfo:
+        key = _fingerprint(path)
+        cached = self._cache.get(path.name)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        big = len(key) > 3 and key[3] >= CHILD_CHECK_BYTES
+        # Fast checks only: `deep` is for the resume choice.
+        info = _inspect_in_child(path) if big else layout.inspect_checkpoint(path)
+        self._cache[path.name] = (key, info)
+        return info
+
+
+def _inspect_in_child(path: Path) -> layout.CheckpointInfo:
+    """`layout.inspect_checkpoint(path)`, run by a fresh interpreter (no preexec_fn: safe beside
+    the daemon's threads); a child that fails makes the checkpoint one that could not be checked."""
+    top = str(Path(layout.__file__).resolve().parents[2])  # where the `trainer` package lives
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (top, os.environ.get("PYTHONPATH")) if p))
+    try:
+        done = subprocess.run([sys.executable, "-c", _CHILD, str(path)], capture_output=True, text=True,
+                              timeout=CHILD_TIMEOUT_S, env=env, check=False)  # fmt: skip
+        j = json.loads(done.stdout)
+        unknown = bool(j["unknown_format"])
+        problems = tuple(layout.Problem(None, str(p), unknown_format=unknown) for p in j["problems"])
+        return layout.CheckpointInfo(
+            step=int(j["step"]), path=str(path), consistent=bool(j["consistent"]), kind=j["kind"],
+            world_size=j["world_size"], created_unix=j["created_unix"], problems=problems,
+            tensor_bytes=j["tensor_bytes"],
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError, TypeError) as e:
+        step = layout.parse_step_dirname(path.name)
+        why = f"could not be checked in a child process ({type(e).__name__}: {e})"
+        return layout.CheckpointInfo(step=-1 if step is None else step, path=str(path), consistent=False,
+                                     problems=(layout.Problem(layout.MANIFEST_NAME, why),))  # fmt: skip
+
+
+def _fingerprint(path: Path) -> tuple[Any, ...]:
+    d = os.lstat(path)
+    try:
+        m = os.lstat(path / layout.MANIFEST_NAME)
+        manifest: tuple[Any, ...] = (m.st_ino, m.st_size, m.st_mtime_ns, m.st_ctime_ns)
+    except OSError as e:
+        manifest = (e.errno,)
+    return (d.st_ino, d.st_mtime_ns, *manifest)

@@ -1,0 +1,73 @@
+"""`ftsup run` over a hostile checkpoint store: the daemon reads the store on a thread of its own,
+so files planted in it mid-run (a FIFO manifest, one nested 5000 deep, one of 150,000 entries)
+neither kill nor freeze it, and a hang is still detected within its timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import default_files, make_fake_checkpoint
+from tests.procs import REPO, kill_tree, wait_for
+from trainer.checkpoint import checksums, layout
+
+pytestmark = pytest.mark.multiprocess
+
+TRAINER = ["-m", "trainer.examples.gpt", "--steps", "16", "--ckpt-every", "4", "--n-layer", "2", "--n-embd", "64",
+           "--seq-len", "32", "--corpus-bytes", "200000"]  # fmt: skip
+
+
+def write_job(tmp: Path, *trainer_args: str) -> Path:
+    cfg = {
+        "job": {"command": [sys.executable, *TRAINER, "--loss-log", str(tmp / "loss.jsonl"), *trainer_args],
+                "workdir": str(REPO), "state_dir": str(tmp / "state"), "env": {"PYTHONPATH": str(REPO)}},
+        "launch": {"nproc_per_node": 2},
+        "checkpoint": {"dir": str(tmp / "ckpt")},
+        "restart": {"backoff_initial_s": 0.2, "stop_grace_s": 3},
+    }  # fmt: skip
+    path = tmp / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def plant_hostile(root: Path) -> None:
+    """Newer than anything the run writes: a FIFO manifest, one nested 5000 deep, one of 150,000 entries."""
+    fifo = make_fake_checkpoint(root / ".staging", 97, default_files(3))
+    (fifo / layout.MANIFEST_NAME).unlink()
+    os.mkfifo(fifo / layout.MANIFEST_NAME)
+    nested = make_fake_checkpoint(root / ".staging", 98, default_files(4))
+    (nested / layout.MANIFEST_NAME).write_bytes(b'{"files": ' + b"[" * 5000 + b"]" * 5000 + b"}")
+    huge = make_fake_checkpoint(root / ".staging", 99, default_files(5))
+    obj = json.loads((huge / layout.MANIFEST_NAME).read_text())
+    entry = {"size": 1, "checksum": checksums.checksum_bytes(b"x")}
+    obj["files"].update({f"shard-{i:06d}.safetensors": entry for i in range(150_000)})
+    (huge / layout.MANIFEST_NAME).write_text(json.dumps(obj))
+    for ckpt in (fifo, nested, huge):
+        ckpt.rename(root / ckpt.name)
+
+
+def test_a_hang_is_detected_in_time_while_the_store_is_hostile(tmp_path: Path) -> None:
+    job = write_job(tmp_path, "--fault", "stop@10", "--fault-rank", "1", "--min-step-s", "0.3")
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config", str(job)], cwd=REPO,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        wait_for(lambda: (tmp_path / "ckpt" / layout.step_dirname(4)).is_dir(), 180, "no first checkpoint")
+        plant_hostile(tmp_path / "ckpt")  # before the hang at step 10, while the daemon scans
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 0, out[-4000:]
+    events = [json.loads(x) for x in (tmp_path / "state" / "logs" / "supervisor.jsonl").read_text().splitlines()]
+    hangs = [e for e in events if e["event"] == "heartbeat_timed_out"]
+    assert len(hangs) == 1, [e["event"] for e in events]
+    silent, timeout = map(float, re.search(r"silent for ([\d.]+)s \(timeout ([\d.]+)s\)", hangs[0]["reason"]).groups())  # type: ignore[union-attr]
+    assert silent <= timeout + 1.0
+    assert sorted(e["step"] for e in events if e["event"] == "checkpoint_quarantined") == [97, 98, 99]

@@ -1,0 +1,80 @@
+"""Choosing the checkpoint to resume from: the newest consistent one, and what was passed over.
+
+One definition for the supervisor (which picks the resume step before a launch) and the loader
+(which picks what it loads): newest first, a checkpoint that fails the check is quarantined
+(`step-N.corrupt`, kept as evidence) and the next older one is tried; one of a format this ftsup
+does not read (a newer ftsup's, next to this one) is skipped and never renamed; one that cannot
+be renamed (another user's directory in a sticky store) is skipped too. Every checkpoint passed
+over is returned with the reason, so that callers log it and a fresh start is never silent.
+
+Stdlib-only, like `layout`. Not here: the checks themselves (`layout`), loading (`loading`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.checkpoint import layout
+
+QUARANTINED = "quarantined"
+SKIPPED = "skipped"
+
+
+@dataclass(frozen=True)
+class Passed:
+    """A committed checkpoint that was not chosen: `action` is QUARANTINED (renamed to `moved_to`)
+    or SKIPPED (left where it is)."""
+
+    path: str
+    step: int
+    action: str
+    reason: str
+    moved_to: str | None = None
+
+    def __str__(self) -> str:
+        where = f" (now {Path(self.moved_to).name})" if self.moved_to else ""
+        return f"{Path(self.path).name} {self.action}{where}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class Choice:
+    info: layout.CheckpointInfo | None
+    """The checkpoint to resume from; None: no consistent one (a fresh start)."""
+    passed: tuple[Passed, ...] = ()
+
+
+def choose(
+    root: str | os.PathLike[str],
+    *,
+    deep: bool = False,
+    at_most: int | None = None,
+    quarantine: bool = True,
+    exclude: Collection[str] = (),
+) -> Choice:
+    """The newest consistent checkpoint under `root` of a step of at most `at_most`, quarantining
+    (when `quarantine`) the broken ones newer than it. `exclude`: paths already given up on (a
+    load that failed after this check passed, whose quarantine failed too)."""
+    passed: list[Passed] = []
+    for step, path in reversed(layout.committed_dirs(root)):
+        if (at_most is not None and step > at_most) or str(path) in exclude:
+            continue
+        info = layout.inspect_checkpoint(path, deep=deep)
+        if info.consistent:
+            return Choice(info, tuple(passed))
+        reason = "; ".join(map(str, info.problems))
+        passed.append(give_up(path, step, reason, quarantine=quarantine and not info.unknown_format))
+    return Choice(None, tuple(passed))
+
+
+def give_up(path: str | os.PathLike[str], step: int, reason: str, *, quarantine: bool = True) -> Passed:
+    """Quarantine `path` (or, when told not to or when the rename fails, leave it) and say so."""
+    if not quarantine:
+        return Passed(str(path), step, SKIPPED, reason)
+    try:
+        moved = layout.quarantine(path)
+    except OSError as e:
+        return Passed(str(path), step, SKIPPED, f"{reason}; it could not be quarantined ({e.strerror or e})")
+    return Passed(str(path), step, QUARANTINED, reason, str(moved))

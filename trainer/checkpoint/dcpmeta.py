@@ -1,0 +1,166 @@
+"""The schema of `dcp_metadata.json`, checked before anything is loaded from it.
+
+The file passed its checksum, which says only that it is what rank 0 wrote, or what whoever can
+write the store wrote with a matching checksum. Before the loader hands its byte offsets to the
+reader and DCP's planner, every field is checked here: types, ranges, each chunk inside its
+tensor, each stored chunk declared by its tensor and stored once, its bytes (offset + length)
+inside the file whose size the manifest records, the checksum sidecar of the size its shard
+needs, and a skeleton made only of the node kinds `codec` writes, naming only stored tensors. A
+file that fails is a corrupt checkpoint (the loader quarantines it and tries the next older one),
+never a `StopIteration` or `KeyError` halfway through a load.
+
+Stdlib-only: the dtype's element size comes from the caller (`codec` knows dtypes, and needs torch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from trainer.checkpoint import layout
+from trainer.checkpoint.errors import CheckpointCorruptError, CheckpointError
+
+_MAX_DIMS = 64
+_MAX_ELEMENTS = 1 << 62
+
+
+def validate(meta: Any, manifest: layout.Manifest, itemsize: Callable[[str], int], where: str) -> None:
+    """Raise CheckpointCorruptError naming the first thing wrong in the parsed `meta`.
+    `itemsize(dtype_name)` returns the element size, or raises CheckpointError for an unknown one."""
+    try:
+        _validate(meta, manifest, itemsize)
+    except CheckpointCorruptError:
+        raise
+    except CheckpointError as e:
+        raise CheckpointCorruptError(f"{where}: {e}", file=layout.DCP_META_NAME) from None
+    except _Invalid as e:
+        raise CheckpointCorruptError(f"{where}: {e}", file=layout.DCP_META_NAME) from None
+
+
+class _Invalid(Exception):
+    pass
+
+
+def _validate(meta: Any, manifest: layout.Manifest, itemsize: Callable[[str], int]) -> None:
+    top = _obj(meta, "the top level", ("tensors", "storage", "skeleton"))
+    tensors = _obj(top["tensors"], "tensors")
+    declared: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
+    sizes_of: dict[str, int] = {}
+    for fqn, t in tensors.items():
+        where = f"tensors[{fqn!r:.80}]"
+        t = _obj(t, where, ("dtype", "size", "chunks"))
+        if not isinstance(t["dtype"], str):
+            raise _Invalid(f"{where}.dtype is not a string")
+        sizes_of[fqn] = itemsize(t["dtype"])
+        size = _dims(t["size"], f"{where}.size", None)
+        for i, c in enumerate(_list(t["chunks"], f"{where}.chunks")):
+            c = _obj(c, f"{where}.chunks[{i}]", ("offsets", "sizes"))
+            offsets = _dims(c["offsets"], f"{where}.chunks[{i}].offsets", len(size))
+            lengths = _dims(c["sizes"], f"{where}.chunks[{i}].sizes", len(size))
+            if any(o + n > s for o, n, s in zip(offsets, lengths, size, strict=True)):
+                raise _Invalid(f"{where}.chunks[{i}] reaches past the tensor's size {list(size)}")
+            if (fqn, offsets) in declared:
+                raise _Invalid(f"{where} declares the chunk at {list(offsets)} twice")
+            declared[(fqn, offsets)] = lengths
+    stored: set[tuple[str, tuple[int, ...]]] = set()
+    for i, s in enumerate(_list(top["storage"], "storage")):
+        where = f"storage[{i}]"
+        s = _obj(s, where, ("fqn", "offsets", "sizes", "file", "crc_file", "byte_offset"))
+        fqn = s["fqn"]
+        if not isinstance(fqn, str) or fqn not in tensors:
+            raise _Invalid(f"{where}.fqn {fqn!r:.80} is not a tensor of this checkpoint")
+        offsets = _dims(s["offsets"], f"{where}.offsets", None)
+        lengths = _dims(s["sizes"], f"{where}.sizes", None)
+        if declared.get((fqn, offsets)) != lengths:
+            raise _Invalid(f"{where} stores a chunk of {fqn!r:.80} its tensor does not declare")
+        if (fqn, offsets) in stored:
+            raise _Invalid(f"{where} stores the chunk of {fqn!r:.80} at {list(offsets)} a second time")
+        stored.add((fqn, offsets))
+        nbytes = sizes_of[fqn]
+        for n in lengths:
+            nbytes *= n
+        if "nbytes" in s and s["nbytes"] != nbytes:
+            raise _Invalid(f"{where}.nbytes {s['nbytes']!r:.40} != {nbytes} for its sizes and dtype")
+        shard = _file(s["file"], f"{where}.file", manifest)
+        crc = _file(s["crc_file"], f"{where}.crc_file", manifest)
+        blocks = -(-manifest.files[shard].size // layout.CHECKSUM_BLOCK_BYTES)
+        if manifest.files[crc].size != 4 * blocks:
+            raise _Invalid(f"{where}.crc_file {crc} is not the block checksum list of {shard}")
+        offset = s["byte_offset"]
+        if type(offset) is not int or offset < 0 or offset + nbytes > manifest.files[shard].size:
+            raise _Invalid(
+                f"{where}.byte_offset {offset!r:.40} + {nbytes} bytes is not inside {shard} "
+                f"({manifest.files[shard].size} bytes)"
+            )
+    missing = sorted(set(declared) - stored)
+    if missing:
+        fqn, offsets = missing[0]
+        raise _Invalid(f"the chunk of {fqn!r:.80} at {list(offsets)} is stored nowhere ({len(missing)} such chunks)")
+    _skeleton(top["skeleton"], set(tensors))
+
+
+def _skeleton(root: Any, tensors: set[str]) -> None:
+    """The node kinds `codec.encode` writes ({"v": scalar}, {"T": key}, {"d": [[k, node]...]},
+    {"t": [...]}, {"l": [...]}), walked without recursion."""
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict) or len(node) != 1:
+            raise _Invalid(f"skeleton node {node!r:.80} is not a one-key object")
+        ((tag, val),) = node.items()
+        if tag == "v":
+            if val is not None and not isinstance(val, (bool, int, float, str)):
+                raise _Invalid(f"skeleton value {val!r:.80} is not a scalar")
+        elif tag == "T":
+            if not isinstance(val, str) or val not in tensors:
+                raise _Invalid(f"skeleton names tensor {val!r:.80}, which is not stored")
+        elif tag == "d":
+            for item in _list(val, "a skeleton dict"):
+                if not isinstance(item, list) or len(item) != 2 or type(item[0]) not in (str, int):
+                    raise _Invalid(f"skeleton dict item {item!r:.80} is not [str or int key, node]")
+                stack.append(item[1])
+        elif tag in ("t", "l"):
+            stack.extend(_list(val, "a skeleton sequence"))
+        else:
+            raise _Invalid(f"skeleton tag {tag!r:.20} is not one the format writes")
+
+
+def _obj(x: Any, where: str, keys: tuple[str, ...] = ()) -> Mapping[str, Any]:
+    if not isinstance(x, dict):
+        raise _Invalid(f"{where} is not an object")
+    for k in keys:
+        if k not in x:
+            raise _Invalid(f"{where} has no '{k}'")
+    return x
+
+
+def _list(x: Any, where: str) -> list[Any]:
+    if not isinstance(x, list):
+        raise _Invalid(f"{where} is not a list")
+    return x
+
+
+def _dims(x: Any, where: str, ndim: int | None) -> tuple[int, ...]:
+    dims = _list(x, where)
+    if len(dims) > _MAX_DIMS or (ndim is not None and len(dims) != ndim):
+        raise _Invalid(f"{where} has {len(dims)} dimensions" + (f", not {ndim}" if ndim is not None else ""))
+    total = 1
+    for d in dims:
+        if type(d) is not int or d < 0:
+            raise _Invalid(f"{where} holds {d!r:.40}, not an integer >= 0")
+        total *= max(d, 1)
+        if total > _MAX_ELEMENTS:
+            raise _Invalid(f"{where} is impossibly large")
+    return tuple(dims)
+
+
+def _file(name: Any, where: str, manifest: layout.Manifest) -> str:
+    if not isinstance(name, str):
+        raise _Invalid(f"{where} is not a string")
+    try:
+        layout.validate_relpath(name)
+    except CheckpointError as e:
+        raise _Invalid(f"{where}: {e}") from None
+    if name not in manifest.files:
+        raise _Invalid(f"{where} {name!r:.80} is not a file of the manifest")
+    return name
