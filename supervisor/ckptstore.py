@@ -19,7 +19,7 @@ pre-checks hold the GIL for a whole file at a time (a 58 MiB manifest held it fo
 in which the loop would read no heartbeat.
 
 Results are handed over as immutable values under a lock held only for the swap, never across
-I/O. A scan or choice that raises is caught, counted and kept as `last_error` (the loop logs it);
+I/O. A scan or choice that raises is caught, counted and kept as `last_error` (the loop logs it as an outage);
 the thread goes on. Not here: what to do with the results (the daemon), the checks (`layout`).
 """
 
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint import choice, layout
-from trainer.checkpoint.errors import ManifestError
+from trainer.checkpoint.errors import CheckpointError, ManifestError
 
 REFRESH_S = 2.0
 CHILD_CHECK_BYTES = 4 << 20
@@ -59,6 +59,7 @@ class StoreView:
     scans: int = 0
     errors: int = 0
     last_error: str | None = None
+    last_exception: Exception | None = None  # what `last_error` describes
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class _Request:
     def __init__(self) -> None:
         self.done = threading.Event()
         self.result: Resume | None = None
+        self.error: OSError | CheckpointError | None = None  # the store could not be read: the caller's to retry
 
 
 class StoreScanner:
@@ -119,14 +121,22 @@ class StoreScanner:
             return self._view
 
     def choose(self, timeout_s: float) -> Resume:
-        """The resume choice, made now on the scanner's thread; not `answered` if it failed (counted
-        in the view's errors) or took longer than `timeout_s` (it is still made, and the next scan
-        sees its outcome)."""
+        """The resume choice, made now on the scanner's thread (on the caller's before `start()`).
+
+        Raises the OSError or CheckpointError that made the store unreadable (an outage: the caller
+        retries; the resume point must come from the store, not from its absence). Not `answered`
+        if it failed otherwise (counted in the view's errors) or took longer than `timeout_s` (it is
+        still made, and the next scan sees its outcome)."""
         req = _Request()
+        if not self._thread.is_alive():
+            self._serve(req)
+            timeout_s = 0.0
         with self._lock:
             self._requests.append(req)
         self._wake.set()
-        if req.done.wait(timeout_s) and req.result is not None:
+        if req.done.wait(timeout_s) and req.error is not None:
+            raise req.error
+        if req.done.is_set() and req.result is not None:
             return req.result
         error = self.view().last_error if req.done.is_set() else f"nothing within {timeout_s:g}s"
         return Resume(choice.Choice(None), answered=False, error=error)
@@ -138,7 +148,7 @@ class StoreScanner:
             self._serve_requests()
             if self._stop.is_set():
                 return
-            self._attempt(self._scan)
+            self.scan()
             self._wake.wait(self._interval_s)
             self._wake.clear()
 
@@ -148,17 +158,29 @@ class StoreScanner:
                 if not self._requests:
                     return
                 req = self._requests.pop(0)
-            req.result = self._attempt(self._choose)
-            req.done.set()
+            self._serve(req)
 
-    def _attempt(self, work: Any) -> Any:
+    def _serve(self, req: _Request) -> None:
         try:
-            return work()
+            req.result = self._choose()
+        except (OSError, CheckpointError) as e:
+            req.error = e
+            self._count_error(e)
+        except Exception as e:  # adapter boundary: a bug on hostile input is counted, the ranks choose
+            self._count_error(e)
+        req.done.set()
+
+    def scan(self) -> None:
+        """One scan, on the caller's thread (the scanner's own, or a test's before `start()`)."""
+        try:
+            self._scan()
         except Exception as e:  # adapter boundary: a store error is counted and retried, never fatal
-            with self._lock:
-                v = self._view
-                self._view = StoreView(v.latest, v.committed, v.scans + 1, v.errors + 1, f"{type(e).__name__}: {e}")
-            return None
+            self._count_error(e)
+
+    def _count_error(self, e: Exception) -> None:
+        with self._lock:
+            v = self._view
+            self._view = StoreView(v.latest, v.committed, v.scans + 1, v.errors + 1, f"{type(e).__name__}: {e}", e)
 
     def _choose(self) -> Resume:
         picked = choice.choose(self._root, deep=self._deep)
@@ -187,7 +209,7 @@ class StoreScanner:
             del self._cache[name]
         with self._lock:
             v = self._view
-            self._view = StoreView(latest, len(dirs), v.scans + 1, v.errors, v.last_error)
+            self._view = StoreView(latest, len(dirs), v.scans + 1, v.errors, v.last_error, v.last_exception)
 
     def _inspect(self, path: Path) -> layout.CheckpointInfo:
         key = _fingerprint(path)

@@ -247,13 +247,18 @@ class Daemon:
             ) from None
 
     def _refresh_checkpoint_metrics(self) -> None:
-        """Hand the scanner's latest view to the metrics (no I/O here); log a failed scan once."""
+        """Hand the scanner's latest view to the metrics (no I/O here); a failed scan is an outage."""
         view = self._store.view()
-        if (view.scans, view.errors) == self._store_seen:
+        scans, errors = self._store_seen
+        if (view.scans, view.errors) == (scans, errors):
             return
-        if view.errors > self._store_seen[1]:
-            self._emit("warning", "checkpoint_scan_failed", reason=view.last_error, failures=view.errors)
         self._store_seen = (view.scans, view.errors)
+        for _ in range(view.errors - errors):
+            self.outages.failed(
+                "checkpoint_dir", self.cfg.checkpoint.dir, view.last_exception or OSError(view.last_error)
+            )
+        if view.scans - scans > view.errors - errors:  # a scan since then went through
+            self.outages.ok("checkpoint_dir")
         self.metrics.checkpoint(view.latest, view.committed)
 
     def _control_path(self) -> Path:

@@ -20,7 +20,7 @@ EVENTS = frozenset(
     {
         "supervisor_started", "journal_adopted", "leftovers_stopped", "health_probed",
         "health_probe_failed", "checkpoint_chosen", "checkpoint_quarantined", "checkpoint_skipped", "world_size_chosen",
-        "workers_launched", "checkpoint_scan_failed", "workers_restarted", "heartbeats_dropped",
+        "workers_launched", "workers_restarted", "heartbeats_dropped",
         "heartbeat_timed_out", "progress_timed_out", "startup_timed_out", "worker_exited", "workers_stopped",
         "orphans_found", "restart_scheduled", "crash_loop_detected", "restart_budget_exhausted", "job_succeeded",
         "job_failed", "job_stopped", "stop_requested", "eviction_noticed", "save_requested", "checkpoint_committed",

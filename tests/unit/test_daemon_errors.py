@@ -107,6 +107,7 @@ def test_a_store_read_for_the_metrics_that_fails_is_counted_and_not_raised(tmp_p
     d = daemon(tmp_path, clock)
     replace_by_a_file(tmp_path / "ckpt")
     with capture_logs() as logs:
+        d._store.scan()  # what the scanner's thread does every few seconds
         d._refresh_checkpoint_metrics()
     assert (events(logs), storage_errors(d, "checkpoint_dir")) == (["storage_failed"], 1.0)
 
@@ -118,7 +119,7 @@ def test_a_long_outage_logs_one_line_per_minute_but_counts_every_failure(tmp_pat
     replace_by_a_file(tmp_path / "ckpt")
     with capture_logs() as logs:
         for _ in range(31):  # one read every 2 s for a minute
-            d._checkpoints_read_at = None
+            d._store.scan()
             d._refresh_checkpoint_metrics()
             clock.now += 2.0
     assert (events(logs), storage_errors(d, "checkpoint_dir")) == (["storage_failed", "storage_failed"], 31.0)
@@ -216,3 +217,17 @@ def test_an_io_error_while_starting_exits_1_with_one_line_naming_the_path(
     code = main(["run", "--config", str(write_config(tmp_path))])
     last_line = capsys.readouterr().err.splitlines()[-1]
     assert (code, last_line) == (1, f"ftsup: error: cannot start: {tmp_path / 'state' / 'run'}: Permission denied")
+
+
+def test_a_scan_that_works_again_logs_the_recovery(tmp_path: Path) -> None:
+    clock = FakeClock()
+    (tmp_path / "ckpt").mkdir()
+    d = daemon(tmp_path, clock)
+    aside = replace_by_a_file(tmp_path / "ckpt")
+    d._store.scan()
+    d._refresh_checkpoint_metrics()
+    put_back(tmp_path / "ckpt", aside)
+    with capture_logs() as logs:
+        d._store.scan()
+        d._refresh_checkpoint_metrics()
+    assert (events(logs), storage_errors(d, "checkpoint_dir")) == (["storage_recovered"], 1.0)
