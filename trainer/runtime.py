@@ -9,9 +9,10 @@
 
 Heartbeats are fire-and-forget datagrams on a UNIX socket whose path the supervisor exports
 (`FTSUP_HEARTBEAT_SOCKET`). Sending never blocks and never raises: a full queue or a missing
-supervisor drops the beat (counted in `dropped`). The client also arms a parent-death signal,
-so that a rank never outlives its torchrun agent (torchrun starts ranks in sessions of their
-own, where signals to the agent's process group do not reach them).
+supervisor drops the beat (counted in `dropped`). A rank never outlives its torchrun agent
+(torchrun starts ranks in sessions of their own, where signals to the agent's process group do
+not reach them): `ftsup run` starts each rank behind a parent-death guard armed before exec,
+and a rank started some other way arms it when the client is created.
 
 Requests come the other way through a small JSON file the supervisor replaces atomically
 (`FTSUP_CONTROL_FILE`): `{"seq": n, "action": "save", "stop": bool, "reason": ..., "deadline_unix": ...}`.
@@ -25,18 +26,17 @@ This module is the one place where the trainer reads `FTSUP_*` environment varia
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
-import signal
 import socket
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from supervisor import guard
+
 PHASES = ("init", "load", "train", "save", "done")
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -195,15 +195,10 @@ def agree(request: Request, device: Any = "cpu") -> Request:
 
 
 def _arm_parent_death_signal() -> None:
-    """SIGKILL this rank when its parent (the torchrun agent) dies; Linux only, best effort."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        parent = os.getppid()
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the guard was armed
-            os.kill(os.getpid(), signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+    """SIGKILL this rank when its parent dies. A rank that `ftsup run` started through its exec
+    wrapper has the guard armed since before its first import; any other (the training command
+    started by a shell script, say) arms it here, best effort (`supervisor.guard`)."""
+    guard.arm_in_process()
 
 
 _client: RuntimeClient | None = None

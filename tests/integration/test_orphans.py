@@ -1,0 +1,170 @@
+"""No process of an attempt outlives a SIGKILL of the supervisor or of torchrun, at any moment.
+
+Each test starts `ftsup run` on the reference trainer (2 ranks, CPU), waits for one moment of
+the attempt's life, SIGKILLs the supervisor or torchrun, and then scans /proc for the
+attempt's environment marker (`FTSUP_RUN_ID` + `FTSUP_ATTEMPT`, which every process of the
+attempt inherits): nothing may be left. The moments are chosen deterministically from /proc:
+
+- `torchrun_starting`: torchrun is running and has no rank yet (it is importing torch);
+- `rank_exec`: a rank's command line is the training command and torch is not loaded yet;
+- `rank_torch_loaded`: a rank has torch's library mapped and the loss log is still empty (in
+  its imports or set-up, before its first step);
+- `rank_training`: the loss log has a step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from tests.procs import REPO, wait_for
+
+pytestmark = pytest.mark.multiprocess
+
+GONE_WITHIN_S = 20.0  # a rank's DataLoader-free exit after its parent died is immediate; this is slack for load
+CASES = [
+    ("supervisor", "torchrun_starting"),
+    ("supervisor", "rank_exec"),
+    ("supervisor", "rank_torch_loaded"),
+    ("supervisor", "rank_training"),
+    ("torchrun", "rank_exec"),
+    ("torchrun", "rank_torch_loaded"),
+    ("torchrun", "rank_training"),
+]
+
+
+def write_job(tmp: Path, run_id: str) -> Path:
+    cfg = {
+        "job": {"command": [sys.executable, "-m", "trainer.examples.gpt", "--steps", "2000", "--ckpt-every", "1000",
+                            "--n-layer", "1", "--n-embd", "32", "--seq-len", "16", "--corpus-bytes", "50000",
+                            "--min-step-s", "0.05", "--loss-log", str(tmp / "loss.jsonl")],
+                "workdir": str(tmp), "state_dir": str(tmp / "state"), "run_id": run_id,
+                "env": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}},
+        "launch": {"nproc_per_node": 2},
+        "checkpoint": {"dir": str(tmp / "ckpt")},
+        "restart": {"backoff_initial_s": 0.2, "stop_grace_s": 3},
+    }  # fmt: skip
+    path = tmp / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def attempt_processes(run_id: str, attempt: int | None = None) -> list[psutil.Process]:
+    """Live processes carrying the run's marker (and the attempt's, when given) in their environment."""
+    found = []
+    for p in psutil.process_iter(["environ", "status"], ad_value=None):
+        env = p.info["environ"] or {}
+        if p.info["status"] == psutil.STATUS_ZOMBIE or env.get("FTSUP_RUN_ID") != run_id:
+            continue
+        if attempt is None or env.get("FTSUP_ATTEMPT") == str(attempt):
+            found.append(p)
+    return found
+
+
+def describe(procs: list[psutil.Process]) -> list[str]:
+    out = []
+    for p in procs:
+        try:
+            out.append(f"{p.pid} ppid={p.ppid()} {' '.join(p.cmdline())[:120]}")
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def torchrun_of(state: Path) -> psutil.Process | None:
+    try:
+        pids = json.loads((state / "journal.json").read_text())["pids"]
+    except (FileNotFoundError, ValueError, KeyError):
+        return None
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if "torch.distributed.run" in p.cmdline():
+                return p
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+def is_training_command(cmdline: list[str]) -> bool:
+    """The rank itself (not an exec wrapper that will become it): `python [-u] -m trainer.examples.gpt ...`."""
+    return (
+        "trainer.examples.gpt" in cmdline
+        and cmdline[cmdline.index("trainer.examples.gpt") - 1] == "-m"
+        and not any(a.endswith("guard.py") for a in cmdline)
+    )
+
+
+def torch_loaded(p: psutil.Process) -> bool:
+    try:
+        return "libtorch_cpu" in Path(f"/proc/{p.pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def ranks(agent: psutil.Process) -> list[psutil.Process]:
+    out = []
+    try:
+        children = agent.children()
+    except psutil.NoSuchProcess:
+        return []
+    for c in children:
+        try:
+            if is_training_command(c.cmdline()):
+                out.append(c)
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def wait_for_moment(moment: str, state: Path, loss: Path) -> psutil.Process:
+    """Poll /proc until `moment` holds; return torchrun."""
+    agent = wait_for(lambda: torchrun_of(state), 60, "torchrun did not start", poll_s=0.002)
+    if moment == "torchrun_starting":
+        assert ranks(agent) == [], "torchrun had started its ranks already"
+        return agent
+    if moment == "rank_exec":
+        rank = wait_for(lambda: next(iter(ranks(agent)), None), 60, "no rank process", poll_s=0.002)
+        assert not torch_loaded(rank), "missed the moment: torch was loaded when the rank was first seen"
+        return agent
+    if moment == "rank_torch_loaded":
+        wait_for(lambda: any(torch_loaded(r) for r in ranks(agent)), 60, "no rank loaded torch", poll_s=0.005)
+        assert not (loss.exists() and loss.read_text()), "missed the moment: a step was logged already"
+        return agent
+    wait_for(lambda: loss.exists() and loss.read_text(), 120, "no training step")
+    return agent
+
+
+@pytest.mark.parametrize(("target", "moment"), CASES, ids=[f"{t}-{m}" for t, m in CASES])
+def test_sigkill_leaves_no_process_of_the_attempt(tmp_path: Path, target: str, moment: str) -> None:
+    run_id = f"orphans-{uuid.uuid4().hex[:8]}"
+    job = write_job(tmp_path, run_id)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    sup = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config", str(job)], env=env,
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        agent = wait_for_moment(moment, tmp_path / "state", tmp_path / "loss.jsonl")
+        (sup if target == "supervisor" else agent).send_signal(signal.SIGKILL)
+        wait_for(lambda: not attempt_processes(run_id, 1), GONE_WITHIN_S,
+                 lambda: f"left after {GONE_WITHIN_S:g} s: {describe(attempt_processes(run_id, 1))}")  # fmt: skip
+        if target == "torchrun":  # the supervisor lives on, relaunches, and stops cleanly on SIGINT
+            assert sup.poll() is None
+            sup.send_signal(signal.SIGINT)
+            assert sup.wait(timeout=60) == 6
+    finally:
+        sup.kill()
+        sup.wait(timeout=10)
+        left = attempt_processes(run_id)
+        for p in left:
+            p.kill()
+        psutil.wait_procs(left, timeout=10)
+    assert attempt_processes(run_id) == []
