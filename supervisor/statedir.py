@@ -21,6 +21,7 @@ Stdlib only; nothing here starts or signals a process.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import stat
@@ -142,10 +143,20 @@ def _require_own_file(fd: int, path: Path, *, max_bytes: int | None = None, owne
         raise OSError(f"{path}: {why}; refused")
 
 
+def _open(path: Path, flags: int, mode: int = 0o600) -> int:
+    """os.open that never follows a link at `path` and says so when one is there."""
+    try:
+        return os.open(path, flags | _NOFOLLOW, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(f"{path}: is a symbolic link; refused") from None
+        raise
+
+
 def open_append(path: str | os.PathLike[str]) -> BinaryIO:
     """Open a log file of ours for appending (created 0600); never through a link."""
     path = Path(path)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | _NOFOLLOW, 0o600)
+    fd = _open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK)
     _require_own_file(fd, path, owner=os.geteuid())
     os.set_blocking(fd, True)
     return os.fdopen(fd, "ab")
@@ -155,7 +166,7 @@ def read_private(path: str | os.PathLike[str], max_bytes: int, *, owner: int | N
     """The bytes of a regular file (None when there is none), never through a link, at most `max_bytes`."""
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW)
+        fd = _open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     _require_own_file(fd, path, max_bytes=max_bytes, owner=owner)
@@ -194,7 +205,7 @@ class InstanceLock:
 
     def __init__(self, state_dir: Path):
         self.path = state_dir / LOCK_NAME
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | _NOFOLLOW, 0o600)
+        fd = _open(self.path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK)
         _require_own_file(fd, self.path, owner=os.geteuid(), max_bytes=4096)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
