@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import configparser
 import json
 import os
 import threading
@@ -197,3 +198,15 @@ def test_the_default_state_dir_is_systemds_state_directory_inside_a_unit(tmp_pat
 def test_a_config_of_the_shipped_unit_finds_its_state_directory_from_a_shell(tmp_path, monkeypatch):
     # `ftsup status --config /etc/ftsup/gpt.yaml` run by hand, where no STATE_DIRECTORY is set.
     assert parsed_state_dir(tmp_path, Path("/etc/ftsup/gpt.yaml"), monkeypatch) == Path("/var/lib/ftsup/gpt")
+
+
+def test_the_shipped_units_state_directory_is_where_its_configs_keep_their_state():
+    parser = configparser.ConfigParser(interpolation=None, strict=True)
+    parser.optionxform = str  # type: ignore[assignment,method-assign]  # keys are case-sensitive
+    parser.read_string((Path(__file__).resolve().parents[2] / "deploy" / "systemd" / "ftsup@.service").read_text())
+    svc = parser["Service"]
+    config = svc["ExecStart"].split("--config ")[1].replace("%i", "job1")
+    got = (svc["StateDirectory"], svc["RuntimeDirectory"], svc["StateDirectoryMode"], svc["RuntimeDirectoryMode"])
+    assert got == ("ftsup/%i", "ftsup/%i", "0700", "0700")
+    default = statedir.default_state_dir(Path("/w"), "n1", Path(config), {})
+    assert default == Path("/var/lib") / svc["StateDirectory"].replace("%i", "job1")
