@@ -93,13 +93,13 @@ class Daemon:
         try:
             statedir.ensure_dir(self.log_dir, "logging.dir" if self.cfg.logging.dir else "job.state_dir")
             self._runtime_dir = self._make_runtime_dir()
-            return self._run()
+            return self._run(self._runtime_dir)
         finally:
             if self._runtime is not None:
                 self._runtime.remove()
             lock.close()
 
-    def _run(self) -> int:
+    def _run(self, runtime_dir: Path) -> int:
         logfile = logs.configure(self.cfg.logging.level, self.cfg.logging.format, self.log_dir / "supervisor.jsonl")
         try:
             self._serve_metrics()
@@ -107,7 +107,7 @@ class Daemon:
             if logfile is not None:
                 logfile.close()
             raise
-        receiver = HeartbeatReceiver(self._control_path().parent)
+        receiver = HeartbeatReceiver(runtime_dir)
         wake_r, wake_w = socket.socketpair()
         wake_r.setblocking(False)
         wake_w.setblocking(False)
@@ -422,7 +422,7 @@ class Daemon:
         """torchrun exited by itself: make sure none of its ranks outlive it."""
         att = self.attempt
         assert att is not None
-        survivors = att.stop(self.cfg.restart.stop_grace_s, clock=self.clock) if att.tree() else []  # ranks left behind
+        survivors = att.stop(self.cfg.restart.stop_grace_s, clock=self.clock) if att.tree() else []
         if survivors:
             self._emit("error", "orphans_found", attempt=att.number, pids=survivors)
         self.attempt = None

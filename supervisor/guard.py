@@ -93,8 +93,12 @@ def main(argv: Sequence[str]) -> int:
         return 2
     if not arm(expected):
         _die()
-    for sig in ignore:
-        signal.signal(sig, signal.SIG_IGN)
+    try:
+        for sig in ignore:
+            signal.signal(sig, signal.SIG_IGN)
+    except (ValueError, OSError) as e:
+        print(f"guard: cannot ignore signal {sig}: {e}", file=sys.stderr)
+        return 2
     os.environ[PARENT_ENV] = str(os.getpid())  # exec keeps the pid: CMD is the next guard's parent
     try:
         os.execvp(argv[0], list(argv))
