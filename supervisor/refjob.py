@@ -163,8 +163,8 @@ def wait_resumed(job: TrainerJob, tail: chaos.LossLogTail, after: float, timeout
 def sigkill_supervisor_and_restart(
     job: TrainerJob, proc: subprocess.Popen[bytes], tail: chaos.LossLogTail, timeout_s: float
 ) -> tuple[dict[str, Any], subprocess.Popen[bytes]]:
-    """SIGKILL the supervisor, wait for its job to go (torchrun has a parent-death signal, the
-    ranks arm their own), count what is left, then start `ftsup run` again and wait for its first
+    """SIGKILL the supervisor, wait for its job to go (torchrun and every rank run behind the
+    parent-death guard), count what is left, then start `ftsup run` again and wait for its first
     resumed step. Returns what was seen and the new supervisor process."""
     procs = chaos.job_processes(job.state_dir)
     t = chaos.kill_process(proc.pid)

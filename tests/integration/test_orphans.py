@@ -3,12 +3,13 @@
 Each test starts `ftsup run` on the reference trainer (2 ranks, CPU), waits for one moment of
 the attempt's life, SIGKILLs the supervisor or torchrun, and then scans /proc for the
 attempt's environment marker (`FTSUP_RUN_ID` + `FTSUP_ATTEMPT`, which every process of the
-attempt inherits): nothing may be left. The moments are chosen deterministically from /proc:
+attempt inherits): nothing may be left. The moments are deterministic:
 
 - `torchrun_starting`: torchrun is running and has no rank yet (it is importing torch);
-- `rank_exec`: a rank's command line is the training command and torch is not loaded yet;
-- `rank_torch_loaded`: a rank has torch's library mapped and the loss log is still empty (in
-  its imports or set-up, before its first step);
+- `rank_starting`: both ranks are held at interpreter start-up, before their training command
+  runs (`tests/bin/held_rank/sitecustomize.py`);
+- `rank_imported_torch`: both ranks are held just after `import torch`, before the training
+  command runs (so before its first heartbeat);
 - `rank_training`: the loss log has a step.
 """
 
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -34,17 +36,19 @@ pytestmark = pytest.mark.multiprocess
 GONE_WITHIN_S = 20.0  # the parent-death signal acts at once; the rest is slack for a loaded machine
 CASES = [
     ("supervisor", "torchrun_starting"),
-    ("supervisor", "rank_exec"),
-    ("supervisor", "rank_torch_loaded"),
+    ("supervisor", "rank_starting"),
+    ("supervisor", "rank_imported_torch"),
     ("supervisor", "rank_training"),
-    ("torchrun", "rank_exec"),
-    ("torchrun", "rank_torch_loaded"),
+    ("torchrun", "rank_starting"),
+    ("torchrun", "rank_imported_torch"),
     ("torchrun", "rank_training"),
 ]
+HOLD = {"rank_starting": "start", "rank_imported_torch": "torch"}
+HELD_RANK = REPO / "tests" / "bin" / "held_rank"
 
 
-def write_job(tmp: Path, run_id: str) -> Path:
-    cfg = {
+def write_job(tmp: Path, run_id: str, hold: str | None = None) -> Path:
+    cfg: dict[str, Any] = {
         "job": {"command": [sys.executable, "-m", "trainer.examples.gpt", "--steps", "2000", "--ckpt-every", "1000",
                             "--n-layer", "1", "--n-embd", "32", "--seq-len", "16", "--corpus-bytes", "50000",
                             "--min-step-s", "0.05", "--loss-log", str(tmp / "loss.jsonl")],
@@ -54,6 +58,10 @@ def write_job(tmp: Path, run_id: str) -> Path:
         "checkpoint": {"dir": str(tmp / "ckpt")},
         "restart": {"backoff_initial_s": 0.2, "stop_grace_s": 3},
     }  # fmt: skip
+    if hold is not None:  # ranks wait at start-up (after importing torch, for "torch") until released
+        (tmp / "held").mkdir()
+        cfg["job"]["env"].update(PYTHONPATH=f"{HELD_RANK}{os.pathsep}{REPO}", FTSUP_TEST_HOLD=str(tmp / "held"),
+                                 FTSUP_TEST_HOLD_AFTER=hold)  # fmt: skip
     path = tmp / "job.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -96,64 +104,35 @@ def torchrun_of(state: Path) -> psutil.Process | None:
     return None
 
 
-def is_training_command(cmdline: list[str]) -> bool:
-    """The rank itself (not an exec wrapper that will become it): `python [-u] -m trainer.examples.gpt ...`."""
-    return (
-        "trainer.examples.gpt" in cmdline
-        and cmdline[cmdline.index("trainer.examples.gpt") - 1] == "-m"
-        and not any(a.endswith("guard.py") for a in cmdline)
-    )
-
-
-def torch_loaded(p: psutil.Process) -> bool:
-    try:
-        return "libtorch_cpu" in Path(f"/proc/{p.pid}/maps").read_text()
-    except OSError:
-        return False
-
-
 def ranks(agent: psutil.Process) -> list[psutil.Process]:
-    out = []
     try:
-        children = agent.children()
+        return agent.children()
     except psutil.NoSuchProcess:
         return []
-    for c in children:
-        try:
-            if is_training_command(c.cmdline()):
-                out.append(c)
-        except psutil.NoSuchProcess:
-            continue
-    return out
 
 
-def wait_for_moment(moment: str, state: Path, loss: Path) -> psutil.Process:
-    """Poll /proc until `moment` holds; return torchrun."""
-    agent = wait_for(lambda: torchrun_of(state), 60, "torchrun did not start", poll_s=0.002)
+def wait_for_moment(moment: str, tmp: Path) -> psutil.Process:
+    """Poll until `moment` holds; return torchrun."""
+    agent = wait_for(lambda: torchrun_of(tmp / "state"), 60, "torchrun did not start", poll_s=0.002)
     if moment == "torchrun_starting":
         assert ranks(agent) == [], "torchrun had started its ranks already"
-        return agent
-    if moment == "rank_exec":
-        rank = wait_for(lambda: next(iter(ranks(agent)), None), 60, "no rank process", poll_s=0.002)
-        assert not torch_loaded(rank), "missed the moment: torch was loaded when the rank was first seen"
-        return agent
-    if moment == "rank_torch_loaded":
-        wait_for(lambda: any(torch_loaded(r) for r in ranks(agent)), 60, "no rank loaded torch", poll_s=0.005)
-        assert not (loss.exists() and loss.read_text()), "missed the moment: a step was logged already"
-        return agent
-    wait_for(lambda: loss.exists() and loss.read_text(), 120, "no training step")
+    elif moment in HOLD:
+        wait_for(lambda: len(list((tmp / "held").glob("*.held"))) == 2, 120, "the ranks were not held")
+        assert not (tmp / "loss.jsonl").exists()
+    else:
+        wait_for(lambda: (tmp / "loss.jsonl").exists() and (tmp / "loss.jsonl").read_text(), 120, "no training step")
     return agent
 
 
 @pytest.mark.parametrize(("target", "moment"), CASES, ids=[f"{t}-{m}" for t, m in CASES])
 def test_sigkill_leaves_no_process_of_the_attempt(tmp_path: Path, target: str, moment: str) -> None:
     run_id = f"orphans-{uuid.uuid4().hex[:8]}"
-    job = write_job(tmp_path, run_id)
+    job = write_job(tmp_path, run_id, HOLD.get(moment))
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     sup = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config", str(job)], env=env,
                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
-        agent = wait_for_moment(moment, tmp_path / "state", tmp_path / "loss.jsonl")
+        agent = wait_for_moment(moment, tmp_path)
         (sup if target == "supervisor" else agent).send_signal(signal.SIGKILL)
         wait_for(lambda: not attempt_processes(run_id, 1), GONE_WITHIN_S,
                  lambda: f"left after {GONE_WITHIN_S:g} s: {describe(attempt_processes(run_id, 1))}")  # fmt: skip
