@@ -5,7 +5,7 @@ first and planted links in it. So:
 
 - `ensure_dir` creates what is missing (0700) and refuses, with a `ConfigError` naming the
   setting, a directory that is a link, is not owned by this supervisor's user, is writable by
-  anyone else, or sits in a parent that someone else could replace it in. A `.ftsup` directory
+  anyone else, or sits below a directory where someone else could swap it for theirs. A `.ftsup` directory
   it creates gets a `.gitignore` of `*` (as pytest does for `.pytest_cache`), so a run from a
   repository leaves nothing for git to show.
 - `open_append`, `write_atomic` and `read_private` never follow a link and require a regular
@@ -82,24 +82,28 @@ def check_dir(path: Path, what: str) -> None:
                       f"chmod go-w {path}, or choose another directory")  # fmt: skip
 
 
-def _check_parent(path: Path, what: str) -> None:
-    """Someone who can write the parent could swap the directory for one of theirs."""
-    parent = path.parent
-    st = os.stat(parent)
-    sticky = bool(st.st_mode & stat.S_ISVTX)
-    if st.st_uid not in (0, os.geteuid()) or (st.st_mode & 0o022 and not sticky):
-        raise _refuse(what, path, f"is in {parent}, which another user can write or owns",
-                      "put it in a directory only you (or root) can write")  # fmt: skip
+def _check_ancestors(path: Path, what: str) -> None:
+    """Whoever can write a directory above `path` could swap it, or one above it, for one of
+    theirs: every directory above it (as written and as resolved) must be root's or ours, and
+    writable by no one else unless sticky (as /tmp is)."""
+    above = {*path.parents, *Path(os.path.realpath(path)).parents}
+    for parent in sorted(above, key=lambda d: len(d.parts)):
+        st = os.stat(parent)
+        if st.st_uid not in (0, os.geteuid()) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+            raise _refuse(what, path, f"is below {parent}, which another user owns or can write",
+                          "put it where only you (or root) can write")  # fmt: skip
 
 
 def ensure_dir(path: str | os.PathLike[str], what: str) -> Path:
-    """Create `path` (and missing parents, 0700) if needed, then check it and its parent."""
+    """Create `path` (and missing parents, 0700) if needed, then check it and every directory above it."""
     path = Path(os.path.abspath(path))
     missing = []
     p = path
     while not os.path.lexists(p) and p != p.parent:
         missing.append(p)
         p = p.parent
+    if missing:
+        _check_ancestors(missing[-1], what)  # create nothing where it would be refused
     for d in reversed(missing):
         try:
             os.mkdir(d, 0o700)
@@ -108,7 +112,7 @@ def ensure_dir(path: str | os.PathLike[str], what: str) -> Path:
         except OSError as e:
             raise _refuse(what, path, f"cannot be created ({e.strerror or e})", "check the path") from None
     check_dir(path, what)
-    _check_parent(path, what)
+    _check_ancestors(path, what)
     if path.parent.name == ".ftsup":
         _ignore_for_git(path.parent)
     return path

@@ -55,8 +55,27 @@ def test_a_state_dir_in_a_directory_others_can_write_is_refused(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o777)  # not sticky: anyone could rename our directory away and put theirs there
-    with pytest.raises(ConfigError, match="another user can write"):
+    with pytest.raises(ConfigError, match="another user owns or can write"):
         statedir.ensure_dir(shared / "state", "job.state_dir")
+
+
+def test_a_state_dir_further_below_a_directory_others_can_write_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # the job dir of a team: whoever can write it can rename .ftsup away
+    with pytest.raises(ConfigError, match=f"is below {shared}, which another user owns or can write"):
+        statedir.ensure_dir(shared / ".ftsup" / "n1", "job.state_dir")
+    assert list(shared.iterdir()) == []  # nothing created there
+
+
+def test_a_state_dir_reached_through_a_link_in_a_directory_others_can_write_is_refused(tmp_path):
+    (tmp_path / "real").mkdir(mode=0o700)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "job").symlink_to(tmp_path / "real")
+    os.chmod(shared, 0o777)  # anyone could point the link elsewhere
+    with pytest.raises(ConfigError, match="another user owns or can write"):
+        statedir.ensure_dir(shared / "job" / "state", "job.state_dir")
 
 
 def test_appending_never_goes_through_a_link(tmp_path):
