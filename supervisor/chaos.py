@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import psutil
 
+from supervisor import procs
 from supervisor.errors import SupervisorError
 
 T = TypeVar("T")
@@ -74,11 +75,7 @@ class RankProcess:
             return None
 
 
-def alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+alive = procs.alive
 
 
 def read_journal(state_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -92,16 +89,7 @@ def read_journal(state_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 def tree(pids: Iterable[int]) -> list[psutil.Process]:
     """The live processes among `pids` and all their descendants."""
-    found: dict[int, psutil.Process] = {}
-    for pid in pids:
-        try:
-            root = psutil.Process(pid)
-            found[root.pid] = root
-            for c in root.children(recursive=True):
-                found[c.pid] = c
-        except psutil.NoSuchProcess:
-            continue
-    return [p for p in found.values() if alive(p)]
+    return procs.descendants(pids)
 
 
 def job_processes(state_dir: str | os.PathLike[str]) -> list[psutil.Process]:
@@ -196,15 +184,9 @@ def matching_processes(markers: Sequence[str], *, exclude: Iterable[int] = ()) -
     return found
 
 
-def stop_all(procs: Sequence[psutil.Process], timeout_s: float = 10.0) -> None:
-    """SIGKILL (and SIGCONT, for a stopped one) every process and wait for them: cleanup, not a measurement."""
-    for sig in (signal.SIGKILL, signal.SIGCONT):
-        for p in procs:
-            try:
-                p.send_signal(sig)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                pass
-    psutil.wait_procs(list(procs), timeout=timeout_s)
+def stop_all(found: Sequence[psutil.Process]) -> None:
+    """SIGKILL every process at once and wait for them (`procs.stop` with no grace): cleanup, not a measurement."""
+    procs.stop(lambda: found, 0)
 
 
 def describe(p: psutil.Process) -> str:

@@ -9,7 +9,8 @@ Rules (HOUSE_STYLE habit 4):
   with a "did you mean" when a valid key is close; a bad file never falls back to defaults;
 - every duration ends in `_s` and is in seconds (int or float in YAML, stored as float);
 - relative paths resolve against the config file's directory, never the current directory;
-- values are literal: no `${VAR}` or `~` expansion (both refused in paths), no environment variable is read here.
+- values are literal: no `${VAR}` or `~` expansion (both refused in paths); the only environment variable read is
+  systemd's `STATE_DIRECTORY`, for the default `job.state_dir`.
 
 YAML is read as PyYAML's YAML 1.1 with two traps removed: an unquoted `1:2` is the string "1:2" (not the base-60
 integer 62), so `nnodes: 1:2` means what it says; `1e3` is a number. A key given twice is an error, not "last wins".
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from supervisor import config_file, config_values
+from supervisor import config_file, config_values, statedir
 from supervisor.config_values import Section, Where
 from supervisor.errors import ConfigError
 from supervisor.policy_io import Settings
@@ -63,7 +64,8 @@ class JobSection:
     first 8 hex digits of sha256 of the config file's absolute path. That default differs between nodes whose config
     files live at different paths, so multi-node jobs should set it (or `launch.rdzv_id`)."""
     state_dir: Path
-    """This node's journal and runtime files. Default: `<workdir>/.ftsup/<launch.node_id>`."""
+    """This node's journal, lock and logs (`default_state_dir`): under systemd the unit's StateDirectory,
+    else `<workdir>/.ftsup/<launch.node_id>` (a `.ftsup` that ftsup creates holds a `.gitignore` of `*`)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables added for the ranks, on top of the supervisor's own. Values are strings (quote numbers)."""
 
@@ -300,7 +302,7 @@ def parse_config(
     run_id = job.optional("run_id", config_values.identifier, f"ftsup-{digest[:8]}")
     launch_config = _parse_launch(launch, run_id=run_id, hostname=hostname)
     return JobConfig(
-        job=_parse_job(job, base, run_id=run_id, node_id=launch_config.node_id),
+        job=_parse_job(job, base, run_id=run_id, node_id=launch_config.node_id, config_path=config_path),
         launch=launch_config,
         checkpoint=CheckpointConfig(
             dir=checkpoint.required(
@@ -326,15 +328,16 @@ def parse_config(
 # --------------------------------------------------------------------------- section parsers
 
 
-def _parse_job(sec: Section, base: Path, *, run_id: str, node_id: str) -> JobSection:
+def _parse_job(sec: Section, base: Path, *, run_id: str, node_id: str, config_path: Path | None) -> JobSection:
     workdir = sec.optional("workdir", config_values.path(base), base)
+    state_dir = statedir.default_state_dir(workdir, node_id, config_path, os.environ)
     return JobSection(
         command=sec.required(
             "command", config_values.argv, "give the training command as a list, e.g. [python, train.py]"
         ),
         workdir=workdir,
         run_id=run_id,
-        state_dir=sec.optional("state_dir", config_values.path(base), workdir / ".ftsup" / node_id),
+        state_dir=sec.optional("state_dir", config_values.path(base), state_dir),
         env=sec.optional("env", config_values.env, {}),
     )
 

@@ -6,9 +6,11 @@ read off the channel, torchrun's exit, a tick for timeouts. It carries out each 
 adapters (launcher, health probe, checkpoint reader, journal) and logs each event once. It
 never imports torch.
 
-On start it reads the node's journal: processes of an attempt that a previous supervisor left
-running (it was `kill -9`ed, the node's systemd restarted it) are stopped before anything new
-is launched, so two attempts never run at once.
+On start it checks the state directory (`statedir`) and takes its single-instance lock, then
+reads the node's journal: processes of an attempt that a previous supervisor left running (it
+was `kill -9`ed, the node's systemd restarted it) are found by their attempt's mark and stopped
+before anything new is launched, so two attempts never run at once. No pid is signalled only
+because a journal or a heartbeat names it (`supervisor.procs`).
 
 Once the loop runs, an I/O error of the store, journal or control file is an outage to ride out
 (`supervisor.outages`), a failed launch a failed attempt, any other exception a bug (exit 1).
@@ -19,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from supervisor import health, launcher, logs, policy, systemd
+from supervisor import health, launcher, logs, policy, procs, statedir, systemd
 from supervisor.ckptstore import StoreScanner
 from supervisor.config import JobConfig, settings_from
 from supervisor.errors import ConfigError, error_line
@@ -38,7 +39,7 @@ from supervisor.eviction.requeue import requeue
 from supervisor.eviction.runner import WatcherThreads
 from supervisor.eviction.setup import build_watchers
 from supervisor.heartbeat import Admission, HeartbeatReceiver
-from supervisor.journal import Journal, JournalRecord
+from supervisor.journal import Journal, JournalError, JournalRecord
 from supervisor.metrics import Metrics, MetricsServer
 from supervisor.outages import Outages
 from supervisor.wakeup import Wakeup
@@ -50,7 +51,6 @@ _STORE_ERRORS = (OSError, CheckpointError)  # what reading the store raises whil
 TICK_S = 0.1
 CHOICE_TIMEOUT_S = 60.0  # the resume choice waits this long for the store, then leaves it to the ranks
 _GONE = frozenset({-1})  # torchrun's ranks were seen and are gone
-_UNIX_PATH_MAX = 100
 
 log = structlog.get_logger("ftsup.supervisor")
 
@@ -70,6 +70,7 @@ class Daemon:
         self._notices: dict[str, Notice] = {}  # by source, to acknowledge once saved
         self._watchers: WatcherThreads | None = None
         self._runtime_dir: Path | None = None
+        self._runtime: statedir.RuntimeDir | None = None
         self._ranks_seen: frozenset[int] = frozenset()
         self._rank_phase: dict[int, str] = {}  # pid -> last heartbeat phase, this attempt
         self.last_attempt = 0
@@ -83,11 +84,24 @@ class Daemon:
     # ------------------------------------------------------------------ main loop
 
     def run(self) -> int:
+        """Supervise the job until it ends; returns the exit status. A state directory that is not
+        safe, or one that another supervisor holds, is refused before anything starts."""
+        self.node_dir = statedir.ensure_dir(self.node_dir, "job.state_dir")
+        lock = statedir.InstanceLock(self.node_dir)  # before the journal is read: one supervisor per state dir
+        try:
+            statedir.ensure_dir(self.log_dir, "logging.dir" if self.cfg.logging.dir else "job.state_dir")
+            self._runtime_dir = self._make_runtime_dir()
+            return self._run(self._runtime_dir)
+        finally:
+            if self._runtime is not None:
+                self._runtime.remove()
+            lock.close()
+
+    def _run(self, runtime_dir: Path) -> int:
         logfile = logs.configure(self.cfg.logging.level, self.cfg.logging.format, self.log_dir / "supervisor.jsonl")
         try:  # nothing has started yet: a failure here leaves nothing behind
             self._serve_metrics()
-            self._runtime_dir = self._make_runtime_dir()
-            receiver = HeartbeatReceiver(self._runtime_dir, counter=self.metrics.heartbeats_dropped)
+            receiver = HeartbeatReceiver(runtime_dir, counter=self.metrics.heartbeats_dropped)
         except BaseException:
             if self._metrics_server is not None:
                 self._metrics_server.close()
@@ -168,7 +182,6 @@ class Daemon:
             systemd.notify("STOPPING=1")
             wakeup.close()
             receiver.close()
-            _remove_runtime_dir(self._runtime_dir)
             if self._metrics_server is not None:
                 self._metrics_server.close()
             self._emit("info", "supervisor_exited", code=code)
@@ -273,10 +286,8 @@ class Daemon:
         deadline_unix = None if action.deadline is None else time.time() + (action.deadline - self.clock())
         body = {"seq": action.seq, "action": "save", "stop": action.stop, "reason": action.reason,
                 "deadline_unix": deadline_unix}  # fmt: skip
-        path = self._control_path()
-        tmp = path.with_name(".control.json.tmp")
-        tmp.write_text(json.dumps(body))
-        os.replace(tmp, path)  # ranks see the old request or the new one, never half of one
+        # Ranks see the old request or the new one, never half of one; never written through a link.
+        statedir.write_atomic(self._control_path(), json.dumps(body).encode(), durable=False)
 
     def _ack(self, source: str) -> None:
         notice = self._notices.get(source)
@@ -350,11 +361,8 @@ class Daemon:
             FTSUP_CONTROL_FILE=str(self._runtime_dir / "control.json"),
             FTSUP_CHECKPOINT_DIR=str(self.cfg.checkpoint.dir),
             FTSUP_RESUME_STEP="" if action.resume_step is None else str(action.resume_step),
-            FTSUP_ATTEMPT=str(action.attempt),
-            FTSUP_RUN_ID=self.cfg.job.run_id,
-            FTSUP_NODE_ID=self.cfg.launch.node_id,
             PYTHONUNBUFFERED="1",
-        )
+        )  # and the attempt's mark (FTSUP_RUN_ID, FTSUP_NODE_ID, FTSUP_ATTEMPT), added by the launcher
         self.world_size, self.resume_step = action.nproc, action.resume_step
         self._ranks_seen = frozenset()
         self._rank_phase = {}
@@ -365,8 +373,9 @@ class Daemon:
         log_path = self.log_dir / f"attempt-{action.attempt:04d}.log"
         # SIGTERM and SIGINT stay default: they are how a tree is stopped.
         ignore = tuple(getattr(signal, n) for n in self.cfg.eviction.signals if n not in ("SIGTERM", "SIGINT"))
-        self.attempt = launcher.start(action.attempt, launcher.torchrun_argv(spec), env=env,
-                                      cwd=self.cfg.job.workdir, log_path=log_path, ignore_signals=ignore)  # fmt: skip
+        mark = procs.Mark(self.cfg.job.run_id, self.cfg.launch.node_id, action.attempt)
+        self.attempt = launcher.start(action.attempt, launcher.torchrun_argv(spec), env=env, cwd=self.cfg.job.workdir,
+                                      log_path=log_path, mark=mark, ignore_signals=ignore)  # fmt: skip
         self.last_attempt = action.attempt
         self._write_journal("running")
         self.pending.append(policy.WorkersStarted(action.attempt, (self.attempt.pid,)))
@@ -431,9 +440,8 @@ class Daemon:
 
     def _write_journal(self, status: str) -> None:
         att = self.attempt
-        pids: tuple[int, ...] = ()
-        if att is not None:
-            pids = tuple(sorted({att.pid, *att.known_pids, *(p.pid for p in att.tree())}))
+        # Only processes of the attempt (its tree, its mark): a pid claimed in a heartbeat is not journaled as such.
+        pids = tuple(sorted({p.pid for p in att.tree()})) if att is not None else ()
         record = JournalRecord(
             run_id=self.cfg.job.run_id, node_id=self.cfg.launch.node_id, supervisor_pid=os.getpid(),
             attempt=att.number if att else self.last_attempt, world_size=self.world_size,
@@ -455,18 +463,28 @@ class Daemon:
         return extra
 
     def _adopt_journal(self) -> int:
-        """Stop what a previous supervisor left running; return its last attempt number."""
-        rec = self.journal.read()
+        """Stop what a previous supervisor of this job and node left running; return its last attempt number.
+
+        The journal is hostile input (someone may have planted it): only processes that carry the
+        journaled attempt's mark of this job and node, are ours and were created since that attempt
+        started are stopped. The journal's own pid list is never signalled."""
+        try:
+            rec = self.journal.read(owner=os.geteuid())
+        except JournalError as e:
+            self._emit("warning", "journal_ignored", reason=str(e))
+            return 0
         if rec is None:
             return 0
         self._emit("info", "journal_adopted", attempt=rec.attempt, status=rec.status, world_size=rec.world_size,
                  step=rec.resume_step, supervisor_pid=rec.supervisor_pid)  # fmt: skip
-        if rec.pids and rec.attempt_started_unix is not None:
-            stopped = launcher.kill_leftovers(
-                rec.pids, started_before=rec.updated_unix, grace_s=self.cfg.restart.stop_grace_s
-            )
-            if stopped:
-                self._emit("warning", "leftovers_stopped", attempt=rec.attempt, pids=stopped)
+        mine = (rec.run_id, rec.node_id) == (self.cfg.job.run_id, self.cfg.launch.node_id)
+        if mine and rec.attempt_started_unix is not None:
+            mark = procs.Mark(rec.run_id, rec.node_id, rec.attempt)
+            since = rec.attempt_started_unix
+            found = procs.find(mark, since=since, until=time.time())
+            if found:
+                procs.stop(lambda: procs.find(mark, since=since), self.cfg.restart.stop_grace_s)
+                self._emit("warning", "leftovers_stopped", attempt=rec.attempt, pids=sorted(p.pid for p in found))
         return rec.attempt
 
     def _nproc_max(self) -> int:
@@ -477,26 +495,8 @@ class Daemon:
         return h.count or 1
 
     def _make_runtime_dir(self) -> Path:
-        preferred = self.node_dir / "run"
-        if len(str(preferred / "heartbeat.sock")) <= _UNIX_PATH_MAX:
-            preferred.mkdir(parents=True, exist_ok=True)
-            os.chmod(preferred, 0o700)
-            return preferred
-        return Path(tempfile.mkdtemp(prefix="ftsup-"))  # UNIX socket paths are limited to ~108 bytes
-
-
-def _remove_runtime_dir(path: Path | None) -> None:
-    if path is None:
-        return
-    for name in ("heartbeat.sock", "control.json"):
-        try:
-            (path / name).unlink()
-        except FileNotFoundError:
-            pass
-    try:
-        path.rmdir()
-    except OSError:
-        pass
+        self._runtime = statedir.RuntimeDir.make(self.node_dir, os.environ)  # systemd's RuntimeDirectory, if any
+        return self._runtime.path
 
 
 def _exit_status(code: int) -> str:

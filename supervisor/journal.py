@@ -3,21 +3,33 @@
 
 One JSON file per node: run id, attempt number, world size, chosen step, pids of the running
 attempt (torchrun and its ranks), last failure, and the time it was written. It is replaced
-atomically (tmp file, fsync, rename, fsync dir), so a reader sees the old or the new record,
-never half of one.
+atomically (`statedir.write_atomic`: a new O_EXCL temporary, fsync, rename, fsync dir), so a
+reader sees the old or the new record, never half of one.
+
+A journal found on disk is input like any other: it is read without following links, capped
+in size and checked field by field (`JournalError` says what is wrong). Its pids are hints for
+a reader; the daemon signals none of them unless `supervisor.procs` verifies the process.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint.layout import write_json_atomic
+from supervisor import statedir
+from supervisor.errors import SupervisorError
 
 FORMAT = 1
+MAX_BYTES = 1 << 20
+MAX_PIDS = 4096
+STATUSES = ("starting", "running", "backoff", "succeeded", "failed", "evicted", "stopped")
+
+
+class JournalError(SupervisorError):
+    """A journal file exists but cannot be used as written."""
 
 
 @dataclass(frozen=True)
@@ -41,23 +53,84 @@ class JournalRecord:
         d["format"] = FORMAT
         return d
 
+    @classmethod
+    def from_json(cls, raw: object) -> JournalRecord:
+        """Check every field's type and range; raise `JournalError` naming the first bad one."""
+        if not isinstance(raw, dict):
+            raise JournalError("not a JSON object")
+        raw = dict(raw)
+        raw.pop("format", None)
+        unknown = sorted(set(raw) - {f.name for f in fields(cls)})
+        if unknown:
+            raise JournalError(f"unknown field {unknown[0]!r}")
+        for key in ("run_id", "node_id", "supervisor_pid"):
+            if key not in raw:
+                raise JournalError(f"no {key!r}")
+        _want(raw, "run_id", str)
+        _want(raw, "node_id", str)
+        _want_int(raw, "supervisor_pid", 0)
+        _want_int(raw, "attempt", 0)
+        _want_int(raw, "world_size", 1, nullable=True)
+        _want_int(raw, "resume_step", 0, nullable=True)
+        _want_number(raw, "attempt_started_unix", nullable=True)
+        _want_number(raw, "updated_unix")
+        _want(raw, "last_failure", str, nullable=True)
+        _want(raw, "extra", dict)
+        if raw.get("status", "starting") not in STATUSES:
+            raise JournalError(f"'status' must be one of {', '.join(STATUSES)}")
+        pids = raw.get("pids", [])
+        if not isinstance(pids, list) or len(pids) > MAX_PIDS:
+            raise JournalError(f"'pids' must be a list of at most {MAX_PIDS} pids")
+        for p in pids:
+            if isinstance(p, bool) or not isinstance(p, int) or not 0 < p < 1 << 22:
+                raise JournalError(f"'pids' holds {p!r}, not a pid")
+        raw["pids"] = tuple(pids)
+        return cls(**raw)
+
+
+def _want(raw: dict[str, Any], key: str, kind: type, *, nullable: bool = False) -> None:
+    if key not in raw or (nullable and raw[key] is None):
+        return
+    if not isinstance(raw[key], kind):
+        raise JournalError(f"{key!r} must be a {kind.__name__}, got {type(raw[key]).__name__}")
+
+
+def _want_int(raw: dict[str, Any], key: str, low: int, *, nullable: bool = False) -> None:
+    if key not in raw or (nullable and raw[key] is None):
+        return
+    v = raw[key]
+    if isinstance(v, bool) or not isinstance(v, int) or not low <= v < 1 << 62:
+        raise JournalError(f"{key!r} must be an integer >= {low}, got {v!r}")
+
+
+def _want_number(raw: dict[str, Any], key: str, *, nullable: bool = False) -> None:
+    if key not in raw or (nullable and raw[key] is None):
+        return
+    v = raw[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1e12:
+        raise JournalError(f"{key!r} must be a time in seconds, got {v!r}")
+
 
 class Journal:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
 
-    def read(self) -> JournalRecord | None:
-        """The last record, or None when there is none or it cannot be read (logged by the caller)."""
+    def read(self, *, owner: int | None = None) -> JournalRecord | None:
+        """The last record, or None when there is none. Raises `JournalError` for a file that is
+        a link, not a regular file, too large, owned by someone other than `owner` (when given),
+        or not a journal."""
         try:
-            raw = json.loads(self.path.read_text())
-            raw.pop("format", None)
-            raw["pids"] = tuple(raw.get("pids", ()))
-            return JournalRecord(**raw)
-        except FileNotFoundError:
+            data = statedir.read_private(self.path, MAX_BYTES, owner=owner)
+        except OSError as e:  # a link (ELOOP), a FIFO, a device, too large, someone else's
+            raise JournalError(f"{self.path}: {e.strerror}" if e.strerror else str(e)) from None
+        if data is None:
             return None
-        except (ValueError, TypeError):
-            return None
+        try:
+            return JournalRecord.from_json(json.loads(data))
+        except (ValueError, RecursionError) as e:
+            raise JournalError(f"{self.path}: not JSON ({e})") from None
+        except JournalError as e:
+            raise JournalError(f"{self.path}: {e}") from None
 
     def write(self, record: JournalRecord) -> None:
-        write_json_atomic(self.path, record.to_json())
+        statedir.write_atomic(self.path, json.dumps(record.to_json(), indent=1, sort_keys=True).encode())

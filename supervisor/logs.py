@@ -9,6 +9,7 @@ emit), and `ftsup_events_total` counts each under its name.
 
 from __future__ import annotations
 
+import io
 import logging
 import sys
 from pathlib import Path
@@ -16,11 +17,13 @@ from typing import Any, TextIO
 
 import structlog
 
+from supervisor import statedir
+
 EVENTS = frozenset(
     {
         "supervisor_started", "journal_adopted", "leftovers_stopped", "health_probed",
         "health_probe_failed", "checkpoint_chosen", "checkpoint_quarantined", "checkpoint_skipped", "world_size_chosen",
-        "workers_launched", "workers_restarted", "heartbeats_dropped",
+        "workers_launched", "workers_restarted", "heartbeats_dropped", "journal_ignored",
         "heartbeat_timed_out", "progress_timed_out", "startup_timed_out", "worker_exited", "workers_stopped",
         "orphans_found", "restart_scheduled", "crash_loop_detected", "restart_budget_exhausted", "job_succeeded",
         "job_failed", "job_stopped", "stop_requested", "eviction_noticed", "save_requested", "checkpoint_committed",
@@ -53,12 +56,15 @@ class _Tee:
 
 
 def configure(level: str = "info", fmt: str = "json", file: Path | None = None) -> TextIO | None:
-    """Set up structlog; returns the opened log file (the caller closes it) or None."""
+    """Set up structlog; returns the opened log file (the caller closes it) or None.
+
+    `file` is opened without following a link and must be a regular file of ours
+    (`statedir.open_append`): a planted link cannot make the supervisor append to another file.
+    Its directory must exist (the daemon creates and checks it)."""
     out: Any = sys.stderr
     handle = None
     if file is not None:
-        file.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(file, "a", buffering=1)  # noqa: SIM115 - owned by the daemon, closed at exit
+        handle = io.TextIOWrapper(statedir.open_append(file), encoding="utf-8", line_buffering=True)
         out = _Tee(sys.stderr, handle)
     renderer: Any = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer()
     structlog.configure(

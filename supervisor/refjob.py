@@ -15,9 +15,7 @@ Not here: choosing or injecting faults (`demo`, `bench_recovery`, `chaos`).
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -26,12 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import yaml
 
-from supervisor import chaos
+from supervisor import chaos, guard, procs
 
 CODE_ROOT = Path(__file__).resolve().parents[1]  # holds the `supervisor` and `trainer` packages
-_PR_SET_PDEATHSIG = 1
+SUPERVISOR_STOP_S = 30.0  # a supervisor stops its job within its stop grace; then it is killed
 
 
 @dataclass(frozen=True)
@@ -117,24 +116,19 @@ def child_env(**extra: str) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=_pythonpath(), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
 
 
-def die_with_parent() -> None:  # runs in the child between fork and exec
-    # If the demo or benchmark is killed, what it started goes too (a supervisor takes its job along).
-    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+def start_guarded(argv: list[str], *, env: dict[str, str], cwd: Path, out_path: Path) -> subprocess.Popen[bytes]:
+    """Start `argv` behind the parent-death guard, output appended to `out_path`: if the demo or
+    benchmark is killed, what it started goes too (a supervisor takes its job along)."""
+    wrapped, guard_env = guard.wrap(argv)
+    with open(out_path, "ab") as out:
+        return subprocess.Popen(wrapped, env={**env, **guard_env}, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT)  # fmt: skip
 
 
 def start_supervisor(job: TrainerJob, tag: str) -> subprocess.Popen[bytes]:
     """`ftsup run --config` as a subprocess, its output in `<root>/supervisor-<tag>.out`."""
     argv = [sys.executable, "-m", "supervisor.cli", "run", "--config", str(job.config_path)]
-    with open(job.root / f"supervisor-{tag}.out", "ab") as out:
-        return subprocess.Popen(
-            argv,
-            env=child_env(),
-            cwd=job.root,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent,
-        )
+    return start_guarded(argv, env=child_env(), cwd=job.root, out_path=job.root / f"supervisor-{tag}.out")
 
 
 def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float, what: str) -> int:
@@ -147,12 +141,12 @@ def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float, what: str) -> int
 def stop_supervisor(proc: subprocess.Popen[bytes] | None, job: TrainerJob) -> None:
     """Cleanup after an error: SIGTERM (the supervisor stops its job), then SIGKILL whatever is left."""
     if proc is not None and proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+            supervisor = [psutil.Process(proc.pid)]
+        except psutil.NoSuchProcess:
+            supervisor = []
+        procs.stop(lambda: supervisor, SUPERVISOR_STOP_S, reap=proc.poll)
+        proc.wait(timeout=10)
     chaos.stop_all(chaos.matching_processes(job.markers))
 
 
@@ -169,8 +163,8 @@ def wait_resumed(job: TrainerJob, tail: chaos.LossLogTail, after: float, timeout
 def sigkill_supervisor_and_restart(
     job: TrainerJob, proc: subprocess.Popen[bytes], tail: chaos.LossLogTail, timeout_s: float
 ) -> tuple[dict[str, Any], subprocess.Popen[bytes]]:
-    """SIGKILL the supervisor, wait for its job to go (torchrun has a parent-death signal, the
-    ranks arm their own), count what is left, then start `ftsup run` again and wait for its first
+    """SIGKILL the supervisor, wait for its job to go (torchrun and every rank run behind the
+    parent-death guard), count what is left, then start `ftsup run` again and wait for its first
     resumed step. Returns what was seen and the new supervisor process."""
     procs = chaos.job_processes(job.state_dir)
     t = chaos.kill_process(proc.pid)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-import psutil
+from supervisor import procs
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = REPO / "tests" / "bin"
@@ -53,17 +53,8 @@ class Finished:
 
 
 def kill_tree(pid: int) -> None:
-    try:
-        root = psutil.Process(pid)
-        procs = root.children(recursive=True) + [root]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=10)
+    """SIGKILL a process and everything below it, and wait until they are gone (`supervisor.procs`)."""
+    procs.stop(lambda: procs.descendants([pid]), 0)
 
 
 def run(argv: list[str], *, timeout: float = 120, env: dict[str, str] | None = None) -> Finished:

@@ -14,9 +14,10 @@ exports (`FTSUP_HEARTBEAT_SOCKET`). Each rank has a connection of its own, so a 
 floods the socket fills only its own queue, and the kernel tells the supervisor which process
 sent each message (`SCM_CREDENTIALS`): a beat's `pid` is checked, never trusted. Sending never
 blocks and never raises: a full queue, a missing supervisor or a value that cannot be sent drops
-the beat (counted in `dropped`). The client also arms a parent-death signal, so that a rank
-never outlives its torchrun agent (torchrun starts ranks in sessions of their own, where
-signals to the agent's process group do not reach them).
+the beat (counted in `dropped`). A rank never outlives its torchrun agent (torchrun starts ranks
+in sessions of their own, where signals to the agent's process group do not reach them):
+`ftsup run` starts each rank behind a parent-death guard armed before exec, and a rank started
+some other way arms it when the client is created.
 
 The wire format (`encode_beat`, checked field by field by `supervisor.heartbeat.parse_beat`):
 one flat JSON object `{"v": PROTOCOL_VERSION, "attempt", "rank", "local_rank", "pid", "step",
@@ -44,12 +45,10 @@ This module is the one place where the trainer reads `FTSUP_*` environment varia
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import math
 import os
 import re
-import signal
 import socket
 import threading
 import time
@@ -59,7 +58,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-_PR_SET_PDEATHSIG = 1
+from supervisor import guard
 
 # ---------------------------------------------------------------------- the wire format
 
@@ -408,15 +407,10 @@ def agree(request: Request, device: Any = "cpu") -> Request:
 
 
 def _arm_parent_death_signal() -> None:
-    """SIGKILL this rank when its parent (the torchrun agent) dies; Linux only, best effort."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        parent = os.getppid()
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the guard was armed
-            os.kill(os.getpid(), signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+    """SIGKILL this rank when its parent dies. A rank that `ftsup run` started through its exec
+    wrapper has the guard armed since before its first import; any other (the training command
+    started by a shell script, say) arms it here, best effort (`supervisor.guard`)."""
+    guard.arm_in_process()
 
 
 # ---------------------------------------------------------------------- the process's client

@@ -24,9 +24,9 @@ from typing import Any
 
 import psutil
 
-from supervisor import chaos
+from supervisor import chaos, procs
 from supervisor.bench_recovery.common import STEP_GAP, aim, load_average, rounded, row, wait_aimed
-from supervisor.refjob import TrainerJob, child_env, die_with_parent, new_run_id, wait_exit
+from supervisor.refjob import TrainerJob, child_env, new_run_id, start_guarded, wait_exit
 
 MAX_RESTARTS = 3
 WORKAROUND = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch/pytorch#135712
@@ -56,14 +56,12 @@ def _start(job: TrainerJob, out: Path, env: dict[str, str]) -> subprocess.Popen[
     job.root.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={job.nproc}",
             f"--max-restarts={MAX_RESTARTS}", "-m", "trainer.examples.gpt", *job.trainer_args()]  # fmt: skip
-    with open(out, "ab") as f:
-        return subprocess.Popen(argv, env=child_env(**env), cwd=job.root, stdin=subprocess.DEVNULL, stdout=f,
-                                stderr=subprocess.STDOUT, preexec_fn=die_with_parent)  # fmt: skip
+    return start_guarded(argv, env=child_env(**env), cwd=job.root, out_path=out)
 
 
 def _worker_pids(agent: int) -> frozenset[int]:
     try:
-        return frozenset(c.pid for c in psutil.Process(agent).children() if chaos.alive(c))
+        return frozenset(c.pid for c in psutil.Process(agent).children() if procs.alive(c))
     except psutil.NoSuchProcess:
         return frozenset()
 

@@ -2,14 +2,13 @@
 
 Each rank is `python -m trainer.bench.rank SPEC` in its own session (so that it and any
 process it starts, such as DCP's checkpoint daemon, share one process group we can
-signal), with PR_SET_PDEATHSIG so that it dies with us. Shutdown is SIGTERM, one grace
+signal), behind the parent-death guard (`supervisor.guard`) so that it dies with us. Shutdown is SIGTERM, one grace
 period, then SIGKILL to each rank's whole process group. Torch-free: the parent process
 of a benchmark never imports torch.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
@@ -19,7 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1
+from supervisor import guard
+
 # A rank that exits non-zero leaves its peers blocked in a collective; give them this long
 # to notice on their own before they are stopped.
 PEER_FAILURE_GRACE_S = 10.0
@@ -54,11 +54,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -131,15 +126,15 @@ def run_group(
                 OMP_NUM_THREADS="1",
             )
             with open(log_dir / f"{name}-rank{rank}.log", "wb") as log:
+                guarded, guard_env = guard.wrap(command)  # each rank dies with this process
                 procs.append(
                     subprocess.Popen(
-                        command,
+                        guarded,
                         stdin=subprocess.DEVNULL,
                         stdout=log,
                         stderr=subprocess.STDOUT,
-                        env=env,
+                        env={**env, **guard_env},
                         start_new_session=True,
-                        preexec_fn=_die_with_parent,
                     )
                 )
         status = _wait(procs, deadline, peer_failure_grace_s)

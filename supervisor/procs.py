@@ -1,0 +1,159 @@
+"""Processes of an attempt: how they are recognised, and the one way they are stopped.
+
+- `Mark`: the environment every process of an attempt inherits (`FTSUP_RUN_ID`, `FTSUP_NODE_ID`,
+  `FTSUP_ATTEMPT`), readable in `/proc/PID/environ` for this user's processes. It identifies
+  them even after their parent died (a rank left to a reaper by a SIGKILLed torchrun).
+- `verify` / `find`: a pid counts as a process of an attempt only when it is this user's, was
+  created within the attempt's lifetime and carries the attempt's mark. A pid merely claimed
+  (in a heartbeat, in a journal found on disk) is never signalled unless it passes.
+- `descendants`: a process and everything below it.
+- `stop`: SIGTERM (and SIGCONT, so that a stopped process can act on it) to everything found,
+  one grace deadline, SIGKILL to what is left, and a check that nothing is left.
+
+It waits by polling liveness and never calls `waitpid` itself: the statuses of our own
+children stay with their `subprocess.Popen` (pass its `poll` to reap them). Stdlib and
+psutil only (no torch, nothing of the daemon), so the trainer side can use it too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import psutil
+
+CREATE_SLACK_S = 1.0  # process start times are rounded to clock ticks, and computed from the boot time
+_POLL_S = 0.02
+_KILL_WAIT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Mark:
+    """What every process of one attempt carries in its environment."""
+
+    run_id: str
+    node_id: str
+    attempt: int
+
+    def environ(self) -> dict[str, str]:
+        return {"FTSUP_RUN_ID": self.run_id, "FTSUP_NODE_ID": self.node_id, "FTSUP_ATTEMPT": str(self.attempt)}
+
+    def carried_by(self, env: Mapping[str, str]) -> bool:
+        return all(env.get(k) == v for k, v in self.environ().items())
+
+
+def alive(p: psutil.Process) -> bool:
+    """Running (or stopped), not a zombie, and still the process `p` was created for."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        return alive(psutil.Process(pid))
+    except psutil.NoSuchProcess:
+        return False
+
+
+def verify(
+    pid: int, mark: Mark, *, since: float, until: float | None = None, uid: int | None = None
+) -> psutil.Process | None:
+    """The process `pid` if it is a process of the attempt `mark` (created in `[since, until]`,
+    owned by `uid`, default ours), else None."""
+    try:
+        return _check(psutil.Process(pid), mark, since, until, os.getuid() if uid is None else uid)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        return None
+
+
+def find(mark: Mark, *, since: float, until: float | None = None) -> list[psutil.Process]:
+    """Every live process of the attempt `mark`, by a scan of this user's processes."""
+    uid = os.getuid()
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if _check(p, mark, since, until, uid) is not None:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+            continue
+    return found
+
+
+def _check(p: psutil.Process, mark: Mark, since: float, until: float | None, uid: int) -> psutil.Process | None:
+    if p.uids().real != uid:
+        return None
+    created = p.create_time()
+    if created < since - CREATE_SLACK_S or (until is not None and created > until + CREATE_SLACK_S):
+        return None  # a recycled pid, or a process of another lifetime
+    if not mark.carried_by(p.environ()) or not alive(p):
+        return None
+    return p
+
+
+def descendants(roots: Iterable[int | psutil.Process]) -> list[psutil.Process]:
+    """The live processes among `roots` and all their descendants."""
+    found: dict[int, psutil.Process] = {}
+    for r in roots:
+        try:
+            root = r if isinstance(r, psutil.Process) else psutil.Process(r)
+            found[root.pid] = root
+            for c in root.children(recursive=True):
+                found[c.pid] = c
+        except psutil.NoSuchProcess:
+            continue
+    return [p for p in found.values() if alive(p)]
+
+
+def signal_all(procs: Iterable[psutil.Process], sig: int) -> None:
+    for p in procs:
+        try:
+            p.send_signal(sig)  # psutil refuses a pid that now names another process
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+
+
+def stop(
+    found: Callable[[], Iterable[psutil.Process]],
+    grace_s: float,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    reap: Callable[[], object] = lambda: None,
+) -> list[int]:
+    """Stop everything `found()` returns, the one way: SIGTERM + SIGCONT, one grace deadline
+    (processes found meanwhile get the same), SIGKILL to what is left, then a check.
+
+    `found` is called again while waiting, so a process that appears during the stop (torchrun
+    starting a rank) is stopped too; `reap` is called while waiting (a `Popen.poll`). With
+    `grace_s <= 0` everything gets SIGKILL at once. Returns the pids still alive at the end.
+    """
+    seen: dict[int, psutil.Process] = {}
+
+    def refresh(sigs: tuple[int, ...]) -> list[psutil.Process]:
+        for p in found():
+            if p.pid not in seen or not alive(seen[p.pid]):
+                seen[p.pid] = p
+                for sig in sigs:
+                    signal_all([p], sig)
+        return [p for p in seen.values() if alive(p)]
+
+    deadline = clock() + max(0.0, grace_s)
+    left = refresh((signal.SIGTERM, signal.SIGCONT)) if grace_s > 0 else refresh(())
+    while left and clock() < deadline:
+        reap()
+        time.sleep(min(_POLL_S, max(0.0, deadline - clock())))
+        left = refresh((signal.SIGTERM, signal.SIGCONT))
+    signal_all(left, signal.SIGKILL)
+    kill_deadline = time.monotonic() + _KILL_WAIT_S
+    while True:
+        reap()
+        left = refresh((signal.SIGKILL,))
+        if not left or time.monotonic() >= kill_deadline:
+            break
+        time.sleep(_POLL_S)
+    reap()
+    return sorted(p.pid for p in left if alive(p))

@@ -1,0 +1,271 @@
+"""The supervisor's own directories and files, trusted only once checked.
+
+A state directory may sit in a shared job directory, where another user could have created it
+first and planted links in it. So:
+
+- `ensure_dir` creates what is missing (0700) and refuses, with a `ConfigError` naming the
+  setting, a directory that is a link, is not owned by this supervisor's user, is writable by
+  anyone else, or sits below a directory where someone else could swap it for theirs. A `.ftsup` directory
+  it creates gets a `.gitignore` of `*` (as pytest does for `.pytest_cache`), so a run from a
+  repository leaves nothing for git to show.
+- `open_append`, `write_atomic` and `read_private` never follow a link and require a regular
+  file of ours (temporaries are created with O_EXCL); `read_private` caps the size.
+- `InstanceLock` is the single-instance lock: an exclusive `flock` on `supervisor.lock` in the
+  state directory, held for the daemon's life; a second supervisor is refused, naming the pid.
+- `RuntimeDir`: where the heartbeat socket and the control file live (systemd's
+  `$RUNTIME_DIRECTORY`, else `<state_dir>/run`, else a private temporary directory when that
+  path is too long for a UNIX socket); only what this module created is removed.
+
+Stdlib only; nothing here starts or signals a process.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from supervisor.errors import ConfigError, UsageError
+
+LOCK_NAME = "supervisor.lock"
+GITIGNORE = "# Created by ftsup: a supervisor's state, not to be committed.\n*\n"
+_UNIX_PATH_MAX = 100  # sun_path holds 108 bytes; keep a margin
+_SOCKET_NAME = "heartbeat.sock"
+_CONTROL_NAME = "control.json"
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+SYSTEMD_CONFIG_DIR = Path("/etc/ftsup")  # deploy/systemd/ftsup@.service runs --config /etc/ftsup/%i.yaml
+SYSTEMD_STATE_DIR = Path("/var/lib/ftsup")  # ... with StateDirectory=ftsup/%i
+
+
+def default_state_dir(workdir: Path, node_id: str, config_path: Path | None, environ: Mapping[str, str]) -> Path:
+    """Where `job.state_dir` is when the config does not say: the same for `ftsup run` inside a
+    systemd unit and for `ftsup status` run from a shell.
+
+    1. `$STATE_DIRECTORY` (systemd exports it to a unit with StateDirectory=);
+    2. `/var/lib/ftsup/NAME` for a config at `/etc/ftsup/NAME.yaml` (the shipped unit's
+       StateDirectory, so that `ftsup status --config /etc/ftsup/NAME.yaml` finds it);
+    3. `<workdir>/.ftsup/<node_id>`.
+    """
+    given = environ.get("STATE_DIRECTORY", "").split(":")[0]
+    if given:
+        return Path(given)
+    if config_path is not None and config_path.parent == SYSTEMD_CONFIG_DIR and config_path.suffix == ".yaml":
+        return SYSTEMD_STATE_DIR / config_path.stem
+    return workdir / ".ftsup" / node_id
+
+
+def _refuse(what: str, path: Path, why: str, fix: str) -> ConfigError:
+    return ConfigError(f"{what}: {path} {why}; {fix}")
+
+
+def check_dir(path: Path, what: str) -> None:
+    """Refuse `path` unless it is a real directory of ours that nobody else can write."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise _refuse(what, path, f"cannot be read ({e.strerror or e})", "check the path") from None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise _refuse(what, path, "is not a directory (a link or a file)", "remove it or choose another directory")
+    if st.st_uid != os.geteuid():
+        raise _refuse(what, path, f"is owned by uid {st.st_uid}, not by this supervisor's uid {os.geteuid()}",
+                      "another user could have planted files in it: remove it or choose another directory")  # fmt: skip
+    if st.st_mode & 0o022:
+        raise _refuse(what, path, f"is writable by others (mode {stat.S_IMODE(st.st_mode):o})",
+                      f"chmod go-w {path}, or choose another directory")  # fmt: skip
+
+
+def _check_ancestors(path: Path, what: str) -> None:
+    """Whoever can write a directory above `path` could swap it, or one above it, for one of
+    theirs: every directory above it (as written and as resolved) must be root's or ours, and
+    writable by no one else unless sticky (as /tmp is)."""
+    above = {*path.parents, *Path(os.path.realpath(path)).parents}
+    for parent in sorted(above, key=lambda d: len(d.parts)):
+        st = os.stat(parent)
+        if st.st_uid not in (0, os.geteuid()) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+            raise _refuse(what, path, f"is below {parent}, which another user owns or can write",
+                          "put it where only you (or root) can write")  # fmt: skip
+
+
+def ensure_dir(path: str | os.PathLike[str], what: str) -> Path:
+    """Create `path` (and missing parents, 0700) if needed, then check it and every directory above it."""
+    path = Path(os.path.abspath(path))
+    missing = []
+    p = path
+    while not os.path.lexists(p) and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    if missing:
+        _check_ancestors(missing[-1], what)  # create nothing where it would be refused
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise _refuse(what, path, f"cannot be created ({e.strerror or e})", "check the path") from None
+    check_dir(path, what)
+    _check_ancestors(path, what)
+    if path.parent.name == ".ftsup":
+        _ignore_for_git(path.parent)
+    return path
+
+
+def _ignore_for_git(ftsup_dir: Path) -> None:
+    """A `.ftsup` directory of ours is never something to commit (as pytest does for its cache)."""
+    st = os.lstat(ftsup_dir)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or os.path.lexists(ftsup_dir / ".gitignore"):
+        return
+    try:
+        fd = os.open(ftsup_dir / ".gitignore", os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(GITIGNORE)
+
+
+def _require_own_file(fd: int, path: Path, *, max_bytes: int | None = None, owner: int | None = None) -> None:
+    st = os.fstat(fd)
+    why = None
+    if not stat.S_ISREG(st.st_mode):
+        why = "is not a regular file"
+    elif owner is not None and st.st_uid != owner:
+        why = f"is owned by uid {st.st_uid}, not {owner}"
+    elif owner is not None and st.st_nlink != 1:
+        why = "has other hard links"
+    elif max_bytes is not None and st.st_size > max_bytes:
+        why = f"is {st.st_size} bytes, more than the {max_bytes} allowed"
+    if why is not None:
+        os.close(fd)
+        raise OSError(f"{path}: {why}; refused")
+
+
+def _open(path: Path, flags: int, mode: int = 0o600) -> int:
+    """os.open that never follows a link at `path` and says so when one is there."""
+    try:
+        return os.open(path, flags | _NOFOLLOW, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(f"{path}: is a symbolic link; refused") from None
+        raise
+
+
+def open_append(path: str | os.PathLike[str]) -> BinaryIO:
+    """Open a log file of ours for appending (created 0600); never through a link."""
+    path = Path(path)
+    fd = _open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK)
+    _require_own_file(fd, path, owner=os.geteuid())
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "ab")
+
+
+def read_private(path: str | os.PathLike[str], max_bytes: int, *, owner: int | None = None) -> bytes | None:
+    """The bytes of a regular file (None when there is none), never through a link, at most `max_bytes`."""
+    path = Path(path)
+    try:
+        fd = _open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    _require_own_file(fd, path, max_bytes=max_bytes, owner=owner)
+    with os.fdopen(fd, "rb") as f:
+        return f.read(max_bytes + 1)[:max_bytes]
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes, *, durable: bool = True) -> None:
+    """Replace `path` with `data`: a new temporary (O_EXCL, never a link), then rename; with
+    `durable`, fsync the file and the directory, so a reader sees the old or the new content."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # O_EXCL | O_NOFOLLOW
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)  # replaces a link at `path` itself, never what it points to
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    if durable:
+        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+class InstanceLock:
+    """An exclusive `flock` on `<state_dir>/supervisor.lock`, which records the holder's pid."""
+
+    def __init__(self, state_dir: Path):
+        self.path = state_dir / LOCK_NAME
+        fd = _open(self.path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK)
+        _require_own_file(fd, self.path, owner=os.geteuid(), max_bytes=4096)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise UsageError(
+                f"another ftsup run (pid {holder}) is supervising this job: it holds {self.path}; "
+                "stop it first, or give this config another job.state_dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd: int | None = fd
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the lock; the file stays (removing it would race a new holder)
+            self._fd = None
+
+
+@dataclass(frozen=True)
+class RuntimeDir:
+    path: Path
+    created: bool  # removed at exit only when this supervisor created it
+
+    @property
+    def socket(self) -> Path:
+        return self.path / _SOCKET_NAME
+
+    @property
+    def control(self) -> Path:
+        return self.path / _CONTROL_NAME
+
+    @classmethod
+    def make(cls, state_dir: Path, environ: Mapping[str, str]) -> RuntimeDir:
+        given = environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+        if given:
+            path = Path(given)
+            check_dir(path, "$RUNTIME_DIRECTORY")
+            return cls(path, created=False)
+        preferred = state_dir / "run"
+        if len(str(preferred / _SOCKET_NAME)) <= _UNIX_PATH_MAX:
+            if not os.path.lexists(preferred):
+                os.mkdir(preferred, 0o700)
+            check_dir(preferred, "job.state_dir")
+            return cls(preferred, created=True)  # inside the checked state dir: ours
+        return cls(Path(tempfile.mkdtemp(prefix="ftsup-")), created=True)  # UNIX socket paths are short
+
+    def remove(self) -> None:
+        for p in (self.socket, self.control):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+        if self.created:
+            try:
+                self.path.rmdir()
+            except OSError:
+                pass
