@@ -348,21 +348,7 @@ class Daemon:
 
     def _launch(self, action: policy.Launch) -> None:
         assert self._runtime_dir is not None
-        ln = self.cfg.launch
-        spec = launcher.LaunchSpec(
-            command=tuple(self.cfg.job.command), nproc=action.nproc, nnodes=ln.nnodes, rdzv_endpoint=ln.rdzv_endpoint,
-            rdzv_id=ln.rdzv_id, extra_args=tuple(ln.torchrun_args),
-        )  # fmt: skip
-        env = dict(os.environ)
-        env.update(self.cfg.job.env)
-        env.update(
-            FTSUP_HEARTBEAT_SOCKET=str(self._runtime_dir / "heartbeat.sock"),
-            FTSUP_HEARTBEAT_INTERVAL_S=repr(self.cfg.heartbeat.interval_s),
-            FTSUP_CONTROL_FILE=str(self._runtime_dir / "control.json"),
-            FTSUP_CHECKPOINT_DIR=str(self.cfg.checkpoint.dir),
-            FTSUP_RESUME_STEP="" if action.resume_step is None else str(action.resume_step),
-            PYTHONUNBUFFERED="1",
-        )  # and the attempt's mark (FTSUP_RUN_ID, FTSUP_NODE_ID, FTSUP_ATTEMPT), added by the launcher
+        env = launcher.rank_env(self.cfg, self._runtime_dir, action.resume_step, os.environ)
         self.world_size, self.resume_step = action.nproc, action.resume_step
         self._ranks_seen = frozenset()
         self._rank_phase = {}
@@ -374,7 +360,8 @@ class Daemon:
         # SIGTERM and SIGINT stay default: they are how a tree is stopped.
         ignore = tuple(getattr(signal, n) for n in self.cfg.eviction.signals if n not in ("SIGTERM", "SIGINT"))
         mark = procs.Mark(self.cfg.job.run_id, self.cfg.launch.node_id, action.attempt)
-        self.attempt = launcher.start(action.attempt, launcher.torchrun_argv(spec), env=env, cwd=self.cfg.job.workdir,
+        argv = launcher.torchrun_argv(launcher.spec_from(self.cfg, action.nproc))
+        self.attempt = launcher.start(action.attempt, argv, env=env, cwd=self.cfg.job.workdir,
                                       log_path=log_path, mark=mark, ignore_signals=ignore)  # fmt: skip
         self.last_attempt = action.attempt
         self._write_journal("running")

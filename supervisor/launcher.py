@@ -12,7 +12,10 @@
   ranks in sessions of their own, so a signal to its process group would not reach them) and
   any process of the attempt's mark left to a reaper; `procs.stop` is the sequence.
 
-Not here: when to start or stop (policy), what to export beyond the attempt's environment.
+- `spec_from` and `rank_env` derive the spec and the ranks' environment (the `FTSUP_*` channel
+  variables) from the job config.
+
+Not here: when to start or stop (policy).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 import psutil
 
 from supervisor import guard, procs, statedir
+from supervisor.config import JobConfig
 
 pid_alive = procs.pid_alive
 
@@ -41,6 +45,27 @@ class LaunchSpec:
     rdzv_conf: str | None = None
     extra_args: tuple[str, ...] = ()
     python: str | None = None  # interpreter that runs torchrun (default: the command's python)
+
+
+def spec_from(cfg: JobConfig, nproc: int) -> LaunchSpec:
+    ln = cfg.launch
+    return LaunchSpec(command=tuple(cfg.job.command), nproc=nproc, nnodes=ln.nnodes, rdzv_endpoint=ln.rdzv_endpoint,
+                      rdzv_id=ln.rdzv_id, extra_args=tuple(ln.torchrun_args))  # fmt: skip
+
+
+def rank_env(cfg: JobConfig, runtime_dir: Path, resume_step: int | None, base: Mapping[str, str]) -> dict[str, str]:
+    """`base` (the supervisor's environment), `job.env`, then the channel to this supervisor; the attempt's mark
+    (FTSUP_RUN_ID, FTSUP_NODE_ID, FTSUP_ATTEMPT) is added by `start`."""
+    env = {**base, **cfg.job.env}
+    env.update(
+        FTSUP_HEARTBEAT_SOCKET=str(runtime_dir / "heartbeat.sock"),
+        FTSUP_HEARTBEAT_INTERVAL_S=repr(cfg.heartbeat.interval_s),
+        FTSUP_CONTROL_FILE=str(runtime_dir / "control.json"),
+        FTSUP_CHECKPOINT_DIR=str(cfg.checkpoint.dir),
+        FTSUP_RESUME_STEP="" if resume_step is None else str(resume_step),
+        PYTHONUNBUFFERED="1",
+    )
+    return env
 
 
 def _is_python(exe: str) -> bool:

@@ -44,6 +44,7 @@ def write_config(tmp: Path, **sections: dict) -> Path:
 
 
 def daemon(tmp: Path, clock: FakeClock, **sections: dict) -> Daemon:
+    (tmp / "state").mkdir(mode=0o700, exist_ok=True)  # what `Daemon.run` makes sure of before anything else
     return Daemon(load_config(write_config(tmp, **sections), hostname="node-a"), clock=clock)
 
 
