@@ -1,20 +1,30 @@
-"""The one thing pyproject.toml cannot declare: the C extension that computes block checksums.
+"""What pyproject.toml cannot declare: the packages under `ftsup`, and the C extension.
 
-`trainer.checkpoint._blocksum` (hardware CRC-32C, see trainer/checkpoint/DESIGN.md) is built
+The folders `supervisor/` and `trainer/` are installed as `ftsup.supervisor` and `ftsup.trainer`;
+their subpackages are found here, so that a new one is never left out of a wheel. The mapping is
+given here rather than in pyproject.toml's package-dir: from there, an editable install copies the
+built extension to `ftsup/trainer/...` instead of `trainer/...`.
+
+`ftsup.trainer.checkpoint._blocksum` (hardware CRC-32C, see trainer/checkpoint/DESIGN.md) is built
 by `pip install` with the system C compiler and the Python headers. It is optional: where it
 cannot be built, ftsup still installs and computes the same checksums in pure Python, much more
-slowly, and the checkpoint engine logs `checkpoint_checksums_slow`. Everything else about the
-package is in pyproject.toml.
+slowly, and the checkpoint engine logs `checkpoint_checksums_slow`.
 """
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
+
+PACKAGES = ["ftsup"] + [
+    f"ftsup.{name}" for name in find_packages(include=["supervisor", "supervisor.*", "trainer", "trainer.*"])
+]
 
 setup(
+    packages=PACKAGES,
+    package_dir={"ftsup.supervisor": "supervisor", "ftsup.trainer": "trainer"},
     ext_modules=[
         Extension(
-            "trainer.checkpoint._blocksum",
+            "ftsup.trainer.checkpoint._blocksum",
             sources=["trainer/checkpoint/_blocksum.c"],
             optional=True,
         )
-    ]
+    ],
 )

@@ -30,8 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from trainer.checkpoint import layout
+from ftsup.trainer.checkpoint import layout
 
 REPO = Path(__file__).resolve().parents[1]
 CKPT_EVERY = 10
@@ -48,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _job(work: Path, mode: str, steps: int, min_step_s: float) -> Path:
     cfg = {
         "job": {
-            "command": [sys.executable, "-m", "trainer.examples.gpt", "--steps", str(steps), "--ckpt-every",
+            "command": [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", str(steps), "--ckpt-every",
                         str(CKPT_EVERY), "--n-layer", "2", "--n-embd", "128", "--seq-len", "64",
                         "--corpus-bytes", "400000", "--min-step-s", str(min_step_s), "--keep-last", "2",
                         "--loss-log", str(work / "loss.jsonl")],
@@ -97,7 +96,7 @@ def _run_mode(work: Path, mode: str, n: int, rnd: random.Random, min_step_s: flo
     rows = []
     for i in range(n):
         start_lines = len(_lines(log))
-        proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config", str(job)], env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
         try:
             deadline = time.monotonic() + 180

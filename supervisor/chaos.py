@@ -27,9 +27,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import psutil
-
-from supervisor import procs
-from supervisor.errors import SupervisorError
+from ftsup.supervisor import procs
+from ftsup.supervisor.errors import SupervisorError
 
 T = TypeVar("T")
 

@@ -4,17 +4,17 @@ Subcommands (ARCHITECTURE section 5 is the contract for names, flags and JSON sh
 
     ftsup ckpt list DIR [--json] [--deep]              every committed checkpoint, oldest first
     ftsup ckpt verify DIR [--step N] [--deep] [--json] one checkpoint (default: the newest)
-    ftsup bench checkpoint ...                         delegated to `trainer.bench`
-    ftsup bench recovery ...                           `supervisor.bench_recovery` (torch-free)
-    ftsup demo [--dir DIR] [--steps N] [--json FILE]   `supervisor.demo`: faults injected, bitwise check
+    ftsup bench checkpoint ...                         delegated to `ftsup.trainer.bench`
+    ftsup bench recovery ...                           `ftsup.supervisor.bench_recovery` (torch-free)
+    ftsup demo [--dir DIR] [--steps N] [--json FILE]   `ftsup.supervisor.demo`: faults injected, bitwise check
 
 Exit statuses: 0 success; 1 the command ran and found a problem (verify: not consistent), or an
 internal error (its traceback on stderr, then one line); 2 usage errors, a bad config, a missing or
 unreadable file, directory or checkpoint, or any `CheckpointError`, reported as one line
-`ftsup: error: ...` on stderr. `ftsup run` has statuses of its own (README, `supervisor.policy`):
+`ftsup: error: ...` on stderr. `ftsup run` has statuses of its own (README, `ftsup.supervisor.policy`):
 2 only for what is refused before anything starts, 1 for any failure after that.
 
-This module never imports torch: `trainer.checkpoint.layout` is stdlib-only, and the
+This module never imports torch: `ftsup.trainer.checkpoint.layout` is stdlib-only, and the
 benchmark module is imported only when `ftsup bench` is what was asked for. It does not
 decide anything about checkpoints itself; it prints what `layout` finds.
 """
@@ -32,9 +32,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from supervisor.errors import RunError, SupervisorError, UsageError, error_line
-from trainer.checkpoint import layout
-from trainer.checkpoint.errors import CheckpointError, NoCheckpointError
+from ftsup.supervisor.errors import RunError, SupervisorError, UsageError, error_line
+from ftsup.trainer.checkpoint import layout
+from ftsup.trainer.checkpoint.errors import CheckpointError, NoCheckpointError
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser(*, load_bench: bool = False) -> argparse.ArgumentParser:
-    """The full parser; `load_bench` imports `trainer.bench` to add its flags (needs torch)."""
+    """The full parser; `load_bench` imports `ftsup.trainer.bench` to add its flags (needs torch)."""
     parser = argparse.ArgumentParser(
         prog="ftsup",
         description="Fault-tolerant training supervisor for PyTorch.",
@@ -99,9 +99,9 @@ def _add_run(commands: Any) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from supervisor import preflight
-    from supervisor.config import load_config
-    from supervisor.daemon import Daemon
+    from ftsup.supervisor import preflight
+    from ftsup.supervisor.config import load_config
+    from ftsup.supervisor.daemon import Daemon
 
     # A ConfigError, from the file or from what it names on this host, becomes one line and exit 2: nothing
     # has started yet. From here on, no failure is a config error: a service manager restarts on 1, not on 2.
@@ -132,8 +132,8 @@ def _add_config(commands: Any) -> None:
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:
-    from supervisor import preflight
-    from supervisor.config import load_config
+    from ftsup.supervisor import preflight
+    from ftsup.supervisor.config import load_config
 
     cfg = load_config(args.config)
     preflight.check(cfg)
@@ -152,9 +152,8 @@ def _add_status(commands: Any) -> None:
 
 def cmd_status(args: argparse.Namespace) -> int:
     import psutil
-
-    from supervisor.config import load_config
-    from supervisor.journal import Journal
+    from ftsup.supervisor.config import load_config
+    from ftsup.supervisor.journal import Journal
 
     cfg = load_config(args.config)
     rec = Journal(Path(cfg.job.state_dir) / "journal.json").read()
@@ -237,7 +236,7 @@ def _add_ckpt(commands: Any) -> None:
 
 def cmd_ckpt_export_hf(args: argparse.Namespace) -> int:
     try:
-        from trainer.checkpoint.hf import export_hf
+        from ftsup.trainer.checkpoint.hf import export_hf
     except ModuleNotFoundError as e:
         raise UsageError(f"ftsup ckpt export-hf needs {e.name!r}; install torch as the README shows") from None
     index = export_hf(args.dir, args.step, args.out, prefix=args.prefix, max_shard_bytes=int(args.max_shard_gb * 1e9))
@@ -411,7 +410,7 @@ def _print_json(obj: Any) -> None:
 
 
 def _add_bench(commands: Any, *, load: bool) -> None:
-    from supervisor import bench_recovery
+    from ftsup.supervisor import bench_recovery
 
     bench = commands.add_parser("bench", help="benchmarks (checkpoint needs torch; see README)")
     kinds = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
@@ -424,7 +423,7 @@ def _add_bench(commands: Any, *, load: bool) -> None:
     )
     bench_recovery.add_arguments(p)
     p.set_defaults(handler=bench_recovery.run)
-    from supervisor import bench_eviction
+    from ftsup.supervisor import bench_eviction
 
     p = kinds.add_parser(
         "eviction",
@@ -458,9 +457,9 @@ def _add_bench(commands: Any, *, load: bool) -> None:
 
 def _import_bench() -> ModuleType:
     try:
-        return importlib.import_module("trainer.bench")
+        return importlib.import_module("ftsup.trainer.bench")
     except ModuleNotFoundError as e:
-        if e.name == "trainer.bench":
+        if e.name == "ftsup.trainer.bench":
             raise UsageError(f"this ftsup installation has no benchmarks ({e})") from None
         raise UsageError(
             f"ftsup bench needs module {e.name!r}, which is not installed; install torch "
@@ -469,7 +468,7 @@ def _import_bench() -> ModuleType:
 
 
 def _add_demo(commands: Any) -> None:
-    from supervisor import demo
+    from ftsup.supervisor import demo
 
     p = commands.add_parser(
         "demo",

@@ -16,7 +16,7 @@ YAML is read as PyYAML's YAML 1.1 with two traps removed: an unquoted `1:2` is t
 integer 62), so `nnodes: 1:2` means what it says; `1e3` is a number. A key given twice is an error, not "last wins".
 
 This module knows the sections: their keys, defaults and the rules between keys. How a single value is read and
-how its errors are worded (`Where`, `Section`, the parse functions, the YAML loader) is `supervisor.config_values`.
+how its errors are worded (`Where`, `Section`, the parse functions, the YAML loader) is `config_values`.
 
 This module decides nothing at runtime: `nproc_per_node: auto`, learned timeouts and `eviction.providers: [auto]`
 are kept as written for the daemon to resolve. Its only I/O is reading the file and, when `launch.node_id` is
@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from supervisor import config_file, config_values, statedir
-from supervisor.config_values import Section, Where
-from supervisor.errors import ConfigError
-from supervisor.policy_io import Settings
+from ftsup.supervisor import config_file, config_values, statedir
+from ftsup.supervisor.config_values import Section, Where
+from ftsup.supervisor.errors import ConfigError
+from ftsup.supervisor.policy_io import Settings
 
 SECTIONS = ("job", "launch", "checkpoint", "heartbeat", "restart", "eviction", "metrics", "logging")
 PROVIDERS = config_values.PROVIDERS  # eviction.providers, checked in config_values
@@ -55,8 +55,9 @@ class JobSection:
     """`job:` what every rank runs, where, and under which id."""
 
     command: tuple[str, ...]
-    """The training command as an argv list, run without a shell: `[python, -m, trainer.examples.gpt, --steps, "200"]`.
-    Numbers must be quoted so that each argument is passed exactly as written."""
+    """The training command as an argv list, run without a shell:
+    `[python, -m, ftsup.trainer.examples.gpt, --steps, "200"]`. Numbers must be quoted so that each argument is passed
+    exactly as written."""
     workdir: Path
     """Working directory of the ranks. Default: the config file's directory; relative paths resolve against it."""
     run_id: str

@@ -8,7 +8,7 @@
   1.2 floats (`1e3` is a number), duplicate keys refused, and the document's shape bounded before it is built:
   at most `MAX_YAML_DEPTH` levels and `MAX_YAML_ALIASES` aliases, integers of at most 4000 digits.
 
-What the document means is `supervisor.config` (sections) and `supervisor.config_values` (values).
+What the document means is `ftsup.supervisor.config` (sections) and `ftsup.supervisor.config_values` (values).
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from supervisor.config_values import file_kind
-from supervisor.errors import ConfigError
+from ftsup.supervisor.config_values import file_kind
+from ftsup.supervisor.errors import ConfigError
 
 MAX_CONFIG_BYTES = 256 * 1024  # a job config is a few kilobytes
 MAX_YAML_DEPTH = 32  # a job config nests 4 levels (section, key, list or mapping, item)

@@ -1,6 +1,6 @@
 """Config values: raw YAML values turned into typed values, or one `ConfigError` naming the key path and the fix.
 
-The building blocks of `supervisor.config`:
+The building blocks of `ftsup.supervisor.config`:
 - `Where` is a key path inside a source (`job.yaml: restart.window_s`); `Where.fail` raises the one-line error;
 - `Section` is one YAML mapping whose keys are checked on construction (unknown keys are errors, with a "did you
   mean" from `suggest`) and whose values are read as `required`, `optional` (null refused) or `nullable`;
@@ -9,10 +9,10 @@ The building blocks of `supervisor.config`:
   it (`describe`) and say how to write it instead; every value is bounded (lengths, counts, magnitudes);
 - `plain_dataclass` turns a parsed config back into JSON-ready values.
 
-Reading the file and its YAML is `supervisor.config_file`.
+Reading the file and its YAML is `ftsup.supervisor.config_file`.
 
 It does not assemble the sections: which keys a section has, their defaults and the rules between keys are
-`supervisor.config`'s (a few messages name the key to use instead, such as for a torchrun flag that ftsup sets).
+`ftsup.supervisor.config`'s (a few messages name the key to use instead, such as for a torchrun flag that ftsup sets).
 It does no I/O: no file, no environment variable, no hostname is read here.
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar
 from urllib.parse import urlsplit
 
-from supervisor.errors import ConfigError
+from ftsup.supervisor.errors import ConfigError
 
 # Ids name files, the rendezvous and FTSUP_RUN_ID: keep them to characters that are safe in all three, and short
 # (64 is the longest hostname Linux allows, and the hostname is the default node id).

@@ -10,10 +10,10 @@ On start it checks the state directory (`statedir`) and takes its single-instanc
 reads the node's journal: processes of an attempt that a previous supervisor left running (it
 was `kill -9`ed, the node's systemd restarted it) are found by their attempt's mark and stopped
 before anything new is launched, so two attempts never run at once. No pid is signalled only
-because a journal or a heartbeat names it (`supervisor.procs`).
+because a journal or a heartbeat names it (`ftsup.supervisor.procs`).
 
 Once the loop runs, an I/O error of the store, journal or control file is an outage to ride out
-(`supervisor.outages`), a failed launch a failed attempt, any other exception a bug (exit 1).
+(`ftsup.supervisor.outages`), a failed launch a failed attempt, any other exception a bug (exit 1).
 """
 
 from __future__ import annotations
@@ -28,23 +28,22 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import structlog
-
-from supervisor import health, launcher, logs, policy, procs, statedir, systemd
-from supervisor.ckptstore import StoreScanner
-from supervisor.config import JobConfig, settings_from
-from supervisor.errors import ConfigError, error_line
-from supervisor.eviction.notices import Blind, Notice, Seeing, from_signal
-from supervisor.eviction.providers import WatchError
-from supervisor.eviction.requeue import requeue
-from supervisor.eviction.runner import WatcherThreads
-from supervisor.eviction.setup import build_watchers
-from supervisor.heartbeat import Admission, HeartbeatReceiver
-from supervisor.journal import Journal, JournalError, JournalRecord
-from supervisor.metrics import Metrics, MetricsServer
-from supervisor.outages import Outages
-from supervisor.wakeup import Wakeup
-from trainer.checkpoint import choice
-from trainer.checkpoint.errors import CheckpointError
+from ftsup.supervisor import health, launcher, logs, policy, procs, statedir, systemd
+from ftsup.supervisor.ckptstore import StoreScanner
+from ftsup.supervisor.config import JobConfig, settings_from
+from ftsup.supervisor.errors import ConfigError, error_line
+from ftsup.supervisor.eviction.notices import Blind, Notice, Seeing, from_signal
+from ftsup.supervisor.eviction.providers import WatchError
+from ftsup.supervisor.eviction.requeue import requeue
+from ftsup.supervisor.eviction.runner import WatcherThreads
+from ftsup.supervisor.eviction.setup import build_watchers
+from ftsup.supervisor.heartbeat import Admission, HeartbeatReceiver
+from ftsup.supervisor.journal import Journal, JournalError, JournalRecord
+from ftsup.supervisor.metrics import Metrics, MetricsServer
+from ftsup.supervisor.outages import Outages
+from ftsup.supervisor.wakeup import Wakeup
+from ftsup.trainer.checkpoint import choice
+from ftsup.trainer.checkpoint.errors import CheckpointError
 
 _T = TypeVar("_T")
 _STORE_ERRORS = (OSError, CheckpointError)  # what reading the store raises while it is unreadable or mid-change

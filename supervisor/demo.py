@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor import chaos
-from supervisor.errors import UsageError
-from supervisor.refjob import (
+from ftsup.supervisor import chaos
+from ftsup.supervisor.errors import UsageError
+from ftsup.supervisor.refjob import (
     TrainerJob,
     fault_timeline,
     new_run_id,

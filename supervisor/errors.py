@@ -1,6 +1,6 @@
 """The supervisor's exception tree: every error a user can meet says what to do about it.
 
-The exit status of `ftsup` follows the class (see `supervisor.cli.main`): `ConfigError` and `UsageError` are 2
+The exit status of `ftsup` follows the class (see `ftsup.supervisor.cli.main`): `ConfigError` and `UsageError` are 2
 (refused before anything started), `RunError` is 1 (`ftsup run` accepted its config, then failed).
 """
 

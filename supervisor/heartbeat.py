@@ -1,6 +1,6 @@
 """The supervisor end of the heartbeat channel: a UNIX `SOCK_SEQPACKET` socket in a private directory.
 
-Ranks connect and send one JSON message per beat (the format is `trainer.runtime.encode_beat`'s).
+Ranks connect and send one JSON message per beat (the format is `ftsup.trainer.runtime.encode_beat`'s).
 `HeartbeatReceiver.drain()` returns the valid beats waiting, never blocking; everything else is
 dropped and counted by reason (`DROP_REASONS`), and the connection it came on is closed:
 
@@ -36,8 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import psutil
-
-from trainer.runtime import (
+from ftsup.trainer.runtime import (
     BASE_FIELDS,
     FIGURE_NAME,
     MAX_BEAT_BYTES,

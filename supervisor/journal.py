@@ -8,7 +8,7 @@ reader sees the old or the new record, never half of one.
 
 A journal found on disk is input like any other: it is read without following links, capped
 in size and checked field by field (`JournalError` says what is wrong). Its pids are hints for
-a reader; the daemon signals none of them unless `supervisor.procs` verifies the process.
+a reader; the daemon signals none of them unless `ftsup.supervisor.procs` verifies the process.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from supervisor import statedir
-from supervisor.errors import SupervisorError
+from ftsup.supervisor import statedir
+from ftsup.supervisor.errors import SupervisorError
 
 FORMAT = 1
 MAX_BYTES = 1 << 20

@@ -3,7 +3,7 @@
 - `torchrun_argv` builds the command (pure): `--max-restarts=0` (restarts are the
   supervisor's decision), `--nnodes`, `--nproc-per-node`, c10d rendezvous (or `--standalone`
   for one node without an endpoint), then each rank's command: the training command behind the
-  parent-death guard (`supervisor.guard`, run with `--no-python`).
+  parent-death guard (`ftsup.supervisor.guard`, run with `--no-python`).
 - `start` runs torchrun behind the same guard, in a session of its own, without `preexec_fn`
   (the daemon has threads running): torchrun dies with the supervisor, and each rank with
   torchrun, from before their first import on. Every process of the attempt carries its
@@ -28,16 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-
-from supervisor import guard, procs, statedir
-from supervisor.config import JobConfig
+from ftsup.supervisor import guard, procs, statedir
+from ftsup.supervisor.config import JobConfig
 
 pid_alive = procs.pid_alive
 
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    command: tuple[str, ...]  # the training command, e.g. (python, -m, trainer.examples.gpt, ...)
+    command: tuple[str, ...]  # the training command, e.g. (python, -m, ftsup.trainer.examples.gpt, ...)
     nproc: int
     nnodes: str = "1"  # "N" or "MIN:MAX"
     rdzv_endpoint: str | None = None

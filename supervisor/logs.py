@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import structlog
-
-from supervisor import statedir
+from ftsup.supervisor import statedir
 
 EVENTS = frozenset(
     {

@@ -25,15 +25,14 @@ from importlib import metadata
 from typing import Any
 
 import structlog
+from ftsup.supervisor import policy
+from ftsup.supervisor.config import split_host_port
+from ftsup.supervisor.heartbeat import DROP_REASONS
+from ftsup.supervisor.logs import EVENTS
+from ftsup.supervisor.metrics_http import BoundedHTTPServer
+from ftsup.trainer.checkpoint import layout
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import choose_encoder
-
-from supervisor import policy
-from supervisor.config import split_host_port
-from supervisor.heartbeat import DROP_REASONS
-from supervisor.logs import EVENTS
-from supervisor.metrics_http import BoundedHTTPServer
-from trainer.checkpoint import layout
 
 log = structlog.get_logger("ftsup.supervisor")
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from supervisor.errors import error_line
-from supervisor.metrics import STORAGE_PURPOSES
+from ftsup.supervisor.errors import error_line
+from ftsup.supervisor.metrics import STORAGE_PURPOSES
 
 _T = TypeVar("_T")
 RETRY_INITIAL_S = 1.0

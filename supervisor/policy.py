@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 # The policy's vocabulary; callers use it as policy.X (policy.Heartbeat, policy.Launch, ...).
-from supervisor.policy_io import (
+from ftsup.supervisor.policy_io import (
     AckEviction,
     Action,
     Event,
@@ -50,7 +50,7 @@ from supervisor.policy_io import (
     WorkersStarted,
     log,
 )
-from supervisor.policy_io import Log as Log  # not used here, only by callers
+from ftsup.supervisor.policy_io import Log as Log  # not used here, only by callers
 
 # Exit codes of `ftsup run` (documented in the README).
 EXIT_OK = 0

@@ -1,6 +1,6 @@
 """Checks of a valid job config against this host, made by `ftsup run` before it starts anything.
 
-`supervisor.config` judges a file on its own; what it names must also exist here, and a mistake found only
+`ftsup.supervisor.config` judges a file on its own; what it names must also exist here, and a mistake found only
 after the first launch is found late (a misspelt program fails three attempts, then ends in a crash loop) or
 reads like a runtime failure (a `checkpoint.dir` that is a file was a raw errno line mid-run). `check(cfg)`
 raises one `ConfigError` naming the key for the first of:
@@ -23,9 +23,9 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-from supervisor import launcher
-from supervisor.config import JobConfig
-from supervisor.config_values import Where, file_kind
+from ftsup.supervisor import launcher
+from ftsup.supervisor.config import JobConfig
+from ftsup.supervisor.config_values import Where, file_kind
 
 
 def check(cfg: JobConfig, environ: Mapping[str, str] | None = None) -> None:

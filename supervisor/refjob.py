@@ -5,7 +5,7 @@
   checkpoint every 5 steps, steps padded to `min_step_s` so that faults can be aimed): its
   trainer flags, its YAML config, where its logs land, and the strings that mark its processes.
 - `start_supervisor` / `stop_supervisor` / `wait_exit`: `ftsup run --config` as a subprocess,
-  the way an operator starts it (`sys.executable -m supervisor.cli`), so nothing here imports
+  the way an operator starts it (`sys.executable -m ftsup.supervisor.cli`), so nothing here imports
   torch.
 - `fault_timeline`: what the logs say followed a fault: the supervisor's failure event, its
   relaunch, the first resumed step in the loss log and the checkpoint load, as one dict.
@@ -26,8 +26,7 @@ from typing import Any
 
 import psutil
 import yaml
-
-from supervisor import chaos, guard, procs
+from ftsup.supervisor import chaos, guard, procs
 
 CODE_ROOT = Path(__file__).resolve().parents[1]  # holds the `supervisor` and `trainer` packages
 SUPERVISOR_STOP_S = 30.0  # a supervisor stops its job within its stop grace; then it is killed
@@ -77,7 +76,7 @@ class TrainerJob:
         return [str(self.config_path), str(self.ckpt_dir), f"FTSUP_RUN_ID={self.run_id}"]
 
     def trainer_args(self) -> list[str]:
-        """Arguments after `-m trainer.examples.gpt`."""
+        """Arguments after `-m ftsup.trainer.examples.gpt`."""
         return [
             "--steps", str(self.steps), "--ckpt-every", str(self.ckpt_every), "--n-layer", "2", "--n-embd", "64",
             "--seq-len", "32", "--corpus-bytes", "200000", "--min-step-s", str(self.min_step_s),
@@ -87,7 +86,7 @@ class TrainerJob:
     def write_config(self) -> Path:
         cfg: dict[str, Any] = {
             "job": {
-                "command": [sys.executable, "-m", "trainer.examples.gpt", *self.trainer_args()],
+                "command": [sys.executable, "-m", "ftsup.trainer.examples.gpt", *self.trainer_args()],
                 "workdir": str(self.root),
                 "state_dir": str(self.state_dir),
                 "run_id": self.run_id,
@@ -127,7 +126,7 @@ def start_guarded(argv: list[str], *, env: dict[str, str], cwd: Path, out_path: 
 
 def start_supervisor(job: TrainerJob, tag: str) -> subprocess.Popen[bytes]:
     """`ftsup run --config` as a subprocess, its output in `<root>/supervisor-<tag>.out`."""
-    argv = [sys.executable, "-m", "supervisor.cli", "run", "--config", str(job.config_path)]
+    argv = [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job.config_path)]
     return start_guarded(argv, env=child_env(), cwd=job.root, out_path=job.root / f"supervisor-{tag}.out")
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from supervisor.errors import ConfigError, UsageError
+from ftsup.supervisor.errors import ConfigError, UsageError
 
 LOCK_NAME = "supervisor.lock"
 GITIGNORE = "# Created by ftsup: a supervisor's state, not to be committed.\n*\n"

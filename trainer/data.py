@@ -24,9 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from trainer.checkpoint.errors import CheckpointError
-from trainer.rng import derive_seed
+from ftsup.trainer.checkpoint.errors import CheckpointError
+from ftsup.trainer.rng import derive_seed
 
 
 class DataConfigError(ValueError):

@@ -20,8 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from trainer.checkpoint.errors import CheckpointError
+from ftsup.trainer.checkpoint.errors import CheckpointError
 
 
 def capture() -> dict[str, Any]:

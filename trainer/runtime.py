@@ -1,6 +1,6 @@
 """The rank side of the supervisor channel: heartbeats out, save/stop requests in.
 
-    from trainer.runtime import runtime
+    from ftsup.trainer.runtime import runtime
     rt = runtime()                         # reads the environment once; a no-op without a supervisor
     with rt.phase("load", step=0): state.resume(engine)
     for step in ...:
@@ -19,7 +19,7 @@ in sessions of their own, where signals to the agent's process group do not reac
 `ftsup run` starts each rank behind a parent-death guard armed before exec, and a rank started
 some other way arms it when the client is created.
 
-The wire format (`encode_beat`, checked field by field by `supervisor.heartbeat.parse_beat`):
+The wire format (`encode_beat`, checked field by field by `ftsup.supervisor.heartbeat.parse_beat`):
 one flat JSON object `{"v": PROTOCOL_VERSION, "attempt", "rank", "local_rank", "pid", "step",
 "phase", "t": wall clock, "mono": this machine's monotonic clock, figure: number|null, ...}`,
 at most `MAX_BEAT_BYTES`. Figures (`loss`, `save_s`, `saved_step`, ...) are named by
@@ -58,7 +58,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor import guard
+from ftsup.supervisor import guard
 
 # ---------------------------------------------------------------------- the wire format
 
@@ -206,19 +206,21 @@ class RuntimeClient:
                 if phase in PHASES:
                     self._phase = phase
                 else:
-                    self._warn("phase", f"trainer.runtime: unknown phase {phase!r} ignored (one of {PHASES})")
+                    self._warn("phase", f"ftsup.trainer.runtime: unknown phase {phase!r} ignored (one of {PHASES})")
             try:
                 s = int(step)
             except (TypeError, ValueError, OverflowError):
                 s = -1
             if not 0 <= s <= MAX_STEP:
-                self._warn("step", f"trainer.runtime: step {step!r} is not an integer in [0, {MAX_STEP}]; beat dropped")
+                self._warn(
+                    "step", f"ftsup.trainer.runtime: step {step!r} is not an integer in [0, {MAX_STEP}]; beat dropped"
+                )
                 self.dropped += 1
                 return
             self._step = s
             self._send(figures)
         except Exception as e:  # an adapter boundary: a heartbeat must never take training down
-            self._warn("error", f"trainer.runtime: a heartbeat failed ({e!r}); beats that fail are dropped")
+            self._warn("error", f"ftsup.trainer.runtime: a heartbeat failed ({e!r}); beats that fail are dropped")
             self.dropped += 1
 
     @contextlib.contextmanager
@@ -233,7 +235,7 @@ class RuntimeClient:
             try:
                 keepalive = _KeepAlive(self, self.env.heartbeat_interval_s)
             except RuntimeError as e:  # no thread to be had: the phase still runs, unbeaten
-                self._warn("thread", f"trainer.runtime: no keepalive thread for phase {name} ({e})")
+                self._warn("thread", f"ftsup.trainer.runtime: no keepalive thread for phase {name} ({e})")
         try:
             yield
         finally:
@@ -409,7 +411,7 @@ def agree(request: Request, device: Any = "cpu") -> Request:
 def _arm_parent_death_signal() -> None:
     """SIGKILL this rank when its parent dies. A rank that `ftsup run` started through its exec
     wrapper has the guard armed since before its first import; any other (the training command
-    started by a shell script, say) arms it here, best effort (`supervisor.guard`)."""
+    started by a shell script, say) arms it here, best effort (`ftsup.supervisor.guard`)."""
     guard.arm_in_process()
 
 

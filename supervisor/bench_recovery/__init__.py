@@ -45,10 +45,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from supervisor.bench_recovery.common import load_average
-from supervisor.bench_recovery.ftsup import bench_ftsup, slow_save_check
-from supervisor.bench_recovery.torchrun import bench_torchrun
-from supervisor.errors import UsageError
+from ftsup.supervisor.bench_recovery.common import load_average
+from ftsup.supervisor.bench_recovery.ftsup import bench_ftsup, slow_save_check
+from ftsup.supervisor.bench_recovery.torchrun import bench_torchrun
+from ftsup.supervisor.errors import UsageError
 
 PEERS = ("ftsup", "torchrun")
 

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from supervisor import chaos
-from supervisor.bench_recovery.common import STEP_GAP, aim, rounded, row, step_times, wait_aimed
-from supervisor.refjob import (
+from ftsup.supervisor import chaos
+from ftsup.supervisor.bench_recovery.common import STEP_GAP, aim, rounded, row, step_times, wait_aimed
+from ftsup.supervisor.refjob import (
     TrainerJob,
     child_env,
     fault_timeline,
@@ -142,7 +142,7 @@ def _checks(
 
 def trainer_has_flag(flag: str) -> bool:
     """Whether the reference trainer accepts `flag` (asks its --help; that imports torch in a subprocess)."""
-    argv = [sys.executable, "-m", "trainer.examples.gpt", "--help"]
+    argv = [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--help"]
     done = subprocess.run(argv, env=child_env(), capture_output=True, text=True, timeout=120)
     return flag in done.stdout
 

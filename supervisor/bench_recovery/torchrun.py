@@ -23,10 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-
-from supervisor import chaos, procs
-from supervisor.bench_recovery.common import STEP_GAP, aim, load_average, rounded, row, wait_aimed
-from supervisor.refjob import TrainerJob, child_env, new_run_id, start_guarded, wait_exit
+from ftsup.supervisor import chaos, procs
+from ftsup.supervisor.bench_recovery.common import STEP_GAP, aim, load_average, rounded, row, wait_aimed
+from ftsup.supervisor.refjob import TrainerJob, child_env, new_run_id, start_guarded, wait_exit
 
 MAX_RESTARTS = 3
 WORKAROUND = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch/pytorch#135712
@@ -55,7 +54,7 @@ def _with_load(scenario: Callable[..., dict[str, Any]], *args: Any) -> dict[str,
 def _start(job: TrainerJob, out: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     job.root.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={job.nproc}",
-            f"--max-restarts={MAX_RESTARTS}", "-m", "trainer.examples.gpt", *job.trainer_args()]  # fmt: skip
+            f"--max-restarts={MAX_RESTARTS}", "-m", "ftsup.trainer.examples.gpt", *job.trainer_args()]  # fmt: skip
     return start_guarded(argv, env=child_env(**env), cwd=job.root, out_path=out)
 
 

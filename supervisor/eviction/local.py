@@ -13,8 +13,8 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from supervisor.eviction.notices import Notice
-from supervisor.eviction.providers import WatchError
+from ftsup.supervisor.eviction.notices import Notice
+from ftsup.supervisor.eviction.providers import WatchError
 
 
 def _deadline(text: str, now_unix: float, default_deadline_s: float) -> float:

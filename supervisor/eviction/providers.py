@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import time
 
-from supervisor.eviction import notices
-from supervisor.eviction.http import HttpError, request
-from supervisor.eviction.notices import BadResponse, Notice
+from ftsup.supervisor.eviction import notices
+from ftsup.supervisor.eviction.http import HttpError, request
+from ftsup.supervisor.eviction.notices import BadResponse, Notice
 
 AWS_BASE = "http://169.254.169.254"
 GCP_BASE = "http://metadata.google.internal"

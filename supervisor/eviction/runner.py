@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from supervisor.eviction.notices import Blind, Notice, Seeing
-from supervisor.eviction.providers import WatchError
+from ftsup.supervisor.eviction.notices import Blind, Notice, Seeing
+from ftsup.supervisor.eviction.providers import WatchError
 
 Report = Notice | Blind | Seeing
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from supervisor.config import EvictionConfig
-from supervisor.eviction.local import CommandWatcher, FileWatcher
-from supervisor.eviction.providers import AwsWatcher, AzureWatcher, GcpWatcher
-from supervisor.eviction.runner import Watcher
+from ftsup.supervisor.config import EvictionConfig
+from ftsup.supervisor.eviction.local import CommandWatcher, FileWatcher
+from ftsup.supervisor.eviction.providers import AwsWatcher, AzureWatcher, GcpWatcher
+from ftsup.supervisor.eviction.runner import Watcher
 
 _DMI_VENDOR = Path("/sys/class/dmi/id/sys_vendor")
 _VENDORS = {"amazon": "aws", "google": "gcp", "microsoft": "azure"}

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.runtime import runtime
+from ftsup.trainer.runtime import runtime
 
 GARBAGE = (b"", b"{" * 500, b"[" * 4000, b'{"v": 2, "step": Infinity}', b"\xff" * 64, b'{"v": 1}', b"9" * 400)
 

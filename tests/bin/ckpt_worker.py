@@ -21,9 +21,8 @@ import sys
 
 import torch
 import torch.distributed as dist
-
-from trainer.checkpoint import CheckpointEngine, RetentionPolicy
-from trainer.checkpoint.stateful import ModelOptimState
+from ftsup.trainer.checkpoint import CheckpointEngine, RetentionPolicy
+from ftsup.trainer.checkpoint.stateful import ModelOptimState
 
 
 def build(parallel: str, seed: int, width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -16,9 +16,8 @@ from typing import Any
 
 import psutil
 import pytest
-
-from trainer.bench import launch
-from trainer.bench.report import CORE_FIELDS, ROW_NAMES
+from ftsup.trainer.bench import launch
+from ftsup.trainer.bench.report import CORE_FIELDS, ROW_NAMES
 
 pytestmark = pytest.mark.multiprocess
 
@@ -37,7 +36,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("bench")
     out = work / "out.json"
     argv = [
-        sys.executable, "-m", "trainer.bench", "checkpoint",
+        sys.executable, "-m", "ftsup.trainer.bench", "checkpoint",
         "--size-mb", "16", "--ranks", "2", "--repeats", "1", "--rss-saves", "3",
         "--process-timeout-s", "40", "--dir", str(work / "d"), "--json", str(out),
     ]  # fmt: skip
@@ -161,7 +160,7 @@ def test_a_failing_rank_fails_the_group_without_waiting_for_the_deadline(tmp_pat
 
 def test_a_process_mode_run_past_its_timeout_is_reported_hung_and_leaves_nothing(tmp_path: Path) -> None:
     others = [n for n in ROW_NAMES if n != "dcp_async_process"]
-    argv = [sys.executable, "-m", "trainer.bench", "checkpoint", "--size-mb", "4",
+    argv = [sys.executable, "-m", "ftsup.trainer.bench", "checkpoint", "--size-mb", "4",
             "--dir", str(tmp_path / "d"), "--json", str(tmp_path / "out.json"),
             "--process-timeout-s", "1", "--skip", *others]  # fmt: skip
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -14,8 +14,8 @@ import sys
 from typing import Any
 
 import pytest
+from ftsup.supervisor.bench_recovery.common import aim
 
-from supervisor.bench_recovery.common import aim
 from tests.procs import REPO, run
 
 pytestmark = pytest.mark.multiprocess
@@ -29,7 +29,7 @@ SPLIT_KEYS = {"detection_s", "teardown_s", "backoff_s", "launch_s", "load_s"}
 def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("bench-recovery")
     out = work / "out.json"
-    argv = [sys.executable, "-m", "supervisor.cli", "bench", "recovery", "--repeats", "1", "--hang-repeats", "1",
+    argv = [sys.executable, "-m", "ftsup.supervisor.cli", "bench", "recovery", "--repeats", "1", "--hang-repeats", "1",
             "--cycles", "2", "--peers", "ftsup", "--dir", str(work / "d"), "--json", str(out)]  # fmt: skip
     done = run(argv, timeout=TIMEOUT_S)
     return {"rc": done.returncode, "output": done.output, "data": json.loads(out.read_text()) if out.exists() else None}
@@ -70,13 +70,13 @@ def test_the_table_is_printed(bench: dict[str, Any]) -> None:
 def test_ftsup_bench_recovery_does_not_import_torch_or_the_checkpoint_benchmark() -> None:
     probe = (
         "import sys, json\n"
-        "from supervisor.cli import main\n"
+        "from ftsup.supervisor.cli import main\n"
         "try:\n    main(['bench', 'recovery', '--help'])\nexcept SystemExit:\n    pass\n"
         "print(json.dumps(sorted(sys.modules)))"
     )
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     loaded = set(json.loads(done.stdout.splitlines()[-1]))
-    assert {"torch", "trainer.bench"} & loaded == set()
+    assert {"torch", "ftsup.trainer.bench"} & loaded == set()
 
 
 @pytest.mark.parametrize(("at_least", "expected"), [(0, 13), (13, 13), (14, 18), (19, 23)])

@@ -13,9 +13,7 @@ from pathlib import Path
 import pytest
 import structlog
 import torch
-
-from tests.helpers import flip_byte
-from trainer.checkpoint import (
+from ftsup.trainer.checkpoint import (
     CheckpointCorruptError,
     CheckpointEngine,
     CheckpointError,
@@ -25,8 +23,10 @@ from trainer.checkpoint import (
     RetentionPolicy,
     layout,
 )
-from trainer.checkpoint.engine import read_rank_state
-from trainer.checkpoint.stateful import ModelOptimState
+from ftsup.trainer.checkpoint.engine import read_rank_state
+from ftsup.trainer.checkpoint.stateful import ModelOptimState
+
+from tests.helpers import flip_byte
 
 
 def make_state(width: int = 32, seed: int = 0) -> ModelOptimState:
@@ -333,7 +333,7 @@ def _odd_layouts() -> dict[str, torch.Tensor]:
 
 
 def test_fused_staging_writes_the_same_files_as_copy_then_checksum(tmp_path, monkeypatch):
-    from trainer.checkpoint import blocksum
+    from ftsup.trainer.checkpoint import blocksum
 
     tensors = _odd_layouts()
     paths = {}

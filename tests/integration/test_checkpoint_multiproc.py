@@ -10,9 +10,9 @@ import json
 from pathlib import Path
 
 import pytest
+from ftsup.trainer.checkpoint import layout
 
 from tests.procs import torchrun
-from trainer.checkpoint import layout
 
 pytestmark = pytest.mark.multiprocess
 

@@ -38,7 +38,7 @@ def processes_mentioning(text: str) -> list[str]:
 def demo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("demo")
     out = work / "demo.json"
-    argv = [sys.executable, "-m", "supervisor.cli", "demo", "--dir", str(work / "d"), "--steps", str(STEPS),
+    argv = [sys.executable, "-m", "ftsup.supervisor.cli", "demo", "--dir", str(work / "d"), "--steps", str(STEPS),
             "--json", str(out)]  # fmt: skip
     done = run(argv, timeout=TIMEOUT_S)
     return {
@@ -76,5 +76,5 @@ def test_nothing_of_either_job_is_left_running(demo: dict[str, Any]) -> None:
 
 def test_the_demo_refuses_a_non_empty_directory_with_exit_2(tmp_path: Path) -> None:
     (tmp_path / "something").write_text("x")
-    done = run([sys.executable, "-m", "supervisor.cli", "demo", "--dir", str(tmp_path)], timeout=60)
+    done = run([sys.executable, "-m", "ftsup.supervisor.cli", "demo", "--dir", str(tmp_path)], timeout=60)
     assert (done.returncode, done.output.strip().splitlines()[-1].startswith("ftsup: error:")) == (2, True)

@@ -1,7 +1,7 @@
 """The deploy files do what their comments promise, without a cluster or an init system.
 
 - `deploy/systemd/ftsup@.service` passes `systemd-analyze verify`, its exit-status lists match
-  `supervisor.policy`, and `ftsup run` speaks the sd_notify protocol the unit relies on
+  `ftsup.supervisor.policy`, and `ftsup run` speaks the sd_notify protocol the unit relies on
   (READY=1; on SIGTERM, EXTEND_TIMEOUT_USEC while it saves, then exit 5).
 - `deploy/slurm/ftsup.sbatch` runs against stand-ins for `srun` and `scontrol` (two fake
   nodes on this machine) and a stand-in supervisor: per-node configs, USR1 forwarding to each
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ftsup.supervisor import policy
+from ftsup.supervisor.config import load_config
+from ftsup.trainer.checkpoint import layout
 
-from supervisor import policy
-from supervisor.config import load_config
 from tests.procs import REPO, kill_tree, wait_for
-from trainer.checkpoint import layout
 
 UNIT = REPO / "deploy" / "systemd" / "ftsup@.service"
 SBATCH = REPO / "deploy" / "slurm" / "ftsup.sbatch"
@@ -77,7 +77,7 @@ def test_ftsup_run_sends_ready_then_extends_the_stop_timeout_on_sigterm_and_exit
     """What Type=notify, KillMode=mixed and SuccessExitStatus=5 rely on, against a fake NOTIFY_SOCKET."""
     loss = tmp_path / "loss.jsonl"
     cfg = {
-        "job": {"command": [sys.executable, "-m", "trainer.examples.gpt", "--steps", "200", "--ckpt-every", "100",
+        "job": {"command": [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", "200", "--ckpt-every", "100",
                             "--n-layer", "1", "--n-embd", "32", "--seq-len", "16", "--corpus-bytes", "50000",
                             "--min-step-s", "0.1", "--loss-log", str(loss)],
                 "workdir": str(REPO), "state_dir": str(tmp_path / "state"), "env": {"PYTHONPATH": str(REPO)}},
@@ -93,7 +93,7 @@ def test_ftsup_run_sends_ready_then_extends_the_stop_timeout_on_sigterm_and_exit
         sock.bind(str(sock_path))
         sock.settimeout(0.2)
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", NOTIFY_SOCKET=str(sock_path))
-        proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config", str(job)], env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
         messages: list[str] = []
 
@@ -150,10 +150,10 @@ for p in "${pids[@]}"; do wait "$p" || { s=$?; (( s > rc )) && rc=$s; }; done
 exit $rc
 """
 
-# Stands in for the interpreter: `-m supervisor.cli run --config X` becomes a fake supervisor
+# Stands in for the interpreter: `-m ftsup.supervisor.cli run --config X` becomes a fake supervisor
 # (handles USR1, records what it got, exits $FAKE_EXIT); anything else goes to the real Python.
 FAKE_PYTHON = """#!/bin/bash
-if [[ $1 == -m && $2 == supervisor.cli ]]; then
+if [[ $1 == -m && $2 == ftsup.supervisor.cli ]]; then
   exec {python} {fake_supervisor} "$5"
 fi
 exec {python} "$@"

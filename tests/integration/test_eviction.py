@@ -16,16 +16,16 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ftsup.supervisor.policy import EXIT_EVICTED
+from ftsup.trainer.checkpoint import layout
 
-from supervisor.policy import EXIT_EVICTED
 from tests.metadata_server import MetadataServer
 from tests.procs import REPO, kill_tree, run
-from trainer.checkpoint import layout
 
 pytestmark = pytest.mark.multiprocess
 
 STEPS = 30
-TRAINER = ["-m", "trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "5", "--n-layer", "2",
+TRAINER = ["-m", "ftsup.trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "5", "--n-layer", "2",
            "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000", "--min-step-s", "0.12"]  # fmt: skip
 _rnd = random.Random(5)
 
@@ -58,7 +58,7 @@ def events(tmp: Path) -> list[dict]:
 
 def start(job: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config", str(job)], env=env,
+    return subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
 
 
@@ -76,7 +76,7 @@ def wait_for_step(log: Path, step: int, proc: subprocess.Popen, timeout_s: float
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[int, str]:
     tmp = tmp_path_factory.mktemp("ref")
-    r = run([sys.executable, "-m", "supervisor.cli", "run", "--config", str(write_job(tmp))], timeout=240)
+    r = run([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(write_job(tmp))], timeout=240)
     assert r.returncode == 0, r.output[-3000:]
     return last_per_step(tmp / "loss.jsonl")
 
@@ -111,7 +111,7 @@ def test_notice_saves_the_current_step_exits_5_and_a_rerun_is_bitwise_uninterrup
     assert acks == (["602d9444-d2cd-49c7-8624-8643e7171297"] if source == "azure" else [])
     journal = json.loads((tmp_path / "state" / "journal.json").read_text())
     assert journal["status"] == "evicted"
-    r = run([sys.executable, "-m", "supervisor.cli", "run", "--config", str(job)], timeout=240)
+    r = run([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], timeout=240)
     assert r.returncode == 0, r.output[-3000:]
     launched = [e for e in events(tmp_path) if e["event"] == "workers_launched"][-1]
     assert launched["resume_step"] == last_logged
@@ -154,7 +154,7 @@ def test_a_notice_during_a_periodic_async_save_never_races_two_saves_of_a_step(r
     assert len(steps) == len(set(steps)) and 10 in steps
     last_logged = loss_lines(tmp_path / "loss.jsonl")[-1]["step"]
     assert max(steps) == last_logged
-    r = run([sys.executable, "-m", "supervisor.cli", "run", "--config", str(job)], timeout=240)
+    r = run([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], timeout=240)
     assert r.returncode == 0, r.output[-3000:]
     assert last_per_step(tmp_path / "loss.jsonl") == reference
 
@@ -165,7 +165,7 @@ def test_a_hanging_metadata_endpoint_is_logged_and_training_is_undisturbed(refer
     with MetadataServer() as srv:
         srv.state.set(mode="slow", slow_s=3.0)  # every answer 3 s late
         job = write_job(tmp_path, providers=["aws", "gcp", "azure"], endpoint=srv.url)
-        r = run([sys.executable, "-m", "supervisor.cli", "run", "--config", str(job)], timeout=240)
+        r = run([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], timeout=240)
     assert r.returncode == 0, r.output[-3000:]
     blind = {e["source"] for e in events(tmp_path) if e["event"] == "watcher_went_blind"}
     assert blind == {"aws", "gcp", "azure"}

@@ -15,9 +15,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from ftsup.trainer.checkpoint import layout
 
 from tests.procs import run
-from trainer.checkpoint import layout
 
 pytestmark = pytest.mark.multiprocess
 
@@ -30,7 +30,7 @@ KILL_STEPS = sorted(_rnd.sample(range(2, STEPS), 2))
 
 def gpt(ckpt: Path, log: Path, *extra: str, nproc: int = 2, parallel: str = "ddp", timeout: float = 240):
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "--max-restarts=0", "-m", "trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "3",
+            "--max-restarts=0", "-m", "ftsup.trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "3",
             "--keep-last", "10", "--parallel", parallel, "--ckpt-dir", str(ckpt), "--loss-log", str(log),
             "--sample-log", str(log) + ".rank{rank}", *SMALL, *extra]  # fmt: skip
     return run(argv, timeout=timeout)

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from ftsup.trainer.checkpoint import CheckpointCorruptError, CheckpointEngine, CheckpointError
+from ftsup.trainer.checkpoint.hf import INDEX_NAME, export_hf
+from ftsup.trainer.checkpoint.stateful import ModelOptimState
 from safetensors.torch import load_file
 
 from tests.helpers import flip_byte
 from tests.procs import torchrun
-from trainer.checkpoint import CheckpointCorruptError, CheckpointEngine, CheckpointError
-from trainer.checkpoint.hf import INDEX_NAME, export_hf
-from trainer.checkpoint.stateful import ModelOptimState
 
 
 def load_index(out: Path) -> dict[str, torch.Tensor]:
@@ -63,7 +63,7 @@ def test_export_refuses_a_non_empty_output_directory(tmp_path):
 
 
 def test_ftsup_ckpt_export_hf_writes_the_index_and_says_what_it_did(tmp_path, capsys):
-    from supervisor.cli import main
+    from ftsup.supervisor.cli import main
 
     model = torch.nn.Linear(8, 8)
     with CheckpointEngine(tmp_path / "ckpt") as eng:

@@ -50,7 +50,7 @@ class Job:
         (tmp / "job.yaml").write_text(yaml.safe_dump(cfg))
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
         with open(tmp / "stderr.log", "wb") as err:  # a file, not a pipe: nobody would drain a pipe
-            self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config",
+            self.proc = subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config",
                                           str(tmp / "job.yaml")], env=env, cwd=REPO, stdout=subprocess.DEVNULL,
                                          stderr=err)  # fmt: skip
 

@@ -15,9 +15,7 @@ from typing import Any
 import pytest
 import structlog
 import torch
-
-from tests.helpers import write_manifest_json
-from trainer.checkpoint import (
+from ftsup.trainer.checkpoint import (
     CheckpointEngine,
     CheckpointSaveError,
     NoCheckpointError,
@@ -25,7 +23,9 @@ from trainer.checkpoint import (
     checksums,
     layout,
 )
-from trainer.checkpoint.stateful import ModelOptimState
+from ftsup.trainer.checkpoint.stateful import ModelOptimState
+
+from tests.helpers import write_manifest_json
 
 
 def make_state(seed: int = 0) -> ModelOptimState:

@@ -20,10 +20,10 @@ from typing import Any
 import psutil
 import pytest
 import yaml
+from ftsup.supervisor.logs import EVENTS
+from ftsup.supervisor.metrics import FAILURE_KINDS, PHASES
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.logs import EVENTS
-from supervisor.metrics import FAILURE_KINDS, PHASES
 from tests.procs import BIN, REPO, free_port, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -80,7 +80,7 @@ def probed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             return 0
 
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config", str(tmp / "job.yaml")],
+    proc = subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(tmp / "job.yaml")],
                             env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         wait_for(lambda: bursts() >= 3, 120, "the rank never sent its hostile bursts")

@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 import yaml
+from ftsup.supervisor.metrics import Metrics
 
-from supervisor.metrics import Metrics
 from tests.integration.test_supervisor import events, write_job
 from tests.procs import REPO, free_port, kill_tree, run, wait_for
 
@@ -120,7 +120,7 @@ def supervised_run(tmp_path_factory) -> Iterator[tuple[Prometheus, Path]]:
     try:
         job = write_job(tmp, "--fault", "kill@7", "--fault-rank", "1", "--min-step-s", "0.3",
                         metrics={"listen": f"127.0.0.1:{port}"})  # fmt: skip
-        r = run([sys.executable, "-m", "supervisor.cli", "run", "--config", str(job)], timeout=240)
+        r = run([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], timeout=240)
         assert r.returncode == 0, r.output[-4000:]
         yield prom, tmp
     finally:

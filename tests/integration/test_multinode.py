@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ftsup.trainer.checkpoint import layout
 
 from tests.procs import REPO, free_port, kill_tree, wait_for
-from trainer.checkpoint import layout
 
 pytestmark = pytest.mark.multiprocess
 
@@ -27,7 +27,7 @@ STEPS = 60
 def node_config(tmp: Path, node: str, port: int) -> Path:
     cfg = {
         "job": {
-            "command": [sys.executable, "-m", "trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "4",
+            "command": [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "4",
                         "--n-layer", "2", "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000",
                         "--min-step-s", "0.15", "--loss-log", str(tmp / "loss.jsonl")],
             "workdir": str(REPO), "run_id": "mn-test", "state_dir": str(tmp / node),
@@ -45,7 +45,7 @@ def node_config(tmp: Path, node: str, port: int) -> Path:
 
 def start(cfg: Path, out: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config", str(cfg)], env=env,
+    return subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(cfg)], env=env,
                             stdout=open(out, "ab"), stderr=subprocess.STDOUT)  # fmt: skip
 
 

@@ -27,8 +27,8 @@ from typing import Any
 import psutil
 import pytest
 import yaml
+from ftsup.supervisor import procs
 
-from supervisor import procs
 from tests.procs import REPO, wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -49,7 +49,8 @@ HELD_RANK = REPO / "tests" / "bin" / "held_rank"
 
 def write_job(tmp: Path, run_id: str, hold: str | None = None) -> Path:
     cfg: dict[str, Any] = {
-        "job": {"command": [sys.executable, "-m", "trainer.examples.gpt", "--steps", "2000", "--ckpt-every", "1000",
+        "job": {"command": [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", "2000",
+                            "--ckpt-every", "1000",
                             "--n-layer", "1", "--n-embd", "32", "--seq-len", "16", "--corpus-bytes", "50000",
                             "--min-step-s", "0.05", "--loss-log", str(tmp / "loss.jsonl")],
                 "workdir": str(tmp), "state_dir": str(tmp / "state"), "run_id": run_id,
@@ -129,7 +130,7 @@ def test_sigkill_leaves_no_process_of_the_attempt(tmp_path: Path, target: str, m
     run_id = f"orphans-{uuid.uuid4().hex[:8]}"
     job = write_job(tmp_path, run_id, HOLD.get(moment))
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    sup = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config", str(job)], env=env,
+    sup = subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], env=env,
                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         agent = wait_for_moment(moment, tmp_path)

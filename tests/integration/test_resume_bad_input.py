@@ -7,18 +7,18 @@ import sys
 import pytest
 import structlog
 import torch
+from ftsup.trainer.checkpoint import CheckpointEngine, CheckpointMismatchError, layout
+from ftsup.trainer.data import DataPositionError, GlobalBatchSchedule
+from ftsup.trainer.examples.gpt import GPT, WarmupCosine
+from ftsup.trainer.state import TrainingState
 
 from tests.procs import run
-from trainer.checkpoint import CheckpointEngine, CheckpointMismatchError, layout
-from trainer.data import DataPositionError, GlobalBatchSchedule
-from trainer.examples.gpt import GPT, WarmupCosine
-from trainer.state import TrainingState
 
 SMALL = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--corpus-bytes", "50000"]
 
 
 def gpt(*args: str):
-    return run([sys.executable, "-m", "trainer.examples.gpt", *SMALL, *args], timeout=120)
+    return run([sys.executable, "-m", "ftsup.trainer.examples.gpt", *SMALL, *args], timeout=120)
 
 
 def test_global_batch_the_world_size_cannot_split_is_refused_before_any_step(tmp_path):

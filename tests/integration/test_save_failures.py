@@ -13,16 +13,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ftsup.trainer.checkpoint import layout
 
 from tests.procs import run
-from trainer.checkpoint import layout
 
 SMALL = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--corpus-bytes", "50000",
          "--ckpt-every", "2"]  # fmt: skip
 
 
 def gpt(ckpt: Path, *args: str, env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
-    return run([sys.executable, "-m", "trainer.examples.gpt", *SMALL, "--ckpt-dir", str(ckpt), *args],
+    return run([sys.executable, "-m", "ftsup.trainer.examples.gpt", *SMALL, "--ckpt-dir", str(ckpt), *args],
                timeout=120, env=env)  # fmt: skip
 
 
@@ -88,8 +88,8 @@ def test_under_ftsup_run_a_failed_emergency_save_ends_evicted_at_the_last_checkp
         pytest.skip("mounting a filesystem needs root")
     loss = tmp_path / "loss.jsonl"
     cfg = {
-        "job": {"command": [sys.executable, "-m", "trainer.examples.gpt", *SMALL, "--steps", "200", "--min-step-s",
-                            "0.1", "--loss-log", str(loss)],
+        "job": {"command": [sys.executable, "-m", "ftsup.trainer.examples.gpt", *SMALL, "--steps", "200",
+                            "--min-step-s", "0.1", "--loss-log", str(loss)],
                 "workdir": str(REPO), "state_dir": str(tmp_path / "state"), "env": {"PYTHONPATH": str(REPO)}},
         "launch": {"nproc_per_node": 2},
         "checkpoint": {"dir": str(mnt / "ckpt")},
@@ -97,7 +97,8 @@ def test_under_ftsup_run_a_failed_emergency_save_ends_evicted_at_the_last_checkp
         "eviction": {"signals": ["SIGUSR1"], "default_deadline_s": 30, "save_margin_s": 1},
     }  # fmt: skip
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
-    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config", str(tmp_path / "job.yaml")],
+    argv = [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(tmp_path / "job.yaml")]
+    proc = subprocess.Popen(argv,
                             cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)  # fmt: skip
     try:

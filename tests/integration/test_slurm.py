@@ -37,9 +37,9 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+from ftsup.trainer.checkpoint import layout
 
 from tests.procs import REPO, free_port, run, wait_for
-from trainer.checkpoint import layout
 
 pytestmark = pytest.mark.multiprocess
 
@@ -47,7 +47,7 @@ SBATCH = REPO / "deploy" / "slurm" / "ftsup.sbatch"
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue", "sinfo", "srun")
 STEPS = 30
 NOTICE_AT = 8
-TRAINER = ["-m", "trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "100", "--n-layer", "2",
+TRAINER = ["-m", "ftsup.trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "100", "--n-layer", "2",
            "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000", "--min-step-s", "0.2"]  # fmt: skip
 # Job states from which a job never runs again by itself.
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}

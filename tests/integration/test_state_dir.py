@@ -31,7 +31,7 @@ NOBODY = 65534
 
 
 def trainer(tmp: Path, steps: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "trainer.examples.gpt", "--steps", str(steps), "--ckpt-every", "1000",
+    return [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", str(steps), "--ckpt-every", "1000",
             "--n-layer", "1", "--n-embd", "32", "--seq-len", "16", "--corpus-bytes", "50000",
             "--loss-log", str(tmp / "loss.jsonl"), *extra]  # fmt: skip
 
@@ -52,11 +52,11 @@ def write_job(where: Path, tmp: Path, *, steps: int = 2, state_dir: Path | None 
 
 
 def ftsup(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
-    return run([sys.executable, "-m", "supervisor.cli", *args], env=env, timeout=timeout)
+    return run([sys.executable, "-m", "ftsup.supervisor.cli", *args], env=env, timeout=timeout)
 
 
 def start(job: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config", str(job)],
+    return subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
                             env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
 

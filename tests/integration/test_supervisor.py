@@ -15,14 +15,14 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+from ftsup.trainer.checkpoint import layout
 
 from tests.procs import REPO, kill_tree, run, wait_for
-from trainer.checkpoint import layout
 
 pytestmark = pytest.mark.multiprocess
 
 STEPS = 16
-TRAINER = ["-m", "trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "4", "--n-layer", "2",
+TRAINER = ["-m", "ftsup.trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "4", "--n-layer", "2",
            "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000"]  # fmt: skip
 
 
@@ -42,7 +42,7 @@ def write_job(tmp: Path, *trainer_args: str, nproc: int = 2, **sections: dict) -
 
 
 def ftsup(*args: str, timeout: float = 240):
-    return run([sys.executable, "-m", "supervisor.cli", *args], timeout=timeout)
+    return run([sys.executable, "-m", "ftsup.supervisor.cli", *args], timeout=timeout)
 
 
 def last_lines(log: Path) -> dict[int, dict]:
@@ -140,7 +140,7 @@ def test_a_supervisor_killed_with_sigkill_leaves_nothing_and_a_restart_finishes_
     # checkpoint and the end of the run, in which the supervisor is killed.
     job = write_job(tmp_path, "--min-step-s", "0.5")
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config", str(job)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         wait_for(lambda: layout.latest_consistent(tmp_path / "ckpt") is not None, 120, "no checkpoint")

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ftsup.trainer.checkpoint import checksums, layout
 
 from tests.helpers import default_files, make_fake_checkpoint
 from tests.procs import REPO, kill_tree, wait_for
-from trainer.checkpoint import checksums, layout
 
 pytestmark = pytest.mark.multiprocess
 
-TRAINER = ["-m", "trainer.examples.gpt", "--steps", "16", "--ckpt-every", "4", "--n-layer", "2", "--n-embd", "64",
+TRAINER = ["-m", "ftsup.trainer.examples.gpt", "--steps", "16", "--ckpt-every", "4", "--n-layer", "2", "--n-embd", "64",
            "--seq-len", "32", "--corpus-bytes", "200000"]  # fmt: skip
 
 
@@ -55,7 +55,7 @@ def plant_hostile(root: Path) -> None:
 
 def test_a_hang_is_detected_in_time_while_the_store_is_hostile(tmp_path: Path) -> None:
     job = write_job(tmp_path, "--fault", "stop@10", "--fault-rank", "1", "--min-step-s", "0.3")
-    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config", str(job)], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], cwd=REPO,
                             env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:

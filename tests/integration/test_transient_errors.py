@@ -26,7 +26,8 @@ def test_the_checkpoint_directory_replaced_by_a_file_mid_run_is_survived_and_the
     loss = tmp_path / "loss.jsonl"
     # No periodic save (only the final one, once the directory is back): the outage is the supervisor's to ride.
     cfg = {
-        "job": {"command": [sys.executable, "-m", "trainer.examples.gpt", "--steps", "100", "--ckpt-every", "1000",
+        "job": {"command": [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", "100",
+                            "--ckpt-every", "1000",
                             "--n-layer", "1", "--n-embd", "32", "--seq-len", "16", "--corpus-bytes", "50000",
                             "--min-step-s", "0.1", "--loss-log", str(loss)],
                 "workdir": str(REPO), "state_dir": str(tmp_path / "state"), "env": {"PYTHONPATH": str(REPO)}},
@@ -38,7 +39,7 @@ def test_the_checkpoint_directory_replaced_by_a_file_mid_run_is_survived_and_the
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(cfg))
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config", str(job)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         wait_for(lambda: loss.exists() and len(loss.read_text().splitlines()) >= 3, 180, "no training step")

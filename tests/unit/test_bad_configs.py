@@ -1,7 +1,7 @@
 """Every kind of bad config is refused by `ftsup run` before anything starts: exit 2 and exactly one line on stderr,
 naming the key (or, for a file that is not a config at all, the file).
 
-One table, run through the real CLI entry point (`supervisor.cli.main`, in-process), and a few rows again through
+One table, run through the real CLI entry point (`ftsup.supervisor.cli.main`, in-process), and a few rows again through
 a real `ftsup` process. Each row builds its config in a fresh directory; `good()` is a config that would start.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import yaml
+from ftsup.supervisor.cli import main
 
-from supervisor.cli import main
 from tests.procs import REPO
 
 
@@ -212,8 +212,8 @@ def expected_name(case: Case, config: Path) -> str:
 
 
 def test_the_good_config_passes_every_check(tmp_path: Path) -> None:
-    from supervisor import preflight
-    from supervisor.config import load_config
+    from ftsup.supervisor import preflight
+    from ftsup.supervisor.config import load_config
 
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(good(tmp_path)))
@@ -258,7 +258,7 @@ def test_a_bad_config_exits_2_with_one_line_from_a_real_ftsup_process(kind: str,
     case = next(c for c in CASES if c.kind == kind)
     config = write_config(tmp_path, case)
     r = subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", "run", "--config", str(config)],
+        [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(config)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -270,7 +270,7 @@ def test_a_bad_config_exits_2_with_one_line_from_a_real_ftsup_process(kind: str,
 
 
 def test_a_config_reached_through_a_symlink_is_read(tmp_path: Path) -> None:
-    from supervisor.config import load_config
+    from ftsup.supervisor.config import load_config
 
     (tmp_path / "real.yaml").write_text(yaml.safe_dump(good(tmp_path)))
     (tmp_path / "job.yaml").symlink_to(tmp_path / "real.yaml")

@@ -17,8 +17,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-from trainer.checkpoint import blocksum, checksums
+from ftsup.trainer.checkpoint import blocksum, checksums
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK = blocksum.BLOCK_BYTES
@@ -31,7 +30,7 @@ Crc = Callable[[bytes], int]
 def ext() -> ModuleType:
     """The C extension; tests that need it are skipped, saying so, where it is not built."""
     if EXT is None:
-        pytest.skip("the C extension trainer.checkpoint._blocksum is not built")
+        pytest.skip("the C extension ftsup.trainer.checkpoint._blocksum is not built")
     return EXT
 
 
@@ -155,8 +154,8 @@ def test_without_the_extension_checksums_are_the_same_and_say_python(tmp_path: P
     # A source checkout that was never built: importing the extension fails.
     probe = (
         "import sys, json\n"
-        "sys.modules['trainer.checkpoint._blocksum'] = None\n"
-        "from trainer.checkpoint import blocksum, checksums\n"
+        "sys.modules['ftsup.trainer.checkpoint._blocksum'] = None\n"
+        "from ftsup.trainer.checkpoint import blocksum, checksums\n"
         "data = bytes(range(256)) * 700\n"
         "sums = [blocksum.implementation(), checksums.checksum_bytes(data), blocksum.block_checksums(data)]\n"
         "print(json.dumps(sums))\n"

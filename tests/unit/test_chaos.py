@@ -1,4 +1,4 @@
-"""`supervisor.chaos` observers on files written by hand: no processes, no torch."""
+"""`ftsup.supervisor.chaos` observers on files written by hand: no processes, no torch."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from supervisor import chaos
+from ftsup.supervisor import chaos
 
 
 def line(step: int, loss_hex: str = "0x1p+0") -> str:

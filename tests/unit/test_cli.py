@@ -9,11 +9,11 @@ import types
 from pathlib import Path
 
 import pytest
+from ftsup.supervisor.cli import main
+from ftsup.trainer.checkpoint import checksums, layout
+from ftsup.trainer.checkpoint.errors import CheckpointSaveError
 
-from supervisor.cli import main
 from tests.helpers import default_files, flip_byte, make_fake_checkpoint
-from trainer.checkpoint import checksums, layout
-from trainer.checkpoint.errors import CheckpointSaveError
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -226,10 +226,10 @@ def test_help_exits_0_and_lists_the_commands(capsys: pytest.CaptureFixture[str])
 
 
 class FakeBench(types.ModuleType):
-    """Stands in for `trainer.bench` (which needs torch) with the same two entry points."""
+    """Stands in for `ftsup.trainer.bench` (which needs torch) with the same two entry points."""
 
     def __init__(self, result: int | Exception = 0) -> None:
-        super().__init__("trainer.bench")
+        super().__init__("ftsup.trainer.bench")
         self.result = result
         self.ran_with: list[argparse.Namespace] = []
         self.parsers_built = 0
@@ -249,7 +249,7 @@ def test_bench_checkpoint_delegates_parsing_and_running_to_trainer_bench(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake = FakeBench(result=0)
-    monkeypatch.setitem(sys.modules, "trainer.bench", fake)
+    monkeypatch.setitem(sys.modules, "ftsup.trainer.bench", fake)
     code, _, _ = run(capsys, "bench", "checkpoint", "--size-mb", "256")
     assert (code, [a.size_mb for a in fake.ran_with]) == (0, [256])
 
@@ -257,7 +257,7 @@ def test_bench_checkpoint_delegates_parsing_and_running_to_trainer_bench(
 def test_bench_checkpoint_exit_status_is_the_benchmarks(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setitem(sys.modules, "trainer.bench", FakeBench(result=1))
+    monkeypatch.setitem(sys.modules, "ftsup.trainer.bench", FakeBench(result=1))
     code, _, _ = run(capsys, "bench", "checkpoint", "--size-mb", "1")
     assert code == 1
 
@@ -266,7 +266,7 @@ def test_checkpoint_error_becomes_one_stderr_line_and_exit_2(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake = FakeBench(result=CheckpointSaveError("disk full while writing shard 3; free space"))
-    monkeypatch.setitem(sys.modules, "trainer.bench", fake)
+    monkeypatch.setitem(sys.modules, "ftsup.trainer.bench", fake)
     code, _, err = run(capsys, "bench", "checkpoint", "--size-mb", "1")
     assert (code, err) == (2, "ftsup: error: disk full while writing shard 3; free space\n")
 
@@ -274,7 +274,7 @@ def test_checkpoint_error_becomes_one_stderr_line_and_exit_2(
 def test_bench_without_trainer_bench_is_one_error_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setitem(sys.modules, "trainer.bench", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "ftsup.trainer.bench", None)  # makes the import fail
     code, _, err = run(capsys, "bench", "checkpoint", "--size-mb", "1")
     assert (code, err.startswith("ftsup: error: "), err.count("\n")) == (2, True, 1)
 
@@ -283,6 +283,6 @@ def test_ckpt_commands_do_not_load_the_benchmark(
     store: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake = FakeBench()
-    monkeypatch.setitem(sys.modules, "trainer.bench", fake)
+    monkeypatch.setitem(sys.modules, "ftsup.trainer.bench", fake)
     code, _, _ = run(capsys, "ckpt", "list", str(store))
     assert (code, fake.parsers_built) == (0, 0)

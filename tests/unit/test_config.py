@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
-
-from supervisor.config import (
+from ftsup.supervisor.config import (
     CheckpointConfig,
     EvictionConfig,
     HeartbeatConfig,
@@ -24,7 +23,7 @@ from supervisor.config import (
     parse_config,
     split_host_port,
 )
-from supervisor.errors import ConfigError, SupervisorError
+from ftsup.supervisor.errors import ConfigError, SupervisorError
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = "node-a"

@@ -13,13 +13,12 @@ from typing import Any
 import pytest
 import structlog
 import yaml
+from ftsup.supervisor import policy
+from ftsup.supervisor.cli import main
+from ftsup.supervisor.config import load_config
+from ftsup.supervisor.daemon import Daemon
+from ftsup.supervisor.outages import RETRY_INITIAL_S
 from structlog.testing import capture_logs
-
-from supervisor import policy
-from supervisor.cli import main
-from supervisor.config import load_config
-from supervisor.daemon import Daemon
-from supervisor.outages import RETRY_INITIAL_S
 
 
 class FakeClock:

@@ -6,8 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
-
-from trainer.data import DataConfigError, DataPositionError, GlobalBatchSchedule, RankBatchSampler
+from ftsup.trainer.data import DataConfigError, DataPositionError, GlobalBatchSchedule, RankBatchSampler
 
 
 def schedules(world: int, **kw) -> list[GlobalBatchSchedule]:

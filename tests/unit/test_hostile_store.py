@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from ftsup.supervisor.cli import main
+from ftsup.trainer.checkpoint import checksums, choice, layout, safefile
+from ftsup.trainer.checkpoint.errors import CheckpointCorruptError, ManifestError
 
-from supervisor.cli import main
 from tests.helpers import default_files, make_fake_checkpoint, write_manifest_json
-from trainer.checkpoint import checksums, choice, layout, safefile
-from trainer.checkpoint.errors import CheckpointCorruptError, ManifestError
 
 T = TypeVar("T")
 

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ftsup.trainer.checkpoint import blocksum, checksums, layout
+from ftsup.trainer.checkpoint.errors import CheckpointCorruptError, ManifestError, NoCheckpointError
 
 from tests.helpers import default_files, flip_byte, make_fake_checkpoint, write_manifest_json
-from trainer.checkpoint import blocksum, checksums, layout
-from trainer.checkpoint.errors import CheckpointCorruptError, ManifestError, NoCheckpointError
 
 BLOCK = layout.CHECKSUM_BLOCK_BYTES
 

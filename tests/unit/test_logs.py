@@ -1,4 +1,4 @@
-"""Events are defined once, in supervisor.logs.EVENTS: every event the supervisor emits is listed.
+"""Events are defined once, in ftsup.supervisor.logs.EVENTS: every event the supervisor emits is listed.
 
 The events are captured as emitted (`structlog.testing.capture_logs()`): the policy is driven
 through its decisions with a fake clock and its log actions go through the daemon's `_execute`,
@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 import structlog
 import yaml
+from ftsup.supervisor import policy as P
+from ftsup.supervisor.config import load_config
+from ftsup.supervisor.daemon import Daemon
+from ftsup.supervisor.eviction.notices import Blind, Seeing
+from ftsup.supervisor.eviction.requeue import requeue
+from ftsup.supervisor.logs import EVENTS
 from structlog.testing import capture_logs
 
-from supervisor import policy as P
-from supervisor.config import load_config
-from supervisor.daemon import Daemon
-from supervisor.eviction.notices import Blind, Seeing
-from supervisor.eviction.requeue import requeue
-from supervisor.logs import EVENTS
 from tests.helpers import default_files, make_fake_checkpoint
 
 S = P.Settings(nproc_max=2, startup_timeout_s=60, backoff_initial_s=1, backoff_max_s=8, max_restarts=5,
@@ -242,7 +242,7 @@ def test_event_names_are_snake_case_past_tense():
 
 
 def test_logging_after_the_daemon_closed_its_log_file_still_works(tmp_path, capsys):
-    from supervisor import logs
+    from ftsup.supervisor import logs
 
     old = structlog.get_config()
     try:

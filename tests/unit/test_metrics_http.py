@@ -19,11 +19,10 @@ from collections.abc import Iterator
 import psutil
 import pytest
 import yaml
-
-from supervisor.config import load_config
-from supervisor.daemon import Daemon
-from supervisor.metrics import Metrics, MetricsServer
-from supervisor.metrics_http import MAX_CONNECTIONS
+from ftsup.supervisor.config import load_config
+from ftsup.supervisor.daemon import Daemon
+from ftsup.supervisor.metrics import Metrics, MetricsServer
+from ftsup.supervisor.metrics_http import MAX_CONNECTIONS
 
 WALL = 1_800_000_000.0
 

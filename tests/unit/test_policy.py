@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from supervisor import policy as P
-from supervisor.logs import EVENTS
+from ftsup.supervisor import policy as P
+from ftsup.supervisor.logs import EVENTS
 
 S = P.Settings(nproc_max=2, startup_timeout_s=60, save_timeout_s=100, min_timeout_s=2.0, backoff_initial_s=1,
                backoff_max_s=8, max_restarts=5, window_s=1000, max_attempts_without_progress=3)  # fmt: skip

@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ftsup.trainer.checkpoint import retention
+from ftsup.trainer.checkpoint.errors import CheckpointError
 
 from tests.helpers import default_files, make_fake_checkpoint
-from trainer.checkpoint import retention
-from trainer.checkpoint.errors import CheckpointError
 
 RECYCLE = retention.RECYCLE_DIRNAME
 

@@ -7,9 +7,8 @@ import random
 
 import numpy as np
 import torch
-
-from trainer import rng
-from trainer.checkpoint import codec
+from ftsup.trainer import rng
+from ftsup.trainer.checkpoint import codec
 
 
 def draw() -> tuple:

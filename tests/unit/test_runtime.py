@@ -1,4 +1,4 @@
-"""The rank's end of the heartbeat channel (`trainer.runtime`) against a real receiver in this
+"""The rank's end of the heartbeat channel (`ftsup.trainer.runtime`) against a real receiver in this
 process: beats never block or raise, what cannot travel is left out, eval keeps beating."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
+from ftsup.supervisor.heartbeat import HeartbeatReceiver
+from ftsup.trainer.runtime import MAX_FIGURES, RuntimeClient, RuntimeEnv
 
-from supervisor.heartbeat import HeartbeatReceiver
 from tests.procs import wait_for
-from trainer.runtime import MAX_FIGURES, RuntimeClient, RuntimeEnv
 
 
 @pytest.fixture

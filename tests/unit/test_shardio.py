@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from trainer.checkpoint import checksums, layout
-from trainer.checkpoint.errors import CheckpointCorruptError
-from trainer.checkpoint.shardio import PAGE, READ_PIECE, VerifiedFile, aligned_buffer, read_files, write_shard
+from ftsup.trainer.checkpoint import checksums, layout
+from ftsup.trainer.checkpoint.errors import CheckpointCorruptError
+from ftsup.trainer.checkpoint.shardio import PAGE, READ_PIECE, VerifiedFile, aligned_buffer, read_files, write_shard
 
 B = layout.CHECKSUM_BLOCK_BYTES
 
@@ -147,7 +146,7 @@ def test_many_regions_of_several_files_are_each_page_aligned_and_read_around_the
 
 
 def test_without_o_direct_everything_is_read_through_the_cache(tmp_path, monkeypatch):
-    from trainer.checkpoint import shardio
+    from ftsup.trainer.checkpoint import shardio
 
     monkeypatch.setattr(shardio, "_open_direct", lambda path, mode=os.O_WRONLY: None)  # as on a refusing fs
     size = READ_PIECE + 2 * B + 7
@@ -159,7 +158,7 @@ def test_without_o_direct_everything_is_read_through_the_cache(tmp_path, monkeyp
 
 
 def test_an_o_direct_read_refused_with_einval_falls_back_to_the_cache(tmp_path, monkeypatch):
-    from trainer.checkpoint import shardio
+    from ftsup.trainer.checkpoint import shardio
 
     direct_fds: set[int] = set()
     real_open, real_preadv = shardio._open_direct, os.preadv

@@ -28,9 +28,9 @@ def modules_loaded_after(code: str) -> set[str]:
 
 def test_importing_supervisor_and_the_checkpoint_reader_does_not_import_torch() -> None:
     loaded = modules_loaded_after(
-        "import supervisor, supervisor.cli, trainer.checkpoint, trainer.checkpoint.layout, "
-        "trainer.checkpoint.checksums, trainer.checkpoint.retention, trainer.checkpoint.safefile, "
-        "trainer.checkpoint.choice, trainer.checkpoint.dcpmeta"
+        "import supervisor, ftsup.supervisor.cli, ftsup.trainer.checkpoint, ftsup.trainer.checkpoint.layout, "
+        "ftsup.trainer.checkpoint.checksums, ftsup.trainer.checkpoint.retention, ftsup.trainer.checkpoint.safefile, "
+        "ftsup.trainer.checkpoint.choice, ftsup.trainer.checkpoint.dcpmeta"
     )
     assert "torch" not in loaded
 
@@ -38,6 +38,7 @@ def test_importing_supervisor_and_the_checkpoint_reader_does_not_import_torch() 
 def test_ftsup_ckpt_verify_does_not_import_torch_or_the_benchmark(tmp_path: Path) -> None:
     make_fake_checkpoint(tmp_path, 100, default_files())
     loaded = modules_loaded_after(
-        f"from supervisor.cli import main\nassert main(['ckpt', 'verify', {str(tmp_path)!r}, '--deep', '--json']) == 0"
+        "from ftsup.supervisor.cli import main\n"
+        f"assert main(['ckpt', 'verify', {str(tmp_path)!r}, '--deep', '--json']) == 0"
     )
-    assert {"torch", "trainer.bench"} & loaded == set()
+    assert {"torch", "ftsup.trainer.bench"} & loaded == set()

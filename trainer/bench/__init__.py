@@ -2,7 +2,7 @@
 
 The CLI calls `add_checkpoint_arguments(parser)` and `run_checkpoint(args)`. Importing this
 package does not import torch: the parent process only plans, launches rank processes
-(`trainer.bench.rank`) and reports.
+(`ftsup.trainer.bench.rank`) and reports.
 
 Modules: `checkpoint` (orchestration, options), `launch` (rank groups, timeouts, reaping),
 `report` (pure: records -> rows, ratios, table), `shape` (model size), and inside the rank
@@ -11,6 +11,6 @@ processes `rank`, `synthetic`, `probes`, `peer_rows`, `ftsup_rows`.
 
 from __future__ import annotations
 
-from trainer.bench.checkpoint import add_checkpoint_arguments, run_checkpoint
+from ftsup.trainer.bench.checkpoint import add_checkpoint_arguments, run_checkpoint
 
 __all__ = ["add_checkpoint_arguments", "run_checkpoint"]

@@ -1,15 +1,15 @@
-"""`python -m trainer.bench checkpoint ...`: the same as `ftsup bench checkpoint ...`."""
+"""`python -m ftsup.trainer.bench checkpoint ...`: the same as `ftsup bench checkpoint ...`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from trainer.bench import add_checkpoint_arguments, run_checkpoint
+from ftsup.trainer.bench import add_checkpoint_arguments, run_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.bench")
+    parser = argparse.ArgumentParser(prog="python -m ftsup.trainer.bench")
     sub = parser.add_subparsers(dest="bench", required=True)
     add_checkpoint_arguments(sub.add_parser("checkpoint", help="checkpoint save/load benchmark"))
     args = parser.parse_args(argv)

@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.bench import launch, report
-from trainer.bench.shape import shape_for
+from ftsup.trainer.bench import launch, report
+from ftsup.trainer.bench.shape import shape_for
 
 MAIN_ROWS = (
     "raw_write", "memcpy", "torch_save", "dcp_save", "dcp_async",
@@ -42,7 +42,7 @@ _BAD = {"error", "failed", "timeout", "missing", "incomplete"}
 
 
 def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of `ftsup bench checkpoint` (also `python -m trainer.bench checkpoint`)."""
+    """Options of `ftsup bench checkpoint` (also `python -m ftsup.trainer.bench checkpoint`)."""
     parser.add_argument(
         "--size-mb",
         type=float,

@@ -1,7 +1,7 @@
 """The ftsup save rows, run inside a rank: async and blocking saves, RSS growth.
 
-Written against `trainer.checkpoint.CheckpointEngine`. When that module cannot be
-imported every row here (and the ftsup loads in `trainer.bench.loads`) reports "not
+Written against `ftsup.trainer.checkpoint.CheckpointEngine`. When that module cannot be
+imported every row here (and the ftsup loads in `ftsup.trainer.bench.loads`) reports "not
 available" (the same on every rank, before any collective), so the rest still runs.
 """
 
@@ -12,9 +12,9 @@ import os
 import time
 from typing import Any
 
-from trainer.bench import probes, synthetic
-from trainer.bench.peer_rows import raw_write_once, total_bytes
-from trainer.bench.rank import Ctx, RowFn, RowUnavailable
+from ftsup.trainer.bench import probes, synthetic
+from ftsup.trainer.bench.peer_rows import raw_write_once, total_bytes
+from ftsup.trainer.bench.rank import Ctx, RowFn, RowUnavailable
 
 # Steps are numbered per row so that retention (keep the last 3) leaves ftsup_sync's last
 # save, the one the load rows read, as the newest checkpoint.
@@ -27,16 +27,16 @@ _SETTLE_S = 10.0
 
 def engine_class() -> Any:
     try:
-        from trainer.checkpoint.engine import CheckpointEngine
+        from ftsup.trainer.checkpoint.engine import CheckpointEngine
     except ImportError as exc:
-        raise RowUnavailable(f"trainer.checkpoint.engine is not importable: {exc}") from exc
+        raise RowUnavailable(f"ftsup.trainer.checkpoint.engine is not importable: {exc}") from exc
     return CheckpointEngine
 
 
 def _engine(ctx: Ctx) -> Any:
     """The engine every save row shares (collective construction, once per rank)."""
     if "engine" not in ctx.shared:
-        from trainer.checkpoint import RetentionPolicy
+        from ftsup.trainer.checkpoint import RetentionPolicy
 
         cls = engine_class()
         ctx.shared["engine"] = cls(
@@ -56,7 +56,7 @@ def _settle(ctx: Ctx) -> None:
     peers' rows delete and sync between repeats; this gives ftsup's rows the same footing.
     """
     if ctx.rank == 0:
-        from trainer.checkpoint import layout
+        from ftsup.trainer.checkpoint import layout
 
         deadline = time.monotonic() + _SETTLE_S
         root = ctx.run_dir / "ftsup"

@@ -1,10 +1,10 @@
 """Start a group of rank processes, wait for them under one deadline, and leave nothing behind.
 
-Each rank is `python -m trainer.bench.rank SPEC` in its own session (so that it and any
-process it starts, such as DCP's checkpoint daemon, share one process group we can
-signal), behind the parent-death guard (`supervisor.guard`) so that it dies with us. Shutdown is SIGTERM, one grace
-period, then SIGKILL to each rank's whole process group. Torch-free: the parent process
-of a benchmark never imports torch.
+Each rank is `python -m ftsup.trainer.bench.rank SPEC` in its own session (so that it and any
+process it starts, such as DCP's checkpoint daemon, share one process group we can signal),
+behind the parent-death guard (`ftsup.supervisor.guard`) so that it dies with us. Shutdown is
+SIGTERM, one grace period, then SIGKILL to each rank's whole process group. Torch-free: the
+parent process of a benchmark never imports torch.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor import guard
+from ftsup.supervisor import guard
 
 # A rank that exits non-zero leaves its peers blocked in a collective; give them this long
 # to notice on their own before they are stopped.
@@ -90,7 +90,7 @@ def _group_members(pgids: set[int]) -> list[int]:
 
 def rank_command(spec_path: Path) -> list[str]:
     """The command line of one benchmark rank."""
-    return [sys.executable, "-m", "trainer.bench.rank", str(spec_path)]
+    return [sys.executable, "-m", "ftsup.trainer.bench.rank", str(spec_path)]
 
 
 def run_group(

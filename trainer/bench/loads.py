@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
-
-from trainer.bench import probes, synthetic
-from trainer.bench.rank import Ctx, RowFn, RowUnavailable
+from ftsup.trainer.bench import probes, synthetic
+from ftsup.trainer.bench.rank import Ctx, RowFn, RowUnavailable
 
 
 @dataclass(frozen=True)
@@ -79,8 +78,8 @@ def _load_once(ctx: Ctx, case: LoadCase, repeat: int) -> None:
 
 def _engine(ctx: Ctx) -> Any:
     """A new engine on the store, as a restarted job would have (collective)."""
-    from trainer.bench.ftsup_rows import KEEP_LAST, engine_class  # the import check lives there
-    from trainer.checkpoint import RetentionPolicy
+    from ftsup.trainer.bench.ftsup_rows import KEEP_LAST, engine_class  # the import check lives there
+    from ftsup.trainer.checkpoint import RetentionPolicy
 
     return engine_class()(ctx.run_dir / "ftsup", max_in_flight=1, retention=RetentionPolicy(keep_last=KEEP_LAST))
 

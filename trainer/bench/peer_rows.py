@@ -2,7 +2,7 @@
 
 `raw_write` and `memcpy` bound what any checkpointer can do on this machine; `torch_save`,
 `dcp_save`, `dcp_async` and `dcp_async_process` are what ftsup's saves are compared
-against (loads: `trainer.bench.loads`). Each writes under its own folder of the run
+against (loads: `ftsup.trainer.bench.loads`). Each writes under its own folder of the run
 directory.
 """
 
@@ -19,14 +19,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from ftsup.trainer.bench import probes, synthetic
+from ftsup.trainer.bench.rank import Ctx, RowFn
 from torch.distributed.checkpoint.state_dict_saver import (
     AsyncCheckpointerType,
     AsyncSaveResponse,
 )
 from torch.distributed.tensor import DTensor
-
-from trainer.bench import probes, synthetic
-from trainer.bench.rank import Ctx, RowFn
 
 RAW_BLOCK = 64 * 2**20
 DIRECT_ALIGN = 4096

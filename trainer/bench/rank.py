@@ -1,6 +1,6 @@
-"""One rank of a benchmark group: `python -m trainer.bench.rank SPEC.json`.
+"""One rank of a benchmark group: `python -m ftsup.trainer.bench.rank SPEC.json`.
 
-Reads the group's spec (written by `trainer.bench.checkpoint`), initialises gloo from the
+Reads the group's spec (written by `ftsup.trainer.bench.checkpoint`), initialises gloo from the
 environment the launcher set, builds the synthetic state, runs the rows the spec names in
 order, and appends one JSON line per measurement to its results file. A row that raises
 is recorded and ends the process with a non-zero code: its peers may be blocked in a
@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from trainer.bench import probes, synthetic
+from ftsup.trainer.bench import probes, synthetic
 
 ROW_FAILED_EXIT = 3
 
@@ -187,7 +186,7 @@ def main(spec_path: str) -> int:
 
 
 def _run_rows(ctx: Ctx) -> None:
-    from trainer.bench import ftsup_rows, loads, peer_rows
+    from ftsup.trainer.bench import ftsup_rows, loads, peer_rows
 
     table: dict[str, RowFn] = {**peer_rows.ROWS, **ftsup_rows.ROWS, **loads.ROWS}
     for name in ctx.spec["rows"]:

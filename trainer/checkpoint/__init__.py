@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.checkpoint.errors import (
+from ftsup.trainer.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointFormatError,
@@ -17,12 +17,12 @@ from trainer.checkpoint.errors import (
     ManifestError,
     NoCheckpointError,
 )
-from trainer.checkpoint.retention import RetentionPolicy
+from ftsup.trainer.checkpoint.retention import RetentionPolicy
 
 _LAZY = {
-    "CheckpointEngine": "trainer.checkpoint.engine",
-    "SaveResult": "trainer.checkpoint.engine",
-    "LoadResult": "trainer.checkpoint.engine",
+    "CheckpointEngine": "ftsup.trainer.checkpoint.engine",
+    "SaveResult": "ftsup.trainer.checkpoint.engine",
+    "LoadResult": "ftsup.trainer.checkpoint.engine",
 }
 
 __all__ = [

@@ -17,8 +17,8 @@ import os
 import re
 import struct
 
-from trainer.checkpoint import blocksum, safefile
-from trainer.checkpoint.errors import CheckpointCorruptError, ManifestError
+from ftsup.trainer.checkpoint import blocksum, safefile
+from ftsup.trainer.checkpoint.errors import CheckpointCorruptError, ManifestError
 
 _READ_CHUNK = 16 * 1024 * 1024
 

@@ -17,7 +17,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.checkpoint import layout
+from ftsup.trainer.checkpoint import layout
 
 QUARANTINED = "quarantined"
 SKIPPED = "skipped"

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from trainer.checkpoint.errors import CheckpointError
+from ftsup.trainer.checkpoint.errors import CheckpointError
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from trainer.checkpoint.errors import CheckpointError
+from ftsup.trainer.checkpoint.errors import CheckpointError
 
 
 class LocalComm:

@@ -26,13 +26,12 @@ from typing import Any
 
 import structlog
 import torch
-
-from trainer.checkpoint import checksums, choice, layout
-from trainer.checkpoint.comm import GroupComm, LocalComm
-from trainer.checkpoint.errors import CheckpointError, CheckpointSaveError
-from trainer.checkpoint.retention import RetentionPolicy, apply_retention, claim_spare, remove_dir
-from trainer.checkpoint.shardio import write_shard
-from trainer.checkpoint.staging import StagingPlan
+from ftsup.trainer.checkpoint import checksums, choice, layout
+from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
+from ftsup.trainer.checkpoint.errors import CheckpointError, CheckpointSaveError
+from ftsup.trainer.checkpoint.retention import RetentionPolicy, apply_retention, claim_spare, remove_dir
+from ftsup.trainer.checkpoint.shardio import write_shard
+from ftsup.trainer.checkpoint.staging import StagingPlan
 
 log = structlog.get_logger("ftsup.checkpoint")
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from trainer.checkpoint import layout
-from trainer.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from ftsup.trainer.checkpoint import layout
+from ftsup.trainer.checkpoint.errors import CheckpointCorruptError, CheckpointError
 
 _MAX_DIMS = 64
 _MAX_ELEMENTS = 1 << 62

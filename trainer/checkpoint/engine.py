@@ -21,7 +21,7 @@ checking names, shapes and dtypes and every byte's checksum before anything is m
 This module owns what ties those together: the staging buffers (bounded and reused), the
 writer thread and its queue, the futures the training loop waits on, and how failures surface.
 Not here: choosing when to save (the training loop or the supervisor does), the contents of the
-per-rank state (trainer.state), Hugging Face export.
+per-rank state (ftsup.trainer.state), Hugging Face export.
 """
 
 from __future__ import annotations
@@ -39,13 +39,12 @@ from typing import Any
 
 import structlog
 import torch
-
-from trainer.checkpoint import blocksum, codec, gcpause, layout, loading, staging
-from trainer.checkpoint.comm import GroupComm, LocalComm, make_comm
-from trainer.checkpoint.commit import Committer, Hook, SaveResult, StagedSave, log_quietly
-from trainer.checkpoint.errors import CheckpointError, CheckpointSaveError
-from trainer.checkpoint.loading import LoadResult, read_rank_state
-from trainer.checkpoint.retention import RetentionPolicy
+from ftsup.trainer.checkpoint import blocksum, codec, gcpause, layout, loading, staging
+from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm, make_comm
+from ftsup.trainer.checkpoint.commit import Committer, Hook, SaveResult, StagedSave, log_quietly
+from ftsup.trainer.checkpoint.errors import CheckpointError, CheckpointSaveError
+from ftsup.trainer.checkpoint.loading import LoadResult, read_rank_state
+from ftsup.trainer.checkpoint.retention import RetentionPolicy
 
 __all__ = ["CheckpointEngine", "Hook", "LoadResult", "SaveHandle", "SaveResult", "read_rank_state"]
 
@@ -79,7 +78,7 @@ def _warn_if_checksums_are_slow() -> None:
         log.warning(
             "checkpoint_checksums_slow",
             implementation="python",
-            reason="the C extension trainer.checkpoint._blocksum is not built; reinstall ftsup with a C "
+            reason="the C extension ftsup.trainer.checkpoint._blocksum is not built; reinstall ftsup with a C "
             "compiler and the Python headers available (pip install -e .) to checksum in hardware",
         )
 

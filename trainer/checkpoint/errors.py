@@ -8,7 +8,7 @@ from __future__ import annotations
 
 
 class CheckpointError(Exception):
-    """Base of every error raised by `trainer.checkpoint`."""
+    """Base of every error raised by `ftsup.trainer.checkpoint`."""
 
 
 class ManifestError(CheckpointError):

@@ -26,10 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from trainer.checkpoint import codec, layout
-from trainer.checkpoint.errors import CheckpointCorruptError, CheckpointError
-from trainer.checkpoint.loading import read_dcp_metadata
+from ftsup.trainer.checkpoint import codec, layout
+from ftsup.trainer.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from ftsup.trainer.checkpoint.loading import read_dcp_metadata
 
 INDEX_NAME = "model.safetensors.index.json"
 

@@ -30,15 +30,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint import blocksum, checksums, safefile
-from trainer.checkpoint.errors import (
+from ftsup.trainer.checkpoint import blocksum, checksums, safefile
+from ftsup.trainer.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointFormatError,
     ManifestError,
     NoCheckpointError,
 )
-from trainer.checkpoint.safefile import resolve_inside, validate_relpath
+from ftsup.trainer.checkpoint.safefile import resolve_inside, validate_relpath
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"

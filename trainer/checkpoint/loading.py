@@ -26,19 +26,18 @@ from typing import Any
 
 import structlog
 import torch
-from torch.distributed.checkpoint import load as dcp_load
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-from trainer.checkpoint import choice, codec, dcpmeta, layout, safefile
-from trainer.checkpoint.comm import GroupComm, LocalComm
-from trainer.checkpoint.errors import (
+from ftsup.trainer.checkpoint import choice, codec, dcpmeta, layout, safefile
+from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
+from ftsup.trainer.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     NoCheckpointError,
 )
-from trainer.checkpoint.reader import ShardReader
+from ftsup.trainer.checkpoint.reader import ShardReader
+from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 log = structlog.get_logger("ftsup.checkpoint")
 

@@ -15,6 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ftsup.trainer.checkpoint import codec, layout
+from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
+from ftsup.trainer.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from ftsup.trainer.checkpoint.shardio import VerifiedFile, read_files
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -25,11 +29,6 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
-
-from trainer.checkpoint import codec, layout
-from trainer.checkpoint.comm import GroupComm, LocalComm
-from trainer.checkpoint.errors import CheckpointCorruptError, CheckpointError
-from trainer.checkpoint.shardio import VerifiedFile, read_files
 
 
 @dataclass(frozen=True)

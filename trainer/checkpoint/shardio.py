@@ -28,16 +28,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-
-from trainer.checkpoint import codec, safefile
-from trainer.checkpoint.checksums import (
+from ftsup.trainer.checkpoint import codec, safefile
+from ftsup.trainer.checkpoint.checksums import (
     block_crcs,
     checksum_algorithm,
     checksum_from_block_crcs,
     unpack_block_crcs,
 )
-from trainer.checkpoint.errors import CheckpointCorruptError
-from trainer.checkpoint.layout import CHECKSUM_BLOCK_BYTES, SIDECAR_MAX_BYTES
+from ftsup.trainer.checkpoint.errors import CheckpointCorruptError
+from ftsup.trainer.checkpoint.layout import CHECKSUM_BLOCK_BYTES, SIDECAR_MAX_BYTES
 
 PAGE = 4096
 WRITE_BLOCK = 64 * 1024 * 1024

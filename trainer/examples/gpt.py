@@ -1,7 +1,7 @@
 """The reference trainer: a small GPT-style language model that resumes exactly.
 
-    torchrun --nproc-per-node 2 -m trainer.examples.gpt --steps 200 --ckpt-dir /ckpt --loss-log loss.jsonl
-    python -m trainer.examples.gpt --steps 50 --ckpt-dir /ckpt          # one process, no torchrun
+    torchrun --nproc-per-node 2 -m ftsup.trainer.examples.gpt --steps 200 --ckpt-dir /ckpt --loss-log loss.jsonl
+    python -m ftsup.trainer.examples.gpt --steps 50 --ckpt-dir /ckpt          # one process, no torchrun
 
 It trains with AdamW, warmup + cosine LR, dropout and gradient accumulation on a corpus it
 generates itself, with DDP or FSDP2 (`--parallel`), on CPU/gloo or CUDA/NCCL (`--device`). It
@@ -44,15 +44,14 @@ import structlog
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from ftsup.trainer.checkpoint import CheckpointEngine, CheckpointError, CheckpointSaveError, RetentionPolicy
+from ftsup.trainer.checkpoint.engine import SaveHandle
+from ftsup.trainer.data import DataConfigError, GlobalBatchSchedule, RankBatchSampler
+from ftsup.trainer.examples.corpus import TokenWindows, generate
+from ftsup.trainer.rng import micro_batch_seed
+from ftsup.trainer.runtime import agree, runtime
+from ftsup.trainer.state import TrainingState
 from torch import nn
-
-from trainer.checkpoint import CheckpointEngine, CheckpointError, CheckpointSaveError, RetentionPolicy
-from trainer.checkpoint.engine import SaveHandle
-from trainer.data import DataConfigError, GlobalBatchSchedule, RankBatchSampler
-from trainer.examples.corpus import TokenWindows, generate
-from trainer.rng import micro_batch_seed
-from trainer.runtime import agree, runtime
-from trainer.state import TrainingState
 
 log = structlog.get_logger("ftsup.trainer")
 
@@ -120,7 +119,7 @@ class WarmupCosine:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m trainer.examples.gpt", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ftsup.trainer.examples.gpt", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--ckpt-dir", default=os.environ.get("FTSUP_CHECKPOINT_DIR"))
     p.add_argument("--ckpt-every", type=int, default=20)

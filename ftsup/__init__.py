@@ -1,0 +1,45 @@
+"""ftsup: a fault-tolerant training supervisor for PyTorch.
+
+Everything ftsup ships is imported under this name:
+
+- `ftsup.supervisor`: `ftsup run` (the per-node daemon), `ftsup status`, `ftsup ckpt`; never imports torch.
+- `ftsup.trainer`: what a training script uses: the checkpoint engine, the resumable training
+  state, the data schedule and the runtime client (heartbeats, save and stop requests).
+
+A training script needs only this module's names; each is imported on first use, so that
+`import ftsup` costs nothing and pulls in no torch:
+
+    from ftsup import CheckpointEngine, GlobalBatchSchedule, RankBatchSampler, TrainingState, agree, runtime
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "CheckpointEngine": "ftsup.trainer.checkpoint",
+    "RetentionPolicy": "ftsup.trainer.checkpoint",
+    "TrainingState": "ftsup.trainer.state",
+    "GlobalBatchSchedule": "ftsup.trainer.data",
+    "RankBatchSampler": "ftsup.trainer.data",
+    "micro_batch_seed": "ftsup.trainer.rng",
+    "runtime": "ftsup.trainer.runtime",
+    "agree": "ftsup.trainer.runtime",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ftsup' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
