@@ -5,8 +5,10 @@ thousands of distinct figure names, odd phases, huge and non-finite values, malf
     hostile_rank.py PROGRESS FINISH
 
 Counts the hostile bursts it has sent in PROGRESS (rewritten after each); exits 0, after a
-"done" beat, once FINISH exists. No torch: it starts in well under a second. Every datagram
-carries this process's own pid (never another process's: the supervisor may signal it).
+"done" beat, once FINISH exists. No torch: it starts in well under a second. Real beats go
+through the runtime client; each hostile message goes on a connection of its own (the
+supervisor hangs up on a peer after one bad message), from this process, which is part of
+the attempt (so the messages reach the supervisor's checks instead of being refused at once).
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ import sys
 import time
 from pathlib import Path
 
-BURST = 200  # hostile datagrams between two real beats
+from ftsup.trainer.runtime import PROTOCOL_VERSION, runtime
+
+BURST = 40  # hostile messages between two real beats
 
 
 def hostile(i: int, attempt: int, pid: int) -> list[bytes]:
-    base = {"v": 1, "attempt": attempt, "rank": 0, "local_rank": 0, "pid": pid, "step": 1, "phase": "train",
-            "t": time.time()}  # fmt: skip
+    base = {"v": PROTOCOL_VERSION, "attempt": attempt, "rank": 0, "local_rank": 0, "pid": pid, "step": 1,
+            "phase": "train", "t": time.time(), "mono": time.monotonic()}  # fmt: skip
     odd: list[dict[str, object]] = [
         {**base, "rank": 10**6 + i, "local_rank": 10**6 + i},
         {**base, "rank": -1 - i, "local_rank": -1},
@@ -35,43 +39,41 @@ def hostile(i: int, attempt: int, pid: int) -> list[bytes]:
         {**base, "rank": str(i), "step": f"{i}"},
     ]
     out = [json.dumps(m).encode() for m in odd]
-    out += [b"{not json " + str(i).encode(), b'{"v": 1, "attempt": NaN, "step": Infinity}', b"[" * 500]
+    out += [b"{not json " + str(i).encode(), b'{"v": 2, "attempt": NaN, "step": Infinity}', b"[" * 500]
     return out
+
+
+def send_alone(path: str, raw: bytes) -> None:
+    """One message on a connection of its own; refused or dropped is fine (the supervisor's choice)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK) as s:
+        try:
+            s.connect(path)
+            s.send(raw)
+        except OSError:
+            time.sleep(0.001)  # its backlog or our queue is full: let the supervisor drain it
 
 
 def main() -> int:
     progress, finish = Path(sys.argv[1]), Path(sys.argv[2])
     path = os.environ["FTSUP_HEARTBEAT_SOCKET"]
     attempt = int(os.environ["FTSUP_ATTEMPT"])
-    pid = os.getpid()
-    real = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # blocking: a real beat waits for room
-    noise = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    noise.setblocking(False)  # hostile datagrams are dropped when the queue is full
-
-    def beat(step: int, phase: str) -> None:
-        msg = {"v": 1, "attempt": attempt, "rank": 0, "local_rank": 0, "pid": pid, "step": step, "phase": phase,
-               "t": time.time(), "loss": 2.0}  # fmt: skip
-        real.sendto(json.dumps(msg).encode(), path)
-
+    rt = runtime()
     step = 0
     bursts = 0
     while not finish.exists():
         step += 1
-        beat(step, "train")
+        rt.beat(step, "train", loss=2.0)
         sent = 0
         while sent < BURST:
-            for raw in hostile(bursts * BURST + sent, attempt, pid):
-                try:
-                    noise.sendto(raw, path)
-                except BlockingIOError:
-                    time.sleep(0.001)  # the queue is full; let the supervisor drain it
+            for raw in hostile(bursts * BURST + sent, attempt, os.getpid()):
+                send_alone(path, raw)
                 sent += 1
         bursts += 1
         tmp = progress.with_suffix(".tmp")
         tmp.write_text(str(bursts))
         os.replace(tmp, progress)
         time.sleep(0.05)  # a step's worth of time
-    beat(step, "done")
+    rt.beat(step, "done")
     return 0
 
 

@@ -20,8 +20,9 @@ from typing import Any
 import psutil
 import pytest
 import yaml
+from ftsup.supervisor.heartbeat import DROP_REASONS
 from ftsup.supervisor.logs import EVENTS
-from ftsup.supervisor.metrics import FAILURE_KINDS, PHASES
+from ftsup.supervisor.metrics import FAILURE_KINDS, PHASES, STORAGE_PURPOSES
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.procs import BIN, REPO, free_port, kill_tree, wait_for
@@ -104,7 +105,7 @@ def test_every_label_value_comes_from_a_fixed_set_or_the_nodes_own_ids(probed):
     allowed = {
         "event": EVENTS, "kind": set(FAILURE_KINDS.values()), "phase": set(PHASES), "stop": {"true", "false"},
         "source": {"command", "signal:SIGTERM"}, "run_id": {RUN_ID}, "node_id": {NODE_ID},
-        "version": {metadata.version("ftsup")},
+        "version": {metadata.version("ftsup")}, "reason": set(DROP_REASONS), "purpose": set(STORAGE_PURPOSES),
     }  # fmt: skip
     seen: dict[str, set[str]] = {}
     for _, labels in _series(probed["second"]):
@@ -119,3 +120,9 @@ def test_more_hostile_input_adds_no_series(probed):
 
 def test_the_supervisor_listens_only_on_the_configured_address(probed):
     assert probed["listening"] == {("127.0.0.1", probed["port"])}
+
+
+def test_the_hostile_messages_reached_the_supervisor_and_were_dropped(probed):
+    dropped = {dict(s.labels)["reason"]: s.value for fam in text_string_to_metric_families(probed["second"])
+               for s in fam.samples if s.name == "ftsup_heartbeats_dropped_total"}  # fmt: skip
+    assert dropped["malformed"] > 0

@@ -21,6 +21,7 @@ from typing import Any
 import psutil
 import pytest
 import yaml
+from ftsup.trainer.runtime import encode_beat
 
 from tests.procs import REPO, kill_tree, run, wait_for
 
@@ -226,10 +227,11 @@ def test_a_pid_claimed_in_a_heartbeat_is_never_signalled(tmp_path, supervisor_pr
     wait_for(lambda: loss.exists() and loss.read_text(), 120, "no training step")
     victim = subprocess.Popen(["sleep", "300"])  # this user's, started while the attempt runs, no part of it
     supervisor_procs.append(victim)
-    beat = {"v": 1, "attempt": 1, "rank": 0, "local_rank": 7, "pid": victim.pid, "step": 1, "phase": "train",
-            "t": time.time()}  # fmt: skip
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        s.sendto(json.dumps(beat).encode(), str(state / "run" / "heartbeat.sock"))
+    beat = encode_beat(attempt=1, rank=0, local_rank=7, pid=victim.pid, step=1, phase="train", t=time.time(),
+                       mono=time.monotonic())  # fmt: skip
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:  # the channel's own kind of socket
+        s.connect(str(state / "run" / "heartbeat.sock"))
+        s.send(beat)
     sup.send_signal(signal.SIGTERM)  # the attempt is stopped: only its own processes may be signalled
     assert sup.wait(timeout=90) == 5
     assert alive(victim)
