@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from ftsup.trainer.checkpoint import layout
 
 REPO = Path(__file__).resolve().parents[1]

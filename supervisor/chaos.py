@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import psutil
+
 from ftsup.supervisor import procs
 from ftsup.supervisor.errors import SupervisorError
 

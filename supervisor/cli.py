@@ -152,6 +152,7 @@ def _add_status(commands: Any) -> None:
 
 def cmd_status(args: argparse.Namespace) -> int:
     import psutil
+
     from ftsup.supervisor.config import load_config
     from ftsup.supervisor.journal import Journal
 

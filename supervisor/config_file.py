@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from ftsup.supervisor.config_values import file_kind
 from ftsup.supervisor.errors import ConfigError
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import structlog
+
 from ftsup.supervisor import health, launcher, logs, policy, procs, statedir, systemd
 from ftsup.supervisor.ckptstore import StoreScanner
 from ftsup.supervisor.config import JobConfig, settings_from

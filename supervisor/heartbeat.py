@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import psutil
+
 from ftsup.trainer.runtime import (
     BASE_FIELDS,
     FIGURE_NAME,

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
 from ftsup.supervisor import guard, procs, statedir
 from ftsup.supervisor.config import JobConfig
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import structlog
+
 from ftsup.supervisor import statedir
 
 EVENTS = frozenset(

@@ -25,14 +25,15 @@ from importlib import metadata
 from typing import Any
 
 import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import choose_encoder
+
 from ftsup.supervisor import policy
 from ftsup.supervisor.config import split_host_port
 from ftsup.supervisor.heartbeat import DROP_REASONS
 from ftsup.supervisor.logs import EVENTS
 from ftsup.supervisor.metrics_http import BoundedHTTPServer
 from ftsup.trainer.checkpoint import layout
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.exposition import choose_encoder
 
 log = structlog.get_logger("ftsup.supervisor")
 

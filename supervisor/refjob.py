@@ -26,6 +26,7 @@ from typing import Any
 
 import psutil
 import yaml
+
 from ftsup.supervisor import chaos, guard, procs
 
 CODE_ROOT = Path(__file__).resolve().parents[1]  # holds the `supervisor` and `trainer` packages

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from ftsup.trainer.checkpoint.errors import CheckpointError
 from ftsup.trainer.rng import derive_seed
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from ftsup.trainer.checkpoint.errors import CheckpointError
 
 

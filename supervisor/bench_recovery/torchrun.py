@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
 from ftsup.supervisor import chaos, procs
 from ftsup.supervisor.bench_recovery.common import STEP_GAP, aim, load_average, rounded, row, wait_aimed
 from ftsup.supervisor.refjob import TrainerJob, child_env, new_run_id, start_guarded, wait_exit

@@ -21,6 +21,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+
 from ftsup.trainer.checkpoint import CheckpointEngine, RetentionPolicy
 from ftsup.trainer.checkpoint.stateful import ModelOptimState
 

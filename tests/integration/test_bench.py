@@ -16,6 +16,7 @@ from typing import Any
 
 import psutil
 import pytest
+
 from ftsup.trainer.bench import launch
 from ftsup.trainer.bench.report import CORE_FIELDS, ROW_NAMES
 

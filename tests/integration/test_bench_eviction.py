@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ftsup.supervisor.bench_eviction import CKPT_EVERY
 
+from ftsup.supervisor.bench_eviction import CKPT_EVERY
 from tests.procs import run
 
 pytestmark = pytest.mark.multiprocess

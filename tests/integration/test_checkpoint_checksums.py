@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from ftsup.trainer.checkpoint import CheckpointEngine, NoCheckpointError, RetentionPolicy, blocksum, checksums, layout
 from ftsup.trainer.checkpoint.hf import export_hf
-
 from tests.helpers import flip_byte
 
 REPO = Path(__file__).resolve().parents[2]

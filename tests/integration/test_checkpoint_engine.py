@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import structlog
 import torch
+
 from ftsup.trainer.checkpoint import (
     CheckpointCorruptError,
     CheckpointEngine,
@@ -25,7 +26,6 @@ from ftsup.trainer.checkpoint import (
 )
 from ftsup.trainer.checkpoint.engine import read_rank_state
 from ftsup.trainer.checkpoint.stateful import ModelOptimState
-
 from tests.helpers import flip_byte
 
 

@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
-from ftsup.trainer.checkpoint import layout
 
+from ftsup.trainer.checkpoint import layout
 from tests.procs import torchrun
 
 pytestmark = pytest.mark.multiprocess

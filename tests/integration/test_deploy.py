@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from ftsup.supervisor import policy
 from ftsup.supervisor.config import load_config
 from ftsup.trainer.checkpoint import layout
-
 from tests.procs import REPO, kill_tree, wait_for
 
 UNIT = REPO / "deploy" / "systemd" / "ftsup@.service"

@@ -15,8 +15,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from ftsup.trainer.checkpoint import layout
 
+from ftsup.trainer.checkpoint import layout
 from tests.procs import run
 
 pytestmark = pytest.mark.multiprocess

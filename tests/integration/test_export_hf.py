@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+
 from ftsup.trainer.checkpoint import CheckpointCorruptError, CheckpointEngine, CheckpointError
 from ftsup.trainer.checkpoint.hf import INDEX_NAME, export_hf
 from ftsup.trainer.checkpoint.stateful import ModelOptimState
-from safetensors.torch import load_file
-
 from tests.helpers import flip_byte
 from tests.procs import torchrun
 

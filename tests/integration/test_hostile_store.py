@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import structlog
 import torch
+
 from ftsup.trainer.checkpoint import (
     CheckpointEngine,
     CheckpointSaveError,
@@ -24,7 +25,6 @@ from ftsup.trainer.checkpoint import (
     layout,
 )
 from ftsup.trainer.checkpoint.stateful import ModelOptimState
-
 from tests.helpers import write_manifest_json
 
 

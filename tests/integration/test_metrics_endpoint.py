@@ -20,11 +20,11 @@ from typing import Any
 import psutil
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
 from ftsup.supervisor.heartbeat import DROP_REASONS
 from ftsup.supervisor.logs import EVENTS
 from ftsup.supervisor.metrics import FAILURE_KINDS, PHASES, STORAGE_PURPOSES
-from prometheus_client.parser import text_string_to_metric_families
-
 from tests.procs import BIN, REPO, free_port, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess

@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 import yaml
-from ftsup.supervisor.metrics import Metrics
 
+from ftsup.supervisor.metrics import Metrics
 from tests.integration.test_supervisor import events, write_job
 from tests.procs import REPO, free_port, kill_tree, run, wait_for
 

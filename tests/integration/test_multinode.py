@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ftsup.trainer.checkpoint import layout
 
+from ftsup.trainer.checkpoint import layout
 from tests.procs import REPO, free_port, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess

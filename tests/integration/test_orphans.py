@@ -27,8 +27,8 @@ from typing import Any
 import psutil
 import pytest
 import yaml
-from ftsup.supervisor import procs
 
+from ftsup.supervisor import procs
 from tests.procs import REPO, wait_for
 
 pytestmark = pytest.mark.multiprocess

@@ -7,11 +7,11 @@ import sys
 import pytest
 import structlog
 import torch
+
 from ftsup.trainer.checkpoint import CheckpointEngine, CheckpointMismatchError, layout
 from ftsup.trainer.data import DataPositionError, GlobalBatchSchedule
 from ftsup.trainer.examples.gpt import GPT, WarmupCosine
 from ftsup.trainer.state import TrainingState
-
 from tests.procs import run
 
 SMALL = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--corpus-bytes", "50000"]

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ftsup.trainer.checkpoint import layout
 
+from ftsup.trainer.checkpoint import layout
 from tests.procs import run
 
 SMALL = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--corpus-bytes", "50000",

@@ -21,8 +21,8 @@ from typing import Any
 import psutil
 import pytest
 import yaml
-from ftsup.trainer.runtime import encode_beat
 
+from ftsup.trainer.runtime import encode_beat
 from tests.procs import REPO, kill_tree, run, wait_for
 
 pytestmark = pytest.mark.multiprocess

@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from ftsup.trainer.checkpoint import layout
 
+from ftsup.trainer.checkpoint import layout
 from tests.procs import REPO, kill_tree, run, wait_for
 
 pytestmark = pytest.mark.multiprocess

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import yaml
-from ftsup.supervisor.cli import main
 
+from ftsup.supervisor.cli import main
 from tests.procs import REPO
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
 from ftsup.trainer.checkpoint import blocksum, checksums
 
 REPO = Path(__file__).resolve().parents[2]

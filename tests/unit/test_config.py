@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from ftsup.supervisor.config import (
     CheckpointConfig,
     EvictionConfig,

@@ -13,12 +13,13 @@ from typing import Any
 import pytest
 import structlog
 import yaml
+from structlog.testing import capture_logs
+
 from ftsup.supervisor import policy
 from ftsup.supervisor.cli import main
 from ftsup.supervisor.config import load_config
 from ftsup.supervisor.daemon import Daemon
 from ftsup.supervisor.outages import RETRY_INITIAL_S
-from structlog.testing import capture_logs
 
 
 class FakeClock:

@@ -6,6 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
+
 from ftsup.trainer.data import DataConfigError, DataPositionError, GlobalBatchSchedule, RankBatchSampler
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import socket
 
 import pytest
+
 from ftsup.supervisor import policy as P
 from ftsup.supervisor.eviction import notices
 from ftsup.supervisor.eviction.local import CommandWatcher, FileWatcher
 from ftsup.supervisor.eviction.providers import AwsWatcher, AzureWatcher, GcpWatcher, WatchError
 from ftsup.supervisor.eviction.runner import WatcherThreads
-
 from tests.metadata_server import MetadataServer
 from tests.unit.test_policy import Driver
 

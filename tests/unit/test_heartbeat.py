@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from ftsup.supervisor.heartbeat import DROP_REASONS, Admission, BadBeat, Beat, HeartbeatReceiver, parse_beat
-from ftsup.trainer.runtime import MAX_BEAT_BYTES, MAX_FIGURES, PROTOCOL_VERSION, encode_beat
 from prometheus_client import CollectorRegistry, Counter
 
+from ftsup.supervisor.heartbeat import DROP_REASONS, Admission, BadBeat, Beat, HeartbeatReceiver, parse_beat
+from ftsup.trainer.runtime import MAX_BEAT_BYTES, MAX_FIGURES, PROTOCOL_VERSION, encode_beat
 from tests.procs import kill_tree
 
 BASE = {"v": PROTOCOL_VERSION, "attempt": 1, "rank": 0, "local_rank": 0, "pid": 4242, "step": 7, "phase": "train",

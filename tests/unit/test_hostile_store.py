@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+
 from ftsup.supervisor.cli import main
 from ftsup.trainer.checkpoint import checksums, choice, layout, safefile
 from ftsup.trainer.checkpoint.errors import CheckpointCorruptError, ManifestError
-
 from tests.helpers import default_files, make_fake_checkpoint, write_manifest_json
 
 T = TypeVar("T")

@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 import structlog
 import yaml
+from structlog.testing import capture_logs
+
 from ftsup.supervisor import policy as P
 from ftsup.supervisor.config import load_config
 from ftsup.supervisor.daemon import Daemon
 from ftsup.supervisor.eviction.notices import Blind, Seeing
 from ftsup.supervisor.eviction.requeue import requeue
 from ftsup.supervisor.logs import EVENTS
-from structlog.testing import capture_logs
-
 from tests.helpers import default_files, make_fake_checkpoint
 
 S = P.Settings(nproc_max=2, startup_timeout_s=60, backoff_initial_s=1, backoff_max_s=8, max_restarts=5,

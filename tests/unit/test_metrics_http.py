@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 import yaml
+
 from ftsup.supervisor.config import load_config
 from ftsup.supervisor.daemon import Daemon
 from ftsup.supervisor.metrics import Metrics, MetricsServer

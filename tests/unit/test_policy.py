@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from ftsup.supervisor import policy as P
 from ftsup.supervisor.logs import EVENTS
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from ftsup.supervisor import guard, launcher, procs
 
+from ftsup.supervisor import guard, launcher, procs
 from tests.procs import kill_tree, wait_for
 
 MARK = procs.Mark("run-t", "node-t", 3)

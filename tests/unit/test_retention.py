@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from ftsup.trainer.checkpoint import retention
 from ftsup.trainer.checkpoint.errors import CheckpointError
-
 from tests.helpers import default_files, make_fake_checkpoint
 
 RECYCLE = retention.RECYCLE_DIRNAME

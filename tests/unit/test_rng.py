@@ -7,6 +7,7 @@ import random
 
 import numpy as np
 import torch
+
 from ftsup.trainer import rng
 from ftsup.trainer.checkpoint import codec
 

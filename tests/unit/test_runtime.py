@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
+
 from ftsup.supervisor.heartbeat import HeartbeatReceiver
 from ftsup.trainer.runtime import MAX_FIGURES, RuntimeClient, RuntimeEnv
-
 from tests.procs import wait_for
 
 

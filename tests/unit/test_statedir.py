@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
+
 from ftsup.supervisor import statedir
 from ftsup.supervisor.errors import ConfigError, UsageError
 from ftsup.supervisor.journal import Journal, JournalError, JournalRecord

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
+
 from ftsup.trainer.bench import probes, synthetic
 from ftsup.trainer.bench.rank import Ctx, RowFn, RowUnavailable
 

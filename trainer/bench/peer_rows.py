@@ -19,13 +19,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from ftsup.trainer.bench import probes, synthetic
-from ftsup.trainer.bench.rank import Ctx, RowFn
 from torch.distributed.checkpoint.state_dict_saver import (
     AsyncCheckpointerType,
     AsyncSaveResponse,
 )
 from torch.distributed.tensor import DTensor
+
+from ftsup.trainer.bench import probes, synthetic
+from ftsup.trainer.bench.rank import Ctx, RowFn
 
 RAW_BLOCK = 64 * 2**20
 DIRECT_ALIGN = 4096

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from ftsup.trainer.bench import probes, synthetic
 
 ROW_FAILED_EXIT = 3

@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from ftsup.trainer.bench.shape import ModelShape
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+
+from ftsup.trainer.bench.shape import ModelShape
 
 
 class AppState(Stateful):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from ftsup.trainer.checkpoint.errors import CheckpointError
 
 

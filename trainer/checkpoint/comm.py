@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from ftsup.trainer.checkpoint.errors import CheckpointError
 
 

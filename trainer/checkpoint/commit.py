@@ -26,6 +26,7 @@ from typing import Any
 
 import structlog
 import torch
+
 from ftsup.trainer.checkpoint import checksums, choice, layout
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
 from ftsup.trainer.checkpoint.errors import CheckpointError, CheckpointSaveError

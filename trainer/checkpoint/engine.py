@@ -39,6 +39,7 @@ from typing import Any
 
 import structlog
 import torch
+
 from ftsup.trainer.checkpoint import blocksum, codec, gcpause, layout, loading, staging
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm, make_comm
 from ftsup.trainer.checkpoint.commit import Committer, Hook, SaveResult, StagedSave, log_quietly

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from ftsup.trainer.checkpoint import codec, layout
 from ftsup.trainer.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from ftsup.trainer.checkpoint.loading import read_dcp_metadata

@@ -26,6 +26,10 @@ from typing import Any
 
 import structlog
 import torch
+from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
 from ftsup.trainer.checkpoint import choice, codec, dcpmeta, layout, safefile
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
 from ftsup.trainer.checkpoint.errors import (
@@ -35,9 +39,6 @@ from ftsup.trainer.checkpoint.errors import (
     NoCheckpointError,
 )
 from ftsup.trainer.checkpoint.reader import ShardReader
-from torch.distributed.checkpoint import load as dcp_load
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 log = structlog.get_logger("ftsup.checkpoint")
 

@@ -15,10 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from ftsup.trainer.checkpoint import codec, layout
-from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
-from ftsup.trainer.checkpoint.errors import CheckpointCorruptError, CheckpointError
-from ftsup.trainer.checkpoint.shardio import VerifiedFile, read_files
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -29,6 +25,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
+
+from ftsup.trainer.checkpoint import codec, layout
+from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
+from ftsup.trainer.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from ftsup.trainer.checkpoint.shardio import VerifiedFile, read_files
 
 
 @dataclass(frozen=True)

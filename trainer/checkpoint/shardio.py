@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+
 from ftsup.trainer.checkpoint import codec, safefile
 from ftsup.trainer.checkpoint.checksums import (
     block_crcs,

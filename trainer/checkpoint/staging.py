@@ -21,13 +21,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan
+
 from ftsup.trainer.checkpoint import blocksum, codec, layout
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
 from ftsup.trainer.checkpoint.errors import CheckpointError
 from ftsup.trainer.checkpoint.shardio import ShardLayout, aligned_buffer, as_memoryview, build_layout
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import SavePlan
 
 
 @dataclass

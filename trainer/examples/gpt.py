@@ -44,6 +44,8 @@ import structlog
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+
 from ftsup.trainer.checkpoint import CheckpointEngine, CheckpointError, CheckpointSaveError, RetentionPolicy
 from ftsup.trainer.checkpoint.engine import SaveHandle
 from ftsup.trainer.data import DataConfigError, GlobalBatchSchedule, RankBatchSampler
@@ -51,7 +53,6 @@ from ftsup.trainer.examples.corpus import TokenWindows, generate
 from ftsup.trainer.rng import micro_batch_seed
 from ftsup.trainer.runtime import agree, runtime
 from ftsup.trainer.state import TrainingState
-from torch import nn
 
 log = structlog.get_logger("ftsup.trainer")
 
