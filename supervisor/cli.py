@@ -5,8 +5,8 @@ Subcommands (ARCHITECTURE section 5 is the contract for names, flags and JSON sh
     ftsup ckpt list DIR [--json] [--deep]              every committed checkpoint, oldest first
     ftsup ckpt verify DIR [--step N] [--deep] [--json] one checkpoint (default: the newest)
     ftsup bench checkpoint ...                         delegated to `ftsup.trainer.bench`
-    ftsup bench recovery ...                           `ftsup.supervisor.bench_recovery` (torch-free)
-    ftsup demo [--dir DIR] [--steps N] [--json FILE]   `ftsup.supervisor.demo`: faults injected, bitwise check
+    ftsup bench recovery ...                           `ftsup.supervisor.bench.recovery` (torch-free)
+    ftsup demo [--dir DIR] [--steps N] [--json FILE]   `ftsup.supervisor.faults.demo`: faults injected, bitwise check
 
 Exit statuses: 0 success; 1 the command ran and found a problem (verify: not consistent), or an
 internal error (its traceback on stderr, then one line); 2 usage errors, a bad config, a missing or
@@ -411,7 +411,7 @@ def _print_json(obj: Any) -> None:
 
 
 def _add_bench(commands: Any, *, load: bool) -> None:
-    from ftsup.supervisor import bench_recovery
+    from ftsup.supervisor.bench import recovery as bench_recovery
 
     bench = commands.add_parser("bench", help="benchmarks (checkpoint needs torch; see README)")
     kinds = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
@@ -420,11 +420,11 @@ def _add_bench(commands: Any, *, load: bool) -> None:
         help="fault -> first resumed step, ftsup vs torchrun --max-restarts=3",
         description="Inject SIGKILL and SIGSTOP into the reference trainer's ranks under ftsup run and under "
         "plain torchrun; report detection and recovery times, lost steps and orphans (see "
-        "supervisor/bench_recovery.py). Runs torch only in subprocesses.",
+        "supervisor/bench/recovery/). Runs torch only in subprocesses.",
     )
     bench_recovery.add_arguments(p)
     p.set_defaults(handler=bench_recovery.run)
-    from ftsup.supervisor import bench_eviction
+    from ftsup.supervisor.bench import eviction as bench_eviction
 
     p = kinds.add_parser(
         "eviction",
@@ -469,7 +469,7 @@ def _import_bench() -> ModuleType:
 
 
 def _add_demo(commands: Any) -> None:
-    from ftsup.supervisor import demo
+    from ftsup.supervisor.faults import demo
 
     p = commands.add_parser(
         "demo",

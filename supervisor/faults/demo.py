@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ftsup.supervisor import chaos
 from ftsup.supervisor.errors import UsageError
-from ftsup.supervisor.refjob import (
+from ftsup.supervisor.faults import chaos
+from ftsup.supervisor.faults.refjob import (
     TrainerJob,
     fault_timeline,
     new_run_id,
