@@ -55,6 +55,12 @@ PEERS = ("ftsup", "torchrun")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The description and flags of `ftsup bench recovery`."""
+    p.description = (
+        "Inject SIGKILL and SIGSTOP into the reference trainer's ranks under ftsup run and under plain torchrun; "
+        "report detection and recovery times, lost steps and orphans (see supervisor/bench/recovery/). Runs torch "
+        "only in subprocesses."
+    )
     p.add_argument("--json", type=Path, metavar="FILE", help="write the results as one JSON object to FILE")
     p.add_argument("--dir", type=Path, metavar="DIR", help="work directory (default: a fresh temporary directory)")
     p.add_argument("--repeats", type=_positive, default=3, help="kill faults measured (median), default 3")
