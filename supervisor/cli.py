@@ -6,6 +6,7 @@ Subcommands (ARCHITECTURE section 5 is the contract for names, flags and JSON sh
     ftsup ckpt verify DIR [--step N] [--deep] [--json] one checkpoint (default: the newest)
     ftsup bench checkpoint ...                         delegated to `ftsup.trainer.bench`
     ftsup bench recovery ...                           `ftsup.supervisor.bench.recovery` (torch-free)
+    ftsup bench eviction ...                           `ftsup.supervisor.bench.eviction` (torch-free)
     ftsup demo [--dir DIR] [--steps N] [--json FILE]   `ftsup.supervisor.faults.demo`: faults injected, bitwise check
 
 Exit statuses: 0 success; 1 the command ran and found a problem (verify: not consistent), or an
