@@ -97,11 +97,11 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         Command("demo", "the reference trainer under ftsup run, with faults injected; losses compared bitwise",
                 _build_demo),
     ]  # fmt: skip
-    add_commands(parser, commands, argv, dest="command", metavar="COMMAND")
+    _add_commands(parser, commands, argv, dest="command", metavar="COMMAND")
     return parser
 
 
-def add_commands(
+def _add_commands(
     parser: argparse.ArgumentParser, commands: Sequence[Command], argv: Sequence[str], *, dest: str, metavar: str
 ) -> None:
     """Add `commands` to `parser`, each with its help, and build the one `argv` names first: the first
@@ -439,7 +439,7 @@ def _build_bench(bench: argparse.ArgumentParser, rest: Sequence[str]) -> None:
                 _build_bench_eviction),
         Command("checkpoint", "checkpoint save/load throughput", _build_bench_checkpoint),
     ]  # fmt: skip
-    add_commands(bench, benchmarks, rest, dest="bench_command", metavar="BENCHMARK")
+    _add_commands(bench, benchmarks, rest, dest="bench_command", metavar="BENCHMARK")
 
 
 def _build_bench_recovery(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
