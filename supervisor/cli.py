@@ -5,8 +5,9 @@ Subcommands (ARCHITECTURE section 5 is the contract for names, flags and JSON sh
     ftsup ckpt list DIR [--json] [--deep]              every committed checkpoint, oldest first
     ftsup ckpt verify DIR [--step N] [--deep] [--json] one checkpoint (default: the newest)
     ftsup bench checkpoint ...                         delegated to `ftsup.trainer.bench`
-    ftsup bench recovery ...                           `ftsup.supervisor.bench_recovery` (torch-free)
-    ftsup demo [--dir DIR] [--steps N] [--json FILE]   `ftsup.supervisor.demo`: faults injected, bitwise check
+    ftsup bench recovery ...                           `ftsup.supervisor.bench.recovery` (torch-free)
+    ftsup bench eviction ...                           `ftsup.supervisor.bench.eviction` (torch-free)
+    ftsup demo [--dir DIR] [--steps N] [--json FILE]   `ftsup.supervisor.faults.demo`: faults injected, bitwise check
 
 Exit statuses: 0 success; 1 the command ran and found a problem (verify: not consistent), or an
 internal error (its traceback on stderr, then one line); 2 usage errors, a bad config, a missing or
@@ -14,9 +15,12 @@ unreadable file, directory or checkpoint, or any `CheckpointError`, reported as 
 `ftsup: error: ...` on stderr. `ftsup run` has statuses of its own (README, `ftsup.supervisor.policy`):
 2 only for what is refused before anything starts, 1 for any failure after that.
 
-This module never imports torch: `ftsup.trainer.checkpoint.layout` is stdlib-only, and the
-benchmark module is imported only when `ftsup bench` is what was asked for. It does not
-decide anything about checkpoints itself; it prints what `layout` finds.
+This module never imports torch: `ftsup.trainer.checkpoint.layout` is stdlib-only. Nor does it
+import tooling (`ftsup.supervisor.bench`, `ftsup.supervisor.faults`, `ftsup.trainer.bench`, which
+needs torch) for a command that does not run it: every command is registered with its one-line
+help, so `ftsup --help` lists them all, and only the asked-for one's parser is built, which is
+where a tooling command imports its module. It does not decide anything about checkpoints
+itself; it prints what `layout` finds.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import json
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from types import ModuleType
@@ -43,6 +48,16 @@ EXIT_USAGE = 2
 Handler = Callable[[argparse.Namespace], int]
 
 
+@dataclass(frozen=True)
+class Command:
+    """A subcommand as its parent's --help lists it; `build(parser, rest)` adds its flags, subcommands and
+    handler when it is the one asked for (`rest`: what follows its name, for the choice of its own subcommand)."""
+
+    name: str
+    help: str
+    build: Callable[[argparse.ArgumentParser, Sequence[str]], None]
+
+
 # --------------------------------------------------------------------------- entry point
 
 
@@ -50,8 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run `ftsup` with `argv` (default: sys.argv[1:]) and return the exit status."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     try:
-        torch_free_bench = _asks_for(args_list, "recovery", 1) or _asks_for(args_list, "eviction", 1)
-        parser = build_parser(load_bench=_asks_for(args_list, "bench") and not torch_free_bench)
+        parser = build_parser(args_list)
         try:
             args = parser.parse_args(args_list)
         except SystemExit as e:  # argparse exits for --help (0) and usage errors (2)
@@ -71,29 +85,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_PROBLEM
 
 
-def build_parser(*, load_bench: bool = False) -> argparse.ArgumentParser:
-    """The full parser; `load_bench` imports `ftsup.trainer.bench` to add its flags (needs torch)."""
-    parser = argparse.ArgumentParser(
-        prog="ftsup",
-        description="Fault-tolerant training supervisor for PyTorch.",
-    )
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    # One registrar per top-level command; `run`, `status`, `export-hf` and `demo`
-    # (ARCHITECTURE section 5) slot in here as they are written.
-    _add_run(commands)
-    _add_status(commands)
-    _add_config(commands)
-    _add_ckpt(commands)
-    _add_bench(commands, load=load_bench)
-    _add_demo(commands)
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The parser for `argv`: every command listed, the one `argv` asks for built in full."""
+    parser = argparse.ArgumentParser(prog="ftsup", description="Fault-tolerant training supervisor for PyTorch.")
+    commands = [
+        Command("run", "supervise a training job (a long-running daemon)", _build_run),
+        Command("status", "what the supervisor of a job is doing", _build_status),
+        Command("config", "check a job config", _build_config),
+        Command("ckpt", "inspect a checkpoint directory", _build_ckpt),
+        Command("bench", "benchmarks (checkpoint needs torch; see README)", _build_bench),
+        Command("demo", "the reference trainer under ftsup run, with faults injected; losses compared bitwise",
+                _build_demo),
+    ]  # fmt: skip
+    _add_commands(parser, commands, argv, dest="command", metavar="COMMAND")
     return parser
+
+
+def _add_commands(
+    parser: argparse.ArgumentParser, commands: Sequence[Command], argv: Sequence[str], *, dest: str, metavar: str
+) -> None:
+    """Add `commands` to `parser`, each with its help, and build the one `argv` names first: the first
+    argument not starting with "-", as argparse reads it too (no level of `ftsup` has an option that
+    takes a value before its subcommand). The others stay empty, which is all `--help` needs."""
+    asked = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    actions = parser.add_subparsers(dest=dest, metavar=metavar, required=True)
+    for command in commands:
+        p = actions.add_parser(command.name, help=command.help)
+        if asked is not None and argv[asked] == command.name:
+            command.build(p, argv[asked + 1 :])
+        else:
+            p.set_defaults(handler=_not_built)
+
+
+def _not_built(args: argparse.Namespace) -> int:  # never reached: argparse dispatches to the one built
+    raise UsageError(f"ftsup {args.command}: this command's parser was not built; run it as `ftsup {args.command} ...`")
 
 
 # --------------------------------------------------------------------------- run, status
 
 
-def _add_run(commands: Any) -> None:
-    p = commands.add_parser("run", help="supervise a training job (a long-running daemon)")
+def _build_run(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
     p.add_argument("--config", required=True, type=Path, help="the job's YAML config")
     p.set_defaults(handler=cmd_run)
 
@@ -117,8 +148,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return code
 
 
-def _add_config(commands: Any) -> None:
-    config = commands.add_parser("config", help="check a job config")
+def _build_config(config: argparse.ArgumentParser, rest: Sequence[str]) -> None:
     actions = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     p = actions.add_parser(
         "check",
@@ -143,8 +173,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _add_status(commands: Any) -> None:
-    p = commands.add_parser("status", help="what the supervisor of a job is doing")
+def _build_status(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
     p.add_argument("--config", required=True, type=Path, help="the job's YAML config")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_status)
@@ -184,17 +213,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _asks_for(argv: Sequence[str], command: str, position: int = 0) -> bool:
-    """Whether the positional argument at `position` is `command` (there are no global options yet)."""
-    positionals = [a for a in argv if not a.startswith("-")]
-    return len(positionals) > position and positionals[position] == command
-
-
 # --------------------------------------------------------------------------- ckpt
 
 
-def _add_ckpt(commands: Any) -> None:
-    ckpt = commands.add_parser("ckpt", help="inspect a checkpoint directory")
+def _build_ckpt(ckpt: argparse.ArgumentParser, rest: Sequence[str]) -> None:
     actions = ckpt.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
 
     p = actions.add_parser(
@@ -407,43 +429,36 @@ def _print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2))
 
 
-# --------------------------------------------------------------------------- bench
+# --------------------------------------------------------------------------- bench, demo: tooling
 
 
-def _add_bench(commands: Any, *, load: bool) -> None:
-    from ftsup.supervisor import bench_recovery
+def _build_bench(bench: argparse.ArgumentParser, rest: Sequence[str]) -> None:
+    benchmarks = [
+        Command("recovery", "fault -> first resumed step, ftsup vs torchrun --max-restarts=3", _build_bench_recovery),
+        Command("eviction", "steps lost per eviction: ftsup's emergency saves vs periodic checkpoints only",
+                _build_bench_eviction),
+        Command("checkpoint", "checkpoint save/load throughput", _build_bench_checkpoint),
+    ]  # fmt: skip
+    _add_commands(bench, benchmarks, rest, dest="bench_command", metavar="BENCHMARK")
 
-    bench = commands.add_parser("bench", help="benchmarks (checkpoint needs torch; see README)")
-    kinds = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-    p = kinds.add_parser(
-        "recovery",
-        help="fault -> first resumed step, ftsup vs torchrun --max-restarts=3",
-        description="Inject SIGKILL and SIGSTOP into the reference trainer's ranks under ftsup run and under "
-        "plain torchrun; report detection and recovery times, lost steps and orphans (see "
-        "supervisor/bench_recovery.py). Runs torch only in subprocesses.",
-    )
-    bench_recovery.add_arguments(p)
-    p.set_defaults(handler=bench_recovery.run)
-    from ftsup.supervisor import bench_eviction
 
-    p = kinds.add_parser(
-        "eviction",
-        help="steps lost per eviction: ftsup's emergency saves vs periodic checkpoints only",
-        description=bench_eviction.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    bench_eviction.add_arguments(p)
-    p.set_defaults(handler=bench_eviction.run)
-    p = kinds.add_parser(
-        "checkpoint",
-        help="checkpoint save/load throughput",
-        description="Benchmark the checkpoint engine (see trainer/bench.py).",
-    )
-    if not load:
-        # Building `ftsup ckpt ...` must not import torch; this stub is never dispatched to,
-        # because `main` loads the real one whenever `bench` is the command.
-        p.set_defaults(handler=_bench_not_loaded)
-        return
+def _build_bench_recovery(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
+    from ftsup.supervisor.bench import recovery
+
+    recovery.add_arguments(p)
+    p.set_defaults(handler=recovery.run)
+
+
+def _build_bench_eviction(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
+    from ftsup.supervisor.bench import eviction
+
+    p.description, p.formatter_class = eviction.__doc__, argparse.RawDescriptionHelpFormatter
+    eviction.add_arguments(p)
+    p.set_defaults(handler=eviction.run)
+
+
+def _build_bench_checkpoint(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
+    p.description = "Benchmark the checkpoint engine (see trainer/bench/)."
     module = _import_bench()
     add_arguments = getattr(module, "add_checkpoint_arguments", None)
     run = getattr(module, "run_checkpoint", None)
@@ -468,22 +483,11 @@ def _import_bench() -> ModuleType:
         ) from None
 
 
-def _add_demo(commands: Any) -> None:
-    from ftsup.supervisor import demo
+def _build_demo(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
+    from ftsup.supervisor.faults import demo
 
-    p = commands.add_parser(
-        "demo",
-        help="the reference trainer under ftsup run, with faults injected; losses compared bitwise",
-        description="Run the reference trainer under `ftsup run` uninterrupted, then again while SIGKILLing a "
-        "rank, SIGSTOPping a rank and SIGKILLing the supervisor; report detection and recovery and compare the "
-        "loss logs bitwise. Exit 0 only when everything matched and nothing is left running.",
-    )
     demo.add_arguments(p)
     p.set_defaults(handler=demo.run)
-
-
-def _bench_not_loaded(args: argparse.Namespace) -> int:
-    raise UsageError("the benchmark was not loaded; run it as `ftsup bench checkpoint ...`")
 
 
 if __name__ == "__main__":

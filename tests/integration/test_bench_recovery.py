@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from ftsup.supervisor.bench_recovery.common import aim
+from ftsup.supervisor.bench.recovery.common import aim
 from tests.procs import REPO, run
 
 pytestmark = pytest.mark.multiprocess

@@ -1,9 +1,10 @@
-"""`ftsup` in-process: ckpt list/verify output and exit statuses, bench delegation."""
+"""`ftsup` in-process: ckpt list/verify output and exit statuses, bench delegation, commands built when asked."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import types
 from pathlib import Path
@@ -286,3 +287,34 @@ def test_ckpt_commands_do_not_load_the_benchmark(
     monkeypatch.setitem(sys.modules, "ftsup.trainer.bench", fake)
     code, _, _ = run(capsys, "ckpt", "list", str(store))
     assert (code, fake.parsers_built) == (0, 0)
+
+
+# --------------------------------------------------------------------------- commands listed, built when asked for
+
+
+def listed(help_text: str) -> list[str]:
+    """The subcommands a --help lists (argparse indents each by 4 spaces under the metavar)."""
+    return [m.group(1) for m in re.finditer(r"^ {4}(\S+)", help_text, re.MULTILINE)]
+
+
+def test_help_lists_every_command_in_order(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--help")
+    assert (code, listed(out)) == (0, ["run", "status", "config", "ckpt", "bench", "demo"])
+
+
+def test_bench_help_lists_every_benchmark_without_loading_the_checkpoint_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake = FakeBench()
+    monkeypatch.setitem(sys.modules, "ftsup.trainer.bench", fake)
+    code, out, _ = run(capsys, "bench", "--help")
+    assert (code, listed(out), fake.parsers_built) == (0, ["recovery", "eviction", "checkpoint"], 0)
+
+
+@pytest.mark.parametrize(("argv", "flag"), [(["demo"], "--steps"), (["bench", "recovery"], "--hang-repeats"),
+                                            (["bench", "eviction"], "--evictions")])  # fmt: skip
+def test_a_tooling_command_asked_for_has_its_flags(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run(capsys, *argv, "--help")
+    assert (code, flag in out) == (0, True)

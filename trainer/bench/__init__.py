@@ -1,4 +1,4 @@
-"""Benchmarks behind `ftsup bench`; today one: `ftsup bench checkpoint`.
+"""The checkpoint engine's benchmark, `ftsup bench checkpoint` (the supervisor's are `ftsup.supervisor.bench`).
 
 The CLI calls `add_checkpoint_arguments(parser)` and `run_checkpoint(args)`. Importing this
 package does not import torch: the parent process only plans, launches rank processes
@@ -7,6 +7,9 @@ package does not import torch: the parent process only plans, launches rank proc
 Modules: `checkpoint` (orchestration, options), `launch` (rank groups, timeouts, reaping),
 `report` (pure: records -> rows, ratios, table), `shape` (model size), and inside the rank
 processes `rank`, `synthetic`, `probes`, `peer_rows`, `ftsup_rows`.
+
+Tooling, not product: the product (`ftsup run`, `status`, `config`, `ckpt` and the trainer library)
+never imports it; `ftsup.supervisor.cli` does only for `ftsup bench checkpoint`.
 """
 
 from __future__ import annotations

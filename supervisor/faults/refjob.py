@@ -10,7 +10,7 @@
 - `fault_timeline`: what the logs say followed a fault: the supervisor's failure event, its
   relaunch, the first resumed step in the loss log and the checkpoint load, as one dict.
 
-Not here: choosing or injecting faults (`demo`, `bench_recovery`, `chaos`).
+Not here: choosing or injecting faults (`demo`, `chaos`, `ftsup.supervisor.bench.recovery`).
 """
 
 from __future__ import annotations
@@ -27,9 +27,12 @@ from typing import Any
 import psutil
 import yaml
 
-from ftsup.supervisor import chaos, guard, procs
+import ftsup
+from ftsup.supervisor import guard, procs
+from ftsup.supervisor.faults import chaos
 
-CODE_ROOT = Path(__file__).resolve().parents[1]  # holds the `supervisor` and `trainer` packages
+# Where `import ftsup` is found (the repository, or site-packages after `pip install`): the ranks' PYTHONPATH.
+CODE_ROOT = Path(ftsup.__file__).resolve().parents[1]
 SUPERVISOR_STOP_S = 30.0  # a supervisor stops its job within its stop grace; then it is killed
 
 

@@ -3,7 +3,7 @@
 The kill and hang repeats come first (they make the rows), then more kills up to --cycles fault
 cycles, an orphan count, SIGKILL of the supervisor itself, another orphan count, a new
 `ftsup run` that adopts the journal and finishes the job, and a last orphan count. The checks
-of issue 4's targets are computed from the same job's logs.
+of the targets (hang detection, kill recovery, no orphans) are computed from the same job's logs.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ftsup.supervisor import chaos
-from ftsup.supervisor.bench_recovery.common import STEP_GAP, aim, rounded, row, step_times, wait_aimed
-from ftsup.supervisor.refjob import (
+from ftsup.supervisor.bench.recovery.common import STEP_GAP, aim, rounded, row, step_times, wait_aimed
+from ftsup.supervisor.faults import chaos
+from ftsup.supervisor.faults.refjob import (
     TrainerJob,
     child_env,
     fault_timeline,
@@ -109,7 +109,8 @@ def _checks(
     checks: dict[str, Any] = {}
     hangs = [f for f in per_fault if f["fault"] == "hang"]
     if hangs:
-        # The bound of issue 4, with the p99 step time this job showed before its first hang.
+        # The target: a hang detected within max(3 x p99 step time, 2 s) + 1 s, with the p99 step
+        # time this job showed before its first hang.
         gaps = step_times(tail, [e.t for e in events if e.event == "workers_launched"], hangs[0]["t"])
         q = chaos.p99(gaps)
         bound = None if q is None else max(3 * q, 2.0) + 1.0

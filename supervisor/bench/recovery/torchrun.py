@@ -24,9 +24,10 @@ from typing import Any
 
 import psutil
 
-from ftsup.supervisor import chaos, procs
-from ftsup.supervisor.bench_recovery.common import STEP_GAP, aim, load_average, rounded, row, wait_aimed
-from ftsup.supervisor.refjob import TrainerJob, child_env, new_run_id, start_guarded, wait_exit
+from ftsup.supervisor import procs
+from ftsup.supervisor.bench.recovery.common import STEP_GAP, aim, load_average, rounded, row, wait_aimed
+from ftsup.supervisor.faults import chaos
+from ftsup.supervisor.faults.refjob import TrainerJob, child_env, new_run_id, start_guarded, wait_exit
 
 MAX_RESTARTS = 3
 WORKAROUND = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch/pytorch#135712

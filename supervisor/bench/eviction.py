@@ -31,9 +31,9 @@ from typing import Any
 
 import yaml
 
+from ftsup.supervisor.faults.refjob import CODE_ROOT
 from ftsup.trainer.checkpoint import layout
 
-REPO = Path(__file__).resolve().parents[1]
 CKPT_EVERY = 10
 
 
@@ -52,7 +52,7 @@ def _job(work: Path, mode: str, steps: int, min_step_s: float) -> Path:
                         str(CKPT_EVERY), "--n-layer", "2", "--n-embd", "128", "--seq-len", "64",
                         "--corpus-bytes", "400000", "--min-step-s", str(min_step_s), "--keep-last", "2",
                         "--loss-log", str(work / "loss.jsonl")],
-            "workdir": str(REPO), "state_dir": str(work / "state"), "env": {"PYTHONPATH": str(REPO)},
+            "workdir": str(CODE_ROOT), "state_dir": str(work / "state"), "env": {"PYTHONPATH": str(CODE_ROOT)},
         },
         "launch": {"nproc_per_node": 2},
         "checkpoint": {"dir": str(work / "ckpt")},
@@ -93,7 +93,7 @@ def _run_mode(work: Path, mode: str, n: int, rnd: random.Random, min_step_s: flo
     steps = 100_000  # never reached: every run ends in an eviction
     job = _job(work, mode, steps, min_step_s)
     log = work / "loss.jsonl"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(CODE_ROOT))
     rows = []
     for i in range(n):
         start_lines = len(_lines(log))

@@ -8,8 +8,8 @@ import subprocess
 from collections.abc import Sequence
 from typing import Any
 
-from ftsup.supervisor import chaos
-from ftsup.supervisor.refjob import TrainerJob
+from ftsup.supervisor.faults import chaos
+from ftsup.supervisor.faults.refjob import TrainerJob
 from ftsup.trainer.checkpoint import layout
 
 SPLIT_KEYS = ("detection_s", "teardown_s", "backoff_s", "launch_s", "load_s")

@@ -2,8 +2,8 @@
 
     ftsup bench recovery [--json FILE] [--cycles N] [--repeats N] [--hang-repeats N] [--peers ftsup,torchrun]
 
-The job is the demo's (`refjob.TrainerJob`: the reference trainer, 2 CPU ranks, a checkpoint every
-5 steps, steps padded to --min-step-s). Faults come from outside (`chaos`): "kill" is SIGKILL of
+The job is the demo's (`faults.refjob.TrainerJob`: the reference trainer, 2 CPU ranks, a checkpoint every
+5 steps, steps padded to --min-step-s). Faults come from outside (`faults.chaos`): "kill" is SIGKILL of
 rank 1, "hang" is SIGSTOP of rank 0. For each fault:
 
 - detect_s: fault -> the supervisor's failure event (`worker_exited`, `heartbeat_timed_out`, ...);
@@ -29,8 +29,9 @@ Every fault is aimed 3 steps past a checkpoint whose commit has been seen, so lo
 the launcher, not a race with the asynchronous checkpoint writer.
 
 Modules: `common` (aiming faults, result rows), `ftsup` (the supervised job and the checks of
-issue 4's targets), `torchrun` (the plain torchrun peer); shared with the demo: `refjob` (the
-job, its supervisor, its log timeline) and `chaos` (faults and observations from outside).
+its targets: hang detection, kill recovery, no orphans), `torchrun` (the plain torchrun peer);
+shared with the demo: `ftsup.supervisor.faults.refjob` (the job, its supervisor, its log
+timeline) and `ftsup.supervisor.faults.chaos` (faults and observations from outside).
 
 Not measured here: checkpoint throughput (`ftsup bench checkpoint`). The process that runs this
 never imports torch.
@@ -45,15 +46,21 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ftsup.supervisor.bench_recovery.common import load_average
-from ftsup.supervisor.bench_recovery.ftsup import bench_ftsup, slow_save_check
-from ftsup.supervisor.bench_recovery.torchrun import bench_torchrun
+from ftsup.supervisor.bench.recovery.common import load_average
+from ftsup.supervisor.bench.recovery.ftsup import bench_ftsup, slow_save_check
+from ftsup.supervisor.bench.recovery.torchrun import bench_torchrun
 from ftsup.supervisor.errors import UsageError
 
 PEERS = ("ftsup", "torchrun")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The description and flags of `ftsup bench recovery`."""
+    p.description = (
+        "Inject SIGKILL and SIGSTOP into the reference trainer's ranks under ftsup run and under plain torchrun; "
+        "report detection and recovery times, lost steps and orphans (see supervisor/bench/recovery/). Runs torch "
+        "only in subprocesses."
+    )
     p.add_argument("--json", type=Path, metavar="FILE", help="write the results as one JSON object to FILE")
     p.add_argument("--dir", type=Path, metavar="DIR", help="work directory (default: a fresh temporary directory)")
     p.add_argument("--repeats", type=_positive, default=3, help="kill faults measured (median), default 3")

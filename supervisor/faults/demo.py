@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ftsup.supervisor import chaos
 from ftsup.supervisor.errors import UsageError
-from ftsup.supervisor.refjob import (
+from ftsup.supervisor.faults import chaos
+from ftsup.supervisor.faults.refjob import (
     TrainerJob,
     fault_timeline,
     new_run_id,
@@ -72,6 +72,12 @@ def fault_plan(steps: int, *, supervisor_kill: bool = True) -> list[Fault]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The description and flags of `ftsup demo`."""
+    p.description = (
+        "Run the reference trainer under `ftsup run` uninterrupted, then again while SIGKILLing a rank, SIGSTOPping "
+        "a rank and SIGKILLing the supervisor; report detection and recovery and compare the loss logs bitwise. "
+        "Exit 0 only when everything matched and nothing is left running."
+    )
     p.add_argument("--dir", type=Path, metavar="DIR", help="work directory (default: a fresh temporary directory)")
     p.add_argument("--steps", type=int, default=60, help=f"training steps per run (at least {MIN_STEPS})")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the results as one JSON object to FILE")

@@ -1,0 +1,13 @@
+"""Fault injection from outside a running job, and the demo built on it: tooling, not product.
+
+- `chaos`: faults sent as an operator or a chaos tool would (signals to ranks, to the supervisor)
+  and what can be observed from outside (rank processes, loss log, supervisor log, leftovers).
+- `refjob`: the reference trainer as a supervised job, started, stopped and read from outside.
+- `demo`: `ftsup demo`, the reference trainer under `ftsup run` with faults injected, its loss
+  log compared bitwise with an uninterrupted run's.
+
+Shared by the demo and the benchmarks (`ftsup.supervisor.bench`). Nothing here imports torch.
+The product (`ftsup run`, `ftsup status`, `ftsup ckpt`, `ftsup config` and everything they import)
+never imports this package: `ftsup.supervisor.cli` imports it only for `ftsup demo` and `ftsup bench`
+(tests/unit/test_product_imports.py).
+"""
