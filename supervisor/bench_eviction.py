@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from ftsup.trainer.checkpoint import layout
+from ftsup.store import layout
 
 REPO = Path(__file__).resolve().parents[1]
 CKPT_EVERY = 10

@@ -29,6 +29,8 @@ from typing import Any, TypeVar
 
 import structlog
 
+from ftsup.store import choice
+from ftsup.store.errors import CheckpointError
 from ftsup.supervisor import health, launcher, logs, policy, procs, statedir, systemd
 from ftsup.supervisor.ckptstore import StoreScanner
 from ftsup.supervisor.config import JobConfig, settings_from
@@ -43,8 +45,6 @@ from ftsup.supervisor.journal import Journal, JournalError, JournalRecord
 from ftsup.supervisor.metrics import Metrics, MetricsServer
 from ftsup.supervisor.outages import Outages
 from ftsup.supervisor.wakeup import Wakeup
-from ftsup.trainer.checkpoint import choice
-from ftsup.trainer.checkpoint.errors import CheckpointError
 
 _T = TypeVar("_T")
 _STORE_ERRORS = (OSError, CheckpointError)  # what reading the store raises while it is unreadable or mid-change

@@ -28,12 +28,12 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import choose_encoder
 
+from ftsup.store import layout
 from ftsup.supervisor import policy
 from ftsup.supervisor.config import split_host_port
 from ftsup.supervisor.heartbeat import DROP_REASONS
 from ftsup.supervisor.logs import EVENTS
 from ftsup.supervisor.metrics_http import BoundedHTTPServer
-from ftsup.trainer.checkpoint import layout
 
 log = structlog.get_logger("ftsup.supervisor")
 

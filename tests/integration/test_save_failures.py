@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ftsup.trainer.checkpoint import layout
+from ftsup.store import layout
 from tests.procs import run
 
 SMALL = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--corpus-bytes", "50000",

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ftsup.store import layout
 from ftsup.supervisor import policy as P
 from ftsup.supervisor.config import ConfigError, load_config
 from ftsup.supervisor.daemon import Daemon
 from ftsup.supervisor.metrics import FAILURE_KINDS, Metrics, MetricsServer
-from ftsup.trainer.checkpoint import layout
 
 S = P.Settings(nproc_max=2, startup_timeout_s=60, backoff_initial_s=1, backoff_max_s=8, max_restarts=5,
                window_s=1000, max_attempts_without_progress=3)  # fmt: skip
