@@ -10,7 +10,7 @@ On start it checks the state directory (`statedir`) and takes its single-instanc
 reads the node's journal: processes of an attempt that a previous supervisor left running (it
 was `kill -9`ed, the node's systemd restarted it) are found by their attempt's mark and stopped
 before anything new is launched, so two attempts never run at once. No pid is signalled only
-because a journal or a heartbeat names it (`ftsup.supervisor.procs`).
+because a journal or a heartbeat names it (`ftsup.procs`).
 
 Once the loop runs, an I/O error of the store, journal or control file is an outage to ride out
 (`ftsup.supervisor.outages`), a failed launch a failed attempt, any other exception a bug (exit 1).
@@ -29,9 +29,10 @@ from typing import Any, TypeVar
 
 import structlog
 
+from ftsup import procs
 from ftsup.store import choice
 from ftsup.store.errors import CheckpointError
-from ftsup.supervisor import health, launcher, logs, policy, procs, statedir, systemd
+from ftsup.supervisor import health, launcher, logs, policy, statedir, systemd
 from ftsup.supervisor.ckptstore import StoreScanner
 from ftsup.supervisor.config import JobConfig, settings_from
 from ftsup.supervisor.errors import ConfigError, error_line

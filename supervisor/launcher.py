@@ -3,7 +3,7 @@
 - `torchrun_argv` builds the command (pure): `--max-restarts=0` (restarts are the
   supervisor's decision), `--nnodes`, `--nproc-per-node`, c10d rendezvous (or `--standalone`
   for one node without an endpoint), then each rank's command: the training command behind the
-  parent-death guard (`ftsup.supervisor.guard`, run with `--no-python`).
+  parent-death guard (`ftsup.guard`, run with `--no-python`).
 - `start` runs torchrun behind the same guard, in a session of its own, without `preexec_fn`
   (the daemon has threads running): torchrun dies with the supervisor, and each rank with
   torchrun, from before their first import on. Every process of the attempt carries its
@@ -29,7 +29,8 @@ from pathlib import Path
 
 import psutil
 
-from ftsup.supervisor import guard, procs, statedir
+from ftsup import guard, procs
+from ftsup.supervisor import statedir
 from ftsup.supervisor.config import JobConfig
 
 pid_alive = procs.pid_alive

@@ -27,7 +27,8 @@ from typing import Any
 import psutil
 import yaml
 
-from ftsup.supervisor import chaos, guard, procs
+from ftsup import guard, procs
+from ftsup.supervisor import chaos
 
 CODE_ROOT = Path(__file__).resolve().parents[1]  # holds the `supervisor` and `trainer` packages
 SUPERVISOR_STOP_S = 30.0  # a supervisor stops its job within its stop grace; then it is killed

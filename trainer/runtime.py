@@ -58,7 +58,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ftsup.supervisor import guard
+from ftsup import guard
 
 # ---------------------------------------------------------------------- the wire format
 
@@ -411,7 +411,7 @@ def agree(request: Request, device: Any = "cpu") -> Request:
 def _arm_parent_death_signal() -> None:
     """SIGKILL this rank when its parent dies. A rank that `ftsup run` started through its exec
     wrapper has the guard armed since before its first import; any other (the training command
-    started by a shell script, say) arms it here, best effort (`ftsup.supervisor.guard`)."""
+    started by a shell script, say) arms it here, best effort (`ftsup.guard`)."""
     guard.arm_in_process()
 
 

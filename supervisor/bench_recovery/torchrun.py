@@ -24,7 +24,8 @@ from typing import Any
 
 import psutil
 
-from ftsup.supervisor import chaos, procs
+from ftsup import procs
+from ftsup.supervisor import chaos
 from ftsup.supervisor.bench_recovery.common import STEP_GAP, aim, load_average, rounded, row, wait_aimed
 from ftsup.supervisor.refjob import TrainerJob, child_env, new_run_id, start_guarded, wait_exit
 

@@ -2,7 +2,7 @@
 
 Each rank is `python -m ftsup.trainer.bench.rank SPEC` in its own session (so that it and any
 process it starts, such as DCP's checkpoint daemon, share one process group we can signal),
-behind the parent-death guard (`ftsup.supervisor.guard`) so that it dies with us. Shutdown is
+behind the parent-death guard (`ftsup.guard`) so that it dies with us. Shutdown is
 SIGTERM, one grace period, then SIGKILL to each rank's whole process group. Torch-free: the
 parent process of a benchmark never imports torch.
 """
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ftsup.supervisor import guard
+from ftsup import guard
 
 # A rank that exits non-zero leaves its peers blocked in a collective; give them this long
 # to notice on their own before they are stopped.
