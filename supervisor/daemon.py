@@ -18,7 +18,6 @@ Once the loop runs, an I/O error of the store, journal or control file is an out
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -29,7 +28,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from ftsup import procs
+from ftsup import procs, protocol
 from ftsup.store import choice
 from ftsup.store.errors import CheckpointError
 from ftsup.supervisor import health, launcher, logs, policy, statedir, systemd
@@ -73,7 +72,7 @@ class Daemon:
         self._runtime_dir: Path | None = None
         self._runtime: statedir.RuntimeDir | None = None
         self._ranks_seen: frozenset[int] = frozenset()
-        self._rank_phase: dict[int, str] = {}  # pid -> last heartbeat phase, this attempt
+        self._rank_phase: dict[int, protocol.Phase] = {}  # pid -> last heartbeat phase, this attempt
         self.last_attempt = 0
         self.metrics = Metrics(cfg.job.run_id, cfg.launch.node_id, started_unix=time.time())
         self._metrics_server: MetricsServer | None = None
@@ -285,10 +284,9 @@ class Daemon:
 
     def _request_save(self, action: policy.RequestSave) -> None:
         deadline_unix = None if action.deadline is None else time.time() + (action.deadline - self.clock())
-        body = {"seq": action.seq, "action": "save", "stop": action.stop, "reason": action.reason,
-                "deadline_unix": deadline_unix}  # fmt: skip
+        body = protocol.encode_control(protocol.Request(action.seq, action.stop, action.reason, deadline_unix))
         # Ranks see the old request or the new one, never half of one; never written through a link.
-        statedir.write_atomic(self._control_path(), json.dumps(body).encode(), durable=False)
+        statedir.write_atomic(self._control_path(), body, durable=False)
 
     def _ack(self, source: str) -> None:
         notice = self._notices.get(source)
@@ -394,7 +392,7 @@ class Daemon:
         if att is None or self.cfg.launch.max_nodes > 1:
             return  # on several nodes torchrun replaces ranks itself when the membership changes
         for pid, phase in list(self._rank_phase.items()):
-            if phase != "done" and not launcher.pid_alive(pid):
+            if phase != protocol.Phase.DONE and not launcher.pid_alive(pid):
                 del self._rank_phase[pid]
                 self.pending.append(policy.RankExited(att.number, pid, None))
 

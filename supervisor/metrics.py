@@ -37,7 +37,7 @@ from ftsup.supervisor.metrics_http import BoundedHTTPServer
 
 log = structlog.get_logger("ftsup.supervisor")
 
-PHASES = ("init", "preparing", "running", "stopping", "backoff", "done")
+PHASES = tuple(p.value for p in policy.SupervisorPhase)
 """The policy's phases, one series each in `ftsup_phase`."""
 
 FAILURE_KINDS = {
@@ -202,7 +202,7 @@ class Metrics:
             self.phase.labels(name).set(1 if st.phase == name else 0)
         self.attempt.set(st.attempt_no)
         att = st.attempt
-        self.world_size.set(att.nproc if att is not None and st.phase in ("running", "stopping") else 0)
+        self.world_size.set(att.nproc if att is not None and st.phase in policy.ATTEMPT_PHASES else 0)
         self.ranks_reporting.set(len(att.ranks) if att is not None else 0)
         self.step.set(st.best_step)
         if att is not None:
