@@ -15,7 +15,8 @@
   A file without `"v"`, or of another version (a supervisor of another ftsup release), is
   refused (`ControlVersionError`), never acted on.
 
-Values and bytes only, stdlib only: no sockets, files, clocks or threads. The channel's ends
+Values and bytes only, stdlib only: no sockets, files, clocks or threads (`RuntimeEnv` reads
+this process's environment when given none). The channel's ends
 are `ftsup.supervisor.heartbeat` (the receiving socket, who may send) and `ftsup.trainer.runtime`
 (the client, the control file's reader).
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -78,8 +80,10 @@ class RuntimeEnv:
     world_size: int = 1
 
     @classmethod
-    def from_environ(cls, env: Mapping[str, str]) -> RuntimeEnv:
-        """Parse `env`; ValueError naming the variable when one is set but not a number."""
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> RuntimeEnv:
+        """Parse `env` (default: this process's); ValueError naming the variable when one is set
+        but not a number."""
+        env = os.environ if env is None else env
 
         def num(key: str, default: int | None) -> int | None:
             raw = env.get(key, "").strip()
@@ -339,7 +343,10 @@ def parse_control(raw: bytes) -> Request:
     CONTROL_VERSION; ValueError for anything else that is not a request of this schema."""
     if len(raw) > MAX_CONTROL_BYTES:
         raise ValueError(f"{len(raw)} bytes, more than {MAX_CONTROL_BYTES}")
-    m = json.loads(raw.decode("utf-8"), parse_int=_bounded_int, parse_constant=_no_constants)
+    try:
+        m = json.loads(raw.decode("utf-8"), parse_int=_bounded_int, parse_constant=_no_constants)
+    except RecursionError:  # the decoder recurses once per level of nesting
+        raise ValueError("nested too deep") from None
     if not isinstance(m, dict):
         raise ValueError("not a JSON object")
     if "v" not in m:

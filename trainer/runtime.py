@@ -323,5 +323,5 @@ def runtime() -> RuntimeClient:
     """The process's client (created on first use from the environment)."""
     global _client
     if _client is None:
-        _client = RuntimeClient(RuntimeEnv.from_environ(os.environ))
+        _client = RuntimeClient(RuntimeEnv.from_environ())
     return _client

@@ -191,7 +191,7 @@ def test_a_control_file_outside_the_schema_is_not_a_request(change):
     assert not isinstance(e.value, ControlVersionError)
 
 
-@pytest.mark.parametrize("text", [b"", b"[]", b"null", b'{"v": 1, "seq": NaN}', b"\xff", b"{" * 10_000,
+@pytest.mark.parametrize("text", [b"", b"[]", b"null", b'{"v": 1, "seq": NaN}', b"\xff", b"{" * 10_000, b"[" * 8000,
                                   b'{"v": 1, "seq": 1, "action": "save", "deadline_unix": Infinity}'])  # fmt: skip
 def test_garbage_in_the_control_file_is_not_a_request(text):
     with pytest.raises(ValueError):
