@@ -5,6 +5,10 @@ Everything ftsup ships is imported under this name:
 - `ftsup.supervisor`: `ftsup run` (the per-node daemon), `ftsup status`, `ftsup ckpt`; never imports torch.
 - `ftsup.trainer`: what a training script uses: the checkpoint engine, the resumable training
   state, the data schedule and the runtime client (heartbeats, save and stop requests).
+- The shared core both sides import, which imports neither (stdlib only, no torch):
+  `ftsup.store` (the checkpoint store's format: layout, manifests, checksums, retention, the
+  resume choice), `ftsup.protocol` (what crosses the rank/supervisor boundary: environment,
+  phases, heartbeat and control-file schemas) and process handling (`ftsup.procs`, `ftsup.guard`).
 
 A training script needs only this module's names; each is imported on first use, so that
 `import ftsup` costs nothing and pulls in no torch:

@@ -11,7 +11,7 @@ here, on one thread owned by the daemon (`start`, `close`), never by the loop:
   unchanged store costs a `scandir` and two `lstat`s per checkpoint looked at, newest first until
   a consistent one. (A file changed in place under an unchanged manifest shows at the next
   change of the directory; the resume choice below never uses the cache.)
-- `choose()` asks for the resume choice (`ftsup.trainer.checkpoint.choice`: fresh checks, deep when
+- `choose()` asks for the resume choice (`ftsup.store.choice`: fresh checks, deep when
   configured, quarantines) and waits for it, at most `timeout_s`; it goes before any scan.
 
 A manifest of CHILD_CHECK_BYTES or more is checked in a child process: the JSON decoder and the
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftsup.trainer.checkpoint import choice, layout
-from ftsup.trainer.checkpoint.errors import CheckpointError, ManifestError
+from ftsup.store import choice, layout
+from ftsup.store.errors import CheckpointError, ManifestError
 
 REFRESH_S = 2.0
 CHILD_CHECK_BYTES = 4 << 20
@@ -43,7 +43,7 @@ CHILD_CHECK_BYTES = 4 << 20
 CHILD_TIMEOUT_S = 120.0
 _CHILD = (
     "import json, sys\n"
-    "from ftsup.trainer.checkpoint import layout\n"
+    "from ftsup.store import layout\n"
     "i = layout.inspect_checkpoint(sys.argv[1])\n"
     "print(json.dumps(dict(i.to_json(), tensor_bytes=i.tensor_bytes)))\n"
 )

@@ -15,7 +15,7 @@ unreadable file, directory or checkpoint, or any `CheckpointError`, reported as 
 `ftsup: error: ...` on stderr. `ftsup run` has statuses of its own (README, `ftsup.supervisor.policy`):
 2 only for what is refused before anything starts, 1 for any failure after that.
 
-This module never imports torch: `ftsup.trainer.checkpoint.layout` is stdlib-only. Nor does it
+This module never imports torch: `ftsup.store.layout` is stdlib-only. Nor does it
 import tooling (`ftsup.supervisor.bench`, `ftsup.supervisor.faults`, `ftsup.trainer.bench`, which
 needs torch) for a command that does not run it: every command is registered with its one-line
 help, so `ftsup --help` lists them all, and only the asked-for one's parser is built, which is
@@ -37,9 +37,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from ftsup.store import layout
+from ftsup.store.errors import CheckpointError, NoCheckpointError
 from ftsup.supervisor.errors import RunError, SupervisorError, UsageError, error_line
-from ftsup.trainer.checkpoint import layout
-from ftsup.trainer.checkpoint.errors import CheckpointError, NoCheckpointError
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1

@@ -10,7 +10,7 @@ On start it checks the state directory (`statedir`) and takes its single-instanc
 reads the node's journal: processes of an attempt that a previous supervisor left running (it
 was `kill -9`ed, the node's systemd restarted it) are found by their attempt's mark and stopped
 before anything new is launched, so two attempts never run at once. No pid is signalled only
-because a journal or a heartbeat names it (`ftsup.supervisor.procs`).
+because a journal or a heartbeat names it (`ftsup.procs`).
 
 Once the loop runs, an I/O error of the store, journal or control file is an outage to ride out
 (`ftsup.supervisor.outages`), a failed launch a failed attempt, any other exception a bug (exit 1).
@@ -18,7 +18,6 @@ Once the loop runs, an I/O error of the store, journal or control file is an out
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -29,7 +28,10 @@ from typing import Any, TypeVar
 
 import structlog
 
-from ftsup.supervisor import health, launcher, logs, policy, procs, statedir, systemd
+from ftsup import procs, protocol
+from ftsup.store import choice
+from ftsup.store.errors import CheckpointError
+from ftsup.supervisor import health, launcher, logs, policy, statedir, systemd
 from ftsup.supervisor.ckptstore import StoreScanner
 from ftsup.supervisor.config import JobConfig, settings_from
 from ftsup.supervisor.errors import ConfigError, error_line
@@ -43,8 +45,6 @@ from ftsup.supervisor.journal import Journal, JournalError, JournalRecord
 from ftsup.supervisor.metrics import Metrics, MetricsServer
 from ftsup.supervisor.outages import Outages
 from ftsup.supervisor.wakeup import Wakeup
-from ftsup.trainer.checkpoint import choice
-from ftsup.trainer.checkpoint.errors import CheckpointError
 
 _T = TypeVar("_T")
 _STORE_ERRORS = (OSError, CheckpointError)  # what reading the store raises while it is unreadable or mid-change
@@ -72,7 +72,7 @@ class Daemon:
         self._runtime_dir: Path | None = None
         self._runtime: statedir.RuntimeDir | None = None
         self._ranks_seen: frozenset[int] = frozenset()
-        self._rank_phase: dict[int, str] = {}  # pid -> last heartbeat phase, this attempt
+        self._rank_phase: dict[int, protocol.Phase] = {}  # pid -> last heartbeat phase, this attempt
         self.last_attempt = 0
         self.metrics = Metrics(cfg.job.run_id, cfg.launch.node_id, started_unix=time.time())
         self._metrics_server: MetricsServer | None = None
@@ -284,10 +284,9 @@ class Daemon:
 
     def _request_save(self, action: policy.RequestSave) -> None:
         deadline_unix = None if action.deadline is None else time.time() + (action.deadline - self.clock())
-        body = {"seq": action.seq, "action": "save", "stop": action.stop, "reason": action.reason,
-                "deadline_unix": deadline_unix}  # fmt: skip
+        body = protocol.encode_control(protocol.Request(action.seq, action.stop, action.reason, deadline_unix))
         # Ranks see the old request or the new one, never half of one; never written through a link.
-        statedir.write_atomic(self._control_path(), json.dumps(body).encode(), durable=False)
+        statedir.write_atomic(self._control_path(), body, durable=False)
 
     def _ack(self, source: str) -> None:
         notice = self._notices.get(source)
@@ -393,7 +392,7 @@ class Daemon:
         if att is None or self.cfg.launch.max_nodes > 1:
             return  # on several nodes torchrun replaces ranks itself when the membership changes
         for pid, phase in list(self._rank_phase.items()):
-            if phase != "done" and not launcher.pid_alive(pid):
+            if phase != protocol.Phase.DONE and not launcher.pid_alive(pid):
                 del self._rank_phase[pid]
                 self.pending.append(policy.RankExited(att.number, pid, None))
 

@@ -1,8 +1,9 @@
 """The supervisor end of the heartbeat channel: a UNIX `SOCK_SEQPACKET` socket in a private directory.
 
-Ranks connect and send one JSON message per beat (the format is `ftsup.trainer.runtime.encode_beat`'s).
-`HeartbeatReceiver.drain()` returns the valid beats waiting, never blocking; everything else is
-dropped and counted by reason (`DROP_REASONS`), and the connection it came on is closed:
+Ranks connect and send one JSON message per beat (the schema is `ftsup.protocol`'s: `encode_beat`,
+`parse_beat`). `HeartbeatReceiver.drain()` returns the valid beats waiting, never blocking;
+everything else is dropped and counted by reason (`DROP_REASONS`), and the connection it came on
+is closed:
 
 - `malformed`: not a beat of this schema (too long, nested, not JSON, a field missing, of the
   wrong type or out of range, an unknown phase, a bad figure). `parse_beat` checks the size and
@@ -25,27 +26,17 @@ this user's processes can connect. This module decides nothing about the job.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import socket
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import psutil
 
-from ftsup.trainer.runtime import (
-    BASE_FIELDS,
-    FIGURE_NAME,
-    MAX_BEAT_BYTES,
-    MAX_FIGURES,
-    MAX_STEP,
-    PHASES,
-    PROTOCOL_VERSION,
-)
+from ftsup.protocol import MAX_BEAT_BYTES, BadBeat, Beat, parse_beat
 
 DROP_REASONS = ("malformed", "version", "spoofed", "foreign", "refused")
 """Why a message or a connection was dropped: the `reason` label of `ftsup_heartbeats_dropped_total`."""
@@ -54,116 +45,8 @@ MAX_CONNECTIONS = 256  # far above the ranks of one node; each connection holds 
 ACCEPT_BUDGET = 64  # new connections accepted per drain (also the listen backlog)
 PER_CONNECTION = 32  # messages read per connection per drain: several seconds of a rank's beats
 
-_INT_LIMITS = {"attempt": 2**31 - 1, "rank": 2**24, "local_rank": 2**16, "pid": 2**22, "step": MAX_STEP}
-_MAX_INT_DIGITS = 20  # no field or figure needs more; Python would otherwise parse 4300 digits
-_MAX_KEYS = len(BASE_FIELDS) + MAX_FIGURES
 _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 _ANCILLARY = socket.CMSG_SPACE(_UCRED.size)
-
-
-@dataclass(frozen=True)
-class Beat:
-    attempt: int
-    rank: int
-    local_rank: int
-    pid: int  # verified: the kernel's word for the sender, when it comes out of drain()
-    step: int
-    phase: str
-    sent_unix: float
-    sent_mono: float  # the sender's monotonic clock (the same clock on every process of a machine)
-    figures: tuple[tuple[str, float], ...] = ()  # a figure that was not finite at the rank is NaN
-
-
-class BadBeat(ValueError):
-    """A message that is not a beat; `reason` is one of DROP_REASONS."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-
-
-def _no_constants(name: str) -> float:
-    raise ValueError(f"{name} is not a number here")
-
-
-def _bounded_int(digits: str) -> int:
-    if len(digits.lstrip("-")) > _MAX_INT_DIGITS:
-        raise ValueError("an integer of more than 20 digits")
-    return int(digits)
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    if len(pairs) > _MAX_KEYS:
-        raise ValueError(f"more than {_MAX_KEYS} keys")
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        raise ValueError("a key given twice")
-    return obj
-
-
-def _int_field(m: dict[str, object], key: str, low: int = 0) -> int:
-    value = m.get(key)
-    if type(value) is not int or not low <= value <= _INT_LIMITS[key]:
-        raise BadBeat("malformed", f"{key} must be an integer in [{low}, {_INT_LIMITS[key]}], not {value!r:.40}")
-    return value
-
-
-def _finite(value: object) -> float | None:
-    """A JSON number as a finite float, else None (bools are not numbers here)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    x = float(value)
-    return x if math.isfinite(x) else None
-
-
-def _time_field(m: dict[str, object], key: str) -> float:
-    value = _finite(m.get(key))
-    if value is None or value < 0:
-        raise BadBeat("malformed", f"{key} must be a finite number >= 0, not {m.get(key)!r:.40}")
-    return value
-
-
-def parse_beat(raw: bytes) -> Beat:
-    """Check one message against the schema and return the beat it holds (its pid as claimed);
-    BadBeat otherwise. Nothing is parsed that is longer than MAX_BEAT_BYTES or nested."""
-    if len(raw) > MAX_BEAT_BYTES:
-        raise BadBeat("malformed", f"{len(raw)} bytes, more than {MAX_BEAT_BYTES}")
-    # A beat is one flat object, and none of its strings (phase, figure names) holds a bracket:
-    # anything else with a bracket is not a beat, whatever its depth.
-    if raw.count(b"{") != 1 or raw.count(b"}") != 1 or b"[" in raw:
-        raise BadBeat("malformed", "not one flat JSON object")
-    try:
-        m = json.loads(raw.decode("utf-8"), parse_int=_bounded_int, parse_constant=_no_constants,
-                       object_pairs_hook=_unique_keys)  # fmt: skip
-    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
-        raise BadBeat("malformed", f"not JSON: {e}") from None
-    if not isinstance(m, dict):
-        raise BadBeat("malformed", "not a JSON object")
-    v = m.get("v")
-    if type(v) is not int:
-        raise BadBeat("malformed", f"v must be an integer, not {v!r:.40}")
-    if v != PROTOCOL_VERSION:
-        raise BadBeat("version", f"protocol version {v}, this supervisor speaks {PROTOCOL_VERSION}")
-    phase = m.get("phase")
-    if not isinstance(phase, str) or phase not in PHASES:
-        raise BadBeat("malformed", f"phase must be one of {PHASES}, not {phase!r:.40}")
-    figures: list[tuple[str, float]] = []
-    for name, value in m.items():
-        if name in BASE_FIELDS:
-            continue
-        if not FIGURE_NAME.match(name):
-            raise BadBeat("malformed", f"figure name {name!r:.80} is not an identifier of at most 64 characters")
-        number = math.nan if value is None else _finite(value)
-        if number is None:
-            raise BadBeat("malformed", f"figure {name} must be a finite number or null, not {value!r:.40}")
-        figures.append((name, number))
-    if len(figures) > MAX_FIGURES:
-        raise BadBeat("malformed", f"{len(figures)} figures, more than {MAX_FIGURES}")
-    return Beat(
-        attempt=_int_field(m, "attempt"), rank=_int_field(m, "rank"), local_rank=_int_field(m, "local_rank"),
-        pid=_int_field(m, "pid", low=1), step=_int_field(m, "step"), phase=phase,
-        sent_unix=_time_field(m, "t"), sent_mono=_time_field(m, "mono"), figures=tuple(sorted(figures)),
-    )  # fmt: skip
 
 
 def sender(ancillary: list[tuple[int, int, bytes]]) -> tuple[int, int] | None:

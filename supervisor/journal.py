@@ -8,7 +8,7 @@ reader sees the old or the new record, never half of one.
 
 A journal found on disk is input like any other: it is read without following links, capped
 in size and checked field by field (`JournalError` says what is wrong). Its pids are hints for
-a reader; the daemon signals none of them unless `ftsup.supervisor.procs` verifies the process.
+a reader; the daemon signals none of them unless `ftsup.procs` verifies the process.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 - `torchrun_argv` builds the command (pure): `--max-restarts=0` (restarts are the
   supervisor's decision), `--nnodes`, `--nproc-per-node`, c10d rendezvous (or `--standalone`
   for one node without an endpoint), then each rank's command: the training command behind the
-  parent-death guard (`ftsup.supervisor.guard`, run with `--no-python`).
+  parent-death guard (`ftsup.guard`, run with `--no-python`).
 - `start` runs torchrun behind the same guard, in a session of its own, without `preexec_fn`
   (the daemon has threads running): torchrun dies with the supervisor, and each rank with
   torchrun, from before their first import on. Every process of the attempt carries its
@@ -29,7 +29,8 @@ from pathlib import Path
 
 import psutil
 
-from ftsup.supervisor import guard, procs, statedir
+from ftsup import guard, procs, protocol
+from ftsup.supervisor import statedir
 from ftsup.supervisor.config import JobConfig
 
 pid_alive = procs.pid_alive
@@ -56,16 +57,11 @@ def spec_from(cfg: JobConfig, nproc: int) -> LaunchSpec:
 def rank_env(cfg: JobConfig, runtime_dir: Path, resume_step: int | None, base: Mapping[str, str]) -> dict[str, str]:
     """`base` (the supervisor's environment), `job.env`, then the channel to this supervisor; the attempt's mark
     (FTSUP_RUN_ID, FTSUP_NODE_ID, FTSUP_ATTEMPT) is added by `start`."""
-    env = {**base, **cfg.job.env}
-    env.update(
-        FTSUP_HEARTBEAT_SOCKET=str(runtime_dir / "heartbeat.sock"),
-        FTSUP_HEARTBEAT_INTERVAL_S=repr(cfg.heartbeat.interval_s),
-        FTSUP_CONTROL_FILE=str(runtime_dir / "control.json"),
-        FTSUP_CHECKPOINT_DIR=str(cfg.checkpoint.dir),
-        FTSUP_RESUME_STEP="" if resume_step is None else str(resume_step),
-        PYTHONUNBUFFERED="1",
-    )
-    return env
+    channel = protocol.channel_env(
+        heartbeat_socket=str(runtime_dir / "heartbeat.sock"), interval_s=cfg.heartbeat.interval_s,
+        control_file=str(runtime_dir / "control.json"), checkpoint_dir=str(cfg.checkpoint.dir), resume_step=resume_step,
+    )  # fmt: skip
+    return {**base, **cfg.job.env, **channel, "PYTHONUNBUFFERED": "1"}
 
 
 def _is_python(exe: str) -> bool:

@@ -28,16 +28,16 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import choose_encoder
 
+from ftsup.store import layout
 from ftsup.supervisor import policy
 from ftsup.supervisor.config import split_host_port
 from ftsup.supervisor.heartbeat import DROP_REASONS
 from ftsup.supervisor.logs import EVENTS
 from ftsup.supervisor.metrics_http import BoundedHTTPServer
-from ftsup.trainer.checkpoint import layout
 
 log = structlog.get_logger("ftsup.supervisor")
 
-PHASES = ("init", "preparing", "running", "stopping", "backoff", "done")
+PHASES = tuple(p.value for p in policy.SupervisorPhase)
 """The policy's phases, one series each in `ftsup_phase`."""
 
 FAILURE_KINDS = {
@@ -202,7 +202,7 @@ class Metrics:
             self.phase.labels(name).set(1 if st.phase == name else 0)
         self.attempt.set(st.attempt_no)
         att = st.attempt
-        self.world_size.set(att.nproc if att is not None and st.phase in ("running", "stopping") else 0)
+        self.world_size.set(att.nproc if att is not None and st.phase in policy.ATTEMPT_PHASES else 0)
         self.ranks_reporting.set(len(att.ranks) if att is not None else 0)
         self.step.set(st.best_step)
         if att is not None:

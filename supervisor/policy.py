@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 # The policy's vocabulary; callers use it as policy.X (policy.Heartbeat, policy.Launch, ...).
+from ftsup.protocol import LONG_PHASES, QUIET_PHASES, SLOW_PHASES, Phase
 from ftsup.supervisor.policy_io import (
     AckEviction,
     Action,
@@ -44,6 +45,7 @@ from ftsup.supervisor.policy_io import (
     Settings,
     Start,
     StopWorkers,
+    SupervisorPhase,
     Tick,
     WorkersExited,
     WorkersRestarted,
@@ -61,9 +63,7 @@ EXIT_BUDGET = 4
 EXIT_EVICTED = 5
 EXIT_STOPPED = 6
 
-SLOW_PHASES = frozenset({"save", "load"})  # may be silent up to save_timeout_s
-LONG_PHASES = SLOW_PHASES | {"eval"}  # no step progress expected, for up to save_timeout_s
-QUIET_PHASES = frozenset({"done"})  # finished training, tearing down: torchrun's exit decides
+ATTEMPT_PHASES = frozenset({SupervisorPhase.RUNNING, SupervisorPhase.STOPPING})  # an attempt's processes are up
 STEP_HISTORY = 200
 
 
@@ -74,7 +74,7 @@ STEP_HISTORY = 200
 class RankView:
     last_beat: float  # when its newest beat was read
     step: int
-    phase: str
+    phase: Phase
     since: float = 0.0  # when it entered this phase
     mark: tuple[int, float] | None = None  # (step, rank's clock) where the step being timed began
 
@@ -106,7 +106,7 @@ class Eviction:
 
 @dataclass(frozen=True)
 class State:
-    phase: str = "init"  # init | preparing | running | stopping | backoff | done
+    phase: SupervisorPhase = SupervisorPhase.INIT
     attempt_no: int = 0
     attempt: Attempt | None = None
     stop_reason: str | None = None
@@ -177,29 +177,29 @@ def backoff_s(s: Settings, failures_in_a_row: int) -> float:
 
 def step(s: Settings, st: State, ev: Event, now: float) -> tuple[State, list[Action]]:
     """One transition. Unknown or stale events leave the state unchanged."""
-    if st.phase == "done":
+    if st.phase == SupervisorPhase.DONE:
         return st, []
-    if isinstance(ev, Start) and st.phase == "init":
+    if isinstance(ev, Start) and st.phase == SupervisorPhase.INIT:
         return _prepare(st, now)
     if isinstance(ev, OperatorStop):
         return _operator_stop(st, ev, now)
-    if isinstance(ev, LaunchReady) and st.phase == "preparing":
+    if isinstance(ev, LaunchReady) and st.phase == SupervisorPhase.PREPARING:
         return _launch(s, st, ev, now)
     att = st.attempt
     if isinstance(ev, WorkersStarted) and att and ev.attempt == att.number:
         return replace(st, attempt=replace(att, started=True)), [
             log("workers_launched", attempt=att.number, world_size=att.nproc, resume_step=att.resume_step)
         ]
-    if isinstance(ev, WorkersRestarted) and att and ev.attempt == att.number and st.phase == "running":
+    if isinstance(ev, WorkersRestarted) and att and ev.attempt == att.number and st.phase == SupervisorPhase.RUNNING:
         fresh = replace(st, attempt=replace(att, ranks=(), launched_at=now, progress_at=now))
         if not ev.new_ranks:
             return fresh, []
         return fresh, [log("workers_restarted", attempt=att.number, world_size=att.nproc, step=att.max_step)]
-    if isinstance(ev, Heartbeat) and att and ev.attempt == att.number and st.phase in ("running", "stopping"):
+    if isinstance(ev, Heartbeat) and att and ev.attempt == att.number and st.phase in ATTEMPT_PHASES:
         return _heartbeat_and_saves(st, att, ev, now)
     if isinstance(ev, EvictionNoticed):
         return _evict(s, st, ev, now)
-    if isinstance(ev, RankExited) and att and ev.attempt == att.number and st.phase == "running":
+    if isinstance(ev, RankExited) and att and ev.attempt == att.number and st.phase == SupervisorPhase.RUNNING:
         how = (
             f"signal {ev.signal}"
             if ev.signal
@@ -217,19 +217,19 @@ def step(s: Settings, st: State, ev: Event, now: float) -> tuple[State, list[Act
 
 def _prepare(st: State, now: float) -> tuple[State, list[Action]]:
     n = st.attempt_no + 1
-    return replace(st, phase="preparing", attempt_no=n, attempt=None), [PrepareLaunch(n)]
+    return replace(st, phase=SupervisorPhase.PREPARING, attempt_no=n, attempt=None), [PrepareLaunch(n)]
 
 
 def _launch(s: Settings, st: State, ev: LaunchReady, now: float) -> tuple[State, list[Action]]:
     n, why = choose_world_size(s, ev.healthy_slots, ev.batch_divisor)
     if n is None:
         exit_ = Exit(EXIT_BUDGET, f"cannot launch: {why}")
-        return replace(st, phase="done", final=exit_), [
+        return replace(st, phase=SupervisorPhase.DONE, final=exit_), [
             log("job_failed", "error", attempt=st.attempt_no, reason=exit_.reason),
             exit_,
         ]
     att = Attempt(st.attempt_no, n, ev.resume_step, launched_at=now, progress_at=now, best_before=st.best_step)
-    return replace(st, phase="running", attempt=att), [
+    return replace(st, phase=SupervisorPhase.RUNNING, attempt=att), [
         log("world_size_chosen", attempt=st.attempt_no, world_size=n, reason=why, step=ev.resume_step),
         Launch(st.attempt_no, n, ev.resume_step),
     ]
@@ -241,8 +241,8 @@ def _heartbeat(st: State, att: Attempt, ev: Heartbeat, now: float) -> State:
     sent = now if ev.sent is None else ev.sent
     step_times = st.step_times
     mark: tuple[int, float] | None = None
-    if ev.phase == "train":
-        if prev is None or prev.phase != "train" or prev.mark is None:
+    if ev.phase == Phase.TRAIN:
+        if prev is None or prev.phase != Phase.TRAIN or prev.mark is None:
             mark = (ev.step, sent)  # (back) in train: time steps from here, not across a save or a load
         elif ev.step > prev.mark[0]:
             per_step = (sent - prev.mark[1]) / (ev.step - prev.mark[0])
@@ -254,16 +254,16 @@ def _heartbeat(st: State, att: Attempt, ev: Heartbeat, now: float) -> State:
     since = prev.since if prev is not None and prev.phase == ev.phase else now
     ranks[ev.local_rank] = RankView(now, ev.step, ev.phase, since, mark)
     att = replace(att, ranks=tuple(sorted(ranks.items())))
-    if ev.phase == "train" and ev.step > att.max_step:
+    if ev.phase == Phase.TRAIN and ev.step > att.max_step:
         att = replace(att, max_step=ev.step, progress_at=now)
-    elif ev.phase == "train" and prev is not None and prev.phase in LONG_PHASES:
+    elif ev.phase == Phase.TRAIN and prev is not None and prev.phase in LONG_PHASES:
         att = replace(att, progress_at=max(att.progress_at, now))  # time in a long phase is not a stall
     return replace(st, attempt=att, step_times=step_times, best_step=max(st.best_step, att.max_step))
 
 
 def _heartbeat_and_saves(st: State, att: Attempt, ev: Heartbeat, now: float) -> tuple[State, list[Action]]:
     actions: list[Action] = []
-    if st.phase == "running":
+    if st.phase == SupervisorPhase.RUNNING:
         st = _heartbeat(st, att, ev, now)
     save_s = ev.figure("save_s")
     if save_s is not None and not (math.isfinite(save_s) and save_s >= 0):
@@ -315,7 +315,7 @@ def _evict(s: Settings, st: State, ev: EvictionNoticed, now: float) -> tuple[Sta
     notice = log("eviction_noticed", "warning", reason=f"{ev.source}: {ev.detail}", source=ev.source,
                  deadline_in_s=round(ev.deadline - now, 3), attempt=st.attempt_no)  # fmt: skip
     if ev.advisory:
-        if st.phase != "running" or att is None:
+        if st.phase != SupervisorPhase.RUNNING or att is None:
             return st, [notice]
         seq = st.save_seq + 1
         return replace(st, save_seq=seq), [
@@ -325,27 +325,27 @@ def _evict(s: Settings, st: State, ev: EvictionNoticed, now: float) -> tuple[Sta
         ]
     if st.eviction is not None:
         return st, []  # one eviction at a time; later notices of it change nothing
-    if att is not None and st.phase == "running" and att.ranks and all(r.phase == "done" for _, r in att.ranks):
+    if att is not None and st.phase == SupervisorPhase.RUNNING and {r.phase for _, r in att.ranks} == {Phase.DONE}:
         # Training is over and its final checkpoint committed: let the job succeed, not be evicted.
         return st, [notice]
     exit_ = Exit(EXIT_EVICTED, f"evicted: {ev.source}: {ev.detail}")
-    if st.phase == "stopping":
+    if st.phase == SupervisorPhase.STOPPING:
         return replace(st, final=exit_, eviction=Eviction(ev.source, ev.deadline, now, None)), [notice]
-    if st.phase != "running" or att is None or att.max_step < 0:
+    if st.phase != SupervisorPhase.RUNNING or att is None or att.max_step < 0:
         # Nothing trained in this attempt since its checkpoint: nothing to save.
         base = replace(st, final=exit_, eviction=Eviction(ev.source, ev.deadline, now, None))
-        if st.phase == "running" and att is not None:
-            return replace(base, phase="stopping", stop_reason=exit_.reason), [
+        if st.phase == SupervisorPhase.RUNNING and att is not None:
+            return replace(base, phase=SupervisorPhase.STOPPING, stop_reason=exit_.reason), [
                 notice,
                 log("save_skipped", attempt=att.number, reason="no training step since the last checkpoint"),
                 StopWorkers(att.number, exit_.reason),
             ]
-        return replace(base, phase="done"), [notice, exit_]
+        return replace(base, phase=SupervisorPhase.DONE), [notice, exit_]
     fits, why = save_fits(s, st, now, ev.deadline, ev.state_bytes)
     if not fits:
         return replace(
             st,
-            phase="stopping",
+            phase=SupervisorPhase.STOPPING,
             stop_reason=exit_.reason,
             final=exit_,
             eviction=Eviction(ev.source, ev.deadline, now, None),
@@ -372,9 +372,9 @@ def _evict(s: Settings, st: State, ev: EvictionNoticed, now: float) -> tuple[Sta
 
 
 def _fail(st: State, att: Attempt, reason: str, now: float, event: str, **fields: object) -> tuple[State, list[Action]]:
-    if st.phase != "running":
+    if st.phase != SupervisorPhase.RUNNING:
         return st, []
-    return replace(st, phase="stopping", stop_reason=reason, last_failure=reason), [
+    return replace(st, phase=SupervisorPhase.STOPPING, stop_reason=reason, last_failure=reason), [
         log(event, "error", attempt=att.number, world_size=att.nproc, reason=reason, step=att.max_step, **fields),
         StopWorkers(att.number, reason),
     ]
@@ -382,21 +382,21 @@ def _fail(st: State, att: Attempt, reason: str, now: float, event: str, **fields
 
 def _operator_stop(st: State, ev: OperatorStop, now: float) -> tuple[State, list[Action]]:
     exit_ = Exit(EXIT_STOPPED, f"stopped: {ev.reason}")
-    if st.phase == "running" and st.attempt:
-        return replace(st, phase="stopping", stop_reason=exit_.reason, final=exit_), [
+    if st.phase == SupervisorPhase.RUNNING and st.attempt:
+        return replace(st, phase=SupervisorPhase.STOPPING, stop_reason=exit_.reason, final=exit_), [
             log("stop_requested", attempt=st.attempt.number, reason=ev.reason),
             StopWorkers(st.attempt.number, exit_.reason),
         ]
-    if st.phase == "stopping":
+    if st.phase == SupervisorPhase.STOPPING:
         return replace(st, final=exit_), []
-    return replace(st, phase="done", final=exit_), [log("job_stopped", reason=ev.reason), exit_]
+    return replace(st, phase=SupervisorPhase.DONE, final=exit_), [log("job_stopped", reason=ev.reason), exit_]
 
 
 def _tick(s: Settings, st: State, now: float) -> tuple[State, list[Action]]:
-    if st.phase == "backoff" and now >= st.resume_at:
+    if st.phase == SupervisorPhase.BACKOFF and now >= st.resume_at:
         return _prepare(st, now)
     att = st.attempt
-    if st.phase != "running" or att is None:
+    if st.phase != SupervisorPhase.RUNNING or att is None:
         return st, []
     ej = st.eviction
     if ej is not None:
@@ -406,14 +406,14 @@ def _tick(s: Settings, st: State, now: float) -> tuple[State, list[Action]]:
             why = "the eviction deadline is here"
             if ej.committed_step is None:
                 why += " before the save committed"
-            return replace(st, phase="stopping", stop_reason=why), [
+            return replace(st, phase=SupervisorPhase.STOPPING, stop_reason=why), [
                 log("stop_requested", "warning", attempt=att.number, reason=why),
                 StopWorkers(att.number, why, grace_s=max(0.2, ej.deadline - now - 0.2)),
             ]
         return st, []
     ranks = att.rank_map()
     long = any(r.phase in LONG_PHASES for r in ranks.values())
-    training = [r for r in ranks.values() if r.phase == "train"]
+    training = [r for r in ranks.values() if r.phase == Phase.TRAIN]
     if not training:  # still starting up (or loading: that has its own, longer timeout)
         if now - att.launched_at > s.startup_timeout_s and not long:
             return _fail(st, att, f"no training step within startup_timeout_s={s.startup_timeout_s:g}", now,
@@ -421,12 +421,12 @@ def _tick(s: Settings, st: State, now: float) -> tuple[State, list[Action]]:
     hb = heartbeat_timeout(s, st.step_times)
     for rank, view in sorted(ranks.items()):
         silent = now - view.last_beat
-        limit = s.save_timeout_s if view.phase in SLOW_PHASES or (view.phase == "eval" and hb is None) else hb
-        if view.phase in (*LONG_PHASES, "train") and limit is not None and silent > limit:
-            where = "" if view.phase == "train" else f" in phase {view.phase}"
+        limit = s.save_timeout_s if view.phase in SLOW_PHASES or (view.phase == Phase.EVAL and hb is None) else hb
+        if view.phase in (*LONG_PHASES, Phase.TRAIN) and limit is not None and silent > limit:
+            where = "" if view.phase == Phase.TRAIN else f" in phase {view.phase}"
             return _fail(st, att, f"rank {rank} silent for {silent:.1f}s{where} (timeout {limit:.1f}s)", now,
                          "heartbeat_timed_out", rank=rank, timeout_s=round(limit, 3))  # fmt: skip
-        if view.phase == "eval" and now - view.since > s.save_timeout_s:  # beating, yet stuck in eval
+        if view.phase == Phase.EVAL and now - view.since > s.save_timeout_s:  # beating, yet stuck in eval
             return _fail(st, att, f"rank {rank} in phase eval for {now - view.since:.1f}s (timeout "
                          f"{s.save_timeout_s:g}s)", now, "progress_timed_out", rank=rank,
                          timeout_s=s.save_timeout_s)  # fmt: skip
@@ -443,19 +443,19 @@ def _tick(s: Settings, st: State, now: float) -> tuple[State, list[Action]]:
 
 def _exited(s: Settings, st: State, att: Attempt, ev: WorkersExited, now: float) -> tuple[State, list[Action]]:
     if st.final is not None:
-        return replace(st, phase="done", attempt=None), [
+        return replace(st, phase=SupervisorPhase.DONE, attempt=None), [
             log("job_stopped", attempt=att.number, reason=st.final.reason),
             st.final,
         ]
-    if st.phase == "running" and ev.exitcode == 0:
+    if st.phase == SupervisorPhase.RUNNING and ev.exitcode == 0:
         exit_ = Exit(EXIT_OK, "training command exited 0")
-        return replace(st, phase="done", attempt=None, final=exit_), [
+        return replace(st, phase=SupervisorPhase.DONE, attempt=None, final=exit_), [
             log("job_succeeded", attempt=att.number, world_size=att.nproc, step=att.max_step),
             exit_,
         ]
-    reason = st.stop_reason if st.phase == "stopping" else f"torchrun exited with code {ev.exitcode}"
+    reason = st.stop_reason if st.phase == SupervisorPhase.STOPPING else f"torchrun exited with code {ev.exitcode}"
     actions: list[Action] = []
-    if st.phase == "running":
+    if st.phase == SupervisorPhase.RUNNING:
         actions.append(log("worker_exited", "error", attempt=att.number, reason=reason, step=att.max_step))
     # Progress means reaching a step no earlier attempt reached: a job that dies at the same
     # step every time (with or without checkpoints) is a crash loop, however often it restarts.
@@ -465,22 +465,22 @@ def _exited(s: Settings, st: State, att: Attempt, ev: WorkersExited, now: float)
     restarts = tuple(t for t in st.restarts if now - t < s.window_s)
     if streak >= s.max_attempts_without_progress:
         exit_ = Exit(EXIT_CRASH_LOOP, f"crash loop: {streak} attempts in a row made no step progress ({reason})")
-        return replace(st, phase="done", attempt=None, final=exit_, last_failure=reason), [
+        return replace(st, phase=SupervisorPhase.DONE, attempt=None, final=exit_, last_failure=reason), [
             *actions,
             log("crash_loop_detected", "error", attempt=att.number, reason=exit_.reason, step=att.max_step),
             exit_,
         ]
     if len(restarts) >= s.max_restarts:
         exit_ = Exit(EXIT_BUDGET, f"restart budget spent: {len(restarts)} restarts within {s.window_s:g}s ({reason})")
-        return replace(st, phase="done", attempt=None, final=exit_, last_failure=reason), [
+        return replace(st, phase=SupervisorPhase.DONE, attempt=None, final=exit_, last_failure=reason), [
             *actions,
             log("restart_budget_exhausted", "error", attempt=att.number, reason=exit_.reason),
             exit_,
         ]
     wait = backoff_s(s, failures)
     return replace(
-        st, phase="backoff", attempt=None, stop_reason=None, restarts=(*restarts, now), failures_in_a_row=failures,
-        no_progress_streak=streak, resume_at=now + wait, last_failure=reason,
+        st, phase=SupervisorPhase.BACKOFF, attempt=None, stop_reason=None, restarts=(*restarts, now),
+        failures_in_a_row=failures, no_progress_streak=streak, resume_at=now + wait, last_failure=reason,
     ), [*actions, log("restart_scheduled", attempt=att.number, reason=reason, duration_s=round(wait, 3))]  # fmt: skip
 
 

@@ -9,7 +9,25 @@ clock, no decisions (those are `policy`'s).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+from ftsup.protocol import Phase
+
+
+class SupervisorPhase(str, enum.Enum):
+    """Where the policy's state machine is (`State.phase`; one series each in `ftsup_phase`)."""
+
+    INIT = "init"
+    PREPARING = "preparing"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    BACKOFF = "backoff"
+    DONE = "done"
+
+    def __str__(self) -> str:
+        return self.value
+
 
 # ---------------------------------------------------------------------- settings
 
@@ -83,7 +101,7 @@ class Heartbeat:
     attempt: int
     local_rank: int  # ranks are tracked per node: this supervisor sees its own
     step: int
-    phase: str
+    phase: Phase
     rank: int = -1  # global rank, for logs
     figures: tuple[tuple[str, float], ...] = ()  # save_s, saved_step, stopped_step, loss, ...
     sent: float | None = None

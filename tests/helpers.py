@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ftsup.trainer.checkpoint import checksums, layout
+from ftsup.store import checksums, layout
 
 
 def make_fake_checkpoint(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from ftsup.supervisor import procs
+from ftsup import procs
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = REPO / "tests" / "bin"
@@ -53,7 +53,7 @@ class Finished:
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL a process and everything below it, and wait until they are gone (`ftsup.supervisor.procs`)."""
+    """SIGKILL a process and everything below it, and wait until they are gone (`ftsup.procs`)."""
     procs.stop(lambda: procs.descendants([pid]), 0)
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ftsup.trainer.checkpoint.errors import CheckpointError
+from ftsup.store.errors import CheckpointError
 from ftsup.trainer.rng import derive_seed
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ftsup.trainer.checkpoint.errors import CheckpointError
+from ftsup.store.errors import CheckpointError
 
 
 def capture() -> dict[str, Any]:

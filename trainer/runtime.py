@@ -19,8 +19,8 @@ in sessions of their own, where signals to the agent's process group do not reac
 `ftsup run` starts each rank behind a parent-death guard armed before exec, and a rank started
 some other way arms it when the client is created.
 
-The wire format (`encode_beat`, checked field by field by `ftsup.supervisor.heartbeat.parse_beat`):
-one flat JSON object `{"v": PROTOCOL_VERSION, "attempt", "rank", "local_rank", "pid", "step",
+The wire format (`ftsup.protocol`: `encode_beat`, checked field by field by `parse_beat`):
+one flat JSON object `{"v": BEAT_VERSION, "attempt", "rank", "local_rank", "pid", "step",
 "phase", "t": wall clock, "mono": this machine's monotonic clock, figure: number|null, ...}`,
 at most `MAX_BEAT_BYTES`. Figures (`loss`, `save_s`, `saved_step`, ...) are named by
 `FIGURE_NAME`, at most `MAX_FIGURES` of them; a value that is not finite (a NaN loss) travels
@@ -34,138 +34,47 @@ thread of its own, so the rank stays under the heartbeat timeout (a frozen or de
 still caught) while no step progress is expected, for up to `save_timeout_s`.
 
 Requests come the other way through a small JSON file the supervisor replaces atomically
-(`FTSUP_CONTROL_FILE`): `{"seq": n, "action": "save", "stop": bool, "reason": ..., "deadline_unix": ...}`.
-A rank checks it once per step with one `stat()`; then all ranks agree on it with one tiny
-all-reduce (MAX), so that a notice seen by one node's supervisor reaches every rank of the job
-at the same step (`agree`).
+(`FTSUP_CONTROL_FILE`): `{"v": 1, "seq": n, "action": "save", "stop": bool, "reason": ...,
+"deadline_unix": ...}` (`ftsup.protocol.parse_control`). A rank checks it once per step with one
+`stat()`; a file without the version or of another one is refused with a warning and never acted
+on. Then all ranks agree on the request with one tiny all-reduce (MAX), so that a notice seen by
+one node's supervisor reaches every rank of the job at the same step (`agree`).
 
-This module is the one place where the trainer reads `FTSUP_*` environment variables.
+The environment the supervisor exports is read once, by `runtime()` (`ftsup.protocol.RuntimeEnv`).
+Not here: the schemas of the messages, the files and the environment (`ftsup.protocol`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
-import re
 import socket
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from ftsup.supervisor import guard
+from ftsup import guard
+from ftsup.protocol import (
+    KEEPALIVE_PHASES,
+    MAX_BEAT_BYTES,
+    MAX_CONTROL_BYTES,
+    MAX_STEP,
+    NO_REQUEST,
+    PHASE_NAMES,
+    ControlVersionError,
+    Phase,
+    Request,
+    RuntimeEnv,
+    encode_beat,
+    parse_control,
+)
 
-# ---------------------------------------------------------------------- the wire format
-
-PROTOCOL_VERSION = 2
-PHASES = ("init", "load", "train", "eval", "save", "done")
-KEEPALIVE_PHASES = frozenset({"eval"})  # phases in which the client beats from a thread
-BASE_FIELDS = ("v", "attempt", "rank", "local_rank", "pid", "step", "phase", "t", "mono")
-MAX_BEAT_BYTES = 4096
-MAX_FIGURES = 16
-FIGURE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
-MAX_STEP = 10**12
-MAX_FIGURE_INT = 2**53  # larger integers travel as floats (JSON readers differ beyond this)
-DEFAULT_INTERVAL_S = 0.5
 _SNDBUF_BYTES = 1 << 20  # room for ~2700 beats (~270 where net.core.wmem_max caps it): a busy supervisor loses none
 _RECONNECT_S = 0.05  # at most this often a connect() is tried again after one failed
-
-
-def figure_value(value: object) -> float | int | None:
-    """A figure as it travels: an int or a float, None for a number that is not finite (a NaN
-    loss). ValueError for anything else (bools, strings, tensors of more than one element)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        item = getattr(value, "item", None)  # numpy scalars and 0-d tensors
-        try:
-            value = item() if callable(item) else None
-        except (TypeError, ValueError, RuntimeError):
-            value = None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError("a figure must be a number")
-    if isinstance(value, int):
-        return value if -MAX_FIGURE_INT <= value <= MAX_FIGURE_INT else figure_value(float(value))
-    return value if math.isfinite(value) else None
-
-
-def encode_beat(
-    *, attempt: int, rank: int, local_rank: int, pid: int, step: int, phase: str, t: float, mono: float,
-    figures: Mapping[str, object] | None = None,
-) -> bytes:  # fmt: skip
-    """One heartbeat on the wire. Figures that cannot travel (a bad name, a value that is not a
-    number, more than MAX_FIGURES) are left out; the beat itself always goes."""
-    msg: dict[str, object] = {"v": PROTOCOL_VERSION, "attempt": attempt, "rank": rank, "local_rank": local_rank,
-                              "pid": pid, "step": step, "phase": phase, "t": t, "mono": mono}  # fmt: skip
-    for name, raw in (figures or {}).items():
-        if len(msg) - len(BASE_FIELDS) >= MAX_FIGURES:
-            break
-        if name in msg or not FIGURE_NAME.match(name):
-            continue
-        try:
-            msg[name] = figure_value(raw)
-        except (ValueError, OverflowError):
-            continue
-    return json.dumps(msg, allow_nan=False, separators=(",", ":")).encode()
-
-
-# ---------------------------------------------------------------------- environment
-
-
-@dataclass(frozen=True)
-class RuntimeEnv:
-    heartbeat_socket: str | None = None
-    heartbeat_interval_s: float = DEFAULT_INTERVAL_S
-    control_file: str | None = None
-    checkpoint_dir: str | None = None
-    resume_step: int | None = None
-    attempt: int = 0
-    run_id: str | None = None
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-
-    @classmethod
-    def from_environ(cls, env: Mapping[str, str] | None = None) -> RuntimeEnv:
-        env = os.environ if env is None else env
-
-        def num(key: str, default: int | None) -> int | None:
-            raw = env.get(key, "").strip()
-            if not raw:
-                return default
-            try:
-                return int(raw)
-            except ValueError:
-                raise ValueError(f"environment variable {key}={raw!r} is not an integer") from None
-
-        def seconds(key: str, default: float) -> float:
-            raw = env.get(key, "").strip()
-            if not raw:
-                return default
-            try:
-                value = float(raw)
-            except ValueError:
-                value = math.nan
-            if not (0 < value < math.inf):
-                raise ValueError(f"environment variable {key}={raw!r} is not a positive number of seconds")
-            return value
-
-        return cls(
-            heartbeat_socket=env.get("FTSUP_HEARTBEAT_SOCKET") or None,
-            heartbeat_interval_s=seconds("FTSUP_HEARTBEAT_INTERVAL_S", DEFAULT_INTERVAL_S),
-            control_file=env.get("FTSUP_CONTROL_FILE") or None,
-            checkpoint_dir=env.get("FTSUP_CHECKPOINT_DIR") or None,
-            resume_step=num("FTSUP_RESUME_STEP", None),
-            attempt=num("FTSUP_ATTEMPT", 0) or 0,
-            run_id=env.get("FTSUP_RUN_ID") or None,
-            rank=num("RANK", 0) or 0,
-            local_rank=num("LOCAL_RANK", 0) or 0,
-            world_size=num("WORLD_SIZE", 1) or 1,
-        )
-
 
 # ---------------------------------------------------------------------- the client
 
@@ -185,7 +94,7 @@ class RuntimeClient:
         self._sock: socket.socket | None = None
         self._sock_pid = 0  # the process that opened _sock (a forked child must not write to it)
         self._retry_at = -math.inf
-        self._phase = "init"
+        self._phase = Phase.INIT
         self._step = env.resume_step or 0
         self._warned: set[str] = set()
         self.sent = 0
@@ -199,14 +108,16 @@ class RuntimeClient:
     def supervised(self) -> bool:
         return self.env.heartbeat_socket is not None
 
-    def beat(self, step: int, phase: str | None = None, **figures: float | int | str) -> None:
+    def beat(self, step: int, phase: Phase | str | None = None, **figures: float | int | str) -> None:
         """Report `step` (optimizer steps completed) and the phase; never blocks, never raises."""
         try:
             if phase is not None:
-                if phase in PHASES:
-                    self._phase = phase
+                if phase in PHASE_NAMES:
+                    self._phase = Phase(phase)
                 else:
-                    self._warn("phase", f"ftsup.trainer.runtime: unknown phase {phase!r} ignored (one of {PHASES})")
+                    self._warn(
+                        "phase", f"ftsup.trainer.runtime: unknown phase {phase!r} ignored (one of {PHASE_NAMES})"
+                    )
             try:
                 s = int(step)
             except (TypeError, ValueError, OverflowError):
@@ -224,7 +135,7 @@ class RuntimeClient:
             self.dropped += 1
 
     @contextlib.contextmanager
-    def phase(self, name: str, step: int | None = None) -> Iterator[None]:
+    def phase(self, name: Phase | str, step: int | None = None) -> Iterator[None]:
         """Mark a long phase so that the supervisor applies its timeouts for it: `load` and `save`
         may be silent up to save_timeout_s; in `eval` this client beats every interval_s from a
         thread while the block runs (see the module docstring)."""
@@ -344,21 +255,6 @@ os.register_at_fork(after_in_child=_reset_clients_after_fork)
 # ---------------------------------------------------------------------- requests
 
 
-@dataclass(frozen=True)
-class Request:
-    seq: int
-    stop: bool = False
-    reason: str = ""
-    deadline_unix: float | None = None
-
-    @property
-    def pending(self) -> bool:
-        return self.seq > 0
-
-
-NO_REQUEST = Request(0)
-
-
 class ControlReader:
     """Reads the supervisor's control file when it changes (one stat() per call otherwise)."""
 
@@ -366,6 +262,7 @@ class ControlReader:
         self.path = path
         self._sig: tuple[int, int, int] | None = None
         self._last = NO_REQUEST
+        self.refused = 0  # control files of another format version (or none), never acted on
 
     def poll(self) -> Request:
         if not self.path:
@@ -378,12 +275,14 @@ class ControlReader:
         if sig != self._sig:
             self._sig = sig
             try:
-                with open(self.path) as f:
-                    obj = json.load(f)
-                self._last = Request(
-                    int(obj["seq"]), bool(obj.get("stop", False)), str(obj.get("reason", "")), obj.get("deadline_unix")
-                )
-            except (OSError, ValueError, KeyError, TypeError):
+                with open(self.path, "rb") as f:
+                    raw = f.read(MAX_CONTROL_BYTES + 1)
+                self._last = parse_control(raw)
+            except ControlVersionError as e:  # a supervisor of another release: its request is not ours to guess
+                self.refused += 1
+                warnings.warn(f"ftsup.trainer.runtime: control file {self.path} refused, its request ignored: {e}",
+                              RuntimeWarning, stacklevel=2)  # fmt: skip
+            except (OSError, ValueError):
                 self._sig = None  # a torn or odd file: read it again next step
         return self._last
 
@@ -411,7 +310,7 @@ def agree(request: Request, device: Any = "cpu") -> Request:
 def _arm_parent_death_signal() -> None:
     """SIGKILL this rank when its parent dies. A rank that `ftsup run` started through its exec
     wrapper has the guard armed since before its first import; any other (the training command
-    started by a shell script, say) arms it here, best effort (`ftsup.supervisor.guard`)."""
+    started by a shell script, say) arms it here, best effort (`ftsup.guard`)."""
     guard.arm_in_process()
 
 

@@ -23,9 +23,9 @@ import structlog
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ftsup.store.errors import CheckpointMismatchError, NoCheckpointError
 from ftsup.trainer import rng
 from ftsup.trainer.checkpoint.engine import CheckpointEngine, LoadResult, SaveHandle, SaveResult
-from ftsup.trainer.checkpoint.errors import CheckpointMismatchError, NoCheckpointError
 from ftsup.trainer.data import DataPositionError, GlobalBatchSchedule
 
 log = structlog.get_logger("ftsup.trainer")

@@ -31,8 +31,8 @@ from typing import Any
 
 import yaml
 
+from ftsup.store import layout
 from ftsup.supervisor.faults.refjob import CODE_ROOT
-from ftsup.trainer.checkpoint import layout
 
 CKPT_EVERY = 10
 

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import psutil
 
-from ftsup.supervisor import procs
+from ftsup import procs
 from ftsup.supervisor.errors import SupervisorError
 
 T = TypeVar("T")

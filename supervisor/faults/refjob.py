@@ -28,7 +28,7 @@ import psutil
 import yaml
 
 import ftsup
-from ftsup.supervisor import guard, procs
+from ftsup import guard, procs
 from ftsup.supervisor.faults import chaos
 
 # Where `import ftsup` is found (the repository, or site-packages after `pip install`): the ranks' PYTHONPATH.

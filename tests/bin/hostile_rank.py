@@ -20,13 +20,14 @@ import sys
 import time
 from pathlib import Path
 
-from ftsup.trainer.runtime import PROTOCOL_VERSION, runtime
+from ftsup.protocol import BEAT_VERSION
+from ftsup.trainer.runtime import runtime
 
 BURST = 40  # hostile messages between two real beats
 
 
 def hostile(i: int, attempt: int, pid: int) -> list[bytes]:
-    base = {"v": PROTOCOL_VERSION, "attempt": attempt, "rank": 0, "local_rank": 0, "pid": pid, "step": 1,
+    base = {"v": BEAT_VERSION, "attempt": attempt, "rank": 0, "local_rank": 0, "pid": pid, "step": 1,
             "phase": "train", "t": time.time(), "mono": time.monotonic()}  # fmt: skip
     odd: list[dict[str, object]] = [
         {**base, "rank": 10**6 + i, "local_rank": 10**6 + i},

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftsup.trainer.checkpoint import CheckpointEngine, NoCheckpointError, RetentionPolicy, blocksum, checksums, layout
+from ftsup.store import blocksum, checksums, layout
+from ftsup.trainer.checkpoint import CheckpointEngine, NoCheckpointError, RetentionPolicy
 from ftsup.trainer.checkpoint.hf import export_hf
 from tests.helpers import flip_byte
 
@@ -82,10 +83,11 @@ def test_a_flipped_byte_in_a_crc32x64k_checkpoint_is_still_caught(tmp_path: Path
 def test_without_the_extension_the_engine_saves_loads_and_warns_once(tmp_path: Path) -> None:
     probe = f"""
 import json, sys
-sys.modules["ftsup.trainer.checkpoint._blocksum"] = None  # a source checkout that was never built
+sys.modules["ftsup.store._blocksum"] = None  # a source checkout that was never built
 import torch
 from structlog.testing import capture_logs
-from ftsup.trainer.checkpoint import CheckpointEngine, blocksum
+from ftsup.trainer.checkpoint import CheckpointEngine
+from ftsup.store import blocksum
 with capture_logs() as logs:
     with CheckpointEngine({str(tmp_path)!r}) as engine:
         engine.save(1, {{"w": torch.arange(70_000, dtype=torch.float32)}}, block=True)

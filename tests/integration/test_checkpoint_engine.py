@@ -14,6 +14,7 @@ import pytest
 import structlog
 import torch
 
+from ftsup.store import layout
 from ftsup.trainer.checkpoint import (
     CheckpointCorruptError,
     CheckpointEngine,
@@ -22,7 +23,6 @@ from ftsup.trainer.checkpoint import (
     CheckpointSaveError,
     NoCheckpointError,
     RetentionPolicy,
-    layout,
 )
 from ftsup.trainer.checkpoint.engine import read_rank_state
 from ftsup.trainer.checkpoint.stateful import ModelOptimState
@@ -333,7 +333,7 @@ def _odd_layouts() -> dict[str, torch.Tensor]:
 
 
 def test_fused_staging_writes_the_same_files_as_copy_then_checksum(tmp_path, monkeypatch):
-    from ftsup.trainer.checkpoint import blocksum
+    from ftsup.store import blocksum
 
     tensors = _odd_layouts()
     paths = {}

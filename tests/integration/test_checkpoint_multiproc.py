@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ftsup.trainer.checkpoint import layout
+from ftsup.store import layout
 from tests.procs import torchrun
 
 pytestmark = pytest.mark.multiprocess

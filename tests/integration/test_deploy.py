@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ftsup.store import layout
 from ftsup.supervisor import policy
 from ftsup.supervisor.config import load_config
-from ftsup.trainer.checkpoint import layout
 from tests.procs import REPO, kill_tree, wait_for
 
 UNIT = REPO / "deploy" / "systemd" / "ftsup@.service"

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ftsup.store import layout
 from ftsup.supervisor.policy import EXIT_EVICTED
-from ftsup.trainer.checkpoint import layout
 from tests.metadata_server import MetadataServer
 from tests.procs import REPO, kill_tree, run
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ftsup.trainer.checkpoint import layout
+from ftsup.store import layout
 from tests.procs import run
 
 pytestmark = pytest.mark.multiprocess

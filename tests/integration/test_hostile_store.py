@@ -16,13 +16,12 @@ import pytest
 import structlog
 import torch
 
+from ftsup.store import checksums, layout
 from ftsup.trainer.checkpoint import (
     CheckpointEngine,
     CheckpointSaveError,
     NoCheckpointError,
     RetentionPolicy,
-    checksums,
-    layout,
 )
 from ftsup.trainer.checkpoint.stateful import ModelOptimState
 from tests.helpers import write_manifest_json

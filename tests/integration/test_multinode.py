@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ftsup.trainer.checkpoint import layout
+from ftsup.store import layout
 from tests.procs import REPO, free_port, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess

@@ -28,7 +28,7 @@ import psutil
 import pytest
 import yaml
 
-from ftsup.supervisor import procs
+from ftsup import procs
 from tests.procs import REPO, wait_for
 
 pytestmark = pytest.mark.multiprocess

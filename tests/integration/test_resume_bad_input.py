@@ -8,7 +8,8 @@ import pytest
 import structlog
 import torch
 
-from ftsup.trainer.checkpoint import CheckpointEngine, CheckpointMismatchError, layout
+from ftsup.store import layout
+from ftsup.trainer.checkpoint import CheckpointEngine, CheckpointMismatchError
 from ftsup.trainer.data import DataPositionError, GlobalBatchSchedule
 from ftsup.trainer.examples.gpt import GPT, WarmupCosine
 from ftsup.trainer.state import TrainingState

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ftsup.trainer.checkpoint import layout
+from ftsup.protocol import Request, encode_control
+from ftsup.store import layout
 from tests.procs import run
 
 SMALL = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--corpus-bytes", "50000",
@@ -64,7 +65,7 @@ def test_a_failed_emergency_save_is_logged_and_the_run_stops_at_the_last_checkpo
     read_only_store: Path, tmp_path: Path
 ) -> None:
     control = tmp_path / "control.json"
-    control.write_text(json.dumps({"seq": 1, "action": "save", "stop": True, "reason": "test"}))
+    control.write_bytes(encode_control(Request(1, stop=True, reason="test")))
     r = gpt(read_only_store, "--steps", "8", "--loss-log", str(tmp_path / "loss.jsonl"),
             env={"FTSUP_CONTROL_FILE": str(control)})  # fmt: skip
     assert "emergency_save_failed" in r.output, r.output[-3000:]

@@ -38,7 +38,7 @@ import psutil
 import pytest
 import yaml
 
-from ftsup.trainer.checkpoint import layout
+from ftsup.store import layout
 from tests.procs import REPO, free_port, run, wait_for
 
 pytestmark = pytest.mark.multiprocess

@@ -22,7 +22,7 @@ import psutil
 import pytest
 import yaml
 
-from ftsup.trainer.runtime import encode_beat
+from ftsup.protocol import Phase, encode_beat
 from tests.procs import REPO, kill_tree, run, wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -227,7 +227,7 @@ def test_a_pid_claimed_in_a_heartbeat_is_never_signalled(tmp_path, supervisor_pr
     wait_for(lambda: loss.exists() and loss.read_text(), 120, "no training step")
     victim = subprocess.Popen(["sleep", "300"])  # this user's, started while the attempt runs, no part of it
     supervisor_procs.append(victim)
-    beat = encode_beat(attempt=1, rank=0, local_rank=7, pid=victim.pid, step=1, phase="train", t=time.time(),
+    beat = encode_beat(attempt=1, rank=0, local_rank=7, pid=victim.pid, step=1, phase=Phase.TRAIN, t=time.time(),
                        mono=time.monotonic())  # fmt: skip
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:  # the channel's own kind of socket
         s.connect(str(state / "run" / "heartbeat.sock"))

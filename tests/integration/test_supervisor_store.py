@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ftsup.trainer.checkpoint import checksums, layout
+from ftsup.store import checksums, layout
 from tests.helpers import default_files, make_fake_checkpoint
 from tests.procs import REPO, kill_tree, wait_for
 

@@ -18,7 +18,7 @@ from types import ModuleType
 
 import pytest
 
-from ftsup.trainer.checkpoint import blocksum, checksums
+from ftsup.store import blocksum, checksums
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK = blocksum.BLOCK_BYTES
@@ -31,7 +31,7 @@ Crc = Callable[[bytes], int]
 def ext() -> ModuleType:
     """The C extension; tests that need it are skipped, saying so, where it is not built."""
     if EXT is None:
-        pytest.skip("the C extension ftsup.trainer.checkpoint._blocksum is not built")
+        pytest.skip("the C extension ftsup.store._blocksum is not built")
     return EXT
 
 
@@ -155,8 +155,8 @@ def test_without_the_extension_checksums_are_the_same_and_say_python(tmp_path: P
     # A source checkout that was never built: importing the extension fails.
     probe = (
         "import sys, json\n"
-        "sys.modules['ftsup.trainer.checkpoint._blocksum'] = None\n"
-        "from ftsup.trainer.checkpoint import blocksum, checksums\n"
+        "sys.modules['ftsup.store._blocksum'] = None\n"
+        "from ftsup.store import blocksum, checksums\n"
         "data = bytes(range(256)) * 700\n"
         "sums = [blocksum.implementation(), checksums.checksum_bytes(data), blocksum.block_checksums(data)]\n"
         "print(json.dumps(sums))\n"

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from ftsup.store import checksums, choice, layout
 from ftsup.supervisor import ckptstore
 from ftsup.supervisor.ckptstore import StoreScanner, StoreView
-from ftsup.trainer.checkpoint import checksums, choice, layout
 from tests.helpers import default_files, make_fake_checkpoint
 from tests.procs import wait_for
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from ftsup.store import checksums, layout
+from ftsup.store.errors import CheckpointSaveError
 from ftsup.supervisor.cli import main
-from ftsup.trainer.checkpoint import checksums, layout
-from ftsup.trainer.checkpoint.errors import CheckpointSaveError
 from tests.helpers import default_files, flip_byte, make_fake_checkpoint
 
 

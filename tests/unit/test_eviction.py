@@ -7,6 +7,7 @@ import socket
 
 import pytest
 
+from ftsup.protocol import Phase
 from ftsup.supervisor import policy as P
 from ftsup.supervisor.eviction import notices
 from ftsup.supervisor.eviction.local import CommandWatcher, FileWatcher
@@ -119,7 +120,7 @@ def running_driver(save_s: float | None = 0.5) -> Driver:
     d.launch()
     d.train(range(1, 11), dt=0.2)
     if save_s is not None:
-        d.feed(P.Heartbeat(1, 0, 10, "train", figures=(("save_s", save_s),)))
+        d.feed(P.Heartbeat(1, 0, 10, Phase.TRAIN, figures=(("save_s", save_s),)))
     return d
 
 
@@ -149,7 +150,7 @@ def test_the_save_estimate_falls_back_to_the_checkpoint_size():
 def test_commit_is_acknowledged_then_the_clean_exit_is_an_eviction():
     d = running_driver()
     d.feed(P.EvictionNoticed("azure", d.now + 30, "Preempt"))
-    acts = d.feed(P.Heartbeat(1, 0, 11, "train", figures=(("saved_step", 11.0), ("save_s", 0.4))))
+    acts = d.feed(P.Heartbeat(1, 0, 11, Phase.TRAIN, figures=(("saved_step", 11.0), ("save_s", 0.4))))
     assert P.AckEviction("azure") in acts
     acts = d.feed(P.WorkersExited(1, 0))
     assert [a.code for a in acts if isinstance(a, P.Exit)] == [P.EXIT_EVICTED]
@@ -187,7 +188,7 @@ def test_a_notice_between_attempts_exits_as_evicted():
 def test_a_notice_after_training_finished_lets_the_job_succeed():
     d = running_driver()
     for r in range(2):
-        d.feed(P.Heartbeat(1, r, 10, "done"))
+        d.feed(P.Heartbeat(1, r, 10, Phase.DONE))
     acts = d.feed(P.EvictionNoticed("signal:SIGTERM", d.now + 30, ""))
     assert [a.event for a in acts if isinstance(a, P.Log)] == ["eviction_noticed"]
     assert [a.code for a in d.feed(P.WorkersExited(1, 0)) if isinstance(a, P.Exit)] == [P.EXIT_OK]

@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 import pytest
 
+from ftsup.store import checksums, choice, layout, safefile
+from ftsup.store.errors import CheckpointCorruptError, ManifestError
 from ftsup.supervisor.cli import main
-from ftsup.trainer.checkpoint import checksums, choice, layout, safefile
-from ftsup.trainer.checkpoint.errors import CheckpointCorruptError, ManifestError
 from tests.helpers import default_files, make_fake_checkpoint, write_manifest_json
 
 T = TypeVar("T")

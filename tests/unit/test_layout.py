@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from ftsup.trainer.checkpoint import blocksum, checksums, layout
-from ftsup.trainer.checkpoint.errors import CheckpointCorruptError, ManifestError, NoCheckpointError
+from ftsup.store import blocksum, checksums, layout
+from ftsup.store.errors import CheckpointCorruptError, ManifestError, NoCheckpointError
 from tests.helpers import default_files, flip_byte, make_fake_checkpoint, write_manifest_json
 
 BLOCK = layout.CHECKSUM_BLOCK_BYTES

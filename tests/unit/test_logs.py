@@ -20,6 +20,7 @@ import structlog
 import yaml
 from structlog.testing import capture_logs
 
+from ftsup.protocol import Phase
 from ftsup.supervisor import policy as P
 from ftsup.supervisor.config import load_config
 from ftsup.supervisor.daemon import Daemon
@@ -58,7 +59,7 @@ class Drive:
     def train(self, steps: range, **figures: float) -> None:
         for s in steps:
             for r in range(2):
-                self.feed(P.Heartbeat(self.m.state.attempt_no, r, s, "train", r, tuple(figures.items())), dt=0.25)
+                self.feed(P.Heartbeat(self.m.state.attempt_no, r, s, Phase.TRAIN, r, tuple(figures.items())), dt=0.25)
 
     def exit(self, code: int) -> None:
         self.feed(P.WorkersExited(self.m.state.attempt_no, code))
@@ -94,7 +95,7 @@ def _hang_and_startup_and_progress_timeouts(d: Drive) -> None:
     d.train(range(4, 8))
     for _ in range(40):  # beating, but stuck on one step
         for r in range(2):
-            d.feed(P.Heartbeat(d.m.state.attempt_no, r, 7, "train", r), dt=0.25)
+            d.feed(P.Heartbeat(d.m.state.attempt_no, r, 7, Phase.TRAIN, r), dt=0.25)
         d.feed(P.Tick())
     d.exit(-9)
 
@@ -110,7 +111,7 @@ def _evicted_after_an_emergency_save(d: Drive) -> None:
     d.train(range(1, 4), save_s=0.1)
     d.feed(P.EvictionNoticed("aws", d.now + 30, "spot rebalance", advisory=True))
     d.feed(P.EvictionNoticed("aws", d.now + 120, "spot interruption"))
-    d.feed(P.Heartbeat(1, 0, 3, "train", 0, (("save_s", 0.2), ("saved_step", 3.0))))
+    d.feed(P.Heartbeat(1, 0, 3, Phase.TRAIN, 0, (("save_s", 0.2), ("saved_step", 3.0))))
     d.exit(0)
 
 

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ftsup.protocol import Phase
+from ftsup.store import layout
 from ftsup.supervisor import policy as P
 from ftsup.supervisor.config import ConfigError, load_config
 from ftsup.supervisor.daemon import Daemon
 from ftsup.supervisor.metrics import FAILURE_KINDS, Metrics, MetricsServer
-from ftsup.trainer.checkpoint import layout
 
 S = P.Settings(nproc_max=2, startup_timeout_s=60, backoff_initial_s=1, backoff_max_s=8, max_restarts=5,
                window_s=1000, max_attempts_without_progress=3)  # fmt: skip
@@ -52,7 +53,7 @@ class Run:
         for s in steps:
             self.now += 0.5
             for r in range(2):
-                self.feed(P.Heartbeat(self.m.state.attempt_no, r, s, "train", r, (("loss", loss),)))
+                self.feed(P.Heartbeat(self.m.state.attempt_no, r, s, Phase.TRAIN, r, (("loss", loss),)))
 
     def samples(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         out = {}
@@ -98,7 +99,7 @@ def test_progress_timestamp_is_unix_time_of_the_last_new_step():
     run.launch()
     run.train(range(1, 4))
     stepped_at = run.now
-    run.feed(P.Heartbeat(1, 0, 3, "train", 0), at=run.now + 5)  # a heartbeat, but no new step
+    run.feed(P.Heartbeat(1, 0, 3, Phase.TRAIN, 0), at=run.now + 5)  # a heartbeat, but no new step
     assert run.value("ftsup_last_progress_timestamp_seconds") == WALL + stepped_at
 
 
@@ -140,7 +141,7 @@ def test_the_emergency_save_counts_one_emergency_checkpoint_and_its_duration():
     run.launch()
     run.train(range(1, 3))
     run.feed(P.EvictionNoticed("aws", run.now + 120, "spot interruption", False, 1 << 20))
-    run.feed(P.Heartbeat(1, 0, 2, "train", 0, (("save_s", 0.5), ("saved_step", 2))))
+    run.feed(P.Heartbeat(1, 0, 2, Phase.TRAIN, 0, (("save_s", 0.5), ("saved_step", 2))))
     assert (run.value("ftsup_emergency_checkpoints_total"), run.value("ftsup_save_duration_seconds")) == (1, 0.5)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from ftsup.protocol import Phase
 from ftsup.supervisor import policy as P
 from ftsup.supervisor.logs import EVENTS
 
@@ -44,13 +45,13 @@ class Driver:
         for s in steps:
             self.now += dt
             for r in range(ranks):
-                self.feed(P.Heartbeat(att.number, r, s, "train", sent=self.now))
+                self.feed(P.Heartbeat(att.number, r, s, Phase.TRAIN, sent=self.now))
 
     def beat_all(self, step: int, phase: str, sent: float | None = None, ranks: int = 2) -> None:
         att = self.st.attempt
         assert att is not None
         for r in range(ranks):
-            self.feed(P.Heartbeat(att.number, r, step, phase, sent=sent))
+            self.feed(P.Heartbeat(att.number, r, step, Phase(phase), sent=sent))
 
     def hb(self) -> float | None:
         return P.heartbeat_timeout(self.m.settings, self.st.step_times)
@@ -72,10 +73,10 @@ def test_a_rank_silent_past_the_learned_timeout_is_a_hang():
     d = Driver()
     d.launch()
     d.train(range(1, 11), dt=0.5)  # p99 step time 0.5 s -> timeout max(2, 1.5) = 2 s
-    d.feed(P.Heartbeat(1, 0, 11, "train"), at=d.now + 0.5)
-    d.feed(P.Heartbeat(1, 0, 11, "train"), at=d.now + 1.4)
+    d.feed(P.Heartbeat(1, 0, 11, Phase.TRAIN), at=d.now + 0.5)
+    d.feed(P.Heartbeat(1, 0, 11, Phase.TRAIN), at=d.now + 1.4)
     assert d.feed(P.Tick()) == []  # rank 1 silent for 1.9 s
-    d.feed(P.Heartbeat(1, 0, 11, "train"), at=d.now + 0.7)
+    d.feed(P.Heartbeat(1, 0, 11, Phase.TRAIN), at=d.now + 0.7)
     acts = d.feed(P.Tick())  # rank 1 now silent for 2.6 s, rank 0 alive
     assert P.StopWorkers(1, "rank 1 silent for 2.6s (timeout 2.0s)") in acts
     assert d.st.phase == "stopping"
@@ -128,7 +129,7 @@ def test_coming_back_from_a_long_save_starts_the_progress_clock_again():
 def test_no_first_step_within_the_startup_timeout_fails_the_attempt():
     d = Driver()
     d.launch()
-    d.feed(P.Heartbeat(1, 0, 0, "init"))
+    d.feed(P.Heartbeat(1, 0, 0, Phase.INIT))
     assert d.feed(P.Tick(), at=59) == []
     acts = d.feed(P.Tick(), at=61)
     assert "startup_timed_out" in [a.event for a in acts if isinstance(a, P.Log)]
@@ -137,7 +138,7 @@ def test_no_first_step_within_the_startup_timeout_fails_the_attempt():
 def test_a_long_load_is_not_a_startup_timeout():
     d = Driver()
     d.launch()
-    d.feed(P.Heartbeat(1, 0, 0, "load"))
+    d.feed(P.Heartbeat(1, 0, 0, Phase.LOAD))
     assert d.feed(P.Tick(), at=90) == []
 
 
@@ -249,7 +250,7 @@ def test_heartbeats_of_an_old_attempt_are_ignored():
     d.now = d.st.resume_at
     d.launch(resume=2)
     before = d.st
-    d.feed(P.Heartbeat(1, 0, 99, "train"))
+    d.feed(P.Heartbeat(1, 0, 99, Phase.TRAIN))
     assert d.st == before
 
 
@@ -319,7 +320,7 @@ def test_a_non_finite_save_time_is_not_a_measured_save():
     d = Driver()
     d.launch()
     d.train(range(1, 3))
-    d.feed(P.Heartbeat(1, 0, 2, "train", figures=(("save_s", float("nan")),)))
+    d.feed(P.Heartbeat(1, 0, 2, Phase.TRAIN, figures=(("save_s", float("nan")),)))
     assert d.st.save_times == ()
 
 
@@ -343,7 +344,7 @@ def test_a_rank_silent_in_eval_past_the_heartbeat_timeout_is_a_hang():
     d.train(range(1, 11), dt=0.5)
     d.beat_all(10, "eval")
     d.now += 1.0
-    d.feed(P.Heartbeat(1, 1, 10, "eval"))
+    d.feed(P.Heartbeat(1, 1, 10, Phase.EVAL))
     acts = d.feed(P.Tick(), at=d.now + 1.5)  # rank 0 silent for 2.5 s, over the learned 2 s
     assert P.StopWorkers(1, "rank 0 silent for 2.5s in phase eval (timeout 2.0s)") in acts
 

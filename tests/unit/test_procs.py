@@ -13,7 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ftsup.supervisor import guard, launcher, procs
+from ftsup import guard, procs
+from ftsup.supervisor import launcher
 from tests.procs import kill_tree, wait_for
 
 MARK = procs.Mark("run-t", "node-t", 3)
@@ -107,7 +108,7 @@ def guarded_sleeper_under(started: list[subprocess.Popen[bytes]]) -> tuple[subpr
     """A middle process that starts `sleep` behind the guard and prints its pid."""
     code = (
         "import subprocess, sys\n"
-        "from supervisor import guard\n"
+        "from ftsup import guard\n"
         "argv, env = guard.wrap(['sleep', '60'], ignore=[10])\n"
         "import os\n"
         "c = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True)\n"

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from ftsup.trainer.checkpoint import retention
-from ftsup.trainer.checkpoint.errors import CheckpointError
+from ftsup.store import retention
+from ftsup.store.errors import CheckpointError
 from tests.helpers import default_files, make_fake_checkpoint
 
 RECYCLE = retention.RECYCLE_DIRNAME

@@ -1,8 +1,10 @@
-"""The rank's end of the heartbeat channel (`ftsup.trainer.runtime`) against a real receiver in this
-process: beats never block or raise, what cannot travel is left out, eval keeps beating."""
+"""The rank's end of the channel (`ftsup.trainer.runtime`): heartbeats against a real receiver in this
+process (beats never block or raise, what cannot travel is left out, eval keeps beating), and the
+control file's reader (a file of another format version is never acted on)."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import threading
@@ -11,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from ftsup.protocol import CONTROL_VERSION, MAX_FIGURES, NO_REQUEST, Request, RuntimeEnv, encode_control
 from ftsup.supervisor.heartbeat import HeartbeatReceiver
-from ftsup.trainer.runtime import MAX_FIGURES, RuntimeClient, RuntimeEnv
+from ftsup.trainer.runtime import ControlReader, RuntimeClient
 from tests.procs import wait_for
 
 
@@ -114,3 +117,34 @@ def test_a_forked_child_beats_on_a_connection_of_its_own(receiver):
     c.beat(3, "train")
     got = sorted((b.step, b.pid) for b in receiver.drain())
     assert got == [(1, os.getpid()), (2, pid), (3, os.getpid())]
+
+
+# ---------------------------------------------------------------------- the control file
+
+
+def test_a_request_the_supervisor_wrote_is_read_once_it_changes(tmp_path):
+    path = tmp_path / "control.json"
+    reader = ControlReader(str(path))
+    before = reader.poll()
+    path.write_bytes(encode_control(Request(2, stop=True, reason="spot")))
+    assert (before, reader.poll()) == (NO_REQUEST, Request(2, stop=True, reason="spot"))
+
+
+def test_a_control_file_without_a_version_is_refused_with_a_warning_and_never_acted_on(tmp_path):
+    path = tmp_path / "control.json"
+    path.write_text('{"seq": 1, "action": "save", "stop": true}')
+    reader = ControlReader(str(path))
+    with pytest.warns(RuntimeWarning, match="refused.*no format version"):
+        request = reader.poll()
+    assert (request, reader.refused) == (NO_REQUEST, 1)
+
+
+def test_a_control_file_of_another_version_leaves_the_last_request_in_force(tmp_path):
+    path = tmp_path / "control.json"
+    path.write_bytes(encode_control(Request(1)))
+    reader = ControlReader(str(path))
+    first = reader.poll()
+    path.write_text(json.dumps({**json.loads(encode_control(Request(2, stop=True))), "v": CONTROL_VERSION + 1}))
+    with pytest.warns(RuntimeWarning, match=f"format version {CONTROL_VERSION + 1}"):
+        second = reader.poll()
+    assert (first, second, reader.poll(), reader.refused) == (Request(1), Request(1), Request(1), 1)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftsup.trainer.checkpoint import checksums, layout
-from ftsup.trainer.checkpoint.errors import CheckpointCorruptError
+from ftsup.store import checksums, layout
+from ftsup.store.errors import CheckpointCorruptError
 from ftsup.trainer.checkpoint.shardio import PAGE, READ_PIECE, VerifiedFile, aligned_buffer, read_files, write_shard
 
 B = layout.CHECKSUM_BLOCK_BYTES

@@ -26,11 +26,11 @@ def modules_loaded_after(code: str) -> set[str]:
     return set(json.loads(done.stdout.splitlines()[-1]))
 
 
-def test_importing_supervisor_and_the_checkpoint_reader_does_not_import_torch() -> None:
+def test_importing_supervisor_and_the_checkpoint_store_does_not_import_torch() -> None:
     loaded = modules_loaded_after(
-        "import supervisor, ftsup.supervisor.cli, ftsup.trainer.checkpoint, ftsup.trainer.checkpoint.layout, "
-        "ftsup.trainer.checkpoint.checksums, ftsup.trainer.checkpoint.retention, ftsup.trainer.checkpoint.safefile, "
-        "ftsup.trainer.checkpoint.choice, ftsup.trainer.checkpoint.dcpmeta"
+        "import supervisor, ftsup.supervisor.cli, ftsup.trainer.checkpoint, ftsup.store, ftsup.store.layout, "
+        "ftsup.store.checksums, ftsup.store.blocksum, ftsup.store.retention, ftsup.store.safefile, "
+        "ftsup.store.choice, ftsup.store.dcpmeta, ftsup.store.errors"
     )
     assert "torch" not in loaded
 

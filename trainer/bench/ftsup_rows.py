@@ -56,7 +56,7 @@ def _settle(ctx: Ctx) -> None:
     peers' rows delete and sync between repeats; this gives ftsup's rows the same footing.
     """
     if ctx.rank == 0:
-        from ftsup.trainer.checkpoint import layout
+        from ftsup.store import layout
 
         deadline = time.monotonic() + _SETTLE_S
         root = ctx.run_dir / "ftsup"

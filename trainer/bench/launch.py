@@ -2,15 +2,14 @@
 
 Each rank is `python -m ftsup.trainer.bench.rank SPEC` in its own session (so that it and any
 process it starts, such as DCP's checkpoint daemon, share one process group we can signal),
-behind the parent-death guard (`ftsup.supervisor.guard`) so that it dies with us. Shutdown is
-SIGTERM, one grace period, then SIGKILL to each rank's whole process group. Torch-free: the
-parent process of a benchmark never imports torch.
+behind the parent-death guard (`ftsup.guard`) so that it dies with us. Shutdown is the one stop
+sequence (`ftsup.procs.stop`: SIGTERM, one grace period, then SIGKILL) applied to every process
+of each rank's process group. Torch-free: the parent process of a benchmark never imports torch.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ftsup.supervisor import guard
+import psutil
+
+from ftsup import guard, procs
 
 # A rank that exits non-zero leaves its peers blocked in a collective; give them this long
 # to notice on their own before they are stopped.
@@ -56,36 +57,17 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def _group_members(pgids: set[int]) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+def _group_members(pgids: set[int]) -> list[psutil.Process]:
+    """The live processes of the process groups `pgids` (a rank and whatever it started, even
+    once reparented)."""
+    found = []
+    for p in psutil.process_iter():
         try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            if os.getpgid(p.pid) in pgids and procs.alive(p):
+                found.append(p)
+        except (OSError, psutil.Error):  # gone meanwhile
             continue
-        # fields after "comm)": state ppid pgrp ...; zombies are already dead
-        if fields[0] != "Z" and int(fields[2]) in pgids:
-            pids.append(int(entry.name))
-    return pids
+    return found
 
 
 def rank_command(spec_path: Path) -> list[str]:
@@ -109,7 +91,7 @@ def run_group(
     """
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
-    procs: list[subprocess.Popen[bytes]] = []
+    ranks: list[subprocess.Popen[bytes]] = []
     start = time.monotonic()
     deadline = start + timeout_s
     try:
@@ -127,7 +109,7 @@ def run_group(
             )
             with open(log_dir / f"{name}-rank{rank}.log", "wb") as log:
                 guarded, guard_env = guard.wrap(command)  # each rank dies with this process
-                procs.append(
+                ranks.append(
                     subprocess.Popen(
                         guarded,
                         stdin=subprocess.DEVNULL,
@@ -137,19 +119,19 @@ def run_group(
                         start_new_session=True,
                     )
                 )
-        status = _wait(procs, deadline, peer_failure_grace_s)
+        status = _wait(ranks, deadline, peer_failure_grace_s)
     finally:
-        stopped, leftovers = _stop_all(procs)
+        stopped, leftovers = _stop_all(ranks)
     exits = tuple(
-        RankExit(rank, p.pid, p.returncode if p.returncode is not None else None) for rank, p in enumerate(procs)
+        RankExit(rank, p.pid, p.returncode if p.returncode is not None else None) for rank, p in enumerate(ranks)
     )
     return GroupOutcome(status, exits, time.monotonic() - start, tuple(stopped), tuple(leftovers))
 
 
-def _wait(procs: list[subprocess.Popen[bytes]], deadline: float, grace_s: float) -> str:
+def _wait(ranks: list[subprocess.Popen[bytes]], deadline: float, grace_s: float) -> str:
     first_failure: float | None = None
     while True:
-        codes = [p.poll() for p in procs]
+        codes = [p.poll() for p in ranks]
         if all(c is not None for c in codes):
             return "ok" if all(c == 0 for c in codes) else "failed"
         now = time.monotonic()
@@ -162,33 +144,17 @@ def _wait(procs: list[subprocess.Popen[bytes]], deadline: float, grace_s: float)
         time.sleep(_POLL_S)
 
 
-def _stop_all(procs: list[subprocess.Popen[bytes]]) -> tuple[list[int], list[int]]:
-    """SIGTERM every rank's process group, one grace period, then SIGKILL; reap the ranks.
+def _stop_all(ranks: list[subprocess.Popen[bytes]]) -> tuple[list[int], list[int]]:
+    """Stop every process of the ranks' process groups (`procs.stop`), reaping the ranks.
 
     Returns the pids found running when stopping began, and those still alive at the end.
     """
-    pgids = {p.pid for p in procs}  # start_new_session: each rank leads its own group
-    stopped = _group_members(pgids)
-    live = [g for g in pgids if _group_alive(g)]
-    for pgid in live:
-        _signal_group(pgid, signal.SIGTERM)
-    grace_end = time.monotonic() + _TERM_GRACE_S
-    while live and time.monotonic() < grace_end:
-        for p in procs:
+    pgids = {p.pid for p in ranks}  # start_new_session: each rank leads its own group
+    stopped = sorted(p.pid for p in _group_members(pgids))
+
+    def reap() -> None:
+        for p in ranks:
             p.poll()
-        live = [g for g in live if _group_members({g})]
-        if live:
-            time.sleep(_POLL_S)
-    for pgid in live:
-        _signal_group(pgid, signal.SIGKILL)
-    for p in procs:
-        try:
-            p.wait(timeout=_TERM_GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass
-    kill_end = time.monotonic() + _TERM_GRACE_S
-    left = _group_members(pgids)
-    while left and time.monotonic() < kill_end:
-        time.sleep(_POLL_S)
-        left = _group_members(pgids)
+
+    left = procs.stop(lambda: _group_members(pgids), _TERM_GRACE_S, reap=reap)
     return stopped, left

@@ -1,6 +1,8 @@
 """The shared checkpoint engine.
 
-`layout` and `errors` are torch-free (the supervisor imports them); the engine itself
+The format it writes, and its error tree, are the torch-free checkpoint store's (`ftsup.store`,
+which the supervisor imports); this package re-exports the names a training script catches or
+configures (`CheckpointError` and its subclasses, `RetentionPolicy`). The engine itself
 (`CheckpointEngine`) needs torch and is imported only when first used.
 """
 
@@ -8,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ftsup.trainer.checkpoint.errors import (
+from ftsup.store.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointFormatError,
@@ -17,7 +19,7 @@ from ftsup.trainer.checkpoint.errors import (
     ManifestError,
     NoCheckpointError,
 )
-from ftsup.trainer.checkpoint.retention import RetentionPolicy
+from ftsup.store.retention import RetentionPolicy
 
 _LAZY = {
     "CheckpointEngine": "ftsup.trainer.checkpoint.engine",

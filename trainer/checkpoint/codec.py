@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ftsup.trainer.checkpoint.errors import CheckpointError
+from ftsup.store.errors import CheckpointError
 
 
 @dataclass(frozen=True)

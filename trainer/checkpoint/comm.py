@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ftsup.trainer.checkpoint.errors import CheckpointError
+from ftsup.store.errors import CheckpointError
 
 
 class LocalComm:

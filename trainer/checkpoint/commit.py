@@ -27,10 +27,10 @@ from typing import Any
 import structlog
 import torch
 
-from ftsup.trainer.checkpoint import checksums, choice, layout
+from ftsup.store import checksums, choice, layout
+from ftsup.store.errors import CheckpointError, CheckpointSaveError
+from ftsup.store.retention import RetentionPolicy, apply_retention, claim_spare, remove_dir
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
-from ftsup.trainer.checkpoint.errors import CheckpointError, CheckpointSaveError
-from ftsup.trainer.checkpoint.retention import RetentionPolicy, apply_retention, claim_spare, remove_dir
 from ftsup.trainer.checkpoint.shardio import write_shard
 from ftsup.trainer.checkpoint.staging import StagingPlan
 

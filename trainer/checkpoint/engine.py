@@ -40,12 +40,13 @@ from typing import Any
 import structlog
 import torch
 
-from ftsup.trainer.checkpoint import blocksum, codec, gcpause, layout, loading, staging
+from ftsup.store import blocksum, layout
+from ftsup.store.errors import CheckpointError, CheckpointSaveError
+from ftsup.store.retention import RetentionPolicy
+from ftsup.trainer.checkpoint import codec, gcpause, loading, staging
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm, make_comm
 from ftsup.trainer.checkpoint.commit import Committer, Hook, SaveResult, StagedSave, log_quietly
-from ftsup.trainer.checkpoint.errors import CheckpointError, CheckpointSaveError
 from ftsup.trainer.checkpoint.loading import LoadResult, read_rank_state
-from ftsup.trainer.checkpoint.retention import RetentionPolicy
 
 __all__ = ["CheckpointEngine", "Hook", "LoadResult", "SaveHandle", "SaveResult", "read_rank_state"]
 
@@ -79,7 +80,7 @@ def _warn_if_checksums_are_slow() -> None:
         log.warning(
             "checkpoint_checksums_slow",
             implementation="python",
-            reason="the C extension ftsup.trainer.checkpoint._blocksum is not built; reinstall ftsup with a C "
+            reason="the C extension ftsup.store._blocksum is not built; reinstall ftsup with a C "
             "compiler and the Python headers available (pip install -e .) to checksum in hardware",
         )
 

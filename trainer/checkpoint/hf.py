@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
-from ftsup.trainer.checkpoint import codec, layout
-from ftsup.trainer.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from ftsup.store import layout
+from ftsup.store.errors import CheckpointCorruptError, CheckpointError
+from ftsup.trainer.checkpoint import codec
 from ftsup.trainer.checkpoint.loading import read_dcp_metadata
 
 INDEX_NAME = "model.safetensors.index.json"

@@ -30,14 +30,15 @@ from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from ftsup.trainer.checkpoint import choice, codec, dcpmeta, layout, safefile
-from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
-from ftsup.trainer.checkpoint.errors import (
+from ftsup.store import choice, dcpmeta, layout, safefile
+from ftsup.store.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     NoCheckpointError,
 )
+from ftsup.trainer.checkpoint import codec
+from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
 from ftsup.trainer.checkpoint.reader import ShardReader
 
 log = structlog.get_logger("ftsup.checkpoint")

@@ -26,9 +26,10 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
-from ftsup.trainer.checkpoint import codec, layout
+from ftsup.store import layout
+from ftsup.store.errors import CheckpointCorruptError, CheckpointError
+from ftsup.trainer.checkpoint import codec
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
-from ftsup.trainer.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from ftsup.trainer.checkpoint.shardio import VerifiedFile, read_files
 
 

@@ -29,15 +29,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ftsup.trainer.checkpoint import codec, safefile
-from ftsup.trainer.checkpoint.checksums import (
+from ftsup.store import safefile
+from ftsup.store.checksums import (
     block_crcs,
     checksum_algorithm,
     checksum_from_block_crcs,
     unpack_block_crcs,
 )
-from ftsup.trainer.checkpoint.errors import CheckpointCorruptError
-from ftsup.trainer.checkpoint.layout import CHECKSUM_BLOCK_BYTES, SIDECAR_MAX_BYTES
+from ftsup.store.errors import CheckpointCorruptError
+from ftsup.store.layout import CHECKSUM_BLOCK_BYTES, SIDECAR_MAX_BYTES
+from ftsup.trainer.checkpoint import codec
 
 PAGE = 4096
 WRITE_BLOCK = 64 * 1024 * 1024

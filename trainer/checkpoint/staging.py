@@ -25,9 +25,10 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan
 
-from ftsup.trainer.checkpoint import blocksum, codec, layout
+from ftsup.store import blocksum, layout
+from ftsup.store.errors import CheckpointError
+from ftsup.trainer.checkpoint import codec
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
-from ftsup.trainer.checkpoint.errors import CheckpointError
 from ftsup.trainer.checkpoint.shardio import ShardLayout, aligned_buffer, as_memoryview, build_layout
 
 

@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ftsup.protocol import CHECKPOINT_DIR_ENV
 from ftsup.trainer.checkpoint import CheckpointEngine, CheckpointError, CheckpointSaveError, RetentionPolicy
 from ftsup.trainer.checkpoint.engine import SaveHandle
 from ftsup.trainer.data import DataConfigError, GlobalBatchSchedule, RankBatchSampler
@@ -122,7 +123,7 @@ class WarmupCosine:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ftsup.trainer.examples.gpt", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--ckpt-dir", default=os.environ.get("FTSUP_CHECKPOINT_DIR"))
+    p.add_argument("--ckpt-dir", default=os.environ.get(CHECKPOINT_DIR_ENV))
     p.add_argument("--ckpt-every", type=int, default=20)
     p.add_argument("--keep-last", type=int, default=3)
     p.add_argument("--global-batch", type=int, default=12)

@@ -8,9 +8,9 @@ import subprocess
 from collections.abc import Sequence
 from typing import Any
 
+from ftsup.store import layout
 from ftsup.supervisor.faults import chaos
 from ftsup.supervisor.faults.refjob import TrainerJob
-from ftsup.trainer.checkpoint import layout
 
 SPLIT_KEYS = ("detection_s", "teardown_s", "backoff_s", "launch_s", "load_s")
 SAMPLE_KEYS = ("detect_s", "recover_s", "lost_steps", "resume_step", "detected_by")

@@ -24,7 +24,7 @@ from typing import Any
 
 import psutil
 
-from ftsup.supervisor import procs
+from ftsup import procs
 from ftsup.supervisor.bench.recovery.common import STEP_GAP, aim, load_average, rounded, row, wait_aimed
 from ftsup.supervisor.faults import chaos
 from ftsup.supervisor.faults.refjob import TrainerJob, child_env, new_run_id, start_guarded, wait_exit

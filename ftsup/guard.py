@@ -15,7 +15,7 @@ outlives the process that launched it. Two ways in:
   for itself, best effort (the parent it checks against is the one it sees first).
 
 Stdlib only, importing nothing of ftsup: the wrapper runs isolated (`-I -S`) under any
-interpreter. Not here: stopping processes (`ftsup.supervisor.procs`).
+interpreter. Not here: stopping processes (`ftsup.procs`).
 """
 
 from __future__ import annotations

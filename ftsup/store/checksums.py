@@ -17,8 +17,8 @@ import os
 import re
 import struct
 
-from ftsup.trainer.checkpoint import blocksum, safefile
-from ftsup.trainer.checkpoint.errors import CheckpointCorruptError, ManifestError
+from ftsup.store import blocksum, safefile
+from ftsup.store.errors import CheckpointCorruptError, ManifestError
 
 _READ_CHUNK = 16 * 1024 * 1024
 

@@ -26,7 +26,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from ftsup.trainer.checkpoint.errors import CheckpointCorruptError, CheckpointError, ManifestError
+from ftsup.store.errors import CheckpointCorruptError, CheckpointError, ManifestError
 
 MAX_JSON_DEPTH = 128
 """Deepest JSON nesting accepted in any file of a checkpoint. A state dict's skeleton takes three

@@ -40,7 +40,7 @@ Data = bytes | bytearray | memoryview
 
 def _load_extension() -> ModuleType | None:
     try:
-        from ftsup.trainer.checkpoint import _blocksum
+        from ftsup.store import _blocksum
     except ImportError:  # not built: the pure-Python path below gives the same answers
         return None
     return _blocksum
@@ -169,7 +169,7 @@ class StreamingBlocks:
 
     def __init__(self, total: int) -> None:
         if _ext is None:
-            raise RuntimeError("StreamingBlocks needs the C extension ftsup.trainer.checkpoint._blocksum")
+            raise RuntimeError("StreamingBlocks needs the C extension ftsup.store._blocksum")
         self.total = total
         self._pos = 0
         self._regs = array.array("I", bytes(4 * -(-total // BLOCK_BYTES)))

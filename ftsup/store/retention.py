@@ -23,8 +23,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ftsup.trainer.checkpoint import layout
-from ftsup.trainer.checkpoint.errors import CheckpointError
+from ftsup.store import layout
+from ftsup.store.errors import CheckpointError
 
 
 @dataclass(frozen=True)

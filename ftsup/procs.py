@@ -11,8 +11,8 @@
   one grace deadline, SIGKILL to what is left, and a check that nothing is left.
 
 It waits by polling liveness and never calls `waitpid` itself: the statuses of our own
-children stay with their `subprocess.Popen` (pass its `poll` to reap them). Stdlib and
-psutil only (no torch, nothing of the daemon), so the trainer side can use it too.
+children stay with their `subprocess.Popen` (pass its `poll` to reap them). Stdlib, psutil and
+`ftsup.protocol` only (no torch, nothing of the daemon or the trainer), so both sides use it.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import psutil
+
+from ftsup.protocol import ATTEMPT_ENV, NODE_ID_ENV, RUN_ID_ENV
 
 CREATE_SLACK_S = 1.0  # process start times are rounded to clock ticks, and computed from the boot time
 _POLL_S = 0.02
@@ -39,7 +41,7 @@ class Mark:
     attempt: int
 
     def environ(self) -> dict[str, str]:
-        return {"FTSUP_RUN_ID": self.run_id, "FTSUP_NODE_ID": self.node_id, "FTSUP_ATTEMPT": str(self.attempt)}
+        return {RUN_ID_ENV: self.run_id, NODE_ID_ENV: self.node_id, ATTEMPT_ENV: str(self.attempt)}
 
     def carried_by(self, env: Mapping[str, str]) -> bool:
         return all(env.get(k) == v for k, v in self.environ().items())

@@ -1,4 +1,4 @@
-"""The checkpoint engine's exception tree (torch-free).
+"""The exception tree of the checkpoint store and engine (torch-free).
 
 Every error a user can meet carries a message that says what is wrong and what to do;
 callers catch `CheckpointError` to handle them all.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 
 class CheckpointError(Exception):
-    """Base of every error raised by `ftsup.trainer.checkpoint`."""
+    """Base of every error raised by `ftsup.store` and `ftsup.trainer.checkpoint`."""
 
 
 class ManifestError(CheckpointError):

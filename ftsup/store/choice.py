@@ -7,7 +7,7 @@ does not read (a newer ftsup's, next to this one) is skipped and never renamed; 
 be renamed (another user's directory in a sticky store) is skipped too. Every checkpoint passed
 over is returned with the reason, so that callers log it and a fresh start is never silent.
 
-Stdlib-only, like `layout`. Not here: the checks themselves (`layout`), loading (`loading`).
+Stdlib-only, like `layout`. Not here: the checks themselves (`layout`), loading (`ftsup.trainer.checkpoint.loading`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from ftsup.trainer.checkpoint import layout
+from ftsup.store import layout
 
 QUARANTINED = "quarantined"
 SKIPPED = "skipped"

@@ -1,4 +1,4 @@
-# Stub for the C extension trainer/checkpoint/_blocksum.c (built by setup.py).
+# Stub for the C extension ftsup/store/_blocksum.c (built by setup.py).
 from typing_extensions import Buffer
 
 def crc32c(data: Buffer, crc: int = 0, software: bool = False) -> int: ...

@@ -1,8 +1,8 @@
 """The checkpoint store on disk: names, manifests, verification, quarantine.
 
-This module is the *torch-free* half of the engine (stdlib only): the supervisor imports it
-to pick the resume point, and `ftsup ckpt` uses it to list and verify. It never writes tensor
-data; it knows the commit protocol's names and the manifest format (ARCHITECTURE section 2):
+Stdlib only, like the rest of `ftsup.store`: the supervisor imports it to pick the resume point,
+and `ftsup ckpt` uses it to list and verify. It never writes tensor data; it knows the commit
+protocol's names and the manifest format (ARCHITECTURE section 2):
 
     <root>/step-000001200/            committed (renamed into place after every rank finished)
     <root>/step-000001200/manifest.json
@@ -30,15 +30,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftsup.trainer.checkpoint import blocksum, checksums, safefile
-from ftsup.trainer.checkpoint.errors import (
+from ftsup.store import blocksum, checksums, safefile
+from ftsup.store.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointFormatError,
     ManifestError,
     NoCheckpointError,
 )
-from ftsup.trainer.checkpoint.safefile import resolve_inside, validate_relpath
+from ftsup.store.safefile import resolve_inside, validate_relpath
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"

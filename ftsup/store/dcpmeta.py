@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ftsup.trainer.checkpoint import layout
-from ftsup.trainer.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from ftsup.store import layout
+from ftsup.store.errors import CheckpointCorruptError, CheckpointError
 
 _MAX_DIMS = 64
 _MAX_ELEMENTS = 1 << 62

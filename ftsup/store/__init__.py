@@ -1,0 +1,17 @@
+"""The checkpoint store: the on-disk format both sides of ftsup read, stdlib only.
+
+The supervisor reads the store (to list, verify and choose the resume point; `ftsup ckpt`) more
+than the trainer does, and the checkpoint engine (`ftsup.trainer.checkpoint`, which needs torch)
+writes it. Both import this package; it imports neither of them, nor torch:
+
+- `layout`: names (`step-N`, `.partial`, `.corrupt`), the manifest, fast and deep verification, quarantine;
+- `safefile`: every file read from a store, as hostile input;
+- `checksums`, `blocksum` (with the C extension `_blocksum`): recorded checksums and block checksums;
+- `choice`: which checkpoint to resume from;
+- `retention`: which checkpoints to keep, and deleting the rest;
+- `dcpmeta`: the schema of `dcp_metadata.json`;
+- `errors`: the `CheckpointError` tree.
+
+The format, the commit protocol and the rules for a hostile store: `DESIGN.md` beside this file.
+Not here: writing tensors, staging, loading (the engine's).
+"""
