@@ -27,8 +27,9 @@ from ftsup.supervisor.eviction.notices import Blind, Seeing
 from ftsup.supervisor.eviction.requeue import requeue
 from ftsup.supervisor.logs import EVENTS
 from tests.helpers import default_files, make_fake_checkpoint
+from tests.settings import settings
 
-S = P.Settings(nproc_max=2, startup_timeout_s=60, backoff_initial_s=1, backoff_max_s=8, max_restarts=5,
+S = settings(nproc_max=2, startup_timeout_s=60, backoff_initial_s=1, backoff_max_s=8, max_restarts=5,
                window_s=1000, max_attempts_without_progress=3)  # fmt: skip
 
 
@@ -152,7 +153,7 @@ SCENARIOS: dict[str, tuple[Callable[[Drive], None], P.Settings]] = {
     "success": (_success, S),
     "crash, then a crash loop": (_crash_then_crash_loop, S),
     "timeouts": (_hang_and_startup_and_progress_timeouts, S),
-    "restart budget": (_budget_spent, P.Settings(nproc_max=2, max_restarts=0)),
+    "restart budget": (_budget_spent, settings(nproc_max=2, max_restarts=0)),
     "emergency save": (_evicted_after_an_emergency_save, S),
     "no time to save": (_evicted_without_time_to_save, S),
     "nothing to save": (_evicted_before_any_step, S),
