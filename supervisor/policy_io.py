@@ -49,10 +49,11 @@ class Start:
 
 @dataclass(frozen=True)
 class LaunchReady:
-    """Inputs for a launch, gathered by the daemon: healthy local slots, the checkpoint to
-    resume from (None: fresh start), and the number the world size must divide (or None)."""
+    """Inputs for a launch, gathered by the daemon: healthy local slots (None: the health probe
+    was blind), the checkpoint to resume from (None: fresh start), and the number the world size
+    must divide (or None)."""
 
-    healthy_slots: int
+    healthy_slots: int | None
     resume_step: int | None
     batch_divisor: int | None = None
 

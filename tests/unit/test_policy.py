@@ -9,7 +9,7 @@ from ftsup.supervisor.logs import EVENTS
 from tests.settings import settings
 
 S = settings(nproc_max=2, startup_timeout_s=60, save_timeout_s=100, min_timeout_s=2.0, backoff_initial_s=1,
-               backoff_max_s=8, max_restarts=5, window_s=1000, max_attempts_without_progress=3)  # fmt: skip
+             backoff_max_s=8, max_restarts=5, window_s=1000, max_attempts_without_progress=3)  # fmt: skip
 
 
 class Driver:
@@ -31,7 +31,7 @@ class Driver:
     def st(self) -> P.State:
         return self.m.state
 
-    def launch(self, healthy: int = 2, resume: int | None = None, divisor: int | None = None) -> P.Launch:
+    def launch(self, healthy: int | None = 2, resume: int | None = None, divisor: int | None = None) -> P.Launch:
         acts = self.feed(P.Start()) if self.st.phase == "init" else self.feed(P.Tick())
         assert any(isinstance(a, P.PrepareLaunch) for a in acts), acts
         acts = self.feed(P.LaunchReady(healthy, resume, divisor))
@@ -369,3 +369,34 @@ def test_a_long_eval_before_the_first_step_is_not_a_startup_timeout():
         d.beat_all(0, "eval")
         d.feed(P.Tick())
     assert d.events().count("startup_timed_out") == 0
+
+
+# ---------------------------------------------------------------------- what the state keeps for the daemon
+
+
+def test_a_blind_health_probe_keeps_the_last_world_size():
+    d = Driver(settings(nproc_max=4, backoff_initial_s=0))
+    d.launch(healthy=2)
+    d.train(range(1, 3))
+    d.feed(P.WorkersExited(1, 1))
+    assert d.launch(healthy=None).nproc == 2
+
+
+def test_a_blind_health_probe_before_any_launch_takes_every_slot():
+    assert Driver(settings(nproc_max=4)).launch(healthy=None).nproc == 4
+
+
+def test_the_last_launch_is_kept_once_its_attempt_has_ended():
+    d = Driver(settings(nproc_max=1, backoff_initial_s=0))
+    d.launch(healthy=1, resume=7)
+    d.feed(P.WorkersExited(1, 1))
+    assert (d.st.attempt, d.st.last_launch) == (None, P.Launch(1, 1, 7))
+
+
+def test_the_last_failure_is_the_reason_of_the_newest_error_logged():
+    d = Driver(settings(nproc_max=1, backoff_initial_s=0, max_attempts_without_progress=2))
+    for _ in range(2):
+        d.launch(healthy=1)
+        d.feed(P.WorkersExited(d.st.attempt.number, 1))
+    errors = [a.as_dict()["reason"] for a in d.actions if isinstance(a, P.Log) and a.level == "error"]
+    assert (errors[-1].startswith("crash loop: "), d.st.last_failure) == (True, errors[-1])
