@@ -1,7 +1,8 @@
 """Each config default is declared once, on the config's dataclasses (`ftsup.supervisor.config`), and the rest
 follows them: the policy's settings are derived from a config (`settings_from`) with no default of their own, and
 deploy/examples/job.yaml, which documents every key with its default, agrees with the dataclasses (it shows every
-key of every section, and each value it sets is the default unless its line marks the value as an example)."""
+key of every section, and each value it sets is the default unless its line marks the value as an example); a
+default that the README or a deploy file quotes where it explains something is the dataclass's."""
 
 from __future__ import annotations
 
@@ -64,6 +65,11 @@ def example_keys() -> dict[str, dict[str, bool]]:
     return shown
 
 
+def default_of(cls: type, key: str) -> object:
+    f = next(f for f in dataclasses.fields(cls) if f.name == key)
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
 def test_the_example_file_shows_every_key_of_every_section() -> None:
     shown = example_keys()
     assert {name: sorted(keys) for name, keys in shown.items()} == {
@@ -78,8 +84,7 @@ def test_every_key_the_example_file_sets_is_its_default_unless_marked_as_an_exam
         for f in dataclasses.fields(SECTIONS[name]):
             if keys.get(f.name) or (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING):
                 continue  # an example value, or a default that is computed (the file says how)
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            if getattr(getattr(config, name), f.name) != default:
+            if getattr(getattr(config, name), f.name) != default_of(SECTIONS[name], f.name):
                 wrong.append(f"{name}.{f.name}")
     assert wrong == []
 
@@ -102,3 +107,25 @@ def test_every_setting_of_the_policy_comes_from_the_config() -> None:
                         step_time_multiplier=46.0, max_restarts=47, window_s=48.0, backoff_initial_s=49.0,
                         backoff_max_s=50.0, max_attempts_without_progress=51, save_margin_s=12.0)  # fmt: skip
     assert settings_from(parse_config(raw, base_dir=Path("/"), hostname=HOST), nproc_max=7) == expected
+
+
+DOCS = [REPO / "README.md", REPO / "deploy" / "README.md", REPO / "deploy" / "systemd" / "ftsup@.service"]
+
+
+def defaults_quoted_in_the_docs() -> list[tuple[str, str, float]]:
+    """Every "section.key_s, N s" or "`section.key_s` (N s)" in the prose: a default quoted where it is explained."""
+    quoted = r"`?(\w+)\.(\w+_s)`?(?:,| \()\s*(\d+(?:\.\d+)?) s\b"
+    return [(m[1], m[2], float(m[3])) for doc in DOCS for m in re.finditer(quoted, doc.read_text())]
+
+
+def test_the_defaults_the_docs_quote_are_the_dataclasses():
+    quoted = defaults_quoted_in_the_docs()
+    wrong = [(s, k, v) for s, k, v in quoted if v != default_of(SECTIONS[s], k)]
+    assert (len(quoted) >= 4, wrong) == (True, [])  # without the count, a changed wording would pass unseen
+
+
+def test_the_systemd_stop_timeout_leaves_room_for_a_save_and_the_ranks_stop_at_the_defaults():
+    unit = (REPO / "deploy" / "systemd" / "ftsup@.service").read_text()
+    stop_timeout = re.search(r"^TimeoutStopSec=(\d+)$", unit, re.M)
+    assert stop_timeout is not None
+    assert float(stop_timeout[1]) > EvictionConfig().default_deadline_s + RestartConfig().stop_grace_s

@@ -19,6 +19,7 @@ from ftsup.supervisor import policy, statedir
 from ftsup.supervisor.cli import main
 from ftsup.supervisor.config import load_config
 from ftsup.supervisor.daemon import Daemon
+from ftsup.supervisor.journal import JournalRecord
 from ftsup.supervisor.outages import RETRY_INITIAL_S
 from ftsup.supervisor.resume import ResumeChoice
 
@@ -156,6 +157,16 @@ def test_a_journal_retry_waits_longer_after_each_failure(tmp_path: Path) -> None
         clock.now = due
         d.outages.run_due()
     assert waits == [RETRY_INITIAL_S, 2 * RETRY_INITIAL_S, 4 * RETRY_INITIAL_S]
+
+
+def test_a_supervisor_that_launched_nothing_journals_the_attempt_it_adopted(tmp_path: Path) -> None:
+    d = daemon(tmp_path, FakeClock())
+    left = JournalRecord(run_id="another-job", node_id="node-a", supervisor_pid=1, attempt=5, status="failed")
+    d.journal.file.write(left)  # another job's: adopted for its number, nothing of it is stopped
+    adopted = d.journal.adopt()
+    d.journal.write("stopped")  # e.g. an operator's stop while the first launch waited for the store
+    written = d.journal.file.read()
+    assert (adopted, written.attempt if written else None) == (5, 5)  # the next supervisor's numbering goes on
 
 
 # --------------------------------------------------------------------------- launches
