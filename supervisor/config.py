@@ -288,16 +288,14 @@ def parse_config(
         )
     config_values.check_keys(top, mapping, SECTIONS, noun="section")
     # Every section's keys are checked before any value, so a misspelt key is reported before what it causes.
-    job = Section(top.child("job"), mapping.get("job"), config_values.field_names(JobSection))
-    launch = Section(top.child("launch"), mapping.get("launch"), config_values.field_names(LaunchConfig))
-    checkpoint = Section(
-        top.child("checkpoint"), mapping.get("checkpoint"), config_values.field_names(CheckpointConfig)
-    )
-    heartbeat = Section(top.child("heartbeat"), mapping.get("heartbeat"), config_values.field_names(HeartbeatConfig))
-    restart = Section(top.child("restart"), mapping.get("restart"), config_values.field_names(RestartConfig))
-    eviction = Section(top.child("eviction"), mapping.get("eviction"), config_values.field_names(EvictionConfig))
-    metrics = Section(top.child("metrics"), mapping.get("metrics"), config_values.field_names(MetricsConfig))
-    logging = Section(top.child("logging"), mapping.get("logging"), config_values.field_names(LoggingConfig))
+    job = Section(top.child("job"), mapping.get("job"), JobSection)
+    launch = Section(top.child("launch"), mapping.get("launch"), LaunchConfig)
+    checkpoint = Section(top.child("checkpoint"), mapping.get("checkpoint"), CheckpointConfig)
+    heartbeat = Section(top.child("heartbeat"), mapping.get("heartbeat"), HeartbeatConfig)
+    restart = Section(top.child("restart"), mapping.get("restart"), RestartConfig)
+    eviction = Section(top.child("eviction"), mapping.get("eviction"), EvictionConfig)
+    metrics = Section(top.child("metrics"), mapping.get("metrics"), MetricsConfig)
+    logging = Section(top.child("logging"), mapping.get("logging"), LoggingConfig)
 
     digest = hashlib.sha256(str(config_path if config_path is not None else base).encode()).hexdigest()
     run_id = job.optional("run_id", config_values.identifier, f"ftsup-{digest[:8]}")
@@ -309,7 +307,7 @@ def parse_config(
             dir=checkpoint.required(
                 "dir", config_values.path(base), "set it to the checkpoint store directory, e.g. ./checkpoints"
             ),
-            verify_deep=checkpoint.optional("verify_deep", config_values.boolean, False),
+            verify_deep=checkpoint.optional("verify_deep", config_values.boolean),
         ),
         heartbeat=_parse_heartbeat(heartbeat),
         restart=_parse_restart(restart),
@@ -319,8 +317,8 @@ def parse_config(
         ),
         logging=LoggingConfig(
             dir=logging.nullable("dir", config_values.path(base)),
-            level=logging.optional("level", config_values.choice(LOG_LEVELS), "info"),
-            format=logging.optional("format", config_values.choice(LOG_FORMATS), "json"),
+            level=logging.optional("level", config_values.choice(LOG_LEVELS)),
+            format=logging.optional("format", config_values.choice(LOG_FORMATS)),
         ),
         source=source,
     )
@@ -339,15 +337,14 @@ def _parse_job(sec: Section, base: Path, *, run_id: str, node_id: str, config_pa
         workdir=workdir,
         run_id=run_id,
         state_dir=sec.optional("state_dir", config_values.path(base), state_dir),
-        env=sec.optional("env", config_values.env, {}),
+        env=sec.optional("env", config_values.env),
     )
 
 
 def _parse_launch(sec: Section, *, run_id: str, hostname: str | None) -> LaunchConfig:
-    auto: Literal["auto"] = "auto"
-    nproc = sec.optional("nproc_per_node", config_values.nproc, auto)
-    nnodes = sec.optional("nnodes", config_values.nnodes, "1")
-    min_world = sec.optional("min_world_size", config_values.integer(1, MAX_WORLD_SIZE), 1)
+    nproc = sec.optional("nproc_per_node", config_values.nproc)
+    nnodes = sec.optional("nnodes", config_values.nnodes)
+    min_world = sec.optional("min_world_size", config_values.integer(1, MAX_WORLD_SIZE))
     max_world = sec.nullable("max_world_size", config_values.integer(1, MAX_WORLD_SIZE))
     node_id = sec.optional("node_id", config_values.identifier, None)
     config = LaunchConfig(
@@ -359,7 +356,7 @@ def _parse_launch(sec: Section, *, run_id: str, hostname: str | None) -> LaunchC
         max_world_size=max_world,
         rdzv_endpoint=sec.nullable("rdzv_endpoint", config_values.host_port(min_port=1, example="node0:29400")),
         health_command=sec.nullable("health_command", config_values.argv),
-        torchrun_args=sec.optional("torchrun_args", config_values.torchrun_args, ()),
+        torchrun_args=sec.optional("torchrun_args", config_values.torchrun_args),
         global_batch=sec.nullable("global_batch", config_values.integer(1, 2**40)),
         micro_batch=sec.nullable("micro_batch", config_values.integer(1, 2**40)),
     )
@@ -425,13 +422,13 @@ def _parse_heartbeat(sec: Section) -> HeartbeatConfig:
     config = HeartbeatConfig(
         timeout_s=sec.nullable("timeout_s", config_values.seconds(fix=learned)),
         progress_timeout_s=sec.nullable("progress_timeout_s", config_values.seconds(fix=learned)),
-        startup_timeout_s=sec.optional("startup_timeout_s", config_values.seconds(), 300.0),
-        save_timeout_s=sec.optional("save_timeout_s", config_values.seconds(), 900.0),
-        min_timeout_s=sec.optional("min_timeout_s", config_values.seconds(), 2.0),
+        startup_timeout_s=sec.optional("startup_timeout_s", config_values.seconds()),
+        save_timeout_s=sec.optional("save_timeout_s", config_values.seconds()),
+        min_timeout_s=sec.optional("min_timeout_s", config_values.seconds()),
         step_time_multiplier=sec.optional(
-            "step_time_multiplier", config_values.number(low=1.0, low_ok=True, high=1000.0, unit=""), 3.0
+            "step_time_multiplier", config_values.number(low=1.0, low_ok=True, high=1000.0, unit="")
         ),
-        interval_s=sec.optional("interval_s", config_values.seconds(), 0.5),
+        interval_s=sec.optional("interval_s", config_values.seconds()),
     )
     # A timeout no longer than the beat interval would call every idle rank hung.
     for key in ("timeout_s", "min_timeout_s"):
@@ -447,14 +444,12 @@ def _parse_heartbeat(sec: Section) -> HeartbeatConfig:
 
 def _parse_restart(sec: Section) -> RestartConfig:
     config = RestartConfig(
-        max_restarts=sec.optional("max_restarts", config_values.integer(0, 1_000_000), 10),
-        window_s=sec.optional("window_s", config_values.seconds(), 3600.0),
-        backoff_initial_s=sec.optional("backoff_initial_s", config_values.seconds(zero_ok=True), 1.0),
-        backoff_max_s=sec.optional("backoff_max_s", config_values.seconds(zero_ok=True), 60.0),
-        max_attempts_without_progress=sec.optional(
-            "max_attempts_without_progress", config_values.integer(1, 1_000_000), 3
-        ),
-        stop_grace_s=sec.optional("stop_grace_s", config_values.seconds(), 10.0),
+        max_restarts=sec.optional("max_restarts", config_values.integer(0, 1_000_000)),
+        window_s=sec.optional("window_s", config_values.seconds()),
+        backoff_initial_s=sec.optional("backoff_initial_s", config_values.seconds(zero_ok=True)),
+        backoff_max_s=sec.optional("backoff_max_s", config_values.seconds(zero_ok=True)),
+        max_attempts_without_progress=sec.optional("max_attempts_without_progress", config_values.integer(1, 10**6)),
+        stop_grace_s=sec.optional("stop_grace_s", config_values.seconds()),
     )
     if config.backoff_max_s < config.backoff_initial_s:
         sec.fail(
@@ -467,12 +462,12 @@ def _parse_restart(sec: Section) -> RestartConfig:
 
 def _parse_eviction(sec: Section, base: Path) -> EvictionConfig:
     config = EvictionConfig(
-        signals=sec.optional("signals", config_values.signals, ("SIGTERM", "SIGUSR1")),
-        providers=sec.optional("providers", config_values.providers, ()),
+        signals=sec.optional("signals", config_values.signals),
+        providers=sec.optional("providers", config_values.providers),
         endpoint=sec.nullable("endpoint", config_values.url),
-        poll_interval_s=sec.optional("poll_interval_s", config_values.seconds(), 1.0),
-        default_deadline_s=sec.optional("default_deadline_s", config_values.seconds(), 30.0),
-        save_margin_s=sec.optional("save_margin_s", config_values.seconds(zero_ok=True), 5.0),
+        poll_interval_s=sec.optional("poll_interval_s", config_values.seconds()),
+        default_deadline_s=sec.optional("default_deadline_s", config_values.seconds()),
+        save_margin_s=sec.optional("save_margin_s", config_values.seconds(zero_ok=True)),
         file=sec.nullable("file", config_values.path(base)),
         command=sec.nullable("command", config_values.argv),
         requeue_command=sec.nullable("requeue_command", config_values.argv),

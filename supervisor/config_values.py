@@ -2,8 +2,9 @@
 
 The building blocks of `ftsup.supervisor.config`:
 - `Where` is a key path inside a source (`job.yaml: restart.window_s`); `Where.fail` raises the one-line error;
-- `Section` is one YAML mapping whose keys are checked on construction (unknown keys are errors, with a "did you
-  mean" from `suggest`) and whose values are read as `required`, `optional` (null refused) or `nullable`;
+- `Section` is one YAML mapping, read into the fields of one dataclass: its keys are checked on construction
+  (unknown keys are errors, with a "did you mean" from `suggest`) and its values are read as `required`,
+  `optional` (null refused; left out, the default the dataclass declares) or `nullable`;
 - a parse function (`Parse[T]`) takes a raw value and its `Where` and returns a `T` or fails: `integer`,
   `seconds`, `string`, `path`, `argv`, `host_port`, `signals`, ...; messages show the wrong value as YAML spells
   it (`describe`) and say how to write it instead; every value is bounded (lengths, counts, magnitudes);
@@ -25,9 +26,9 @@ import re
 import signal
 import stat
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import MISSING, dataclass, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Literal, NoReturn, TypeVar
+from typing import Any, Literal, NoReturn, TypeVar, overload
 from urllib.parse import urlsplit
 
 from ftsup.supervisor.errors import ConfigError
@@ -87,9 +88,11 @@ Parse = Callable[[object, Where], _T]
 
 
 class Section:
-    """One YAML section: its keys checked on construction, its values read through parse functions."""
+    """One YAML section, read into the fields of the dataclass `cls`: its keys (the field names) checked on
+    construction, its values read through parse functions."""
 
-    def __init__(self, where: Where, raw: object, keys: Sequence[str]) -> None:
+    def __init__(self, where: Where, raw: object, cls: type) -> None:
+        keys = field_names(cls)
         if raw is None:  # `metrics:` with nothing under it: all defaults
             raw = {}
         if not isinstance(raw, Mapping):
@@ -97,6 +100,8 @@ class Section:
         check_keys(where, raw, keys, noun="key")
         self.where = where
         self._raw = raw
+        self._defaults = {f.name: f.default_factory() if f.default_factory is not MISSING else f.default
+                          for f in fields(cls)}  # fmt: skip
 
     def fail(self, key: str, message: str) -> NoReturn:
         self.where.child(key).fail(message)
@@ -106,7 +111,13 @@ class Section:
             self.fail(key, f"required; {fix}")
         return parse(self._raw[key], self.where.child(key))
 
-    def optional(self, key: str, parse: Parse[_T], default: _D) -> _T | _D:
+    @overload
+    def optional(self, key: str, parse: Parse[_T]) -> _T: ...
+    @overload
+    def optional(self, key: str, parse: Parse[_T], default: _D) -> _T | _D: ...
+    def optional(self, key: str, parse: Parse[_T], default: Any = MISSING) -> Any:
+        """The value of `key`; left out, `default` or else the default its dataclass declares (written only there)."""
+        default = self._defaults[key] if default is MISSING else default
         if key not in self._raw:
             return default
         value = self._raw[key]

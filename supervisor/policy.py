@@ -117,7 +117,8 @@ class State:
     best_step: int = -1  # the highest step any attempt reached
     resume_at: float = 0.0
     step_times: tuple[float, ...] = ()  # carried across attempts for learned timeouts
-    last_failure: str | None = None
+    last_failure: str | None = None  # the reason of the newest error logged (job_failed, worker_exited, ...)
+    last_launch: Launch | None = None  # the newest attempt launched (number, world size, resume step), kept after it
     save_times: tuple[float, ...] = ()  # measured save durations (s), newest last
     save_seq: int = 0  # the newest save request's number
     eviction: Eviction | None = None
@@ -221,17 +222,19 @@ def _prepare(st: State, now: float) -> tuple[State, list[Action]]:
 
 
 def _launch(s: Settings, st: State, ev: LaunchReady, now: float) -> tuple[State, list[Action]]:
-    n, why = choose_world_size(s, ev.healthy_slots, ev.batch_divisor)
+    blind = s.nproc_max if st.last_launch is None else st.last_launch.nproc  # a blind probe keeps the last size
+    n, why = choose_world_size(s, blind if ev.healthy_slots is None else ev.healthy_slots, ev.batch_divisor)
     if n is None:
         exit_ = Exit(EXIT_BUDGET, f"cannot launch: {why}")
-        return replace(st, phase=SupervisorPhase.DONE, final=exit_), [
+        return replace(st, phase=SupervisorPhase.DONE, final=exit_, last_failure=exit_.reason), [
             log("job_failed", "error", attempt=st.attempt_no, reason=exit_.reason),
             exit_,
         ]
     att = Attempt(st.attempt_no, n, ev.resume_step, launched_at=now, progress_at=now, best_before=st.best_step)
-    return replace(st, phase=SupervisorPhase.RUNNING, attempt=att), [
+    launch = Launch(st.attempt_no, n, ev.resume_step)
+    return replace(st, phase=SupervisorPhase.RUNNING, attempt=att, last_launch=launch), [
         log("world_size_chosen", attempt=st.attempt_no, world_size=n, reason=why, step=ev.resume_step),
-        Launch(st.attempt_no, n, ev.resume_step),
+        launch,
     ]
 
 
@@ -465,14 +468,14 @@ def _exited(s: Settings, st: State, att: Attempt, ev: WorkersExited, now: float)
     restarts = tuple(t for t in st.restarts if now - t < s.window_s)
     if streak >= s.max_attempts_without_progress:
         exit_ = Exit(EXIT_CRASH_LOOP, f"crash loop: {streak} attempts in a row made no step progress ({reason})")
-        return replace(st, phase=SupervisorPhase.DONE, attempt=None, final=exit_, last_failure=reason), [
+        return replace(st, phase=SupervisorPhase.DONE, attempt=None, final=exit_, last_failure=exit_.reason), [
             *actions,
             log("crash_loop_detected", "error", attempt=att.number, reason=exit_.reason, step=att.max_step),
             exit_,
         ]
     if len(restarts) >= s.max_restarts:
         exit_ = Exit(EXIT_BUDGET, f"restart budget spent: {len(restarts)} restarts within {s.window_s:g}s ({reason})")
-        return replace(st, phase=SupervisorPhase.DONE, attempt=None, final=exit_, last_failure=reason), [
+        return replace(st, phase=SupervisorPhase.DONE, attempt=None, final=exit_, last_failure=exit_.reason), [
             *actions,
             log("restart_budget_exhausted", "error", attempt=att.number, reason=exit_.reason),
             exit_,

@@ -34,24 +34,25 @@ class SupervisorPhase(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Settings:
-    """What the policy needs from the config (seconds throughout)."""
+    """What the policy needs from the config (seconds throughout). Built by `config.settings_from`: the defaults
+    are the config's, declared once there; only the two margins below are the policy's own."""
 
     nproc_max: int  # local slots at most
-    min_world_size: int = 1
-    max_world_size: int | None = None
-    nnodes_max: int = 1
-    heartbeat_timeout_s: float | None = None  # None: learned
-    progress_timeout_s: float | None = None  # None: learned
-    startup_timeout_s: float = 300.0
-    save_timeout_s: float = 900.0
-    min_timeout_s: float = 2.0
-    step_time_multiplier: float = 3.0
-    max_restarts: int = 10
-    window_s: float = 3600.0
-    backoff_initial_s: float = 1.0
-    backoff_max_s: float = 60.0
-    max_attempts_without_progress: int = 3
-    save_margin_s: float = 5.0  # safety margin when deciding whether an emergency save fits
+    min_world_size: int
+    max_world_size: int | None
+    nnodes_max: int
+    heartbeat_timeout_s: float | None  # None: learned
+    progress_timeout_s: float | None  # None: learned
+    startup_timeout_s: float
+    save_timeout_s: float
+    min_timeout_s: float
+    step_time_multiplier: float
+    max_restarts: int
+    window_s: float
+    backoff_initial_s: float
+    backoff_max_s: float
+    max_attempts_without_progress: int
+    save_margin_s: float  # safety margin when deciding whether an emergency save fits
     stop_margin_s: float = 1.0  # ranks still running this long before an eviction deadline are stopped
     assumed_save_bytes_per_s: float = 256 * 2**20  # until a save has been measured
 
@@ -66,10 +67,11 @@ class Start:
 
 @dataclass(frozen=True)
 class LaunchReady:
-    """Inputs for a launch, gathered by the daemon: healthy local slots, the checkpoint to
-    resume from (None: fresh start), and the number the world size must divide (or None)."""
+    """Inputs for a launch, gathered by the daemon: healthy local slots (None: the health probe
+    was blind), the checkpoint to resume from (None: fresh start), and the number the world size
+    must divide (or None)."""
 
-    healthy_slots: int
+    healthy_slots: int | None
     resume_step: int | None
     batch_divisor: int | None = None
 

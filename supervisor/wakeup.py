@@ -3,11 +3,13 @@
 `Wakeup(signals, fds)` installs a handler for each of `signals` that only records the signal (it is acted on in
 the loop, never in the handler), points Python's signal wakeup fd at a socket pair whose write end (`writer`)
 the daemon's threads may also write to, and `wait(timeout)` returns once any of that or one of `fds` is ready,
-or the timeout passes. `close()` puts the previous handlers and wakeup fd back.
+or the timeout passes. `close()` (or leaving it as a context) puts the previous handlers and wakeup fd back; a
+failure while it is set up undoes what was done.
 """
 
 from __future__ import annotations
 
+import contextlib
 import selectors
 import signal
 import socket
@@ -17,15 +19,22 @@ from types import FrameType
 
 class Wakeup:
     def __init__(self, signals: Iterable[int], fds: Iterable[int]) -> None:
-        self._reader, self.writer = socket.socketpair()
-        self._reader.setblocking(False)
-        self.writer.setblocking(False)
         self._caught: list[str] = []
-        self._old_fd = signal.set_wakeup_fd(self.writer.fileno(), warn_on_full_buffer=False)
-        self._old_handlers = {s: signal.signal(s, self._on_signal) for s in set(signals)}
-        self._selector = selectors.DefaultSelector()
-        for fd in (self._reader.fileno(), *fds):
-            self._selector.register(fd, selectors.EVENT_READ)
+        with contextlib.ExitStack() as undo:
+            self._reader, self.writer = socket.socketpair()
+            undo.callback(self._reader.close)
+            undo.callback(self.writer.close)
+            self._reader.setblocking(False)
+            self.writer.setblocking(False)
+            old_fd = signal.set_wakeup_fd(self.writer.fileno(), warn_on_full_buffer=False)
+            undo.callback(signal.set_wakeup_fd, old_fd)  # before the writer is closed: a signal then writes nowhere
+            for s in set(signals):
+                undo.callback(signal.signal, s, signal.signal(s, self._on_signal))
+            self._selector = selectors.DefaultSelector()
+            undo.callback(self._selector.close)
+            for fd in (self._reader.fileno(), *fds):
+                self._selector.register(fd, selectors.EVENT_READ)
+            self._undo = undo.pop_all()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._caught.append(signal.Signals(signum).name)
@@ -44,9 +53,10 @@ class Wakeup:
         return caught
 
     def close(self) -> None:
-        for s, h in self._old_handlers.items():
-            signal.signal(s, h)
-        signal.set_wakeup_fd(self._old_fd)
-        self._selector.close()
-        self._reader.close()
-        self.writer.close()
+        self._undo.close()
+
+    def __enter__(self) -> Wakeup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,4 +1,4 @@
-"""The job config: defaults, one-line errors naming the key path and the fix, path resolution, the example file."""
+"""The job config: defaults, one-line errors naming the key path and the fix, path resolution, output."""
 
 from __future__ import annotations
 
@@ -12,14 +12,10 @@ import yaml
 
 from ftsup.supervisor.config import (
     CheckpointConfig,
-    EvictionConfig,
-    HeartbeatConfig,
     JobConfig,
     JobSection,
     LaunchConfig,
-    LoggingConfig,
     MetricsConfig,
-    RestartConfig,
     load_config,
     parse_config,
     split_host_port,
@@ -471,20 +467,9 @@ def test_a_missing_file_is_refused() -> None:
     )
 
 
-# --------------------------------------------------------------------------- output and the example
+# --------------------------------------------------------------------------- output
 
 
 def test_to_dict_survives_a_json_round_trip() -> None:
     as_dict = load(minimal(job={"env": {"A": "1"}}, launch={"health_command": ["probe"]})).to_dict()
     assert json.loads(json.dumps(as_dict)) == as_dict
-
-
-def test_the_example_file_parses() -> None:
-    config = load_config(REPO / "deploy" / "examples" / "job.yaml", hostname=HOST)
-    assert (config.job.run_id, config.checkpoint.dir) == ("gpt-example", REPO / "deploy" / "examples" / "checkpoints")
-
-
-def test_the_example_file_shows_the_real_defaults() -> None:
-    config = load_config(REPO / "deploy" / "examples" / "job.yaml", hostname=HOST)
-    shown = (config.heartbeat, config.restart, config.eviction, config.metrics, config.logging)
-    assert shown == (HeartbeatConfig(), RestartConfig(), EvictionConfig(), MetricsConfig(), LoggingConfig())

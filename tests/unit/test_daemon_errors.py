@@ -15,11 +15,13 @@ import structlog
 import yaml
 from structlog.testing import capture_logs
 
-from ftsup.supervisor import policy
+from ftsup.supervisor import policy, statedir
 from ftsup.supervisor.cli import main
 from ftsup.supervisor.config import load_config
 from ftsup.supervisor.daemon import Daemon
+from ftsup.supervisor.journal import JournalRecord
 from ftsup.supervisor.outages import RETRY_INITIAL_S
+from ftsup.supervisor.resume import ResumeChoice
 
 
 class FakeClock:
@@ -78,7 +80,7 @@ def test_an_unreadable_store_delays_the_launch_instead_of_starting_from_scratch(
     d = daemon(tmp_path, clock)
     replace_by_a_file(tmp_path / "ckpt")
     with capture_logs() as logs:
-        d._prepare_or_retry(1)
+        d.resume.prepare_or_retry(1)
     failed = [e for e in logs if e["event"] == "storage_failed"]
     assert (d.pending, len(failed), failed[0]["purpose"], failed[0]["path"], storage_errors(d, "checkpoint_dir")) == (
         [],
@@ -94,7 +96,7 @@ def test_the_delayed_launch_goes_ahead_once_the_store_is_back(tmp_path: Path) ->
     (tmp_path / "ckpt").mkdir()
     d = daemon(tmp_path, clock)
     aside = replace_by_a_file(tmp_path / "ckpt")
-    d._prepare_or_retry(1)
+    d.resume.prepare_or_retry(1)
     put_back(tmp_path / "ckpt", aside)
     clock.now += RETRY_INITIAL_S
     with capture_logs() as logs:
@@ -108,8 +110,8 @@ def test_a_store_read_for_the_metrics_that_fails_is_counted_and_not_raised(tmp_p
     d = daemon(tmp_path, clock)
     replace_by_a_file(tmp_path / "ckpt")
     with capture_logs() as logs:
-        d._store.scan()  # what the scanner's thread does every few seconds
-        d._refresh_checkpoint_metrics()
+        d.resume.store.scan()  # what the scanner's thread does every few seconds
+        d.resume.refresh_metrics()
     assert (events(logs), storage_errors(d, "checkpoint_dir")) == (["storage_failed"], 1.0)
 
 
@@ -120,8 +122,8 @@ def test_a_long_outage_logs_one_line_per_minute_but_counts_every_failure(tmp_pat
     replace_by_a_file(tmp_path / "ckpt")
     with capture_logs() as logs:
         for _ in range(31):  # one read every 2 s for a minute
-            d._store.scan()
-            d._refresh_checkpoint_metrics()
+            d.resume.store.scan()
+            d.resume.refresh_metrics()
             clock.now += 2.0
     assert (events(logs), storage_errors(d, "checkpoint_dir")) == (["storage_failed", "storage_failed"], 31.0)
 
@@ -134,7 +136,7 @@ def test_a_journal_write_that_fails_is_retried_until_it_succeeds(tmp_path: Path)
     d = daemon(tmp_path, clock)
     aside = replace_by_a_file(tmp_path / "state")
     with capture_logs() as logs:
-        d._write_journal("running")
+        d.journal.write("running")
     put_back(tmp_path / "state", aside)
     clock.now += RETRY_INITIAL_S
     d.outages.run_due()
@@ -146,7 +148,7 @@ def test_a_journal_retry_waits_longer_after_each_failure(tmp_path: Path) -> None
     clock = FakeClock()
     d = daemon(tmp_path, clock)
     replace_by_a_file(tmp_path / "state")
-    d._write_journal("running")
+    d.journal.write("running")
     waits = []
     for _ in range(3):
         due = d.outages.due("journal")
@@ -157,6 +159,16 @@ def test_a_journal_retry_waits_longer_after_each_failure(tmp_path: Path) -> None
     assert waits == [RETRY_INITIAL_S, 2 * RETRY_INITIAL_S, 4 * RETRY_INITIAL_S]
 
 
+def test_a_supervisor_that_launched_nothing_journals_the_attempt_it_adopted(tmp_path: Path) -> None:
+    d = daemon(tmp_path, FakeClock())
+    left = JournalRecord(run_id="another-job", node_id="node-a", supervisor_pid=1, attempt=5, status="failed")
+    d.journal.file.write(left)  # another job's: adopted for its number, nothing of it is stopped
+    adopted = d.journal.adopt()
+    d.journal.write("stopped")  # e.g. an operator's stop while the first launch waited for the store
+    written = d.journal.file.read()
+    assert (adopted, written.attempt if written else None) == (5, 5)  # the next supervisor's numbering goes on
+
+
 # --------------------------------------------------------------------------- launches
 
 
@@ -164,11 +176,10 @@ def test_a_launch_that_cannot_start_is_a_failed_attempt(tmp_path: Path) -> None:
     clock = FakeClock()
     (tmp_path / "logs").write_text("a file where the attempt's log directory should be")
     d = daemon(tmp_path, clock, logging={"dir": str(tmp_path / "logs")})
-    d._runtime_dir = tmp_path
-    with capture_logs() as logs:
-        d._launch_or_fail(policy.Launch(1, 1, None))
+    with capture_logs() as logs, d.workers.running(tmp_path):
+        d.workers.launch_or_fail(policy.Launch(1, 1, None))
     failed = [e for e in logs if e["event"] == "launch_failed"]
-    assert (len(failed), str(tmp_path / "logs") in failed[0]["reason"], d.pending, d.attempt) == (
+    assert (len(failed), str(tmp_path / "logs") in failed[0]["reason"], d.pending, d.workers.attempt) == (
         1,
         True,
         [policy.WorkersExited(1, 127)],
@@ -187,14 +198,14 @@ def restore_structlog():
     structlog.configure(**old)
 
 
-def raise_a_bug(self: Daemon) -> int:
+def raise_a_bug(self: ResumeChoice) -> int:
     raise RuntimeError("a bug in the loop")
 
 
 def test_a_bug_in_the_loop_exits_1_with_one_line_and_the_traceback_in_the_log(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], restore_structlog: None
 ) -> None:
-    monkeypatch.setattr(Daemon, "_nproc_max", raise_a_bug)
+    monkeypatch.setattr(ResumeChoice, "nproc_max", raise_a_bug)
     code = main(["run", "--config", str(write_config(tmp_path))])
     last_line = capsys.readouterr().err.splitlines()[-1]
     logged = [json.loads(line) for line in (tmp_path / "state" / "logs" / "supervisor.jsonl").read_text().splitlines()]
@@ -207,14 +218,14 @@ def test_a_bug_in_the_loop_exits_1_with_one_line_and_the_traceback_in_the_log(
     )
 
 
-def refuse_the_runtime_dir(self: Daemon) -> Path:
-    raise PermissionError(13, "Permission denied", str(self.node_dir / "run"))
+def refuse_the_runtime_dir(cls: type, state_dir: Path, environ: object) -> Path:
+    raise PermissionError(13, "Permission denied", str(state_dir / "run"))
 
 
 def test_an_io_error_while_starting_exits_1_with_one_line_naming_the_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], restore_structlog: None
 ) -> None:
-    monkeypatch.setattr(Daemon, "_make_runtime_dir", refuse_the_runtime_dir)
+    monkeypatch.setattr(statedir.RuntimeDir, "make", classmethod(refuse_the_runtime_dir))
     code = main(["run", "--config", str(write_config(tmp_path))])
     last_line = capsys.readouterr().err.splitlines()[-1]
     assert (code, last_line) == (1, f"ftsup: error: cannot start: {tmp_path / 'state' / 'run'}: Permission denied")
@@ -225,10 +236,10 @@ def test_a_scan_that_works_again_logs_the_recovery(tmp_path: Path) -> None:
     (tmp_path / "ckpt").mkdir()
     d = daemon(tmp_path, clock)
     aside = replace_by_a_file(tmp_path / "ckpt")
-    d._store.scan()
-    d._refresh_checkpoint_metrics()
+    d.resume.store.scan()
+    d.resume.refresh_metrics()
     put_back(tmp_path / "ckpt", aside)
     with capture_logs() as logs:
-        d._store.scan()
-        d._refresh_checkpoint_metrics()
+        d.resume.store.scan()
+        d.resume.refresh_metrics()
     assert (events(logs), storage_errors(d, "checkpoint_dir")) == (["storage_recovered"], 1.0)

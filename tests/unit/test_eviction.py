@@ -14,6 +14,7 @@ from ftsup.supervisor.eviction.local import CommandWatcher, FileWatcher
 from ftsup.supervisor.eviction.providers import AwsWatcher, AzureWatcher, GcpWatcher, WatchError
 from ftsup.supervisor.eviction.runner import WatcherThreads
 from tests.metadata_server import MetadataServer
+from tests.settings import settings
 from tests.unit.test_policy import Driver
 
 NOW = 1_800_000_000.0
@@ -116,7 +117,7 @@ def test_watcher_threads_report_blindness_once_and_a_notice_once(server):
 
 
 def running_driver(save_s: float | None = 0.5) -> Driver:
-    d = Driver(P.Settings(nproc_max=2, save_margin_s=5.0))
+    d = Driver(settings(nproc_max=2, save_margin_s=5.0))
     d.launch()
     d.train(range(1, 11), dt=0.2)
     if save_s is not None:

@@ -28,9 +28,10 @@ from ftsup.supervisor.eviction.notices import Blind, Seeing
 from ftsup.supervisor.eviction.requeue import requeue
 from ftsup.supervisor.logs import EVENTS
 from tests.helpers import default_files, make_fake_checkpoint
+from tests.settings import settings
 
-S = P.Settings(nproc_max=2, startup_timeout_s=60, backoff_initial_s=1, backoff_max_s=8, max_restarts=5,
-               window_s=1000, max_attempts_without_progress=3)  # fmt: skip
+S = settings(nproc_max=2, startup_timeout_s=60, backoff_initial_s=1, backoff_max_s=8, max_restarts=5,
+             window_s=1000, max_attempts_without_progress=3)  # fmt: skip
 
 
 class Drive:
@@ -153,7 +154,7 @@ SCENARIOS: dict[str, tuple[Callable[[Drive], None], P.Settings]] = {
     "success": (_success, S),
     "crash, then a crash loop": (_crash_then_crash_loop, S),
     "timeouts": (_hang_and_startup_and_progress_timeouts, S),
-    "restart budget": (_budget_spent, P.Settings(nproc_max=2, max_restarts=0)),
+    "restart budget": (_budget_spent, settings(nproc_max=2, max_restarts=0)),
     "emergency save": (_evicted_after_an_emergency_save, S),
     "no time to save": (_evicted_without_time_to_save, S),
     "nothing to save": (_evicted_before_any_step, S),
@@ -175,15 +176,15 @@ def _daemon(tmp: Path, **sections: dict[str, Any]) -> Daemon:
 def _daemons_own_events(tmp: Path) -> None:
     daemon = _daemon(tmp, launch={"health_command": [sys.executable, "-c", "exit(1)"]},
                      eviction={"requeue_command": [sys.executable, "-c", "exit(3)"]})  # fmt: skip
-    daemon._watch_report(Blind("gcp", "connection refused"))
-    daemon._watch_report(Seeing("gcp"))
+    daemon.sources.report(Blind("gcp", "connection refused"))
+    daemon.sources.report(Seeing("gcp"))
     make_fake_checkpoint(tmp / "ckpt", 4, default_files(1))
     bad = make_fake_checkpoint(tmp / "ckpt", 8, default_files(2))
     (bad / "shard-00001.safetensors").write_bytes(b"torn")  # not the size its manifest records
-    daemon._prepare(1)  # the probe fails; step 8 is quarantined, step 4 chosen
+    daemon.resume.prepare(1)  # the probe fails; step 8 is quarantined, step 4 chosen
     requeue(daemon.cfg.eviction.requeue_command, {}, daemon._emit)  # requested, and failed (exit 3)
     (tmp / "cpu").mkdir()
-    _daemon(tmp / "cpu")._prepare(1)  # probed: CPU slots; no checkpoint: a fresh start
+    _daemon(tmp / "cpu").resume.prepare(1)  # probed: CPU slots; no checkpoint: a fresh start
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,10 @@ import pytest
 from ftsup.protocol import Phase
 from ftsup.supervisor import policy as P
 from ftsup.supervisor.logs import EVENTS
+from tests.settings import settings
 
-S = P.Settings(nproc_max=2, startup_timeout_s=60, save_timeout_s=100, min_timeout_s=2.0, backoff_initial_s=1,
-               backoff_max_s=8, max_restarts=5, window_s=1000, max_attempts_without_progress=3)  # fmt: skip
+S = settings(nproc_max=2, startup_timeout_s=60, save_timeout_s=100, min_timeout_s=2.0, backoff_initial_s=1,
+             backoff_max_s=8, max_restarts=5, window_s=1000, max_attempts_without_progress=3)  # fmt: skip
 
 
 class Driver:
@@ -31,7 +32,7 @@ class Driver:
     def st(self) -> P.State:
         return self.m.state
 
-    def launch(self, healthy: int = 2, resume: int | None = None, divisor: int | None = None) -> P.Launch:
+    def launch(self, healthy: int | None = 2, resume: int | None = None, divisor: int | None = None) -> P.Launch:
         acts = self.feed(P.Start()) if self.st.phase == "init" else self.feed(P.Tick())
         assert any(isinstance(a, P.PrepareLaunch) for a in acts), acts
         acts = self.feed(P.LaunchReady(healthy, resume, divisor))
@@ -95,7 +96,7 @@ def test_there_is_no_learned_timeout_before_a_step_was_seen():
 
 
 def test_a_configured_timeout_overrides_the_learned_one():
-    s = P.Settings(nproc_max=2, heartbeat_timeout_s=30.0)
+    s = settings(nproc_max=2, heartbeat_timeout_s=30.0)
     assert P.heartbeat_timeout(s, [4.0] * 50) == 30.0
 
 
@@ -143,7 +144,7 @@ def test_a_long_load_is_not_a_startup_timeout():
 
 
 def test_heartbeats_without_step_progress_time_out():
-    d = Driver(P.Settings(nproc_max=2, progress_timeout_s=10.0, heartbeat_timeout_s=100.0))
+    d = Driver(settings(nproc_max=2, progress_timeout_s=10.0, heartbeat_timeout_s=100.0))
     d.launch()
     d.train(range(1, 3))  # step 2 at t=1.0
     for _ in range(10):
@@ -190,7 +191,7 @@ def test_attempts_that_beat_but_never_pass_their_resume_step_trip_the_crash_loop
 
 
 def test_the_restart_budget_is_counted_in_a_window():
-    d = Driver(P.Settings(nproc_max=1, max_restarts=2, window_s=100, backoff_initial_s=0))
+    d = Driver(settings(nproc_max=1, max_restarts=2, window_s=100, backoff_initial_s=0))
     for i in range(3):
         d.launch(healthy=1)
         d.train(range(10 * i + 1, 10 * i + 3), ranks=1)
@@ -199,7 +200,7 @@ def test_the_restart_budget_is_counted_in_a_window():
 
 
 def test_restarts_outside_the_window_do_not_count():
-    d = Driver(P.Settings(nproc_max=1, max_restarts=2, window_s=100, backoff_initial_s=0))
+    d = Driver(settings(nproc_max=1, max_restarts=2, window_s=100, backoff_initial_s=0))
     for i in range(4):
         d.launch(healthy=1)
         d.train(range(10 * i + 1, 10 * i + 3), ranks=1, dt=30)
@@ -212,12 +213,12 @@ def test_restarts_outside_the_window_do_not_count():
     [(2, None, 2), (1, None, 1), (8, None, 4), (3, 6, 3), (4, 6, 3), (5, 12, 4), (2, 5, 1)],
 )
 def test_world_size_is_healthy_slots_clamped_and_dividing_the_batch(healthy, divisor, expected):
-    s = P.Settings(nproc_max=4)
+    s = settings(nproc_max=4)
     assert P.choose_world_size(s, healthy, divisor)[0] == expected
 
 
 def test_too_few_healthy_slots_end_the_job_with_a_reason():
-    d = Driver(P.Settings(nproc_max=4, min_world_size=2))
+    d = Driver(settings(nproc_max=4, min_world_size=2))
     d.feed(P.Start())
     acts = d.feed(P.LaunchReady(1, None))
     (exit_,) = [a for a in acts if isinstance(a, P.Exit)]
@@ -264,7 +265,7 @@ def test_every_logged_event_is_a_known_event():
 
 
 def test_a_job_that_dies_at_the_same_step_without_checkpoints_is_a_crash_loop():
-    d = Driver(P.Settings(nproc_max=1, backoff_initial_s=0, max_attempts_without_progress=2))
+    d = Driver(settings(nproc_max=1, backoff_initial_s=0, max_attempts_without_progress=2))
     for _ in range(3):
         d.launch(healthy=1)
         d.train(range(1, 3), ranks=1)  # reaches step 2, never a checkpoint
@@ -369,3 +370,34 @@ def test_a_long_eval_before_the_first_step_is_not_a_startup_timeout():
         d.beat_all(0, "eval")
         d.feed(P.Tick())
     assert d.events().count("startup_timed_out") == 0
+
+
+# ---------------------------------------------------------------------- what the state keeps for the daemon
+
+
+def test_a_blind_health_probe_keeps_the_last_world_size():
+    d = Driver(settings(nproc_max=4, backoff_initial_s=0))
+    d.launch(healthy=2)
+    d.train(range(1, 3))
+    d.feed(P.WorkersExited(1, 1))
+    assert d.launch(healthy=None).nproc == 2
+
+
+def test_a_blind_health_probe_before_any_launch_takes_every_slot():
+    assert Driver(settings(nproc_max=4)).launch(healthy=None).nproc == 4
+
+
+def test_the_last_launch_is_kept_once_its_attempt_has_ended():
+    d = Driver(settings(nproc_max=1, backoff_initial_s=0))
+    d.launch(healthy=1, resume=7)
+    d.feed(P.WorkersExited(1, 1))
+    assert (d.st.attempt, d.st.last_launch) == (None, P.Launch(1, 1, 7))
+
+
+def test_the_last_failure_is_the_reason_of_the_newest_error_logged():
+    d = Driver(settings(nproc_max=1, backoff_initial_s=0, max_attempts_without_progress=2))
+    for _ in range(2):
+        d.launch(healthy=1)
+        d.feed(P.WorkersExited(d.st.attempt.number, 1))
+    errors = [a.as_dict()["reason"] for a in d.actions if isinstance(a, P.Log) and a.level == "error"]
+    assert (errors[-1].startswith("crash loop: "), d.st.last_failure) == (True, errors[-1])

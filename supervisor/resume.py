@@ -1,0 +1,124 @@
+"""Where the next attempt resumes and on how many slots: the health probe, the checkpoint store's choice, the
+batch the world size must divide.
+
+`ResumeChoice.prepare_or_retry(attempt)` carries out the policy's `PrepareLaunch`: it probes the slots' health
+(`health`; a blind probe is said so, and the policy keeps the last world size), has the store scanner
+(`ckptstore.StoreScanner`, on its own thread once `running()`) choose the latest consistent checkpoint, logs
+what was chosen, quarantined or skipped, and posts `LaunchReady`. While the store cannot be read that is an
+outage: the launch waits and is retried, since the resume point must come from the store, not from its absence.
+Each tick `refresh_metrics()` hands the scanner's latest view to the metrics (a failed scan is an outage), and
+`latest()` is the newest checkpoint as last scanned; neither waits on the store.
+
+Which world size to launch with, given the slots and the divisor, is the policy's decision, not this module's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ftsup.store import choice, layout
+from ftsup.store.errors import CheckpointError
+from ftsup.supervisor import health, policy
+from ftsup.supervisor.ckptstore import StoreScanner
+from ftsup.supervisor.config import JobConfig
+from ftsup.supervisor.metrics import Metrics
+from ftsup.supervisor.outages import Outages
+
+_STORE_ERRORS = (OSError, CheckpointError)  # what reading the store raises while it is unreadable or mid-change
+CHOICE_TIMEOUT_S = 60.0  # the resume choice waits this long for the store, then leaves it to the ranks
+
+
+class ResumeChoice:
+    def __init__(
+        self, cfg: JobConfig, *, emit: Callable[..., None], post: Callable[[policy.Event], None], outages: Outages,
+        metrics: Metrics,
+    ) -> None:  # fmt: skip
+        """`emit(level, event, **fields)` logs an event, `post(event)` queues one for the policy."""
+        self.cfg = cfg
+        self._emit = emit
+        self._post = post
+        self._outages = outages
+        self._metrics = metrics
+        self.store = StoreScanner(cfg.checkpoint.dir, deep=cfg.checkpoint.verify_deep)  # all reads of the store
+        self._seen = (0, 0)  # (scans, errors) of the view last handed to the metrics
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[ResumeChoice]:
+        """The scanner's thread, from here on; before, it scans and chooses on the caller's thread."""
+        self.store.start()
+        try:
+            yield self
+        finally:
+            self.store.close()
+
+    def nproc_max(self) -> int:
+        """Local slots at most: `launch.nproc_per_node`, with "auto" resolved by the health probe."""
+        n = self.cfg.launch.nproc_per_node
+        if n != "auto":
+            return int(n)
+        return health.probe(None, "auto").count or 1
+
+    def latest(self) -> layout.CheckpointInfo | None:
+        return self.store.view().latest  # as last scanned: never a wait on the store
+
+    def latest_bytes(self) -> int | None:
+        latest = self.latest()
+        return latest.tensor_bytes if latest else None
+
+    def prepare_or_retry(self, attempt: int) -> None:
+        # While the store cannot be read, wait: the resume point must come from the store, not from its absence.
+        again = ("prepare", lambda: self.prepare_or_retry(attempt))
+        ready = self._outages.guard("checkpoint_dir", self.cfg.checkpoint.dir, lambda: self.prepare(attempt),
+                                    errors=_STORE_ERRORS, retry=again)  # fmt: skip
+        if ready is not None:
+            self._post(ready)
+
+    def prepare(self, attempt: int) -> policy.LaunchReady:
+        h = health.probe(self.cfg.launch.health_command, self.cfg.launch.nproc_per_node)
+        if h.count is None:
+            # A blind probe must not look healthy: the policy keeps the last known world size.
+            self._emit("warning", "health_probe_failed", attempt=attempt, reason=h.detail, source=h.source)
+        else:
+            self._emit("info", "health_probed", attempt=attempt, source=h.source, slots=list(h.slots or ()))
+        step, meta = self._choose_checkpoint(attempt)
+        return policy.LaunchReady(h.count, step, self._batch_divisor(meta))
+
+    def _choose_checkpoint(self, attempt: int) -> tuple[int | None, dict[str, Any]]:
+        resume = self.store.choose(CHOICE_TIMEOUT_S)  # made on the scanner's thread
+        for p in resume.picked.passed:
+            if p.action == choice.QUARANTINED:
+                self._emit("error", "checkpoint_quarantined", attempt=attempt, step=p.step, reason=p.reason,
+                           path=p.moved_to)  # fmt: skip
+            else:
+                self._emit("warning", "checkpoint_skipped", attempt=attempt, step=p.step, reason=p.reason, path=p.path)
+        info = resume.picked.info
+        if info is None:
+            self._emit("info" if resume.quiet else "warning", "checkpoint_chosen", attempt=attempt, step=None,
+                       reason=resume.why_no_checkpoint)  # fmt: skip
+            return None, {}
+        self._emit("info", "checkpoint_chosen", attempt=attempt, step=info.step, kind=info.kind)
+        return info.step, resume.metadata
+
+    def _batch_divisor(self, meta: dict[str, Any]) -> int | None:
+        g = self.cfg.launch.global_batch or meta.get("global_batch")
+        b = self.cfg.launch.micro_batch or meta.get("micro_batch")
+        if isinstance(g, int) and g > 0:
+            return g // b if isinstance(b, int) and b > 0 and g % b == 0 else g
+        return None
+
+    def refresh_metrics(self) -> None:
+        """Hand the scanner's latest view to the metrics (no I/O here); a failed scan is an outage."""
+        view = self.store.view()
+        scans, errors = self._seen
+        if (view.scans, view.errors) == (scans, errors):
+            return
+        self._seen = (view.scans, view.errors)
+        for _ in range(view.errors - errors):
+            self._outages.failed(
+                "checkpoint_dir", self.cfg.checkpoint.dir, view.last_exception or OSError(view.last_error)
+            )
+        if view.scans - scans > view.errors - errors:  # a scan since then went through
+            self._outages.ok("checkpoint_dir")
+        self._metrics.checkpoint(view.latest, view.committed)

@@ -1,0 +1,189 @@
+"""The running attempt as the daemon's loop sees it: launched, watched, asked to save, stopped and reaped.
+
+`Workers` carries out the policy's `Launch`, `StopWorkers` and `RequestSave`: a launch that cannot start (fork,
+exec, its log file) is a failed attempt; a control file that cannot be written is an outage, retried until a
+newer request replaces it. Each tick `watch()` says what became of the attempt: torchrun's exit (its ranks
+reaped, so that none outlives it), a rank that died while torchrun lives on, torchrun replacing its ranks.
+`beats()` turns the heartbeats read off the channel into the policy's events, noting which pids are this
+attempt's ranks; `admits(pid)` says which senders may beat at all (`heartbeat.Admission`). The journal is written
+whenever what a restarted supervisor would need to find the attempt's processes changes.
+
+`running(runtime_dir)` is its lifecycle: leaving it stops an attempt still running (an exception must not leave
+one behind). When to launch or stop, and what a beat means, are the policy's decisions, not this module's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+
+from ftsup import procs, protocol
+from ftsup.supervisor import launcher, policy, statedir
+from ftsup.supervisor.config import JobConfig
+from ftsup.supervisor.errors import error_line
+from ftsup.supervisor.heartbeat import Admission, Beat
+from ftsup.supervisor.outages import Outages
+
+_GONE = frozenset({-1})  # torchrun's ranks were seen and are gone
+
+
+class Workers:
+    def __init__(
+        self, cfg: JobConfig, log_dir: Path, *, clock: Callable[[], float], emit: Callable[..., None],
+        post: Callable[[policy.Event], None], outages: Outages, journal: Callable[[str], None],
+        figures: Callable[[int, Mapping[str, float]], None],
+    ) -> None:  # fmt: skip
+        """`emit(level, event, **fields)` logs an event, `post(event)` queues one for the policy, `journal(status)`
+        writes the journal, `figures(rank, figures)` hands a rank's reported figures to the metrics."""
+        self.cfg = cfg
+        self.log_dir = log_dir
+        self._clock = clock
+        self._emit = emit
+        self._post = post
+        self._outages = outages
+        self._journal = journal
+        self._figures = figures
+        self.attempt: launcher.RunningAttempt | None = None
+        self._admission = Admission()  # only processes of the running attempt may beat
+        self._runtime_dir: Path | None = None
+        self._ranks_seen: frozenset[int] = frozenset()
+        self._rank_phase: dict[int, protocol.Phase] = {}  # pid -> last heartbeat phase, this attempt
+
+    @contextlib.contextmanager
+    def running(self, runtime_dir: Path) -> Iterator[Workers]:
+        self._runtime_dir = runtime_dir
+        try:
+            yield self
+        finally:
+            if self.attempt is not None:  # an exception must not leave an attempt running
+                self.attempt.stop(self.cfg.restart.stop_grace_s)
+
+    # ------------------------------------------------------------------ what the loop reads each tick
+
+    def admits(self, pid: int) -> bool:
+        return self._admission.admits(self.attempt, pid)
+
+    def beats(self, beats: Iterable[Beat]) -> list[policy.Event]:
+        """The policy's events of `beats`. A new rank of this attempt is journaled, so that a restarted supervisor
+        can find every rank of it."""
+        events: list[policy.Event] = []
+        new_pids = False
+        for beat in beats:
+            att = self.attempt
+            if att is not None and beat.attempt == att.number:
+                new_pids |= beat.pid not in att.known_pids
+                att.known_pids.add(beat.pid)
+                self._rank_phase[beat.pid] = beat.phase
+                self._figures(beat.rank, dict(beat.figures))
+            events.append(policy.Heartbeat(beat.attempt, beat.local_rank, beat.step, beat.phase, beat.rank,
+                                           beat.figures, sent=beat.sent_mono))  # fmt: skip
+        if new_pids:
+            self._journal("running")
+        return events
+
+    def watch(self) -> list[policy.Event]:
+        """What became of the running attempt since the last tick."""
+        att = self.attempt
+        if att is None:
+            return []
+        rc = att.poll()
+        if rc is not None:
+            return [self._reap(att, rc)]
+        return [*self._dead_ranks(att), *self._worker_group(att)]
+
+    def _reap(self, att: launcher.RunningAttempt, rc: int) -> policy.Event:
+        """torchrun exited by itself: make sure none of its ranks outlive it."""
+        survivors = att.stop(self.cfg.restart.stop_grace_s, clock=self._clock) if att.tree() else []
+        if survivors:
+            self._emit("error", "orphans_found", attempt=att.number, pids=survivors)
+        self.attempt = None
+        return policy.WorkersExited(att.number, rc)
+
+    def _dead_ranks(self, att: launcher.RunningAttempt) -> list[policy.Event]:
+        """A rank that died while training (single node): fail now, not when torchrun exits."""
+        if self.cfg.launch.max_nodes > 1:
+            return []  # on several nodes torchrun replaces ranks itself when the membership changes
+        events: list[policy.Event] = []
+        for pid, phase in list(self._rank_phase.items()):
+            if phase != protocol.Phase.DONE and not launcher.pid_alive(pid):
+                del self._rank_phase[pid]
+                events.append(policy.RankExited(att.number, pid, None))
+        return events
+
+    def _worker_group(self, att: launcher.RunningAttempt) -> list[policy.Event]:
+        """Notice torchrun replacing its ranks (a rendezvous membership change)."""
+        pids = att.rank_pids()
+        prev = self._ranks_seen
+        events: list[policy.Event] = []
+        if prev and pids != prev and not pids & prev:
+            # Its ranks are gone (or replaced) while torchrun lives on: ranks finishing, or
+            # torchrun re-forming the worker group (a rendezvous and a fresh start of every rank).
+            # Either way their old heartbeats mean nothing now; only new ranks are a restart.
+            if pids:
+                events.append(policy.WorkersRestarted(att.number, new_ranks=True))
+            elif prev != _GONE:
+                events.append(policy.WorkersRestarted(att.number, new_ranks=False))
+        self._ranks_seen = pids if pids else (_GONE if prev else frozenset())
+        return events
+
+    # ------------------------------------------------------------------ the policy's actions
+
+    def launch_or_fail(self, action: policy.Launch) -> None:
+        try:
+            self._launch(action)
+        except OSError as e:  # nothing started (fork, exec, the log file): a failed attempt, restarted as usual
+            self._emit("error", "launch_failed", attempt=action.attempt, reason=error_line(e))
+            self._post(policy.WorkersExited(action.attempt, 127))
+
+    def _launch(self, action: policy.Launch) -> None:
+        env = launcher.rank_env(self.cfg, self._runtime(), action.resume_step, os.environ)
+        self._ranks_seen = frozenset()
+        self._rank_phase = {}
+        with contextlib.suppress(FileNotFoundError):  # a new attempt starts with no request pending
+            self._control_path().unlink()
+        log_path = self.log_dir / f"attempt-{action.attempt:04d}.log"
+        # SIGTERM and SIGINT stay default: they are how a tree is stopped.
+        ignore = tuple(getattr(signal, n) for n in self.cfg.eviction.signals if n not in ("SIGTERM", "SIGINT"))
+        mark = procs.Mark(self.cfg.job.run_id, self.cfg.launch.node_id, action.attempt)
+        argv = launcher.torchrun_argv(launcher.spec_from(self.cfg, action.nproc))
+        self.attempt = launcher.start(action.attempt, argv, env=env, cwd=self.cfg.job.workdir,
+                                      log_path=log_path, mark=mark, ignore_signals=ignore)  # fmt: skip
+        self._journal("running")
+        self._post(policy.WorkersStarted(action.attempt, (self.attempt.pid,)))
+
+    def stop(self, action: policy.StopWorkers) -> None:
+        att = self.attempt
+        if att is None or att.number != action.attempt:
+            return
+        t0 = self._clock()
+        grace = self.cfg.restart.stop_grace_s
+        survivors = att.stop(grace if action.grace_s is None else min(action.grace_s, grace), clock=self._clock)
+        if survivors:
+            self._emit("error", "orphans_found", attempt=att.number, pids=survivors)
+        self._emit("info", "workers_stopped", attempt=att.number, reason=action.reason,
+                   duration_s=round(self._clock() - t0, 3))  # fmt: skip
+        rc = att.poll()
+        self.attempt = None
+        self._journal("backoff")
+        self._post(policy.WorkersExited(att.number, rc if rc is not None else -signal.SIGKILL))
+
+    def request_save_or_retry(self, action: policy.RequestSave) -> None:
+        again = ("control_file", lambda: self.request_save_or_retry(action))  # a newer request replaces it
+        self._outages.guard("control_file", self._control_path(), lambda: self._request_save(action), retry=again)
+
+    def _request_save(self, action: policy.RequestSave) -> None:
+        deadline_unix = None if action.deadline is None else time.time() + (action.deadline - self._clock())
+        body = protocol.encode_control(protocol.Request(action.seq, action.stop, action.reason, deadline_unix))
+        # Ranks see the old request or the new one, never half of one; never written through a link.
+        statedir.write_atomic(self._control_path(), body, durable=False)
+
+    def _runtime(self) -> Path:
+        assert self._runtime_dir is not None, "Workers.running() was not entered"
+        return self._runtime_dir
+
+    def _control_path(self) -> Path:
+        return self._runtime() / "control.json"
