@@ -1,6 +1,6 @@
 """The `ftsup` command line: parse argv, run one subcommand, turn errors into exit statuses.
 
-Subcommands (ARCHITECTURE section 5 is the contract for names, flags and JSON shapes):
+Subcommands (DESIGN.md, Contracts: their names, flags and JSON shapes change only by adding):
 
     ftsup ckpt list DIR [--json] [--deep]              every committed checkpoint, oldest first
     ftsup ckpt verify DIR [--step N] [--deep] [--json] one checkpoint (default: the newest)

@@ -1,10 +1,10 @@
 """The job config: a YAML file turned into frozen dataclasses, or one `ConfigError` line saying what to fix.
 
 `load_config(path)` reads a YAML file; `parse_config(mapping, ...)` validates a mapping that is already loaded.
-Both return a `JobConfig` with one section per YAML section of ARCHITECTURE section 5: `job`, `launch`,
+Both return a `JobConfig` with one section per YAML section (DESIGN.md, Contracts): `job`, `launch`,
 `checkpoint`, `heartbeat`, `restart`, `eviction`, `metrics`, `logging`. `deploy/examples/job.yaml` shows every key.
 
-Rules (HOUSE_STYLE habit 4):
+Rules (STYLE.md, Config):
 - unknown keys at any level, wrong types and impossible values are errors that name the key path and the fix,
   with a "did you mean" when a valid key is close; a bad file never falls back to defaults;
 - every duration ends in `_s` and is in seconds (int or float in YAML, stored as float);
@@ -80,7 +80,7 @@ class LaunchConfig:
     rdzv_id: str
     """torchrun's rendezvous id; equal on every node of the job. Default: `job.run_id`."""
     nproc_per_node: int | Literal["auto"] = "auto"
-    """Ranks per node, or "auto": the daemon counts GPUs through NVML when present, else CPU slots."""
+    """Ranks per node, or "auto": the daemon counts GPUs with `nvidia-smi` when present, else CPU slots."""
     nnodes: str = "1"
     """Node count in torchrun's form: "N", or "MIN:MAX" for an elastic job. YAML may give an int; stored as a string."""
     min_world_size: int = 1
@@ -90,7 +90,8 @@ class LaunchConfig:
     rdzv_endpoint: str | None = None
     """"host:port" of the c10d rendezvous. Required when `nnodes` allows more than one node; null = single node."""
     health_command: tuple[str, ...] | None = None
-    """Optional argv printing the healthy local slot ids; null = every slot is taken as healthy (or NVML decides)."""
+    """Optional argv printing the healthy local slot ids; null = every slot is taken as healthy (or `nvidia-smi`
+    decides)."""
     torchrun_args: tuple[str, ...] = ()
     """Extra torchrun flags (for example `--local-addr=...`). Flags that ftsup derives from this config are refused."""
     global_batch: int | None = None
@@ -119,7 +120,7 @@ class LaunchConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """`checkpoint:` where the ranks' checkpoints live (the store of ARCHITECTURE section 2)."""
+    """`checkpoint:` where the ranks' checkpoints live (the checkpoint store, `ftsup/store/DESIGN.md`)."""
 
     dir: Path
     """The checkpoint store, shared by every node of a multi-node job. Relative paths resolve against the config
@@ -209,7 +210,7 @@ class LoggingConfig:
     level: str = "info"
     """One of debug, info, warning, error."""
     format: str = "json"
-    """"json" (one object per line, ARCHITECTURE section 5) or "console" (for people at a terminal)."""
+    """"json" (one object per line, DESIGN.md, Contracts) or "console" (for people at a terminal)."""
 
 
 @dataclass(frozen=True)
@@ -380,7 +381,7 @@ def _parse_launch(sec: Section, *, run_id: str, hostname: str | None) -> LaunchC
 
 
 def _check_batches(sec: Section, config: LaunchConfig) -> None:
-    """Refuse a global batch that no allowed world size can split evenly (ARCHITECTURE section 3)."""
+    """Refuse a global batch that no allowed world size can split evenly (the world size must divide it)."""
     g, micro = config.global_batch, config.micro_batch
     if g is None:
         return

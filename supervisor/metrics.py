@@ -1,6 +1,6 @@
 """Prometheus metrics of one supervisor: every metric is defined here, once.
 
-Names follow ARCHITECTURE section 5: prefixed `ftsup_`, base units (seconds, bytes), counters
+Names follow DESIGN.md, Contracts: prefixed `ftsup_`, base units (seconds, bytes), counters
 end in `_total`, timestamps are Unix seconds (`..._timestamp_seconds`), so that an alert says
 "older than" with `time() - metric`. Labels stay low in cardinality: event names, failure
 kinds, eviction sources, never free text.

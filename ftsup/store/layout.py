@@ -2,7 +2,7 @@
 
 Stdlib only, like the rest of `ftsup.store`: the supervisor imports it to pick the resume point,
 and `ftsup ckpt` uses it to list and verify. It never writes tensor data; it knows the commit
-protocol's names and the manifest format (ARCHITECTURE section 2):
+protocol's names and the manifest format (`ftsup/store/DESIGN.md`):
 
     <root>/step-000001200/            committed (renamed into place after every rank finished)
     <root>/step-000001200/manifest.json

@@ -1,4 +1,4 @@
-"""HOUSE_STYLE's checkable rules, checked on every test run: ruff and mypy clean, modules short.
+"""STYLE.md's checkable rules, checked on every test run: ruff and mypy clean, modules short.
 
 ruff and mypy are pinned in the `test` extra, so that a run on a fresh clone judges the code
 with the same rules as the machine it was written on.

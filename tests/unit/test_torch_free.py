@@ -1,4 +1,4 @@
-"""The supervisor side never imports torch (ARCHITECTURE section 2), checked in a new process."""
+"""The supervisor side never imports torch (DESIGN.md, Processes and channels), checked in a new process."""
 
 from __future__ import annotations
 

@@ -309,7 +309,8 @@ def _config_from(records: list[dict[str, Any]]) -> dict[str, Any]:
 def _assemble(
     run: _Run, args: argparse.Namespace, reshard: int, skip: set[str], not_run: dict[str, str]
 ) -> dict[str, Any]:
-    """Rows in the issue's order, ratios, targets, config and how each group ended."""
+    """Rows in the order of `MAIN_ROWS`, `RESHARD_ROWS` and `PROCESS_ROWS`, ratios, targets, config and how each
+    group ended."""
     groups = {"main": args.ranks, "reshard": reshard, "process": args.ranks}
     phase_of = {r: p for p, rows in (("main", MAIN_ROWS), ("reshard", RESHARD_ROWS),
                                      ("process", PROCESS_ROWS)) for r in rows}  # fmt: skip

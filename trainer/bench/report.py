@@ -190,10 +190,10 @@ def _ratio(a: Any, b: Any) -> float | None:
     return float(a) / float(b)
 
 
-# ratio name: (comparison, limit), as issue 2's "Targets" state them. bytes_read comes from
-# /proc/self/io, where ranks on one host share the page cache: a byte two ranks read counts
-# once. rchar (logical bytes read, cache hits included) is the stricter reading of the same
-# target, so it is checked as well.
+# ratio name: (comparison, limit): the engine's performance targets, which `ftsup bench checkpoint`
+# checks and reports. bytes_read comes from /proc/self/io, where ranks on one host share the page
+# cache: a byte two ranks read counts once. rchar (logical bytes read, cache hits included) is the
+# stricter reading of the same target, so it is checked as well.
 TARGETS = {
     "ftsup_async_stall_vs_dcp_async": ("<=", 0.15),
     "ftsup_async_stall_vs_dcp_async_process": ("<=", 0.5),
@@ -208,7 +208,7 @@ TARGETS = {
 
 
 def ratios(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
-    """The figures the issue's targets are stated in (None where an input is missing)."""
+    """The figures the targets are stated in (None where an input is missing)."""
 
     def get(name: str, field: str) -> Any:
         return rows.get(name, {}).get(field)

@@ -1,4 +1,4 @@
-"""The writer side of a save: a staged buffer becomes a committed `step-N/` (ARCHITECTURE section 2).
+"""The writer side of a save: a staged buffer becomes a committed `step-N/` (DESIGN.md, The commit protocol).
 
 Runs in the engine's writer thread, one save at a time, in order. Every rank writes its shard,
 the shard's block checksums and its rank state into `step-N.partial/` and fsyncs them; rank 0
