@@ -230,13 +230,14 @@ print(json.dumps({
     "heartbeat_seqpacket": attempt(seqpacket),
     "heartbeat_datagram": attempt(datagram),
     "control_file": attempt(control),
+    "journal": attempt(lambda: open(os.path.dirname(run) + "/journal.json").read()),
     "stop_signal": attempt(lambda: os.kill(pid, signal.SIGTERM)),
     "eviction_signal": attempt(lambda: os.kill(pid, signal.SIGUSR1)),
 }))
 """
 
 
-def test_another_local_user_can_neither_beat_nor_request_a_save_or_a_stop(job, job_dir):
+def test_another_local_user_can_neither_beat_nor_request_a_save_or_a_stop_nor_read_the_journal(job, job_dir):
     python = _nobody_python()
     if python is None:
         pytest.skip("needs root, setpriv and a python that user 65534 can run")
