@@ -13,6 +13,7 @@ Everything ftsup ships is imported under this name:
 A training script needs only this module's names; each is imported on first use, so that
 `import ftsup` costs nothing and pulls in no torch:
 
+    from ftsup import Session                     # the training loop's bookkeeping in one object
     from ftsup import CheckpointEngine, GlobalBatchSchedule, RankBatchSampler, TrainingState, agree, runtime
 """
 
@@ -32,6 +33,8 @@ _EXPORTS = {
     "micro_batch_seed": "ftsup.trainer.rng",
     "runtime": "ftsup.trainer.runtime",
     "agree": "ftsup.trainer.runtime",
+    "Session": "ftsup.trainer.session",
+    "Agreement": "ftsup.trainer.runtime",
 }
 __all__ = sorted(_EXPORTS)
 
