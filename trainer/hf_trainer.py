@@ -219,7 +219,7 @@ class FtsupCallback(TrainerCallback):
         if args.process_index == 0:
             try:
                 committed = hf_store.commit_hf_checkpoint(
-                    hf_store.hf_checkpoint_dir(args.output_dir, step), self.checkpoint_dir, step, kind=kind,
+                    hf_store.hf_checkpoint_dir(str(args.output_dir), step), self.checkpoint_dir, step, kind=kind,
                     world_size=args.world_size, metadata=self._metadata(args, state),
                 )  # fmt: skip
             except CheckpointSaveError as e:
@@ -288,7 +288,7 @@ class FtsupCallback(TrainerCallback):
         """Rank 0 removes a `checkpoint-N/` that a torn save of this step left (committed ones are in
         the store), so that none of its files joins this save's; then no rank writes before it is gone."""
         if args.process_index == 0:
-            stale = hf_store.hf_checkpoint_dir(args.output_dir, step)
+            stale = hf_store.hf_checkpoint_dir(str(args.output_dir), step)
             with contextlib.suppress(FileNotFoundError):
                 if stale.is_symlink() or not stale.is_dir():
                     stale.unlink()
