@@ -107,13 +107,14 @@ def main(argv: list[str] | None = None) -> int:
                         resid_pdrop=a.dropout, embd_pdrop=a.dropout, attn_pdrop=a.dropout)  # fmt: skip
     torch.manual_seed(a.seed)
     model = GPT2LMHeadModel(config)
+    backend = ("gloo" if a.device == "cpu" else "nccl") if "WORLD_SIZE" in os.environ else None  # torchrun's ranks
     args = TrainingArguments(
         output_dir=a.output_dir, max_steps=a.steps, per_device_train_batch_size=a.batch,
         gradient_accumulation_steps=a.accumulation, learning_rate=a.lr, warmup_steps=max(1, a.steps // 10),
         lr_scheduler_type="cosine", weight_decay=0.1, max_grad_norm=1.0, seed=a.seed,
         logging_steps=1, eval_strategy="steps", eval_steps=a.eval_every, per_device_eval_batch_size=8,
         save_strategy="steps", save_steps=a.save_every, report_to="none", disable_tqdm=True,
-        use_cpu=a.device == "cpu", ddp_backend="gloo" if a.device == "cpu" else "nccl", dataloader_num_workers=0,
+        use_cpu=a.device == "cpu", ddp_backend=backend, dataloader_num_workers=0,
         ddp_find_unused_parameters=False,
     )  # fmt: skip
     ftsup_cb = FtsupCallback()  # ftsup
