@@ -21,7 +21,8 @@ What it does, through the Trainer's public callback events and checkpoint interf
   is skipped: the deadline is for the save), a stop also `control.should_training_stop`, and
   `on_train_end` then ends the process with `SystemExit(0)` (`exit_on_stop=False` returns from
   `train()` instead; `stopped` says why), so the code after `train()` never takes an evicted run
-  for a finished one.
+  for a finished one. A run resumed from its last step ends the same way at `on_train_begin`
+  (the Trainer would otherwise take one step past `max_steps` when that ends inside an epoch).
 - **Commits**: the Trainer's `checkpoint-N/` becomes the store's `step-N/` by the store's commit
   protocol (`ftsup.trainer.hf_store`: renamed into `step-N.partial/`, every file fsynced and
   checksummed into a manifest, renamed), once every rank has written its files; retention keeps
@@ -62,7 +63,13 @@ from typing import Any
 import structlog
 import torch
 import torch.distributed as dist
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+try:
+    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+except ModuleNotFoundError as e:  # `from ftsup import FtsupCallback` without the libraries it is for
+    raise ModuleNotFoundError(
+        f"ftsup.FtsupCallback needs {e.name!r} (pip install 'transformers>=5,<6' accelerate)", name=e.name
+    ) from None
 
 from ftsup.protocol import Phase
 from ftsup.store.errors import CheckpointSaveError
@@ -170,6 +177,11 @@ class FtsupCallback(TrainerCallback):
             self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         if self.resumed_step is not None:  # chosen, verified, loaded and set up by the Trainer
             log.info("checkpoint_loaded", step=self.resumed_step, duration_s=round(time.monotonic() - self._load_t0, 4))
+        if self.resumed_step is not None and state.global_step >= state.max_steps and self.exit_on_stop:
+            # Resumed from its last step, the Trainer would still take one more when max_steps ends
+            # inside an epoch: the run is over, and an attempt after its final save only has to end.
+            self.rt.beat(state.global_step, Phase.DONE)
+            raise SystemExit(0)
         self.rt.beat(state.global_step, Phase.TRAIN)
 
     # ------------------------------------------------------------------ every step
@@ -188,14 +200,11 @@ class FtsupCallback(TrainerCallback):
             if request.stop:
                 control.should_training_stop = True
                 self.stopped = True
-        if control.should_evaluate:
-            self._pending.add(_EVAL)
-        if control.should_log and _sparse_logging(args, state):
-            self._pending.add(_LOG)
-        if control.should_save:
-            self._pending.add(_SAVE)
-            self._clear_stale(args, step)
-        self._next_phase(step)
+        self._plan(args, state, control)
+
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        self._pending.clear()
+        self._plan(args, state, control)  # epoch strategies log, evaluate and save after this event
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         logs = kw.get("logs") or {}
@@ -273,6 +282,17 @@ class FtsupCallback(TrainerCallback):
             "seed": args.seed,
             "global_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
         }
+
+    def _plan(self, args: TrainingArguments, state: TrainerState, control: TrainerControl) -> None:
+        """What the Trainer does next, from the flags the callbacks left (every rank has the same)."""
+        if control.should_evaluate:
+            self._pending.add(_EVAL)
+        if control.should_log and _sparse_logging(args, state):
+            self._pending.add(_LOG)
+        if control.should_save:
+            self._pending.add(_SAVE)
+            self._clear_stale(args, state.global_step)
+        self._next_phase(state.global_step)
 
     def _next_phase(self, step: int) -> None:
         """The phase of what the Trainer does next: eval (logging, evaluation), then save, then train."""
