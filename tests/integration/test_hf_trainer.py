@@ -131,3 +131,12 @@ def test_export_hf_of_the_final_checkpoint_loads_with_from_pretrained_and_gives_
     with torch.no_grad():
         logits = model(torch.arange(trained.shape[1]).unsqueeze(0) % 256).logits
     assert torch.equal(logits, trained)
+
+
+def test_a_run_resumed_from_its_final_checkpoint_takes_no_step_more(tmp_path):
+    argv = [sys.executable, "-m", "ftsup.trainer.examples.hf_gpt2", "--steps", "3", "--save-every", "2", "--eval-every",
+            "100", "--output-dir", str(tmp_path / "out"), "--loss-log", str(tmp_path / "loss.jsonl")]  # fmt: skip
+    for _ in range(2):  # one process, no supervisor: the second run resumes from the final checkpoint
+        r = run(argv, timeout=180)
+        assert r.returncode == 0, r.output[-3000:]
+    assert [json.loads(x)["step"] for x in (tmp_path / "loss.jsonl").read_text().splitlines()] == [1, 2, 3]
