@@ -2,12 +2,13 @@
 
     python -m ftsup.supervisor.bench.hf_recovery [--repeats 3] [--dir DIR] [--json FILE]
 
-Each trainer runs as one job under `ftsup run` (2 CPU ranks, the same small model size, steps
-padded to `--min-step-s`, a checkpoint every 5 steps, default heartbeat settings) and takes
-`--repeats` SIGKILLs of rank 1, each 3 steps past a committed checkpoint. Per fault: the time from
-the kill to the first loss line of the relaunched attempt, split as `refjob.fault_timeline` does
-(detection, teardown, backoff, launch, load), medians over the repeats; and the ratio of the two
-medians (the target: HF at most 1.5 x the reference). `startup` is where a rank's launch time
+Each trainer runs `--repeats` short jobs under `ftsup run` (2 CPU ranks, the same small model
+size, steps padded to `--min-step-s`, a checkpoint every 5 steps, default heartbeat settings),
+one of each per round so that both see the same load, and each job takes one SIGKILL of rank 1,
+3 steps past a committed checkpoint. Per fault: the time from the kill to the first loss line of
+the relaunched attempt, split as `refjob.fault_timeline` does (detection, teardown, backoff,
+launch, load), medians over the repeats; and the ratio of the two medians (the target: HF at most
+1.5 x the reference). `startup` is where a rank's launch time
 goes before its first step: a new interpreter importing what each trainer imports (median of
 3), measured apart from the jobs. Never imports torch itself.
 """
@@ -26,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from ftsup.supervisor.bench.recovery.common import STEP_GAP, aim, rounded, row, wait_aimed
+from ftsup.supervisor.bench.recovery.common import aim, rounded, row, wait_aimed
 from ftsup.supervisor.faults import chaos
 from ftsup.supervisor.faults.refjob import (
     TrainerJob,
@@ -63,30 +64,25 @@ def write_hf_config(job: TrainerJob) -> None:
     job.config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
 
 
-def measure(name: str, root: Path, repeats: int, min_step_s: float) -> dict[str, Any]:
-    steps = 12 + repeats * (STEP_GAP + 8) + 10
-    job = TrainerJob(root / name, new_run_id(f"hf-bench-{name}"), steps, min_step_s=min_step_s,
-                     sections={"restart": {"max_restarts": 20}})  # fmt: skip
+def measure_one(name: str, root: Path, min_step_s: float) -> dict[str, Any]:
+    """One job of `name` under `ftsup run`, one SIGKILL of rank 1 three steps past a checkpoint; its
+    `fault_timeline` once the job has finished."""
+    step = aim(10, 5)
+    job = TrainerJob(root, new_run_id(f"hf-bench-{name}"), step + 4, min_step_s=min_step_s)
     write_hf_config(job) if name == "hf" else job.write_config()
-    faults: list[float] = []
     proc = start_supervisor(job, "1")
     try:
         with chaos.LossLogTail(job.loss_log) as tail:
-            best = 0
-            for i in range(repeats):
-                wait_aimed(job, tail, aim(best + STEP_GAP, job.ckpt_every), 300, proc)
-                ranks = chaos.wait_for_ranks(lambda: chaos.supervised_ranks(job.state_dir), job.nproc, 60)
-                t = chaos.send(ranks[1], signal.SIGKILL)
-                line = wait_resumed(job, tail, t, 180)
-                faults.append(t)
-                best = tail.max_step()
-                print(f"  {name}: kill {i + 1}/{repeats}: first resumed step {line.step} {line.t - t:.2f} s later",
-                      flush=True)  # fmt: skip
+            wait_aimed(job, tail, step, 300, proc)
+            ranks = chaos.wait_for_ranks(lambda: chaos.supervised_ranks(job.state_dir), job.nproc, 60)
+            t = chaos.send(ranks[1], signal.SIGKILL)
+            line = wait_resumed(job, tail, t, 180)
+            print(f"  {name}: first resumed step {line.step} {line.t - t:.2f} s after the kill", flush=True)
             code = wait_exit(proc, 600, f"the {name} job")
-            timelines = [fault_timeline(job, tail, t) for t in faults]
+            timeline = fault_timeline(job, tail, t)
     finally:
         stop_supervisor(proc, job)
-    return {**row(name, "kill", timelines), "exit_code": code, "samples": [f.get("recover_s") for f in timelines]}
+    return {**timeline, "exit_code": code}
 
 
 def import_times(runs: int = 3) -> dict[str, float | None]:
@@ -110,7 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="also write the result here")
     args = p.parse_args(argv)
     root = args.dir or Path(tempfile.mkdtemp(prefix="ftsup-hf-bench-"))
-    rows = [measure(name, root, args.repeats, args.min_step_s) for name in ("gpt", "hf")]
+    measured: dict[str, list[dict[str, Any]]] = {"gpt": [], "hf": []}
+    for i in range(args.repeats):  # side by side: one job of each per round, the first alternating
+        for name in ("gpt", "hf") if i % 2 == 0 else ("hf", "gpt"):
+            measured[name].append(measure_one(name, root / f"{name}-{i}", args.min_step_s))
+    rows = [{**row(name, "kill", m), "samples": [f.get("recover_s") for f in m]} for name, m in measured.items()]
     startup = import_times()
     gpt, hf = rows
     ratio = rounded(hf["recover_s"] / gpt["recover_s"]) if gpt["recover_s"] and hf["recover_s"] else None
