@@ -32,6 +32,7 @@ _EXPORTS = {
     "micro_batch_seed": "ftsup.trainer.rng",
     "runtime": "ftsup.trainer.runtime",
     "agree": "ftsup.trainer.runtime",
+    "FtsupCallback": "ftsup.trainer.hf_trainer",  # needs transformers
 }
 __all__ = sorted(_EXPORTS)
 

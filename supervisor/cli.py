@@ -39,6 +39,7 @@ from typing import Any
 
 from ftsup.store import layout
 from ftsup.store.errors import CheckpointError, NoCheckpointError
+from ftsup.supervisor import export_hf
 from ftsup.supervisor.errors import RunError, SupervisorError, UsageError, error_line
 
 EXIT_OK = 0
@@ -244,29 +245,19 @@ def _build_ckpt(ckpt: argparse.ArgumentParser, rest: Sequence[str]) -> None:
 
     p = actions.add_parser(
         "export-hf",
-        help="export a checkpoint's model as Hugging Face sharded safetensors (needs torch)",
-        description="Write OUT/model-0000k-of-0000n.safetensors and OUT/model.safetensors.index.json from "
-        "checkpoint --step (default: the latest consistent one), whatever world size saved it. The checkpoint "
-        "is deep-verified first; OUT must not exist or be empty.",
+        help="export a checkpoint's model as a Hugging Face model directory (needs torch)",
+        description=export_hf.DESCRIPTION,
     )
-    p.add_argument("dir", metavar="DIR", type=Path, help="the checkpoint directory")
-    p.add_argument("--step", type=_step_number, help="the step to export (default: latest consistent)")
-    p.add_argument("out", metavar="OUT", type=Path, help="the output directory")
-    p.add_argument("--prefix", help="key prefix of the model's tensors (default: found automatically)")
-    p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest file size (default 5 GB)")
+    export_hf.add_arguments(p, _step_number)
     p.set_defaults(handler=cmd_ckpt_export_hf)
 
 
 def cmd_ckpt_export_hf(args: argparse.Namespace) -> int:
     try:
-        from ftsup.trainer.checkpoint.hf import export_hf
+        from ftsup.trainer.checkpoint import hf
     except ModuleNotFoundError as e:
         raise UsageError(f"ftsup ckpt export-hf needs {e.name!r}; install torch as the README shows") from None
-    index = export_hf(args.dir, args.step, args.out, prefix=args.prefix, max_shard_bytes=int(args.max_shard_gb * 1e9))
-    files = sorted(set(index["weight_map"].values()))
-    print(f"exported step {index['metadata']['ftsup_step']}: {len(index['weight_map'])} tensors, "
-          f"{index['metadata']['total_size']} bytes in {len(files)} file(s) under {args.out}")  # fmt: skip
-    return EXIT_OK
+    return export_hf.run(args, hf)
 
 
 def _step_number(text: str) -> int:
