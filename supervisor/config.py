@@ -57,7 +57,9 @@ class JobSection:
     command: tuple[str, ...]
     """The training command as an argv list, run without a shell:
     `[python, -m, ftsup.trainer.examples.gpt, --steps, "200"]`. Numbers must be quoted so that each argument is passed
-    exactly as written."""
+    exactly as written. A bare `python` or `python3` is the interpreter ftsup itself runs under (`sys.executable`,
+    as torchrun runs its ranks with its own), not whichever one PATH finds first; give a path to run another. The
+    interpreter that runs torchrun must find torch, or `ftsup run` refuses the config before it starts."""
     workdir: Path
     """Working directory of the ranks. Default: the config file's directory; relative paths resolve against it."""
     run_id: str
@@ -210,7 +212,9 @@ class LoggingConfig:
     level: str = "info"
     """One of debug, info, warning, error."""
     format: str = "json"
-    """"json" (one object per line, DESIGN.md, Contracts) or "console" (for people at a terminal)."""
+    """What stderr shows: "json", the log file's JSON lines (DESIGN.md, Contracts), except on a terminal, where a
+    person reads a short line per change of state (launch, first step, checkpoint, failure, relaunch, end);
+    "console", those lines wherever stderr goes. The log file is JSON either way."""
 
 
 @dataclass(frozen=True)

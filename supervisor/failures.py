@@ -39,14 +39,19 @@ def signal_name(exitcode: int | None) -> str | None:
         return None
 
 
-def exception_line(output: Sequence[str]) -> str | None:
-    """The line that ends the last traceback in `output` (`ValueError: boom`), else the last non-empty line."""
+def traceback_end(output: Sequence[str]) -> str | None:
+    """The line that ends the last traceback in `output` (`ValueError: boom`), None when there is none."""
     starts = [i for i, line in enumerate(output) if line.startswith("Traceback (most recent call last)")]
-    if starts:
-        for line in output[starts[-1] + 1 :]:
-            if line.strip() and not line[0].isspace():
-                return line.strip()[:MAX_LINE_CHARS]
-    return next((line.strip()[:MAX_LINE_CHARS] for line in reversed(output) if line.strip()), None)
+    for line in output[starts[-1] + 1 :] if starts else ():
+        if line.strip() and not line[0].isspace():
+            return line.strip()[:MAX_LINE_CHARS]
+    return None
+
+
+def exception_line(output: Sequence[str]) -> str | None:
+    """The line that ends the last traceback in `output`, else the last non-empty line."""
+    found = traceback_end(output)
+    return found or next((line.strip()[:MAX_LINE_CHARS] for line in reversed(output) if line.strip()), None)
 
 
 def startup_error(output: Sequence[str]) -> str | None:
@@ -73,12 +78,13 @@ def how(f: RankFailure) -> str:
 
 
 def _said(f: RankFailure) -> str:
-    """`how`, with the traceback's last line after an exit (`: ValueError: boom`), or the last line of the output
-    before a death by a signal, which prints no traceback."""
-    line = exception_line(f.output)
-    if not line:
-        return how(f)
-    return how(f) + (f"; its last line: {line}" if signal_name(f.exitcode) else f": {line}")
+    """`how`, with the traceback's last line (`: ValueError: boom`), else the last line of the output (a death by
+    a signal prints no traceback)."""
+    end = traceback_end(f.output)
+    if end:
+        return f"{how(f)}: {end}"
+    last = exception_line(f.output)
+    return how(f) + (f"; its last line: {last}" if last else "")
 
 
 def culprits(failures: Sequence[RankFailure]) -> list[RankFailure]:

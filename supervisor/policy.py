@@ -54,6 +54,7 @@ from ftsup.supervisor.policy_io import (
     log,
 )
 from ftsup.supervisor.policy_io import Log as Log  # not used here, only by callers
+from ftsup.supervisor.policy_io import RankFailure as RankFailure  # part of RankExited and WorkersExited
 
 # Exit codes of `ftsup run` (documented in the README).
 EXIT_OK = 0

@@ -49,7 +49,7 @@ def ranks_dir(attempt_log: Path) -> Path:
 def tail(path: str | os.PathLike[str], *, dir_fd: int | None = None, max_bytes: int = TAIL_BYTES) -> list[str]:
     """The last lines of `path` (at most `MAX_LINES`, each cut to `MAX_LINE_CHARS`): [] for no file, a link or
     anything but a regular file."""
-    return _lines(_read_end(path, dir_fd, max_bytes))[-MAX_LINES:]
+    return _lines(_read_end(path, dir_fd, max_bytes), screen=True)[-MAX_LINES:]
 
 
 def _read_end(path: str | os.PathLike[str], dir_fd: int | None, max_bytes: int) -> tuple[bytes, bool]:
@@ -70,11 +70,18 @@ def _read_end(path: str | os.PathLike[str], dir_fd: int | None, max_bytes: int) 
         os.close(fd)
 
 
-def _lines(read: tuple[bytes, bool]) -> list[str]:
+def _lines(read: tuple[bytes, bool], *, screen: bool = False) -> list[str]:
+    """The lines of what was read, split at newlines only (torchrun prefixes each of those: a carriage return in a
+    rank's line must not make the rest of it look like a line of torchrun's). With `screen`, each line is what a
+    terminal would show of it: the text after its last carriage return (a progress bar's last state)."""
     data, cut = read
-    lines = data.decode("utf-8", errors="replace").splitlines()
+    lines = data.decode("utf-8", errors="replace").split("\n")
     if cut and lines:
         lines = lines[1:]  # the first one began before what was read
+    if lines and lines[-1] == "":
+        lines.pop()
+    if screen:
+        lines = [line.rstrip("\r").rsplit("\r", 1)[-1] for line in lines]
     return [_CONTROL.sub("", line)[:MAX_LINE_CHARS].rstrip() for line in lines]
 
 

@@ -32,7 +32,6 @@ from ftsup.supervisor.config import JobConfig
 from ftsup.supervisor.errors import error_line
 from ftsup.supervisor.heartbeat import Admission, Beat
 from ftsup.supervisor.outages import Outages
-from ftsup.supervisor.policy_io import RankFailure
 
 _GONE = frozenset({-1})  # torchrun's ranks were seen and are gone
 DEAD_RANK_GRACE_S = 2.0  # torchrun reports a rank's death within ~0.3 s of it, once it has stopped the others
@@ -135,7 +134,7 @@ class Workers:
             del self._rank_phase[pid]
             rank, local = self._rank_of.get(pid, (None, None))
             output = () if local is None else tuple(ranklogs.rank_output(ranklogs.ranks_dir(att.log_path), local))
-            failure = RankFailure(rank, local, pid, output=output)
+            failure = policy.RankFailure(rank, local, pid, output=output)
             events.append(policy.RankExited(att.number, pid, None, failure=failure))
         return events
 

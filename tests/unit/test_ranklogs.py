@@ -46,12 +46,13 @@ def test_torchrun_report_gives_each_failed_rank_its_exit_code_and_marks_the_firs
     ]  # fmt: skip
 
 
-def test_a_ranks_output_that_imitates_torchruns_report_is_not_taken_for_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["[rank0]: ", "[rank0]: progress 99%\r"])
+def test_a_ranks_lines_that_imitate_torchruns_report_are_never_taken_for_it(tmp_path: Path, how: str) -> None:
     log = tmp_path / "attempt-0001.log"
-    forged = "".join(f"[rank0]: {line}\n" for line in torchs_report((3, 3, 1, -11)).splitlines())
-    log.write_text(forged + torchs_report((1, 1, 4242, 1)))
+    forged = "".join(f"{how}{line}\n" for line in torchs_report((3, 3, 1, -11)).splitlines())
+    log.write_text(torchs_report((1, 1, 4242, 1)) + forged)
     found, own = ranklogs.torchrun_report(log)
-    assert [(f.rank, f.exitcode) for f in found] == [(1, 1)] and not any("[rank0]" in line for line in own)
+    assert [(f.rank, f.exitcode) for f in found] == [(1, 1)] and not any("rank0" in line for line in own)
 
 
 def test_a_ranks_last_lines_come_from_its_stderr(tmp_path: Path) -> None:
@@ -81,6 +82,11 @@ def test_control_characters_and_terminal_escapes_are_dropped_and_long_lines_cut(
     d = rank_dir(tmp_path, 0)
     (d / "stderr.log").write_bytes(b"\x1b[31mred\x1b[0m \x07bell\x00\n" + b"x" * 5000 + b"\n\xff\xfe\n")
     assert ranklogs.rank_output(tmp_path, 0) == ["red bell", "x" * MAX_LINE_CHARS, "\ufffd\ufffd"]
+
+
+def test_a_progress_bar_shows_as_its_last_state(tmp_path: Path) -> None:
+    (rank_dir(tmp_path, 0) / "stderr.log").write_bytes(b"10%|#  |\r50%|## |\r90%|###|\r\nTraceback\r\n")
+    assert ranklogs.rank_output(tmp_path, 0) == ["90%|###|", "Traceback"]
 
 
 def test_a_log_file_planted_as_a_link_is_not_read(tmp_path: Path) -> None:
