@@ -18,11 +18,13 @@ from typing import Any
 from ftsup.supervisor.policy_io import RankExited, RankFailure, WorkersExited
 
 MAX_LINES = 20  # of a rank's output, in an event
+TAIL_LINES = 200  # of a rank's output, read to find its traceback
 MAX_LINE_CHARS = 400
 MAX_DETAILED = 8  # failures listed one by one in an event (torchrun may report every rank of a large node)
 
 _HINTS = {"SIGKILL": "out of memory, or kill -9", "SIGSEGV": "a crash in native code", "SIGBUS": "a bad memory access",
           "SIGABRT": "aborted by native code"}  # fmt: skip
+_EXCEPTION = re.compile(r"[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)(?::|$)")
 _STARTUP = re.compile(
     r"(?:ModuleNotFoundError|ImportError): .*|No module named .*|can't open file .*|Error while finding module .*"
 )
@@ -40,12 +42,14 @@ def signal_name(exitcode: int | None) -> str | None:
 
 
 def traceback_end(output: Sequence[str]) -> str | None:
-    """The line that ends the last traceback in `output` (`ValueError: boom`), None when there is none."""
+    """The line that ends the last traceback in `output` (`ValueError: boom`), None when there is none. When the
+    tail read began inside a long traceback, its header is gone: then the last line that reads as an exception."""
     starts = [i for i, line in enumerate(output) if line.startswith("Traceback (most recent call last)")]
     for line in output[starts[-1] + 1 :] if starts else ():
         if line.strip() and not line[0].isspace():
             return line.strip()[:MAX_LINE_CHARS]
-    return None
+    found = next((line for line in reversed(output) if _EXCEPTION.match(line)), None)
+    return None if found is None else found.strip()[:MAX_LINE_CHARS]
 
 
 def exception_line(output: Sequence[str]) -> str | None:

@@ -25,7 +25,7 @@ import re
 import stat
 from pathlib import Path
 
-from ftsup.supervisor.failures import MAX_DETAILED, MAX_LINE_CHARS, MAX_LINES, culprits
+from ftsup.supervisor.failures import MAX_DETAILED, MAX_LINE_CHARS, TAIL_LINES, culprits
 from ftsup.supervisor.policy_io import RankFailure
 
 TAIL_BYTES = 64 << 10  # of a rank's output
@@ -47,9 +47,9 @@ def ranks_dir(attempt_log: Path) -> Path:
 
 
 def tail(path: str | os.PathLike[str], *, dir_fd: int | None = None, max_bytes: int = TAIL_BYTES) -> list[str]:
-    """The last lines of `path` (at most `MAX_LINES`, each cut to `MAX_LINE_CHARS`): [] for no file, a link or
+    """The last lines of `path` (at most `TAIL_LINES`, each cut to `MAX_LINE_CHARS`): [] for no file, a link or
     anything but a regular file."""
-    return _lines(_read_end(path, dir_fd, max_bytes), screen=True)[-MAX_LINES:]
+    return _lines(_read_end(path, dir_fd, max_bytes), screen=True)[-TAIL_LINES:]
 
 
 def _read_end(path: str | os.PathLike[str], dir_fd: int | None, max_bytes: int) -> tuple[bytes, bool]:
@@ -143,7 +143,7 @@ def torchrun_report(attempt_log: Path) -> tuple[list[RankFailure], list[str]]:
             elif (m := _EXIT.match(line)) and pending is not None and len(found) < MAX_REPORTED:
                 found.append(RankFailure(pending[0], pending[1], int(m.group(2)), int(m.group(1)), root=root))
                 pending = None
-    return found, own[-MAX_LINES:]
+    return found, own[-TAIL_LINES:]
 
 
 def gather(attempt_log: Path, ranks_dir: Path) -> tuple[tuple[RankFailure, ...], tuple[str, ...]]:

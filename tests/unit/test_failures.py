@@ -62,6 +62,18 @@ def test_the_tracebacks_last_line_is_found_under_lines_printed_after_it() -> Non
     assert failures.exception_line(TRACEBACK) == "ValueError: boom at step 3"
 
 
+def test_a_traceback_whose_header_the_tail_cut_off_still_gives_its_exception_line() -> None:
+    frames = [f'  File "/torch/x.py", line {i}, in f' for i in range(100)]
+    tail = (*frames, "torch.distributed.DistBackendError: NCCL error in: ...", "[W1201] destroy_process_group() ...")
+    assert failures.exception_line(tail) == "torch.distributed.DistBackendError: NCCL error in: ..."
+
+
+def test_an_event_holds_at_most_the_last_twenty_lines_of_a_ranks_output() -> None:
+    output = tuple(f"line {i}" for i in range(200))
+    _, actions = run_until_exit(exited(P.RankFailure(1, 1, 4242, 1, output, root=True)))
+    assert logged(actions, "worker_exited")["output"] == list(output[-failures.MAX_LINES :])
+
+
 @pytest.mark.parametrize(
     "line",
     [

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ftsup.supervisor import ranklogs
-from ftsup.supervisor.failures import MAX_LINE_CHARS, MAX_LINES
+from ftsup.supervisor.failures import MAX_LINE_CHARS, TAIL_LINES
 
 RANK_LINES = "[rank1]: out 0\n[rank1]: Traceback (most recent call last):\n[rank1]: ValueError: boom\n"
 
@@ -75,7 +75,7 @@ def test_a_large_output_is_read_only_from_its_end(tmp_path: Path) -> None:
     with open(d / "stderr.log", "w") as f:
         for i in range(400_000):  # ~5 MiB
             f.write(f"line {i}\n")
-    assert ranklogs.rank_output(tmp_path, 0) == [f"line {i}" for i in range(400_000 - MAX_LINES, 400_000)]
+    assert ranklogs.rank_output(tmp_path, 0) == [f"line {i}" for i in range(400_000 - TAIL_LINES, 400_000)]
 
 
 def test_control_characters_and_terminal_escapes_are_dropped_and_long_lines_cut(tmp_path: Path) -> None:
