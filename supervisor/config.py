@@ -57,9 +57,8 @@ class JobSection:
     command: tuple[str, ...]
     """The training command as an argv list, run without a shell:
     `[python, -m, ftsup.trainer.examples.gpt, --steps, "200"]`. Numbers must be quoted so that each argument is passed
-    exactly as written. A bare `python` or `python3` is the interpreter ftsup itself runs under (`sys.executable`,
-    as torchrun runs its ranks with its own), not whichever one PATH finds first; give a path to run another. The
-    interpreter that runs torchrun must find torch, or `ftsup run` refuses the config before it starts."""
+    exactly as written. A bare `python`/`python3` is the interpreter ftsup runs under, not the first on PATH (give a
+    path for another); the interpreter that runs torchrun must find torch, or the config is refused."""
     workdir: Path
     """Working directory of the ranks. Default: the config file's directory; relative paths resolve against it."""
     run_id: str
@@ -212,9 +211,8 @@ class LoggingConfig:
     level: str = "info"
     """One of debug, info, warning, error."""
     format: str = "json"
-    """What stderr shows: "json", the log file's JSON lines (DESIGN.md, Contracts), except on a terminal, where a
-    person reads a short line per change of state (launch, first step, checkpoint, failure, relaunch, end);
-    "console", those lines wherever stderr goes. The log file is JSON either way."""
+    """stderr: "json" (DESIGN.md, Contracts), but a short line per change of state on a terminal; "console": those
+    lines wherever stderr goes. The log file is JSON either way."""
 
 
 @dataclass(frozen=True)
