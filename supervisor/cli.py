@@ -181,37 +181,9 @@ def _build_status(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import psutil
+    from ftsup.supervisor.status import cmd_status as status
 
-    from ftsup.supervisor.config import load_config
-    from ftsup.supervisor.journal import Journal
-
-    cfg = load_config(args.config)
-    rec = Journal(Path(cfg.job.state_dir) / "journal.json").read()
-    latest = layout.latest_consistent(cfg.checkpoint.dir)
-    alive = rec is not None and psutil.pid_exists(rec.supervisor_pid) and rec.status not in (
-        "succeeded", "failed", "stopped", "evicted")  # fmt: skip
-    out = {
-        "run_id": cfg.job.run_id,
-        "node_id": cfg.launch.node_id,
-        "supervisor_running": bool(alive),
-        "journal": rec.to_json() if rec else None,
-        "latest_checkpoint": latest.to_json() if latest else None,
-        "checkpoint_dir": str(cfg.checkpoint.dir),
-    }
-    if args.json:
-        _print_json(out)
-        return EXIT_OK
-    print(f"run {out['run_id']} on node {out['node_id']}: supervisor {'running' if alive else 'not running'}")
-    if rec:
-        print(f"  status {rec.status}, attempt {rec.attempt}, world size {rec.world_size}, "
-              f"resumed from step {rec.resume_step}")  # fmt: skip
-        if rec.last_failure:
-            print(f"  last failure: {rec.last_failure}")
-        if rec.extra.get("metrics"):
-            print(f"  metrics: http://{rec.extra['metrics']}/metrics")
-    print(f"  latest consistent checkpoint: {latest.step if latest else 'none'} in {cfg.checkpoint.dir}")
-    return EXIT_OK
+    return status(args)
 
 
 # --------------------------------------------------------------------------- ckpt

@@ -57,7 +57,8 @@ class JobSection:
     command: tuple[str, ...]
     """The training command as an argv list, run without a shell:
     `[python, -m, ftsup.trainer.examples.gpt, --steps, "200"]`. Numbers must be quoted so that each argument is passed
-    exactly as written."""
+    exactly as written. A bare `python`/`python3` is the interpreter ftsup runs under, not the first on PATH (give a
+    path for another); the interpreter that runs torchrun must find torch, or the config is refused."""
     workdir: Path
     """Working directory of the ranks. Default: the config file's directory; relative paths resolve against it."""
     run_id: str
@@ -210,7 +211,8 @@ class LoggingConfig:
     level: str = "info"
     """One of debug, info, warning, error."""
     format: str = "json"
-    """"json" (one object per line, DESIGN.md, Contracts) or "console" (for people at a terminal)."""
+    """stderr: "json" (DESIGN.md, Contracts), but a short line per change of state on a terminal; "console": those
+    lines wherever stderr goes. The log file is JSON either way."""
 
 
 @dataclass(frozen=True)

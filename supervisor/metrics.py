@@ -53,6 +53,7 @@ STORAGE_PURPOSES = {
     "journal": "the journal (job.state_dir)",
     "control_file": "the control file that asks the ranks to save (job.state_dir)",
     "log_file": "the supervisor's log file",
+    "rank_status": "the ranks as last heard, for ftsup status (job.state_dir)",
 }
 """What the supervisor reads and writes, the `purpose` label of `ftsup_storage_errors_total`, and what each is
 for (as the `storage_failed` log line says it)."""
@@ -106,8 +107,8 @@ class Metrics:
                                           "dropped, by reason: " + ", ".join(DROP_REASONS) + ".", ["reason"],
                                           registry=r)  # fmt: skip
         self.storage_errors = Counter("ftsup_storage_errors_total", "I/O errors the supervisor rode out (and retried), "
-                                      "by what failed: checkpoint_dir, journal, control_file, log_file.", ["purpose"],
-                                      registry=r)  # fmt: skip
+                                      "by what failed: checkpoint_dir, journal, control_file, log_file, rank_status.",
+                                      ["purpose"], registry=r)  # fmt: skip
 
         # ---- gauges, from the policy's state
         self.phase = Gauge("ftsup_phase", "1 for the supervisor's current phase.", ["phase"], registry=r)

@@ -190,8 +190,7 @@ CASES = [
     Case(
         "PATH in job.env hides it",
         lambda tmp: (
-            good(tmp)
-            | {"job": good(tmp)["job"] | {"command": ["python3", "train.py"], "env": {"PATH": str(tmp / "empty")}}}
+            good(tmp) | {"job": good(tmp)["job"] | {"command": ["sh", "train.sh"], "env": {"PATH": str(tmp / "empty")}}}
         ),
         "job.command[0]",
     ),
