@@ -19,12 +19,16 @@ configured, the timeouts are learned from the step times the ranks measure on th
 (`Heartbeat.sent`; a step that spans a save, load or eval is not counted): max(min_timeout_s,
 multiplier x p99 step time). Silence is measured from when a beat was read, so a supervisor
 that was busy for a while finds its ranks alive once it reads their queued beats.
+
+Which of these detections apply is `heartbeat.mode` (`Settings.heartbeat_mode`): `required`, all of
+them from launch on; `auto`, all of them once the job's first heartbeat has arrived (`State.beating`),
+and before that crashes only, so that a script without a line of ftsup is never killed for its silence;
+`off`, crashes only. The pure rules (timeouts, modes, progress, world size, backoff) are `policy_rules`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 # The policy's vocabulary; callers use it as policy.X (policy.Heartbeat, policy.Launch, ...).
@@ -53,6 +57,15 @@ from ftsup.supervisor.policy_io import (
     log,
 )
 from ftsup.supervisor.policy_io import Log as Log  # not used here, only by callers
+from ftsup.supervisor.policy_rules import (
+    backoff_s,
+    choose_world_size,
+    hang_detection_on,
+    heartbeat_timeout,
+    made_progress,
+    p99,
+    progress_timeout,
+)
 
 # Exit codes of `ftsup run` (documented in the README).
 EXIT_OK = 0
@@ -122,55 +135,7 @@ class State:
     save_times: tuple[float, ...] = ()  # measured save durations (s), newest last
     save_seq: int = 0  # the newest save request's number
     eviction: Eviction | None = None
-
-
-# ---------------------------------------------------------------------- pure helpers
-
-
-def p99(values: Sequence[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
-
-
-def heartbeat_timeout(s: Settings, step_times: Sequence[float]) -> float | None:
-    """Seconds of silence that mean a hang in `train`; None until steps have been seen."""
-    if s.heartbeat_timeout_s is not None:
-        return s.heartbeat_timeout_s
-    q = p99(step_times)
-    return None if q is None else max(s.min_timeout_s, s.step_time_multiplier * q)
-
-
-def progress_timeout(s: Settings, step_times: Sequence[float]) -> float | None:
-    if s.progress_timeout_s is not None:
-        return s.progress_timeout_s
-    hb = heartbeat_timeout(s, step_times)
-    return None if hb is None else 2 * hb
-
-
-def choose_world_size(s: Settings, healthy_slots: int, batch_divisor: int | None) -> tuple[int | None, str]:
-    """Local ranks for the next attempt: healthy slots, at most nproc_max, such that the job's
-    world size stays within [min, max] and divides the batch. (None, why) when impossible."""
-    n = min(healthy_slots, s.nproc_max)
-    if s.max_world_size is not None:
-        n = min(n, s.max_world_size)
-    while n >= 1:
-        if batch_divisor is None or batch_divisor % n == 0 or s.nnodes_max > 1:
-            break
-        n -= 1
-    if n < 1 or (s.nnodes_max == 1 and n < s.min_world_size):
-        return None, (
-            f"{healthy_slots} healthy slot(s) allow no world size >= min_world_size {s.min_world_size}"
-            + (f" that divides {batch_divisor}" if batch_divisor else "")
-        )
-    return n, f"{healthy_slots} healthy slot(s) -> {n} rank(s)"
-
-
-def backoff_s(s: Settings, failures_in_a_row: int) -> float:
-    if failures_in_a_row <= 0:
-        return 0.0
-    return min(s.backoff_max_s, s.backoff_initial_s * 2 ** (failures_in_a_row - 1))
+    beating: bool = False  # a heartbeat has arrived in this supervisor's life: heartbeat.mode auto detects hangs
 
 
 # ---------------------------------------------------------------------- the machine
@@ -267,7 +232,7 @@ def _heartbeat(st: State, att: Attempt, ev: Heartbeat, now: float) -> State:
 def _heartbeat_and_saves(st: State, att: Attempt, ev: Heartbeat, now: float) -> tuple[State, list[Action]]:
     actions: list[Action] = []
     if st.phase == SupervisorPhase.RUNNING:
-        st = _heartbeat(st, att, ev, now)
+        st = replace(_heartbeat(st, att, ev, now), beating=True)
     save_s = ev.figure("save_s")
     if save_s is not None and not (math.isfinite(save_s) and save_s >= 0):
         save_s = None  # a figure that was not a number at the rank
@@ -414,6 +379,8 @@ def _tick(s: Settings, st: State, now: float) -> tuple[State, list[Action]]:
                 StopWorkers(att.number, why, grace_s=max(0.2, ej.deadline - now - 0.2)),
             ]
         return st, []
+    if not hang_detection_on(s, st.beating):
+        return st, []  # heartbeat.mode: crashes only (torchrun's exit, a rank gone)
     ranks = att.rank_map()
     long = any(r.phase in LONG_PHASES for r in ranks.values())
     training = [r for r in ranks.values() if r.phase == Phase.TRAIN]
@@ -460,9 +427,8 @@ def _exited(s: Settings, st: State, att: Attempt, ev: WorkersExited, now: float)
     actions: list[Action] = []
     if st.phase == SupervisorPhase.RUNNING:
         actions.append(log("worker_exited", "error", attempt=att.number, reason=reason, step=att.max_step))
-    # Progress means reaching a step no earlier attempt reached: a job that dies at the same
-    # step every time (with or without checkpoints) is a crash loop, however often it restarts.
-    progressed = att.max_step > max(att.best_before, att.resume_step if att.resume_step is not None else 0)
+    progressed = made_progress(s, max_step=att.max_step, best_before=att.best_before, resume_step=att.resume_step,
+                               detecting=hang_detection_on(s, st.beating), ran_s=now - att.launched_at)  # fmt: skip
     streak = 0 if progressed else st.no_progress_streak + 1
     failures = 1 if progressed else st.failures_in_a_row + 1
     restarts = tuple(t for t in st.restarts if now - t < s.window_s)
