@@ -35,6 +35,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from ftsup import extras
 from ftsup.store import layout
 from ftsup.store.errors import CheckpointError
 from ftsup.supervisor import cli_ckpt
@@ -77,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunError as e:
         print(f"ftsup: error: {e}", file=sys.stderr)
         return EXIT_PROBLEM
-    except (CheckpointError, SupervisorError, OSError) as e:
+    except (CheckpointError, SupervisorError, OSError, extras.MissingExtraError) as e:
         print(f"ftsup: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as e:  # a bug: the traceback is what its report needs; the last line says what happened
@@ -297,7 +298,7 @@ def cmd_ckpt_export_hf(args: argparse.Namespace) -> int:
     try:
         from ftsup.trainer.checkpoint.hf import export_hf
     except ModuleNotFoundError as e:
-        raise UsageError(f"ftsup ckpt export-hf needs {e.name!r}; install torch as the README shows") from None
+        raise UsageError(extras.needs(e, "ftsup ckpt export-hf")) from None
     index = export_hf(args.dir, args.step, args.out, prefix=args.prefix, max_shard_bytes=int(args.max_shard_gb * 1e9))
     files = sorted(set(index["weight_map"].values()))
     print(f"exported step {index['metadata']['ftsup_step']}: {len(index['weight_map'])} tensors, "
@@ -354,7 +355,12 @@ def _build_bench_checkpoint(p: argparse.ArgumentParser, rest: Sequence[str]) -> 
             "this installation's benchmark is incomplete"
         )
     add_arguments(p)
-    p.set_defaults(handler=run)
+
+    def checked(args: argparse.Namespace) -> int:  # its flags parse without torch; its ranks need it
+        extras.require("trainer", "ftsup bench checkpoint")
+        return int(run(args))
+
+    p.set_defaults(handler=checked)
 
 
 def _import_bench() -> ModuleType:
@@ -363,10 +369,7 @@ def _import_bench() -> ModuleType:
     except ModuleNotFoundError as e:
         if e.name == "ftsup.trainer.bench":
             raise UsageError(f"this ftsup installation has no benchmarks ({e})") from None
-        raise UsageError(
-            f"ftsup bench needs module {e.name!r}, which is not installed; install torch "
-            "first, then ftsup with its extras, as the README shows"
-        ) from None
+        raise UsageError(extras.needs(e, "ftsup bench checkpoint")) from None
 
 
 def _build_demo(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
