@@ -9,7 +9,7 @@ The building blocks of `ftsup.supervisor.config`:
   `seconds`, `string`, `path`, `argv`, `host_port`, ... (`eviction.signals`: `config_signals`); messages show
   the wrong value as YAML spells it (`describe`) and say how to write it instead; every value is bounded
   (lengths, counts, magnitudes);
-- `plain_dataclass` turns a parsed config back into JSON-ready values.
+- `plain_dataclass` turns a parsed config back into JSON- and YAML-ready values.
 
 Reading the file and its YAML is `ftsup.supervisor.config_file`.
 
@@ -21,6 +21,7 @@ It does no I/O: no file, no environment variable, no hostname is read here.
 from __future__ import annotations
 
 import difflib
+import enum
 import math
 import os
 import re
@@ -456,6 +457,8 @@ def plain_dataclass(value: Any) -> dict[str, Any]:
 def _plain(value: object) -> object:
     if is_dataclass(value) and not isinstance(value, type):
         return plain_dataclass(value)
+    if isinstance(value, enum.Enum):  # heartbeat.mode: as YAML spells it, for a YAML or JSON dumper
+        return value.value
     if isinstance(value, Path):
         return str(value)
     if isinstance(value, tuple | list):

@@ -38,3 +38,9 @@ def test_a_boolean_key_still_reads_yes_as_true(tmp_path: Path) -> None:
 
 def test_an_unquoted_no_in_a_string_value_is_the_word_no(tmp_path: Path) -> None:
     assert load(tmp_path, "job: {command: [python], env: {COUNTRY: no}}\n").job.env == {"COUNTRY": "no"}
+
+
+def test_a_config_written_back_as_yaml_reads_back_its_heartbeat_mode(tmp_path: Path) -> None:
+    written = load(tmp_path, "job: {command: [python]}\nheartbeat: {mode: off}\n").to_dict()  # as ftsup.sbatch does
+    del written["source"]
+    assert load(tmp_path, yaml.safe_dump(written)).heartbeat.mode == HeartbeatMode.OFF
