@@ -7,6 +7,8 @@ for the crash-loop breaker when it ran past `startup_timeout_s`.
 
 from __future__ import annotations
 
+import math
+
 from ftsup.protocol import Phase
 from ftsup.supervisor import policy as P
 from ftsup.supervisor.policy_io import HeartbeatMode
@@ -126,3 +128,13 @@ def test_attempts_without_heartbeats_that_ran_past_the_startup_timeout_count_as_
         d.feed(P.WorkersExited(attempt, -9))
         d.tick_until(d.now + 2)
     assert (d.exit_code(), d.m.state.no_progress_streak, d.m.state.attempt_no) == (None, 0, 6)
+
+
+def test_in_off_mode_the_heartbeat_timeout_metric_shows_none_in_force():
+    from ftsup.supervisor.metrics import Metrics
+
+    d, metrics = Driver(mode("off")), Metrics("job-1", "node-a", started_unix=0.0)
+    attempt = d.launch()
+    d.train(attempt, range(1, 11))
+    metrics.state(d.m.state, d.m.settings, d.now, d.now)
+    assert math.isnan(metrics.registry.get_sample_value("ftsup_heartbeat_timeout_seconds") or 0.0)
