@@ -23,7 +23,8 @@ that was busy for a while finds its ranks alive once it reads their queued beats
 Which of these detections apply is `heartbeat.mode` (`Settings.heartbeat_mode`): `required`, all of
 them from launch on; `auto`, all of them once the job's first heartbeat has arrived (`State.beating`),
 and before that crashes only, so that a script without a line of ftsup is never killed for its silence;
-`off`, crashes only. The pure rules (timeouts, modes, progress, world size, backoff) are `policy_rules`.
+`off`, crashes only; `auto` watches the ranks that beat (a script may beat from rank 0 alone),
+`required` every rank. The pure rules (timeouts, modes, progress, world size, backoff) are `policy_rules`.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from ftsup.supervisor.policy_io import (
     EvictionNoticed,
     Exit,
     Heartbeat,
+    HeartbeatMode,
     Launch,
     LaunchReady,
     OperatorStop,
@@ -400,7 +402,8 @@ def _tick(s: Settings, st: State, now: float) -> tuple[State, list[Action]]:
             return _fail(st, att, f"rank {rank} in phase eval for {now - view.since:.1f}s (timeout "
                          f"{s.save_timeout_s:g}s)", now, "progress_timed_out", rank=rank,
                          timeout_s=s.save_timeout_s)  # fmt: skip
-    if training and len(ranks) < att.nproc and hb is not None and now - att.progress_at > hb:
+    every_rank = s.heartbeat_mode == HeartbeatMode.REQUIRED  # auto watches the ranks that beat, such as rank 0 alone
+    if every_rank and training and len(ranks) < att.nproc and hb is not None and now - att.progress_at > hb:
         missing = sorted(set(range(att.nproc)) - set(ranks))
         return _fail(st, att, f"local ranks {missing} never sent a heartbeat", now, "heartbeat_timed_out")
     pt = progress_timeout(s, st.step_times)

@@ -138,3 +138,24 @@ def test_in_off_mode_the_heartbeat_timeout_metric_shows_none_in_force():
     d.train(attempt, range(1, 11))
     metrics.state(d.m.state, d.m.settings, d.now, d.now)
     assert math.isnan(metrics.registry.get_sample_value("ftsup_heartbeat_timeout_seconds") or 0.0)
+
+
+def beat_rank_0_alone(d: Driver, attempt: int) -> None:
+    """Rank 0 trains 10 steps of 0.5 s (learned timeout 2 s), then beats within a long step 11 for 3 s (under the
+    progress timeout, 4 s); rank 1 never beats."""
+    for step in [*range(1, 12), *[11] * 6]:
+        d.now += 0.5
+        d.feed(P.Heartbeat(attempt, 0, step, Phase.TRAIN, sent=d.now))
+        d.feed(P.Tick())
+
+
+def test_in_auto_mode_a_rank_that_never_beats_while_rank_0_does_is_not_a_hang():
+    d = Driver(mode("auto"))
+    beat_rank_0_alone(d, d.launch())
+    assert HANG_EVENTS & set(d.events()) == set()
+
+
+def test_in_required_mode_a_rank_that_never_beats_is_a_hang():
+    d = Driver(mode("required"))
+    beat_rank_0_alone(d, d.launch())
+    assert "heartbeat_timed_out" in d.events()
