@@ -2,7 +2,9 @@
 
 Subcommands (DESIGN.md, Contracts: their names, flags and JSON shapes change only by adding):
 
-    ftsup ckpt list DIR [--json] [--deep]              every committed checkpoint, oldest first
+    ftsup run [--config JOB.yaml] [FLAGS] [-- CMD]     the supervisor; every config key a flag (`config_args`)
+    ftsup config check [JOB.yaml] [FLAGS] [-- CMD]     the config `ftsup run` would run, checked; nothing started
+    ftsup ckpt list DIR [--json] [--deep]              every committed checkpoint, oldest first (`cli_ckpt`)
     ftsup ckpt verify DIR [--step N] [--deep] [--json] one checkpoint (default: the newest)
     ftsup bench checkpoint ...                         delegated to `ftsup.trainer.bench`
     ftsup bench recovery ...                           `ftsup.supervisor.bench.recovery` (torch-free)
@@ -33,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ftsup import extras
 from ftsup.store import layout
@@ -41,6 +43,9 @@ from ftsup.store.errors import CheckpointError
 from ftsup.supervisor import cli_ckpt
 from ftsup.supervisor.cli_ckpt import print_json as _print_json
 from ftsup.supervisor.errors import RunError, SupervisorError, UsageError, error_line
+
+if TYPE_CHECKING:
+    from ftsup.supervisor.config import JobConfig
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
@@ -154,7 +159,7 @@ def _build_run(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
     p.set_defaults(handler=cmd_run)
 
 
-def _job_config(args: argparse.Namespace, path: Path | None) -> Any:
+def _job_config(args: argparse.Namespace, path: Path | None) -> JobConfig:
     """The `JobConfig` of the file `path` (or none), the flags and the command after `--`, checked on this host."""
     from ftsup.supervisor import config_args, preflight
 
@@ -180,9 +185,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _build_config(config: argparse.ArgumentParser, rest: Sequence[str]) -> None:
-    actions = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     from ftsup.supervisor import config_args
 
+    actions = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     p = actions.add_parser(
         "check",
         help="check a job config as `ftsup run` would before it starts anything",
