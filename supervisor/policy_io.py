@@ -29,6 +29,18 @@ class SupervisorPhase(str, enum.Enum):
         return self.value
 
 
+class HeartbeatMode(str, enum.Enum):
+    """Which detections apply (`heartbeat.mode`; `policy_rules.hang_detection_on`): crashes always; hangs, stalls
+    and a slow start from launch on (`required`), once the job's first heartbeat arrived (`auto`) or never (`off`)."""
+
+    OFF = "off"
+    AUTO = "auto"
+    REQUIRED = "required"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 # ---------------------------------------------------------------------- settings
 
 
@@ -41,6 +53,7 @@ class Settings:
     min_world_size: int
     max_world_size: int | None
     nnodes_max: int
+    heartbeat_mode: HeartbeatMode
     heartbeat_timeout_s: float | None  # None: learned
     progress_timeout_s: float | None  # None: learned
     startup_timeout_s: float
