@@ -15,6 +15,10 @@ A training script needs only this module's names; each is imported on first use,
 
     from ftsup import Session                     # the training loop's bookkeeping in one object
     from ftsup import CheckpointEngine, GlobalBatchSchedule, RankBatchSampler, TrainingState, agree, runtime
+
+`pip install ftsup` alone gives the supervisor and the `ftsup` command; the names that need torch and numpy come
+with the trainer extra (`pip install 'ftsup[trainer]'`), and asking for one without them raises
+`ftsup.extras.MissingExtraError`, which names the extra.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ _EXPORTS = {
     "agree": "ftsup.trainer.runtime",
     "Session": "ftsup.trainer.session",
     "Agreement": "ftsup.trainer.runtime",
+    "FtsupCallback": "ftsup.trainer.hf_trainer",  # needs transformers
 }
 __all__ = sorted(_EXPORTS)
 
@@ -43,7 +48,12 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'ftsup' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as e:  # torch or numpy: name the extra that installs them
+        from ftsup import extras
+
+        raise extras.explained(e, f"ftsup.{name}") from None
     globals()[name] = value  # the next lookup is a plain attribute
     return value
 

@@ -2,7 +2,9 @@
 
 Subcommands (DESIGN.md, Contracts: their names, flags and JSON shapes change only by adding):
 
-    ftsup ckpt list DIR [--json] [--deep]              every committed checkpoint, oldest first
+    ftsup run [--config JOB.yaml] [FLAGS] [-- CMD]     the supervisor; every config key a flag (`config_args`)
+    ftsup config check [JOB.yaml] [FLAGS] [-- CMD]     the config `ftsup run` would run, checked; nothing started
+    ftsup ckpt list DIR [--json] [--deep]              every committed checkpoint, oldest first (`cli_ckpt`)
     ftsup ckpt verify DIR [--step N] [--deep] [--json] one checkpoint (default: the newest)
     ftsup bench checkpoint ...                         delegated to `ftsup.trainer.bench`
     ftsup bench recovery ...                           `ftsup.supervisor.bench.recovery` (torch-free)
@@ -27,19 +29,22 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING
 
-from ftsup.store import layout
-from ftsup.store.errors import CheckpointError, NoCheckpointError
+from ftsup import extras
+from ftsup.store.errors import CheckpointError
+from ftsup.supervisor import cli_ckpt, export_hf
+from ftsup.supervisor.cli_ckpt import print_json as _print_json
 from ftsup.supervisor.errors import RunError, SupervisorError, UsageError, error_line
+
+if TYPE_CHECKING:
+    from ftsup.supervisor.config import JobConfig
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
@@ -63,26 +68,39 @@ class Command:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `ftsup` with `argv` (default: sys.argv[1:]) and return the exit status."""
-    args_list = list(sys.argv[1:] if argv is None else argv)
+    args_list, command = _split_command(list(sys.argv[1:] if argv is None else argv))
     try:
         parser = build_parser(args_list)
         try:
             args = parser.parse_args(args_list)
         except SystemExit as e:  # argparse exits for --help (0) and usage errors (2)
             return e.code if isinstance(e.code, int) else EXIT_USAGE
+        args.command_argv = command
         handler: Handler = args.handler
         return handler(args)
     # The CLI boundary: a user gets one actionable line, not a traceback, for everything we can name.
     except RunError as e:
         print(f"ftsup: error: {e}", file=sys.stderr)
         return EXIT_PROBLEM
-    except (CheckpointError, SupervisorError, OSError) as e:
+    except (CheckpointError, SupervisorError, OSError, extras.MissingExtraError) as e:
         print(f"ftsup: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as e:  # a bug: the traceback is what its report needs; the last line says what happened
         traceback.print_exc(file=sys.stderr)
         print(f"ftsup: error: internal error: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_PROBLEM
+
+
+def _split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """For `ftsup run` and `ftsup config check`, what follows the first `--` is the training command, never read
+    as ftsup's flags: (the rest, the command); None when there is none."""
+    if "--" not in argv:
+        return argv, None
+    cut = argv.index("--")
+    words = [a for a in argv[:cut] if not a.startswith("-")]
+    if words[:1] == ["run"] or words[:2] == ["config", "check"]:
+        return argv[:cut], argv[cut + 1 :]
+    return argv, None
 
 
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
@@ -125,19 +143,36 @@ def _not_built(args: argparse.Namespace) -> int:  # never reached: argparse disp
 
 
 def _build_run(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
-    p.add_argument("--config", required=True, type=Path, help="the job's YAML config")
+    from ftsup.supervisor import config_args
+
+    p.usage = "ftsup run [--config JOB.yaml] [--SECTION-KEY VALUE | --set SECTION.KEY=VALUE ...] [-- CMD [ARGS ...]]"
+    p.description = (
+        "Supervise a training job: the one of JOB.yaml, or CMD (`ftsup run -- python train.py ARGS`; a script "
+        "or -m module runs under python), with any key of the config given as a flag, which overrides the file. "
+        "Without JOB.yaml: one rank per node (--nproc-per-node), state in ./.ftsup/<node>, checkpoints in "
+        "./.ftsup/checkpoints."
+    )
+    p.allow_abbrev = False  # a config key is named in full: a new key must not change what an abbreviation means
+    p.add_argument("--config", type=Path, metavar="JOB.yaml", help="the job's YAML config (optional given a command)")
+    config_args.add_arguments(p)
     p.set_defaults(handler=cmd_run)
 
 
+def _job_config(args: argparse.Namespace, path: Path | None) -> JobConfig:
+    """The `JobConfig` of the file `path` (or none), the flags and the command after `--`, checked on this host."""
+    from ftsup.supervisor import config_args, preflight
+
+    cfg = config_args.load(path, args.overrides, args.command_argv)
+    preflight.check(cfg)
+    return cfg
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    from ftsup.supervisor import preflight
-    from ftsup.supervisor.config import load_config
     from ftsup.supervisor.daemon import Daemon
 
     # A ConfigError, from the file or from what it names on this host, becomes one line and exit 2: nothing
     # has started yet. From here on, no failure is a config error: a service manager restarts on 1, not on 2.
-    cfg = load_config(args.config)
-    preflight.check(cfg)
+    cfg = _job_config(args, args.config)
     try:
         daemon = Daemon(cfg)
         code = daemon.run()
@@ -149,27 +184,33 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _build_config(config: argparse.ArgumentParser, rest: Sequence[str]) -> None:
+    from ftsup.supervisor import config_args
+
     actions = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     p = actions.add_parser(
         "check",
         help="check a job config as `ftsup run` would before it starts anything",
-        description="Parse and validate JOB.yaml, then check what it names on this host (job.workdir, "
-        "checkpoint.dir, job.state_dir, logging.dir, job.command[0] on the ranks' PATH). Exit 0 and one line "
-        "when `ftsup run` would accept it; exit 2 and one line naming the key otherwise.",
+        usage="ftsup config check [JOB.yaml] [--json] [--SECTION-KEY VALUE | --set SECTION.KEY=VALUE ...] "
+        "[-- CMD [ARGS ...]]",
+        description="Parse and validate the config `ftsup run` would run with the same arguments (JOB.yaml, the "
+        "flags, the command after --), then check what it names on this host (job.workdir, checkpoint.dir, "
+        "job.state_dir, logging.dir, job.command[0] on the ranks' PATH). Exit 0 and one line when `ftsup run` "
+        "would accept it; exit 2 and one line naming the key otherwise. Nothing is created or started.",
     )
-    p.add_argument("config", metavar="JOB.yaml", type=Path, help="the job's YAML config")
+    p.allow_abbrev = False
+    p.add_argument("config", metavar="JOB.yaml", type=Path, nargs="?", help="the job's YAML config")
+    p.add_argument("--json", action="store_true", help="print the whole config, every default filled in")
+    config_args.add_arguments(p)
     p.set_defaults(handler=cmd_config_check)
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:
-    from ftsup.supervisor import preflight
-    from ftsup.supervisor.config import load_config
-
-    cfg = load_config(args.config)
-    preflight.check(cfg)
-    print(
-        f"{args.config}: ok (run_id {cfg.job.run_id}, node {cfg.launch.node_id}, checkpoints in {cfg.checkpoint.dir})"
-    )
+    cfg = _job_config(args, args.config)
+    if args.json:
+        _print_json(cfg.to_dict())
+        return EXIT_OK
+    print(f"{cfg.source}: ok (run_id {cfg.job.run_id}, node {cfg.launch.node_id}, command {' '.join(cfg.job.command)}, "
+          f"state in {cfg.job.state_dir}, checkpoints in {cfg.checkpoint.dir})")  # fmt: skip
     return EXIT_OK
 
 
@@ -180,37 +221,9 @@ def _build_status(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import psutil
+    from ftsup.supervisor.status import cmd_status as status
 
-    from ftsup.supervisor.config import load_config
-    from ftsup.supervisor.journal import Journal
-
-    cfg = load_config(args.config)
-    rec = Journal(Path(cfg.job.state_dir) / "journal.json").read()
-    latest = layout.latest_consistent(cfg.checkpoint.dir)
-    alive = rec is not None and psutil.pid_exists(rec.supervisor_pid) and rec.status not in (
-        "succeeded", "failed", "stopped", "evicted")  # fmt: skip
-    out = {
-        "run_id": cfg.job.run_id,
-        "node_id": cfg.launch.node_id,
-        "supervisor_running": bool(alive),
-        "journal": rec.to_json() if rec else None,
-        "latest_checkpoint": latest.to_json() if latest else None,
-        "checkpoint_dir": str(cfg.checkpoint.dir),
-    }
-    if args.json:
-        _print_json(out)
-        return EXIT_OK
-    print(f"run {out['run_id']} on node {out['node_id']}: supervisor {'running' if alive else 'not running'}")
-    if rec:
-        print(f"  status {rec.status}, attempt {rec.attempt}, world size {rec.world_size}, "
-              f"resumed from step {rec.resume_step}")  # fmt: skip
-        if rec.last_failure:
-            print(f"  last failure: {rec.last_failure}")
-        if rec.extra.get("metrics"):
-            print(f"  metrics: http://{rec.extra['metrics']}/metrics")
-    print(f"  latest consistent checkpoint: {latest.step if latest else 'none'} in {cfg.checkpoint.dir}")
-    return EXIT_OK
+    return status(args)
 
 
 # --------------------------------------------------------------------------- ckpt
@@ -228,7 +241,7 @@ def _build_ckpt(ckpt: argparse.ArgumentParser, rest: Sequence[str]) -> None:
     p.add_argument("dir", metavar="DIR", type=Path, help="the checkpoint directory")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--deep", action="store_true", help="also verify every checksum (reads all)")
-    p.set_defaults(handler=cmd_ckpt_list)
+    p.set_defaults(handler=cli_ckpt.cmd_list)
 
     p = actions.add_parser(
         "verify",
@@ -240,33 +253,23 @@ def _build_ckpt(ckpt: argparse.ArgumentParser, rest: Sequence[str]) -> None:
     p.add_argument("--step", type=_step_number, help="the step to verify (default: newest)")
     p.add_argument("--deep", action="store_true", help="also verify every checksum (reads all)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(handler=cmd_ckpt_verify)
+    p.set_defaults(handler=cli_ckpt.cmd_verify)
 
     p = actions.add_parser(
         "export-hf",
-        help="export a checkpoint's model as Hugging Face sharded safetensors (needs torch)",
-        description="Write OUT/model-0000k-of-0000n.safetensors and OUT/model.safetensors.index.json from "
-        "checkpoint --step (default: the latest consistent one), whatever world size saved it. The checkpoint "
-        "is deep-verified first; OUT must not exist or be empty.",
+        help="export a checkpoint's model as a Hugging Face model directory (needs torch)",
+        description=export_hf.DESCRIPTION,
     )
-    p.add_argument("dir", metavar="DIR", type=Path, help="the checkpoint directory")
-    p.add_argument("--step", type=_step_number, help="the step to export (default: latest consistent)")
-    p.add_argument("out", metavar="OUT", type=Path, help="the output directory")
-    p.add_argument("--prefix", help="key prefix of the model's tensors (default: found automatically)")
-    p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest file size (default 5 GB)")
+    export_hf.add_arguments(p, _step_number)
     p.set_defaults(handler=cmd_ckpt_export_hf)
 
 
 def cmd_ckpt_export_hf(args: argparse.Namespace) -> int:
     try:
-        from ftsup.trainer.checkpoint.hf import export_hf
+        from ftsup.trainer.checkpoint import hf
     except ModuleNotFoundError as e:
-        raise UsageError(f"ftsup ckpt export-hf needs {e.name!r}; install torch as the README shows") from None
-    index = export_hf(args.dir, args.step, args.out, prefix=args.prefix, max_shard_bytes=int(args.max_shard_gb * 1e9))
-    files = sorted(set(index["weight_map"].values()))
-    print(f"exported step {index['metadata']['ftsup_step']}: {len(index['weight_map'])} tensors, "
-          f"{index['metadata']['total_size']} bytes in {len(files)} file(s) under {args.out}")  # fmt: skip
-    return EXIT_OK
+        raise UsageError(extras.needs(e, "ftsup ckpt export-hf")) from None
+    return export_hf.run(args, hf)
 
 
 def _step_number(text: str) -> int:
@@ -277,156 +280,6 @@ def _step_number(text: str) -> int:
     if step < 0:
         raise argparse.ArgumentTypeError(f"a step number is >= 0, got {step}")
     return step
-
-
-def cmd_ckpt_list(args: argparse.Namespace) -> int:
-    root = _checkpoint_root(args.dir)
-    infos = layout.list_checkpoints(root, deep=args.deep)
-    if args.json:
-        _print_json({"checkpoints": [info.to_json() for info in infos]})
-        return EXIT_OK
-    if not infos:
-        print(f"no committed checkpoints under {root}")
-    else:
-        print(_checkpoint_table(infos))
-        broken = sum(not i.consistent for i in infos)
-        check = "deep check (checksums)" if args.deep else "fast check (sizes; --deep: checksums)"
-        print(f"\n{len(infos)} committed, {broken} inconsistent; {check}")
-    for line in _uncommitted_lines(root):
-        print(line)
-    return EXIT_OK
-
-
-def cmd_ckpt_verify(args: argparse.Namespace) -> int:
-    root = _checkpoint_root(args.dir)
-    committed = dict(layout.committed_dirs(root))
-    if args.step is None:
-        if not committed:
-            raise NoCheckpointError(f"no committed checkpoint under {root}")
-        path = committed[max(committed)]
-    elif args.step in committed:
-        path = committed[args.step]
-    else:
-        raise NoCheckpointError(_no_step_message(root, args.step))
-
-    manifest, problems = layout.check_checkpoint(path, deep=args.deep)
-    consistent = manifest is not None and not problems
-    step = manifest.step if manifest else layout.parse_step_dirname(path.name)
-    if args.json:
-        _print_json(
-            {
-                "path": str(path),
-                "step": step,
-                "consistent": consistent,
-                "deep": args.deep,
-                "problems": [{"file": p.file, "reason": p.reason} for p in problems],
-                "kind": manifest.kind if manifest else None,
-                "world_size": manifest.world_size if manifest else None,
-                "created_unix": manifest.created_unix if manifest else None,
-                "files": len(manifest.files) if manifest else None,
-                "bytes": sum(e.size for e in manifest.files.values()) if manifest else None,
-            }
-        )
-    elif manifest is not None and consistent:
-        total = sum(e.size for e in manifest.files.values())
-        how = "checksums verified" if args.deep else "sizes checked; --deep verifies checksums"
-        print(
-            f"{path.name}: consistent ({manifest.kind}, world size {manifest.world_size}, "
-            f"{len(manifest.files)} files, {_human_bytes(total)}; {how})"
-        )
-    else:
-        print(f"{path.name}: NOT consistent ({len(problems)} problem(s)):")
-        for p in problems:
-            print(f"  {p}")
-        if args.step is None:
-            fallback = layout.latest_consistent(root, below=step)
-            print(
-                f"the newest older checkpoint passing the fast check is step {fallback.step}"
-                if fallback
-                else "no older checkpoint passes the fast check either"
-            )
-    return EXIT_OK if consistent else EXIT_PROBLEM
-
-
-def _checkpoint_root(path: Path) -> Path:
-    if not path.exists():
-        raise UsageError(f"checkpoint directory {path} does not exist")
-    if not path.is_dir():
-        raise UsageError(f"{path} is not a directory")
-    return path
-
-
-def _no_step_message(root: Path, step: int) -> str:
-    name = layout.step_dirname(step)
-    others = sorted(p.name for p in root.glob(f"{name}.*"))
-    found = f" (found {', '.join(others)}: not committed)" if others else ""
-    return f"no committed checkpoint for step {step} under {root}{found}"
-
-
-def _uncommitted_lines(root: Path) -> list[str]:
-    """Partial and quarantined directories, and what is named like a checkpoint but is none
-    (a link, a file, a name ftsup never writes): not checkpoints, but worth seeing."""
-    committed = {p.name for _, p in layout.committed_dirs(root)}
-    lines = []
-    for p in sorted(root.iterdir()):
-        if layout.parse_partial_dirname(p.name) is not None:
-            lines.append(f"not committed: {p.name} (a save in progress or torn by a crash)")
-        elif p.name.startswith("step-") and ".corrupt" in p.name:
-            lines.append(f"quarantined: {p.name}")
-        elif p.name.startswith("step-") and p.name not in committed:
-            why = (
-                "a symbolic link"
-                if p.is_symlink()
-                else "not a directory"
-                if not p.is_dir()
-                else "not a name ftsup writes"
-            )
-            lines.append(f"not a checkpoint: {p.name[:60]} ({why})")
-    return lines
-
-
-def _checkpoint_table(infos: Sequence[layout.CheckpointInfo]) -> str:
-    rows = [("STEP", "KIND", "WORLD", "CREATED (UTC)", "STATUS", "PATH")]
-    for i in infos:
-        rows.append(
-            (
-                str(i.step),
-                i.kind or "-",
-                str(i.world_size) if i.world_size is not None else "-",
-                _utc(i.created_unix),
-                "ok" if i.consistent else "INCONSISTENT",
-                i.path,
-            )
-        )
-    # Pad every column but the last (the path), so long paths do not widen the table.
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]) - 1)]
-    lines = []
-    for row, info in zip(rows, [None, *infos], strict=True):
-        padded = [row[c].ljust(w) for c, w in enumerate(widths)]
-        lines.append("  ".join([*padded, row[-1]]))
-        lines.extend(f"    {p}" for p in (info.problems if info else ()))
-    return "\n".join(lines)
-
-
-def _utc(created_unix: float | None) -> str:
-    if created_unix is None:
-        return "-"
-    return datetime.fromtimestamp(created_unix, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _human_bytes(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    size, unit = n / 1024, "KiB"
-    for bigger in ("MiB", "GiB", "TiB"):
-        if size < 1024:
-            break
-        size, unit = size / 1024, bigger
-    return f"{size:.1f} {unit}"
-
-
-def _print_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=2))
 
 
 # --------------------------------------------------------------------------- bench, demo: tooling
@@ -468,7 +321,12 @@ def _build_bench_checkpoint(p: argparse.ArgumentParser, rest: Sequence[str]) -> 
             "this installation's benchmark is incomplete"
         )
     add_arguments(p)
-    p.set_defaults(handler=run)
+
+    def checked(args: argparse.Namespace) -> int:  # its flags parse without torch; its ranks need it
+        extras.require("trainer", "ftsup bench checkpoint")
+        return int(run(args))
+
+    p.set_defaults(handler=checked)
 
 
 def _import_bench() -> ModuleType:
@@ -477,10 +335,7 @@ def _import_bench() -> ModuleType:
     except ModuleNotFoundError as e:
         if e.name == "ftsup.trainer.bench":
             raise UsageError(f"this ftsup installation has no benchmarks ({e})") from None
-        raise UsageError(
-            f"ftsup bench needs module {e.name!r}, which is not installed; install torch "
-            "first, then ftsup with its extras, as the README shows"
-        ) from None
+        raise UsageError(extras.needs(e, "ftsup bench checkpoint")) from None
 
 
 def _build_demo(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:

@@ -12,31 +12,33 @@ Rules (STYLE.md, Config):
 - values are literal: no `${VAR}` or `~` expansion (both refused in paths); the only environment variable read is
   systemd's `STATE_DIRECTORY`, for the default `job.state_dir`.
 
-YAML is read as PyYAML's YAML 1.1 with two traps removed: an unquoted `1:2` is the string "1:2" (not the base-60
-integer 62), so `nnodes: 1:2` means what it says; `1e3` is a number. A key given twice is an error, not "last wins".
+YAML is read as PyYAML's YAML 1.1 with three traps removed: an unquoted `1:2` is the string "1:2" (not the base-60
+integer 62), so `nnodes: 1:2` means what it says; `1e3` is a number; `mode: off` is the word "off" (a boolean key
+still reads yes, no, on, off as YAML 1.1 does). A key given twice is an error, not "last wins".
 
-This module knows the sections: their keys, defaults and the rules between keys. How a single value is read and
-how its errors are worded (`Where`, `Section`, the parse functions, the YAML loader) is `config_values`.
+This module knows the sections: their keys, defaults and the rules between keys (the `launch:` section's are
+`config_launch`). How a single value is read and how its errors are worded (`Where`, `Section`, the parse
+functions) is `config_values`, reading the file `config_file`, the command line's flags `config_args`.
 
 This module decides nothing at runtime: `nproc_per_node: auto`, learned timeouts and `eviction.providers: [auto]`
 are kept as written for the daemon to resolve. Its only I/O is reading the file and, when `launch.node_id` is
-not set, asking for the hostname.
+not set, asking for the hostname (`config_launch`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from ftsup.supervisor import config_file, config_values, statedir
+from ftsup.supervisor import config_file, config_signals, config_values, statedir
+from ftsup.supervisor.config_launch import LaunchConfig, parse_launch
 from ftsup.supervisor.config_values import Section, Where
 from ftsup.supervisor.errors import ConfigError
-from ftsup.supervisor.policy_io import Settings
+from ftsup.supervisor.policy_io import HeartbeatMode, Settings
 
 SECTIONS = ("job", "launch", "checkpoint", "heartbeat", "restart", "eviction", "metrics", "logging")
 PROVIDERS = config_values.PROVIDERS  # eviction.providers, checked in config_values
@@ -44,7 +46,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("json", "console")
 
 _EXAMPLE = "deploy/examples/job.yaml"
-MAX_WORLD_SIZE = 1_000_000
+_SHARED_STORE = "nnodes ({}) allows more than one node, so set it to a directory every node shares"
 
 
 # --------------------------------------------------------------------------- the sections
@@ -57,7 +59,8 @@ class JobSection:
     command: tuple[str, ...]
     """The training command as an argv list, run without a shell:
     `[python, -m, ftsup.trainer.examples.gpt, --steps, "200"]`. Numbers must be quoted so that each argument is passed
-    exactly as written."""
+    exactly as written. A bare `python`/`python3` is the interpreter ftsup runs under, not the first on PATH (give a
+    path for another); the interpreter that runs torchrun must find torch, or the config is refused."""
     workdir: Path
     """Working directory of the ranks. Default: the config file's directory; relative paths resolve against it."""
     run_id: str
@@ -72,59 +75,12 @@ class JobSection:
 
 
 @dataclass(frozen=True)
-class LaunchConfig:
-    """`launch:` how torchrun is started on this node and which world sizes are acceptable."""
-
-    node_id: str
-    """This node's name in logs, metrics and `job.state_dir`. Default: the hostname."""
-    rdzv_id: str
-    """torchrun's rendezvous id; equal on every node of the job. Default: `job.run_id`."""
-    nproc_per_node: int | Literal["auto"] = "auto"
-    """Ranks per node, or "auto": the daemon counts GPUs with `nvidia-smi` when present, else CPU slots."""
-    nnodes: str = "1"
-    """Node count in torchrun's form: "N", or "MIN:MAX" for an elastic job. YAML may give an int; stored as a string."""
-    min_world_size: int = 1
-    """The fewest ranks worth running with; below it the job waits or stops instead of launching."""
-    max_world_size: int | None = None
-    """The most ranks to use; null means `max_nodes * nproc_per_node` (see `max_world_size_for`)."""
-    rdzv_endpoint: str | None = None
-    """"host:port" of the c10d rendezvous. Required when `nnodes` allows more than one node; null = single node."""
-    health_command: tuple[str, ...] | None = None
-    """Optional argv printing the healthy local slot ids; null = every slot is taken as healthy (or `nvidia-smi`
-    decides)."""
-    torchrun_args: tuple[str, ...] = ()
-    """Extra torchrun flags (for example `--local-addr=...`). Flags that ftsup derives from this config are refused."""
-    global_batch: int | None = None
-    """Samples per optimizer step, kept constant across world sizes: the world size is chosen to divide it. Null = read
-    it from the checkpoint's metadata."""
-    micro_batch: int | None = None
-    """Samples per rank per forward pass; when set with `global_batch`, world_size x micro_batch must divide
-    global_batch."""
-
-    @property
-    def min_nodes(self) -> int:
-        """The MIN of `nnodes` (N when it is a single number)."""
-        return int(self.nnodes.partition(":")[0])
-
-    @property
-    def max_nodes(self) -> int:
-        """The MAX of `nnodes` (N when it is a single number)."""
-        low, _, high = self.nnodes.partition(":")
-        return int(high or low)
-
-    def max_world_size_for(self, nproc_per_node: int) -> int:
-        """The largest world size allowed once "auto" is resolved to `nproc_per_node` ranks per node."""
-        cap = self.max_nodes * nproc_per_node
-        return cap if self.max_world_size is None else min(cap, self.max_world_size)
-
-
-@dataclass(frozen=True)
 class CheckpointConfig:
     """`checkpoint:` where the ranks' checkpoints live (the checkpoint store, `ftsup/store/DESIGN.md`)."""
 
     dir: Path
-    """The checkpoint store, shared by every node of a multi-node job. Relative paths resolve against the config
-    file's directory."""
+    """The checkpoint store, shared by every node of a multi-node job, which must set it. Default (one node):
+    `<job.workdir>/.ftsup/checkpoints`. Relative paths resolve against the config file's directory."""
     verify_deep: bool = False
     """Check every checksum of the chosen checkpoint before each relaunch (slower; the fast check reads sizes only)."""
 
@@ -133,6 +89,11 @@ class CheckpointConfig:
 class HeartbeatConfig:
     """`heartbeat:` when a silent or stuck rank counts as hung. Null timeouts are learned from observed step times."""
 
+    mode: HeartbeatMode = HeartbeatMode.AUTO
+    """Which detections apply. Crashes (a rank's or torchrun's exit) always do. "required": hangs, stalls and a slow
+    start too, from launch on (a rank with no first training step within startup_timeout_s has failed). "auto":
+    the same once the job's first heartbeat arrives, crashes only before, so that a script without a line of
+    ftsup is never killed for sending none. "off": crashes only."""
     timeout_s: float | None = None
     """No heartbeat at all from a rank for this long = hung. Null: learned (step_time_multiplier x p99 step time,
     at least min_timeout_s)."""
@@ -210,7 +171,8 @@ class LoggingConfig:
     level: str = "info"
     """One of debug, info, warning, error."""
     format: str = "json"
-    """"json" (one object per line, DESIGN.md, Contracts) or "console" (for people at a terminal)."""
+    """stderr: "json" (DESIGN.md, Contracts), but a short line per change of state on a terminal; "console": those
+    lines wherever stderr goes. The log file is JSON either way."""
 
 
 @dataclass(frozen=True)
@@ -255,15 +217,21 @@ def load_config(path: str | os.PathLike[str], *, hostname: str | None = None) ->
 
     `hostname` is the default `launch.node_id` (None: `socket.gethostname()`).
     """
+    absolute = Path(os.path.abspath(path))
+    raw = read_document(path)
+    return parse_config(raw, source=os.fspath(path), base_dir=absolute.parent, config_path=absolute, hostname=hostname)
+
+
+def read_document(path: str | os.PathLike[str]) -> object:
+    """The YAML document of the config file at `path`, not yet validated (`parse_config` does that)."""
     source = os.fspath(path)
-    absolute = Path(os.path.abspath(source))
-    raw = config_file.load_yaml(config_file.read_text(source, absolute, example=_EXAMPLE), source)
+    raw = config_file.load_yaml(config_file.read_text(source, Path(os.path.abspath(source)), example=_EXAMPLE), source)
     if raw is None:
         raise ConfigError(
             f"{source}: the file is empty (or only comments); a job config needs at least job.command "
-            f"and checkpoint.dir (example: {_EXAMPLE})"
+            f"(example: {_EXAMPLE})"
         )
-    return parse_config(raw, source=source, base_dir=absolute.parent, config_path=absolute, hostname=hostname)
+    return raw
 
 
 def parse_config(
@@ -273,15 +241,17 @@ def parse_config(
     base_dir: Path | None = None,
     config_path: Path | None = None,
     hostname: str | None = None,
+    origins: Mapping[str, str] | None = None,
 ) -> JobConfig:
     """Validate an already-loaded mapping (the YAML document) into a `JobConfig`.
 
-    `source` prefixes every error message. `base_dir` is what relative paths resolve against (None: the current
-    directory). `config_path` is hashed into the default `job.run_id` (None: `base_dir` is). `hostname` is the
-    default `launch.node_id` (None: `socket.gethostname()`, asked only when needed).
+    `source` prefixes every error message, or `origins[section.key]` (a command-line flag) for an error in the
+    value of that key. `base_dir` is what relative paths resolve against (None: the current directory).
+    `config_path` is hashed into the default `job.run_id` (None: `base_dir` is). `hostname` is the default
+    `launch.node_id` (None: `socket.gethostname()`, asked only when needed).
     """
     base = Path(os.path.abspath(base_dir if base_dir is not None else os.curdir))
-    top = Where(source)
+    top = Where(source, origins=origins or {})
     if not isinstance(mapping, Mapping):
         top.fail(
             f"expected a mapping of sections ({', '.join(SECTIONS)}) at the top level, "
@@ -300,15 +270,17 @@ def parse_config(
 
     digest = hashlib.sha256(str(config_path if config_path is not None else base).encode()).hexdigest()
     run_id = job.optional("run_id", config_values.identifier, f"ftsup-{digest[:8]}")
-    launch_config = _parse_launch(launch, run_id=run_id, hostname=hostname)
+    launch_config = parse_launch(launch, run_id=run_id, hostname=hostname)
+    job_section = _parse_job(job, base, run_id=run_id, node_id=launch_config.node_id, config_path=config_path)
+    if launch_config.max_nodes > 1:  # a default under a node's own workdir would split the store
+        ckpt_dir = checkpoint.required("dir", config_values.path(base), _SHARED_STORE.format(launch_config.nnodes))
+    else:  # beside the state directory, in a .ftsup that git ignores
+        ckpt_dir = checkpoint.optional("dir", config_values.path(base), job_section.workdir / ".ftsup" / "checkpoints")
     return JobConfig(
-        job=_parse_job(job, base, run_id=run_id, node_id=launch_config.node_id, config_path=config_path),
+        job=job_section,
         launch=launch_config,
         checkpoint=CheckpointConfig(
-            dir=checkpoint.required(
-                "dir", config_values.path(base), "set it to the checkpoint store directory, e.g. ./checkpoints"
-            ),
-            verify_deep=checkpoint.optional("verify_deep", config_values.boolean),
+            dir=ckpt_dir, verify_deep=checkpoint.optional("verify_deep", config_values.boolean)
         ),
         heartbeat=_parse_heartbeat(heartbeat),
         restart=_parse_restart(restart),
@@ -342,85 +314,10 @@ def _parse_job(sec: Section, base: Path, *, run_id: str, node_id: str, config_pa
     )
 
 
-def _parse_launch(sec: Section, *, run_id: str, hostname: str | None) -> LaunchConfig:
-    nproc = sec.optional("nproc_per_node", config_values.nproc)
-    nnodes = sec.optional("nnodes", config_values.nnodes)
-    min_world = sec.optional("min_world_size", config_values.integer(1, MAX_WORLD_SIZE))
-    max_world = sec.nullable("max_world_size", config_values.integer(1, MAX_WORLD_SIZE))
-    node_id = sec.optional("node_id", config_values.identifier, None)
-    config = LaunchConfig(
-        node_id=node_id if node_id is not None else _hostname(sec.where.child("node_id"), hostname),
-        rdzv_id=sec.optional("rdzv_id", config_values.identifier, run_id),
-        nproc_per_node=nproc,
-        nnodes=nnodes,
-        min_world_size=min_world,
-        max_world_size=max_world,
-        rdzv_endpoint=sec.nullable("rdzv_endpoint", config_values.host_port(min_port=1, example="node0:29400")),
-        health_command=sec.nullable("health_command", config_values.argv),
-        torchrun_args=sec.optional("torchrun_args", config_values.torchrun_args),
-        global_batch=sec.nullable("global_batch", config_values.integer(1, 2**40)),
-        micro_batch=sec.nullable("micro_batch", config_values.integer(1, 2**40)),
-    )
-
-    if max_world is not None and min_world > max_world:
-        sec.fail("min_world_size", f"{min_world} is above launch.max_world_size {max_world}; lower min_world_size")
-    if isinstance(nproc, int) and min_world > (cap := config.max_nodes * nproc):
-        sec.fail(
-            "min_world_size",
-            f"{min_world} is above the maximum world size {cap} (nnodes max {config.max_nodes} x nproc_per_node "
-            f"{nproc}); lower min_world_size",
-        )
-    if config.max_nodes > 1 and config.rdzv_endpoint is None:
-        sec.fail(
-            "rdzv_endpoint",
-            f"required when nnodes ({nnodes}) allows more than one node; set it to the rendezvous host:port, "
-            "e.g. node0:29400",
-        )
-    _check_batches(sec, config)
-    return config
-
-
-def _check_batches(sec: Section, config: LaunchConfig) -> None:
-    """Refuse a global batch that no allowed world size can split evenly (the world size must divide it)."""
-    g, micro = config.global_batch, config.micro_batch
-    if g is None:
-        return
-    if micro is not None and g % micro:
-        sec.fail("global_batch", f"{g} is not a multiple of launch.micro_batch {micro}; change one of them")
-    per = micro or 1
-    if isinstance(config.nproc_per_node, int):
-        high = config.max_world_size_for(config.nproc_per_node)
-    elif config.max_world_size is not None:
-        high = config.max_world_size
-    else:
-        return  # the upper bound is known only once "auto" is resolved; the daemon clamps then
-    low = config.min_world_size
-    if g % per or not any(low <= w <= high for w in _divisors(g // per)):
-        split = f"world_size x micro_batch {per}" if micro is not None else "world_size"
-        sec.fail(
-            "global_batch",
-            f"{g} cannot be split evenly at any world size from {low} to {high} ({split} must divide it); "
-            "choose a global_batch with such a divisor or widen the world size range",
-        )
-
-
-def _divisors(n: int) -> list[int]:
-    """Every divisor of `n` >= 1 (about 2 sqrt(n) steps: world size ranges can span a million)."""
-    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
-    return small + [n // d for d in small]
-
-
-def _hostname(where: Where, given: str | None) -> str:
-    """The default `launch.node_id`: `given`, else the hostname (this module's one I/O besides reading the file)."""
-    name = given if given is not None else socket.gethostname()
-    if len(name) > config_values.MAX_ID_CHARS or not config_values.ID.match(name):
-        where.fail(f"the hostname {name!r} is not a valid id; set launch.node_id explicitly")
-    return name
-
-
 def _parse_heartbeat(sec: Section) -> HeartbeatConfig:
     learned = "; leave it out (or null) to learn it from observed step times"
     config = HeartbeatConfig(
+        mode=HeartbeatMode(sec.optional("mode", config_values.choice(tuple(m.value for m in HeartbeatMode)))),
         timeout_s=sec.nullable("timeout_s", config_values.seconds(fix=learned)),
         progress_timeout_s=sec.nullable("progress_timeout_s", config_values.seconds(fix=learned)),
         startup_timeout_s=sec.optional("startup_timeout_s", config_values.seconds()),
@@ -463,7 +360,7 @@ def _parse_restart(sec: Section) -> RestartConfig:
 
 def _parse_eviction(sec: Section, base: Path) -> EvictionConfig:
     config = EvictionConfig(
-        signals=sec.optional("signals", config_values.signals),
+        signals=sec.optional("signals", config_signals.signals),
         providers=sec.optional("providers", config_values.providers),
         endpoint=sec.nullable("endpoint", config_values.url),
         poll_interval_s=sec.optional("poll_interval_s", config_values.seconds()),
@@ -487,7 +384,8 @@ def settings_from(cfg: JobConfig, nproc_max: int) -> Settings:
     hb, rs, ln = cfg.heartbeat, cfg.restart, cfg.launch
     return Settings(
         nproc_max=nproc_max, min_world_size=ln.min_world_size, max_world_size=ln.max_world_size,
-        nnodes_max=ln.max_nodes, heartbeat_timeout_s=hb.timeout_s, progress_timeout_s=hb.progress_timeout_s,
+        nnodes_max=ln.max_nodes, heartbeat_mode=hb.mode, heartbeat_timeout_s=hb.timeout_s,
+        progress_timeout_s=hb.progress_timeout_s,
         startup_timeout_s=hb.startup_timeout_s, save_timeout_s=hb.save_timeout_s, min_timeout_s=hb.min_timeout_s,
         step_time_multiplier=hb.step_time_multiplier, max_restarts=rs.max_restarts, window_s=rs.window_s,
         backoff_initial_s=rs.backoff_initial_s, backoff_max_s=rs.backoff_max_s,

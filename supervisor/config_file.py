@@ -5,8 +5,10 @@
   is a mistake. A symlink is followed: the operator names the config on the command line, and
   /etc/ftsup/job.yaml pointing into a repository is a normal setup.
 - `load_yaml(text, source)`: PyYAML's SafeLoader minus base-60 integers (`1:2` is the string "1:2"), with YAML
-  1.2 floats (`1e3` is a number), duplicate keys refused, and the document's shape bounded before it is built:
-  at most `MAX_YAML_DEPTH` levels and `MAX_YAML_ALIASES` aliases, integers of at most 4000 digits.
+  1.2 floats (`1e3` is a number), an unquoted yes, no, on or off as a `config_values.Word` (a boolean to a boolean
+  key, the word as written to a key of strings: `mode: off`, `env: {COUNTRY: no}`), duplicate keys refused, and
+  the document's shape bounded before it is built: at most `MAX_YAML_DEPTH` levels and `MAX_YAML_ALIASES`
+  aliases, integers of at most 4000 digits.
 
 What the document means is `ftsup.supervisor.config` (sections) and `ftsup.supervisor.config_values` (values).
 """
@@ -21,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from ftsup.supervisor.config_values import file_kind
+from ftsup.supervisor.config_values import Word, file_kind
 from ftsup.supervisor.errors import ConfigError
 
 MAX_CONFIG_BYTES = 256 * 1024  # a job config is a few kilobytes
@@ -107,8 +109,13 @@ class _Loader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships without ty
             )
         return super().construct_yaml_int(node)
 
+    def construct_yaml_bool(self, node: Any) -> Any:
+        word = self.construct_scalar(node)
+        return word.lower() == "true" if word.lower() in ("true", "false") else Word(word)
+
 
 _Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+_Loader.add_constructor("tag:yaml.org,2002:bool", _Loader.construct_yaml_bool)
 
 
 _INT = "tag:yaml.org,2002:int"

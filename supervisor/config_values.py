@@ -6,9 +6,10 @@ The building blocks of `ftsup.supervisor.config`:
   (unknown keys are errors, with a "did you mean" from `suggest`) and its values are read as `required`,
   `optional` (null refused; left out, the default the dataclass declares) or `nullable`;
 - a parse function (`Parse[T]`) takes a raw value and its `Where` and returns a `T` or fails: `integer`,
-  `seconds`, `string`, `path`, `argv`, `host_port`, `signals`, ...; messages show the wrong value as YAML spells
-  it (`describe`) and say how to write it instead; every value is bounded (lengths, counts, magnitudes);
-- `plain_dataclass` turns a parsed config back into JSON-ready values.
+  `seconds`, `string`, `path`, `argv`, `host_port`, ... (`eviction.signals`: `config_signals`); messages show
+  the wrong value as YAML spells it (`describe`) and say how to write it instead; every value is bounded
+  (lengths, counts, magnitudes);
+- `plain_dataclass` turns a parsed config back into JSON- and YAML-ready values.
 
 Reading the file and its YAML is `ftsup.supervisor.config_file`.
 
@@ -20,13 +21,13 @@ It does no I/O: no file, no environment variable, no hostname is read here.
 from __future__ import annotations
 
 import difflib
+import enum
 import math
 import os
 import re
-import signal
 import stat
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import MISSING, dataclass, fields, is_dataclass
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar, overload
 from urllib.parse import urlsplit
@@ -71,15 +72,18 @@ class Where:
 
     source: str
     path: str = ""
+    origins: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    """Where the value of a key ("section.key") came from when not from `source`: a command-line flag."""
 
     def child(self, key: str) -> Where:
-        return Where(self.source, f"{self.path}.{key}" if self.path else key)
+        return Where(self.source, f"{self.path}.{key}" if self.path else key, self.origins)
 
     def item(self, index: int) -> Where:
-        return Where(self.source, f"{self.path}[{index}]")
+        return Where(self.source, f"{self.path}[{index}]", self.origins)
 
     def fail(self, message: str) -> NoReturn:
-        raise ConfigError(f"{self.source}: {self.path}: {message}" if self.path else f"{self.source}: {message}")
+        source = self.origins.get(".".join(self.path.partition("[")[0].split(".")[:2]), self.source)
+        raise ConfigError(f"{source}: {self.path}: {message}" if self.path else f"{source}: {message}")
 
 
 _T = TypeVar("_T")
@@ -188,7 +192,7 @@ def _yaml_repr(value: object) -> str:
     return str(value)
 
 
-def _is_number(value: object) -> bool:
+def is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
@@ -251,7 +255,18 @@ def seconds(*, zero_ok: bool = False, fix: str = "") -> Parse[float]:
     return number(low=0.0, low_ok=zero_ok, fix=fix)
 
 
+class Word(str):
+    """An unquoted yes, no, on or off as the YAML loader gives it: YAML 1.1 reads these as booleans, and a boolean
+    key takes them so (`truth`), while a key of strings takes the word as written (`mode: off`)."""
+
+    @property
+    def truth(self) -> bool:
+        return self.lower() in ("yes", "on")
+
+
 def boolean(value: object, where: Where) -> bool:
+    if isinstance(value, Word):
+        return value.truth
     if not isinstance(value, bool):
         hint = "; write it without quotes" if isinstance(value, str) and value.lower() in ("true", "false") else ""
         where.fail(f"expected true or false, got {describe(value)}{hint}")
@@ -266,7 +281,7 @@ def string(value: object, where: Where) -> str:
         where.fail("must not be empty")
     if len(value) > MAX_STRING_CHARS:
         where.fail(f"is {len(value)} characters long; at most {MAX_STRING_CHARS} are allowed")
-    return value
+    return str(value)  # a Word as a plain string
 
 
 def identifier(value: object, where: Where) -> str:
@@ -296,8 +311,8 @@ def _argument(value: object, where: Where) -> str:
             where.fail("contains a NUL character, which no program can be passed")
         if len(value) > MAX_ARG_CHARS:
             where.fail(f"is {len(value)} characters long; an argument has at most {MAX_ARG_CHARS}")
-        return value
-    if _is_number(value):
+        return str(value)  # a Word as a plain string
+    if is_number(value):
         where.fail(
             f'{describe(value)} is not a string; quote it ("{value}") so the argument is passed exactly as written'
         )
@@ -418,54 +433,6 @@ def url(value: object, where: Where) -> str:
     return text.rstrip("/")
 
 
-def signals(value: object, where: Where) -> tuple[str, ...]:
-    if not isinstance(value, list):
-        where.fail(f"expected a list of signal names such as [SIGTERM, SIGUSR1], got {describe(value)}")
-    names: list[str] = []
-    for i, item in enumerate(value):
-        name = _signal_name(item, where.item(i))
-        if name not in names:
-            names.append(name)
-    return tuple(names)
-
-
-def _signal_name(value: object, where: Where) -> str:
-    if not isinstance(value, str) or not value.strip():
-        hint = "; use the name, since numbers differ between platforms" if _is_number(value) else ""
-        where.fail(f"expected a signal name such as SIGUSR1, got {describe(value)}{hint}")
-    name = value.strip().upper()
-    name = name if name.startswith("SIG") else "SIG" + name
-    known = signal.Signals.__members__
-    if name not in known:
-        suggestion = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
-        fix = f"did you mean {suggestion[0]!r}?" if suggestion else "`kill -l` lists them"
-        where.fail(f"{value!r} is not a signal on this system ({fix})")
-    canonical = known[name].name  # aliases such as SIGIOT become SIGABRT
-    if canonical in _NOT_NOTICES:
-        alias = f" ({value!r} is another name for it)" if canonical != name else ""
-        where.fail(f"{canonical}{alias} {_NOT_NOTICES[canonical]}, so it cannot serve as an eviction notice; use "
-                   "SIGTERM, SIGUSR1 or SIGUSR2")  # fmt: skip
-    return canonical
-
-
-_UNCATCHABLE = "cannot be caught"
-_FAULT = "is raised by the kernel or the process itself on a fault"
-_TERMINAL = "is sent by the terminal or job control"
-_TIMER = "is sent by timers"
-# Signals that either never reach a handler or arrive for reasons of their own (a supervisor gets SIGCHLD every
-# time one of its children exits): as eviction signals they would be missed or be false evictions.
-_NOT_NOTICES = {
-    "SIGKILL": _UNCATCHABLE, "SIGSTOP": _UNCATCHABLE,
-    "SIGCHLD": "is sent by the kernel every time a child process exits (torchrun is one)",
-    "SIGSEGV": _FAULT, "SIGBUS": _FAULT, "SIGFPE": _FAULT, "SIGILL": _FAULT, "SIGTRAP": _FAULT, "SIGSYS": _FAULT,
-    "SIGABRT": _FAULT, "SIGXFSZ": "is raised by the kernel when a write exceeds the file size limit",
-    "SIGPIPE": "is raised by the kernel on a write to a closed pipe or socket",
-    "SIGURG": "is sent by the kernel for socket events", "SIGIO": "is sent by the kernel for socket events",
-    "SIGCONT": _TERMINAL, "SIGTSTP": _TERMINAL, "SIGTTIN": _TERMINAL, "SIGTTOU": _TERMINAL, "SIGWINCH": _TERMINAL,
-    "SIGALRM": _TIMER, "SIGPROF": _TIMER, "SIGVTALRM": _TIMER,
-}  # fmt: skip
-
-
 def providers(value: object, where: Where) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list):
@@ -490,6 +457,8 @@ def plain_dataclass(value: Any) -> dict[str, Any]:
 def _plain(value: object) -> object:
     if is_dataclass(value) and not isinstance(value, type):
         return plain_dataclass(value)
+    if isinstance(value, enum.Enum):  # heartbeat.mode: as YAML spells it, for a YAML or JSON dumper
+        return value.value
     if isinstance(value, Path):
         return str(value)
     if isinstance(value, tuple | list):

@@ -2,8 +2,12 @@
 
 - `torchrun_argv` builds the command (pure): `--max-restarts=0` (restarts are the
   supervisor's decision), `--nnodes`, `--nproc-per-node`, c10d rendezvous (or `--standalone`
-  for one node without an endpoint), then each rank's command: the training command behind the
-  parent-death guard (`ftsup.guard`, run with `--no-python`).
+  for one node without an endpoint), `--log-dir` and `--tee=3` (each rank's output in files of its
+  own as well as, prefixed `[rankN]: `, in the attempt's log: `ranklogs` reads them back), then each
+  rank's command: the training command behind the parent-death guard (`ftsup.guard`, run with
+  `--no-python`).
+- `job_command` is the training command as it runs: a bare `python` or `python3` is the interpreter
+  ftsup itself runs under, not whichever one PATH finds first (README, The supervisor).
 - `start` runs torchrun behind the same guard, in a session of its own, without `preexec_fn`
   (the daemon has threads running): torchrun dies with the supervisor, and each rank with
   torchrun, from before their first import on. Every process of the attempt carries its
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +35,7 @@ from pathlib import Path
 import psutil
 
 from ftsup import guard, procs, protocol
-from ftsup.supervisor import statedir
+from ftsup.supervisor import ranklogs, statedir
 from ftsup.supervisor.config import JobConfig
 
 pid_alive = procs.pid_alive
@@ -45,13 +50,30 @@ class LaunchSpec:
     rdzv_id: str = "ftsup"
     rdzv_conf: str | None = None
     extra_args: tuple[str, ...] = ()
-    python: str | None = None  # interpreter that runs torchrun (default: the command's python)
+    python: str | None = None  # interpreter that runs torchrun (default: the command's python, else ftsup's)
+    log_dir: str | None = None  # torchrun's --log-dir: each rank's own output files
 
 
-def spec_from(cfg: JobConfig, nproc: int) -> LaunchSpec:
+def spec_from(cfg: JobConfig, nproc: int, log_dir: Path | None = None) -> LaunchSpec:
     ln = cfg.launch
-    return LaunchSpec(command=tuple(cfg.job.command), nproc=nproc, nnodes=ln.nnodes, rdzv_endpoint=ln.rdzv_endpoint,
-                      rdzv_id=ln.rdzv_id, extra_args=tuple(ln.torchrun_args))  # fmt: skip
+    return LaunchSpec(command=job_command(cfg.job.command), nproc=nproc, nnodes=ln.nnodes,
+                      rdzv_endpoint=ln.rdzv_endpoint, rdzv_id=ln.rdzv_id, extra_args=tuple(ln.torchrun_args),
+                      log_dir=None if log_dir is None else str(log_dir))  # fmt: skip
+
+
+def bare_pythons() -> frozenset[str]:
+    """The names that mean this interpreter in `job.command[0]`: `python`, `python3`, `python3.N` of its version."""
+    return frozenset({"python", f"python{sys.version_info[0]}", "python{}.{}".format(*sys.version_info[:2])})
+
+
+def job_command(command: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """`job.command` as the ranks run it: a bare `python`/`python3` becomes the interpreter ftsup runs under
+    (`sys.executable`), so that `ftsup` started from a virtual environment that was never activated runs the job
+    with that environment's torch, as torchrun runs its ranks with its own interpreter. A path is kept as given."""
+    cmd = tuple(command)
+    if cmd and cmd[0] in bare_pythons() and sys.executable:
+        return (sys.executable, *cmd[1:])
+    return cmd
 
 
 def rank_env(cfg: JobConfig, runtime_dir: Path, resume_step: int | None, base: Mapping[str, str]) -> dict[str, str]:
@@ -61,7 +83,10 @@ def rank_env(cfg: JobConfig, runtime_dir: Path, resume_step: int | None, base: M
         heartbeat_socket=str(runtime_dir / "heartbeat.sock"), interval_s=cfg.heartbeat.interval_s,
         control_file=str(runtime_dir / "control.json"), checkpoint_dir=str(cfg.checkpoint.dir), resume_step=resume_step,
     )  # fmt: skip
-    return {**base, **cfg.job.env, **channel, "PYTHONUNBUFFERED": "1"}
+    # A rank that dies of SIGSEGV, SIGBUS, SIGFPE or SIGABRT prints its Python stack first (unless the environment
+    # says otherwise); torchrun prefixes each rank's lines so that `ranklogs` can tell them from its own.
+    prefix = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": ranklogs.PREFIX_TEMPLATE}
+    return {"PYTHONFAULTHANDLER": "1", **base, **prefix, **cfg.job.env, **channel, "PYTHONUNBUFFERED": "1"}
 
 
 def _is_python(exe: str) -> bool:
@@ -71,9 +96,11 @@ def _is_python(exe: str) -> bool:
 def torchrun_argv(spec: LaunchSpec) -> list[str]:
     """The full argv: `<python> -m torch.distributed.run <torchrun options> --no-python <guard> <command>`."""
     cmd = list(spec.command)
-    python = spec.python or (cmd[0] if cmd and _is_python(cmd[0]) else "python3")
+    python = spec.python or (cmd[0] if cmd and _is_python(cmd[0]) else sys.executable)
     argv = [python, "-m", "torch.distributed.run", f"--nnodes={spec.nnodes}", f"--nproc-per-node={spec.nproc}",
             "--max-restarts=0", "--monitor-interval=0.1"]  # fmt: skip
+    if spec.log_dir:
+        argv += [f"--log-dir={spec.log_dir}", "--tee=3"]
     if spec.rdzv_endpoint:
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={spec.rdzv_endpoint}", f"--rdzv-id={spec.rdzv_id}"]
         if spec.rdzv_conf:

@@ -1,7 +1,9 @@
 """Structured logs: one JSON object per line (`event`, `level`, `timestamp`, and the fixed keys
 `attempt`, `world_size`, `rank`, `step`, `reason`, `duration_s` where they apply).
 
-`configure()` is called once by `ftsup run`; everything else just uses `structlog.get_logger()`.
+`configure()` is called once by `ftsup run`; everything else just uses `structlog.get_logger()`. The log file gets
+JSON; stderr gets JSON, or on a terminal (and always with `logging.format: console`) the short lines of
+`console`, one per change of state a person watches for.
 The event names are defined here, once, in `EVENTS` (snake_case, past tense): the policy's log
 actions and the daemon's own events use no others (tests/unit/test_logs.py captures what they
 emit), and `ftsup_events_total` counts each under its name.
@@ -17,7 +19,7 @@ from typing import Any, TextIO
 
 import structlog
 
-from ftsup.supervisor import statedir
+from ftsup.supervisor import console, statedir
 
 EVENTS = frozenset(
     {
@@ -29,52 +31,65 @@ EVENTS = frozenset(
         "job_failed", "job_stopped", "stop_requested", "eviction_noticed", "save_requested", "checkpoint_committed",
         "save_skipped", "requeue_requested", "requeue_failed", "watcher_went_blind", "watcher_recovered",
         "supervisor_exited", "metrics_scrape_failed", "storage_failed", "storage_recovered", "launch_failed",
-        "supervisor_crashed",
+        "supervisor_crashed", "first_step_reached", "checkpoint_found",
     }
 )  # fmt: skip
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
-class _Tee:
-    """Write each line to several streams (stderr and the node's log file), skipping any that
-    was closed since (the daemon closes its log file when it returns; code that logs after that
-    in the same process must not fail on it)."""
+class _Sink:
+    """Where each event goes: its JSON line to the node's log file, and to stderr either the same line or its
+    console reading (`console.line`; nothing for an event with none). A file closed since (the daemon closes its
+    log file when it returns; code that logs after that in the same process must not fail on it) is skipped."""
 
-    def __init__(self, *streams: TextIO):
-        self.streams = streams
+    def __init__(self, err: TextIO, file: TextIO | None, *, human: bool) -> None:
+        self.err, self.file, self.human = err, file, human
 
-    def write(self, s: str) -> None:
-        for st in self.streams:
-            if not st.closed:
-                st.write(s)
+    def msg(self, line: str, human: str | None) -> None:
+        shown = human if self.human else line
+        if shown is not None and not self.err.closed:  # stderr first: the line is seen even if the file fails
+            self.err.write(shown + "\n")
+            self.err.flush()
+        if self.file is not None and not self.file.closed:
+            self.file.write(line + "\n")
 
-    def flush(self) -> None:
-        for st in self.streams:
-            if not st.closed:
-                st.flush()
+    debug = info = warning = error = critical = msg
+
+
+def console_wanted(fmt: str, err: TextIO) -> bool:
+    """Whether stderr shows the console's lines instead of JSON: with `logging.format: console`, or when it is a
+    terminal (a person started `ftsup run`; systemd, Slurm and pipes get JSON)."""
+    try:
+        return fmt == "console" or err.isatty()
+    except (AttributeError, ValueError):  # a stream without a file, or one closed
+        return fmt == "console"
 
 
 def configure(level: str = "info", fmt: str = "json", file: Path | None = None) -> TextIO | None:
     """Set up structlog; returns the opened log file (the caller closes it) or None.
 
-    `file` is opened without following a link and must be a regular file of ours
+    The file always gets JSON (DESIGN.md, Contracts); stderr gets JSON too, or the console's lines where
+    `console_wanted`. `file` is opened without following a link and must be a regular file of ours
     (`statedir.open_append`): a planted link cannot make the supervisor append to another file.
     Its directory must exist (the daemon creates and checks it)."""
-    out: Any = sys.stderr
     handle = None
     if file is not None:
         handle = io.TextIOWrapper(statedir.open_append(file), encoding="utf-8", line_buffering=True)
-        out = _Tee(sys.stderr, handle)
-    renderer: Any = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer()
+    sink = _Sink(sys.stderr, handle, human=console_wanted(fmt, sys.stderr))
+    json_line = structlog.processors.JSONRenderer()
+
+    def render(logger: Any, name: str, ev: Any) -> tuple[tuple[str, str | None], dict[str, Any]]:
+        return (str(json_line(logger, name, ev)), console.line(ev) if sink.human else None), {}
+
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            renderer,
+            render,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.WriteLoggerFactory(file=out),
+        logger_factory=lambda *args: sink,
         cache_logger_on_first_use=False,
     )
     return handle

@@ -53,6 +53,7 @@ STORAGE_PURPOSES = {
     "journal": "the journal (job.state_dir)",
     "control_file": "the control file that asks the ranks to save (job.state_dir)",
     "log_file": "the supervisor's log file",
+    "rank_status": "the ranks as last heard, for ftsup status (job.state_dir)",
 }
 """What the supervisor reads and writes, the `purpose` label of `ftsup_storage_errors_total`, and what each is
 for (as the `storage_failed` log line says it)."""
@@ -106,8 +107,8 @@ class Metrics:
                                           "dropped, by reason: " + ", ".join(DROP_REASONS) + ".", ["reason"],
                                           registry=r)  # fmt: skip
         self.storage_errors = Counter("ftsup_storage_errors_total", "I/O errors the supervisor rode out (and retried), "
-                                      "by what failed: checkpoint_dir, journal, control_file, log_file.", ["purpose"],
-                                      registry=r)  # fmt: skip
+                                      "by what failed: checkpoint_dir, journal, control_file, log_file, rank_status.",
+                                      ["purpose"], registry=r)  # fmt: skip
 
         # ---- gauges, from the policy's state
         self.phase = Gauge("ftsup_phase", "1 for the supervisor's current phase.", ["phase"], registry=r)
@@ -122,7 +123,8 @@ class Metrics:
         self.step_s = Gauge("ftsup_step_duration_seconds", "Median seconds per optimizer step, recent steps.",
                             registry=r)  # fmt: skip
         self.hb_timeout = Gauge("ftsup_heartbeat_timeout_seconds", "The heartbeat timeout in force while training "
-                                "(configured or learned from step times; NaN until steps are seen).",
+                                "(configured or learned from step times; NaN until steps are seen, and while "
+                                "heartbeat.mode detects no hangs).",
                                 registry=r)  # fmt: skip
         self.restarts_window = Gauge("ftsup_restarts_in_window", "Restarts inside restart.window_s.", registry=r)
         self.budget = Gauge("ftsup_restart_budget_remaining", "Restarts left before the budget is spent.",
@@ -214,7 +216,11 @@ class Metrics:
                     self.steps_lost.inc(att.best_before - resumed)
         if st.step_times:
             self.step_s.set(statistics.median(st.step_times))
-        hb = policy.heartbeat_timeout(settings, st.step_times)
+        hb = (
+            policy.heartbeat_timeout(settings, st.step_times)
+            if policy.hang_detection_on(settings, st.beating)
+            else None
+        )
         self.hb_timeout.set(float("nan") if hb is None else hb)
         in_window = sum(1 for t in st.restarts if now - t < settings.window_s)
         self.restarts_window.set(in_window)

@@ -19,16 +19,22 @@ configured, the timeouts are learned from the step times the ranks measure on th
 (`Heartbeat.sent`; a step that spans a save, load or eval is not counted): max(min_timeout_s,
 multiplier x p99 step time). Silence is measured from when a beat was read, so a supervisor
 that was busy for a while finds its ranks alive once it reads their queued beats.
+
+Which of these detections apply is `heartbeat.mode` (`Settings.heartbeat_mode`): `required`, all of
+them from launch on; `auto`, all of them once the job's first heartbeat has arrived (`State.beating`),
+and before that crashes only, so that a script without a line of ftsup is never killed for its silence;
+`off`, crashes only; `auto` watches the ranks that beat (a script may beat from rank 0 alone),
+`required` every rank. The pure rules (timeouts, modes, progress, world size, backoff) are `policy_rules`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 # The policy's vocabulary; callers use it as policy.X (policy.Heartbeat, policy.Launch, ...).
 from ftsup.protocol import LONG_PHASES, QUIET_PHASES, SLOW_PHASES, Phase
+from ftsup.supervisor import failures
 from ftsup.supervisor.policy_io import (
     AckEviction,
     Action,
@@ -36,6 +42,7 @@ from ftsup.supervisor.policy_io import (
     EvictionNoticed,
     Exit,
     Heartbeat,
+    HeartbeatMode,
     Launch,
     LaunchReady,
     OperatorStop,
@@ -53,6 +60,16 @@ from ftsup.supervisor.policy_io import (
     log,
 )
 from ftsup.supervisor.policy_io import Log as Log  # not used here, only by callers
+from ftsup.supervisor.policy_io import RankFailure as RankFailure  # part of RankExited and WorkersExited
+from ftsup.supervisor.policy_rules import (
+    backoff_s,
+    choose_world_size,
+    hang_detection_on,
+    heartbeat_timeout,
+    made_progress,
+    p99,
+    progress_timeout,
+)
 
 # Exit codes of `ftsup run` (documented in the README).
 EXIT_OK = 0
@@ -90,6 +107,7 @@ class Attempt:
     max_step: int = -1
     progress_at: float = 0.0  # when max_step last grew (or launch)
     best_before: int = -1  # the highest step any earlier attempt reached
+    log: str | None = None  # its log file, named in its failure events
 
     def rank_map(self) -> dict[int, RankView]:
         return dict(self.ranks)
@@ -122,55 +140,7 @@ class State:
     save_times: tuple[float, ...] = ()  # measured save durations (s), newest last
     save_seq: int = 0  # the newest save request's number
     eviction: Eviction | None = None
-
-
-# ---------------------------------------------------------------------- pure helpers
-
-
-def p99(values: Sequence[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
-
-
-def heartbeat_timeout(s: Settings, step_times: Sequence[float]) -> float | None:
-    """Seconds of silence that mean a hang in `train`; None until steps have been seen."""
-    if s.heartbeat_timeout_s is not None:
-        return s.heartbeat_timeout_s
-    q = p99(step_times)
-    return None if q is None else max(s.min_timeout_s, s.step_time_multiplier * q)
-
-
-def progress_timeout(s: Settings, step_times: Sequence[float]) -> float | None:
-    if s.progress_timeout_s is not None:
-        return s.progress_timeout_s
-    hb = heartbeat_timeout(s, step_times)
-    return None if hb is None else 2 * hb
-
-
-def choose_world_size(s: Settings, healthy_slots: int, batch_divisor: int | None) -> tuple[int | None, str]:
-    """Local ranks for the next attempt: healthy slots, at most nproc_max, such that the job's
-    world size stays within [min, max] and divides the batch. (None, why) when impossible."""
-    n = min(healthy_slots, s.nproc_max)
-    if s.max_world_size is not None:
-        n = min(n, s.max_world_size)
-    while n >= 1:
-        if batch_divisor is None or batch_divisor % n == 0 or s.nnodes_max > 1:
-            break
-        n -= 1
-    if n < 1 or (s.nnodes_max == 1 and n < s.min_world_size):
-        return None, (
-            f"{healthy_slots} healthy slot(s) allow no world size >= min_world_size {s.min_world_size}"
-            + (f" that divides {batch_divisor}" if batch_divisor else "")
-        )
-    return n, f"{healthy_slots} healthy slot(s) -> {n} rank(s)"
-
-
-def backoff_s(s: Settings, failures_in_a_row: int) -> float:
-    if failures_in_a_row <= 0:
-        return 0.0
-    return min(s.backoff_max_s, s.backoff_initial_s * 2 ** (failures_in_a_row - 1))
+    beating: bool = False  # a heartbeat has arrived in this supervisor's life: heartbeat.mode auto detects hangs
 
 
 # ---------------------------------------------------------------------- the machine
@@ -188,8 +158,8 @@ def step(s: Settings, st: State, ev: Event, now: float) -> tuple[State, list[Act
         return _launch(s, st, ev, now)
     att = st.attempt
     if isinstance(ev, WorkersStarted) and att and ev.attempt == att.number:
-        return replace(st, attempt=replace(att, started=True)), [
-            log("workers_launched", attempt=att.number, world_size=att.nproc, resume_step=att.resume_step)
+        return replace(st, attempt=replace(att, started=True, log=ev.log)), [
+            log("workers_launched", attempt=att.number, world_size=att.nproc, resume_step=att.resume_step, log=ev.log)
         ]
     if isinstance(ev, WorkersRestarted) and att and ev.attempt == att.number and st.phase == SupervisorPhase.RUNNING:
         fresh = replace(st, attempt=replace(att, ranks=(), launched_at=now, progress_at=now))
@@ -201,14 +171,10 @@ def step(s: Settings, st: State, ev: Event, now: float) -> tuple[State, list[Act
     if isinstance(ev, EvictionNoticed):
         return _evict(s, st, ev, now)
     if isinstance(ev, RankExited) and att and ev.attempt == att.number and st.phase == SupervisorPhase.RUNNING:
-        how = (
-            f"signal {ev.signal}"
-            if ev.signal
-            else ("an unknown status" if ev.exitcode is None else f"exit code {ev.exitcode}")
-        )
         if ev.exitcode == 0 and not ev.signal:
             return st, []  # a rank finishing cleanly is not a failure; torchrun's exit decides
-        return _fail(st, att, f"rank process {ev.pid} ended with {how}", now, "worker_exited", pid=ev.pid)
+        reason, told = failures.rank_exited(ev)
+        return _fail(st, att, reason, now, "worker_exited", pid=ev.pid, **told)
     if isinstance(ev, WorkersExited) and att and ev.attempt == att.number:
         return _exited(s, st, att, ev, now)
     if isinstance(ev, Tick):
@@ -225,11 +191,7 @@ def _launch(s: Settings, st: State, ev: LaunchReady, now: float) -> tuple[State,
     blind = s.nproc_max if st.last_launch is None else st.last_launch.nproc  # a blind probe keeps the last size
     n, why = choose_world_size(s, blind if ev.healthy_slots is None else ev.healthy_slots, ev.batch_divisor)
     if n is None:
-        exit_ = Exit(EXIT_BUDGET, f"cannot launch: {why}")
-        return replace(st, phase=SupervisorPhase.DONE, final=exit_, last_failure=exit_.reason), [
-            log("job_failed", "error", attempt=st.attempt_no, reason=exit_.reason),
-            exit_,
-        ]
+        return _give_up(st, [], Exit(EXIT_BUDGET, f"cannot launch: {why}"), "job_failed", attempt=st.attempt_no)
     att = Attempt(st.attempt_no, n, ev.resume_step, launched_at=now, progress_at=now, best_before=st.best_step)
     launch = Launch(st.attempt_no, n, ev.resume_step)
     return replace(st, phase=SupervisorPhase.RUNNING, attempt=att, last_launch=launch), [
@@ -267,7 +229,10 @@ def _heartbeat(st: State, att: Attempt, ev: Heartbeat, now: float) -> State:
 def _heartbeat_and_saves(st: State, att: Attempt, ev: Heartbeat, now: float) -> tuple[State, list[Action]]:
     actions: list[Action] = []
     if st.phase == SupervisorPhase.RUNNING:
-        st = _heartbeat(st, att, ev, now)
+        st = replace(_heartbeat(st, att, ev, now), beating=True)
+        if st.attempt is not None and att.max_step < 0 <= st.attempt.max_step:
+            actions.append(log("first_step_reached", attempt=att.number, step=st.attempt.max_step,
+                               duration_s=round(now - att.launched_at, 3)))  # fmt: skip
     save_s = ev.figure("save_s")
     if save_s is not None and not (math.isfinite(save_s) and save_s >= 0):
         save_s = None  # a figure that was not a number at the rank
@@ -377,8 +342,9 @@ def _evict(s: Settings, st: State, ev: EvictionNoticed, now: float) -> tuple[Sta
 def _fail(st: State, att: Attempt, reason: str, now: float, event: str, **fields: object) -> tuple[State, list[Action]]:
     if st.phase != SupervisorPhase.RUNNING:
         return st, []
+    told = {"log": att.log} | fields
     return replace(st, phase=SupervisorPhase.STOPPING, stop_reason=reason, last_failure=reason), [
-        log(event, "error", attempt=att.number, world_size=att.nproc, reason=reason, step=att.max_step, **fields),
+        log(event, "error", attempt=att.number, world_size=att.nproc, reason=reason, step=att.max_step, **told),
         StopWorkers(att.number, reason),
     ]
 
@@ -414,6 +380,8 @@ def _tick(s: Settings, st: State, now: float) -> tuple[State, list[Action]]:
                 StopWorkers(att.number, why, grace_s=max(0.2, ej.deadline - now - 0.2)),
             ]
         return st, []
+    if not hang_detection_on(s, st.beating):
+        return st, []  # heartbeat.mode: crashes only (torchrun's exit, a rank gone)
     ranks = att.rank_map()
     long = any(r.phase in LONG_PHASES for r in ranks.values())
     training = [r for r in ranks.values() if r.phase == Phase.TRAIN]
@@ -433,7 +401,8 @@ def _tick(s: Settings, st: State, now: float) -> tuple[State, list[Action]]:
             return _fail(st, att, f"rank {rank} in phase eval for {now - view.since:.1f}s (timeout "
                          f"{s.save_timeout_s:g}s)", now, "progress_timed_out", rank=rank,
                          timeout_s=s.save_timeout_s)  # fmt: skip
-    if training and len(ranks) < att.nproc and hb is not None and now - att.progress_at > hb:
+    every_rank = s.heartbeat_mode == HeartbeatMode.REQUIRED  # auto watches the ranks that beat, such as rank 0 alone
+    if every_rank and training and len(ranks) < att.nproc and hb is not None and now - att.progress_at > hb:
         missing = sorted(set(range(att.nproc)) - set(ranks))
         return _fail(st, att, f"local ranks {missing} never sent a heartbeat", now, "heartbeat_timed_out")
     pt = progress_timeout(s, st.step_times)
@@ -456,35 +425,36 @@ def _exited(s: Settings, st: State, att: Attempt, ev: WorkersExited, now: float)
             log("job_succeeded", attempt=att.number, world_size=att.nproc, step=att.max_step),
             exit_,
         ]
-    reason = st.stop_reason if st.phase == SupervisorPhase.STOPPING else f"torchrun exited with code {ev.exitcode}"
-    actions: list[Action] = []
-    if st.phase == SupervisorPhase.RUNNING:
-        actions.append(log("worker_exited", "error", attempt=att.number, reason=reason, step=att.max_step))
-    # Progress means reaching a step no earlier attempt reached: a job that dies at the same
-    # step every time (with or without checkpoints) is a crash loop, however often it restarts.
-    progressed = att.max_step > max(att.best_before, att.resume_step if att.resume_step is not None else 0)
+    running = st.phase == SupervisorPhase.RUNNING
+    reason = failures.exited_reason(ev) if running else st.stop_reason or "stopped"
+    told = failures.exited_fields(ev, att.log) if running else {"log": att.log}  # the cause, for every line below
+    actions: list[Action] = [log("worker_exited", "error", attempt=att.number, reason=reason, step=att.max_step,
+                                 **told)] if running else []  # fmt: skip
+    # Progress means reaching a step no earlier attempt reached (policy_rules.made_progress): a job
+    # that dies at the same step every time is a crash loop, however often it restarts.
+    progressed = made_progress(s, max_step=att.max_step, best_before=att.best_before, resume_step=att.resume_step,
+                               detecting=hang_detection_on(s, st.beating), ran_s=now - att.launched_at)  # fmt: skip
     streak = 0 if progressed else st.no_progress_streak + 1
-    failures = 1 if progressed else st.failures_in_a_row + 1
+    in_a_row = 1 if progressed else st.failures_in_a_row + 1
     restarts = tuple(t for t in st.restarts if now - t < s.window_s)
-    if streak >= s.max_attempts_without_progress:
-        exit_ = Exit(EXIT_CRASH_LOOP, f"crash loop: {streak} attempts in a row made no step progress ({reason})")
-        return replace(st, phase=SupervisorPhase.DONE, attempt=None, final=exit_, last_failure=exit_.reason), [
-            *actions,
-            log("crash_loop_detected", "error", attempt=att.number, reason=exit_.reason, step=att.max_step),
-            exit_,
-        ]
+    cannot_start = failures.startup_failure(ev) if running and not progressed else None  # no restart fixes it
+    if streak >= s.max_attempts_without_progress or cannot_start:
+        exit_ = Exit(EXIT_CRASH_LOOP, failures.crash_loop_reason(streak, reason, cannot_start))
+        return _give_up(st, actions, exit_, "crash_loop_detected", attempt=att.number, step=att.max_step, **told)
     if len(restarts) >= s.max_restarts:
         exit_ = Exit(EXIT_BUDGET, f"restart budget spent: {len(restarts)} restarts within {s.window_s:g}s ({reason})")
-        return replace(st, phase=SupervisorPhase.DONE, attempt=None, final=exit_, last_failure=exit_.reason), [
-            *actions,
-            log("restart_budget_exhausted", "error", attempt=att.number, reason=exit_.reason),
-            exit_,
-        ]
-    wait = backoff_s(s, failures)
+        return _give_up(st, actions, exit_, "restart_budget_exhausted", attempt=att.number, **told)
+    wait = backoff_s(s, in_a_row)
     return replace(
         st, phase=SupervisorPhase.BACKOFF, attempt=None, stop_reason=None, restarts=(*restarts, now),
-        failures_in_a_row=failures, no_progress_streak=streak, resume_at=now + wait, last_failure=reason,
+        failures_in_a_row=in_a_row, no_progress_streak=streak, resume_at=now + wait, last_failure=reason,
     ), [*actions, log("restart_scheduled", attempt=att.number, reason=reason, duration_s=round(wait, 3))]  # fmt: skip
+
+
+def _give_up(st: State, actions: list[Action], exit_: Exit, event: str, **fields: object) -> tuple[State, list[Action]]:
+    """End the job after `actions`: the exit's reason is the event's and the journal's `last_failure`."""
+    done = replace(st, phase=SupervisorPhase.DONE, attempt=None, final=exit_, last_failure=exit_.reason)
+    return done, [*actions, log(event, "error", reason=exit_.reason, **fields), exit_]
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,18 @@ class SupervisorPhase(str, enum.Enum):
         return self.value
 
 
+class HeartbeatMode(str, enum.Enum):
+    """Which detections apply (`heartbeat.mode`; `policy_rules.hang_detection_on`): crashes always; hangs, stalls
+    and a slow start from launch on (`required`), once the job's first heartbeat arrived (`auto`) or never (`off`)."""
+
+    OFF = "off"
+    AUTO = "auto"
+    REQUIRED = "required"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 # ---------------------------------------------------------------------- settings
 
 
@@ -41,6 +53,7 @@ class Settings:
     min_world_size: int
     max_world_size: int | None
     nnodes_max: int
+    heartbeat_mode: HeartbeatMode
     heartbeat_timeout_s: float | None  # None: learned
     progress_timeout_s: float | None  # None: learned
     startup_timeout_s: float
@@ -80,6 +93,7 @@ class LaunchReady:
 class WorkersStarted:
     attempt: int
     pids: tuple[int, ...] = ()
+    log: str | None = None  # the attempt's log file (torchrun's and the ranks' output)
 
 
 @dataclass(frozen=True)
@@ -113,21 +127,38 @@ class Heartbeat:
 
 
 @dataclass(frozen=True)
+class RankFailure:
+    """How one rank ended, as torchrun reported it (`root`: its first observed failure) or as the daemon saw it,
+    with the last lines of that rank's own output (bounded; `ranklogs`). None: not known."""
+
+    rank: int | None  # global rank
+    local_rank: int | None = None
+    pid: int | None = None
+    exitcode: int | None = None  # negative: killed by that signal
+    output: tuple[str, ...] = ()
+    root: bool = False
+
+
+@dataclass(frozen=True)
 class RankExited:
-    """A rank process ended while the attempt runs (seen before torchrun reacts)."""
+    """A rank process ended while the attempt runs, and torchrun had not reported it in time."""
 
     attempt: int
     pid: int
     exitcode: int | None
     signal: int | None = None
+    failure: RankFailure | None = None  # which rank it was, and its last lines
 
 
 @dataclass(frozen=True)
 class WorkersExited:
-    """torchrun (and so the attempt) is gone, with its exit code (negative: signal)."""
+    """torchrun (and so the attempt) is gone, with its exit code (negative: signal), the ranks whose failure it
+    reported, and the last lines of its own output (for a failure that names no rank)."""
 
     attempt: int
     exitcode: int
+    failures: tuple[RankFailure, ...] = ()
+    output: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

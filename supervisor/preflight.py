@@ -11,15 +11,21 @@ raises one `ConfigError` naming the key for the first of:
   existing ancestor is a file, or not writable); nothing is created here, the daemon and the ranks do that;
 - `job.command[0]`, and the interpreter that runs torchrun when the command is not Python, does not resolve to
   an executable file with PATH as the ranks will see it (the supervisor's environment with `job.env` applied),
-  relative paths resolving against `job.workdir` as they will for the ranks.
+  relative paths resolving against `job.workdir` as they will for the ranks; a bare `python` or `python3` is the
+  interpreter ftsup runs under (`launcher.job_command`);
+- the interpreter that runs torchrun cannot find torch (in the ranks' environment and directory): the job would
+  fail at once on every attempt ("No module named torch"), so it is said before anything starts, in one line.
 
-It reads the filesystem and the environment given; it changes nothing.
+It reads the filesystem and the environment given, and runs that interpreter once (`torch_importable`, which
+looks torch up without importing it); it changes nothing.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -40,16 +46,53 @@ def check(cfg: JobConfig, environ: Mapping[str, str] | None = None) -> None:
     if cfg.logging.dir is not None:
         directory_or_creatable(top.child("logging").child("dir"), Path(cfg.logging.dir))
     command = top.child("job").child("command")
-    program(command.item(0), cfg.job.command[0], workdir=workdir, path=env.get("PATH", os.defpath))
-    interpreter = launcher.torchrun_argv(launcher.LaunchSpec(command=tuple(cfg.job.command), nproc=1))[0]
-    if interpreter != cfg.job.command[0]:
-        program(
-            command,
-            interpreter,
-            workdir=workdir,
-            path=env.get("PATH", os.defpath),
-            role="the Python that runs torchrun",
-        )
+    argv = launcher.job_command(cfg.job.command)
+    path = env.get("PATH", os.defpath)
+    program(command.item(0), argv[0], workdir=workdir, path=path)
+    interpreter = launcher.torchrun_argv(launcher.LaunchSpec(command=argv, nproc=1))[0]
+    if interpreter != argv[0]:
+        program(command, interpreter, workdir=workdir, path=path, role="the Python that runs torchrun")
+        torch_importable(command, interpreter, "the Python that runs torchrun (ftsup's own)", env=env, workdir=workdir)
+    else:
+        named = cfg.job.command[0]
+        role = f"{named!r} (the interpreter ftsup runs under)" if named != argv[0] else repr(named)
+        torch_importable(command.item(0), interpreter, role, env=env, workdir=workdir)
+
+
+PROBE_TIMEOUT_S = 60.0
+_FIND_TORCH = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('torch') else 3)"
+
+
+def torch_importable(where: Where, interpreter: str, role: str, *, env: Mapping[str, str], workdir: Path) -> None:
+    """`interpreter` finds torch with the ranks' environment, in their directory (found, not imported: a few
+    milliseconds). One line naming the interpreter otherwise."""
+    exe = _resolved(interpreter, workdir=workdir, path=env.get("PATH", os.defpath))
+    who = role if exe in role else f"{role} ({exe})"
+    try:
+        done = subprocess.run([exe, "-c", _FIND_TORCH], env=dict(env), cwd=workdir, stdin=subprocess.DEVNULL,
+                              capture_output=True, timeout=PROBE_TIMEOUT_S, check=False)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        where.fail(f"{who} cannot be run to look for torch: {getattr(e, 'strerror', None) or e}")
+    if done.returncode == 3:
+        fix = f"install torch for it ({exe} -m pip install torch), or name an interpreter that has it by its path"
+        if exe != sys.executable:
+            fix += f" (ftsup runs under {sys.executable})"
+        where.fail(f"{who} cannot import torch, which torchrun and the ranks need: {fix}")
+    if done.returncode != 0:
+        said = done.stderr.decode(errors="replace").strip().splitlines()
+        where.fail(f"{who} failed to look for torch (exit status {done.returncode})"
+                   + (f": {_short(said[-1])}" if said else ""))  # fmt: skip
+
+
+def _resolved(name: str, *, workdir: Path, path: str) -> str:
+    """`name` as `program` found it: a path against `workdir`, else the first executable on `path`."""
+    if "/" in name:
+        return str(workdir / name)
+    for entry in path.split(os.pathsep):
+        candidate = workdir / (entry or ".") / name
+        if _not_executable(candidate) is None:
+            return str(candidate)
+    return name
 
 
 def existing_directory(where: Where, path: Path) -> None:

@@ -6,7 +6,8 @@ batch the world size must divide.
 (`ckptstore.StoreScanner`, on its own thread once `running()`) choose the latest consistent checkpoint, logs
 what was chosen, quarantined or skipped, and posts `LaunchReady`. While the store cannot be read that is an
 outage: the launch waits and is retried, since the resume point must come from the store, not from its absence.
-Each tick `refresh_metrics()` hands the scanner's latest view to the metrics (a failed scan is an outage), and
+Each tick `refresh_metrics()` hands the scanner's latest view to the metrics (a failed scan is an outage) and
+logs `checkpoint_found` for a newer checkpoint than any seen before (the ranks committed one), and
 `latest()` is the newest checkpoint as last scanned; neither waits on the store.
 
 Which world size to launch with, given the slots and the divisor, is the policy's decision, not this module's.
@@ -43,6 +44,7 @@ class ResumeChoice:
         self._metrics = metrics
         self.store = StoreScanner(cfg.checkpoint.dir, deep=cfg.checkpoint.verify_deep)  # all reads of the store
         self._seen = (0, 0)  # (scans, errors) of the view last handed to the metrics
+        self._newest: int | None = None  # the newest step seen, from the first scan on (checkpoint_found after it)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[ResumeChoice]:
@@ -121,4 +123,8 @@ class ResumeChoice:
             )
         if view.scans - scans > view.errors - errors:  # a scan since then went through
             self._outages.ok("checkpoint_dir")
+            step = view.latest.step if view.latest else -1
+            if self._newest is not None and step > self._newest and view.latest:
+                self._emit("info", "checkpoint_found", step=step, kind=view.latest.kind)
+            self._newest = step if self._newest is None else max(self._newest, step)
         self._metrics.checkpoint(view.latest, view.committed)

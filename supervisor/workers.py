@@ -6,7 +6,12 @@ newer request replaces it. Each tick `watch()` says what became of the attempt: 
 reaped, so that none outlives it), a rank that died while torchrun lives on, torchrun replacing its ranks.
 `beats()` turns the heartbeats read off the channel into the policy's events, noting which pids are this
 attempt's ranks; `admits(pid)` says which senders may beat at all (`heartbeat.Admission`). The journal is written
-whenever what a restarted supervisor would need to find the attempt's processes changes.
+whenever what a restarted supervisor would need to find the attempt's processes changes; the ranks as last heard
+(`rankstatus`, for `ftsup status`) at most once a second.
+
+A failure is told with what the attempt left in its logs (`ranklogs`): torchrun's report of each failed rank (its
+exit code or signal) and the last lines of that rank's own output. A rank seen dead while torchrun lives on is
+given `DEAD_RANK_GRACE_S` for torchrun to exit and report it, before it is reported without its exit status.
 
 `running(runtime_dir)` is its lifecycle: leaving it stops an attempt still running (an exception must not leave
 one behind). When to launch or stop, and what a beat means, are the policy's decisions, not this module's.
@@ -22,13 +27,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 from ftsup import procs, protocol
-from ftsup.supervisor import launcher, policy, statedir
+from ftsup.supervisor import launcher, policy, ranklogs, rankstatus, statedir
 from ftsup.supervisor.config import JobConfig
 from ftsup.supervisor.errors import error_line
 from ftsup.supervisor.heartbeat import Admission, Beat
 from ftsup.supervisor.outages import Outages
 
 _GONE = frozenset({-1})  # torchrun's ranks were seen and are gone
+DEAD_RANK_GRACE_S = 2.0  # torchrun reports a rank's death within ~0.3 s of it, once it has stopped the others
 
 
 class Workers:
@@ -52,6 +58,10 @@ class Workers:
         self._runtime_dir: Path | None = None
         self._ranks_seen: frozenset[int] = frozenset()
         self._rank_phase: dict[int, protocol.Phase] = {}  # pid -> last heartbeat phase, this attempt
+        self._rank_of: dict[int, tuple[int, int]] = {}  # pid -> (rank, local rank), this attempt
+        self._dead_at: dict[int, float] = {}  # pid -> when it was first seen dead
+        self._table = rankstatus.RankTable(Path(cfg.job.state_dir) / rankstatus.FILE_NAME,
+                                           write=lambda path, op: outages.guard("rank_status", path, op))  # fmt: skip
 
     @contextlib.contextmanager
     def running(self, runtime_dir: Path) -> Iterator[Workers]:
@@ -78,11 +88,14 @@ class Workers:
                 new_pids |= beat.pid not in att.known_pids
                 att.known_pids.add(beat.pid)
                 self._rank_phase[beat.pid] = beat.phase
+                self._rank_of[beat.pid] = (beat.rank, beat.local_rank)
+                self._table.heard(beat)
                 self._figures(beat.rank, dict(beat.figures))
             events.append(policy.Heartbeat(beat.attempt, beat.local_rank, beat.step, beat.phase, beat.rank,
                                            beat.figures, sent=beat.sent_mono))  # fmt: skip
         if new_pids:
             self._journal("running")
+        self._table.flush(self._clock())
         return events
 
     def watch(self) -> list[policy.Event]:
@@ -96,22 +109,33 @@ class Workers:
         return [*self._dead_ranks(att), *self._worker_group(att)]
 
     def _reap(self, att: launcher.RunningAttempt, rc: int) -> policy.Event:
-        """torchrun exited by itself: make sure none of its ranks outlive it."""
+        """torchrun exited by itself: make sure none of its ranks outlive it, and read what it reported."""
         survivors = att.stop(self.cfg.restart.stop_grace_s, clock=self._clock) if att.tree() else []
         if survivors:
             self._emit("error", "orphans_found", attempt=att.number, pids=survivors)
         self.attempt = None
-        return policy.WorkersExited(att.number, rc)
+        if rc == 0:
+            return policy.WorkersExited(att.number, rc)
+        failures, output = ranklogs.gather(att.log_path, ranklogs.ranks_dir(att.log_path))
+        return policy.WorkersExited(att.number, rc, failures, output)
 
     def _dead_ranks(self, att: launcher.RunningAttempt) -> list[policy.Event]:
-        """A rank that died while training (single node): fail now, not when torchrun exits."""
+        """A rank that died while training (single node): fail now, not when torchrun exits (after a grace in
+        which torchrun's own report, with the exit status, comes first)."""
         if self.cfg.launch.max_nodes > 1:
             return []  # on several nodes torchrun replaces ranks itself when the membership changes
         events: list[policy.Event] = []
+        now = self._clock()
         for pid, phase in list(self._rank_phase.items()):
-            if phase != protocol.Phase.DONE and not launcher.pid_alive(pid):
-                del self._rank_phase[pid]
-                events.append(policy.RankExited(att.number, pid, None))
+            if phase == protocol.Phase.DONE or launcher.pid_alive(pid):
+                continue
+            if now - self._dead_at.setdefault(pid, now) < DEAD_RANK_GRACE_S:
+                continue
+            del self._rank_phase[pid]
+            rank, local = self._rank_of.get(pid, (None, None))
+            output = () if local is None else tuple(ranklogs.rank_output(ranklogs.ranks_dir(att.log_path), local))
+            failure = policy.RankFailure(rank, local, pid, output=output)
+            events.append(policy.RankExited(att.number, pid, None, failure=failure))
         return events
 
     def _worker_group(self, att: launcher.RunningAttempt) -> list[policy.Event]:
@@ -142,18 +166,19 @@ class Workers:
     def _launch(self, action: policy.Launch) -> None:
         env = launcher.rank_env(self.cfg, self._runtime(), action.resume_step, os.environ)
         self._ranks_seen = frozenset()
-        self._rank_phase = {}
+        self._rank_phase, self._rank_of, self._dead_at = {}, {}, {}
+        self._table.started(action.attempt)
         with contextlib.suppress(FileNotFoundError):  # a new attempt starts with no request pending
             self._control_path().unlink()
         log_path = self.log_dir / f"attempt-{action.attempt:04d}.log"
         # SIGTERM and SIGINT stay default: they are how a tree is stopped.
         ignore = tuple(getattr(signal, n) for n in self.cfg.eviction.signals if n not in ("SIGTERM", "SIGINT"))
         mark = procs.Mark(self.cfg.job.run_id, self.cfg.launch.node_id, action.attempt)
-        argv = launcher.torchrun_argv(launcher.spec_from(self.cfg, action.nproc))
+        argv = launcher.torchrun_argv(launcher.spec_from(self.cfg, action.nproc, ranklogs.ranks_dir(log_path)))
         self.attempt = launcher.start(action.attempt, argv, env=env, cwd=self.cfg.job.workdir,
                                       log_path=log_path, mark=mark, ignore_signals=ignore)  # fmt: skip
         self._journal("running")
-        self._post(policy.WorkersStarted(action.attempt, (self.attempt.pid,)))
+        self._post(policy.WorkersStarted(action.attempt, (self.attempt.pid,), log=str(log_path)))
 
     def stop(self, action: policy.StopWorkers) -> None:
         att = self.attempt

@@ -57,10 +57,10 @@ def kill_tree(pid: int) -> None:
     procs.stop(lambda: procs.descendants([pid]), 0)
 
 
-def run(argv: list[str], *, timeout: float = 120, env: dict[str, str] | None = None) -> Finished:
+def run(argv: list[str], *, timeout: float = 120, env: dict[str, str] | None = None, cwd: Path = REPO) -> Finished:
     full_env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(env or {}))
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, cwd=REPO)  # fmt: skip
+                            env=full_env, cwd=cwd)  # fmt: skip
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

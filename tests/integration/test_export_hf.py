@@ -72,3 +72,42 @@ def test_ftsup_ckpt_export_hf_writes_the_index_and_says_what_it_did(tmp_path, ca
     assert "exported step 4: 2 tensors" in capsys.readouterr().out
     tensors = load_index(tmp_path / "hf")
     assert torch.equal(tensors["weight"], model.weight.detach()) and torch.equal(tensors["bias"], model.bias.detach())
+
+
+def test_export_of_a_training_state_with_a_transformers_config_loads_with_from_pretrained_and_gives_its_logits(
+    tmp_path,
+):  # fmt: skip
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    from ftsup import GlobalBatchSchedule, TrainingState
+    from ftsup.supervisor.cli import main
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+    model = GPT2LMHeadModel(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.arange(16).unsqueeze(0), labels=torch.arange(16).unsqueeze(0)).loss.backward()
+    optimizer.step()  # weights that are not the initial ones
+    state = TrainingState(model, optimizer, schedule=GlobalBatchSchedule(64, 4, 4, 1, 0, 0), config=config.to_dict())
+    state.step, state.samples = 1, 4
+    with CheckpointEngine(tmp_path / "ckpt") as eng:
+        state.save(eng, kind="final", block=True)
+    assert main(["ckpt", "export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    x = torch.arange(16).unsqueeze(0) % 64
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, model.eval()(x).logits)
+
+
+def test_export_without_a_config_in_the_checkpoint_takes_config_or_says_it_wrote_none(tmp_path, capsys):
+    from ftsup.supervisor.cli import main
+
+    model = torch.nn.Linear(4, 4)
+    with CheckpointEngine(tmp_path / "ckpt") as eng:
+        eng.save(1, {"app": ModelOptimState(model)}, block=True)
+    assert main(["ckpt", "export-hf", str(tmp_path / "ckpt"), str(tmp_path / "bare")]) == 0
+    assert "no config.json written" in capsys.readouterr().err and not (tmp_path / "bare" / "config.json").exists()
+    (tmp_path / "cfg.json").write_text('{"model_type": "gpt2", "n_embd": 4}')
+    args = ["ckpt", "export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--config", str(tmp_path / "cfg.json")]
+    assert main(args) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == {"model_type": "gpt2", "n_embd": 4}

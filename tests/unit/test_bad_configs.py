@@ -116,7 +116,12 @@ CASES = [
     Case("top level a list", text("- job\n"), "<file>"),
     Case("non-string key", text("{ok}restart: {1: 2}\n"), "restart"),
     Case("null for a key with a default", text("{ok}restart: {window_s: null}\n"), "restart.window_s"),
-    Case("missing required key", text("job: {command: [python]}\n"), "checkpoint.dir"),
+    Case("missing required key", text("checkpoint: {dir: ckpt}\n"), "job.command"),
+    Case(
+        "no shared store for nodes",
+        text("job: {command: [python]}\nlaunch: {nnodes: 2, rdzv_endpoint: 'n:1'}\n"),
+        "checkpoint.dir",
+    ),
     # durations and bounds
     Case("negative duration", with_("restart", "window_s", -5), "restart.window_s"),
     Case("zero duration", with_("heartbeat", "startup_timeout_s", 0), "heartbeat.startup_timeout_s"),
@@ -190,8 +195,7 @@ CASES = [
     Case(
         "PATH in job.env hides it",
         lambda tmp: (
-            good(tmp)
-            | {"job": good(tmp)["job"] | {"command": ["python3", "train.py"], "env": {"PATH": str(tmp / "empty")}}}
+            good(tmp) | {"job": good(tmp)["job"] | {"command": ["sh", "train.sh"], "env": {"PATH": str(tmp / "empty")}}}
         ),
         "job.command[0]",
     ),

@@ -208,8 +208,21 @@ def test_null_for_a_key_with_a_default_is_refused_naming_the_default() -> None:
 
 
 def test_a_missing_required_key_says_what_to_set() -> None:
-    assert error_of({"job": {"command": ["python"]}}) == (
-        "job.yaml: checkpoint.dir: required; set it to the checkpoint store directory, e.g. ./checkpoints"
+    assert error_of({"checkpoint": {"dir": "c"}}) == (
+        "job.yaml: job.command: required; give the training command as a list, e.g. [python, train.py]"
+    )
+
+
+def test_on_one_node_the_checkpoint_store_defaults_to_ftsup_checkpoints_in_the_workdir(in_tmp: Path) -> None:
+    (in_tmp / "w").mkdir()
+    config = load({"job": {"command": ["python"], "workdir": "w"}})
+    assert config.checkpoint.dir == in_tmp / "w" / ".ftsup" / "checkpoints"
+
+
+def test_a_job_that_may_span_nodes_must_name_its_checkpoint_store() -> None:
+    assert error_of({"job": {"command": ["python"]}, "launch": {"nnodes": "1:2", "rdzv_endpoint": "n0:29400"}}) == (
+        "job.yaml: checkpoint.dir: required; nnodes (1:2) allows more than one node, so set it to a directory every "
+        "node shares"
     )
 
 
@@ -446,8 +459,8 @@ def test_a_yaml_syntax_error_is_one_line_with_the_line_number() -> None:
 
 def test_an_empty_file_is_refused() -> None:
     assert error_of("# only a comment\n") == (
-        "job.yaml: the file is empty (or only comments); a job config needs at least job.command and "
-        "checkpoint.dir (example: deploy/examples/job.yaml)"
+        "job.yaml: the file is empty (or only comments); a job config needs at least job.command "
+        "(example: deploy/examples/job.yaml)"
     )
 
 

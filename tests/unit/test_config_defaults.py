@@ -23,7 +23,7 @@ from ftsup.supervisor.config import (
     parse_config,
     settings_from,
 )
-from ftsup.supervisor.policy_io import Settings
+from ftsup.supervisor.policy_io import HeartbeatMode, Settings
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "deploy" / "examples" / "job.yaml"
@@ -97,12 +97,13 @@ def test_the_policy_declares_no_default_of_a_config_key() -> None:
 def test_every_setting_of_the_policy_comes_from_the_config() -> None:
     raw = {"job": {"command": ["true"]}, "checkpoint": {"dir": "ckpt"},
            "launch": {"nnodes": "1:3", "rdzv_endpoint": "node0:29400", "min_world_size": 2, "max_world_size": 5},
-           "heartbeat": {"timeout_s": 41, "progress_timeout_s": 42, "startup_timeout_s": 43, "save_timeout_s": 44,
-                         "min_timeout_s": 45, "step_time_multiplier": 46},
+           "heartbeat": {"mode": "required", "timeout_s": 41, "progress_timeout_s": 42, "startup_timeout_s": 43,
+                         "save_timeout_s": 44, "min_timeout_s": 45, "step_time_multiplier": 46},
            "restart": {"max_restarts": 47, "window_s": 48, "backoff_initial_s": 49, "backoff_max_s": 50,
                        "max_attempts_without_progress": 51},
            "eviction": {"save_margin_s": 12}}  # fmt: skip
-    expected = Settings(nproc_max=7, min_world_size=2, max_world_size=5, nnodes_max=3, heartbeat_timeout_s=41.0,
+    expected = Settings(nproc_max=7, min_world_size=2, max_world_size=5, nnodes_max=3,
+                        heartbeat_mode=HeartbeatMode.REQUIRED, heartbeat_timeout_s=41.0,
                         progress_timeout_s=42.0, startup_timeout_s=43.0, save_timeout_s=44.0, min_timeout_s=45.0,
                         step_time_multiplier=46.0, max_restarts=47, window_s=48.0, backoff_initial_s=49.0,
                         backoff_max_s=50.0, max_attempts_without_progress=51, save_margin_s=12.0)  # fmt: skip

@@ -1,0 +1,80 @@
+"""The supervisor's log events as a person at a terminal reads them: a short line per change of state.
+
+`line(event)` is the text `ftsup run` shows on stderr for one event (`logs.configure` decides when: on a
+terminal, or always with `logging.format: console`), or None for an event that changes nothing a person watches
+for (a health probe, a scan). The launch, the first step, each checkpoint, every failure with its cause (which
+rank, the exit code or the signal, the last lines of its output, the attempt's log), the relaunch and the end.
+The JSON lines in `<state_dir>/logs/supervisor.jsonl` stay the record; this is only their reading.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+CONSOLE_LINES = 8  # of a rank's output, under a failure
+
+_FAILURES = frozenset({"worker_exited", "heartbeat_timed_out", "progress_timed_out", "startup_timed_out"})
+_ENDS = frozenset({"crash_loop_detected", "restart_budget_exhausted", "job_failed"})
+
+
+def line(ev: Mapping[str, Any]) -> str | None:
+    """The console's text for the log event `ev` (its fields as logged), or None."""
+    name = ev.get("event")
+    if name in _FAILURES:
+        return _failure(f"attempt {ev.get('attempt')} failed: {ev.get('reason')}", ev)
+    if name in _ENDS:
+        return _failure(f"giving up: {ev.get('reason')}", ev, output=name == "job_failed")
+    render = _LINES.get(str(name))
+    if render is not None:
+        return "ftsup: " + render(ev)
+    if ev.get("level") in ("warning", "error"):
+        reason = ev.get("reason")
+        return f"ftsup: {ev.get('level')}: {name}" + (f": {reason}" if reason else "")
+    return None
+
+
+def _failure(head: str, ev: Mapping[str, Any], *, output: bool = True) -> str:
+    lines = [f"ftsup: {head}"]
+    shown = ev.get("output")
+    if output and isinstance(shown, list) and shown:
+        who = f"rank {ev['rank']}" if ev.get("rank") is not None else "torchrun"
+        lines.append(f"  last lines of {who}'s output:")
+        lines.extend(f"    | {text}" for text in shown[-CONSOLE_LINES:])
+    if ev.get("log"):
+        lines.append(f"  log: {ev['log']}")
+    return "\n".join(lines)
+
+
+def _launched(ev: Mapping[str, Any]) -> str:
+    step = ev.get("resume_step")
+    start = "from scratch" if step is None else f"resuming from step {step}"
+    return f"attempt {ev.get('attempt')} launched: {ev.get('world_size')} rank(s), {start}" + (
+        f"; output in {ev['log']}" if ev.get("log") else ""
+    )
+
+
+def _seconds(ev: Mapping[str, Any]) -> str:
+    d = ev.get("duration_s")
+    return f"{d:.1f} s" if isinstance(d, (int, float)) else "?"
+
+
+_LINES = {
+    "supervisor_started": lambda ev: (
+        f"supervising {ev.get('run_id')} on node {ev.get('node_id')}"
+        + (f"; metrics on http://{ev['metrics']}/metrics" if ev.get("metrics") else "")
+    ),
+    "workers_launched": _launched,
+    "first_step_reached": lambda ev: (
+        f"attempt {ev.get('attempt')} reached its first step, {ev.get('step')}, {_seconds(ev)} after launch"
+    ),
+    "checkpoint_found": lambda ev: f"checkpoint of step {ev.get('step')} committed ({ev.get('kind') or '?'})",
+    "checkpoint_committed": lambda ev: f"{ev.get('kind') or ''} checkpoint of step {ev.get('step')} committed".lstrip(),
+    "restart_scheduled": lambda ev: f"relaunching in {_seconds(ev)}",
+    "job_succeeded": lambda ev: f"training finished: attempt {ev.get('attempt')}, step {ev.get('step')}",
+    "job_stopped": lambda ev: f"stopped: {ev.get('reason')}",
+    "stop_requested": lambda ev: f"stopping the workers: {ev.get('reason')}",
+    "eviction_noticed": lambda ev: f"eviction notice: {ev.get('reason')}",
+    "save_requested": lambda ev: f"asked the ranks for an emergency save ({ev.get('reason')})",
+    "supervisor_exited": lambda ev: f"exit status {ev.get('code')}",
+}
