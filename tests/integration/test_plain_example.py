@@ -4,7 +4,8 @@ than 10 steps) under `ftsup run` on 2 CPU ranks, with faults from outside as an 
 cause them: a SIGKILLed rank, a SIGSTOPped rank and an eviction (SIGTERM to the supervisor, then
 `ftsup run` again) each end with a per-step loss log bitwise the uninterrupted run's, and no
 evaluation is ever taken for a hang. Resumed on one rank, it matches within 1e-4 and trains on
-every sample exactly once. One uninterrupted run, shared by the module, is the reference.
+every sample exactly once. Its final checkpoint, exported with `ftsup ckpt export-hf`, loads with
+`from_pretrained` and gives the training model's logits. One uninterrupted run, shared by the module, is the reference.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import yaml
 from ftsup.store import layout
 from ftsup.supervisor.faults import chaos
 from ftsup.supervisor.policy import EXIT_EVICTED
-from tests.procs import REPO, kill_tree
+from tests.procs import REPO, kill_tree, run
 
 pytestmark = pytest.mark.multiprocess
 
@@ -37,7 +38,8 @@ FAILURES = ("worker_exited", "heartbeat_timed_out", "progress_timed_out", "start
 def write_job(tmp: Path, nproc: int = 2) -> Path:
     command = [sys.executable, "-m", "ftsup.trainer.examples.plain", "--steps", str(STEPS), "--eval-every",
                str(EVAL_EVERY), "--min-eval-s", str(EVAL_S), "--loss-log", str(tmp / "loss.jsonl"),
-               "--sample-log", str(tmp / "samples.rank{rank}.jsonl")]  # fmt: skip
+               "--sample-log", str(tmp / "samples.rank{rank}.jsonl"),
+               "--logits-out", str(tmp / "logits.pt")]  # fmt: skip
     cfg = {
         "job": {"command": command, "workdir": str(REPO), "state_dir": str(tmp / "state"),
                 "env": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}},
@@ -158,3 +160,20 @@ def test_resumed_on_one_rank_it_matches_within_1e4_and_trains_on_every_sample_on
     merged = {s: ids for s, ids in ref_ids.items() if s <= EVAL_EVERY} | samples(tmp_path)
     assert merged == ref_ids
     assert set(Counter(i for ids in merged.values() for i in ids).values()) == {1}
+
+
+def test_export_hf_of_the_final_checkpoint_loads_with_from_pretrained_and_gives_the_training_logits(
+    reference, tmp_path
+):  # fmt: skip
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "export"
+    ckpt = reference["dir"] / "ckpt"
+    r = run([sys.executable, "-m", "ftsup.supervisor.cli", "ckpt", "export-hf", str(ckpt), str(out)])
+    assert r.returncode == 0, r.output
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    trained = torch.load(reference["dir"] / "logits.pt")
+    with torch.no_grad():
+        logits = model(torch.arange(trained.shape[1]).unsqueeze(0) % 256).logits
+    assert torch.equal(logits, trained)

@@ -119,18 +119,21 @@ def main(argv: list[str] | None = None) -> int:
         use_cpu=a.device == "cpu", ddp_backend=backend, dataloader_num_workers=0,
         ddp_find_unused_parameters=False,
     )  # fmt: skip
-    if a.no_ftsup:  # as a Trainer script is written without ftsup: resume from the newest checkpoint-N/, if any
-        from transformers.trainer_utils import get_last_checkpoint
-
-        callbacks, resume = [LossLog()], get_last_checkpoint(a.output_dir) if os.path.isdir(a.output_dir) else None
-    else:
+    callbacks: list[TrainerCallback] = [LossLog()]
+    if not a.no_ftsup:
         from ftsup import FtsupCallback
 
         ftsup_cb = FtsupCallback()  # ftsup
-        callbacks, resume = [LossLog(), ftsup_cb], ftsup_cb.latest_checkpoint()  # ftsup
+        callbacks.append(ftsup_cb)
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val, compute_metrics=metrics,
                       preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
                       callbacks=callbacks)  # fmt: skip
+    if a.no_ftsup:  # as a Trainer script is written without ftsup: from its newest checkpoint-N/, if any
+        from transformers.trainer_utils import get_last_checkpoint
+
+        resume = get_last_checkpoint(a.output_dir) if os.path.isdir(a.output_dir) else None
+    else:
+        resume = ftsup_cb.latest_checkpoint()  # ftsup
     trainer.train(resume_from_checkpoint=resume)
     if a.logits_out and trainer.is_world_process_zero():
         model.eval()

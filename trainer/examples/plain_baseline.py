@@ -64,6 +64,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--min-eval-s", type=float, default=0.0)
     p.add_argument("--loss-log")
     p.add_argument("--sample-log", help="per-rank JSON lines of sample ids per step; '{rank}' is replaced")
+    p.add_argument("--logits-out", help="rank 0, at the end: the model's logits on a fixed input (torch.save)")
     return p.parse_args()
 
 
@@ -121,6 +122,10 @@ def main() -> None:
             if rank == 0:
                 took = time.monotonic() - start
                 print(json.dumps({"eval_step": step, "eval_loss": eval_loss, "eval_s": took}), flush=True)
+    if args.logits_out and rank == 0:
+        model.module.eval()
+        with torch.no_grad():
+            torch.save(model.module(torch.arange(args.seq_len).unsqueeze(0) % 256).logits, args.logits_out)
 
 
 if __name__ == "__main__":
