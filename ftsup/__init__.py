@@ -13,6 +13,7 @@ Everything ftsup ships is imported under this name:
 A training script needs only this module's names; each is imported on first use, so that
 `import ftsup` costs nothing and pulls in no torch:
 
+    from ftsup import Session                     # the training loop's bookkeeping in one object
     from ftsup import CheckpointEngine, GlobalBatchSchedule, RankBatchSampler, TrainingState, agree, runtime
 
 `pip install ftsup` alone gives the supervisor and the `ftsup` command; the names that need torch and numpy come
@@ -36,6 +37,8 @@ _EXPORTS = {
     "micro_batch_seed": "ftsup.trainer.rng",
     "runtime": "ftsup.trainer.runtime",
     "agree": "ftsup.trainer.runtime",
+    "Session": "ftsup.trainer.session",
+    "Agreement": "ftsup.trainer.runtime",
     "FtsupCallback": "ftsup.trainer.hf_trainer",  # needs transformers
 }
 __all__ = sorted(_EXPORTS)

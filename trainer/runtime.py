@@ -37,8 +37,10 @@ Requests come the other way through a small JSON file the supervisor replaces at
 (`FTSUP_CONTROL_FILE`): `{"v": 1, "seq": n, "action": "save", "stop": bool, "reason": ...,
 "deadline_unix": ...}` (`ftsup.protocol.parse_control`). A rank checks it once per step with one
 `stat()`; a file without the version or of another one is refused with a warning and never acted
-on. Then all ranks agree on the request with one tiny all-reduce (MAX), so that a notice seen by
-one node's supervisor reaches every rank of the job at the same step (`agree`).
+on. Then all ranks agree on the request with one tiny all-reduce (MAX) on a CPU (gloo) group, so
+that a notice seen by one node's supervisor reaches every rank of the job at the same step:
+`Agreement` overlaps that all-reduce with the next step (the request is acted on one step later,
+and a GPU step never waits on the host for it), `agree` blocks.
 
 The environment the supervisor exports is read once, by `runtime()` (`ftsup.protocol.RuntimeEnv`).
 Not here: the schemas of the messages, the files and the environment (`ftsup.protocol`).
@@ -135,16 +137,22 @@ class RuntimeClient:
             self.dropped += 1
 
     @contextlib.contextmanager
-    def phase(self, name: Phase | str, step: int | None = None) -> Iterator[None]:
+    def phase(self, name: Phase | str, step: int | None = None, *, timeout_s: float | None = None) -> Iterator[None]:
         """Mark a long phase so that the supervisor applies its timeouts for it: `load` and `save`
         may be silent up to save_timeout_s; in `eval` this client beats every interval_s from a
-        thread while the block runs (see the module docstring)."""
+        thread while the block runs (see the module docstring).
+
+        `timeout_s` (eval): the phase's own limit. Past it the thread stops beating, so that a
+        block whose work is stuck while its process lives goes silent and the supervisor's
+        heartbeat timeout catches it; without it, the supervisor's save_timeout_s does."""
+        if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < math.inf):
+            raise ValueError(f"timeout_s must be a positive number of seconds or None, not {timeout_s!r}")
         before = self._phase
         self.beat(self._step if step is None else step, name)
         keepalive = None
         if name in KEEPALIVE_PHASES and self.supervised:
             try:
-                keepalive = _KeepAlive(self, self.env.heartbeat_interval_s)
+                keepalive = _KeepAlive(self, self.env.heartbeat_interval_s, str(name), timeout_s)
             except RuntimeError as e:  # no thread to be had: the phase still runs, unbeaten
                 self._warn("thread", f"ftsup.trainer.runtime: no keepalive thread for phase {name} ({e})")
         try:
@@ -153,6 +161,10 @@ class RuntimeClient:
             if keepalive is not None:
                 keepalive.stop()
             self.beat(self._step, before)
+
+    def report(self, **figures: float | int | str) -> None:
+        """Send figures (`save_s`, ...) with the current step and phase; never blocks, never raises."""
+        self.beat(self._step, None, **figures)
 
     def close(self) -> None:
         with self._lock:
@@ -222,17 +234,27 @@ class RuntimeClient:
 
 
 class _KeepAlive:
-    """A daemon thread that repeats the client's current beat every `interval_s` until stopped."""
+    """A daemon thread that repeats the client's current beat every `interval_s` until stopped, or
+    until `timeout_s` has passed (then it stops beating and warns once)."""
 
-    def __init__(self, client: RuntimeClient, interval_s: float) -> None:
+    def __init__(self, client: RuntimeClient, interval_s: float, name: str, timeout_s: float | None) -> None:
         self._client = client
         self._interval_s = interval_s
+        self._name = name
+        self._timeout_s = timeout_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftsup-keepalive", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        deadline = math.inf if self._timeout_s is None else time.monotonic() + self._timeout_s
         while not self._stop.wait(self._interval_s):
+            if time.monotonic() >= deadline:
+                why = f"phase {self._name} ran past its timeout_s={self._timeout_s:g}"
+                self._client._warn(
+                    "timeout", f"ftsup.trainer.runtime: {why}; its heartbeats stop (a hang to the supervisor)"
+                )
+                return
             self._client.beat(self._client._step)
 
     def stop(self) -> None:
@@ -287,24 +309,102 @@ class ControlReader:
         return self._last
 
 
-def agree(request: Request, device: Any = "cpu") -> Request:
-    """All ranks of the job agree on the newest request (one all-reduce of two integers, MAX).
+def agree(request: Request, device: Any = None) -> Request:
+    """All ranks of the job agree on the newest request (one all-reduce of two integers, MAX),
+    blocking. `Agreement` does the same without waiting on the network in the step.
 
     Must be called by every rank at the same point of every step. Without torch.distributed it
-    returns `request` as is. The agreed request carries the highest seq and whether any rank's
-    supervisor asked to stop; reason and deadline are this rank's own copy (may be empty).
+    returns `request` as is. The all-reduce runs on a CPU (gloo) group: the default group when it
+    is gloo, else one of its own made at the first call (a collective), so a GPU step is never
+    synchronised with the host for it; `device` is not used (scripts that pass one still work).
+    The agreed request carries the highest seq and whether any rank's supervisor asked to stop;
+    reason and deadline are this rank's own copy (may be empty).
     """
     import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return request
-    t = torch.tensor([request.seq, int(request.stop)], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    seq, stop = (int(x) for x in t.tolist())
-    if seq == request.seq:
-        return Request(seq, bool(stop), request.reason, request.deadline_unix)
+    t = torch.tensor([request.seq, int(request.stop)], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_cpu_group())
+    return _agreed(request, int(t[0]), int(t[1]))
+
+
+class Agreement:
+    """All ranks agree on the supervisor's newest request without stalling a step: an all-reduce
+    (MAX) of two integers on a CPU (gloo) group of its own, started at one step (`start`) and
+    waited for at the next (`wait`), so that it runs while the step computes.
+
+        agreement = Agreement()                 # after init_process_group, on every rank: a collective
+        for step in ...:
+            ...                                 # the step
+            request = agreement.wait()          # what the ranks read one step ago, the same on every rank
+            ...                                 # act on it: save, stop
+            agreement.start(rt.control.poll())  # unless this was the last step
+
+    A request is therefore acted on one step after a rank read it, at the same step on every rank
+    (and so on every world size, a single process included). The costs: one more gloo group (a
+    connection to every other rank, as the checkpoint engine's group has), one 16-byte all-reduce
+    per step in gloo's own threads, and a step's time between the request and its save. `wait`
+    returns at once unless another rank has not reached the previous step's `start`: in a job whose
+    steps synchronise (gradients are all-reduced), that step ended everywhere long before.
+    """
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist if dist.is_available() and dist.is_initialized() else None
+        self._group = self._dist.new_group(backend="gloo") if self._dist is not None else None
+        self._work: Any = None
+        self._tensor: Any = None
+        self._mine: Request | None = None  # what this rank put into the exchange in flight
+
+    def start(self, request: Request) -> None:
+        """Put this rank's newest request into an exchange (every rank, at the same step)."""
+        import torch
+
+        if self._mine is not None:
+            raise RuntimeError("Agreement.start() while an exchange is in flight; wait() for it first")
+        self._mine = request
+        if self._dist is not None:
+            self._tensor = torch.tensor([request.seq, int(request.stop)], dtype=torch.int64)
+            self._work = self._dist.all_reduce(self._tensor, op=self._dist.ReduceOp.MAX, group=self._group,
+                                               async_op=True)  # fmt: skip
+
+    def wait(self) -> Request:
+        """The request the exchange in flight agreed on (NO_REQUEST when none is in flight)."""
+        mine, self._mine = self._mine, None
+        if mine is None:
+            return NO_REQUEST
+        if self._work is None:
+            return mine
+        work, self._work = self._work, None
+        work.wait()
+        return _agreed(mine, int(self._tensor[0]), int(self._tensor[1]))
+
+    def close(self) -> None:
+        """Finish the exchange in flight, if any (every rank, at the same step)."""
+        self.wait()
+
+
+def _agreed(mine: Request, seq: int, stop: int) -> Request:
+    if seq == mine.seq:
+        return Request(seq, bool(stop), mine.reason, mine.deadline_unix)
     return Request(seq, bool(stop), "requested on another node", None)
+
+
+_cpu_group_of: tuple[Any, Any] = (None, None)  # (the default group, the CPU group agree() uses with it)
+
+
+def _cpu_group() -> Any:
+    """The default group when it is gloo, else a gloo group over the same ranks (one per default group)."""
+    import torch.distributed as dist
+
+    global _cpu_group_of
+    world = dist.group.WORLD
+    if _cpu_group_of[0] is not world:  # first use, or a default group destroyed and made again
+        _cpu_group_of = (world, None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
+    return _cpu_group_of[1]
 
 
 def _arm_parent_death_signal() -> None:

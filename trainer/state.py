@@ -4,6 +4,10 @@ One `Stateful` object holding the model, optimizer, LR scheduler, grad scaler (o
 step, the data position (global samples consumed) and the configuration that must not change
 across a resume. RNG streams are per rank and travel as the checkpoint's `rank_state`.
 
+The configuration (`config=`: a mapping, a `transformers` `PretrainedConfig` or its `to_dict()`, a
+dataclass) is recorded as JSON reads it back (`modelconfig.canonical`), so the same configuration
+always matches itself after a resume; keys that name software versions are never compared.
+
     state = TrainingState(model, optimizer, scheduler, schedule=schedule, config=model_config)
     state.resume(engine)                  # latest consistent checkpoint, or a fresh start
     ...
@@ -24,7 +28,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ftsup.store.errors import CheckpointMismatchError, NoCheckpointError
-from ftsup.trainer import rng
+from ftsup.trainer import modelconfig, rng
 from ftsup.trainer.checkpoint.engine import CheckpointEngine, LoadResult, SaveHandle, SaveResult
 from ftsup.trainer.data import DataPositionError, GlobalBatchSchedule
 
@@ -40,14 +44,14 @@ class TrainingState:
         scaler: Any = None,
         *,
         schedule: GlobalBatchSchedule,
-        config: Mapping[str, Any] | None = None,
+        config: Any = None,
     ):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.scaler = scaler
         self.schedule = schedule
-        self.config = dict(config or {})
+        self.config = modelconfig.canonical(config)  # ConfigError now, not at the first save
         self.step = 0
         self.samples = 0
 
@@ -115,11 +119,7 @@ class TrainingState:
 
     def check_metadata(self, meta: Mapping[str, Any]) -> None:
         """Refuse, before any tensor moves, a checkpoint of another model or data configuration."""
-        diffs = []
-        saved_config = meta.get("config", {})
-        for key in sorted(set(saved_config) | set(self.config)):
-            if saved_config.get(key) != self.config.get(key):
-                diffs.append(f"config.{key}: checkpoint {saved_config.get(key)!r} != this run {self.config.get(key)!r}")
+        diffs = modelconfig.describe(modelconfig.differences(meta.get("config", {}), self.config))
         for key, mine in (
             ("global_batch", self.schedule.global_batch),
             ("dataset_size", self.schedule.dataset_size),

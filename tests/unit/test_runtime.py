@@ -15,7 +15,7 @@ import pytest
 
 from ftsup.protocol import CONTROL_VERSION, MAX_FIGURES, NO_REQUEST, Request, RuntimeEnv, encode_control
 from ftsup.supervisor.heartbeat import HeartbeatReceiver
-from ftsup.trainer.runtime import ControlReader, RuntimeClient
+from ftsup.trainer.runtime import Agreement, ControlReader, RuntimeClient
 from tests.procs import wait_for
 
 
@@ -98,6 +98,37 @@ def test_in_eval_the_client_beats_every_interval_until_the_block_ends(receiver):
     assert (beats[-1].phase, beats[-1].step, keepalives) == ("init", 4, [])
 
 
+def test_an_eval_phase_with_a_timeout_stops_beating_once_it_has_passed_while_its_block_still_runs(receiver):
+    c = client(receiver, interval_s=0.02)
+
+    def keepalive_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "ftsup-keepalive"]
+
+    with pytest.warns(RuntimeWarning, match="phase eval ran past its timeout_s=0.2"), c.phase("eval", timeout_s=0.2):
+        started = time.monotonic()
+        wait_for(lambda: not keepalive_threads(), 10, "the keepalive thread beats on past the phase's timeout")
+        ended_after = time.monotonic() - started
+        last_eval = max(b.sent_mono for b in receiver.drain() if b.phase == "eval")
+    assert (ended_after >= 0.2, last_eval - started < 0.2 + 0.1) == (True, True)
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1.0, float("inf"), "soon"])
+def test_a_phase_timeout_that_is_not_a_positive_duration_is_an_error(receiver, timeout_s):
+    with (
+        pytest.raises(ValueError, match="timeout_s must be a positive number"),
+        client(receiver).phase("eval", timeout_s=timeout_s),
+    ):
+        pass
+
+
+def test_a_report_carries_its_figures_with_the_current_step_and_phase(receiver):
+    c = client(receiver)
+    c.beat(7, "train")
+    c.report(save_s=1.5)
+    last = receiver.drain()[-1]
+    assert (last.step, last.phase, dict(last.figures)) == (7, "train", {"save_s": 1.5})
+
+
 def test_a_client_whose_connection_was_closed_reconnects(receiver):
     c = client(receiver)
     c.beat(1, "train")
@@ -119,7 +150,21 @@ def test_a_forked_child_beats_on_a_connection_of_its_own(receiver):
     assert got == [(1, os.getpid()), (2, pid), (3, os.getpid())]
 
 
-# ---------------------------------------------------------------------- the control file
+# ---------------------------------------------------------------------- the control file and the agreement
+
+
+def test_without_torch_distributed_an_agreement_returns_at_the_next_wait_what_was_started():
+    agreement = Agreement()
+    first = agreement.wait()
+    agreement.start(Request(3, stop=True, reason="spot"))
+    assert (first, agreement.wait(), agreement.wait()) == (NO_REQUEST, Request(3, stop=True, reason="spot"), NO_REQUEST)
+
+
+def test_an_agreement_refuses_a_second_start_before_the_first_was_waited_for():
+    agreement = Agreement()
+    agreement.start(Request(1))
+    with pytest.raises(RuntimeError, match="in flight"):
+        agreement.start(Request(2))
 
 
 def test_a_request_the_supervisor_wrote_is_read_once_it_changes(tmp_path):

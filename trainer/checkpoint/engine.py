@@ -12,7 +12,9 @@ What happens on `save(step, state)`:
    where possible), fsynced, and rank 0 commits the checkpoint (`commit`). Any failure removes
    the `.partial` directory, is logged (`checkpoint_save_failed`) and counted (`failed_saves`),
    and is raised by that save's handle (and by `wait`), never by a later `save`: a disk that is
-   full for a while costs the checkpoints of that while, not the training run.
+   full for a while costs the checkpoints of that while, not the training run. A save that
+   commits is reported to the rank's supervisor with its duration (a `save_s` heartbeat figure),
+   whoever called it.
 
 `load(state)` restores the latest consistent checkpoint (or a given step) on any world size,
 checking names, shapes and dtypes and every byte's checksum before anything is modified
@@ -47,6 +49,7 @@ from ftsup.trainer.checkpoint import codec, gcpause, loading, staging
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm, make_comm
 from ftsup.trainer.checkpoint.commit import Committer, Hook, SaveResult, StagedSave, log_quietly
 from ftsup.trainer.checkpoint.loading import LoadResult, read_rank_state
+from ftsup.trainer.runtime import runtime
 
 __all__ = ["CheckpointEngine", "Hook", "LoadResult", "SaveHandle", "SaveResult", "read_rank_state"]
 
@@ -83,6 +86,17 @@ def _warn_if_checksums_are_slow() -> None:
             reason="the C extension ftsup.store._blocksum is not built; reinstall ftsup with a C "
             "compiler and the Python headers available (pip install -e .) to checksum in hardware",
         )
+
+
+def _report_duration(result: SaveResult) -> None:
+    """Tell this rank's supervisor how long the save took (the `save_s` figure of a heartbeat, from
+    which it estimates whether an emergency save fits before an eviction's deadline and sets
+    ftsup_save_duration_seconds). A no-op without a supervisor; never raises."""
+    try:
+        client = runtime()
+    except ValueError:  # a malformed FTSUP_* variable: the training script hears of it from its own runtime()
+        return
+    client.report(save_s=result.durable_s)
 
 
 class CheckpointEngine:
@@ -271,6 +285,8 @@ class CheckpointEngine:
                             reason=str(err), failed_saves=self.failed_saves)  # fmt: skip
                 job.future.set_exception(err)
                 continue
+            if not result.skipped:
+                _report_duration(result)  # before the result: a caller woken by it beats after this
             job.future.set_result(result)
             if self.rank == 0 and not result.skipped:
                 self._committer.retain(job.step)

@@ -4,10 +4,11 @@
     python -m ftsup.trainer.examples.gpt --steps 50 --ckpt-dir /ckpt          # one process, no torchrun
 
 It trains with AdamW, warmup + cosine LR, dropout and gradient accumulation on a corpus it
-generates itself, with DDP or FSDP2 (`--parallel`), on CPU/gloo or CUDA/NCCL (`--device`). It
-resumes from the latest consistent checkpoint in `--ckpt-dir` (or `FTSUP_RESUME_STEP`), and
-appends one JSON line per optimizer step to `--loss-log` (rank 0):
-`{"step", "loss", "loss_hex", "world_size", "samples"}`.
+generates itself, with DDP or FSDP2 (`--parallel`), on CPU/gloo or CUDA/NCCL (`--device`). Its
+loop is an `ftsup.Session`'s: it resumes from the latest consistent checkpoint in `--ckpt-dir`
+(or `FTSUP_RESUME_STEP`), saves every `--ckpt-every` steps and at the end, beats, and serves the
+supervisor's save and stop requests. It appends one JSON line per optimizer step to `--loss-log`
+(rank 0): `{"step", "loss", "loss_hex", "world_size", "samples"}`.
 
 Determinism (on by default): `torch.use_deterministic_algorithms(True)`, one intra-op thread
 per rank (`--threads`), every micro-batch's dropout seeded from (seed, step, first global
@@ -18,7 +19,8 @@ order on another world size.
 `--fault KIND@STEP` injects a failure on rank `--fault-rank` for tests and demos: `kill`
 (SIGKILL after step STEP), `kill-in-save` (SIGKILL in the background writer while step
 STEP's checkpoint is being written), `exit` (exit code 3 after step STEP), `stop` (SIGSTOP
-itself after step STEP: a hang).
+itself after step STEP: a hang). "After step STEP" is after its heartbeat, its periodic save and
+the supervisor's requests, when step STEP + 1 begins (so STEP < --steps).
 
 A periodic save that fails (a full or read-only store) is logged by the engine
 (`checkpoint_save_failed`) and training goes on; the previous checkpoint stays the resume point.
@@ -30,32 +32,23 @@ fails ends the run with exit status 1.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
-from typing import Any, cast
 
-import structlog
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ftsup import CheckpointEngine, RetentionPolicy, Session, runtime
 from ftsup.protocol import CHECKPOINT_DIR_ENV
-from ftsup.trainer.checkpoint import CheckpointEngine, CheckpointError, CheckpointSaveError, RetentionPolicy
-from ftsup.trainer.checkpoint.engine import SaveHandle
-from ftsup.trainer.data import DataConfigError, GlobalBatchSchedule, RankBatchSampler
+from ftsup.trainer.checkpoint import CheckpointError, CheckpointSaveError
+from ftsup.trainer.data import DataConfigError
 from ftsup.trainer.examples.corpus import TokenWindows, generate
-from ftsup.trainer.rng import micro_batch_seed
-from ftsup.trainer.runtime import agree, runtime
-from ftsup.trainer.state import TrainingState
-
-log = structlog.get_logger("ftsup.trainer")
 
 # ---------------------------------------------------------------------- model
 
@@ -199,15 +192,6 @@ def _wrap(model: nn.Module, args: argparse.Namespace, world: int, device: torch.
     return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
-def _no_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        return contextlib.nullcontext() if sync else model.no_sync()
-    set_sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2
-    if callable(set_sync):
-        set_sync(sync)
-    return contextlib.nullcontext()
-
-
 def _fault(args: argparse.Namespace, rank: int, attempt: int) -> tuple[str, int]:
     if not args.fault or (args.fault_attempt >= 0 and attempt not in (0, args.fault_attempt)):
         return "", -1
@@ -217,17 +201,21 @@ def _fault(args: argparse.Namespace, rank: int, attempt: int) -> tuple[str, int]
     return (kind, int(at)) if rank == args.fault_rank else ("", -1)
 
 
+def _inject(fault: str) -> int | None:
+    """The fault of `--fault`, after its step: an exit status to return, or nothing (a signal)."""
+    if fault == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault == "stop":  # a hang: alive, silent, holding its peers
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return 3 if fault == "exit" else None
+
+
 def train(args: argparse.Namespace) -> int:
     rt = runtime()
     rt.beat(rt.env.resume_step or 0, "init")
     rank, world, device = _setup(args)
     fault, fault_step = _fault(args, rank, rt.env.attempt)
     dataset = TokenWindows(generate(args.corpus_bytes), args.seq_len)
-    try:
-        schedule = GlobalBatchSchedule(len(dataset), args.global_batch, args.micro_batch, world, rank, args.seed)
-    except DataConfigError as e:
-        print(f"gpt: error: {e}", file=sys.stderr)
-        return 2
     config = {
         "vocab": 256, "seq_len": args.seq_len, "n_layer": args.n_layer, "n_head": args.n_head,
         "n_embd": args.n_embd, "dropout": args.dropout, "lr": args.lr, "warmup": args.warmup, "steps": args.steps,
@@ -241,106 +229,62 @@ def train(args: argparse.Namespace) -> int:
     def hook(point: str, step: int) -> None:
         if fault == "kill-in-save" and point == "shard_written" and step == fault_step:
             os.kill(os.getpid(), signal.SIGKILL)
+        if args.save_delay_s > 0 and point == "staged" and step % args.ckpt_every == 0 and step < args.steps:
+            time.sleep(args.save_delay_s)  # a periodic save that blocks this much longer, in phase save
 
     engine = CheckpointEngine(args.ckpt_dir, retention=RetentionPolicy(keep_last=args.keep_last), hook=hook)
-    state = TrainingState(model, optimizer, scheduler, schedule=schedule, config=config)
-    with rt.phase("load"):
-        state.resume(engine, at_most=rt.env.resume_step)
+    session = Session(model, optimizer, scheduler, dataset, global_batch=args.global_batch, seed=args.seed,
+                      micro_batch=args.micro_batch, config=config, save_every=args.ckpt_every, engine=engine,
+                      num_workers=args.num_workers)  # fmt: skip
     loss_log = open(args.loss_log, "a") if args.loss_log and rank == 0 else None  # noqa: SIM115
     sample_log = open(args.sample_log.replace("{rank}", str(rank)), "a") if args.sample_log else None  # noqa: SIM115
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_sampler=RankBatchSampler(schedule, state.step, args.steps), num_workers=args.num_workers
-    )
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = iter(loader)
-    handled = 0  # the supervisor's save requests already served
-    stopped = False
-    code = 0
-    in_flight: SaveHandle | None = None  # the newest periodic save, to report its duration when it lands
+    first = session.step + 1
     try:
-        for step in range(state.step + 1, args.steps + 1):
+        for step in session.steps(args.steps):
+            if step - 1 == fault_step and step > first:  # after step STEP, its save and the requests it read
+                code = _inject(fault)
+                if code is not None:
+                    return code
             model.train()
             t_start = time.monotonic()
             total = torch.zeros((), dtype=torch.float64, device=device)
-            micro = schedule.rank_micro_batches(step)
-            for i, mb in enumerate(micro):
-                ids, tokens = next(batches)
-                if tuple(ids.tolist()) != mb.sample_ids:
-                    raise RuntimeError(f"data loader out of step at step {step}: {ids.tolist()} != {mb.sample_ids}")
+            ids_now: list[int] = []
+            for ids, tokens in session.micro_batches():
+                want = session.micro_batch.sample_ids if session.micro_batch else ()
+                if tuple(ids.tolist()) != want:
+                    raise RuntimeError(f"data loader out of step at step {step}: {ids.tolist()} != {want}")
+                ids_now += want
                 tokens = tokens.to(device)
-                torch.manual_seed(micro_batch_seed(args.seed, step, mb.first_position))
-                with _no_sync(model, i == len(micro) - 1):
-                    loss = model(tokens[:, :-1], tokens[:, 1:])
-                    (loss / len(micro)).backward()
+                loss = model(tokens[:, :-1], tokens[:, 1:])
+                (loss / session.accumulation_steps).backward()
                 total += loss.detach().double()
             if world > 1:
                 dist.all_reduce(total)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            state.step, state.samples = step, schedule.position_after(step)
-            mean = float(total.item()) / schedule.micro_batches_per_step
-            rt.beat(step, "train", loss=mean)
+            mean = float(total.item()) / session.schedule.micro_batches_per_step
+            session.report(loss=mean)
             if loss_log is not None:
                 line = {
                     "step": step,
                     "loss": mean,
                     "loss_hex": mean.hex(),
                     "world_size": world,
-                    "samples": state.samples,
+                    "samples": session.schedule.position_after(step),
                 }
                 loss_log.write(json.dumps(line) + "\n")
                 loss_log.flush()
             if sample_log is not None:
-                ids_now = [i for mb in micro for i in mb.sample_ids]
                 sample_log.write(json.dumps({"step": step, "rank": rank, "world_size": world, "ids": ids_now}) + "\n")
                 sample_log.flush()
             if args.min_step_s > 0:
                 time.sleep(max(0.0, args.min_step_s - (time.monotonic() - t_start)))
-            if in_flight is not None and in_flight.done():
-                try:
-                    rt.beat(step, "train", save_s=in_flight.wait().durable_s)
-                except CheckpointSaveError:
-                    pass  # logged and counted by the engine; the previous checkpoint stands, training goes on
-                in_flight = None
-            if step % args.ckpt_every == 0 and step < args.steps:
-                with rt.phase("save", step):  # staging blocks this rank; the write goes on in the background
-                    in_flight = cast(SaveHandle, state.save(engine))
-                    if args.save_delay_s > 0:
-                        time.sleep(args.save_delay_s)
-            request = agree(rt.control.poll(), device)  # every rank, every step: one tiny all-reduce
-            if request.seq > handled:
-                handled = request.seq
-                t_save = time.monotonic()
-                try:
-                    with rt.phase("save", step):
-                        state.save(engine, kind="emergency", block=True)
-                    rt.beat(step, "train", saved_step=step, save_s=time.monotonic() - t_save)
-                except CheckpointSaveError as e:
-                    if rank == 0:
-                        log.error("emergency_save_failed", step=step, stop=request.stop, reason=str(e))
-                    code = 1 if request.stop else 0
-                if request.stop:  # evicted: leave; the resume point is this step's checkpoint or the last one
-                    stopped = True
-                    break
-            if step == fault_step and fault == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            if step == fault_step and fault == "exit":
-                return 3
-            if step == fault_step and fault == "stop":  # a hang: alive, silent, holding its peers
-                os.kill(os.getpid(), signal.SIGSTOP)
-        if state.step == args.steps and not stopped:
-            with rt.phase("save"):
-                state.save(engine, kind="final", block=True)
-        with rt.phase("save"):
-            engine.close()
-        rt.beat(state.step, "done")
     finally:
         for f in (loss_log, sample_log):
             if f is not None:
                 f.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return code
+    return 0  # the process groups stay: __main__ leaves without tearing them down
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -349,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointSaveError as e:  # the final save: training is done, its result is not saved
         print(f"gpt: error: {e}", file=sys.stderr)
         return 1
-    except CheckpointError as e:  # a refused checkpoint: say why in one line, take no step
+    except (CheckpointError, DataConfigError) as e:  # a refused checkpoint or batch: one line, no step
         print(f"gpt: error: {e}", file=sys.stderr)
         return 2
 
@@ -357,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     code = main()
     # Everything is closed and committed by now; skip the interpreter's teardown of torch, which
-    # takes seconds here and would only delay a restart or an eviction.
+    # takes seconds here and would only delay a restart or an eviction (and in which a gloo group's
+    # destructor, joining its threads while holding the GIL, now and then deadlocks with one of them).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -13,7 +13,9 @@ Rank 0 appends one JSON line per optimizer step to `--loss-log`: `{"step", "loss
 "world_size"}`, the loss the Trainer logs (the mean over ranks). `--eval-pad-s` makes each
 evaluation last that much longer (a metric that is slow to compute), `--min-step-s` pads each
 step, for tests and demos that need time to act; neither changes the math. `--logits-out FILE`
-writes, at the end, the model's logits on a fixed input (for checking an export).
+writes, at the end, the model's logits on a fixed input (for checking an export). `--no-ftsup`
+runs it as it would be written without ftsup (no callback; the Trainer resumes from the newest
+`checkpoint-N/` of `--output-dir` by itself), for supervision with zero changed lines.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--loss-log")
     p.add_argument("--logits-out")
+    p.add_argument("--no-ftsup", action="store_true",
+                   help="the same script without its ftsup lines: no callback, the Trainer's own resume")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -73,8 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
-
-    from ftsup import FtsupCallback
 
     class LossLog(TrainerCallback):
         """Rank 0: one line per optimizer step; `--min-step-s` pads each step."""
@@ -117,11 +119,22 @@ def main(argv: list[str] | None = None) -> int:
         use_cpu=a.device == "cpu", ddp_backend=backend, dataloader_num_workers=0,
         ddp_find_unused_parameters=False,
     )  # fmt: skip
-    ftsup_cb = FtsupCallback()  # ftsup
+    callbacks: list[TrainerCallback] = [LossLog()]
+    if not a.no_ftsup:
+        from ftsup import FtsupCallback
+
+        ftsup_cb = FtsupCallback()  # ftsup
+        callbacks.append(ftsup_cb)
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val, compute_metrics=metrics,
                       preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
-                      callbacks=[LossLog(), ftsup_cb])  # fmt: skip
-    trainer.train(resume_from_checkpoint=ftsup_cb.latest_checkpoint())  # ftsup
+                      callbacks=callbacks)  # fmt: skip
+    if a.no_ftsup:  # as a Trainer script is written without ftsup: from its newest checkpoint-N/, if any
+        from transformers.trainer_utils import get_last_checkpoint
+
+        resume = get_last_checkpoint(a.output_dir) if os.path.isdir(a.output_dir) else None
+    else:
+        resume = ftsup_cb.latest_checkpoint()  # ftsup
+    trainer.train(resume_from_checkpoint=resume)
     if a.logits_out and trainer.is_world_process_zero():
         model.eval()
         with torch.no_grad():

@@ -1,0 +1,77 @@
+"""Every ```python snippet of the README runs, or, marked as a fragment, parses and imports only
+names that exist. Snippets are found by themselves: every fenced block whose info string is
+`python`, wherever it is and whoever added it.
+
+- A snippet runs alone in a fresh interpreter, in an empty working directory, with
+  `FTSUP_CHECKPOINT_DIR` pointing into it and no supervisor (no other `FTSUP_*` variable), and
+  must exit 0 within 180 s.
+- A snippet that cannot run alone (it continues a script the README does not show) is a fragment
+  when its first line begins with `# fragment` (the rest of that line may say what it needs, for
+  example `# fragment: inside a training loop`). It must compile, and every name it imports from
+  ftsup must exist: each `from ftsup... import NAME` names an attribute or submodule of its
+  module, and each `import ftsup...` module imports.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.procs import REPO
+
+FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+FRAGMENT = "# fragment"
+
+
+def snippets() -> list[tuple[int, str]]:
+    text = (REPO / "README.md").read_text()
+    return [(text.count("\n", 0, m.start()) + 1, m.group(1)) for m in FENCE.finditer(text)]
+
+
+SNIPPETS = snippets()
+IDS = [f"line-{line}" for line, _ in SNIPPETS]
+
+
+def is_fragment(code: str) -> bool:
+    return code.lstrip().startswith(FRAGMENT)
+
+
+def test_the_readme_has_python_snippets_that_run_alone():
+    assert [line for line, code in SNIPPETS if not is_fragment(code)] != []
+
+
+@pytest.mark.parametrize(("line", "code"), [s for s in SNIPPETS if not is_fragment(s[1])],
+                         ids=[i for i, s in zip(IDS, SNIPPETS, strict=True) if not is_fragment(s[1])])  # fmt: skip
+def test_a_snippet_runs_alone(tmp_path: Path, line: int, code: str):
+    (tmp_path / "snippet.py").write_text(code)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FTSUP_")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", FTSUP_CHECKPOINT_DIR=str(tmp_path / "ckpt"))
+    done = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=180)  # fmt: skip
+    assert done.returncode == 0, f"README.md line {line}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize(("line", "code"), [s for s in SNIPPETS if is_fragment(s[1])],
+                         ids=[i for i, s in zip(IDS, SNIPPETS, strict=True) if is_fragment(s[1])])  # fmt: skip
+def test_a_fragment_parses_and_imports_only_names_that_exist(line: int, code: str):
+    tree = ast.parse(code, filename=f"README.md:{line}")
+    missing = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "ftsup":
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                if not hasattr(module, alias.name) and importlib.util.find_spec(f"{node.module}.{alias.name}") is None:
+                    missing.append(f"{node.module}.{alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "ftsup":
+                    importlib.import_module(alias.name)
+    assert missing == [], f"README.md line {line} imports names that do not exist"
