@@ -113,6 +113,10 @@ class CheckpointEngine:
     `recycle`: shard files of checkpoints that retention deletes are kept (one save's worth, in
     `.recycle/`) and written over by the next save, which the filesystem does faster than new
     files (see `retention.RECYCLE_DIRNAME`). False deletes them.
+
+    `check_finite` (default True): a save whose staged state holds a NaN or an infinity in a
+    floating tensor fails, naming the tensor, and nothing is committed (`finite`). False: for a
+    state that holds infinities on purpose (a mask kept as a float buffer).
     """
 
     def __init__(
@@ -125,6 +129,7 @@ class CheckpointEngine:
         o_direct: bool = True,
         recycle: bool = True,
         hook: Hook | None = None,
+        check_finite: bool = True,
     ):
         if max_in_flight < 1:
             raise CheckpointError(f"max_in_flight must be >= 1, got {max_in_flight}")
@@ -138,7 +143,8 @@ class CheckpointEngine:
             self.directory.mkdir(parents=True, exist_ok=True)
         policy = retention if retention is not None else RetentionPolicy()
         self._committer = Committer(
-            self.directory, self._comm, o_direct=o_direct, retention=policy, recycle=recycle, hook=self._hook
+            self.directory, self._comm, o_direct=o_direct, retention=policy, recycle=recycle, hook=self._hook,
+            check_finite=check_finite,
         )  # fmt: skip
         self._plan: staging.StagingPlan | None = None
         self._buffers: list[torch.Tensor | None] = [None] * max_in_flight
