@@ -158,6 +158,7 @@ class Session:
         self._handled = 0  # the newest request seq served
         self._figures: dict[str, Any] = {}
         self._deferred: list[tuple[str, torch.Tensor, Any]] = []  # figures still on their way from a device
+        self._own_work = _OwnWork(any(p.is_cuda for p in model.parameters()))
         self._closed = False
 
     # ------------------------------------------------------------------ what the loop uses
@@ -194,11 +195,14 @@ class Session:
         if step is None:
             raise RuntimeError("Session.micro_batches() belongs in the body of a step of Session.steps()")
         micro = self.schedule.rank_micro_batches(step)
+        last = len(micro) - 1
         for i, mb in enumerate(micro):
             batch = next(self._batches) if self._batches is not None else mb
             self.micro_batch = mb
             torch.manual_seed(rng.micro_batch_seed(self.seed, step, mb.first_position))
-            with self._grad_sync(i == len(micro) - 1):
+            if last and i in (0, last):
+                self._own_work.mark(i == last, (last + 1) / last)
+            with self._grad_sync(i == last):
                 yield batch
 
     def clip_and_step(self, max_norm: float | None, loss: Any) -> StepCheck:
@@ -333,6 +337,9 @@ class Session:
             else:
                 waiting.append((name, host, event))
         self._deferred = waiting
+        own = self._own_work.take()
+        if own is not None:
+            figures.setdefault("compute_s", own)
         return figures
 
     # ------------------------------------------------------------------ construction
@@ -371,3 +378,43 @@ class Session:
         if callable(set_sync):
             set_sync(sync)
         return contextlib.nullcontext()
+
+
+class _OwnWork:
+    """The `compute_s` figure: this rank's own work in a step, without waiting for its peers.
+
+    In a job whose ranks synchronise every step, each rank's step lasts as long as the slowest
+    rank's (the others wait for it in the gradient all-reduce), so `step_s` is the same on every
+    rank and cannot tell which one is slow. The micro-batches before the last one synchronise
+    nothing (`no_sync`): their time, scaled to the whole step, is this rank's own. Measured on the
+    host's clock, or with CUDA events on a CUDA model (read once they have completed: no
+    synchronisation); none with a single micro-batch per step."""
+
+    def __init__(self, cuda: bool) -> None:
+        self._cuda = cuda
+        self._start: Any = None
+        self._done: list[tuple[Any, Any, float]] = []
+
+    def mark(self, end: bool, scale: float) -> None:
+        now: Any = time.monotonic()
+        if self._cuda:
+            now = torch.cuda.Event(enable_timing=True)
+            now.record()
+        if not end:
+            self._start = now
+        elif self._start is not None:
+            self._done = [*self._done[-3:], (self._start, now, scale)]  # a few steps' events at most
+            self._start = None
+
+    def take(self) -> float | None:
+        """The newest step's figure whose time is known, or None."""
+        while self._done:
+            start, end, scale = self._done[-1]
+            if not self._cuda:
+                self._done = []
+                return (end - start) * scale
+            if not end.query():
+                return None
+            self._done = []
+            return start.elapsed_time(end) / 1000 * scale
+        return None

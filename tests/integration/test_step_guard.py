@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -114,11 +115,20 @@ def test_a_run_that_skips_a_spikes_window_sees_no_spike(tmp_path):
     assert max(line["loss"] for line in log) < 2 * log[0]["loss"]
 
 
-def test_every_step_beats_its_loss_grad_norm_and_data_position_and_a_refused_one_says_so(tmp_path):
+def test_every_step_beats_its_loss_grad_norm_data_position_and_own_work_and_a_refused_one_says_so(tmp_path):
     with HeartbeatReceiver(tmp_path / "run") as receiver:
         gpt(tmp_path, "--steps", "4", "--ckpt-every", "4", "--fault", "nan@2", nproc=1,
             env={HEARTBEAT_SOCKET_ENV: str(receiver.path)})  # fmt: skip
         beats = [b for b in receiver.drain() if b.phase == "train" and "step_s" in dict(b.figures)]
     got = [(b.step, sorted(dict(b.figures)), dict(b.figures)["samples"]) for b in beats]
-    figures = ["grad_norm", "loss", "samples", "step_s"]
+    figures = ["compute_s", "grad_norm", "loss", "samples", "step_s"]
     assert got == [(1, figures, G), (2, [*figures, "step_skipped"], 2 * G), (3, figures, 3 * G), (4, figures, 4 * G)]
+
+
+def test_a_slowed_rank_keeps_beating_and_its_own_work_figure_shows_it(tmp_path):
+    with HeartbeatReceiver(tmp_path / "run") as receiver:
+        gpt(tmp_path, "--steps", "10", "--ckpt-every", "10", "--fault", "slow@1:5", "--fault-attempt", "-1",
+            env={HEARTBEAT_SOCKET_ENV: str(receiver.path)})  # fmt: skip
+        beats = [b for b in receiver.drain() if b.phase == "train" and "step_s" in dict(b.figures)]
+    own = {rank: statistics.median(dict(b.figures)["compute_s"] for b in beats if b.rank == rank) for rank in (0, 1)}
+    assert ([b.step for b in beats if b.rank == 1], own[1] > 2 * own[0]) == (list(range(1, 11)), True)

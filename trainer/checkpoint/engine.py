@@ -8,7 +8,8 @@ What happens on `save(step, state)`:
 2. (caller's thread) This rank's chunks are copied into a reused, page-aligned host buffer
    (pinned for CUDA) laid out as the shard file (`staging`). This copy is the only blocking
    part; on CPU it computes the shard's block checksums in the same pass.
-3. (writer thread) The buffer is written as `step-N.partial/shard-RRRRR.safetensors` (O_DIRECT
+3. (writer thread) The buffer is scanned for NaN and infinities (`finite`: a state that holds
+   one is never committed), written as `step-N.partial/shard-RRRRR.safetensors` (O_DIRECT
    where possible), fsynced, and rank 0 commits the checkpoint (`commit`). Any failure removes
    the `.partial` directory, is logged (`checkpoint_save_failed`) and counted (`failed_saves`),
    and is raised by that save's handle (and by `wait`), never by a later `save`: a disk that is

@@ -259,7 +259,7 @@ def train(args: argparse.Namespace) -> int:
                     raise RuntimeError(f"data loader out of step at step {step}: {ids.tolist()} != {want}")
                 ids_now += want
                 positions = mb.positions if mb else ()
-                tokens = poison.tokens(positions, tokens).to(device)
+                tokens = poison.tokens(positions, tokens).to(device, non_blocking=True)  # no wait: one per step
                 loss = poison.loss(positions, model(tokens[:, :-1], tokens[:, 1:]))
                 (loss / session.accumulation_steps).backward()
                 total += loss.detach().double()
