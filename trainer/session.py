@@ -42,8 +42,8 @@ What it does, so that the loop does not:
   skip, `FTSUP_DATA_SKIPS` (set by the supervisor after a rollback) and the resumed checkpoint's,
   all together (`TrainingState`); every checkpoint records them.
 - **Heartbeats.** One per step (phase `train`, the step, its duration `step_s`, the data position
-  after it `samples`, the guard's `loss`, `grad_norm` and `step_skipped`, and the figures given
-  to `report`); `phase("eval")` keeps beating from a thread through a long pause, for at most its
+  after it `samples`, the guard's `loss`, `grad_norm` and `step_skipped`, this rank's own work
+  `compute_s` (`_OwnWork`), and the figures given to `report`); `phase("eval")` keeps beating from a thread through a long pause, for at most its
   own `timeout_s` when given (then the rank goes silent and the supervisor's heartbeat timeout
   catches a hang), `keepalive()` beats once in phase `eval`. Every save's duration is reported by
   the engine itself.

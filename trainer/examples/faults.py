@@ -4,7 +4,8 @@ Process faults, on rank `--fault-rank`, in attempt `--fault-attempt` only (so th
 past them): `kill@STEP` (SIGKILL after step STEP), `kill-in-save@STEP` (SIGKILL in the background
 writer while step STEP's checkpoint is written), `exit@STEP` (exit status 3 after step STEP),
 `stop@STEP` (SIGSTOP after step STEP: a hang), `slow@RANK:FACTOR` (every micro-batch of rank RANK
-takes FACTOR times as long, from the first step on: a straggler that keeps beating, not a hang).
+takes FACTOR times as long, from the first step on: a straggler that keeps beating, not a hang;
+its peers wait for it, so it shows in the `compute_s` figure, not in `step_s`).
 
 Data faults are keyed to global data *positions*, the positions the schedule without skips serves
 at the steps named, and are there in every attempt, as bad data would be: a run that skips those
