@@ -37,14 +37,14 @@ What it does, so that the loop does not:
   `optimizer.step()`. Either refuses, on every rank alike, the update of a step whose loss (on any
   rank) or gradient norm is not finite: nothing a checkpoint holds changes (`ftsup.trainer.stepguard`),
   and the step's heartbeat says `step_skipped`. It costs one host-device synchronisation per step
-  on a GPU (the one copy of loss and norm it returns), none where the loop logs what it returns.
+  on a GPU (the one copy of loss and norm it returns, which a loop can log without an `.item()`).
 - **Data skips.** Ranges of global data positions never served: `skip=` for a fresh run told to
   skip, `FTSUP_DATA_SKIPS` (set by the supervisor after a rollback) and the resumed checkpoint's,
   all together (`TrainingState`); every checkpoint records them.
 - **Heartbeats.** One per step (phase `train`, the step, its duration `step_s`, the data position
   after it `samples`, the guard's `loss`, `grad_norm` and `step_skipped`, this rank's own work
-  `compute_s` (`_OwnWork`), and the figures given to `report`); `phase("eval")` keeps beating from a thread through a long pause, for at most its
-  own `timeout_s` when given (then the rank goes silent and the supervisor's heartbeat timeout
+  `compute_s` (`_OwnWork`), and the figures given to `report`); `phase("eval")` keeps beating
+  from a thread through a long pause, for at most its own `timeout_s` when given (then the rank goes silent and the supervisor's heartbeat timeout
   catches a hang), `keepalive()` beats once in phase `eval`. Every save's duration is reported by
   the engine itself.
 - **Saves and requests.** A periodic save every `save_every` steps (asynchronous: the step waits
