@@ -44,9 +44,9 @@ What it does, so that the loop does not:
 - **Heartbeats.** One per step (phase `train`, the step, its duration `step_s`, the data position
   after it `samples`, the guard's `loss`, `grad_norm` and `step_skipped`, this rank's own work
   `compute_s` (`_OwnWork`), and the figures given to `report`); `phase("eval")` keeps beating
-  from a thread through a long pause, for at most its own `timeout_s` when given (then the rank goes silent and the supervisor's heartbeat timeout
-  catches a hang), `keepalive()` beats once in phase `eval`. Every save's duration is reported by
-  the engine itself.
+  from a thread through a long pause, for at most its own `timeout_s` when given (then the rank
+  goes silent and the supervisor's heartbeat timeout catches a hang), `keepalive()` beats once in
+  phase `eval`. Every save's duration is reported by the engine itself.
 - **Saves and requests.** A periodic save every `save_every` steps (asynchronous: the step waits
   only for the copy), the final one after the last step; the supervisor's save and stop requests
   are agreed by all ranks with an all-reduce on a CPU group overlapped with the next step
