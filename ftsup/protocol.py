@@ -2,7 +2,9 @@
 
 - **The environment** the supervisor exports to every rank (the `*_ENV` names): `channel_env`
   writes the channel's part (heartbeat socket and interval, control file, checkpoint directory,
-  resume step), `ftsup.procs.Mark` the attempt's mark (run id, node id, attempt), and
+  resume step), `ftsup.procs.Mark` the attempt's mark (run id, node id, attempt),
+  `encode_data_skips` the data skips in force (`DATA_SKIPS_ENV`: ranges of global data positions
+  never served, `check_data_skips` for the same ranges read from JSON), and
   `RuntimeEnv.from_environ` reads all of it on the rank. The parent-death guard's two variables
   are defined by `ftsup.guard`, whose exec wrapper runs isolated and imports nothing, and are
   listed here with the others.
@@ -44,11 +46,62 @@ RESUME_STEP_ENV = "FTSUP_RESUME_STEP"  # empty: no checkpoint to resume from
 ATTEMPT_ENV = "FTSUP_ATTEMPT"  # this and the next two are the attempt's mark (`ftsup.procs.Mark`)
 RUN_ID_ENV = "FTSUP_RUN_ID"
 NODE_ID_ENV = "FTSUP_NODE_ID"
+DATA_SKIPS_ENV = "FTSUP_DATA_SKIPS"  # A:B,C:D: ranges of global data positions no rank serves (`parse_data_skips`)
 ENV_NAMES = (HEARTBEAT_SOCKET_ENV, HEARTBEAT_INTERVAL_ENV, CONTROL_FILE_ENV, CHECKPOINT_DIR_ENV, RESUME_STEP_ENV,
-             ATTEMPT_ENV, RUN_ID_ENV, NODE_ID_ENV, GUARD_PARENT_ENV, GUARD_IGNORE_ENV)  # fmt: skip
+             ATTEMPT_ENV, RUN_ID_ENV, NODE_ID_ENV, DATA_SKIPS_ENV, GUARD_PARENT_ENV, GUARD_IGNORE_ENV)  # fmt: skip
 """Every variable of ours a rank's environment holds."""
 
 DEFAULT_INTERVAL_S = 0.5  # a rank's beat interval in `eval` when the supervisor exports none
+
+MAX_DATA_SKIPS = 64
+MAX_DATA_POSITION = 2**53  # a data position travels exactly as a JSON number and as a heartbeat figure
+_MAX_DATA_SKIPS_CHARS = MAX_DATA_SKIPS * 34  # 64 ranges of two 16-digit positions, a colon and a comma each
+
+DataSkips = tuple[tuple[int, int], ...]
+"""Half-open ranges [A, B) of global data positions that a schedule never serves, sorted and not
+overlapping (two may touch), at most MAX_DATA_SKIPS of them."""
+
+
+def check_data_skips(value: object, what: str) -> DataSkips:
+    """`value` (pairs, as JSON reads them: lists of two integers) as DataSkips; ValueError naming
+    `what` when it is anything else: not integers, 0 <= A < B <= MAX_DATA_POSITION, unsorted or
+    overlapping, more than MAX_DATA_SKIPS ranges."""
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{what} must be a list of [A, B] ranges, not {value!r:.60}")
+    if len(value) > MAX_DATA_SKIPS:
+        raise ValueError(f"{what} holds {len(value)} ranges, more than {MAX_DATA_SKIPS}")
+    out: list[tuple[int, int]] = []
+    for item in value:
+        if not isinstance(item, (list, tuple)) or len(item) != 2 or any(type(x) is not int for x in item):
+            raise ValueError(f"{what}: {item!r:.60} is not a range [A, B] of two integers")
+        a, b = item
+        if not 0 <= a < b <= MAX_DATA_POSITION:
+            raise ValueError(f"{what}: range [{a}, {b}) is not 0 <= A < B <= {MAX_DATA_POSITION}")
+        if out and a < out[-1][1]:
+            raise ValueError(f"{what}: range [{a}, {b}) is out of order or overlaps [{out[-1][0]}, {out[-1][1]})")
+        out.append((a, b))
+    return tuple(out)
+
+
+def parse_data_skips(raw: str, name: str = DATA_SKIPS_ENV) -> DataSkips:
+    """`A:B,C:D` (DATA_SKIPS_ENV's format; empty: none) as DataSkips; ValueError naming `name`."""
+    text = raw.strip()
+    if not text:
+        return ()
+    if len(text) > _MAX_DATA_SKIPS_CHARS:
+        raise ValueError(f"{name} is {len(text)} characters long, more than {MAX_DATA_SKIPS} ranges need")
+    pairs = []
+    for part in text.split(","):
+        a, sep, b = part.partition(":")
+        if not sep or not all(x.isascii() and x.isdigit() and len(x) <= 16 for x in (a, b)):
+            raise ValueError(f"{name}={text[:80]!r}: {part[:40]!r} is not a range A:B of two non-negative integers")
+        pairs.append((int(a), int(b)))
+    return check_data_skips(pairs, f"{name}={text[:80]!r}")
+
+
+def encode_data_skips(skips: DataSkips) -> str:
+    """DataSkips as DATA_SKIPS_ENV carries them (`parse_data_skips` reads them back)."""
+    return ",".join(f"{a}:{b}" for a, b in check_data_skips(skips, "data skips"))
 
 
 def channel_env(
@@ -78,11 +131,13 @@ class RuntimeEnv:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    data_skips: DataSkips = ()
+    """The skips in force (DATA_SKIPS_ENV): data positions this run's schedule never serves."""
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> RuntimeEnv:
         """Parse `env` (default: this process's); ValueError naming the variable when one is set
-        but not a number."""
+        but not a number (or, for DATA_SKIPS_ENV, not ranges of data positions)."""
         env = os.environ if env is None else env
 
         def num(key: str, default: int | None) -> int | None:
@@ -117,6 +172,7 @@ class RuntimeEnv:
             rank=num("RANK", 0) or 0,
             local_rank=num("LOCAL_RANK", 0) or 0,
             world_size=num("WORLD_SIZE", 1) or 1,
+            data_skips=parse_data_skips(env.get(DATA_SKIPS_ENV, ""), f"environment variable {DATA_SKIPS_ENV}"),
         )
 
 

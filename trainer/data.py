@@ -11,6 +11,12 @@ accumulates gradients over its G/(B·W) micro-batches; the global batch and the 
 global batches are therefore the same on every world size, and only the summation order of
 the gradient differs.
 
+Skips (`skips=`, half-open ranges [A, B) of global positions: the data a rollback steps past) are
+never served: step k consumes the next G positions that no skip holds, so the schedule is still
+the same on every world size, and a run told to skip from the start serves exactly the batches
+of a run that skipped later. The data position after step k (`position_after`) is one past the
+last position step k served; a skip that begins there is passed by the next step.
+
 Why not torchdata's StatefulDataLoader alone: its state is the per-rank iterator position,
 which means nothing on another world size, and it counts what the loader yielded (prefetched),
 not what training consumed. Here the position lives in the training state and the loader is
@@ -19,12 +25,15 @@ rebuilt from it, so any DataLoader (num_workers > 0 included) resumes exactly.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import bisect
+import dataclasses
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ftsup.protocol import MAX_DATA_POSITION, MAX_DATA_SKIPS, DataSkips
 from ftsup.store.errors import CheckpointError
 from ftsup.trainer.rng import derive_seed
 
@@ -43,6 +52,7 @@ class MicroBatch:
     index: int  # j: its index within the global batch
     first_position: int  # global position of its first sample
     sample_ids: tuple[int, ...]
+    positions: tuple[int, ...] = ()  # the global position of each sample (consecutive unless a skip lies between)
 
 
 @dataclass(frozen=True)
@@ -53,9 +63,12 @@ class GlobalBatchSchedule:
     world_size: int
     rank: int
     seed: int
+    skips: DataSkips = ()
+    """Ranges [A, B) of global positions never served; any iterable of pairs, kept sorted and merged."""
     _perms: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "skips", merge_skips(self.skips))
         for name in ("dataset_size", "global_batch", "micro_batch", "world_size"):
             if getattr(self, name) < 1:
                 raise DataConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -87,10 +100,40 @@ class GlobalBatchSchedule:
             self._perms[epoch] = perm
         return perm
 
+    def with_skips(self, skips: Iterable[tuple[int, int]]) -> GlobalBatchSchedule:
+        """This schedule with `skips` skipped too (the union with its own)."""
+        return dataclasses.replace(self, skips=(*self.skips, *skips))
+
     def sample_ids(self, start: int, count: int) -> tuple[int, ...]:
-        out = []
-        for p in range(start, start + count):
-            out.append(int(self._perm(p // self.dataset_size)[p % self.dataset_size]))
+        """The sample ids at the `count` global positions from `start` on (skips or not)."""
+        return self._ids(range(start, start + count))
+
+    def _ids(self, positions: Iterable[int]) -> tuple[int, ...]:
+        n = self.dataset_size
+        return tuple(int(self._perm(p // n)[p % n]) for p in positions)
+
+    def _position(self, served: int) -> int:
+        """The global position of the `served`-th position served (0-based): past every skip before it."""
+        p = served
+        for a, b in self.skips:
+            if a > p:
+                break
+            p += b - a
+        return p
+
+    def _positions(self, served: int, count: int) -> tuple[int, ...]:
+        """The global positions of the `count` positions served from the `served`-th on."""
+        p = self._position(served)
+        k = bisect.bisect_right(self.skips, (p, MAX_DATA_POSITION + 1))  # the first skip after p
+        out: list[int] = []
+        while len(out) < count:
+            end = self.skips[k][0] if k < len(self.skips) else p + count
+            take = min(count - len(out), end - p)
+            out.extend(range(p, p + take))
+            p += take
+            if len(out) < count:  # p is where skip k begins
+                p = self.skips[k][1]
+                k += 1
         return tuple(out)
 
     def rank_micro_batches(self, step: int) -> list[MicroBatch]:
@@ -98,23 +141,50 @@ class GlobalBatchSchedule:
         base = (step - 1) * self.global_batch
         out = []
         for j in range(self.rank, self.micro_batches_per_step, self.world_size):
-            first = base + j * self.micro_batch
-            out.append(MicroBatch(step, j, first, self.sample_ids(first, self.micro_batch)))
+            positions = self._positions(base + j * self.micro_batch, self.micro_batch)
+            out.append(MicroBatch(step, j, positions[0], self._ids(positions), positions))
         return out
 
     def position_after(self, step: int) -> int:
-        return step * self.global_batch
+        """The data position after step `step`: one past the last position it served (0 before any)."""
+        return self._position(step * self.global_batch - 1) + 1 if step > 0 else 0
 
     def check_position(self, step: int, samples: Any) -> None:
         """Refuse a data position that does not belong to `step` (never restart from zero)."""
         if not isinstance(samples, int) or isinstance(samples, bool) or samples < 0:
             raise DataPositionError(f"saved data position {samples!r} is not a non-negative integer sample count")
         if samples != self.position_after(step):
+            skips = f" with the skips {list(map(list, self.skips))}" if self.skips else ""
             raise DataPositionError(
                 f"saved data position {samples} samples does not match step {step} x global batch "
-                f"{self.global_batch} = {self.position_after(step)}; the checkpoint's data position is "
-                "corrupt or from a run with another global batch"
+                f"{self.global_batch}{skips} = position {self.position_after(step)}; the checkpoint's data "
+                "position is corrupt, from a run with another global batch, or a skip in force covers data "
+                "that this checkpoint's steps have trained on"
             )
+
+
+def merge_skips(skips: Iterable[tuple[int, int]]) -> DataSkips:
+    """`skips` (pairs of integers 0 <= A < B <= MAX_DATA_POSITION, in any order, overlapping or
+    not) sorted and merged; DataConfigError when one is not a range or more than MAX_DATA_SKIPS
+    ranges are left."""
+    pairs = []
+    for item in skips:
+        try:
+            a, b = item
+        except (TypeError, ValueError):
+            raise DataConfigError(f"a data skip must be a range (A, B) of two integers, not {item!r:.60}") from None
+        if type(a) is not int or type(b) is not int or not 0 <= a < b <= MAX_DATA_POSITION:
+            raise DataConfigError(f"a data skip must be integers 0 <= A < B <= {MAX_DATA_POSITION}, not {item!r:.60}")
+        pairs.append((a, b))
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted(pairs):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
+        else:
+            merged.append((a, b))
+    if len(merged) > MAX_DATA_SKIPS:
+        raise DataConfigError(f"{len(merged)} data skips, more than {MAX_DATA_SKIPS}; merge some of them")
+    return tuple(merged)
 
 
 class RankBatchSampler(torch.utils.data.Sampler[list[int]]):

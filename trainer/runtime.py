@@ -326,7 +326,7 @@ def agree(request: Request, device: Any = None) -> Request:
     if not (dist.is_available() and dist.is_initialized()):
         return request
     t = torch.tensor([request.seq, int(request.stop)], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_cpu_group())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())
     return _agreed(request, int(t[0]), int(t[1]))
 
 
@@ -393,11 +393,15 @@ def _agreed(mine: Request, seq: int, stop: int) -> Request:
     return Request(seq, bool(stop), "requested on another node", None)
 
 
-_cpu_group_of: tuple[Any, Any] = (None, None)  # (the default group, the CPU group agree() uses with it)
+_cpu_group_of: tuple[Any, Any] = (
+    None,
+    None,
+)  # (the default group, the CPU group agree() and the step guard use with it)
 
 
-def _cpu_group() -> Any:
-    """The default group when it is gloo, else a gloo group over the same ranks (one per default group)."""
+def cpu_group() -> Any:
+    """The default group when it is gloo, else a gloo group over the same ranks (one per default
+    group, made at the first call: a collective)."""
     import torch.distributed as dist
 
     global _cpu_group_of

@@ -4,11 +4,13 @@
 
     session = Session(model, optimizer, scheduler, dataset, global_batch=32, micro_batch=4, config=model_config)
     for step in session.steps(total_steps):      # from the step after the latest checkpoint
+        total = 0
         for batch in session.micro_batches():    # this rank's share of the global batch
             loss = model(**batch).loss
             (loss / session.accumulation_steps).backward()
-        optimizer.step(); scheduler.step(); optimizer.zero_grad()
-        session.report(loss=loss.item())         # rides on this step's heartbeat
+            total += loss.detach()
+        check = session.clip_and_step(1.0, total / session.accumulation_steps)  # refused when not finite
+        log_loss(step, check.mean_loss)          # on the host already: no .item() needed
         if step % eval_every == 0:
             with session.phase("eval"):          # a long pause that is not a hang
                 evaluate(model)
@@ -30,11 +32,21 @@ What it does, so that the loop does not:
   device: dropout) are seeded before each micro-batch from (seed, step, the micro-batch's first
   global sample). A run resumed on the same world size is therefore bitwise the uninterrupted
   one, and on another world size the same up to the order of float reductions.
-- **Heartbeats.** One per step (phase `train`, the step, its duration `step_s`, the figures given
-  to `report`); `phase("eval")` keeps beating from a thread through a long pause, for at most its
-  own `timeout_s` when given (then the rank goes silent and the supervisor's heartbeat timeout
-  catches a hang), `keepalive()` beats once in phase `eval`. Every save's duration is reported by
-  the engine itself.
+- **The step guard.** `clip_and_step(max_norm, loss)` clips, checks and steps the optimizer and
+  the scheduler; `step_guard(loss, grad_norm)` only checks, between the loop's clipping and its own
+  `optimizer.step()`. Either refuses, on every rank alike, the update of a step whose loss (on any
+  rank) or gradient norm is not finite: nothing a checkpoint holds changes (`ftsup.trainer.stepguard`),
+  and the step's heartbeat says `step_skipped`. It costs one host-device synchronisation per step
+  on a GPU (the one copy of loss and norm it returns, which a loop can log without an `.item()`).
+- **Data skips.** Ranges of global data positions never served: `skip=` for a fresh run told to
+  skip, `FTSUP_DATA_SKIPS` (set by the supervisor after a rollback) and the resumed checkpoint's,
+  all together (`TrainingState`); every checkpoint records them.
+- **Heartbeats.** One per step (phase `train`, the step, its duration `step_s`, the data position
+  after it `samples`, the guard's `loss`, `grad_norm` and `step_skipped`, this rank's own work
+  `compute_s` (`_OwnWork`), and the figures given to `report`); `phase("eval")` keeps beating
+  from a thread through a long pause, for at most its own `timeout_s` when given (then the rank
+  goes silent and the supervisor's heartbeat timeout catches a hang), `keepalive()` beats once in
+  phase `eval`. Every save's duration is reported by the engine itself.
 - **Saves and requests.** A periodic save every `save_every` steps (asynchronous: the step waits
   only for the copy), the final one after the last step; the supervisor's save and stop requests
   are agreed by all ranks with an all-reduce on a CPU group overlapped with the next step
@@ -52,7 +64,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import structlog
@@ -67,6 +79,7 @@ from ftsup.trainer.checkpoint.engine import CheckpointEngine, LoadResult
 from ftsup.trainer.data import DataConfigError, GlobalBatchSchedule, MicroBatch, RankBatchSampler
 from ftsup.trainer.runtime import Agreement, RuntimeClient, runtime
 from ftsup.trainer.state import TrainingState
+from ftsup.trainer.stepguard import StepCheck
 
 log = structlog.get_logger("ftsup.trainer")
 
@@ -81,7 +94,8 @@ class Session:
     `num_workers` and `pin_memory` go to the DataLoader. `engine`: a CheckpointEngine of your own
     (then `ckpt_dir` and `keep_last` are not used). `save_every`: steps between periodic saves (None:
     none, only emergency and final ones). `seed` (default 0, or the schedule's): the data order's
-    and the dropout seeds'.
+    and the dropout seeds'. `skip`: ranges (A, B) of global data positions never to serve (with
+    those of `FTSUP_DATA_SKIPS` and of the resumed checkpoint).
     """
 
     def __init__(
@@ -104,6 +118,7 @@ class Session:
         num_workers: int = 0,
         pin_memory: bool = False,
         engine: CheckpointEngine | None = None,
+        skip: Iterable[tuple[int, int]] = (),
     ) -> None:
         if save_every is not None and (not isinstance(save_every, int) or save_every < 1):
             raise ValueError(f"save_every must be a number of steps >= 1 or None, not {save_every!r}")
@@ -113,7 +128,7 @@ class Session:
         self.model = model
         self.dataset = dataset
         self.save_every = save_every
-        self.schedule = self._schedule(dataset, global_batch, micro_batch, schedule, seed)
+        self.schedule = self._schedule(dataset, global_batch, micro_batch, schedule, seed).with_skips(skip)
         self.seed = self.schedule.seed
         self.rank, self.world_size = self.schedule.rank, self.schedule.world_size
         self._loader_options = {"collate_fn": collate_fn, "num_workers": num_workers, "pin_memory": pin_memory}
@@ -128,6 +143,7 @@ class Session:
             self.state = TrainingState(model, optimizer, scheduler, scaler, schedule=self.schedule, config=config)
             with rt.phase("load"):
                 self.loaded: LoadResult | None = self.state.resume(engine, at_most=rt.env.resume_step)
+            self.schedule = self.state.schedule  # with every skip in force
             self._agreement = Agreement()
         except BaseException:
             engine.close()  # its writer thread is ours; nothing was saved
@@ -142,6 +158,7 @@ class Session:
         self._handled = 0  # the newest request seq served
         self._figures: dict[str, Any] = {}
         self._deferred: list[tuple[str, torch.Tensor, Any]] = []  # figures still on their way from a device
+        self._own_work = _OwnWork(any(p.is_cuda for p in model.parameters()))
         self._closed = False
 
     # ------------------------------------------------------------------ what the loop uses
@@ -178,12 +195,35 @@ class Session:
         if step is None:
             raise RuntimeError("Session.micro_batches() belongs in the body of a step of Session.steps()")
         micro = self.schedule.rank_micro_batches(step)
+        last = len(micro) - 1
         for i, mb in enumerate(micro):
             batch = next(self._batches) if self._batches is not None else mb
             self.micro_batch = mb
             torch.manual_seed(rng.micro_batch_seed(self.seed, step, mb.first_position))
-            with self._grad_sync(i == len(micro) - 1):
+            if last and i in (0, last):
+                self._own_work.mark(i == last, (last + 1) / last)
+            with self._grad_sync(i == last):
                 yield batch
+
+    def clip_and_step(self, max_norm: float | None, loss: Any) -> StepCheck:
+        """The step's update: clip the gradients to `max_norm` (None: measure their norm only),
+        check loss and norm, step the optimizer and the scheduler unless refused, zero the
+        gradients; the step's heartbeat carries its loss, norm and `step_skipped` when refused.
+        `loss`: this rank's loss of the step (mean over its micro-batches), ideally a tensor not
+        yet copied to the host (`ftsup.trainer.stepguard`). Every rank, once per step."""
+        return self._checked(self.state.clip_and_step(max_norm, loss))
+
+    def step_guard(self, loss: Any, grad_norm: Any = None) -> StepCheck:
+        """Check the step before the loop's own `optimizer.step()`: after backward and clipping
+        (`grad_norm`: what `clip_grad_norm_` returned). Refused (loss or norm not finite), the
+        gradients are dropped, so the optimizer step that follows changes nothing, and the
+        scheduler is put back after the step. Its figures ride on the step's heartbeat. Every
+        rank, once per step."""
+        return self._checked(self.state.step_guard(loss, grad_norm))
+
+    def _checked(self, check: StepCheck) -> StepCheck:
+        self._figures.update(check.figures())
+        return check
 
     def report(self, **figures: Any) -> None:
         """Figures (`loss=...`) for this step's heartbeat. A tensor on a CUDA device is copied without
@@ -249,8 +289,9 @@ class Session:
 
     def _between(self, step: int, total: int, took: float) -> None:
         st, rt = self.state, self.runtime
+        st.guard.settle()  # a refused step's scheduler step is undone before anything sees it
         st.step, st.samples = step, self.schedule.position_after(step)
-        rt.beat(step, "train", **{"step_s": took, **self._take_figures()})
+        rt.beat(step, "train", **{"step_s": took, "samples": st.samples, **self._take_figures()})
         last = step == total
         if self.save_every is not None and step % self.save_every == 0 and not last:
             with rt.phase("save", step):  # the copy blocks this rank; the write goes on in the background
@@ -296,6 +337,9 @@ class Session:
             else:
                 waiting.append((name, host, event))
         self._deferred = waiting
+        own = self._own_work.take()
+        if own is not None:
+            figures.setdefault("compute_s", own)
         return figures
 
     # ------------------------------------------------------------------ construction
@@ -334,3 +378,43 @@ class Session:
         if callable(set_sync):
             set_sync(sync)
         return contextlib.nullcontext()
+
+
+class _OwnWork:
+    """The `compute_s` figure: this rank's own work in a step, without waiting for its peers.
+
+    In a job whose ranks synchronise every step, each rank's step lasts as long as the slowest
+    rank's (the others wait for it in the gradient all-reduce), so `step_s` is the same on every
+    rank and cannot tell which one is slow. The micro-batches before the last one synchronise
+    nothing (`no_sync`): their time, scaled to the whole step, is this rank's own. Measured on the
+    host's clock, or with CUDA events on a CUDA model (read once they have completed: no
+    synchronisation); none with a single micro-batch per step."""
+
+    def __init__(self, cuda: bool) -> None:
+        self._cuda = cuda
+        self._start: Any = None
+        self._done: list[tuple[Any, Any, float]] = []
+
+    def mark(self, end: bool, scale: float) -> None:
+        now: Any = time.monotonic()
+        if self._cuda:
+            now = torch.cuda.Event(enable_timing=True)
+            now.record()
+        if not end:
+            self._start = now
+        elif self._start is not None:
+            self._done = [*self._done[-3:], (self._start, now, scale)]  # a few steps' events at most
+            self._start = None
+
+    def take(self) -> float | None:
+        """The newest step's figure whose time is known, or None."""
+        while self._done:
+            start, end, scale = self._done[-1]
+            if not self._cuda:
+                self._done = []
+                return (end - start) * scale
+            if not end.query():
+                return None
+            self._done = []
+            return start.elapsed_time(end) / 1000 * scale
+        return None

@@ -1,8 +1,19 @@
 """TrainingState: everything a run needs to continue exactly where it stopped.
 
 One `Stateful` object holding the model, optimizer, LR scheduler, grad scaler (optional), the
-step, the data position (global samples consumed) and the configuration that must not change
-across a resume. RNG streams are per rank and travel as the checkpoint's `rank_state`.
+step, the data position (global samples consumed), the data skips in force and the configuration
+that must not change across a resume. RNG streams are per rank and travel as the checkpoint's
+`rank_state`.
+
+Data skips (ranges of global positions never served: `GlobalBatchSchedule(skips=...)`) are never
+forgotten: the state's schedule is the given one with the environment's skips added
+(`FTSUP_DATA_SKIPS`, which the supervisor sets after a rollback), every checkpoint records the
+skips in force (`data_skips` in its metadata), and a resume adds the checkpoint's. Serve the data
+from `state.schedule` after `resume`.
+
+The step guard (`state.guard`, `ftsup.trainer.stepguard`) refuses the update of a step whose loss or
+gradient norm is not finite: `state.clip_and_step(max_norm, loss)` does the whole update, and
+`state.step_guard(loss, grad_norm)` the check alone, before the loop's own `optimizer.step()`.
 
 The configuration (`config=`: a mapping, a `transformers` `PretrainedConfig` or its `to_dict()`, a
 dataclass) is recorded as JSON reads it back (`modelconfig.canonical`), so the same configuration
@@ -11,7 +22,8 @@ always matches itself after a resume; keys that name software versions are never
     state = TrainingState(model, optimizer, scheduler, schedule=schedule, config=model_config)
     state.resume(engine)                  # latest consistent checkpoint, or a fresh start
     ...
-    state.step += 1; state.samples = schedule.position_after(state.step)
+    state.clip_and_step(1.0, loss)        # no update when the loss or the gradient norm is not finite
+    state.step += 1; state.samples = state.schedule.position_after(state.step)
     state.save(engine)                    # async; kind="final"/"emergency" with block=True
 
 Model and optimizer go through `torch.distributed.checkpoint.state_dict`, so the same code
@@ -27,10 +39,13 @@ import structlog
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ftsup.protocol import check_data_skips
 from ftsup.store.errors import CheckpointMismatchError, NoCheckpointError
 from ftsup.trainer import modelconfig, rng
 from ftsup.trainer.checkpoint.engine import CheckpointEngine, LoadResult, SaveHandle, SaveResult
 from ftsup.trainer.data import DataPositionError, GlobalBatchSchedule
+from ftsup.trainer.runtime import runtime
+from ftsup.trainer.stepguard import StepCheck, StepGuard
 
 log = structlog.get_logger("ftsup.trainer")
 
@@ -50,14 +65,28 @@ class TrainingState:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.scaler = scaler
-        self.schedule = schedule
+        self._base_schedule = schedule.with_skips(runtime().env.data_skips)
+        self.schedule = self._base_schedule
+        """The schedule in force: the given one with the environment's and the resumed checkpoint's skips."""
         self.config = modelconfig.canonical(config)  # ConfigError now, not at the first save
+        self.guard = StepGuard(optimizer, scheduler, scaler)
         self.step = 0
         self.samples = 0
+
+    # ------------------------------------------------------------------ the step guard
+
+    def step_guard(self, loss: Any, grad_norm: Any = None) -> StepCheck:
+        """`StepGuard.check`: after backward (and clipping), before `optimizer.step()`."""
+        return self.guard.check(loss, grad_norm)
+
+    def clip_and_step(self, max_norm: float | None, loss: Any) -> StepCheck:
+        """`StepGuard.clip_and_step` over the model's parameters."""
+        return self.guard.clip_and_step(self.model.parameters(), max_norm, loss)
 
     # ------------------------------------------------------------------ Stateful
 
     def state_dict(self) -> dict[str, Any]:
+        self.guard.settle()  # a refused step's scheduler step is not saved
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         sd: dict[str, Any] = {
             "model": model_sd,
@@ -100,6 +129,7 @@ class TrainingState:
             "micro_batch": self.schedule.micro_batch,
             "dataset_size": self.schedule.dataset_size,
             "data_seed": self.schedule.seed,
+            "data_skips": [list(r) for r in self.schedule.skips],
             "config": self.config,
             "components": self._components(),
         }
@@ -137,6 +167,11 @@ class TrainingState:
                 "the checkpoint is from a different configuration: " + "; ".join(diffs),
                 keys=[d.split(":")[0] for d in diffs],
             )
+        try:
+            saved_skips = check_data_skips(meta.get("data_skips", []), "the checkpoint's data_skips")
+        except ValueError as e:
+            raise DataPositionError(str(e)) from None
+        self.schedule = self._base_schedule.with_skips(saved_skips)  # a skip is never forgotten
         if "step" in meta:
             self.schedule.check_position(meta["step"], meta.get("samples"))
 
@@ -152,8 +187,9 @@ class TrainingState:
         """
         try:
             result = engine.load({"train": self}, step=step, at_most=at_most, check=self.check_metadata)
-        except NoCheckpointError as e:
-            if step is not None:
+        except BaseException as e:
+            self.schedule = self._base_schedule  # none loaded: a candidate refused may have set its skips
+            if step is not None or not isinstance(e, NoCheckpointError):
                 raise
             if e.rejected and self.schedule.rank == 0:
                 log.warning("training_started_from_scratch", step=0, unusable=len(e.rejected), reason=str(e))

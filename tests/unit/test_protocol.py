@@ -16,6 +16,7 @@ from ftsup import procs
 from ftsup.protocol import (
     BEAT_VERSION,
     CONTROL_VERSION,
+    DATA_SKIPS_ENV,
     ENV_NAMES,
     MAX_BEAT_BYTES,
     MAX_CONTROL_BYTES,
@@ -28,10 +29,13 @@ from ftsup.protocol import (
     Request,
     RuntimeEnv,
     channel_env,
+    check_data_skips,
     encode_beat,
     encode_control,
+    encode_data_skips,
     parse_beat,
     parse_control,
+    parse_data_skips,
 )
 from ftsup.supervisor.heartbeat import DROP_REASONS
 
@@ -223,6 +227,39 @@ def test_the_channel_the_supervisor_exports_is_what_a_rank_reads():
 def test_no_resume_step_travels_as_empty_and_reads_as_none():
     env = channel_env(heartbeat_socket="s", interval_s=1.0, control_file="c", checkpoint_dir="d", resume_step=None)
     assert RuntimeEnv.from_environ(env).resume_step is None
+
+
+def test_the_data_skips_the_supervisor_exports_are_what_a_rank_reads():
+    skips = ((0, 12), (12, 30), (2**53 - 1, 2**53))
+    assert RuntimeEnv.from_environ({DATA_SKIPS_ENV: encode_data_skips(skips)}).data_skips == skips
+
+
+def test_no_data_skips_read_as_none():
+    assert (RuntimeEnv.from_environ({}).data_skips, RuntimeEnv.from_environ({DATA_SKIPS_ENV: " "}).data_skips) == (
+        (),
+        (),
+    )
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["3", "3:", ":3", "3:3", "5:3", "-1:3", "1:3,", "1:3,,4:5", "1 :3", "1:3;4:5", "4:6,1:3", "1:5,4:6", "0x1:3",
+     "\u0661:\u0663", "1:" + str(2**53 + 1), "1:" + "9" * 17, ",".join(f"{2 * i}:{2 * i + 1}" for i in range(65))],
+)  # fmt: skip
+def test_data_skips_that_are_not_sorted_ranges_of_positions_are_refused_naming_the_variable(value):
+    with pytest.raises(ValueError, match=f"environment variable {DATA_SKIPS_ENV}"):
+        RuntimeEnv.from_environ({DATA_SKIPS_ENV: value})
+
+
+def test_data_skips_longer_than_64_ranges_need_are_refused_before_parsing():
+    with pytest.raises(ValueError, match="characters long"):
+        parse_data_skips("1" * 100_000 + ":2")
+
+
+@pytest.mark.parametrize("value", [[[1, 2.0]], [[True, 2]], [[1, 2, 3]], [1, 2], {"1": 2}, [["1", "2"]], [[2, 1]]])
+def test_data_skips_read_from_json_are_checked_as_strictly(value):
+    with pytest.raises(ValueError, match="the skips"):
+        check_data_skips(value, "the skips")
 
 
 def _string_constants(path: Path) -> list[str]:

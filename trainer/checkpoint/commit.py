@@ -5,7 +5,8 @@ the shard's block checksums and its rank state into `step-N.partial/` and fsyncs
 gathers every rank's file sizes and checksums over the engine's own group, writes
 `dcp_metadata.json` and then `manifest.json`, fsyncs the directory, renames it to `step-N/`
 and fsyncs the parent. A failure on any rank is reported to every rank and the `.partial`
-directory is removed, so the previous checkpoint stays the latest consistent one. A committed
+directory is removed, so the previous checkpoint stays the latest consistent one. A rank whose
+staged copy holds a NaN or an infinity fails the save before writing it (`finite`). A committed
 step is never overwritten (saving it again is a no-op). Rank 0 then applies retention.
 
 Not here: staging (`staging`), the queue and the futures the training loop waits on (`engine`).
@@ -31,6 +32,7 @@ from ftsup.store import checksums, choice, layout
 from ftsup.store.errors import CheckpointError, CheckpointSaveError
 from ftsup.store.retention import RetentionPolicy, apply_retention, claim_spare, remove_dir
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
+from ftsup.trainer.checkpoint.finite import first_nonfinite
 from ftsup.trainer.checkpoint.shardio import write_shard
 from ftsup.trainer.checkpoint.staging import StagingPlan
 
@@ -93,8 +95,10 @@ class Committer:
         retention: RetentionPolicy,
         recycle: bool,
         hook: Hook,
+        check_finite: bool = True,
     ):  # fmt: skip
         self.directory = directory
+        self.check_finite = check_finite
         self.comm = comm
         self.rank = comm.rank
         self.world_size = comm.world_size
@@ -204,6 +208,10 @@ class Committer:
         try:
             if job.cuda_event is not None:
                 job.cuda_event.synchronize()
+            bad = first_nonfinite(job.plan, job.buf) if self.check_finite else None
+            if bad is not None:
+                raise CheckpointSaveError(f"tensor {bad} holds a NaN or an infinity; a checkpoint is never "
+                                          "committed from a state that is not finite")  # fmt: skip
             shard = layout.shard_name(self.rank)
             dest = partial / shard
             reuse = self.recycle and claim_spare(self.directory, dest)

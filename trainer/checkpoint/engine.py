@@ -8,7 +8,8 @@ What happens on `save(step, state)`:
 2. (caller's thread) This rank's chunks are copied into a reused, page-aligned host buffer
    (pinned for CUDA) laid out as the shard file (`staging`). This copy is the only blocking
    part; on CPU it computes the shard's block checksums in the same pass.
-3. (writer thread) The buffer is written as `step-N.partial/shard-RRRRR.safetensors` (O_DIRECT
+3. (writer thread) The buffer is scanned for NaN and infinities (`finite`: a state that holds
+   one is never committed), written as `step-N.partial/shard-RRRRR.safetensors` (O_DIRECT
    where possible), fsynced, and rank 0 commits the checkpoint (`commit`). Any failure removes
    the `.partial` directory, is logged (`checkpoint_save_failed`) and counted (`failed_saves`),
    and is raised by that save's handle (and by `wait`), never by a later `save`: a disk that is
@@ -113,6 +114,10 @@ class CheckpointEngine:
     `recycle`: shard files of checkpoints that retention deletes are kept (one save's worth, in
     `.recycle/`) and written over by the next save, which the filesystem does faster than new
     files (see `retention.RECYCLE_DIRNAME`). False deletes them.
+
+    `check_finite` (default True): a save whose staged state holds a NaN or an infinity in a
+    floating tensor fails, naming the tensor, and nothing is committed (`finite`). False: for a
+    state that holds infinities on purpose (a mask kept as a float buffer).
     """
 
     def __init__(
@@ -125,6 +130,7 @@ class CheckpointEngine:
         o_direct: bool = True,
         recycle: bool = True,
         hook: Hook | None = None,
+        check_finite: bool = True,
     ):
         if max_in_flight < 1:
             raise CheckpointError(f"max_in_flight must be >= 1, got {max_in_flight}")
@@ -138,7 +144,8 @@ class CheckpointEngine:
             self.directory.mkdir(parents=True, exist_ok=True)
         policy = retention if retention is not None else RetentionPolicy()
         self._committer = Committer(
-            self.directory, self._comm, o_direct=o_direct, retention=policy, recycle=recycle, hook=self._hook
+            self.directory, self._comm, o_direct=o_direct, retention=policy, recycle=recycle, hook=self._hook,
+            check_finite=check_finite,
         )  # fmt: skip
         self._plan: staging.StagingPlan | None = None
         self._buffers: list[torch.Tensor | None] = [None] * max_in_flight

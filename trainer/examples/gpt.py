@@ -16,11 +16,21 @@ sample id), and a loss reduced in float64. With these, a resumed run's losses ar
 equal to an uninterrupted run's on the same world size, and equal within float reduction
 order on another world size.
 
-`--fault KIND@STEP` injects a failure on rank `--fault-rank` for tests and demos: `kill`
-(SIGKILL after step STEP), `kill-in-save` (SIGKILL in the background writer while step
-STEP's checkpoint is being written), `exit` (exit code 3 after step STEP), `stop` (SIGSTOP
-itself after step STEP: a hang). "After step STEP" is after its heartbeat, its periodic save and
-the supervisor's requests, when step STEP + 1 begins (so STEP < --steps).
+Each step's update goes through the Session's step guard (`clip_and_step`: clipping to
+`--clip-grad-norm`, or none, measuring the norm only): a step whose loss or gradient norm is not
+finite applies no update, its heartbeat says `step_skipped` and its loss-log line has
+`"step_skipped": true`. Data skips (`FTSUP_DATA_SKIPS`, or `--skip A:B,C:D` for a fresh run told to
+skip) are never served.
+
+`--fault` injects a failure for tests and demos (`ftsup.trainer.examples.faults`): on rank
+`--fault-rank`, `kill@STEP` (SIGKILL after step STEP), `kill-in-save@STEP` (SIGKILL in the
+background writer while step STEP's checkpoint is being written), `exit@STEP` (exit code 3 after
+step STEP), `stop@STEP` (SIGSTOP itself after step STEP: a hang); "after step STEP" is after its
+heartbeat, its periodic save and the supervisor's requests, when step STEP + 1 begins (so STEP <
+--steps). `slow@RANK:FACTOR`: rank RANK's micro-batches take FACTOR times as long (a straggler).
+Numbers that go wrong, keyed to the data positions of the steps named, in every attempt:
+`nan@STEP[:RANK]` (that rank's loss is NaN) and `spike@STEP:LEN` (poisoned samples that drive the
+loss far up until they are skipped).
 
 A periodic save that fails (a full or read-only store) is logged by the engine
 (`checkpoint_save_failed`) and training goes on; the previous checkpoint stays the resume point.
@@ -45,9 +55,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ftsup import CheckpointEngine, RetentionPolicy, Session, runtime
-from ftsup.protocol import CHECKPOINT_DIR_ENV
+from ftsup.protocol import CHECKPOINT_DIR_ENV, parse_data_skips
 from ftsup.trainer.checkpoint import CheckpointError, CheckpointSaveError
 from ftsup.trainer.data import DataConfigError
+from ftsup.trainer.examples import faults
 from ftsup.trainer.examples.corpus import TokenWindows, generate
 
 # ---------------------------------------------------------------------- model
@@ -148,7 +159,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="block each periodic save this much longer (tests of long saves; no effect on the math)",
     )
-    p.add_argument("--fault", default="", help="KIND@STEP: kill, kill-in-save or exit")
+    p.add_argument("--clip-grad-norm", type=float, help="clip the gradients to this norm (default: no clipping)")
+    p.add_argument("--skip", default="", help="A:B,C:D: global data positions never served (with FTSUP_DATA_SKIPS)")
+    p.add_argument("--fault", default="", help="kill@STEP, kill-in-save@STEP, exit@STEP, stop@STEP, "
+                   "nan@STEP[:RANK], spike@STEP:LEN or slow@RANK:FACTOR")  # fmt: skip
     p.add_argument("--fault-rank", type=int, default=0)
     p.add_argument(
         "--fault-attempt",
@@ -159,6 +173,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.ckpt_dir:
         p.error("--ckpt-dir is required (or set FTSUP_CHECKPOINT_DIR)")
+    try:
+        args.skip = parse_data_skips(args.skip, "--skip")
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
@@ -192,29 +210,13 @@ def _wrap(model: nn.Module, args: argparse.Namespace, world: int, device: torch.
     return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
-def _fault(args: argparse.Namespace, rank: int, attempt: int) -> tuple[str, int]:
-    if not args.fault or (args.fault_attempt >= 0 and attempt not in (0, args.fault_attempt)):
-        return "", -1
-    kind, _, at = args.fault.partition("@")
-    if kind not in ("kill", "kill-in-save", "exit", "stop") or not at.isdigit():
-        raise SystemExit(f"--fault must be KIND@STEP with KIND kill, kill-in-save, exit or stop; got {args.fault!r}")
-    return (kind, int(at)) if rank == args.fault_rank else ("", -1)
-
-
-def _inject(fault: str) -> int | None:
-    """The fault of `--fault`, after its step: an exit status to return, or nothing (a signal)."""
-    if fault == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if fault == "stop":  # a hang: alive, silent, holding its peers
-        os.kill(os.getpid(), signal.SIGSTOP)
-    return 3 if fault == "exit" else None
-
-
 def train(args: argparse.Namespace) -> int:
     rt = runtime()
     rt.beat(rt.env.resume_step or 0, "init")
     rank, world, device = _setup(args)
-    fault, fault_step = _fault(args, rank, rt.env.attempt)
+    fault = faults.parse(args.fault, args.fault_rank, rt.env.attempt, args.fault_attempt)
+    kind, fault_step = fault.process_fault(rank)
+    poison = faults.Poison(fault, args.global_batch, args.seed, rank)
     dataset = TokenWindows(generate(args.corpus_bytes), args.seq_len)
     config = {
         "vocab": 256, "seq_len": args.seq_len, "n_layer": args.n_layer, "n_head": args.n_head,
@@ -227,7 +229,7 @@ def train(args: argparse.Namespace) -> int:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(args.warmup, args.steps))
 
     def hook(point: str, step: int) -> None:
-        if fault == "kill-in-save" and point == "shard_written" and step == fault_step:
+        if kind == "kill-in-save" and point == "shard_written" and step == fault_step:
             os.kill(os.getpid(), signal.SIGKILL)
         if args.save_delay_s > 0 and point == "staged" and step % args.ckpt_every == 0 and step < args.steps:
             time.sleep(args.save_delay_s)  # a periodic save that blocks this much longer, in phase save
@@ -235,14 +237,14 @@ def train(args: argparse.Namespace) -> int:
     engine = CheckpointEngine(args.ckpt_dir, retention=RetentionPolicy(keep_last=args.keep_last), hook=hook)
     session = Session(model, optimizer, scheduler, dataset, global_batch=args.global_batch, seed=args.seed,
                       micro_batch=args.micro_batch, config=config, save_every=args.ckpt_every, engine=engine,
-                      num_workers=args.num_workers)  # fmt: skip
+                      num_workers=args.num_workers, skip=args.skip)  # fmt: skip
     loss_log = open(args.loss_log, "a") if args.loss_log and rank == 0 else None  # noqa: SIM115
     sample_log = open(args.sample_log.replace("{rank}", str(rank)), "a") if args.sample_log else None  # noqa: SIM115
     first = session.step + 1
     try:
         for step in session.steps(args.steps):
             if step - 1 == fault_step and step > first:  # after step STEP, its save and the requests it read
-                code = _inject(fault)
+                code = faults.inject(kind)
                 if code is not None:
                     return code
             model.train()
@@ -250,21 +252,21 @@ def train(args: argparse.Namespace) -> int:
             total = torch.zeros((), dtype=torch.float64, device=device)
             ids_now: list[int] = []
             for ids, tokens in session.micro_batches():
-                want = session.micro_batch.sample_ids if session.micro_batch else ()
+                t_micro = time.monotonic()
+                mb = session.micro_batch
+                want = mb.sample_ids if mb else ()
                 if tuple(ids.tolist()) != want:
                     raise RuntimeError(f"data loader out of step at step {step}: {ids.tolist()} != {want}")
                 ids_now += want
-                tokens = tokens.to(device)
-                loss = model(tokens[:, :-1], tokens[:, 1:])
+                positions = mb.positions if mb else ()
+                tokens = poison.tokens(positions, tokens).to(device, non_blocking=True)  # no wait: one per step
+                loss = poison.loss(positions, model(tokens[:, :-1], tokens[:, 1:]))
                 (loss / session.accumulation_steps).backward()
                 total += loss.detach().double()
-            if world > 1:
-                dist.all_reduce(total)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            mean = float(total.item()) / session.schedule.micro_batches_per_step
-            session.report(loss=mean)
+                poison.slow_down(time.monotonic() - t_micro)
+            # this rank's loss; the guard's one copy to the host brings it and the mean over the ranks
+            check = session.clip_and_step(args.clip_grad_norm, total / session.accumulation_steps)
+            mean = check.mean_loss
             if loss_log is not None:
                 line = {
                     "step": step,
@@ -273,6 +275,8 @@ def train(args: argparse.Namespace) -> int:
                     "world_size": world,
                     "samples": session.schedule.position_after(step),
                 }
+                if check.refused:
+                    line["step_skipped"] = True
                 loss_log.write(json.dumps(line) + "\n")
                 loss_log.flush()
             if sample_log is not None:

@@ -6,7 +6,7 @@
 A tiny GPT-2 (`transformers`, built from a config: no downloads) trained with DDP on gloo, AdamW,
 cosine warmup, gradient clipping, dropout and gradient accumulation on text it generates, with
 a periodic evaluation on held-out text. Rank 0 appends one JSON line per optimizer step to
-`--loss-log`: `{"step", "loss", "loss_hex", "world_size", "samples"}`, and prints one per
+`--loss-log`: `{"step", "loss", "loss_hex", "world_size", "samples", "grad_norm"}`, and prints one per
 evaluation. `--min-eval-s` pads each evaluation to at least that long (as a larger held-out set
 would; no effect on the math).
 
@@ -102,7 +102,7 @@ def main() -> None:
             (loss / accum).backward()
             total += loss.detach().double()
             ids += batch["id"].tolist()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
@@ -110,7 +110,9 @@ def main() -> None:
         mean = float(total) / (accum * world)
         if loss_log:
             line = {"step": step, "loss": mean, "loss_hex": mean.hex(), "world_size": world}
-            loss_log.write(json.dumps(line | {"samples": step * args.global_batch}) + "\n")
+            loss_log.write(
+                json.dumps(line | {"samples": step * args.global_batch, "grad_norm": float(grad_norm)}) + "\n"
+            )
             loss_log.flush()
         if sample_log:
             sample_log.write(json.dumps({"step": step, "rank": rank, "ids": ids}) + "\n")

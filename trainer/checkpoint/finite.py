@@ -1,0 +1,45 @@
+"""The finiteness check of a staged save: no checkpoint is committed from a state holding NaN or inf.
+
+A checkpoint is what a rollback returns to: one that holds a non-finite floating tensor (weights
+or optimizer moments a NaN reached) would bring the anomaly back on every resume. So the writer
+thread scans the staged copy (the buffer laid out as the shard file, after a CUDA copy has
+landed) before it writes, and a rank that finds a non-finite value fails the save naming the
+tensor, which fails it on every rank (the commit protocol's gather): nothing is written, the
+previous checkpoint stays the latest.
+
+The scan is one `aminmax` per floating chunk (NaN propagates to both, an infinity shows as one),
+which reads the buffer once at memory speed and allocates nothing of the tensor's size; dtypes
+aminmax does not take (float8, complex) are converted a piece at a time. It runs in the writer
+thread, off the training loop's critical path. Not here: staging (`staging`), writing (`commit`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ftsup.trainer.checkpoint.staging import StagingPlan
+
+_PIECE = 1 << 20  # elements converted at once for the dtypes aminmax does not take
+
+
+def first_nonfinite(plan: StagingPlan, buf: torch.Tensor) -> str | None:
+    """The name (`fqn@offsets`) of the first chunk in `buf` holding a NaN or an infinity, or None."""
+    for slot in plan.layout.slots:
+        if slot.nbytes == 0 or not (slot.dtype.is_floating_point or slot.dtype.is_complex):
+            continue
+        values = buf[slot.byte_offset : slot.byte_offset + slot.nbytes].view(slot.dtype)
+        if not _finite(values):
+            return slot.name
+    return None
+
+
+def _finite(values: torch.Tensor) -> bool:
+    if values.dtype.is_complex:
+        values = torch.view_as_real(values).reshape(-1)
+    try:
+        low, high = torch.aminmax(values)
+        return math.isfinite(float(low)) and math.isfinite(float(high))
+    except (NotImplementedError, RuntimeError):  # float8 and kin: no aminmax kernel
+        return all(bool(torch.isfinite(piece.float()).all()) for piece in values.split(_PIECE))
