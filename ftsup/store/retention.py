@@ -41,9 +41,11 @@ class RetentionPolicy:
     keep_every: int | None = None
     """Also keep every checkpoint whose step is a multiple of this (None: none extra)."""
     keep_older_than_steps: int = 0
-    """Also keep the newest checkpoint at least this many steps older than the latest (0: none
-    extra): a rollback to before an anomaly needs a checkpoint from before its onset, which keep_last
-    alone would have deleted by the time the anomaly is detected."""
+    """Also keep the newest checkpoint at least this many steps older than the latest, at every
+    moment (0: none extra): a rollback to before an anomaly needs a checkpoint from before its
+    onset, which keep_last alone would have deleted by the time the anomaly is detected. Each
+    checkpoint younger than that becomes it in turn as the run goes on, so those are kept too: the
+    cost is about keep_older_than_steps / the checkpoint interval checkpoints more, plus one."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.keep_last, int) or self.keep_last < 1:
@@ -89,8 +91,10 @@ def retention_victims(
     if policy.keep_every:
         keep.update(s for s in consistent if s % policy.keep_every == 0)
     if policy.keep_older_than_steps and consistent:
-        old_enough = [s for s in consistent if s <= consistent[-1] - policy.keep_older_than_steps]
+        cut = consistent[-1] - policy.keep_older_than_steps
+        old_enough = [s for s in consistent if s <= cut]
         keep.update(old_enough[-1:])
+        keep.update(s for s in consistent if s > cut)  # each becomes the one old enough later
     return [s for s in consistent if s not in keep]
 
 

@@ -253,10 +253,21 @@ def _steps(root: Path) -> list[int]:
     return [s for s, _ in layout.committed_dirs(root)]
 
 
-def test_history_keeps_the_newest_checkpoint_at_least_that_many_steps_older_than_the_latest() -> None:
+def test_history_keeps_the_newest_checkpoint_at_least_that_many_steps_older_than_the_latest_and_all_younger() -> None:
     steps = [(s, True) for s in range(10, 110, 10)]
-    policy = retention.RetentionPolicy(keep_last=2, keep_older_than_steps=35)
-    assert retention.retention_victims(steps, policy) == [10, 20, 30, 40, 50, 70, 80]
+    policy = retention.RetentionPolicy(keep_last=1, keep_older_than_steps=35)
+    assert retention.retention_victims(steps, policy) == [10, 20, 30, 40, 50]
+
+
+def test_history_holds_at_every_step_of_a_run() -> None:
+    policy = retention.RetentionPolicy(keep_last=2, keep_older_than_steps=5)
+    kept: list[int] = []
+    oldest_enough = []
+    for step in range(1, 31):
+        kept.append(step)
+        kept = [s for s in kept if s not in retention.retention_victims(((s, True) for s in kept), policy)]
+        oldest_enough.append(max((s for s in kept if s <= step - 5), default=None))
+    assert oldest_enough == [None] * 5 + list(range(1, 26))
 
 
 def test_history_of_zero_keeps_nothing_extra() -> None:
@@ -266,8 +277,8 @@ def test_history_of_zero_keeps_nothing_extra() -> None:
 
 def test_history_counts_from_the_latest_consistent_checkpoint() -> None:
     steps = [(10, True), (20, True), (30, True), (40, True), (50, False)]
-    policy = retention.RetentionPolicy(keep_last=1, keep_older_than_steps=20)
-    assert retention.retention_victims(steps, policy) == [10, 30]
+    policy = retention.RetentionPolicy(keep_last=1, keep_older_than_steps=25)
+    assert retention.retention_victims(steps, policy) == []  # from 50 it would have let 10 go
 
 
 def test_pinned_steps_are_never_victims() -> None:
@@ -348,4 +359,4 @@ def test_apply_retention_keeps_the_history_the_policy_asks_for(tmp_path: Path) -
         make_fake_checkpoint(tmp_path, step, default_files(step))
     policy = retention.RetentionPolicy(keep_last=2, keep_older_than_steps=4)
     retention.apply_retention(tmp_path, policy, protect={10})
-    assert _steps(tmp_path) == [6, 9, 10]
+    assert _steps(tmp_path) == [6, 7, 8, 9, 10]
