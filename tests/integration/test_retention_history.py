@@ -15,18 +15,18 @@ from ftsup.trainer.checkpoint import CheckpointEngine, CheckpointError, Retentio
 from ftsup.trainer.checkpoint.stateful import ModelOptimState
 
 
-def make_state() -> ModelOptimState:
+def make_state() -> tuple[ModelOptimState, torch.nn.Linear]:
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
-    return ModelOptimState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return ModelOptimState(model, torch.optim.SGD(model.parameters(), lr=0.1)), model
 
 
 def train(root: Path, steps: int, *, pin_at: int | None = None, retention: RetentionPolicy | None = None) -> None:
-    state = make_state()
+    state, model = make_state()
     with CheckpointEngine(root, retention=retention) as eng:
         for step in range(1, steps + 1):
             with torch.no_grad():
-                state.model.weight.add_(1.0)
+                model.weight.add_(1.0)
             eng.save(step, {"app": state}, block=True)
             if step == pin_at:
                 assert main(["ckpt", "pin", str(root), "--step", str(step), "--reason", "test"]) == 0
@@ -55,7 +55,7 @@ def test_the_default_retention_keeps_the_history_the_environment_asks_for(
 
 
 def test_an_unpinned_checkpoint_goes_with_the_next_commit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    state = make_state()
+    state, _ = make_state()
     with CheckpointEngine(tmp_path, retention=RetentionPolicy(keep_last=1)) as eng:
         eng.save(1, {"app": state}, block=True)
         pins.pin(tmp_path, 1, who="op", reason="", now=1.0)
