@@ -10,6 +10,7 @@ Subcommands (DESIGN.md, Contracts: their names, flags and JSON shapes change onl
     ftsup bench checkpoint ...                         delegated to `ftsup.trainer.bench`
     ftsup bench recovery ...                           `ftsup.supervisor.bench.recovery` (torch-free)
     ftsup bench eviction ...                           `ftsup.supervisor.bench.eviction` (torch-free)
+    ftsup bench anomaly ...                            `ftsup.supervisor.bench.anomaly` (torch-free)
     ftsup demo [--dir DIR] [--steps N] [--json FILE]   `ftsup.supervisor.faults.demo`: faults injected, bitwise check
 
 Exit statuses: 0 success; 1 the command ran and found a problem (verify: not consistent), or an
@@ -293,6 +294,8 @@ def _build_bench(bench: argparse.ArgumentParser, rest: Sequence[str]) -> None:
         Command("eviction", "steps lost per eviction: ftsup's emergency saves vs periodic checkpoints only",
                 _build_bench_eviction),
         Command("checkpoint", "checkpoint save/load throughput", _build_bench_checkpoint),
+        Command("anomaly", "nan/spike faults: detection delay, rollback vs crash recovery, false positives",
+                _build_bench_anomaly),
     ]  # fmt: skip
     _add_commands(bench, benchmarks, rest, dest="bench_command", metavar="BENCHMARK")
 
@@ -310,6 +313,13 @@ def _build_bench_eviction(p: argparse.ArgumentParser, rest: Sequence[str]) -> No
     p.description, p.formatter_class = eviction.__doc__, argparse.RawDescriptionHelpFormatter
     eviction.add_arguments(p)
     p.set_defaults(handler=eviction.run)
+
+
+def _build_bench_anomaly(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
+    from ftsup.supervisor.bench import anomaly
+
+    anomaly.add_arguments(p)
+    p.set_defaults(handler=anomaly.run)
 
 
 def _build_bench_checkpoint(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
