@@ -44,7 +44,7 @@ RESUME_STEP_ENV = "FTSUP_RESUME_STEP"  # empty: no checkpoint to resume from
 ATTEMPT_ENV = "FTSUP_ATTEMPT"  # this and the next two are the attempt's mark (`ftsup.procs.Mark`)
 RUN_ID_ENV = "FTSUP_RUN_ID"
 NODE_ID_ENV = "FTSUP_NODE_ID"
-KEEP_OLDER_THAN_STEPS_ENV = "FTSUP_KEEP_OLDER_THAN_STEPS"  # read by the engine's retention (`RetentionPolicy`)
+KEEP_OLDER_THAN_STEPS_ENV = "FTSUP_KEEP_OLDER_THAN_STEPS"  # the history a rollback needs, for the engine's retention
 ENV_NAMES = (HEARTBEAT_SOCKET_ENV, HEARTBEAT_INTERVAL_ENV, CONTROL_FILE_ENV, CHECKPOINT_DIR_ENV, RESUME_STEP_ENV,
              ATTEMPT_ENV, RUN_ID_ENV, NODE_ID_ENV, GUARD_PARENT_ENV, GUARD_IGNORE_ENV)  # fmt: skip
 """Every variable of ours a rank's environment holds."""

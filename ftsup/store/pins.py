@@ -103,12 +103,12 @@ def parse_pin_name(name: str) -> int | None:
 
 
 def operator() -> str:
-    """Who is asking, as pins and the journal record it: `user@host pid`."""
+    """Who is asking, as pins and the journal record it: `user@host pid N`."""
     try:
         user = getpass.getuser()
     except (KeyError, OSError):  # no passwd entry for this uid (a container)
-        user = f"uid{os.getuid()}"
-    return f"{user}@{socket.gethostname()} {os.getpid()}"
+        user = f"uid {os.getuid()}"
+    return f"{user}@{socket.gethostname()} pid {os.getpid()}"
 
 
 def parse_pin(raw: bytes, where: str, *, step: int | None = None) -> Pin:
