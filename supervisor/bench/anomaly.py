@@ -1,7 +1,8 @@
 """`ftsup bench anomaly`: how fast the training-health detectors catch numbers that go wrong, what a
 rollback costs against a crash recovery, and whether a normal run raises any alarm.
 
-    ftsup bench anomaly [--json FILE] [--dir DIR] [--repeats N] [--clean-runs N] [--clean-steps N]
+    ftsup bench anomaly [--json FILE] [--dir DIR] [--scenarios nan,spike,kill,slow,clean] [--repeats N]
+                        [--clean-runs N] [--clean-steps N] [--fault-step N] [--spike-len N] [--slow-factor F]
 
 Every run is the demo's job (`faults.refjob.TrainerJob`: the reference trainer on 2 CPU ranks, a
 checkpoint every 5 steps, steps padded to --min-step-s) under `ftsup run` with the default
@@ -13,6 +14,9 @@ checkpoint every 5 steps, steps padded to --min-step-s) under `ftsup run` with t
 - `spike`: `--fault spike@STEP:LEN` (poisoned samples drive the loss up from STEP on). delay_steps as
   for nan (target: at most `anomaly.loss_patience_steps`); onset_error = its `onset_step` - STEP.
 - `kill`: `--fault kill@STEP`: the crash recovery a rollback is compared with.
+- `slow`: `--fault slow@1:FACTOR` (rank 1 FACTOR x slower from the start; steps not padded, so that
+  the padding cannot hide it): reported_step = the step of its `straggler_detected` (target: at
+  most 20), and the job must finish without a failure event (a straggler, not a hang).
 - `clean`: --clean-runs runs of --clean-steps steps without a fault: every `anomaly_detected`,
   `straggler_detected`, `throughput_drift_detected` or `rollback_started` is a false positive
   (target: 0).
@@ -40,7 +44,9 @@ from typing import Any
 
 from ftsup.supervisor.faults import chaos, refjob
 
-SCENARIOS = ("nan", "spike", "kill", "clean")
+SCENARIOS = ("nan", "spike", "kill", "slow", "clean")
+STRAGGLER_WITHIN_STEPS = 20
+FIGURES = ("delay_steps", "onset_error", "rollback_s", "detect_to_first_step_s", "recover_s", "load_s", "reported_step")
 ALARMS = ("anomaly_detected", "straggler_detected", "throughput_drift_detected", "rollback_started")
 RUN_TIMEOUT_S = 600.0
 
@@ -60,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clean-steps", type=_positive, default=300, help="steps of each clean run, default 300")
     p.add_argument("--fault-step", type=_positive, default=40, help="the step the faults hit, default 40")
     p.add_argument("--spike-len", type=_positive, default=5, help="steps of poisoned samples, default 5")
+    p.add_argument("--slow-factor", type=float, default=3.0, help="how much slower the straggler is, default 3")
     p.add_argument("--steps", type=_positive, default=80, help="steps of each faulted run, default 80")
     p.add_argument("--min-step-s", type=float, default=0.05, help="the trainer's minimum step time, default 0.05")
 
@@ -115,6 +122,16 @@ def crash(events: Sequence[chaos.LogEvent]) -> dict[str, Any]:
     return out
 
 
+def straggler(events: Sequence[chaos.LogEvent]) -> dict[str, Any]:
+    """What a slowed rank caused: its first `straggler_detected`, and any failure (it must not be killed)."""
+    out: dict[str, Any] = {"failures": [e.event for e in events if e.event in chaos.FAILURE_EVENTS]}
+    found = chaos.first_event(events, ["straggler_detected"], float("-inf"))
+    if found is not None:
+        out.update(reported_step=found.fields.get("step"), rank=found.fields.get("rank"),
+                   ratio=found.fields.get("ratio"))  # fmt: skip
+    return out
+
+
 def alarms(events: Sequence[chaos.LogEvent]) -> list[dict[str, Any]]:
     """Every alarm a clean run raised (each one a false positive)."""
     return [{"event": e.event, **{k: e.fields.get(k) for k in ("kind", "step", "rank", "value", "threshold")}}
@@ -124,7 +141,7 @@ def alarms(events: Sequence[chaos.LogEvent]) -> list[dict[str, Any]]:
 def summarize(name: str, runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One result row: medians over `runs` (each a dict of `incident`, `crash` or clean figures plus "exit")."""
     row: dict[str, Any] = {"name": name, "runs": len(runs), "exits": [r.get("exit") for r in runs]}
-    for key in ("delay_steps", "onset_error", "rollback_s", "detect_to_first_step_s", "recover_s", "load_s"):
+    for key in FIGURES:
         values = [r.get(key) for r in runs]
         if any(v is not None for v in values):
             row[key] = chaos.median(values)
@@ -163,6 +180,12 @@ def checks(rows: Sequence[dict[str, Any]], patience: int | None) -> dict[str, di
         ok = None if rollback is None or budget is None else rollback <= budget
         out["rollback_within_crash_recovery_plus_load"] = {"pass": ok, "rollback_s": rollback, "recover_s": recover,
                                                            "load_s": load}  # fmt: skip
+    if "slow" in by:
+        late = worst("slow", "reported_step")
+        killed = sum(len(s.get("failures", [])) for s in by["slow"]["samples"])
+        ok = late is not None and late <= STRAGGLER_WITHIN_STEPS and killed == 0
+        out["straggler_reported_and_not_killed"] = {"pass": ok, "max_reported_step": late, "failures": killed,
+                                                    "within_steps": STRAGGLER_WITHIN_STEPS}  # fmt: skip
     if "clean" in by:
         fp = by["clean"]["false_positives"]
         out["no_false_positives"] = {"pass": fp == 0, "false_positives": fp, "runs": by["clean"]["runs"]}
@@ -176,14 +199,17 @@ def checks(rows: Sequence[dict[str, Any]], patience: int | None) -> dict[str, di
 
 def _fault_args(name: str, args: argparse.Namespace) -> list[str]:
     at = args.fault_step
-    fault = {"nan": f"nan@{at}", "spike": f"spike@{at}:{args.spike_len}", "kill": f"kill@{at}"}[name]
-    return ["--fault", fault, "--fault-rank", "1", "--fault-attempt", "-1" if name != "kill" else "1"]
+    fault = {"nan": f"nan@{at}:1", "spike": f"spike@{at}:{args.spike_len}", "kill": f"kill@{at}",
+             "slow": f"slow@1:{args.slow_factor:g}"}[name]  # fmt: skip
+    # nan and spike are keyed to data positions, in every attempt; kill only in the first, so the relaunch runs on.
+    return ["--fault", fault, "--fault-rank", "1", "--fault-attempt", "1" if name == "kill" else "-1"]
 
 
 def _one_run(root: Path, name: str, i: int, args: argparse.Namespace) -> dict[str, Any]:
     clean = name == "clean"
     job = refjob.TrainerJob(root / f"{name}-{i}", refjob.new_run_id(f"anomaly-{name}"),
-                            steps=args.clean_steps if clean else args.steps, min_step_s=args.min_step_s,
+                            steps=args.clean_steps if clean else args.steps,
+                            min_step_s=0.0 if name == "slow" else args.min_step_s,
                             extra_args=() if clean else tuple(_fault_args(name, args)))  # fmt: skip
     job.write_config()
     proc = refjob.start_supervisor(job, "run")
@@ -195,6 +221,9 @@ def _one_run(root: Path, name: str, i: int, args: argparse.Namespace) -> dict[st
     got: dict[str, Any] = {"exit": code, "dir": str(job.root)}
     if clean:
         got["alarms"] = alarms(events)
+        return got
+    if name == "slow":
+        got.update(straggler(events))
         return got
     got.update(crash(events) if name == "kill" else incident(events, args.fault_step))
     if isinstance(got.get("attempt"), int):
@@ -240,8 +269,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def table(out: dict[str, Any]) -> str:
-    head = ("name", "runs", "delay_steps", "onset_error", "rollback_s", "recover_s", "load_s", "false_positives",
-            "note")  # fmt: skip
+    head = ("name", "runs", "delay_steps", "onset_error", "rollback_s", "recover_s", "load_s", "reported_step",
+            "false_positives", "note")  # fmt: skip
     rows = [head] + [tuple(_fmt(r.get(k)) for k in head) for r in out["results"]]
     widths = [max(len(r[c]) for r in rows) for c in range(len(head) - 1)]
     lines = ["", *("  ".join(r[c].ljust(w) for c, w in enumerate(widths)) + "  " + r[-1] for r in rows), "", "checks:"]

@@ -55,8 +55,9 @@ def rows(**overrides: Any) -> list[dict[str, Any]]:
     nan = [{"exit": 0, "delay_steps": 0, "rollback_s": 3.0, "load_s": 0.5}] * 3
     spike = [{"exit": 0, "delay_steps": 4, "rollback_s": 3.2, "load_s": 0.5}] * 3
     kill = [{"exit": 0, "recover_s": 3.0}] * 3
+    slow = [{"exit": 0, "reported_step": 12, "failures": []}] * 3
     clean = [{"exit": 0, "alarms": []}] * 3
-    runs = {"nan": nan, "spike": spike, "kill": kill, "clean": clean, **overrides}
+    runs = {"nan": nan, "spike": spike, "kill": kill, "slow": slow, "clean": clean, **overrides}
     return [anomaly.summarize(name, r) for name, r in runs.items()]
 
 
@@ -65,6 +66,7 @@ def test_targets_met_pass_every_check() -> None:
         "nan_detected_on_its_step": True,
         "spike_detected_within_patience": True,
         "rollback_within_crash_recovery_plus_load": True,
+        "straggler_reported_and_not_killed": True,
         "no_false_positives": True,
         "every_job_finished": True,
     }
@@ -88,6 +90,26 @@ def test_a_rollback_slower_than_crash_recovery_plus_load_fails() -> None:
     slow = [{"exit": 0, "delay_steps": 0, "rollback_s": 4.0, "load_s": 0.5}]
     check = anomaly.checks(rows(nan=slow, spike=slow), patience=4)["rollback_within_crash_recovery_plus_load"]
     assert (check["pass"], check["rollback_s"], check["recover_s"], check["load_s"]) == (False, 4.0, 3.0, 0.5)
+
+
+def test_a_straggler_reported_after_20_steps_fails_its_check() -> None:
+    late = [{"exit": 0, "reported_step": 21, "failures": []}]
+    assert anomaly.checks(rows(slow=late), patience=4)["straggler_reported_and_not_killed"]["pass"] is False
+
+
+def test_a_straggler_killed_as_a_hang_fails_its_check() -> None:
+    killed = [{"exit": 0, "reported_step": 12, "failures": ["heartbeat_timed_out"]}]
+    assert anomaly.checks(rows(slow=killed), patience=4)["straggler_reported_and_not_killed"]["pass"] is False
+
+
+def test_a_slowed_rank_is_read_as_its_first_report_and_every_failure() -> None:
+    events = [
+        ev(1.0, "straggler_detected", rank=1, ratio=2.9, steps=10, step=14),
+        ev(2.0, "straggler_detected", rank=1, ratio=3.1, steps=10, step=30),
+        ev(3.0, "heartbeat_timed_out"),
+    ]
+    assert anomaly.straggler(events) == {"failures": ["heartbeat_timed_out"], "reported_step": 14, "rank": 1,
+                                         "ratio": 2.9}  # fmt: skip
 
 
 def test_one_alarm_in_a_clean_run_fails_no_false_positives() -> None:
