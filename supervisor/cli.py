@@ -6,6 +6,7 @@ Subcommands (DESIGN.md, Contracts: their names, flags and JSON shapes change onl
     ftsup config check [JOB.yaml] [FLAGS] [-- CMD]     the config `ftsup run` would run, checked; nothing started
     ftsup ckpt list DIR [--json] [--deep]              every committed checkpoint, oldest first (`cli_ckpt`)
     ftsup ckpt verify DIR [--step N] [--deep] [--json] one checkpoint (default: the newest)
+    ftsup ckpt show DIR [--step N] [--json]            one checkpoint: manifest, trainer metadata, pin
     ftsup ckpt pin|unpin DIR --step N [--reason TEXT]  kept whatever the retention policy, journaled
     ftsup bench checkpoint ...                         delegated to `ftsup.trainer.bench`
     ftsup bench recovery ...                           `ftsup.supervisor.bench.recovery` (torch-free)
@@ -256,7 +257,7 @@ def _build_ckpt(ckpt: argparse.ArgumentParser, rest: Sequence[str]) -> None:
     p.add_argument("--deep", action="store_true", help="also verify every checksum (reads all)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cli_ckpt.cmd_verify)
-    cli_ckpt.add_pin_commands(actions, _step_number)
+    cli_ckpt.add_commands(actions, _step_number)  # show, pin, unpin
 
     p = actions.add_parser(
         "export-hf",

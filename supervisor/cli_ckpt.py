@@ -1,9 +1,10 @@
-"""`ftsup ckpt list|verify|pin|unpin`: what a checkpoint store holds, as a table or as JSON; pins.
+"""`ftsup ckpt list|verify|show|pin|unpin`: what a checkpoint store holds, as a table or as JSON; pins.
 
 Part of the `ftsup` command line (`ftsup.supervisor.cli` registers the commands; the exit statuses are its;
-`add_pin_commands` adds pin and unpin with their flags). Torch-free: it prints what `ftsup.store.layout` and
-`ftsup.store.pins` find and decides nothing itself; a pin or unpin is logged (`checkpoint_pinned`,
-`checkpoint_unpinned`, with who and why) and journaled in the store by `pins`.
+`add_commands` adds show, pin and unpin with their flags). `show` prints one checkpoint's manifest, its trainer
+metadata (the data skips in force when it was saved among them) and its pin. Torch-free: it prints what
+`ftsup.store.layout` and `ftsup.store.pins` find and decides nothing itself; a pin or unpin is logged
+(`checkpoint_pinned`, `checkpoint_unpinned`, with who and why) and journaled in the store by `pins`.
 """
 
 from __future__ import annotations
@@ -56,8 +57,57 @@ def cmd_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def add_pin_commands(actions: Any, step_number: Callable[[str], int]) -> None:
-    """`ftsup ckpt pin` and `unpin` on the subcommands `actions` of `ftsup ckpt`."""
+def cmd_show(args: argparse.Namespace) -> int:
+    root = _checkpoint_root(args.dir)
+    committed = dict(layout.committed_dirs(root))
+    if args.step is None and not committed:
+        raise NoCheckpointError(f"no committed checkpoint under {root}")
+    if args.step is not None and args.step not in committed:
+        raise NoCheckpointError(_no_step_message(root, args.step))
+    path = committed[max(committed) if args.step is None else args.step]
+    manifest, problems = layout.check_checkpoint(path)
+    step = manifest.step if manifest else layout.parse_step_dirname(path.name)
+    pinset = pins.read_pins(root)
+    pin = next((p for p in pinset.pins if p.step == step), None)
+    meta = dict(manifest.metadata) if manifest else {}
+    shown = {
+        "path": str(path), "step": step, "consistent": manifest is not None and not problems,
+        "problems": [str(p) for p in problems], "kind": manifest.kind if manifest else None,
+        "world_size": manifest.world_size if manifest else None,
+        "created_unix": manifest.created_unix if manifest else None,
+        "files": len(manifest.files) if manifest else None,
+        "bytes": sum(e.size for e in manifest.files.values()) if manifest else None,
+        "data_skips": meta.get("data_skips", []), "pinned": step in pinset.kept,
+        "pin": pin.to_json() if pin else None, "metadata": meta,
+    }  # fmt: skip
+    if args.json:
+        print_json(shown)
+        return EXIT_OK
+    for key in ("path", "step", "consistent", "kind", "world_size", "files", "bytes", "data_skips", "pinned"):
+        value = shown[key]
+        print(f"{key}: {_human_bytes(value) if key == 'bytes' and isinstance(value, int) else value}")
+    print(f"created: {_utc(shown['created_unix'])} UTC")
+    if pin is not None:
+        print(f"pin: by {pin.who} at {_utc(pin.pinned_unix)} UTC" + (f": {pin.reason}" if pin.reason else ""))
+    for p in problems:
+        print(f"problem: {p}")
+    for key, value in meta.items():  # the trainer's metadata, as the manifest holds it (capped per line)
+        print(f"metadata.{key}: {json.dumps(value)[:200]}")
+    return EXIT_OK
+
+
+def add_commands(actions: Any, step_number: Callable[[str], int]) -> None:
+    """`ftsup ckpt show`, `pin` and `unpin` on the subcommands `actions` of `ftsup ckpt`."""
+    p = actions.add_parser(
+        "show",
+        help="one checkpoint's manifest, trainer metadata (data skips) and pin",
+        description="Show the checkpoint of --step, or else the newest committed one: its manifest, the trainer's "
+        "metadata it holds (data_skips among them) and its pin.",
+    )
+    p.add_argument("dir", metavar="DIR", type=Path, help="the checkpoint directory")
+    p.add_argument("--step", type=step_number, help="the step to show (default: newest)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=cmd_show)
     for name, verb, handler in (("pin", "keep", cmd_pin), ("unpin", "stop keeping", cmd_unpin)):
         p = actions.add_parser(
             name,

@@ -1,4 +1,4 @@
-"""`ftsup ckpt pin|unpin` in-process, and the pins `ftsup ckpt list` shows."""
+"""`ftsup ckpt pin|unpin|show` in-process, and the pins `ftsup ckpt list` shows."""
 
 from __future__ import annotations
 
@@ -127,3 +127,43 @@ def test_list_human_shows_a_bad_pin_and_a_pin_without_its_checkpoint(
         f"bad pin: pins/{pins.pin_name(7)}: holds step 100, but its name says step 7; its checkpoint is kept",
         f"bad pin: pins/{pins.pin_name(200)}: not a JSON object; its checkpoint is kept",
     ]
+
+
+# --------------------------------------------------------------------------- ckpt show
+
+
+def test_show_json_gives_the_manifest_the_data_skips_and_the_pin(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "ckpts"
+    make_fake_checkpoint(root, 100, default_files(1), metadata={"step": 100, "data_skips": [[480, 504]]})
+    make_fake_checkpoint(root, 200, default_files(2))
+    run(capsys, "ckpt", "pin", str(root), "--step", "100", "--reason", "before the spike")
+    code, out, _ = run(capsys, "ckpt", "show", str(root), "--step", "100", "--json")
+    got = json.loads(out)
+    assert (code, got["step"], got["consistent"], got["data_skips"], got["pinned"], got["pin"]["reason"]) == (
+        0,
+        100,
+        True,
+        [[480, 504]],
+        True,
+        "before the spike",
+    )
+
+
+def test_show_without_a_step_shows_the_newest(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "ckpt", "show", str(store), "--json")
+    assert (code, json.loads(out)["step"], json.loads(out)["data_skips"]) == (0, 200, [])
+
+
+def test_show_human_lists_the_skips_and_the_metadata(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "ckpts"
+    make_fake_checkpoint(root, 100, default_files(1), metadata={"step": 100, "data_skips": [[480, 504]]})
+    code, out, _ = run(capsys, "ckpt", "show", str(root))
+    lines = out.splitlines()
+    assert (code, "data_skips: [[480, 504]]" in lines, "metadata.data_skips: [[480, 504]]" in lines) == (0, True, True)
+
+
+def test_show_of_an_absent_step_is_exit_2_naming_it(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "ckpt", "show", str(store), "--step", "150")
+    assert (code, "no committed checkpoint for step 150" in err) == (2, True)
