@@ -151,6 +151,9 @@ def summarize(name: str, runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     missing = [i for i, r in enumerate(runs) if name in ("nan", "spike") and r.get("rollback_s") is None]
     if missing:
         row["note"] = f"{len(missing)} of {len(runs)} runs without a rollback and a resumed step"
+    unseen = [i for i, r in enumerate(runs) if name == "slow" and r.get("reported_step") is None]
+    if unseen:
+        row["note"] = f"{len(unseen)} of {len(runs)} runs without a straggler reported"
     row["samples"] = list(runs)
     return row
 

@@ -130,3 +130,8 @@ def test_the_table_names_every_row_and_check() -> None:
     out = {"results": rows(), "checks": anomaly.checks(rows(), patience=4)}
     text = anomaly.table(out)
     assert [name in text for name in ("nan", "spike", "kill", "clean", "no_false_positives: PASS")] == [True] * 5
+
+
+def test_slow_runs_without_a_report_are_counted_in_the_note() -> None:
+    row = anomaly.summarize("slow", [{"exit": 0, "failures": []}, {"exit": 0, "reported_step": 9, "failures": []}])
+    assert row["note"] == "1 of 2 runs without a straggler reported"
