@@ -47,8 +47,10 @@ ATTEMPT_ENV = "FTSUP_ATTEMPT"  # this and the next two are the attempt's mark (`
 RUN_ID_ENV = "FTSUP_RUN_ID"
 NODE_ID_ENV = "FTSUP_NODE_ID"
 DATA_SKIPS_ENV = "FTSUP_DATA_SKIPS"  # A:B,C:D: ranges of global data positions no rank serves (`parse_data_skips`)
+KEEP_OLDER_THAN_STEPS_ENV = "FTSUP_KEEP_OLDER_THAN_STEPS"  # the history a rollback needs, for the engine's retention
 ENV_NAMES = (HEARTBEAT_SOCKET_ENV, HEARTBEAT_INTERVAL_ENV, CONTROL_FILE_ENV, CHECKPOINT_DIR_ENV, RESUME_STEP_ENV,
-             ATTEMPT_ENV, RUN_ID_ENV, NODE_ID_ENV, DATA_SKIPS_ENV, GUARD_PARENT_ENV, GUARD_IGNORE_ENV)  # fmt: skip
+             ATTEMPT_ENV, RUN_ID_ENV, NODE_ID_ENV, DATA_SKIPS_ENV, KEEP_OLDER_THAN_STEPS_ENV, GUARD_PARENT_ENV,
+             GUARD_IGNORE_ENV)  # fmt: skip
 """Every variable of ours a rank's environment holds."""
 
 DEFAULT_INTERVAL_S = 0.5  # a rank's beat interval in `eval` when the supervisor exports none

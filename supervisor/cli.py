@@ -6,9 +6,12 @@ Subcommands (DESIGN.md, Contracts: their names, flags and JSON shapes change onl
     ftsup config check [JOB.yaml] [FLAGS] [-- CMD]     the config `ftsup run` would run, checked; nothing started
     ftsup ckpt list DIR [--json] [--deep]              every committed checkpoint, oldest first (`cli_ckpt`)
     ftsup ckpt verify DIR [--step N] [--deep] [--json] one checkpoint (default: the newest)
+    ftsup ckpt show DIR [--step N] [--json]            one checkpoint: manifest, trainer metadata, pin
+    ftsup ckpt pin|unpin DIR --step N [--reason TEXT]  kept whatever the retention policy, journaled
     ftsup bench checkpoint ...                         delegated to `ftsup.trainer.bench`
     ftsup bench recovery ...                           `ftsup.supervisor.bench.recovery` (torch-free)
     ftsup bench eviction ...                           `ftsup.supervisor.bench.eviction` (torch-free)
+    ftsup bench anomaly ...                            `ftsup.supervisor.bench.anomaly` (torch-free)
     ftsup demo [--dir DIR] [--steps N] [--json FILE]   `ftsup.supervisor.faults.demo`: faults injected, bitwise check
 
 Exit statuses: 0 success; 1 the command ran and found a problem (verify: not consistent), or an
@@ -254,6 +257,7 @@ def _build_ckpt(ckpt: argparse.ArgumentParser, rest: Sequence[str]) -> None:
     p.add_argument("--deep", action="store_true", help="also verify every checksum (reads all)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cli_ckpt.cmd_verify)
+    cli_ckpt.add_commands(actions, _step_number)  # show, pin, unpin
 
     p = actions.add_parser(
         "export-hf",
@@ -291,6 +295,8 @@ def _build_bench(bench: argparse.ArgumentParser, rest: Sequence[str]) -> None:
         Command("eviction", "steps lost per eviction: ftsup's emergency saves vs periodic checkpoints only",
                 _build_bench_eviction),
         Command("checkpoint", "checkpoint save/load throughput", _build_bench_checkpoint),
+        Command("anomaly", "nan/spike faults: detection delay, rollback vs crash recovery, false positives",
+                _build_bench_anomaly),
     ]  # fmt: skip
     _add_commands(bench, benchmarks, rest, dest="bench_command", metavar="BENCHMARK")
 
@@ -308,6 +314,13 @@ def _build_bench_eviction(p: argparse.ArgumentParser, rest: Sequence[str]) -> No
     p.description, p.formatter_class = eviction.__doc__, argparse.RawDescriptionHelpFormatter
     eviction.add_arguments(p)
     p.set_defaults(handler=eviction.run)
+
+
+def _build_bench_anomaly(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
+    from ftsup.supervisor.bench import anomaly
+
+    anomaly.add_arguments(p)
+    p.set_defaults(handler=anomaly.run)
 
 
 def _build_bench_checkpoint(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:

@@ -1,20 +1,27 @@
-"""`ftsup ckpt list` and `ftsup ckpt verify`: what a checkpoint store holds, as a table or as JSON.
+"""`ftsup ckpt list|verify|show|pin|unpin`: what a checkpoint store holds, as a table or as JSON; pins.
 
-Part of the `ftsup` command line (`ftsup.supervisor.cli` registers the commands and their flags; the exit
-statuses are its). Torch-free: it prints what `ftsup.store.layout` finds and decides nothing itself.
+Part of the `ftsup` command line (`ftsup.supervisor.cli` registers the commands; the exit statuses are its;
+`add_commands` adds show, pin and unpin with their flags). `show` prints one checkpoint's manifest, its trainer
+metadata (the data skips in force when it was saved among them) and its pin. Torch-free: it prints what
+`ftsup.store.layout` and `ftsup.store.pins` find and decides nothing itself; a pin or unpin is logged
+(`checkpoint_pinned`, `checkpoint_unpinned`, with who and why) and journaled in the store by `pins`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ftsup.store import layout
+import structlog
+
+from ftsup.store import layout, pins
 from ftsup.store.errors import NoCheckpointError
+from ftsup.supervisor import logs
 from ftsup.supervisor.errors import UsageError
 
 EXIT_OK = 0
@@ -28,19 +35,138 @@ def print_json(obj: Any) -> None:
 def cmd_list(args: argparse.Namespace) -> int:
     root = _checkpoint_root(args.dir)
     infos = layout.list_checkpoints(root, deep=args.deep)
+    pinset = pins.read_pins(root)
+    by_step = {p.step: p for p in pinset.pins}
     if args.json:
-        print_json({"checkpoints": [info.to_json() for info in infos]})
+        rows = [{**i.to_json(), "pinned": i.step in pinset.kept,
+                 "pin": by_step[i.step].to_json() if i.step in by_step else None} for i in infos]  # fmt: skip
+        out: dict[str, Any] = {"checkpoints": rows}
+        if pinset.problems:  # only then: a store without bad pins lists as it always did
+            out["pin_problems"] = [str(p) for p in pinset.problems]
+        print_json(out)
         return EXIT_OK
     if not infos:
         print(f"no committed checkpoints under {root}")
     else:
-        print(_checkpoint_table(infos))
+        print(_checkpoint_table(infos, pinset.kept))
         broken = sum(not i.consistent for i in infos)
         check = "deep check (checksums)" if args.deep else "fast check (sizes; --deep: checksums)"
         print(f"\n{len(infos)} committed, {broken} inconsistent; {check}")
-    for line in _uncommitted_lines(root):
+    for line in _uncommitted_lines(root) + _pin_lines(pinset, {i.step for i in infos}):
         print(line)
     return EXIT_OK
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    root = _checkpoint_root(args.dir)
+    committed = dict(layout.committed_dirs(root))
+    if args.step is None and not committed:
+        raise NoCheckpointError(f"no committed checkpoint under {root}")
+    if args.step is not None and args.step not in committed:
+        raise NoCheckpointError(_no_step_message(root, args.step))
+    path = committed[max(committed) if args.step is None else args.step]
+    manifest, problems = layout.check_checkpoint(path)
+    step = manifest.step if manifest else layout.parse_step_dirname(path.name)
+    pinset = pins.read_pins(root)
+    pin = next((p for p in pinset.pins if p.step == step), None)
+    meta = dict(manifest.metadata) if manifest else {}
+    shown = {
+        "path": str(path), "step": step, "consistent": manifest is not None and not problems,
+        "problems": [str(p) for p in problems], "kind": manifest.kind if manifest else None,
+        "world_size": manifest.world_size if manifest else None,
+        "created_unix": manifest.created_unix if manifest else None,
+        "files": len(manifest.files) if manifest else None,
+        "bytes": sum(e.size for e in manifest.files.values()) if manifest else None,
+        "data_skips": meta.get("data_skips", []), "pinned": step in pinset.kept,
+        "pin": pin.to_json() if pin else None, "metadata": meta,
+    }  # fmt: skip
+    if args.json:
+        print_json(shown)
+        return EXIT_OK
+    for key in ("path", "step", "consistent", "kind", "world_size", "files", "bytes", "data_skips", "pinned"):
+        value = shown[key]
+        print(f"{key}: {_human_bytes(value) if key == 'bytes' and isinstance(value, int) else value}")
+    print(f"created: {_utc(shown['created_unix'])} UTC")
+    if pin is not None:
+        print(f"pin: by {pin.who} at {_utc(pin.pinned_unix)} UTC" + (f": {pin.reason}" if pin.reason else ""))
+    for p in problems:
+        print(f"problem: {p}")
+    for key, value in meta.items():  # the trainer's metadata, as the manifest holds it (capped per line)
+        print(f"metadata.{key}: {json.dumps(value)[:200]}")
+    return EXIT_OK
+
+
+def add_commands(actions: Any, step_number: Callable[[str], int]) -> None:
+    """`ftsup ckpt show`, `pin` and `unpin` on the subcommands `actions` of `ftsup ckpt`."""
+    p = actions.add_parser(
+        "show",
+        help="one checkpoint's manifest, trainer metadata (data skips) and pin",
+        description="Show the checkpoint of --step, or else the newest committed one: its manifest, the trainer's "
+        "metadata it holds (data_skips among them) and its pin.",
+    )
+    p.add_argument("dir", metavar="DIR", type=Path, help="the checkpoint directory")
+    p.add_argument("--step", type=step_number, help="the step to show (default: newest)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=cmd_show)
+    for name, verb, handler in (("pin", "keep", cmd_pin), ("unpin", "stop keeping", cmd_unpin)):
+        p = actions.add_parser(
+            name,
+            help=f"{verb} a checkpoint whatever the retention policy (who and why are journaled)",
+            description=f"{name.capitalize()} the checkpoint of --step under DIR: retention never deletes a pinned "
+            f"checkpoint. Written to DIR/{pins.PINS_DIRNAME}/ and appended, with who and why, to "
+            f"DIR/{pins.PINS_DIRNAME}/{pins.JOURNAL_NAME}." + (" The step must be a consistent checkpoint."
+                                                               if name == "pin" else ""),
+        )  # fmt: skip
+        p.add_argument("dir", metavar="DIR", type=Path, help="the checkpoint directory")
+        p.add_argument("--step", type=step_number, required=True, help=f"the step to {name}")
+        p.add_argument("--reason", default="", type=_reason, help="why (recorded with the pin and in the journal)")
+        p.add_argument("--json", action="store_true", help="print the pin as one JSON object")
+        p.set_defaults(handler=handler)
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    root = _checkpoint_root(args.dir)
+    done = pins.pin(root, args.step, who=pins.operator(), reason=args.reason, now=time.time())
+    _log("checkpoint_pinned", done, root)
+    if args.json:
+        print_json(done.to_json())
+    else:
+        print(f"pinned step {done.step} under {root}: retention keeps it until `ftsup ckpt unpin {root} --step "
+              f"{done.step}`")  # fmt: skip
+    return EXIT_OK
+
+
+def cmd_unpin(args: argparse.Namespace) -> int:
+    root = _checkpoint_root(args.dir)
+    old = pins.unpin(root, args.step, who=pins.operator(), reason=args.reason, now=time.time())
+    _log("checkpoint_unpinned", pins.Pin(old.step, pins.operator(), args.reason, time.time()), root)
+    if args.json:
+        print_json(old.to_json())
+    else:
+        print(f"unpinned step {old.step} under {root} (pinned by {old.who}" + (f": {old.reason})" if old.reason
+                                                                               else ")"))  # fmt: skip
+    return EXIT_OK
+
+
+def _log(event: str, pin: pins.Pin, root: Path) -> None:
+    if not structlog.is_configured():  # a command of its own: JSON on stderr (on a terminal, the console's line)
+        logs.configure()
+    structlog.get_logger("ftsup").info(event, step=pin.step, who=pin.who, reason=pin.reason, path=str(root))
+
+
+def _reason(text: str) -> str:
+    if len(text) > pins.MAX_TEXT_CHARS:
+        raise argparse.ArgumentTypeError(f"at most {pins.MAX_TEXT_CHARS} characters, got {len(text)}")
+    return text
+
+
+def _pin_lines(pinset: pins.PinSet, steps: set[int]) -> list[str]:
+    """Pins of steps with no checkpoint, and pin files that are not good pins: not checkpoints, worth seeing."""
+    lines = [f"pinned, but no checkpoint: step {p.step} (by {p.who})" for p in pinset.pins if p.step not in steps]
+    lines.extend(f"bad pin: {p}" for p in pinset.problems)
+    if not pinset.readable:
+        lines.append("retention deletes no checkpoint until the pins can be read")
+    return lines
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -131,8 +257,8 @@ def _uncommitted_lines(root: Path) -> list[str]:
     return lines
 
 
-def _checkpoint_table(infos: Sequence[layout.CheckpointInfo]) -> str:
-    rows = [("STEP", "KIND", "WORLD", "CREATED (UTC)", "STATUS", "PATH")]
+def _checkpoint_table(infos: Sequence[layout.CheckpointInfo], pinned: frozenset[int] = frozenset()) -> str:
+    rows = [("STEP", "KIND", "WORLD", "CREATED (UTC)", "STATUS", "PIN", "PATH")]
     for i in infos:
         rows.append(
             (
@@ -141,6 +267,7 @@ def _checkpoint_table(infos: Sequence[layout.CheckpointInfo]) -> str:
                 str(i.world_size) if i.world_size is not None else "-",
                 _utc(i.created_unix),
                 "ok" if i.consistent else "INCONSISTENT",
+                "pinned" if i.step in pinned else "-",
                 i.path,
             )
         )

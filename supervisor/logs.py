@@ -23,6 +23,7 @@ from ftsup.supervisor import console, statedir
 
 EVENTS = frozenset(
     {
+        "checkpoint_pinned", "checkpoint_unpinned",  # by `ftsup ckpt pin|unpin`, not the daemon
         "supervisor_started", "journal_adopted", "leftovers_stopped", "health_probed",
         "health_probe_failed", "checkpoint_chosen", "checkpoint_quarantined", "checkpoint_skipped", "world_size_chosen",
         "workers_launched", "workers_restarted", "heartbeats_dropped", "journal_ignored",

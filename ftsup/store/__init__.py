@@ -9,6 +9,7 @@ writes it. Both import this package; it imports neither of them, nor torch:
 - `checksums`, `blocksum` (with the C extension `_blocksum`): recorded checksums and block checksums;
 - `choice`: which checkpoint to resume from;
 - `retention`: which checkpoints to keep, and deleting the rest;
+- `pins`: checkpoints an operator pinned against retention, and the journal of who did and why;
 - `dcpmeta`: the schema of `dcp_metadata.json`;
 - `errors`: the `CheckpointError` tree.
 

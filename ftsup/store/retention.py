@@ -1,7 +1,9 @@
 """Retention: which committed checkpoints to keep, and deleting the rest without ever tearing one.
 
-`RetentionPolicy` keeps the last K consistent checkpoints and, optionally, every N-th step; the
-newest consistent checkpoint is always kept (and the one just committed is protected).
+`RetentionPolicy` keeps the last K consistent checkpoints and, optionally, every N-th step and the
+history a rollback needs (the newest checkpoint at least `keep_older_than_steps` older than the
+latest); the newest consistent checkpoint is always kept (and the one just committed is
+protected), and so is every pinned one (`pins`: an operator's `ftsup ckpt pin`).
 Inconsistent checkpoints are never deleted here: loading quarantines them and operators decide.
 A deletion renames the directory out of the `step-N` namespace first, so a crash mid-delete
 never leaves a half-deleted directory that looks committed. Stale `.partial` directories (of
@@ -19,12 +21,15 @@ import os
 import re
 import shutil
 import stat
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ftsup.store import layout
+from ftsup.protocol import KEEP_OLDER_THAN_STEPS_ENV
+from ftsup.store import layout, pins
 from ftsup.store.errors import CheckpointError
+
+MAX_STEPS = 10**18  # as a manifest's step
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,12 @@ class RetentionPolicy:
     """Keep this many of the newest consistent checkpoints (>= 1)."""
     keep_every: int | None = None
     """Also keep every checkpoint whose step is a multiple of this (None: none extra)."""
+    keep_older_than_steps: int = 0
+    """Also keep the newest checkpoint at least this many steps older than the latest, at every
+    moment (0: none extra): a rollback to before an anomaly needs a checkpoint from before its
+    onset, which keep_last alone would have deleted by the time the anomaly is detected. Each
+    checkpoint younger than that becomes it in turn as the run goes on, so those are kept too: the
+    cost is about keep_older_than_steps / the checkpoint interval checkpoints more, plus one."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.keep_last, int) or self.keep_last < 1:
@@ -44,20 +55,46 @@ class RetentionPolicy:
             )
         if self.keep_every is not None and (not isinstance(self.keep_every, int) or self.keep_every < 1):
             raise CheckpointError(f"retention keep_every must be None or an integer >= 1, got {self.keep_every!r}")
+        k = self.keep_older_than_steps
+        if type(k) is not int or not 0 <= k < MAX_STEPS:
+            raise CheckpointError(f"retention keep_older_than_steps must be an integer >= 0, got {k!r}")
+
+    def with_environment(self, env: Mapping[str, str]) -> RetentionPolicy:
+        """This policy with at least the history `env` asks for: `FTSUP_KEEP_OLDER_THAN_STEPS`
+        (`ftsup.protocol.KEEP_OLDER_THAN_STEPS_ENV`), which the supervisor sets from its
+        `anomaly.detection_window_steps`, is a floor under `keep_older_than_steps`; empty or unset,
+        nothing changes. CheckpointError naming the variable when its value is not a step count."""
+        raw = env.get(KEEP_OLDER_THAN_STEPS_ENV, "").strip()
+        if not raw:
+            return self
+        if not raw.isascii() or not raw.isdigit() or len(raw) > 18:
+            raise CheckpointError(
+                f"environment variable {KEEP_OLDER_THAN_STEPS_ENV}={raw[:40]!r} is not a number of steps (an "
+                "integer >= 0)"
+            )
+        return replace(self, keep_older_than_steps=max(self.keep_older_than_steps, int(raw)))
 
 
 def retention_victims(
     steps_consistent: Iterable[tuple[int, bool]],
     policy: RetentionPolicy,
     protect: Iterable[int] = (),
+    *,
+    pinned: Iterable[int] = (),
 ) -> list[int]:
-    """Pure: which committed steps to delete. Inconsistent ones are left for quarantine/operators."""
+    """Pure: which committed steps to delete. Inconsistent ones are left for quarantine/operators;
+    `protect`ed and `pinned` steps are kept."""
     items = sorted(steps_consistent)
     consistent = [s for s, ok in items if ok]
-    keep = set(protect)
+    keep = set(protect) | set(pinned)
     keep.update(consistent[-policy.keep_last :])
     if policy.keep_every:
         keep.update(s for s in consistent if s % policy.keep_every == 0)
+    if policy.keep_older_than_steps and consistent:
+        cut = consistent[-1] - policy.keep_older_than_steps
+        old_enough = [s for s in consistent if s <= cut]
+        keep.update(old_enough[-1:])
+        keep.update(s for s in consistent if s > cut)  # each becomes the one old enough later
     return [s for s in consistent if s not in keep]
 
 
@@ -77,6 +114,10 @@ def apply_retention(
     against `keep_last`, so they can never push the run's own checkpoints out.
     `spares`: keep up to this many shard files of deleted checkpoints in `.recycle/` for the
     next saves to write over (see `claim_spare`); 0 empties the pool.
+    Pinned checkpoints (`pins`) are never deleted, and a pin is looked for again just before each
+    deletion (an operator may pin one meanwhile). When `pins/` cannot be read (a link, a file,
+    too many entries), no checkpoint is deleted and CheckpointError says why, after the stale
+    `.partial` directories are cleaned up.
 
     Every operation is relative to a descriptor of `root` and never follows a link: what is
     renamed, recycled or removed is a real directory or a plain file of this user's, found under
@@ -91,10 +132,16 @@ def apply_retention(
         return []
     removed: list[Path] = []
     try:
+        pinned = pins.read_pins_at(root_fd)
         infos = [layout.inspect_checkpoint(p) for s, p in layout.committed_dirs(root) if newest is None or s <= newest]
-        victims = set(retention_victims(((i.step, i.consistent) for i in infos), policy, protect))
+        victims = set(retention_victims(((i.step, i.consistent) for i in infos), policy, protect, pinned=pinned.kept))
         for info in infos:
+            if not pinned.readable:
+                break
             if info.step not in victims or not info.consistent:
+                continue
+            pinned = pins.read_pins_at(root_fd)
+            if info.step in pinned.kept or not pinned.readable:
                 continue
             name = Path(info.path).name
             # Rename first so that a crash mid-delete never leaves a half-deleted "committed" dir.
@@ -114,6 +161,9 @@ def apply_retention(
             os.fsync(root_fd)
     finally:
         os.close(root_fd)
+    if not pinned.readable:
+        why = "; ".join(str(p) for p in pinned.problems)
+        raise CheckpointError(f"{root}: {why}: no checkpoint is deleted until the pins can be read")
     return removed
 
 

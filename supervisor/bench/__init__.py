@@ -1,10 +1,11 @@
-"""Benchmarks of the supervisor, behind `ftsup bench recovery` and `ftsup bench eviction`: tooling, not product.
+"""Benchmarks of the supervisor, behind `ftsup bench recovery|eviction|anomaly`: tooling, not product.
 
 - `recovery`: from a fault to the first resumed training step, ftsup against plain torchrun.
 - `eviction`: steps lost per eviction, ftsup's emergency saves against periodic checkpoints only.
+- `anomaly`: nan and spike faults caught and rolled back past, against a crash's recovery; false positives.
 
-Both run the reference trainer under `ftsup run` as subprocesses and inject their faults with
-`ftsup.supervisor.faults`; neither imports torch. The checkpoint engine's benchmark
+All run the reference trainer under `ftsup run` as subprocesses, with faults from
+`ftsup.supervisor.faults` or the trainer's own; none imports torch. The checkpoint engine's benchmark
 (`ftsup bench checkpoint`, needs torch) is `ftsup.trainer.bench`.
 
 The product (`ftsup run`, `ftsup status`, `ftsup ckpt`, `ftsup config` and everything they import)

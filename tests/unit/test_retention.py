@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from ftsup.store import retention
+from ftsup.protocol import KEEP_OLDER_THAN_STEPS_ENV
+from ftsup.store import layout, pins, retention
 from ftsup.store.errors import CheckpointError
 from tests.helpers import default_files, make_fake_checkpoint
 
@@ -243,3 +244,119 @@ def test_a_non_canonical_name_is_deleted_by_the_name_found(tmp_path: Path) -> No
     make_fake_checkpoint(tmp_path, 9, default_files(9))
     retention.apply_retention(tmp_path, retention.RetentionPolicy(keep_last=1), protect={9})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000009"]
+
+
+# --------------------------------------------------------------------------- history and pins
+
+
+def _steps(root: Path) -> list[int]:
+    return [s for s, _ in layout.committed_dirs(root)]
+
+
+def test_history_keeps_the_newest_checkpoint_at_least_that_many_steps_older_than_the_latest_and_all_younger() -> None:
+    steps = [(s, True) for s in range(10, 110, 10)]
+    policy = retention.RetentionPolicy(keep_last=1, keep_older_than_steps=35)
+    assert retention.retention_victims(steps, policy) == [10, 20, 30, 40, 50]
+
+
+def test_history_holds_at_every_step_of_a_run() -> None:
+    policy = retention.RetentionPolicy(keep_last=2, keep_older_than_steps=5)
+    kept: list[int] = []
+    oldest_enough = []
+    for step in range(1, 31):
+        kept.append(step)
+        kept = [s for s in kept if s not in retention.retention_victims(((s, True) for s in kept), policy)]
+        oldest_enough.append(max((s for s in kept if s <= step - 5), default=None))
+    assert oldest_enough == [None] * 5 + list(range(1, 26))
+
+
+def test_history_of_zero_keeps_nothing_extra() -> None:
+    steps = [(s, True) for s in range(10, 60, 10)]
+    assert retention.retention_victims(steps, retention.RetentionPolicy(keep_last=2)) == [10, 20, 30]
+
+
+def test_history_counts_from_the_latest_consistent_checkpoint() -> None:
+    steps = [(10, True), (20, True), (30, True), (40, True), (50, False)]
+    policy = retention.RetentionPolicy(keep_last=1, keep_older_than_steps=25)
+    assert retention.retention_victims(steps, policy) == []  # from 50 it would have let 10 go
+
+
+def test_pinned_steps_are_never_victims() -> None:
+    steps = [(s, True) for s in (100, 200, 300, 400)]
+    policy = retention.RetentionPolicy(keep_last=1)
+    assert retention.retention_victims(steps, policy, pinned=[100, 300]) == [200]
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "3"])
+def test_a_bad_history_is_refused_naming_the_field(value: Any) -> None:
+    with pytest.raises(CheckpointError, match="keep_older_than_steps must be an integer >= 0"):
+        retention.RetentionPolicy(keep_older_than_steps=value)
+
+
+def test_the_environment_sets_a_floor_under_the_history() -> None:
+    env = {KEEP_OLDER_THAN_STEPS_ENV: "50"}
+    got = [retention.RetentionPolicy(keep_older_than_steps=k).with_environment(env).keep_older_than_steps
+           for k in (0, 80)]  # fmt: skip
+    assert got == [50, 80]
+
+
+def test_an_empty_environment_variable_changes_nothing() -> None:
+    policy = retention.RetentionPolicy(keep_last=4)
+    assert policy.with_environment({KEEP_OLDER_THAN_STEPS_ENV: ""}) == policy
+
+
+@pytest.mark.parametrize("raw", ["-1", "ten", "1e3", "٣", "9" * 19])
+def test_a_bad_environment_value_is_refused_naming_the_variable(raw: str) -> None:
+    with pytest.raises(CheckpointError, match=f"environment variable {KEEP_OLDER_THAN_STEPS_ENV}="):
+        retention.RetentionPolicy().with_environment({KEEP_OLDER_THAN_STEPS_ENV: raw})
+
+
+def test_apply_retention_never_deletes_a_pinned_checkpoint(tmp_path: Path) -> None:
+    for step in (10, 20, 30, 40):
+        make_fake_checkpoint(tmp_path, step, default_files(step))
+    pins.pin(tmp_path, 10, who="op", reason="", now=1.0)
+    retention.apply_retention(tmp_path, retention.RetentionPolicy(keep_last=1), protect={40})
+    assert _steps(tmp_path) == [10, 40]
+
+
+def test_apply_retention_keeps_the_checkpoint_of_a_bad_pin_file(tmp_path: Path) -> None:
+    for step in (10, 20, 30):
+        make_fake_checkpoint(tmp_path, step, default_files(step))
+    (tmp_path / pins.PINS_DIRNAME).mkdir()
+    (tmp_path / pins.PINS_DIRNAME / pins.pin_name(20)).write_text("garbage")
+    retention.apply_retention(tmp_path, retention.RetentionPolicy(keep_last=1), protect={30})
+    assert _steps(tmp_path) == [20, 30]
+
+
+def test_unreadable_pins_delete_nothing_and_say_why(tmp_path: Path) -> None:
+    for step in (10, 20, 30):
+        make_fake_checkpoint(tmp_path, step, default_files(step))
+    (tmp_path / pins.PINS_DIRNAME).write_text("a file, not a directory")
+    with pytest.raises(CheckpointError, match="no checkpoint is deleted until the pins can be read"):
+        retention.apply_retention(tmp_path, retention.RetentionPolicy(keep_last=1), protect={30})
+    assert _steps(tmp_path) == [10, 20, 30]
+
+
+def test_a_pin_written_after_the_victims_were_chosen_still_keeps_its_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for step in (10, 20, 30):
+        make_fake_checkpoint(tmp_path, step, default_files(step))
+    choose = retention.retention_victims
+
+    def then_an_operator_pins(*args: Any, **kwargs: Any) -> list[int]:
+        victims = choose(*args, **kwargs)
+        pins.pin(tmp_path, 10, who="op", reason="", now=1.0)
+        return victims
+
+    monkeypatch.setattr(retention, "retention_victims", then_an_operator_pins)
+    retention.apply_retention(tmp_path, retention.RetentionPolicy(keep_last=1), protect={30})
+    assert _steps(tmp_path) == [10, 30]
+
+
+def test_apply_retention_keeps_the_history_the_policy_asks_for(tmp_path: Path) -> None:
+    for step in range(1, 11):
+        make_fake_checkpoint(tmp_path, step, default_files(step))
+    policy = retention.RetentionPolicy(keep_last=2, keep_older_than_steps=4)
+    retention.apply_retention(tmp_path, policy, protect={10})
+    assert _steps(tmp_path) == [6, 7, 8, 9, 10]

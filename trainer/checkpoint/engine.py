@@ -118,6 +118,10 @@ class CheckpointEngine:
     `check_finite` (default True): a save whose staged state holds a NaN or an infinity in a
     floating tensor fails, naming the tensor, and nothing is committed (`finite`). False: for a
     state that holds infinities on purpose (a mask kept as a float buffer).
+
+    `retention` (default: `RetentionPolicy()`) keeps at least the history the supervisor asks for in
+    `FTSUP_KEEP_OLDER_THAN_STEPS` (`RetentionPolicy.with_environment`: a rollback past an anomaly
+    needs a checkpoint from before its onset); a bad value of it is a CheckpointError naming it.
     """
 
     def __init__(
@@ -136,13 +140,13 @@ class CheckpointEngine:
             raise CheckpointError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.directory = Path(directory)
         self._hook = hook or (lambda point, step: None)
+        policy = (retention if retention is not None else RetentionPolicy()).with_environment(os.environ)
         _warn_if_checksums_are_slow()
         self._comm: LocalComm | GroupComm = make_comm(process_group)
         self.rank = self._comm.rank
         self.world_size = self._comm.world_size
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
-        policy = retention if retention is not None else RetentionPolicy()
         self._committer = Committer(
             self.directory, self._comm, o_direct=o_direct, retention=policy, recycle=recycle, hook=self._hook,
             check_finite=check_finite,
