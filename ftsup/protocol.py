@@ -14,6 +14,12 @@
   "stop", "reason", "deadline_unix"}`, written by `encode_control` and read by `parse_control`.
   A file without `"v"`, or of another version (a supervisor of another ftsup release), is
   refused (`ControlVersionError`), never acted on.
+- **Data skips**: half-open ranges `[A, B)` of global data positions that a schedule never serves,
+  `"A:B,C:D"` in `FTSUP_DATA_SKIPS` (`encode_skips`, `parse_skips`; sorted, non-overlapping, at most
+  `MAX_SKIPS`); `merge_skips` is their union.
+- **An operator's rollback request**, `ftsup rollback` to the supervisor: `<state_dir>/rollback.json`,
+  `{"v": ROLLBACK_VERSION, "id", "to_step", "skips", "who", "reason", "requested_unix"}`, written by
+  `encode_rollback` and read by `parse_rollback` (capped, every field's type checked, no other key).
 
 Values and bytes only, stdlib only: no sockets, files, clocks or threads (`RuntimeEnv` reads
 this process's environment when given none). The channel's ends
@@ -44,8 +50,11 @@ RESUME_STEP_ENV = "FTSUP_RESUME_STEP"  # empty: no checkpoint to resume from
 ATTEMPT_ENV = "FTSUP_ATTEMPT"  # this and the next two are the attempt's mark (`ftsup.procs.Mark`)
 RUN_ID_ENV = "FTSUP_RUN_ID"
 NODE_ID_ENV = "FTSUP_NODE_ID"
+DATA_SKIPS_ENV = "FTSUP_DATA_SKIPS"  # the data skips in force, `encode_skips`: "A:B,C:D"
+KEEP_OLDER_THAN_STEPS_ENV = "FTSUP_KEEP_OLDER_THAN_STEPS"  # the history a rollback needs, for the engine's retention
 ENV_NAMES = (HEARTBEAT_SOCKET_ENV, HEARTBEAT_INTERVAL_ENV, CONTROL_FILE_ENV, CHECKPOINT_DIR_ENV, RESUME_STEP_ENV,
-             ATTEMPT_ENV, RUN_ID_ENV, NODE_ID_ENV, GUARD_PARENT_ENV, GUARD_IGNORE_ENV)  # fmt: skip
+             ATTEMPT_ENV, RUN_ID_ENV, NODE_ID_ENV, DATA_SKIPS_ENV, KEEP_OLDER_THAN_STEPS_ENV, GUARD_PARENT_ENV,
+             GUARD_IGNORE_ENV)  # fmt: skip
 """Every variable of ours a rank's environment holds."""
 
 DEFAULT_INTERVAL_S = 0.5  # a rank's beat interval in `eval` when the supervisor exports none
@@ -365,3 +374,104 @@ def parse_control(raw: bytes) -> Request:
     if deadline is not None and (_finite(deadline) is None or deadline < 0):
         raise ValueError(f"deadline_unix must be a finite time or null, not {deadline!r:.40}")
     return Request(seq, stop, reason, None if deadline is None else float(deadline))
+
+
+# ---------------------------------------------------------------------- data skips
+
+MAX_SKIPS = 64
+MAX_POSITION = 2**53  # a data position; JSON readers agree on integers up to here
+_SKIP = re.compile(r"\s*(\d{1,16}):(\d{1,16})\s*\Z")
+
+
+def check_skips(skips: object, what: str = "skips") -> tuple[tuple[int, int], ...]:
+    """`skips` (pairs, or lists of two as JSON gives them) as sorted, non-overlapping ranges `(A, B)`,
+    0 <= A < B <= MAX_POSITION, at most MAX_SKIPS; ValueError naming `what` otherwise."""
+    if not isinstance(skips, (list, tuple)) or len(skips) > MAX_SKIPS:
+        raise ValueError(f"{what} must be a list of at most {MAX_SKIPS} ranges [A, B)")
+    out: list[tuple[int, int]] = []
+    for r in skips:
+        if not isinstance(r, (list, tuple)) or len(r) != 2 or any(type(x) is not int for x in r):
+            raise ValueError(f"{what}: {r!r:.40} is not a range of two integers")
+        if not 0 <= r[0] < r[1] <= MAX_POSITION or (out and r[0] < out[-1][1]):
+            raise ValueError(f"{what}: [{r[0]}, {r[1]}) is not a range 0 <= A < B <= {MAX_POSITION} after the last")
+        out.append((r[0], r[1]))
+    return tuple(out)
+
+
+def parse_skips(text: str, what: str = DATA_SKIPS_ENV) -> tuple[tuple[int, int], ...]:
+    """`"A:B,C:D"` (empty: none) as `check_skips` gives it; ValueError naming `what` and the text."""
+    parts = [_SKIP.match(p) for p in text.split(",")[: MAX_SKIPS + 1]] if text.strip() else []
+    if not all(parts):
+        raise ValueError(f"{what}={text!r:.80} is not ranges A:B,C:D of data positions")
+    return check_skips([(int(m[1]), int(m[2])) for m in parts if m], f"{what}={text!r:.80}")
+
+
+def encode_skips(skips: tuple[tuple[int, int], ...]) -> str:
+    return ",".join(f"{a}:{b}" for a, b in skips)
+
+
+def merge_skips(*groups: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """The union of ranges, sorted, overlapping or touching ones joined (it may hold more than MAX_SKIPS)."""
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted(r for g in groups for r in g):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
+        else:
+            merged.append((a, b))
+    return tuple(merged)
+
+
+# ---------------------------------------------------------------------- rollback requests
+
+ROLLBACK_VERSION = 1
+MAX_ROLLBACK_BYTES = 16384
+MAX_WHO_CHARS = 256
+_ROLLBACK_KEYS = ("v", "id", "to_step", "skips", "who", "reason", "requested_unix")
+_REQUEST_ID = re.compile(r"[0-9a-f]{8,64}\Z")
+
+
+@dataclass(frozen=True)
+class RollbackRequest:
+    """Resume from the checkpoint of step `to_step` (or the newest consistent one before it), with `skips`
+    added to the data skips in force; `id` tells one request from the next."""
+
+    id: str
+    to_step: int
+    skips: tuple[tuple[int, int], ...] = ()
+    who: str = ""
+    reason: str = ""
+    requested_unix: float = 0.0
+
+
+def encode_rollback(r: RollbackRequest) -> bytes:
+    body = {"v": ROLLBACK_VERSION, "id": r.id, "to_step": r.to_step, "skips": [list(x) for x in r.skips],
+            "who": r.who[:MAX_WHO_CHARS], "reason": r.reason[:MAX_REASON_CHARS],
+            "requested_unix": r.requested_unix}  # fmt: skip
+    return json.dumps(body, allow_nan=False).encode()
+
+
+def parse_rollback(raw: bytes) -> RollbackRequest:
+    """The request a rollback file holds; ValueError saying what is wrong otherwise (too large, not JSON, another
+    version, a missing or unknown key, a value of the wrong type or out of range)."""
+    if len(raw) > MAX_ROLLBACK_BYTES:
+        raise ValueError(f"{len(raw)} bytes, more than {MAX_ROLLBACK_BYTES}")
+    try:
+        m = json.loads(raw.decode("utf-8"), parse_int=_bounded_int, parse_constant=_no_constants,
+                       object_pairs_hook=_unique_keys)  # fmt: skip
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(m, dict) or type(m.get("v")) is not int or m["v"] != ROLLBACK_VERSION:
+        raise ValueError(f"not a rollback request of format version {ROLLBACK_VERSION} (field v)")
+    if odd := sorted(set(m) ^ set(_ROLLBACK_KEYS)):
+        raise ValueError(f"{'unknown' if odd[0] in m else 'no'} key {odd[0]!r:.40}")
+    rid, step, when = m["id"], m["to_step"], _finite(m["requested_unix"])
+    if not isinstance(rid, str) or not _REQUEST_ID.match(rid):
+        raise ValueError(f"id must be 8 to 64 lowercase hex digits, not {rid!r:.40}")
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        raise ValueError(f"to_step must be an integer in [0, {MAX_STEP}], not {step!r:.40}")
+    if when is None or when < 0:
+        raise ValueError(f"requested_unix must be a finite time, not {m['requested_unix']!r:.40}")
+    for key, limit in (("who", MAX_WHO_CHARS), ("reason", MAX_REASON_CHARS)):
+        if not isinstance(m[key], str) or len(m[key]) > limit or not m[key].isprintable():
+            raise ValueError(f"{key} must be a printable string of at most {limit} characters")
+    return RollbackRequest(rid, step, check_skips(m["skips"]), m["who"], m["reason"], when)

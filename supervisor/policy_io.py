@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass
 
 from ftsup.protocol import Phase
+from ftsup.supervisor.config_anomaly import AnomalyConfig
 
 
 class SupervisorPhase(str, enum.Enum):
@@ -66,6 +67,7 @@ class Settings:
     backoff_max_s: float
     max_attempts_without_progress: int
     save_margin_s: float  # safety margin when deciding whether an emergency save fits
+    anomaly: AnomalyConfig  # the training-health detectors, rollback and escalation (`policy_anomaly`)
     stop_margin_s: float = 1.0  # ranks still running this long before an eviction deadline are stopped
     assumed_save_bytes_per_s: float = 256 * 2**20  # until a save has been measured
 
