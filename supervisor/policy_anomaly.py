@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 from ftsup.protocol import MAX_SKIPS, merge_skips
 from ftsup.supervisor import detectors
@@ -185,7 +186,7 @@ def operator(an: AnomalyState, ev: RollbackRequested, attempt: int | None) -> tu
         return an, []
     served = (*an.served, ev.id)[-MAX_SERVED:]
     before, skips = an.skips, merge_skips(an.skips, ev.skips)
-    fields: dict[str, object] = {"attempt": attempt, "to_step": ev.to_step, "who": ev.who, "id": ev.id}
+    fields: dict[str, Any] = {"attempt": attempt, "to_step": ev.to_step, "who": ev.who, "id": ev.id}
     requested = log("rollback_requested", **fields, reason=ev.reason, skips=[list(r) for r in ev.skips])
     if len(skips) > MAX_SKIPS:
         why = f"its skips would make {len(skips)} ranges in force, more than the {MAX_SKIPS} the ranks take"

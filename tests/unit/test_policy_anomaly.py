@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 from ftsup.protocol import Phase
 from ftsup.supervisor import policy as P
@@ -18,7 +19,7 @@ G = 12  # global batch: the data position after step s is s * G (no skips before
 S = settings(nproc_max=2, backoff_initial_s=1, backoff_max_s=8, max_restarts=5, window_s=1000)
 
 
-def anomaly_settings(**keys: object) -> P.Settings:
+def anomaly_settings(**keys: Any) -> P.Settings:
     return dataclasses.replace(S, anomaly=dataclasses.replace(AnomalyConfig(), **keys))
 
 
