@@ -2,7 +2,9 @@
 
 - **The environment** the supervisor exports to every rank (the `*_ENV` names): `channel_env`
   writes the channel's part (heartbeat socket and interval, control file, checkpoint directory,
-  resume step), `ftsup.procs.Mark` the attempt's mark (run id, node id, attempt), and
+  resume step), `ftsup.procs.Mark` the attempt's mark (run id, node id, attempt),
+  `encode_data_skips` the data skips in force (`DATA_SKIPS_ENV`: ranges of global data positions
+  never served, `check_data_skips` for the same ranges read from JSON), and
   `RuntimeEnv.from_environ` reads all of it on the rank. The parent-death guard's two variables
   are defined by `ftsup.guard`, whose exec wrapper runs isolated and imports nothing, and are
   listed here with the others.
@@ -14,9 +16,6 @@
   "stop", "reason", "deadline_unix"}`, written by `encode_control` and read by `parse_control`.
   A file without `"v"`, or of another version (a supervisor of another ftsup release), is
   refused (`ControlVersionError`), never acted on.
-- **Data skips**: half-open ranges `[A, B)` of global data positions that a schedule never serves,
-  `"A:B,C:D"` in `FTSUP_DATA_SKIPS` (`encode_skips`, `parse_skips`; sorted, non-overlapping, at most
-  `MAX_SKIPS`); `merge_skips` is their union.
 - **An operator's rollback request**, `ftsup rollback` to the supervisor: `<state_dir>/rollback.json`,
   `{"v": ROLLBACK_VERSION, "id", "to_step", "skips", "who", "reason", "requested_unix"}`, written by
   `encode_rollback` and read by `parse_rollback` (capped, every field's type checked, no other key).
@@ -50,7 +49,7 @@ RESUME_STEP_ENV = "FTSUP_RESUME_STEP"  # empty: no checkpoint to resume from
 ATTEMPT_ENV = "FTSUP_ATTEMPT"  # this and the next two are the attempt's mark (`ftsup.procs.Mark`)
 RUN_ID_ENV = "FTSUP_RUN_ID"
 NODE_ID_ENV = "FTSUP_NODE_ID"
-DATA_SKIPS_ENV = "FTSUP_DATA_SKIPS"  # the data skips in force, `encode_skips`: "A:B,C:D"
+DATA_SKIPS_ENV = "FTSUP_DATA_SKIPS"  # A:B,C:D: ranges of global data positions no rank serves (`parse_data_skips`)
 KEEP_OLDER_THAN_STEPS_ENV = "FTSUP_KEEP_OLDER_THAN_STEPS"  # the history a rollback needs, for the engine's retention
 ENV_NAMES = (HEARTBEAT_SOCKET_ENV, HEARTBEAT_INTERVAL_ENV, CONTROL_FILE_ENV, CHECKPOINT_DIR_ENV, RESUME_STEP_ENV,
              ATTEMPT_ENV, RUN_ID_ENV, NODE_ID_ENV, DATA_SKIPS_ENV, KEEP_OLDER_THAN_STEPS_ENV, GUARD_PARENT_ENV,
@@ -58,6 +57,56 @@ ENV_NAMES = (HEARTBEAT_SOCKET_ENV, HEARTBEAT_INTERVAL_ENV, CONTROL_FILE_ENV, CHE
 """Every variable of ours a rank's environment holds."""
 
 DEFAULT_INTERVAL_S = 0.5  # a rank's beat interval in `eval` when the supervisor exports none
+
+MAX_DATA_SKIPS = 64
+MAX_DATA_POSITION = 2**53  # a data position travels exactly as a JSON number and as a heartbeat figure
+_MAX_DATA_SKIPS_CHARS = MAX_DATA_SKIPS * 34  # 64 ranges of two 16-digit positions, a colon and a comma each
+
+DataSkips = tuple[tuple[int, int], ...]
+"""Half-open ranges [A, B) of global data positions that a schedule never serves, sorted and not
+overlapping (two may touch), at most MAX_DATA_SKIPS of them."""
+
+
+def check_data_skips(value: object, what: str) -> DataSkips:
+    """`value` (pairs, as JSON reads them: lists of two integers) as DataSkips; ValueError naming
+    `what` when it is anything else: not integers, 0 <= A < B <= MAX_DATA_POSITION, unsorted or
+    overlapping, more than MAX_DATA_SKIPS ranges."""
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{what} must be a list of [A, B] ranges, not {value!r:.60}")
+    if len(value) > MAX_DATA_SKIPS:
+        raise ValueError(f"{what} holds {len(value)} ranges, more than {MAX_DATA_SKIPS}")
+    out: list[tuple[int, int]] = []
+    for item in value:
+        if not isinstance(item, (list, tuple)) or len(item) != 2 or any(type(x) is not int for x in item):
+            raise ValueError(f"{what}: {item!r:.60} is not a range [A, B] of two integers")
+        a, b = item
+        if not 0 <= a < b <= MAX_DATA_POSITION:
+            raise ValueError(f"{what}: range [{a}, {b}) is not 0 <= A < B <= {MAX_DATA_POSITION}")
+        if out and a < out[-1][1]:
+            raise ValueError(f"{what}: range [{a}, {b}) is out of order or overlaps [{out[-1][0]}, {out[-1][1]})")
+        out.append((a, b))
+    return tuple(out)
+
+
+def parse_data_skips(raw: str, name: str = DATA_SKIPS_ENV) -> DataSkips:
+    """`A:B,C:D` (DATA_SKIPS_ENV's format; empty: none) as DataSkips; ValueError naming `name`."""
+    text = raw.strip()
+    if not text:
+        return ()
+    if len(text) > _MAX_DATA_SKIPS_CHARS:
+        raise ValueError(f"{name} is {len(text)} characters long, more than {MAX_DATA_SKIPS} ranges need")
+    pairs = []
+    for part in text.split(","):
+        a, sep, b = part.partition(":")
+        if not sep or not all(x.isascii() and x.isdigit() and len(x) <= 16 for x in (a, b)):
+            raise ValueError(f"{name}={text[:80]!r}: {part[:40]!r} is not a range A:B of two non-negative integers")
+        pairs.append((int(a), int(b)))
+    return check_data_skips(pairs, f"{name}={text[:80]!r}")
+
+
+def encode_data_skips(skips: DataSkips) -> str:
+    """DataSkips as DATA_SKIPS_ENV carries them (`parse_data_skips` reads them back)."""
+    return ",".join(f"{a}:{b}" for a, b in check_data_skips(skips, "data skips"))
 
 
 def channel_env(
@@ -376,51 +425,6 @@ def parse_control(raw: bytes) -> Request:
     return Request(seq, stop, reason, None if deadline is None else float(deadline))
 
 
-# ---------------------------------------------------------------------- data skips
-
-MAX_SKIPS = 64
-MAX_POSITION = 2**53  # a data position; JSON readers agree on integers up to here
-_SKIP = re.compile(r"\s*(\d{1,16}):(\d{1,16})\s*\Z")
-
-
-def check_skips(skips: object, what: str = "skips") -> tuple[tuple[int, int], ...]:
-    """`skips` (pairs, or lists of two as JSON gives them) as sorted, non-overlapping ranges `(A, B)`,
-    0 <= A < B <= MAX_POSITION, at most MAX_SKIPS; ValueError naming `what` otherwise."""
-    if not isinstance(skips, (list, tuple)) or len(skips) > MAX_SKIPS:
-        raise ValueError(f"{what} must be a list of at most {MAX_SKIPS} ranges [A, B)")
-    out: list[tuple[int, int]] = []
-    for r in skips:
-        if not isinstance(r, (list, tuple)) or len(r) != 2 or any(type(x) is not int for x in r):
-            raise ValueError(f"{what}: {r!r:.40} is not a range of two integers")
-        if not 0 <= r[0] < r[1] <= MAX_POSITION or (out and r[0] < out[-1][1]):
-            raise ValueError(f"{what}: [{r[0]}, {r[1]}) is not a range 0 <= A < B <= {MAX_POSITION} after the last")
-        out.append((r[0], r[1]))
-    return tuple(out)
-
-
-def parse_skips(text: str, what: str = DATA_SKIPS_ENV) -> tuple[tuple[int, int], ...]:
-    """`"A:B,C:D"` (empty: none) as `check_skips` gives it; ValueError naming `what` and the text."""
-    parts = [_SKIP.match(p) for p in text.split(",")[: MAX_SKIPS + 1]] if text.strip() else []
-    if not all(parts):
-        raise ValueError(f"{what}={text!r:.80} is not ranges A:B,C:D of data positions")
-    return check_skips([(int(m[1]), int(m[2])) for m in parts if m], f"{what}={text!r:.80}")
-
-
-def encode_skips(skips: tuple[tuple[int, int], ...]) -> str:
-    return ",".join(f"{a}:{b}" for a, b in skips)
-
-
-def merge_skips(*groups: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
-    """The union of ranges, sorted, overlapping or touching ones joined (it may hold more than MAX_SKIPS)."""
-    merged: list[tuple[int, int]] = []
-    for a, b in sorted(r for g in groups for r in g):
-        if merged and a <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
-        else:
-            merged.append((a, b))
-    return tuple(merged)
-
-
 # ---------------------------------------------------------------------- rollback requests
 
 ROLLBACK_VERSION = 1
@@ -437,7 +441,7 @@ class RollbackRequest:
 
     id: str
     to_step: int
-    skips: tuple[tuple[int, int], ...] = ()
+    skips: DataSkips = ()
     who: str = ""
     reason: str = ""
     requested_unix: float = 0.0
@@ -474,4 +478,4 @@ def parse_rollback(raw: bytes) -> RollbackRequest:
     for key, limit in (("who", MAX_WHO_CHARS), ("reason", MAX_REASON_CHARS)):
         if not isinstance(m[key], str) or len(m[key]) > limit or not m[key].isprintable():
             raise ValueError(f"{key} must be a printable string of at most {limit} characters")
-    return RollbackRequest(rid, step, check_skips(m["skips"]), m["who"], m["reason"], when)
+    return RollbackRequest(rid, step, check_data_skips(m["skips"], "skips"), m["who"], m["reason"], when)

@@ -27,6 +27,7 @@ from ftsup.supervisor import statedir, status
 from ftsup.supervisor.config import load_config
 from ftsup.supervisor.errors import UsageError
 from ftsup.supervisor.journal import Journal, JournalError
+from ftsup.supervisor.policy_anomaly import merge_skips
 from ftsup.supervisor.rollbacks import FILE_NAME
 
 DESCRIPTION = (
@@ -64,8 +65,8 @@ def cmd_rollback(args: argparse.Namespace) -> int:
         raise UsageError(f"step {args.to_step} in {root} is not a consistent checkpoint ({problems}); "
                          "`ftsup ckpt list` shows the ones there are")  # fmt: skip
     try:
-        skips = protocol.merge_skips(*(protocol.parse_skips(s, "--skip-samples") for s in args.skip_samples))
-        skips = protocol.check_skips(skips, "--skip-samples")
+        skips = merge_skips(*(protocol.parse_data_skips(s, "--skip-samples") for s in args.skip_samples))
+        skips = protocol.check_data_skips(skips, "--skip-samples")
     except ValueError as e:
         raise UsageError(str(e)) from None
     if len(args.reason) > protocol.MAX_REASON_CHARS or not args.reason.isprintable():
@@ -77,7 +78,7 @@ def cmd_rollback(args: argparse.Namespace) -> int:
         alive = status.supervisor_alive(Journal(state_dir / "journal.json").read())
     except JournalError:
         alive = False
-    skipping = f", skipping {protocol.encode_skips(skips)}" if skips else ""
+    skipping = f", skipping {protocol.encode_data_skips(skips)}" if skips else ""
     then = ("the running supervisor serves it within a second (`ftsup status` shows it)" if alive
             else "no supervisor runs this job now: the next `ftsup run` starts from it")  # fmt: skip
     print(f"rollback to step {args.to_step}{skipping} requested (id {req.id}): {then}")

@@ -98,7 +98,7 @@ class JournalRecord:
                 raise JournalError(f"'pids' holds {p!r}, not a pid")
         raw["pids"] = tuple(pids)
         try:
-            raw["skips"] = protocol.check_skips(raw.get("skips", []), "'skips'")
+            raw["skips"] = protocol.check_data_skips(raw.get("skips", []), "'skips'")
         except ValueError as e:
             raise JournalError(str(e)) from None
         served = raw.get("rollbacks_served", [])

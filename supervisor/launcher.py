@@ -37,6 +37,7 @@ import psutil
 from ftsup import guard, procs, protocol
 from ftsup.supervisor import ranklogs, statedir
 from ftsup.supervisor.config import JobConfig
+from ftsup.supervisor.policy_anomaly import merge_skips
 
 pid_alive = procs.pid_alive
 
@@ -95,11 +96,12 @@ def rank_env(
     history = {protocol.KEEP_OLDER_THAN_STEPS_ENV: str(window)} if cfg.anomaly.enabled else {}
     env = {"PYTHONFAULTHANDLER": "1", **base, **prefix, **history, **cfg.job.env, **channel, "PYTHONUNBUFFERED": "1"}
     if skips:
-        try:  # a skip is never forgotten: the ones given from outside stay; a bad value is left to the rank to refuse
-            given = protocol.parse_skips(env.get(protocol.DATA_SKIPS_ENV, ""))
-        except ValueError:
-            given = ()
-        env[protocol.DATA_SKIPS_ENV] = protocol.encode_skips(protocol.merge_skips(given, skips))
+        try:  # a skip is never forgotten: the ones given from outside stay, unless they are not skips at all
+            env[protocol.DATA_SKIPS_ENV] = protocol.encode_data_skips(
+                merge_skips(protocol.parse_data_skips(env.get(protocol.DATA_SKIPS_ENV, "")), skips)
+            )
+        except ValueError:  # not ranges, or too many together: the supervisor's (the rank refuses a bad value)
+            env[protocol.DATA_SKIPS_ENV] = protocol.encode_data_skips(skips)
     return env
 
 

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ftsup.protocol import MAX_SKIPS, merge_skips
+from ftsup.protocol import MAX_DATA_SKIPS, DataSkips
 from ftsup.supervisor import detectors
 from ftsup.supervisor.config_anomaly import AnomalyConfig
 from ftsup.supervisor.policy_io import Exit, Heartbeat, Log, RollbackRequested, log
@@ -34,7 +34,19 @@ from ftsup.supervisor.policy_io import Exit, Heartbeat, Log, RollbackRequested, 
 EXIT_ANOMALY = 7
 MAX_SERVED = 64  # request ids remembered: a request is served once, and a file holds one request at a time
 
-Skips = tuple[tuple[int, int], ...]
+Skips = DataSkips
+
+
+def merge_skips(*groups: Skips) -> Skips:
+    """The union of data skips, sorted, overlapping or touching ranges joined (it may hold more than
+    MAX_DATA_SKIPS: the caller refuses what the ranks would)."""
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted(r for g in groups for r in g):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
+        else:
+            merged.append((a, b))
+    return tuple(merged)
 
 
 @dataclass(frozen=True)
@@ -148,8 +160,8 @@ def _decide(cfg: AnomalyConfig, an: AnomalyState, a: detectors.Anomaly, attempt:
         why = f"{told}, again after the data skip up to step {reached} did not help"
     elif len(rollbacks) >= cfg.max_rollbacks:
         why = f"{told}; the rollback budget is spent ({len(rollbacks)} within {cfg.rollback_window_s:g}s)"
-    elif len(skips) > MAX_SKIPS:
-        why = f"{told}; a skip more would make {len(skips)} ranges, more than the {MAX_SKIPS} the ranks take"
+    elif len(skips) > MAX_DATA_SKIPS:
+        why = f"{told}; a skip more would make {len(skips)} ranges, more than the {MAX_DATA_SKIPS} the ranks take"
     if why is not None:
         incident = Incident(a.kind, a.step, a.onset_step, value, None, (), why)
         return replace(an, incident=incident, rollbacks=rollbacks), [
@@ -188,8 +200,8 @@ def operator(an: AnomalyState, ev: RollbackRequested, attempt: int | None) -> tu
     before, skips = an.skips, merge_skips(an.skips, ev.skips)
     fields: dict[str, Any] = {"attempt": attempt, "to_step": ev.to_step, "who": ev.who, "id": ev.id}
     requested = log("rollback_requested", **fields, reason=ev.reason, skips=[list(r) for r in ev.skips])
-    if len(skips) > MAX_SKIPS:
-        why = f"its skips would make {len(skips)} ranges in force, more than the {MAX_SKIPS} the ranks take"
+    if len(skips) > MAX_DATA_SKIPS:
+        why = f"its skips would make {len(skips)} ranges in force, more than the {MAX_DATA_SKIPS} the ranks take"
         return replace(an, served=served), [requested, log("rollback_refused", "error", **fields, reason=why)]
     reason = f"operator rollback to step {ev.to_step} by {ev.who}" + (f": {ev.reason}" if ev.reason else "")
     an = replace(an, skips=skips, served=served, pending=Rollback(ev.to_step, "operator", reason),

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ftsup import protocol
-from ftsup.protocol import RollbackRequest, check_skips, encode_rollback, merge_skips, parse_rollback, parse_skips
+from ftsup.protocol import RollbackRequest, encode_rollback, parse_rollback
 from ftsup.supervisor import cli, policy
+from ftsup.supervisor.policy_anomaly import merge_skips
 from ftsup.supervisor.rollbacks import FILE_NAME, RollbackWatcher
 from tests.helpers import default_files, make_fake_checkpoint
 
@@ -23,33 +23,8 @@ REQ = RollbackRequest("0123abcd0123abcd", 40, ((480, 528),), "ops@node1 pid 7", 
 # ---------------------------------------------------------------------- data skips
 
 
-def test_skips_parse_from_the_environment_s_form():
-    assert parse_skips("0:12, 480:528") == ((0, 12), (480, 528))
-
-
-def test_an_empty_skips_variable_means_none():
-    assert parse_skips("  ") == ()
-
-
-@pytest.mark.parametrize("text", ["12", "a:b", "5:5", "9:3", "0:12,6:20", "20:30,0:12", "-1:4", "1:2;3:4",
-                                  "1:" + "9" * 17, ",".join(f"{2 * i}:{2 * i + 1}" for i in range(65))])  # fmt: skip
-def test_a_bad_skips_variable_is_refused_naming_it(text: str):
-    with pytest.raises(ValueError, match="FTSUP_DATA_SKIPS"):
-        parse_skips(text)
-
-
-def test_skips_encode_to_what_parses_back():
-    assert parse_skips(protocol.encode_skips(((0, 12), (480, 528)))) == ((0, 12), (480, 528))
-
-
 def test_the_union_of_skips_joins_overlapping_and_touching_ranges():
     assert merge_skips(((0, 12), (40, 50)), ((12, 20), (45, 60), (100, 101))) == ((0, 20), (40, 60), (100, 101))
-
-
-@pytest.mark.parametrize("bad", [[[1, True]], [[1.0, 2]], [[1, 2, 3]], [[2**53, 2**53 + 1]], "1:2", [[3, 4], [1, 2]]])
-def test_skips_as_json_gives_them_are_checked_strictly(bad: object):
-    with pytest.raises(ValueError):
-        check_skips(bad)
 
 
 # ---------------------------------------------------------------------- the request's schema
