@@ -42,13 +42,14 @@ class AnomalyConfig:
     """A rank whose step time is above this x the median of the other ranks' is slow."""
     straggler_patience_steps: int = 10
     """Slow on this many steps in a row: reported as a straggler (logged, counted; never stopped)."""
-    drift_ratio: float = 1.5
+    drift_ratio: float = 2.0
     """The job's median step time over the trailing window above this x the one of its first window (after the
-    warm-up) is reported as throughput drift."""
+    warm-up) is reported as throughput drift (and its end once it is back under halfway to that)."""
     rollback_margin_steps: int = 0
     """Roll back to the newest consistent checkpoint at least this many steps before the anomaly's onset."""
-    skip_extra_steps: int = 0
-    """The data skip runs from the onset to this many steps past the detection (in global batches)."""
+    skip_extra_steps: int = 10
+    """The data skip runs from the onset to this many steps past the detection (in global batches): bad data
+    tends to come in runs longer than the patience that confirmed it."""
     detection_window_steps: int = 100
     """History kept for a rollback: retention keeps the newest checkpoint at least this many steps older than the
     latest (FTSUP_KEEP_OLDER_THAN_STEPS). Also the repeat detector's reach: the same kind of anomaly again with its

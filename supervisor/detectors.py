@@ -15,7 +15,8 @@ The detectors, each configured by `anomaly:` (`config_anomaly.AnomalyConfig`):
   `straggler_patience_steps` steps in a row is a `Straggler` (reported once, until it is no longer slow:
   `Recovered`); the first `SETTLE_STEPS` of an attempt are not timed;
 - **throughput drift**: the job's step time (the median over its ranks) over `loss_window_steps` steps, against
-  the same over its first such window: above `drift_ratio` x is `Drift` (reported once, until it falls back).
+  the same over its first such window: above `drift_ratio` x is `Drift` (reported once, until it falls back
+  halfway to the baseline).
 
 Beats are combined per step: a step is judged once every rank that reports has reported it (or some rank is two
 steps past it: a beat lost or late changes nothing); a duplicate beat, or one of a step already judged, adds
@@ -285,7 +286,8 @@ def _time(
     if len(job) < window or base <= 0:
         return h, found
     now = statistics.median(job)
-    drifting = now > cfg.drift_ratio * base
+    # Back only halfway down to the baseline: a step time that hovers at the ratio is one drift, not many.
+    drifting = now > cfg.drift_ratio * base if not h.drifting else now > (1 + cfg.drift_ratio) / 2 * base
     if drifting != h.drifting:
         found.append(Drift(round(now / base, 3), now, base, window, back=not drifting))
     return replace(h, drifting=drifting), found

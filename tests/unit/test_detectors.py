@@ -192,13 +192,19 @@ def test_ranks_slow_together_are_no_stragglers():
     assert not any(isinstance(f, D.Straggler) for f in found)
 
 
+def test_a_step_time_that_hovers_at_the_drift_ratio_is_one_drift():
+    times = [[0.1, 0.1]] * 52 + [[0.25, 0.25]] * 50 + [[0.19, 0.19]] * 50 + [[0.21, 0.21]] * 50
+    _, found = run(stream(flat(202), step_s=times))
+    assert [f.back for f in found if isinstance(f, D.Drift)] == [False]
+
+
 def test_step_time_ratios_are_each_rank_s_median_over_the_median_of_all():
     h, _ = run(stream(flat(10), step_s=[[0.1, 0.1, 0.4]] * 10, nproc=3))
     assert {r: round(x, 2) for r, x in D.step_time_ratios(h).items()} == {0: 1.0, 1: 1.0, 2: 4.0}
 
 
 def test_the_job_s_step_time_drifting_up_is_reported_and_then_its_return():
-    times = [[0.1, 0.1]] * 52 + [[0.2, 0.2]] * 50 + [[0.1, 0.1]] * 50
+    times = [[0.1, 0.1]] * 52 + [[0.25, 0.25]] * 50 + [[0.1, 0.1]] * 50
     _, found = run(stream(flat(152), step_s=times))
     assert [(type(f).__name__, f.back) for f in found if isinstance(f, D.Drift)] == [("Drift", False), ("Drift", True)]
 

@@ -16,11 +16,12 @@ from tests.settings import settings
 from tests.unit.test_policy import Driver
 
 G = 12  # global batch: the data position after step s is s * G (no skips before)
-S = settings(nproc_max=2, backoff_initial_s=1, backoff_max_s=8, max_restarts=5, window_s=1000)
+NO_EXTRA = AnomalyConfig(skip_extra_steps=0)  # a skip from the onset to the detection, in these tests
+S = settings(nproc_max=2, backoff_initial_s=1, backoff_max_s=8, max_restarts=5, window_s=1000, anomaly=NO_EXTRA)
 
 
 def anomaly_settings(**keys: Any) -> P.Settings:
-    return dataclasses.replace(S, anomaly=dataclasses.replace(AnomalyConfig(), **keys))
+    return dataclasses.replace(S, anomaly=dataclasses.replace(NO_EXTRA, **keys))
 
 
 class Health(Driver):
@@ -85,6 +86,14 @@ def test_a_confirmed_loss_spike_rolls_back_before_its_onset_and_skips_to_its_det
     d.steps(range(41, 45), loss=9.0)  # onset 41, confirmed on step 44 (patience 4)
     launch = d.relaunch(resume=40, samples=480)
     assert (d.prepared()[-1], launch.skips) == (40, ((480, 528),))
+
+
+def test_the_skip_reaches_skip_extra_steps_past_the_detection_by_default():
+    d = Health(settings(nproc_max=2))
+    d.launch()
+    nan_at(d, 31)
+    launch = d.relaunch(resume=20, samples=240)
+    assert launch.skips == ((360, 372 + AnomalyConfig().skip_extra_steps * G),)
 
 
 def test_the_rollback_margin_and_the_extra_steps_widen_the_rollback_and_the_skip():
