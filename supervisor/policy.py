@@ -200,6 +200,8 @@ def _launch(s: Settings, st: State, ev: LaunchReady, now: float) -> tuple[State,
     n, why = choose_world_size(s, blind if ev.healthy_slots is None else ev.healthy_slots, ev.batch_divisor)
     if n is None:
         return _give_up(st, [], Exit(EXIT_BUDGET, f"cannot launch: {why}"), "job_failed", attempt=st.attempt_no)
+    if st.anomaly.pending is not None:  # progress is measured from a rollback's step: the steps after it are new
+        st = replace(st, best_step=min(st.best_step, ev.resume_step or 0))
     att = Attempt(st.attempt_no, n, ev.resume_step, launched_at=now, progress_at=now, best_before=st.best_step)
     launch = Launch(st.attempt_no, n, ev.resume_step, st.anomaly.skips)
     anomaly = policy_anomaly.launched(st.anomaly, ev.resume_step, ev.resume_samples)

@@ -121,6 +121,16 @@ def test_a_rollback_logs_the_anomaly_the_rollback_and_the_skip():
     assert told == ("nonfinite", 30, 12)
 
 
+def test_a_crash_after_a_rollback_that_reached_no_step_of_the_abandoned_timeline_is_progress():
+    d = Health(S)
+    d.launch()
+    nan_at(d, 31)
+    d.relaunch(resume=20, samples=240)
+    d.steps(range(21, 26), offset=12)  # below step 31, which the timeline rolled back from reached
+    d.feed(P.WorkersExited(d.st.attempt.number, 1))
+    assert d.st.no_progress_streak == 0
+
+
 def test_the_skips_in_force_go_to_every_later_launch():
     d = Health(S)
     d.launch()
