@@ -69,11 +69,12 @@ class Incident:
     rollback_to: int | None  # the resume bound; None: escalated
     skips: Skips  # the skip it added
     reason: str
+    resumed_from: int | None = None  # the step the rollback's launch resumed from (0: from scratch), once launched
 
     def to_json(self) -> dict[str, object]:
         return {"kind": self.kind, "step": self.step, "onset_step": self.onset_step, "value": self.value,
-                "rollback_to": self.rollback_to, "skips": [list(r) for r in self.skips],
-                "reason": self.reason}  # fmt: skip
+                "rollback_to": self.rollback_to, "skips": [list(r) for r in self.skips], "reason": self.reason,
+                "resumed_from": self.resumed_from}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,11 @@ def bound(an: AnomalyState) -> int | None:
 
 def launched(an: AnomalyState, resume_step: int | None, resume_samples: int | None) -> AnomalyState:
     """A new attempt, resumed from `resume_step` at data position `resume_samples`: the rollback is carried out."""
-    return replace(an, health=detectors.restart(an.health, resume_step, resume_samples), pending=None)
+    incident = an.incident
+    if an.pending is not None and incident is not None:
+        incident = replace(incident, resumed_from=resume_step or 0)
+    return replace(an, health=detectors.restart(an.health, resume_step, resume_samples), pending=None,
+                   incident=incident)  # fmt: skip
 
 
 def on_beat(cfg: AnomalyConfig, an: AnomalyState, ev: Heartbeat, attempt: int, now: float) -> tuple[

@@ -134,8 +134,13 @@ def _incident_lines(out: dict[str, Any]) -> list[str]:
         what = str(inc.get("kind")).replace("_", " ")
         if inc.get("step") is not None:
             what += f" at step {inc['step']} (onset step {inc.get('onset_step')})"
-        done = "escalated: the job stopped" if inc.get("rollback_to") is None else (
-            f"rolled back to step {inc['rollback_to']} or before")  # fmt: skip
+        resumed = inc.get("resumed_from")
+        if inc.get("rollback_to") is None:
+            done = "escalated: the job stopped"
+        elif resumed is None:  # not launched yet
+            done = f"rolling back to step {inc['rollback_to']} or before"
+        else:
+            done = f"rolled back to step {resumed}" if resumed else "rolled back to the start"
         skips = ", ".join(f"[{a}, {b})" for a, b in inc.get("skips") or [])
         lines.append(f"  last incident: {what}, {done}" + (f", skipping data positions {skips}" if skips else ""))
     if out["stragglers"]:

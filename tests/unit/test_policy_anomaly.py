@@ -104,6 +104,15 @@ def test_the_rollback_margin_and_the_extra_steps_widen_the_rollback_and_the_skip
     assert (d.prepared()[-1], launch.skips) == (20, ((360, 372 + 5 * G),))
 
 
+def test_the_incident_names_the_step_the_rollback_resumed_from():
+    d = Health(S)
+    d.launch()
+    nan_at(d, 31)
+    d.relaunch(resume=20, samples=240)
+    inc = d.st.anomaly.incident
+    assert (inc.kind, inc.rollback_to, inc.resumed_from) == ("nonfinite", 30, 20)
+
+
 def test_a_rollback_is_relaunched_at_once_and_counts_no_restart():
     d = Health(S)
     d.launch()

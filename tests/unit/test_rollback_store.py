@@ -108,7 +108,7 @@ def test_with_the_detectors_off_retention_keeps_no_extra_history():
 # ---------------------------------------------------------------------- the journal, status, metrics
 
 INCIDENT = {"kind": "loss_spike", "step": 44, "onset_step": 41, "value": 9.0, "rollback_to": 40,
-            "skips": [[480, 528]], "reason": "loss spike at step 44"}  # fmt: skip
+            "skips": [[480, 528]], "reason": "loss spike at step 44", "resumed_from": 20}  # fmt: skip
 
 
 def record(**fields: Any) -> JournalRecord:
@@ -149,7 +149,7 @@ def test_ftsup_status_shows_the_last_incident_stragglers_and_skips(tmp_path: Pat
     cli.main(["status", "--config", str(cfg)])
     out = capsys.readouterr().out
     assert [line.strip() for line in out.splitlines() if line.split(":")[0].strip() in SHOWN] == [
-        "last incident: loss spike at step 44 (onset step 41), rolled back to step 40 or before, skipping data "
+        "last incident: loss spike at step 44 (onset step 41), rolled back to step 20, skipping data "
         "positions [480, 528)",
         "stragglers: rank 1 (slow, not stopped)",
         "data skips in force: [480, 528)",
