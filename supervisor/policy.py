@@ -25,6 +25,10 @@ them from launch on; `auto`, all of them once the job's first heartbeat has arri
 and before that crashes only, so that a script without a line of ftsup is never killed for its silence;
 `off`, crashes only; `auto` watches the ranks that beat (a script may beat from rank 0 alone),
 `required` every rank. The pure rules (timeouts, modes, progress, world size, backoff) are `policy_rules`.
+
+Training health (`policy_anomaly`): a non-finite figure or a confirmed spike in a training beat stops the attempt
+and relaunches it at once from a checkpoint before the anomaly's onset with a data skip, or escalates (exit 7);
+an operator's rollback request (`RollbackRequested`) does the same from the step it names.
 """
 
 from __future__ import annotations
@@ -244,7 +248,7 @@ def _heartbeat_and_saves(s: Settings, st: State, att: Attempt, ev: Heartbeat, no
         if st.attempt is not None and att.max_step < 0 <= st.attempt.max_step:
             actions.append(log("first_step_reached", attempt=att.number, step=st.attempt.max_step,
                                duration_s=round(now - att.launched_at, 3)))  # fmt: skip
-        if ev.phase == Phase.TRAIN:
+        if ev.phase == Phase.TRAIN and st.final is None:  # an eviction's save or a stop goes first
             anomaly, logs, stop = policy_anomaly.on_beat(s.anomaly, st.anomaly, ev, att.number, now)
             st = replace(st, anomaly=anomaly)
             actions += logs

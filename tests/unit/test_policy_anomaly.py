@@ -226,6 +226,15 @@ def test_the_rollback_budget_is_counted_over_its_window():
     assert (d.logged("anomaly_escalated"), len(d.logged("rollback_started"))) == ([], 2)
 
 
+def test_an_anomaly_while_the_ranks_save_for_an_eviction_leaves_the_eviction_s_exit():
+    d = Health(S)
+    d.launch()
+    d.steps(range(1, 31), save_s=0.1)
+    d.feed(P.EvictionNoticed("aws", d.now + 120, "spot interruption"))
+    d.steps(range(31, 32), loss=math.nan)
+    assert (d.st.final.code if d.st.final else None, d.logged("rollback_started")) == (P.EXIT_EVICTED, [])
+
+
 def test_nothing_is_rolled_back_when_the_detectors_are_off():
     d = Health(anomaly_settings(enabled=False))
     d.launch()
