@@ -85,3 +85,16 @@ def test_ftsup_rollback_resumes_a_running_job_from_the_step_with_the_skip(tmp_pa
         "step 9 again": 2,
         "abandoned": True,
     }
+
+
+def test_a_rollback_asked_for_while_no_supervisor_runs_is_where_the_next_run_starts(tmp_path: Path):
+    job = write_job(tmp_path, "--steps", "12", "--keep-last", "10")
+    first = ftsup("run", "--config", str(job))
+    assert first.returncode == 0, first.output[-4000:]
+    asked = ftsup("rollback", "--config", str(job), "--to-step", "4", "--skip-samples", "48:60", timeout=60)
+    again = ftsup("run", "--config", str(job))
+    assert again.returncode == 0, again.output[-4000:]
+    launched = [e["resume_step"] for e in events(tmp_path) if e["event"] == "workers_launched"]
+    seen = (asked.returncode, "the next `ftsup run` starts from it" in asked.output, launched,
+            journal(tmp_path)["skips"], loss_steps(tmp_path).count(5))  # fmt: skip
+    assert seen == (0, True, [None, 4], [[48, 60]], 2)
