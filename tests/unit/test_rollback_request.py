@@ -107,6 +107,14 @@ def test_a_request_file_that_is_a_fifo_never_blocks_the_loop(tmp_path: Path):
     assert (w.poll(), [e for e, _ in logged]) == ([], ["rollback_request_ignored"])
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user takes root")
+def test_a_request_file_of_another_user_is_refused(tmp_path: Path):
+    (tmp_path / FILE_NAME).write_bytes(encode_rollback(REQ))
+    os.chown(tmp_path / FILE_NAME, 65534, 65534)
+    w, logged = watcher(tmp_path)
+    assert (w.poll(), "owned by uid 65534" in str(logged[0][1]["reason"])) == ([], True)
+
+
 def test_a_request_file_replaced_by_a_new_request_is_read_again(tmp_path: Path):
     (tmp_path / FILE_NAME).write_bytes(encode_rollback(REQ))
     w, _ = watcher(tmp_path)

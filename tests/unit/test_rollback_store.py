@@ -93,6 +93,10 @@ def test_skips_given_from_outside_are_kept_beside_the_supervisor_s():
     assert env(((480, 528),), given)[protocol.DATA_SKIPS_ENV] == "100:200,480:528"
 
 
+def test_a_bad_skips_value_given_from_outside_gives_way_to_the_supervisor_s():
+    assert env(((480, 528),), {protocol.DATA_SKIPS_ENV: "soon"})[protocol.DATA_SKIPS_ENV] == "480:528"
+
+
 def test_no_skips_leave_the_variable_as_given():
     assert protocol.DATA_SKIPS_ENV not in env(())
 
