@@ -11,9 +11,11 @@ The detectors, each configured by `anomaly:` (`config_anomaly.AnomalyConfig`):
   gradient norm) above `factor` x the median of a trailing window of values judged normal is high; high on
   `loss_patience_steps` steps in a row is an `Anomaly` whose onset is the first of them. High values never
   enter the window, so a spike is judged against what came before it; steps up to `warmup_steps` only fill it;
-- **stragglers**: a rank whose `step_s` is above `straggler_ratio` x the median of the other ranks' for
-  `straggler_patience_steps` steps in a row is a `Straggler` (reported once, until it is no longer slow:
-  `Recovered`); the first `SETTLE_STEPS` of an attempt are not timed;
+- **stragglers**: a rank whose own work in a step (`compute_s`, else `step_s`: in a synchronised job every
+  rank's step lasts as long as the slowest's, so only the work before it waits for a peer tells them apart) is
+  above `straggler_ratio` x the median of the other ranks' for `straggler_patience_steps` steps in a row is a
+  `Straggler` (reported once, until it is no longer slow: `Recovered`); the first `SETTLE_STEPS` of an attempt
+  are not timed;
 - **throughput drift**: the job's step time (the median over its ranks) over `loss_window_steps` steps, against
   the same over its first such window: above `drift_ratio` x is `Drift` (reported once, until it falls back
   halfway to the baseline).
@@ -86,6 +88,7 @@ class Figures:
     loss: float | None = None
     grad_norm: float | None = None
     step_s: float | None = None
+    compute_s: float | None = None  # its own work, without waiting for its peers
 
 
 @dataclass(frozen=True)
@@ -197,7 +200,8 @@ def observe(cfg: AnomalyConfig, h: Health, beat: Heartbeat) -> tuple[Health, lis
     pending = {s: dict(by) for s, by in h.pending}
     by_rank = pending.setdefault(beat.step, {})
     if beat.local_rank not in by_rank:  # the first beat of a step counts; a save's beat repeats the step
-        by_rank[beat.local_rank] = Figures(beat.rank, fig.get("loss"), fig.get("grad_norm"), fig.get("step_s"))
+        by_rank[beat.local_rank] = Figures(beat.rank, fig.get("loss"), fig.get("grad_norm"), fig.get("step_s"),
+                                           fig.get("compute_s"))  # fmt: skip
     done = min(latest.values())
     done = max(done, max(latest.values()) - 2, max(pending) - PENDING)
     for step in sorted(s for s in pending if s <= done):
@@ -233,8 +237,10 @@ def _judge(cfg: AnomalyConfig, h: Health, step: int, by_rank: dict[int, Figures]
         h = replace(h, grad=grad)
         found += a
     times = {r: t for r, f in by_rank.items() if (t := _finite(f.step_s)) is not None and t >= 0}
+    own = {r: t for r, f in by_rank.items() if (t := _finite(f.compute_s)) is not None and t >= 0}
     if times and step >= h.first_step + SETTLE_STEPS:
-        h, more = _time(cfg, h, step, times, {r: f.rank for r, f in by_rank.items()})
+        h, more = _time(cfg, h, step, own if len(own) == len(by_rank) else times, times,
+                        {r: f.rank for r, f in by_rank.items()})  # fmt: skip
         found += more
     return h, found
 
@@ -256,13 +262,19 @@ def _spike(
 
 
 def _time(
-    cfg: AnomalyConfig, h: Health, step: int, times: dict[int, float], global_rank: dict[int, int]
+    cfg: AnomalyConfig,
+    h: Health,
+    step: int,
+    own: dict[int, float],
+    times: dict[int, float],
+    global_rank: dict[int, int],
 ) -> tuple[Health, list[Finding]]:
+    """Stragglers from each rank's own work (`own`), drift from the job's step times (`times`)."""
     found: list[Finding] = []
     ranks = dict(h.ranks)
-    for local, t in sorted(times.items()):
+    for local, t in sorted(own.items()):
         prev = ranks.get(local) or RankTimes(global_rank[local])
-        others = [x for r, x in times.items() if r != local]
+        others = [x for r, x in own.items() if r != local]
         ratio = t / statistics.median(others) if others and statistics.median(others) > 0 else 0.0
         slow = prev.slow + 1 if ratio > cfg.straggler_ratio else 0
         reported = prev.reported

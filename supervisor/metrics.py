@@ -145,8 +145,9 @@ class Metrics:
         self.save_s = Gauge("ftsup_save_duration_seconds", "Duration of the last checkpoint save rank 0 reported.",
                             registry=r)  # fmt: skip
         self.loss = Gauge("ftsup_loss", "The training loss rank 0 last reported.", registry=r)
-        self.time_ratio = Gauge("ftsup_rank_step_time_ratio", "A rank's median step time (recent steps) over the "
-                                "median of this node's ranks'.", ["rank"], registry=r)  # fmt: skip
+        self.time_ratio = Gauge("ftsup_rank_step_time_ratio", "A rank's median step time (its own work, compute_s, "
+                                "where reported; recent steps) over the median of this node's ranks'.", ["rank"],
+                                registry=r)  # fmt: skip
         self.stragglers = Gauge("ftsup_stragglers", "Ranks of this node reported as stragglers now.", registry=r)
 
         # ---- gauges, from the checkpoint directory

@@ -176,6 +176,13 @@ def test_a_rank_three_times_slower_is_a_straggler_within_20_steps():
     assert stragglers == [(1, 10, 3.0)]
 
 
+def test_a_straggler_is_told_by_its_own_work_when_the_ranks_report_it():
+    # In a synchronised job every rank's step lasts as long as the slowest's: only compute_s tells them apart.
+    beats = [beat(s, r, loss=2.0, step_s=0.3, compute_s=0.3 if r == 1 else 0.1) for s in range(1, 21) for r in (0, 1)]
+    _, found = run(beats)
+    assert [(f.rank, f.steps) for f in found if isinstance(f, D.Straggler)] == [(1, 10)]
+
+
 def test_a_straggler_is_reported_once_while_it_stays_slow():
     _, found = run(stream(flat(100), step_s=[[0.1, 0.1, 0.3]] * 100, nproc=3))
     assert [type(f).__name__ for f in found] == ["Straggler"]
