@@ -12,18 +12,18 @@ The detectors, each configured by `anomaly:` (`config_anomaly.AnomalyConfig`):
   `loss_patience_steps` steps in a row is an `Anomaly` whose onset is the first of them. High values never
   enter the window, so a spike is judged against what came before it; steps up to `warmup_steps` only fill it;
 - **stragglers**: a rank whose own work in a step (`compute_s`, else `step_s`: in a synchronised job every
-  rank's step lasts as long as the slowest's, so only the work before it waits for a peer tells them apart) is
-  above `straggler_ratio` x the median of the other ranks' for `straggler_patience_steps` steps in a row is a
-  `Straggler` (reported once, until it is no longer slow: `Recovered`); the first `SETTLE_STEPS` of an attempt
-  are not timed;
+  rank's step lasts as long as the slowest's, so only the work before it waits for a peer tells them apart),
+  its median over the last `straggler_patience_steps` steps, is above `straggler_ratio` x the other ranks' is a
+  `Straggler` (reported once, until it is back under halfway: `Recovered`); the first `SETTLE_STEPS` of an
+  attempt are not timed;
 - **throughput drift**: the job's step time (the median over its ranks) over `loss_window_steps` steps, against
   the same over its first such window: above `drift_ratio` x is `Drift` (reported once, until it falls back
   halfway to the baseline).
 
-Beats are combined per step: a step is judged once every rank that reports has reported it (or some rank is two
-steps past it: a beat lost or late changes nothing); a duplicate beat, or one of a step already judged, adds
-nothing but its non-finite check. `position_before` and `global_batch` give what a rollback's data skip needs.
-What is done about a finding is `policy_anomaly`'s.
+Beats are combined per step: a step is judged once every rank that reports has reported it (or some rank is
+`PENDING` steps past it: a lost beat holds nothing up for long); a duplicate beat, or one of a step already
+judged, adds nothing but its non-finite check. `position_before` and `global_batch` give what a rollback's data
+skip needs. What is done about a finding is `policy_anomaly`'s.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from ftsup.supervisor.policy_io import Heartbeat
 KINDS = ("nonfinite", "loss_spike", "grad_norm_spike")
 SETTLE_STEPS = 2  # an attempt's first steps warm caches and allocators on every rank alike: not timed
 POSITIONS = 512  # data positions kept, newest last: more than a spike's patience reaches back in practice
-PENDING = 16  # steps waiting for their last rank at most; older ones are judged as they are
+PENDING = 8  # steps a step waits for its last rank at most (a beat lost); then it is judged as it is
 MIN_REFERENCE = 5  # values a trailing median needs before it judges anything
 RATIO_STEPS = 20  # step times per rank behind `step_time_ratios`
 
@@ -102,9 +102,8 @@ class Spike:
 @dataclass(frozen=True)
 class RankTimes:
     rank: int  # global
-    times: tuple[float, ...] = ()  # its last RATIO_STEPS step times
-    slow: int = 0  # slow steps in a row
-    reported: bool = False
+    times: tuple[float, ...] = ()  # its last step times (own work), at least RATIO_STEPS
+    reported: bool = False  # a straggler now
 
 
 @dataclass(frozen=True)
@@ -203,7 +202,8 @@ def observe(cfg: AnomalyConfig, h: Health, beat: Heartbeat) -> tuple[Health, lis
         by_rank[beat.local_rank] = Figures(beat.rank, fig.get("loss"), fig.get("grad_norm"), fig.get("step_s"),
                                            fig.get("compute_s"))  # fmt: skip
     done = min(latest.values())
-    done = max(done, max(latest.values()) - 2, max(pending) - PENDING)
+    # Ranks are read one queue after the other, so one may be several steps ahead of another within a read.
+    done = max(done, max(latest.values()) - PENDING)
     for step in sorted(s for s in pending if s <= done):
         h, more = _judge(cfg, h, step, pending.pop(step))
         found += more
@@ -269,22 +269,29 @@ def _time(
     times: dict[int, float],
     global_rank: dict[int, int],
 ) -> tuple[Health, list[Finding]]:
-    """Stragglers from each rank's own work (`own`), drift from the job's step times (`times`)."""
+    """Stragglers from each rank's own work (`own`), drift from the job's step times (`times`). A rank is slow when
+    the median of its last `straggler_patience_steps` times is above `straggler_ratio` x the median of the other
+    ranks' (a median, so that one quick step of a slow rank, or one slow step of a quick one, changes nothing);
+    it is no longer slow once that falls back under halfway."""
     found: list[Finding] = []
+    p = cfg.straggler_patience_steps
     ranks = dict(h.ranks)
-    for local, t in sorted(own.items()):
+    for local, t in own.items():
         prev = ranks.get(local) or RankTimes(global_rank[local])
-        others = [x for r, x in own.items() if r != local]
-        ratio = t / statistics.median(others) if others and statistics.median(others) > 0 else 0.0
-        slow = prev.slow + 1 if ratio > cfg.straggler_ratio else 0
-        reported = prev.reported
-        if slow >= cfg.straggler_patience_steps and not reported:
-            reported = True
-            found.append(Straggler(prev.rank, local, round(ratio, 3), slow))
-        elif slow == 0 and reported:
-            reported = False
+        ranks[local] = replace(prev, times=(*prev.times, t)[-max(RATIO_STEPS, p) :])
+    medians = {r: statistics.median(v.times[-p:]) for r, v in ranks.items() if len(v.times) >= p}
+    for local in sorted(own):
+        prev = ranks[local]
+        others = [m for r, m in medians.items() if r != local]
+        if local not in medians or not others or statistics.median(others) <= 0:
+            continue  # not enough to compare with yet
+        ratio = medians[local] / statistics.median(others)
+        if not prev.reported and ratio > cfg.straggler_ratio:
+            ranks[local] = replace(prev, reported=True)
+            found.append(Straggler(prev.rank, local, round(ratio, 3), p))
+        elif prev.reported and ratio <= (1 + cfg.straggler_ratio) / 2:
+            ranks[local] = replace(prev, reported=False)
             found.append(Recovered(prev.rank, local))
-        ranks[local] = RankTimes(prev.rank, (*prev.times, t)[-RATIO_STEPS:], slow, reported)
     h = replace(h, ranks=tuple(sorted(ranks.items())))
     window = cfg.loss_window_steps
     job = (*h.job_times, statistics.median(times.values()))

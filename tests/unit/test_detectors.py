@@ -161,10 +161,19 @@ def test_a_beat_of_a_step_already_judged_changes_nothing():
     assert (again.loss, found) == (h.loss, [])
 
 
-def test_a_step_whose_beat_from_one_rank_was_lost_is_judged_once_a_rank_is_two_steps_past_it():
-    beats = [b for b in stream([*flat(40), *[9.0] * 6]) if not (b.local_rank == 1 and b.step >= 41)]
+def test_a_step_whose_beat_from_one_rank_was_lost_is_judged_once_a_rank_is_pending_steps_past_it():
+    beats = [b for b in stream([*flat(40), *[9.0] * 4, *flat(D.PENDING)]) if not (b.local_rank == 1 and b.step >= 41)]
     _, found = run(beats)
     assert anomalies(found) == [("loss_spike", 44, 41)]
+
+
+def test_a_rank_read_several_steps_ahead_of_another_is_still_compared_with_it():
+    # The supervisor reads one rank's queue after the other: rank 1's beats of steps 1-4, then rank 0's.
+    times = {0: 0.1, 1: 0.3}
+    beats = [beat(s, r, loss=2.0, step_s=times[r]) for first in range(1, 21, 4) for r in (1, 0)
+             for s in range(first, first + 4)]  # fmt: skip
+    _, found = run(beats)
+    assert [(f.rank, f.steps) for f in found if isinstance(f, D.Straggler)] == [(1, 10)]
 
 
 # ---------------------------------------------------------------------- stragglers, drift
@@ -188,9 +197,15 @@ def test_a_straggler_is_reported_once_while_it_stays_slow():
     assert [type(f).__name__ for f in found] == ["Straggler"]
 
 
+def test_a_straggler_whose_work_dips_now_and_then_is_still_a_straggler():
+    times = [[0.1, 0.1 if s % 4 == 0 else 0.3] for s in range(20)]
+    _, found = run(stream(flat(20), step_s=times))
+    assert [(f.rank, f.steps) for f in found if isinstance(f, D.Straggler)] == [(1, 10)]
+
+
 def test_a_straggler_that_is_no_longer_slow_is_recovered():
-    times = [[0.1, 0.3]] * 20 + [[0.1, 0.1]] * 3
-    h, found = run(stream(flat(23), step_s=times))
+    times = [[0.1, 0.3]] * 20 + [[0.1, 0.1]] * 10
+    h, found = run(stream(flat(30), step_s=times))
     assert ([type(f).__name__ for f in found], h.stragglers) == (["Straggler", "Recovered"], ())
 
 
