@@ -136,11 +136,26 @@ def test_a_spike_on_one_rank_counts_through_the_mean_of_the_ranks():
     assert [(a.kind, a.onset_step, a.rank) for a in found] == [("loss_spike", 41, 1)]
 
 
-def test_the_reference_trainer_s_figures_raise_nothing_with_the_defaults():
-    n = len(REFERENCE["loss"])
-    times = [[t, t * 1.05] for t in REFERENCE["step_s"]]
-    beats = stream(REFERENCE["loss"], grad=REFERENCE["grad_norm"], step_s=times)
-    assert (n, run(beats)[1]) == (300, [])
+def recorded() -> list[Heartbeat]:
+    names = REFERENCE["fields"]
+    out = []
+    for row in REFERENCE["beats"]:
+        figures = tuple(sorted(zip(names[2:], row[2:], strict=True)))
+        out.append(Heartbeat(1, row[1], row[0], Phase.TRAIN, rank=row[1], figures=figures))
+    return out
+
+
+def test_a_recorded_reference_run_raises_nothing_with_the_defaults():
+    beats = recorded()
+    assert (max(b.step for b in beats), run(beats)[1]) == (300, [])
+
+
+def test_the_recorded_reference_run_would_raise_with_tight_thresholds():
+    # The test above can fail: the same stream against thresholds just above what it shows.
+    cfg = dataclasses.replace(CFG, grad_norm_spike_factor=1.2, straggler_ratio=1.1, loss_patience_steps=1,
+                              straggler_patience_steps=3)  # fmt: skip
+    kinds = {type(f).__name__ if not isinstance(f, D.Anomaly) else f.kind for f in run(recorded(), cfg)[1]}
+    assert kinds >= {"grad_norm_spike", "Straggler"}
 
 
 # ---------------------------------------------------------------------- beats twice, late, lost
