@@ -16,6 +16,9 @@
   "stop", "reason", "deadline_unix"}`, written by `encode_control` and read by `parse_control`.
   A file without `"v"`, or of another version (a supervisor of another ftsup release), is
   refused (`ControlVersionError`), never acted on.
+- **An operator's rollback request**, `ftsup rollback` to the supervisor: `<state_dir>/rollback.json`,
+  `{"v": ROLLBACK_VERSION, "id", "to_step", "skips", "who", "reason", "requested_unix"}`, written by
+  `encode_rollback` and read by `parse_rollback` (capped, every field's type checked, no other key).
 
 Values and bytes only, stdlib only: no sockets, files, clocks or threads (`RuntimeEnv` reads
 this process's environment when given none). The channel's ends
@@ -423,3 +426,59 @@ def parse_control(raw: bytes) -> Request:
     if deadline is not None and (_finite(deadline) is None or deadline < 0):
         raise ValueError(f"deadline_unix must be a finite time or null, not {deadline!r:.40}")
     return Request(seq, stop, reason, None if deadline is None else float(deadline))
+
+
+# ---------------------------------------------------------------------- rollback requests
+
+ROLLBACK_VERSION = 1
+MAX_ROLLBACK_BYTES = 16384
+MAX_WHO_CHARS = 256
+_ROLLBACK_KEYS = ("v", "id", "to_step", "skips", "who", "reason", "requested_unix")
+_REQUEST_ID = re.compile(r"[0-9a-f]{8,64}\Z")
+
+
+@dataclass(frozen=True)
+class RollbackRequest:
+    """Resume from the checkpoint of step `to_step` (or the newest consistent one before it), with `skips`
+    added to the data skips in force; `id` tells one request from the next."""
+
+    id: str
+    to_step: int
+    skips: DataSkips = ()
+    who: str = ""
+    reason: str = ""
+    requested_unix: float = 0.0
+
+
+def encode_rollback(r: RollbackRequest) -> bytes:
+    body = {"v": ROLLBACK_VERSION, "id": r.id, "to_step": r.to_step, "skips": [list(x) for x in r.skips],
+            "who": r.who[:MAX_WHO_CHARS], "reason": r.reason[:MAX_REASON_CHARS],
+            "requested_unix": r.requested_unix}  # fmt: skip
+    return json.dumps(body, allow_nan=False).encode()
+
+
+def parse_rollback(raw: bytes) -> RollbackRequest:
+    """The request a rollback file holds; ValueError saying what is wrong otherwise (too large, not JSON, another
+    version, a missing or unknown key, a value of the wrong type or out of range)."""
+    if len(raw) > MAX_ROLLBACK_BYTES:
+        raise ValueError(f"{len(raw)} bytes, more than {MAX_ROLLBACK_BYTES}")
+    try:
+        m = json.loads(raw.decode("utf-8"), parse_int=_bounded_int, parse_constant=_no_constants,
+                       object_pairs_hook=_unique_keys)  # fmt: skip
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(m, dict) or type(m.get("v")) is not int or m["v"] != ROLLBACK_VERSION:
+        raise ValueError(f"not a rollback request of format version {ROLLBACK_VERSION} (field v)")
+    if odd := sorted(set(m) ^ set(_ROLLBACK_KEYS)):
+        raise ValueError(f"{'unknown' if odd[0] in m else 'no'} key {odd[0]!r:.40}")
+    rid, step, when = m["id"], m["to_step"], _finite(m["requested_unix"])
+    if not isinstance(rid, str) or not _REQUEST_ID.match(rid):
+        raise ValueError(f"id must be 8 to 64 lowercase hex digits, not {rid!r:.40}")
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        raise ValueError(f"to_step must be an integer in [0, {MAX_STEP}], not {step!r:.40}")
+    if when is None or when < 0:
+        raise ValueError(f"requested_unix must be a finite time, not {m['requested_unix']!r:.40}")
+    for key, limit in (("who", MAX_WHO_CHARS), ("reason", MAX_REASON_CHARS)):
+        if not isinstance(m[key], str) or len(m[key]) > limit or not m[key].isprintable():
+            raise ValueError(f"{key} must be a printable string of at most {limit} characters")
+    return RollbackRequest(rid, step, check_data_skips(m["skips"], "skips"), m["who"], m["reason"], when)

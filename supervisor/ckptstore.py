@@ -12,7 +12,9 @@ here, on one thread owned by the daemon (`start`, `close`), never by the loop:
   a consistent one. (A file changed in place under an unchanged manifest shows at the next
   change of the directory; the resume choice below never uses the cache.)
 - `choose()` asks for the resume choice (`ftsup.store.choice`: fresh checks, deep when
-  configured, quarantines) and waits for it, at most `timeout_s`; it goes before any scan.
+  configured, quarantines) and waits for it, at most `timeout_s`; it goes before any scan. With
+  `at_most` (a rollback) it chooses among the steps up to that one and abandons the committed
+  checkpoints after the one chosen (`choice.abandon`: renamed, kept).
 
 A manifest of CHILD_CHECK_BYTES or more is checked in a child process: the JSON decoder and the
 pre-checks hold the GIL for a whole file at a time (a 58 MiB manifest held it for 3 s here), time
@@ -71,6 +73,7 @@ class Resume:
     metadata: dict[str, Any] = field(default_factory=dict)
     answered: bool = True
     error: str | None = None
+    abandoned: tuple[choice.Passed, ...] = ()  # checkpoints after a rollback's choice, renamed (or not: SKIPPED)
 
     @property
     def quiet(self) -> bool:
@@ -85,7 +88,8 @@ class Resume:
 
 
 class _Request:
-    def __init__(self) -> None:
+    def __init__(self, at_most: int | None) -> None:
+        self.at_most = at_most
         self.done = threading.Event()
         self.result: Resume | None = None
         self.error: OSError | CheckpointError | None = None  # the store could not be read: the caller's to retry
@@ -120,14 +124,15 @@ class StoreScanner:
         with self._lock:
             return self._view
 
-    def choose(self, timeout_s: float) -> Resume:
-        """The resume choice, made now on the scanner's thread (on the caller's before `start()`).
+    def choose(self, timeout_s: float, at_most: int | None = None) -> Resume:
+        """The resume choice (of a step at most `at_most`, abandoning the ones after it), made now on the scanner's
+        thread (on the caller's before `start()`).
 
         Raises the OSError or CheckpointError that made the store unreadable (an outage: the caller
         retries; the resume point must come from the store, not from its absence). Not `answered`
         if it failed otherwise (counted in the view's errors) or took longer than `timeout_s` (it is
         still made, and the next scan sees its outcome)."""
-        req = _Request()
+        req = _Request(at_most)
         if not self._thread.is_alive():
             self._serve(req)
             timeout_s = 0.0
@@ -162,7 +167,7 @@ class StoreScanner:
 
     def _serve(self, req: _Request) -> None:
         try:
-            req.result = self._choose()
+            req.result = self._choose(req.at_most)
         except (OSError, CheckpointError) as e:
             req.error = e
             self._count_error(e)
@@ -182,8 +187,12 @@ class StoreScanner:
             v = self._view
             self._view = StoreView(v.latest, v.committed, v.scans + 1, v.errors + 1, f"{type(e).__name__}: {e}", e)
 
-    def _choose(self) -> Resume:
-        picked = choice.choose(self._root, deep=self._deep)
+    def _choose(self, at_most: int | None) -> Resume:
+        picked = choice.choose(self._root, deep=self._deep, at_most=at_most)
+        abandoned: tuple[choice.Passed, ...] = ()
+        if at_most is not None:
+            after = picked.info.step if picked.info is not None else -1
+            abandoned = choice.abandon(self._root, after, f"a rollback to step {at_most} or before chose step {after}")
         self._cache.clear()  # it may have renamed some
         meta: dict[str, Any] = {}
         if picked.info is not None:
@@ -191,7 +200,7 @@ class StoreScanner:
                 meta = dict(layout.read_manifest(picked.info.path).metadata)
             except ManifestError:
                 pass  # it changed since the check: the ranks' own load decides
-        return Resume(picked, meta)
+        return Resume(picked, meta, abandoned=abandoned)
 
     def _scan(self) -> None:
         dirs = layout.committed_dirs(self._root)

@@ -8,6 +8,7 @@ Subcommands (DESIGN.md, Contracts: their names, flags and JSON shapes change onl
     ftsup ckpt verify DIR [--step N] [--deep] [--json] one checkpoint (default: the newest)
     ftsup ckpt show DIR [--step N] [--json]            one checkpoint: manifest, trainer metadata, pin
     ftsup ckpt pin|unpin DIR --step N [--reason TEXT]  kept whatever the retention policy, journaled
+    ftsup rollback --config JOB.yaml --to-step N ...   an operator's rollback request (`cli_rollback`)
     ftsup bench checkpoint ...                         delegated to `ftsup.trainer.bench`
     ftsup bench recovery ...                           `ftsup.supervisor.bench.recovery` (torch-free)
     ftsup bench eviction ...                           `ftsup.supervisor.bench.eviction` (torch-free)
@@ -114,6 +115,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         Command("status", "what the supervisor of a job is doing", _build_status),
         Command("config", "check a job config", _build_config),
         Command("ckpt", "inspect a checkpoint directory", _build_ckpt),
+        Command("rollback", "ask a job's supervisor to resume from an earlier checkpoint", _build_rollback),
         Command("bench", "benchmarks (checkpoint needs torch; see README)", _build_bench),
         Command("demo", "the reference trainer under ftsup run, with faults injected; losses compared bitwise",
                 _build_demo),
@@ -227,6 +229,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     from ftsup.supervisor.status import cmd_status as status
 
     return status(args)
+
+
+def _build_rollback(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
+    from ftsup.supervisor import cli_rollback
+
+    cli_rollback.add_arguments(p, _step_number)
 
 
 # --------------------------------------------------------------------------- ckpt

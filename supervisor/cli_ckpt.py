@@ -245,6 +245,8 @@ def _uncommitted_lines(root: Path) -> list[str]:
             lines.append(f"not committed: {p.name} (a save in progress or torn by a crash)")
         elif p.name.startswith("step-") and ".corrupt" in p.name:
             lines.append(f"quarantined: {p.name}")
+        elif p.name.startswith("step-") and ".abandoned" in p.name:
+            lines.append(f"abandoned by a rollback: {p.name} (kept; no run resumes from it)")
         elif p.name.startswith("step-") and p.name not in committed:
             why = (
                 "a symbolic link"

@@ -2,7 +2,8 @@
 
 `load_config(path)` reads a YAML file; `parse_config(mapping, ...)` validates a mapping that is already loaded.
 Both return a `JobConfig` with one section per YAML section (DESIGN.md, Contracts): `job`, `launch`,
-`checkpoint`, `heartbeat`, `restart`, `eviction`, `metrics`, `logging`. `deploy/examples/job.yaml` shows every key.
+`checkpoint`, `heartbeat`, `restart`, `eviction`, `metrics`, `logging`, `anomaly`. `deploy/examples/job.yaml`
+shows every key.
 
 Rules (STYLE.md, Config):
 - unknown keys at any level, wrong types and impossible values are errors that name the key path and the fix,
@@ -17,8 +18,9 @@ integer 62), so `nnodes: 1:2` means what it says; `1e3` is a number; `mode: off`
 still reads yes, no, on, off as YAML 1.1 does). A key given twice is an error, not "last wins".
 
 This module knows the sections: their keys, defaults and the rules between keys (the `launch:` section's are
-`config_launch`). How a single value is read and how its errors are worded (`Where`, `Section`, the parse
-functions) is `config_values`, reading the file `config_file`, the command line's flags `config_args`.
+`config_launch`, the `anomaly:` section's `config_anomaly`). How a single value is read and how its errors are
+worded (`Where`, `Section`, the parse functions) is `config_values`, reading the file `config_file`, the command
+line's flags `config_args`.
 
 This module decides nothing at runtime: `nproc_per_node: auto`, learned timeouts and `eviction.providers: [auto]`
 are kept as written for the daemon to resolve. Its only I/O is reading the file and, when `launch.node_id` is
@@ -35,12 +37,13 @@ from pathlib import Path
 from typing import Any
 
 from ftsup.supervisor import config_file, config_signals, config_values, statedir
+from ftsup.supervisor.config_anomaly import AnomalyConfig, parse_anomaly
 from ftsup.supervisor.config_launch import LaunchConfig, parse_launch
 from ftsup.supervisor.config_values import Section, Where
 from ftsup.supervisor.errors import ConfigError
 from ftsup.supervisor.policy_io import HeartbeatMode, Settings
 
-SECTIONS = ("job", "launch", "checkpoint", "heartbeat", "restart", "eviction", "metrics", "logging")
+SECTIONS = ("job", "launch", "checkpoint", "heartbeat", "restart", "eviction", "metrics", "logging", "anomaly")
 PROVIDERS = config_values.PROVIDERS  # eviction.providers, checked in config_values
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("json", "console")
@@ -195,6 +198,8 @@ class JobConfig:
     """Prometheus endpoint."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Supervisor logs."""
+    anomaly: AnomalyConfig = field(default_factory=AnomalyConfig)
+    """Training-health detectors, rollback, escalation."""
     source: str = "<string>"
     """Where the config came from (the path as given), for messages."""
 
@@ -267,6 +272,7 @@ def parse_config(
     eviction = Section(top.child("eviction"), mapping.get("eviction"), EvictionConfig)
     metrics = Section(top.child("metrics"), mapping.get("metrics"), MetricsConfig)
     logging = Section(top.child("logging"), mapping.get("logging"), LoggingConfig)
+    anomaly = Section(top.child("anomaly"), mapping.get("anomaly"), AnomalyConfig)
 
     digest = hashlib.sha256(str(config_path if config_path is not None else base).encode()).hexdigest()
     run_id = job.optional("run_id", config_values.identifier, f"ftsup-{digest[:8]}")
@@ -293,6 +299,7 @@ def parse_config(
             level=logging.optional("level", config_values.choice(LOG_LEVELS)),
             format=logging.optional("format", config_values.choice(LOG_FORMATS)),
         ),
+        anomaly=parse_anomaly(anomaly),
         source=source,
     )
 
@@ -390,4 +397,5 @@ def settings_from(cfg: JobConfig, nproc_max: int) -> Settings:
         step_time_multiplier=hb.step_time_multiplier, max_restarts=rs.max_restarts, window_s=rs.window_s,
         backoff_initial_s=rs.backoff_initial_s, backoff_max_s=rs.backoff_max_s,
         max_attempts_without_progress=rs.max_attempts_without_progress, save_margin_s=cfg.eviction.save_margin_s,
+        anomaly=cfg.anomaly,
     )  # fmt: skip

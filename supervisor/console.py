@@ -77,4 +77,12 @@ _LINES = {
     "eviction_noticed": lambda ev: f"eviction notice: {ev.get('reason')}",
     "save_requested": lambda ev: f"asked the ranks for an emergency save ({ev.get('reason')})",
     "supervisor_exited": lambda ev: f"exit status {ev.get('code')}",
+    "straggler_detected": lambda ev: (
+        f"rank {ev.get('rank')} is a straggler: {ev.get('ratio')} x the other ranks' step time for {ev.get('steps')} "
+        "steps (reported, not stopped)"
+    ),
+    "throughput_drift_detected": lambda ev: (
+        f"step time drifted up: {ev.get('ratio')} x the job's first window ({ev.get('median_s')} s per step)"
+    ),
+    "data_skipped": lambda ev: f"data skipped from now on: {ev.get('samples')} positions more, {ev.get('skips')}",
 }

@@ -1,8 +1,9 @@
 """`ftsup run`: the long-running loop that feeds the policy events and carries out its actions.
 
 Each tick the loop waits (up to `TICK_S`) on its event sources (`sources`: signals, eviction watchers, the
-heartbeat channel), then feeds the policy (`policy.step`) what happened: the signals and notices, the heartbeats
-read, what became of the running attempt (`workers`), a tick for timeouts. It carries out each action through
+heartbeat channel), then feeds the policy (`policy.step`) what happened: the signals and notices, an operator's
+rollback request (`rollbacks`, read before the first launch too), the heartbeats read, what became of the running
+attempt (`workers`), a tick for timeouts. It carries out each action through
 the part that owns it: the resume choice (`resume`), the running attempt (`workers`), the journal
 (`journaling`), the watchers. Every event is logged and counted once (`_emit`). What the policy knows (the world
 size, the resume step, the last failure, ...) is read from its state, never copied. It never imports torch.
@@ -40,7 +41,9 @@ from ftsup.supervisor.journal import JournalRecord
 from ftsup.supervisor.journaling import JournalKeeper, exit_status
 from ftsup.supervisor.metrics import Metrics, MetricsServer
 from ftsup.supervisor.outages import Outages
+from ftsup.supervisor.policy_anomaly import AnomalyState
 from ftsup.supervisor.resume import ResumeChoice
+from ftsup.supervisor.rollbacks import RollbackWatcher
 from ftsup.supervisor.sources import EventSources
 from ftsup.supervisor.workers import Workers
 
@@ -70,6 +73,7 @@ class Daemon:
                                      emit=emit)  # fmt: skip
         self.workers = Workers(cfg, self.log_dir, clock=clock, emit=emit, post=post, outages=self.outages,
                                journal=self.journal.write, figures=self.metrics.heartbeat)  # fmt: skip
+        self.rollbacks = RollbackWatcher(self.node_dir, clock=clock, emit=emit)
 
     def run(self) -> int:
         """Supervise the job until it ends; returns the exit status."""
@@ -83,9 +87,12 @@ class Daemon:
                 adopted = self.journal.adopt()
                 systemd.notify("READY=1", f"STATUS=supervising {self.cfg.job.run_id}")
                 settings = settings_from(self.cfg, self.resume.nproc_max())
-                # Attempt numbers go on from the journal: log files and FTSUP_ATTEMPT stay unique.
-                self.state = policy.State(attempt_no=adopted)
-                self.pending.append(policy.Start())
+                # Attempt numbers go on from the journal: log files and FTSUP_ATTEMPT stay unique; so do the
+                # data skips in force and the rollback requests served.
+                kept = self.journal.kept
+                anomaly = AnomalyState(skips=kept.skips, served=kept.rollbacks_served) if kept else AnomalyState()
+                self.state = policy.State(attempt_no=adopted, anomaly=anomaly)
+                self.pending += [*self.rollbacks.poll(), policy.Start()]  # a request found now is the first start
                 while True:
                     while self.pending:  # feed the events, carry out the actions
                         now = self.clock()
@@ -98,6 +105,7 @@ class Daemon:
                     self.resume.refresh_metrics()
                     self.sources.wait(TICK_S)
                     self.pending.extend(self.sources.events())  # signals, eviction notices
+                    self.pending.extend(self.rollbacks.poll())
                     self.pending.extend(self.workers.beats(self.sources.beats(admit=self.workers.admits)))
                     self.pending.extend(self.workers.watch())  # torchrun's exit, a rank gone, new ranks
                     self.pending.append(policy.Tick())
@@ -151,8 +159,10 @@ class Daemon:
         for action in actions:
             if isinstance(action, policy.Log):
                 self._emit(action.level, action.event, **action.as_dict())
+                if action.event in ("straggler_detected", "straggler_recovered"):
+                    self.journal.write("running")  # for `ftsup status`
             elif isinstance(action, policy.PrepareLaunch):
-                self.resume.prepare_or_retry(action.attempt)
+                self.resume.prepare_or_retry(action.attempt, action.at_most)
             elif isinstance(action, policy.Launch):
                 self.workers.launch_or_fail(action)
             elif isinstance(action, policy.StopWorkers):
@@ -193,5 +203,7 @@ class Daemon:
             # Only processes of the attempt (its tree, its mark): a pid claimed in a heartbeat is not journaled.
             pids=tuple(sorted({p.pid for p in att.tree()})) if att else (),
             attempt_started_unix=att.started_at if att else None, last_failure=st.last_failure, status=status,
-            updated_unix=time.time(), extra=extra,
+            updated_unix=time.time(), extra=extra, skips=st.anomaly.skips, rollbacks_served=st.anomaly.served,
+            incident=st.anomaly.incident.to_json() if st.anomaly.incident else None,
+            stragglers=st.anomaly.health.stragglers,
         )  # fmt: skip

@@ -2,7 +2,9 @@
 (after `kill -9`, a node reboot, a systemd restart) can adopt or clean up what it left.
 
 One JSON file per node: run id, attempt number, world size, chosen step, pids of the running
-attempt (torchrun and its ranks), last failure, and the time it was written. It is replaced
+attempt (torchrun and its ranks), last failure, and the time it was written; the data skips in
+force and the operator rollback requests served (a restarted supervisor keeps both), the last
+incident and the ranks reported as stragglers (for `ftsup status`). It is replaced
 atomically (`statedir.write_atomic`: a new O_EXCL temporary, fsync, rename, fsync dir), so a
 reader sees the old or the new record, never half of one.
 
@@ -19,6 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ftsup import protocol
 from ftsup.supervisor import statedir
 from ftsup.supervisor.errors import SupervisorError
 
@@ -26,6 +29,8 @@ FORMAT = 1
 MAX_BYTES = 1 << 20
 MAX_PIDS = 4096
 STATUSES = ("starting", "running", "backoff", "succeeded", "failed", "evicted", "stopped")
+MAX_SERVED = 64
+MAX_INCIDENT_BYTES = 8192
 
 
 class JournalError(SupervisorError):
@@ -46,10 +51,17 @@ class JournalRecord:
     status: str = "starting"  # starting | running | backoff | succeeded | failed | evicted | stopped
     updated_unix: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    skips: tuple[tuple[int, int], ...] = ()  # the data skips in force
+    rollbacks_served: tuple[str, ...] = ()  # ids of the operator rollback requests served, newest last
+    incident: dict[str, Any] | None = None  # the last anomaly or operator rollback (`policy_anomaly.Incident`)
+    stragglers: tuple[int, ...] = ()  # global ranks reported as stragglers now
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["pids"] = list(self.pids)
+        d["skips"] = [list(r) for r in self.skips]
+        d["rollbacks_served"] = list(self.rollbacks_served)
+        d["stragglers"] = list(self.stragglers)
         d["format"] = FORMAT
         return d
 
@@ -85,6 +97,25 @@ class JournalRecord:
             if isinstance(p, bool) or not isinstance(p, int) or not 0 < p < 1 << 22:
                 raise JournalError(f"'pids' holds {p!r}, not a pid")
         raw["pids"] = tuple(pids)
+        try:
+            raw["skips"] = protocol.check_data_skips(raw.get("skips", []), "'skips'")
+        except ValueError as e:
+            raise JournalError(str(e)) from None
+        served = raw.get("rollbacks_served", [])
+        if not isinstance(served, list) or len(served) > MAX_SERVED or not all(isinstance(i, str) for i in served):
+            raise JournalError(f"'rollbacks_served' must be a list of at most {MAX_SERVED} request ids")
+        raw["rollbacks_served"] = tuple(served)
+        _want(raw, "incident", dict, nullable=True)
+        if raw.get("incident") is not None and len(json.dumps(raw["incident"])) > MAX_INCIDENT_BYTES:
+            raise JournalError(f"'incident' is more than {MAX_INCIDENT_BYTES} bytes")
+        stragglers = raw.get("stragglers", [])
+        if (
+            not isinstance(stragglers, list)
+            or len(stragglers) > MAX_PIDS
+            or any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < 1 << 24 for r in stragglers)
+        ):
+            raise JournalError("'stragglers' must be a list of ranks")
+        raw["stragglers"] = tuple(stragglers)
         return cls(**raw)
 
 

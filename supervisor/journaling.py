@@ -4,7 +4,8 @@
 processes, the world size, the last failure, ...); an I/O error is an outage (`outages`), retried with a fresh
 snapshot until a write goes through, a later write superseding it. `adopt()` reads the journal that a previous
 supervisor of this state directory left and stops what it left running, before anything new is launched; the
-attempt number it returns is where this supervisor's numbering goes on. `exit_status(code)` is the status an
+attempt number it returns is where this supervisor's numbering goes on, and the record it keeps (`kept`, when it
+was this job's) the data skips in force and the rollback requests served. `exit_status(code)` is the status an
 exit code is journaled as.
 
 The record's format and its checks are `journal`'s; which processes belong to an attempt is `procs`'.
@@ -35,6 +36,7 @@ class JournalKeeper:
         self._outages = outages
         self._emit = emit
         self.adopted = 0  # the attempt number the journal held when this supervisor started
+        self.kept: JournalRecord | None = None  # that journal, when it was this job's and node's
 
     @property
     def path(self) -> Path:
@@ -60,6 +62,7 @@ class JournalKeeper:
         self._emit("info", "journal_adopted", attempt=rec.attempt, status=rec.status, world_size=rec.world_size,
                    step=rec.resume_step, supervisor_pid=rec.supervisor_pid)  # fmt: skip
         mine = (rec.run_id, rec.node_id) == (self.cfg.job.run_id, self.cfg.launch.node_id)
+        self.kept = rec if mine else None
         if mine and rec.attempt_started_unix is not None:
             mark = procs.Mark(rec.run_id, rec.node_id, rec.attempt)
             since = rec.attempt_started_unix
@@ -72,7 +75,7 @@ class JournalKeeper:
 
 
 def exit_status(code: int) -> str:
-    """The journal's status for `ftsup run`'s exit status `code`."""
+    """The journal's status for `ftsup run`'s exit status `code` (an escalated anomaly, 7, is "failed")."""
     return {
         policy.EXIT_OK: "succeeded", policy.EXIT_EVICTED: "evicted", policy.EXIT_STOPPED: "stopped",
     }.get(code, "failed")  # fmt: skip

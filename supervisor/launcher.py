@@ -37,6 +37,7 @@ import psutil
 from ftsup import guard, procs, protocol
 from ftsup.supervisor import ranklogs, statedir
 from ftsup.supervisor.config import JobConfig
+from ftsup.supervisor.policy_anomaly import merge_skips
 
 pid_alive = procs.pid_alive
 
@@ -76,9 +77,14 @@ def job_command(command: tuple[str, ...] | list[str]) -> tuple[str, ...]:
     return cmd
 
 
-def rank_env(cfg: JobConfig, runtime_dir: Path, resume_step: int | None, base: Mapping[str, str]) -> dict[str, str]:
+def rank_env(
+    cfg: JobConfig, runtime_dir: Path, resume_step: int | None, base: Mapping[str, str],
+    skips: tuple[tuple[int, int], ...] = (),
+) -> dict[str, str]:  # fmt: skip
     """`base` (the supervisor's environment), `job.env`, then the channel to this supervisor; the attempt's mark
-    (FTSUP_RUN_ID, FTSUP_NODE_ID, FTSUP_ATTEMPT) is added by `start`."""
+    (FTSUP_RUN_ID, FTSUP_NODE_ID, FTSUP_ATTEMPT) is added by `start`. The data skips in force (`skips`, and any
+    that `base` or `job.env` give) are FTSUP_DATA_SKIPS; with the detectors on, FTSUP_KEEP_OLDER_THAN_STEPS keeps
+    the history a rollback needs (unless `job.env` sets it)."""
     channel = protocol.channel_env(
         heartbeat_socket=str(runtime_dir / "heartbeat.sock"), interval_s=cfg.heartbeat.interval_s,
         control_file=str(runtime_dir / "control.json"), checkpoint_dir=str(cfg.checkpoint.dir), resume_step=resume_step,
@@ -86,7 +92,17 @@ def rank_env(cfg: JobConfig, runtime_dir: Path, resume_step: int | None, base: M
     # A rank that dies of SIGSEGV, SIGBUS, SIGFPE or SIGABRT prints its Python stack first (unless the environment
     # says otherwise); torchrun prefixes each rank's lines so that `ranklogs` can tell them from its own.
     prefix = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": ranklogs.PREFIX_TEMPLATE}
-    return {"PYTHONFAULTHANDLER": "1", **base, **prefix, **cfg.job.env, **channel, "PYTHONUNBUFFERED": "1"}
+    window = cfg.anomaly.detection_window_steps
+    history = {protocol.KEEP_OLDER_THAN_STEPS_ENV: str(window)} if cfg.anomaly.enabled else {}
+    env = {"PYTHONFAULTHANDLER": "1", **base, **prefix, **history, **cfg.job.env, **channel, "PYTHONUNBUFFERED": "1"}
+    if skips:
+        try:  # a skip is never forgotten: the ones given from outside stay, unless they are not skips at all
+            env[protocol.DATA_SKIPS_ENV] = protocol.encode_data_skips(
+                merge_skips(protocol.parse_data_skips(env.get(protocol.DATA_SKIPS_ENV, "")), skips)
+            )
+        except ValueError:  # not ranges, or too many together: the supervisor's (the rank refuses a bad value)
+            env[protocol.DATA_SKIPS_ENV] = protocol.encode_data_skips(skips)
+    return env
 
 
 def _is_python(exe: str) -> bool:

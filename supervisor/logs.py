@@ -33,6 +33,9 @@ EVENTS = frozenset(
         "save_skipped", "requeue_requested", "requeue_failed", "watcher_went_blind", "watcher_recovered",
         "supervisor_exited", "metrics_scrape_failed", "storage_failed", "storage_recovered", "launch_failed",
         "supervisor_crashed", "first_step_reached", "checkpoint_found",
+        "anomaly_detected", "anomaly_escalated", "rollback_started", "rollback_requested", "rollback_refused",
+        "rollback_request_ignored", "data_skipped", "checkpoint_abandoned", "straggler_detected", "straggler_recovered",
+        "throughput_drift_detected", "throughput_drift_recovered",
     }
 )  # fmt: skip
 

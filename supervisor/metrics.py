@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import choose_encoder
 
 from ftsup.store import layout
-from ftsup.supervisor import policy
+from ftsup.supervisor import detectors, policy
 from ftsup.supervisor.config import split_host_port
 from ftsup.supervisor.heartbeat import DROP_REASONS
 from ftsup.supervisor.logs import EVENTS
@@ -57,6 +57,9 @@ STORAGE_PURPOSES = {
 }
 """What the supervisor reads and writes, the `purpose` label of `ftsup_storage_errors_total`, and what each is
 for (as the `storage_failed` log line says it)."""
+
+TRIGGERS = ("auto", "operator")
+"""What started a rollback, the `trigger` label of `ftsup_rollbacks_total`."""
 
 
 def _version() -> str:
@@ -109,6 +112,14 @@ class Metrics:
         self.storage_errors = Counter("ftsup_storage_errors_total", "I/O errors the supervisor rode out (and retried), "
                                       "by what failed: checkpoint_dir, journal, control_file, log_file, rank_status.",
                                       ["purpose"], registry=r)  # fmt: skip
+        self.anomalies = Counter("ftsup_anomalies_total", "Training anomalies detected, by kind: "
+                                 + ", ".join(detectors.KINDS) + ".", ["kind"], registry=r)  # fmt: skip
+        self.rollbacks = Counter("ftsup_rollbacks_total", "Rollbacks started, by trigger: auto (an anomaly), "
+                                 "operator (ftsup rollback).", ["trigger"], registry=r)  # fmt: skip
+        self.skipped = Counter("ftsup_skipped_samples_total", "Data positions newly put under a skip (the ranks never "
+                               "train on them).", registry=r)  # fmt: skip
+        self.escalations = Counter("ftsup_anomaly_escalations_total", "Anomalies that stopped the job (exit 7): the "
+                                   "same again after its skip, or the rollback budget spent.", registry=r)  # fmt: skip
 
         # ---- gauges, from the policy's state
         self.phase = Gauge("ftsup_phase", "1 for the supervisor's current phase.", ["phase"], registry=r)
@@ -134,6 +145,10 @@ class Metrics:
         self.save_s = Gauge("ftsup_save_duration_seconds", "Duration of the last checkpoint save rank 0 reported.",
                             registry=r)  # fmt: skip
         self.loss = Gauge("ftsup_loss", "The training loss rank 0 last reported.", registry=r)
+        self.time_ratio = Gauge("ftsup_rank_step_time_ratio", "A rank's median step time (its own work, compute_s, "
+                                "where reported; recent steps) over the median of this node's ranks'.", ["rank"],
+                                registry=r)  # fmt: skip
+        self.stragglers = Gauge("ftsup_stragglers", "Ranks of this node reported as stragglers now.", registry=r)
 
         # ---- gauges, from the checkpoint directory
         self.ckpt_step = Gauge("ftsup_checkpoint_latest_step", "Step of the newest consistent checkpoint (-1: none).",
@@ -156,11 +171,16 @@ class Metrics:
             self.heartbeats_dropped.labels(reason)
         for purpose in STORAGE_PURPOSES:
             self.storage_errors.labels(purpose)
+        for kind in detectors.KINDS:
+            self.anomalies.labels(kind)
+        for trigger in TRIGGERS:
+            self.rollbacks.labels(trigger)
         self.step.set(-1)
         self.ckpt_step.set(-1)
         self.hb_timeout.set(float("nan"))
         self._seen_attempt = 0
         self._state: policy.State | None = None
+        self._health: detectors.Health | None = None
 
     # ------------------------------------------------------------------ feeds
 
@@ -189,6 +209,14 @@ class Metrics:
             self.healthy_slots.set(len(fields.get("slots") or ()))
         elif name in ("watcher_went_blind", "watcher_recovered"):
             self.watcher_blind.labels(str(fields.get("source", "unknown"))).set(name == "watcher_went_blind")
+        elif name == "anomaly_detected" and fields.get("kind") in detectors.KINDS:
+            self.anomalies.labels(str(fields["kind"])).inc()
+        elif name == "rollback_started" and fields.get("trigger") in TRIGGERS:
+            self.rollbacks.labels(str(fields["trigger"])).inc()
+        elif name == "data_skipped" and isinstance(fields.get("samples"), int) and fields["samples"] > 0:
+            self.skipped.inc(fields["samples"])
+        elif name == "anomaly_escalated":
+            self.escalations.inc()
 
     def storage_error(self, purpose: str) -> None:
         """Count one I/O error of `purpose` (the daemon names it from a fixed set: checkpoint_dir, journal, ...)."""
@@ -229,6 +257,13 @@ class Metrics:
         self.deadline.set(0 if ej is None else wall - (now - ej.deadline))
         if st.save_times:
             self.save_s.set(st.save_times[-1])
+        health = st.anomaly.health
+        if health is not self._health:  # the ranks of this attempt only: a rank gone has no ratio
+            self._health = health
+            self.time_ratio.clear()
+            for rank, ratio in detectors.step_time_ratios(health).items():
+                self.time_ratio.labels(str(rank)).set(ratio)
+            self.stragglers.set(len(health.stragglers))
 
     def heartbeat(self, rank: int, figures: Mapping[str, float]) -> None:
         """Figures a rank reported; the job-wide ones are taken from global rank 0."""

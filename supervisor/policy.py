@@ -25,6 +25,10 @@ them from launch on; `auto`, all of them once the job's first heartbeat has arri
 and before that crashes only, so that a script without a line of ftsup is never killed for its silence;
 `off`, crashes only; `auto` watches the ranks that beat (a script may beat from rank 0 alone),
 `required` every rank. The pure rules (timeouts, modes, progress, world size, backoff) are `policy_rules`.
+
+Training health (`policy_anomaly`): a non-finite figure or a confirmed spike in a training beat stops the attempt
+and relaunches it at once from a checkpoint before the anomaly's onset with a data skip, or escalates (exit 7);
+an operator's rollback request (`RollbackRequested`) does the same from the step it names.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from dataclasses import dataclass, field, replace
 
 # The policy's vocabulary; callers use it as policy.X (policy.Heartbeat, policy.Launch, ...).
 from ftsup.protocol import LONG_PHASES, QUIET_PHASES, SLOW_PHASES, Phase
-from ftsup.supervisor import failures
+from ftsup.supervisor import failures, policy_anomaly
 from ftsup.supervisor.policy_io import (
     AckEviction,
     Action,
@@ -49,6 +53,7 @@ from ftsup.supervisor.policy_io import (
     PrepareLaunch,
     RankExited,
     RequestSave,
+    RollbackRequested,
     Settings,
     Start,
     StopWorkers,
@@ -67,8 +72,8 @@ from ftsup.supervisor.policy_rules import (
     hang_detection_on,
     heartbeat_timeout,
     made_progress,
-    p99,
     progress_timeout,
+    save_fits,
 )
 
 # Exit codes of `ftsup run` (documented in the README).
@@ -79,6 +84,7 @@ EXIT_CRASH_LOOP = 3
 EXIT_BUDGET = 4
 EXIT_EVICTED = 5
 EXIT_STOPPED = 6
+EXIT_ANOMALY = policy_anomaly.EXIT_ANOMALY  # 7: an anomaly escalated (policy_anomaly)
 
 ATTEMPT_PHASES = frozenset({SupervisorPhase.RUNNING, SupervisorPhase.STOPPING})  # an attempt's processes are up
 STEP_HISTORY = 200
@@ -141,6 +147,7 @@ class State:
     save_seq: int = 0  # the newest save request's number
     eviction: Eviction | None = None
     beating: bool = False  # a heartbeat has arrived in this supervisor's life: heartbeat.mode auto detects hangs
+    anomaly: policy_anomaly.AnomalyState = policy_anomaly.AnomalyState()  # training health, rollbacks, data skips
 
 
 # ---------------------------------------------------------------------- the machine
@@ -154,6 +161,8 @@ def step(s: Settings, st: State, ev: Event, now: float) -> tuple[State, list[Act
         return _prepare(st, now)
     if isinstance(ev, OperatorStop):
         return _operator_stop(st, ev, now)
+    if isinstance(ev, RollbackRequested):
+        return _rollback_requested(st, ev, now)
     if isinstance(ev, LaunchReady) and st.phase == SupervisorPhase.PREPARING:
         return _launch(s, st, ev, now)
     att = st.attempt
@@ -167,7 +176,7 @@ def step(s: Settings, st: State, ev: Event, now: float) -> tuple[State, list[Act
             return fresh, []
         return fresh, [log("workers_restarted", attempt=att.number, world_size=att.nproc, step=att.max_step)]
     if isinstance(ev, Heartbeat) and att and ev.attempt == att.number and st.phase in ATTEMPT_PHASES:
-        return _heartbeat_and_saves(st, att, ev, now)
+        return _heartbeat_and_saves(s, st, att, ev, now)
     if isinstance(ev, EvictionNoticed):
         return _evict(s, st, ev, now)
     if isinstance(ev, RankExited) and att and ev.attempt == att.number and st.phase == SupervisorPhase.RUNNING:
@@ -184,17 +193,23 @@ def step(s: Settings, st: State, ev: Event, now: float) -> tuple[State, list[Act
 
 def _prepare(st: State, now: float) -> tuple[State, list[Action]]:
     n = st.attempt_no + 1
-    return replace(st, phase=SupervisorPhase.PREPARING, attempt_no=n, attempt=None), [PrepareLaunch(n)]
+    at_most = policy_anomaly.bound(st.anomaly)
+    return replace(st, phase=SupervisorPhase.PREPARING, attempt_no=n, attempt=None), [PrepareLaunch(n, at_most)]
 
 
 def _launch(s: Settings, st: State, ev: LaunchReady, now: float) -> tuple[State, list[Action]]:
+    if ev.at_most != (at_most := policy_anomaly.bound(st.anomaly)):  # a rollback was asked for since: choose again
+        return st, [PrepareLaunch(st.attempt_no, at_most)]
     blind = s.nproc_max if st.last_launch is None else st.last_launch.nproc  # a blind probe keeps the last size
     n, why = choose_world_size(s, blind if ev.healthy_slots is None else ev.healthy_slots, ev.batch_divisor)
     if n is None:
         return _give_up(st, [], Exit(EXIT_BUDGET, f"cannot launch: {why}"), "job_failed", attempt=st.attempt_no)
+    if st.anomaly.pending is not None:  # progress is measured from a rollback's step: the steps after it are new
+        st = replace(st, best_step=min(st.best_step, ev.resume_step or 0))
     att = Attempt(st.attempt_no, n, ev.resume_step, launched_at=now, progress_at=now, best_before=st.best_step)
-    launch = Launch(st.attempt_no, n, ev.resume_step)
-    return replace(st, phase=SupervisorPhase.RUNNING, attempt=att, last_launch=launch), [
+    launch = Launch(st.attempt_no, n, ev.resume_step, st.anomaly.skips)
+    anomaly = policy_anomaly.launched(st.anomaly, ev.resume_step, ev.resume_samples)
+    return replace(st, phase=SupervisorPhase.RUNNING, attempt=att, last_launch=launch, anomaly=anomaly), [
         log("world_size_chosen", attempt=st.attempt_no, world_size=n, reason=why, step=ev.resume_step),
         launch,
     ]
@@ -226,13 +241,20 @@ def _heartbeat(st: State, att: Attempt, ev: Heartbeat, now: float) -> State:
     return replace(st, attempt=att, step_times=step_times, best_step=max(st.best_step, att.max_step))
 
 
-def _heartbeat_and_saves(st: State, att: Attempt, ev: Heartbeat, now: float) -> tuple[State, list[Action]]:
+def _heartbeat_and_saves(s: Settings, st: State, att: Attempt, ev: Heartbeat, now: float) -> tuple[State, list[Action]]:
     actions: list[Action] = []
     if st.phase == SupervisorPhase.RUNNING:
         st = replace(_heartbeat(st, att, ev, now), beating=True)
         if st.attempt is not None and att.max_step < 0 <= st.attempt.max_step:
             actions.append(log("first_step_reached", attempt=att.number, step=st.attempt.max_step,
                                duration_s=round(now - att.launched_at, 3)))  # fmt: skip
+        if ev.phase == Phase.TRAIN and st.final is None:  # an eviction's save or a stop goes first
+            anomaly, logs, stop = policy_anomaly.on_beat(s.anomaly, st.anomaly, ev, att.number, now)
+            st = replace(st, anomaly=anomaly)
+            actions += logs
+            if stop is not None:  # the attempt ends here (its beats after this are not for this function)
+                return replace(st, phase=SupervisorPhase.STOPPING, stop_reason=stop.reason, final=stop.exit,
+                               last_failure=stop.reason), [*actions, StopWorkers(att.number, stop.reason)]  # fmt: skip
     save_s = ev.figure("save_s")
     if save_s is not None and not (math.isfinite(save_s) and save_s >= 0):
         save_s = None  # a figure that was not a number at the rank
@@ -256,26 +278,6 @@ def _heartbeat_and_saves(st: State, att: Attempt, ev: Heartbeat, now: float) -> 
             AckEviction(ej.source),
         ]
     return st, actions
-
-
-def save_estimate_s(s: Settings, st: State, state_bytes: int | None) -> float | None:
-    """How long a blocking save takes: the slowest of the recent measured ones, else a guess from
-    the checkpoint's size, else unknown."""
-    if st.save_times:
-        return max(st.save_times[-5:])
-    if state_bytes:
-        return state_bytes / s.assumed_save_bytes_per_s
-    return None
-
-
-def save_fits(s: Settings, st: State, now: float, deadline: float, state_bytes: int | None) -> tuple[bool, str]:
-    step_s = p99(st.step_times) or 0.0
-    est = save_estimate_s(s, st, state_bytes)
-    need = step_s + 1.5 * (est or 0.0) + s.save_margin_s
-    left = deadline - now
-    basis = f"save ~{est:.2f}s" if est is not None else "no save measured yet"
-    why = f"needs {need:.1f}s ({basis}, step {step_s:.2f}s, margin {s.save_margin_s:g}s), {left:.1f}s left"
-    return need <= left, why
 
 
 def _evict(s: Settings, st: State, ev: EvictionNoticed, now: float) -> tuple[State, list[Action]]:
@@ -309,7 +311,7 @@ def _evict(s: Settings, st: State, ev: EvictionNoticed, now: float) -> tuple[Sta
                 StopWorkers(att.number, exit_.reason),
             ]
         return replace(base, phase=SupervisorPhase.DONE), [notice, exit_]
-    fits, why = save_fits(s, st, now, ev.deadline, ev.state_bytes)
+    fits, why = save_fits(s, st.step_times, st.save_times, now, ev.deadline, ev.state_bytes)
     if not fits:
         return replace(
             st,
@@ -361,8 +363,22 @@ def _operator_stop(st: State, ev: OperatorStop, now: float) -> tuple[State, list
     return replace(st, phase=SupervisorPhase.DONE, final=exit_), [log("job_stopped", reason=ev.reason), exit_]
 
 
+def _rollback_requested(st: State, ev: RollbackRequested, now: float) -> tuple[State, list[Action]]:
+    """An operator's rollback: stop the attempt (if one runs); the next launch resumes from step `to_step` or
+    before. A job that is ending leaves the request to the next `ftsup run` (it is not served)."""
+    if st.phase == SupervisorPhase.DONE or st.final is not None:
+        return st, []
+    att = st.attempt if st.phase == SupervisorPhase.RUNNING else None
+    anomaly, actions = policy_anomaly.operator(st.anomaly, ev, st.attempt_no)
+    st = replace(st, anomaly=anomaly)
+    if att is None or anomaly.pending is None:
+        return st, list(actions)
+    why = anomaly.pending.reason
+    return replace(st, phase=SupervisorPhase.STOPPING, stop_reason=why), [*actions, StopWorkers(att.number, why)]
+
+
 def _tick(s: Settings, st: State, now: float) -> tuple[State, list[Action]]:
-    if st.phase == SupervisorPhase.BACKOFF and now >= st.resume_at:
+    if st.phase == SupervisorPhase.BACKOFF and (now >= st.resume_at or st.anomaly.pending is not None):
         return _prepare(st, now)
     att = st.attempt
     if st.phase != SupervisorPhase.RUNNING or att is None:
@@ -419,6 +435,8 @@ def _exited(s: Settings, st: State, att: Attempt, ev: WorkersExited, now: float)
             log("job_stopped", attempt=att.number, reason=st.final.reason),
             st.final,
         ]
+    if st.anomaly.pending is not None:  # a rollback: relaunched at once; the rollback budget bounds how often
+        return _prepare(replace(st, stop_reason=None), now)
     if st.phase == SupervisorPhase.RUNNING and ev.exitcode == 0:
         exit_ = Exit(EXIT_OK, "training command exited 0")
         return replace(st, phase=SupervisorPhase.DONE, attempt=None, final=exit_), [

@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass
 
 from ftsup.protocol import Phase
+from ftsup.supervisor.config_anomaly import AnomalyConfig
 
 
 class SupervisorPhase(str, enum.Enum):
@@ -66,6 +67,7 @@ class Settings:
     backoff_max_s: float
     max_attempts_without_progress: int
     save_margin_s: float  # safety margin when deciding whether an emergency save fits
+    anomaly: AnomalyConfig  # the training-health detectors, rollback and escalation (`policy_anomaly`)
     stop_margin_s: float = 1.0  # ranks still running this long before an eviction deadline are stopped
     assumed_save_bytes_per_s: float = 256 * 2**20  # until a save has been measured
 
@@ -87,6 +89,8 @@ class LaunchReady:
     healthy_slots: int | None
     resume_step: int | None
     batch_divisor: int | None = None
+    at_most: int | None = None  # the bound on the resume step it was prepared with (`PrepareLaunch.at_most`)
+    resume_samples: int | None = None  # the data position of the checkpoint resumed from, as its metadata says
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,18 @@ class OperatorStop:
 
 
 @dataclass(frozen=True)
+class RollbackRequested:
+    """An operator's rollback request (`ftsup rollback`, `ftsup.protocol.RollbackRequest`), read from the state
+    directory: resume from a checkpoint of a step at most `to_step`, with `skips` added to the data skips."""
+
+    id: str
+    to_step: int
+    skips: tuple[tuple[int, int], ...] = ()
+    who: str = ""
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class EvictionNoticed:
     """An eviction is coming (signal, cloud metadata, file, command), due at `deadline` (the
     daemon's clock). `advisory` (AWS rebalance): save now, keep training."""
@@ -194,6 +210,7 @@ Event = (
     | Tick
     | OperatorStop
     | EvictionNoticed
+    | RollbackRequested
 )
 
 
@@ -202,9 +219,11 @@ Event = (
 
 @dataclass(frozen=True)
 class PrepareLaunch:
-    """Probe slot health, pick the latest consistent checkpoint, then send LaunchReady."""
+    """Probe slot health, pick the latest consistent checkpoint (of a step at most `at_most`, setting aside the
+    committed ones after it: a rollback), then send LaunchReady."""
 
     attempt: int
+    at_most: int | None = None
 
 
 @dataclass(frozen=True)
@@ -212,6 +231,7 @@ class Launch:
     attempt: int
     nproc: int  # local ranks for this attempt
     resume_step: int | None
+    skips: tuple[tuple[int, int], ...] = ()  # the data skips in force (FTSUP_DATA_SKIPS)
 
 
 @dataclass(frozen=True)

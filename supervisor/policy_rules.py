@@ -1,4 +1,5 @@
-"""The policy's rules that need no state machine: timeouts, which detections apply, progress, world size, backoff.
+"""The policy's rules that need no state machine: timeouts, which detections apply, progress, world size, backoff,
+whether an emergency save fits.
 
 Pure functions of the settings (`policy_io.Settings`) and of what the policy has counted; `policy.step` applies
 them, and callers read them as `policy.X` (`policy.heartbeat_timeout`, ...). No I/O, no clock.
@@ -83,3 +84,27 @@ def backoff_s(s: Settings, failures_in_a_row: int) -> float:
     if failures_in_a_row <= 0:
         return 0.0
     return min(s.backoff_max_s, s.backoff_initial_s * 2 ** (failures_in_a_row - 1))
+
+
+def save_estimate_s(s: Settings, save_times: Sequence[float], state_bytes: int | None) -> float | None:
+    """How long a blocking save takes: the slowest of the recent measured ones, else a guess from
+    the checkpoint's size, else unknown."""
+    if save_times:
+        return max(save_times[-5:])
+    if state_bytes:
+        return state_bytes / s.assumed_save_bytes_per_s
+    return None
+
+
+def save_fits(
+    s: Settings, step_times: Sequence[float], save_times: Sequence[float], now: float, deadline: float,
+    state_bytes: int | None,
+) -> tuple[bool, str]:  # fmt: skip
+    """Whether an emergency save (a step, the save with half of it again, the margin) fits before `deadline`."""
+    step_s = p99(step_times) or 0.0
+    est = save_estimate_s(s, save_times, state_bytes)
+    need = step_s + 1.5 * (est or 0.0) + s.save_margin_s
+    left = deadline - now
+    basis = f"save ~{est:.2f}s" if est is not None else "no save measured yet"
+    why = f"needs {need:.1f}s ({basis}, step {step_s:.2f}s, margin {s.save_margin_s:g}s), {left:.1f}s left"
+    return need <= left, why

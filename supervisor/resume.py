@@ -1,10 +1,11 @@
 """Where the next attempt resumes and on how many slots: the health probe, the checkpoint store's choice, the
 batch the world size must divide.
 
-`ResumeChoice.prepare_or_retry(attempt)` carries out the policy's `PrepareLaunch`: it probes the slots' health
-(`health`; a blind probe is said so, and the policy keeps the last world size), has the store scanner
-(`ckptstore.StoreScanner`, on its own thread once `running()`) choose the latest consistent checkpoint, logs
-what was chosen, quarantined or skipped, and posts `LaunchReady`. While the store cannot be read that is an
+`ResumeChoice.prepare_or_retry(attempt, at_most)` carries out the policy's `PrepareLaunch`: it probes the slots'
+health (`health`; a blind probe is said so, and the policy keeps the last world size), has the store scanner
+(`ckptstore.StoreScanner`, on its own thread once `running()`) choose the latest consistent checkpoint (of a step
+at most `at_most`, for a rollback, which abandons the ones after it), logs what was chosen, quarantined, skipped
+or abandoned, and posts `LaunchReady`. While the store cannot be read that is an
 outage: the launch waits and is retried, since the resume point must come from the store, not from its absence.
 Each tick `refresh_metrics()` hands the scanner's latest view to the metrics (a failed scan is an outage) and
 logs `checkpoint_found` for a newer checkpoint than any seen before (the ranks committed one), and
@@ -69,33 +70,43 @@ class ResumeChoice:
         latest = self.latest()
         return latest.tensor_bytes if latest else None
 
-    def prepare_or_retry(self, attempt: int) -> None:
+    def prepare_or_retry(self, attempt: int, at_most: int | None = None) -> None:
         # While the store cannot be read, wait: the resume point must come from the store, not from its absence.
-        again = ("prepare", lambda: self.prepare_or_retry(attempt))
-        ready = self._outages.guard("checkpoint_dir", self.cfg.checkpoint.dir, lambda: self.prepare(attempt),
+        again = ("prepare", lambda: self.prepare_or_retry(attempt, at_most))
+        ready = self._outages.guard("checkpoint_dir", self.cfg.checkpoint.dir, lambda: self.prepare(attempt, at_most),
                                     errors=_STORE_ERRORS, retry=again)  # fmt: skip
         if ready is not None:
             self._post(ready)
 
-    def prepare(self, attempt: int) -> policy.LaunchReady:
+    def prepare(self, attempt: int, at_most: int | None = None) -> policy.LaunchReady:
         h = health.probe(self.cfg.launch.health_command, self.cfg.launch.nproc_per_node)
         if h.count is None:
             # A blind probe must not look healthy: the policy keeps the last known world size.
             self._emit("warning", "health_probe_failed", attempt=attempt, reason=h.detail, source=h.source)
         else:
             self._emit("info", "health_probed", attempt=attempt, source=h.source, slots=list(h.slots or ()))
-        step, meta = self._choose_checkpoint(attempt)
-        return policy.LaunchReady(h.count, step, self._batch_divisor(meta))
+        step, meta = self._choose_checkpoint(attempt, at_most)
+        samples = meta.get("samples")
+        samples = samples if type(samples) is int and samples >= 0 else None  # the checkpoint's data position
+        return policy.LaunchReady(h.count, step, self._batch_divisor(meta), at_most=at_most, resume_samples=samples)
 
-    def _choose_checkpoint(self, attempt: int) -> tuple[int | None, dict[str, Any]]:
-        resume = self.store.choose(CHOICE_TIMEOUT_S)  # made on the scanner's thread
+    def _choose_checkpoint(self, attempt: int, at_most: int | None) -> tuple[int | None, dict[str, Any]]:
+        resume = self.store.choose(CHOICE_TIMEOUT_S, at_most)  # made on the scanner's thread
         for p in resume.picked.passed:
             if p.action == choice.QUARANTINED:
                 self._emit("error", "checkpoint_quarantined", attempt=attempt, step=p.step, reason=p.reason,
                            path=p.moved_to)  # fmt: skip
             else:
                 self._emit("warning", "checkpoint_skipped", attempt=attempt, step=p.step, reason=p.reason, path=p.path)
+        for p in resume.abandoned:
+            level = "warning" if p.action == choice.ABANDONED else "error"  # one not renamed stays a resume point
+            self._emit(level, "checkpoint_abandoned", attempt=attempt, step=p.step, reason=p.reason, path=p.path,
+                       moved_to=p.moved_to)  # fmt: skip
         info = resume.picked.info
+        if info is None and not resume.answered and at_most is not None:
+            # The ranks' own load picks, but never past the rollback's bound (FTSUP_RESUME_STEP is an upper bound).
+            self._emit("warning", "checkpoint_chosen", attempt=attempt, step=at_most, reason=resume.why_no_checkpoint)
+            return at_most, {}
         if info is None:
             self._emit("info" if resume.quiet else "warning", "checkpoint_chosen", attempt=attempt, step=None,
                        reason=resume.why_no_checkpoint)  # fmt: skip

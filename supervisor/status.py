@@ -9,7 +9,8 @@ file that cannot be used is said so and skipped, a journal that cannot is an err
 
 The JSON object keeps the keys it always had (`run_id`, `node_id`, `supervisor_running`, `journal`,
 `latest_checkpoint`, `checkpoint_dir`) and adds `supervisor_pid`, `metrics_url`, `ranks` (each with
-`heartbeat_age_s`) and `ranks_problem`.
+`heartbeat_age_s`), `ranks_problem`, and from the journal `last_incident` (the last anomaly or operator
+rollback: kind, step, onset, the step rolled back to, the skip it added), `stragglers` and `data_skips`.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def gather(state_dir: Path, checkpoint_dir: Path, now: float) -> dict[str, Any]:
         "metrics_url": f"http://{metrics}/metrics" if isinstance(metrics, str) else None,
         "ranks": ranks,
         "ranks_problem": problem,
+        "last_incident": rec.incident if rec is not None else None,
+        "stragglers": list(rec.stragglers) if rec is not None and alive else [],
+        "data_skips": [list(r) for r in rec.skips] if rec is not None else [],
     }
 
 
@@ -103,6 +107,7 @@ def text(out: dict[str, Any]) -> list[str]:
                      f"world size {rec['world_size'] if rec['world_size'] is not None else '-'}, {start}")  # fmt: skip
         if rec["last_failure"]:
             lines.append(f"  last failure: {rec['last_failure']}")
+    lines += _incident_lines(out)
     if out["ranks"]:
         lines.append("  ranks" + (" (as last heard; no supervisor hears them now)" if not alive else "") + ":")
         for r in out["ranks"]:
@@ -120,6 +125,28 @@ def text(out: dict[str, Any]) -> list[str]:
         lines.append(f"  latest consistent checkpoint: none in {where}")
     if out["metrics_url"]:
         lines.append(f"  metrics: {out['metrics_url']}")
+    return lines
+
+
+def _incident_lines(out: dict[str, Any]) -> list[str]:
+    lines = []
+    if (inc := out["last_incident"]) is not None:
+        what = str(inc.get("kind")).replace("_", " ")
+        if inc.get("step") is not None:
+            what += f" at step {inc['step']} (onset step {inc.get('onset_step')})"
+        resumed = inc.get("resumed_from")
+        if inc.get("rollback_to") is None:
+            done = "escalated: the job stopped"
+        elif resumed is None:  # not launched yet
+            done = f"rolling back to step {inc['rollback_to']} or before"
+        else:
+            done = f"rolled back to step {resumed}" if resumed else "rolled back to the start"
+        skips = ", ".join(f"[{a}, {b})" for a, b in inc.get("skips") or [])
+        lines.append(f"  last incident: {what}, {done}" + (f", skipping data positions {skips}" if skips else ""))
+    if out["stragglers"]:
+        lines.append(f"  stragglers: rank {', '.join(map(str, out['stragglers']))} (slow, not stopped)")
+    if out["data_skips"]:
+        lines.append(f"  data skips in force: {', '.join(f'[{a}, {b})' for a, b in out['data_skips'])}")
     return lines
 
 

@@ -164,7 +164,7 @@ class Workers:
             self._post(policy.WorkersExited(action.attempt, 127))
 
     def _launch(self, action: policy.Launch) -> None:
-        env = launcher.rank_env(self.cfg, self._runtime(), action.resume_step, os.environ)
+        env = launcher.rank_env(self.cfg, self._runtime(), action.resume_step, os.environ, action.skips)
         self._ranks_seen = frozenset()
         self._rank_phase, self._rank_of, self._dead_at = {}, {}, {}
         self._table.started(action.attempt)

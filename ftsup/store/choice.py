@@ -7,6 +7,9 @@ does not read (a newer ftsup's, next to this one) is skipped and never renamed; 
 be renamed (another user's directory in a sticky store) is skipped too. Every checkpoint passed
 over is returned with the reason, so that callers log it and a fresh start is never silent.
 
+A rollback abandons the checkpoints after the step it resumes from (`abandon`): they are renamed out of the
+`step-N` namespace, kept for the operator, never deleted.
+
 Stdlib-only, like `layout`. Not here: the checks themselves (`layout`), loading (`ftsup.trainer.checkpoint.loading`).
 """
 
@@ -21,6 +24,8 @@ from ftsup.store import layout
 
 QUARANTINED = "quarantined"
 SKIPPED = "skipped"
+ABANDONED = "abandoned"
+ABANDONED_SUFFIX = ".abandoned"
 
 
 @dataclass(frozen=True)
@@ -78,3 +83,30 @@ def give_up(path: str | os.PathLike[str], step: int, reason: str, *, quarantine:
     except OSError as e:
         return Passed(str(path), step, SKIPPED, f"{reason}; it could not be quarantined ({e.strerror or e})")
     return Passed(str(path), step, QUARANTINED, reason, str(moved))
+
+
+def abandon(root: str | os.PathLike[str], after: int, reason: str) -> tuple[Passed, ...]:
+    """Rename every committed checkpoint of a step after `after` to `<name>.abandoned` (`.abandoned.1`, ... when
+    taken): a run rolled back to `after` must not resume from the timeline it left, nor find those steps taken
+    when it saves them again (a committed step is never written over). Kept as they were, never deleted; one that
+    cannot be renamed is SKIPPED, with the reason."""
+    out: list[Passed] = []
+    for step, path in layout.committed_dirs(root):
+        if step <= after:
+            continue
+        dst = path.with_name(path.name + ABANDONED_SUFFIX)
+        n = 1
+        while os.path.lexists(dst):
+            dst = path.with_name(f"{path.name}{ABANDONED_SUFFIX}.{n}")
+            n += 1
+        try:
+            os.rename(path, dst)
+        except FileNotFoundError:
+            continue  # gone since it was listed (another node's supervisor abandoned it)
+        except OSError as e:
+            out.append(Passed(str(path), step, SKIPPED, f"{reason}; it could not be renamed ({e.strerror or e})"))
+            continue
+        out.append(Passed(str(path), step, ABANDONED, reason, str(dst)))
+    if any(p.action == ABANDONED for p in out):
+        layout.fsync_dir(root)
+    return tuple(out)

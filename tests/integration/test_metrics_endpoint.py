@@ -22,9 +22,10 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from ftsup.supervisor.detectors import KINDS
 from ftsup.supervisor.heartbeat import DROP_REASONS
 from ftsup.supervisor.logs import EVENTS
-from ftsup.supervisor.metrics import FAILURE_KINDS, PHASES, STORAGE_PURPOSES
+from ftsup.supervisor.metrics import FAILURE_KINDS, PHASES, STORAGE_PURPOSES, TRIGGERS
 from tests.procs import BIN, REPO, free_port, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -103,9 +104,10 @@ def test_the_probe_run_ends_as_its_job_does(probed):
 
 def test_every_label_value_comes_from_a_fixed_set_or_the_nodes_own_ids(probed):
     allowed = {
-        "event": EVENTS, "kind": set(FAILURE_KINDS.values()), "phase": set(PHASES), "stop": {"true", "false"},
+        "event": EVENTS, "kind": {*FAILURE_KINDS.values(), *KINDS}, "phase": set(PHASES), "stop": {"true", "false"},
         "source": {"command", "signal:SIGTERM"}, "run_id": {RUN_ID}, "node_id": {NODE_ID},
         "version": {metadata.version("ftsup")}, "reason": set(DROP_REASONS), "purpose": set(STORAGE_PURPOSES),
+        "trigger": set(TRIGGERS), "rank": {"0"},  # the node's one rank
     }  # fmt: skip
     seen: dict[str, set[str]] = {}
     for _, labels in _series(probed["second"]):

@@ -8,6 +8,7 @@ probe, the checkpoint choice, the requeue command). Nothing here launches torchr
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from collections import Counter
@@ -150,6 +151,25 @@ def _no_slot_to_launch_on(d: Drive) -> None:
     d.feed(P.LaunchReady(0, None))
 
 
+def _anomalies_rolled_back_then_escalated(d: Drive) -> None:
+    d.launch()
+    d.train(range(1, 40), loss=2.0, step_s=0.1)
+    d.train(range(40, 41), loss=math.nan)  # anomaly_detected, rollback_started, data_skipped
+    d.exit(-9)
+    d.feed(P.LaunchReady(2, 30, at_most=39))
+    d.feed(P.WorkersStarted(d.m.state.attempt_no))
+    d.train(range(31, 41), loss=math.nan)  # the same again: anomaly_escalated
+    d.exit(-9)
+    d2 = Drive(d.daemon)
+    d2.feed(P.RollbackRequested("00c0ffee", 20, ((0, 12),), "ops", "why"))  # rollback_requested, before a start
+    d2.feed(P.Start())
+    d2.feed(P.LaunchReady(2, 20, at_most=20))
+    d2.feed(P.WorkersStarted(d2.m.state.attempt_no))
+    for s in range(21, 41):  # a straggler
+        for r, t in ((0, 0.1), (1, 0.5)):
+            d2.feed(P.Heartbeat(d2.m.state.attempt_no, r, s, Phase.TRAIN, r, (("step_s", t),)), dt=0.1)
+
+
 SCENARIOS: dict[str, tuple[Callable[[Drive], None], P.Settings]] = {
     "success": (_success, S),
     "crash, then a crash loop": (_crash_then_crash_loop, S),
@@ -161,6 +181,7 @@ SCENARIOS: dict[str, tuple[Callable[[Drive], None], P.Settings]] = {
     "deadline while saving": (_deadline_reached_while_saving, S),
     "operator": (_operator_stops, S),
     "no slot": (_no_slot_to_launch_on, S),
+    "anomalies": (_anomalies_rolled_back_then_escalated, S),
 }
 
 
@@ -185,6 +206,11 @@ def _daemons_own_events(tmp: Path) -> None:
     requeue(daemon.cfg.eviction.requeue_command, {}, daemon._emit)  # requested, and failed (exit 3)
     (tmp / "cpu").mkdir()
     _daemon(tmp / "cpu").resume.prepare(1)  # probed: CPU slots; no checkpoint: a fresh start
+    make_fake_checkpoint(tmp / "ckpt", 12, default_files(3))
+    daemon.resume.prepare(2, at_most=6)  # a rollback: step 12 is abandoned
+    (tmp / "state").mkdir(exist_ok=True)
+    (tmp / "state" / "rollback.json").write_text("not a request")
+    daemon.rollbacks.poll()  # rollback_request_ignored
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +249,8 @@ def test_the_capture_sees_every_decision_of_the_policy_and_the_daemons_handlers(
         "checkpoint_committed", "save_skipped", "stop_requested", "job_stopped", "job_failed",
         "watcher_went_blind", "watcher_recovered", "health_probe_failed", "health_probed",
         "checkpoint_quarantined", "checkpoint_chosen", "requeue_requested", "requeue_failed",
+        "anomaly_detected", "rollback_started", "data_skipped", "anomaly_escalated", "rollback_requested",
+        "straggler_detected", "checkpoint_abandoned", "rollback_request_ignored",
     }  # fmt: skip
     assert expected - seen == set()
 
