@@ -1,0 +1,106 @@
+"""Numbers that go wrong, end to end: the reference trainer's own faults (`--fault nan@STEP`,
+`spike@STEP:LEN`, `slow@RANK:FACTOR`, keyed to data positions and injected in every attempt, so that
+only a data skip gets a job past them) under `ftsup run` on 2 CPU ranks with the default `anomaly:`
+thresholds.
+
+- A NaN and a loss spike are each detected, rolled back past and skipped; the job finishes; its
+  loss log is bitwise a fresh run's told to skip the same positions from the start; no committed
+  checkpoint (abandoned ones included) holds a non-finite tensor.
+- A spike longer than what a skip covers comes back after it: the job escalates (exit 7) instead of
+  looping.
+- A 300-step run raises no alarm; a rank slowed to 3x is reported as a straggler within 20 steps and
+  is never failed as a hang.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ftsup.supervisor.policy import EXIT_ANOMALY
+from tests.integration.test_supervisor import events, ftsup, last_lines, write_job
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 50  # the faults hit at step 30, past the detectors' warm-up (anomaly.warmup_steps: 20)
+ALARMS = {"anomaly_detected", "straggler_detected", "throughput_drift_detected", "rollback_started"}
+FAILURES = {"worker_exited", "heartbeat_timed_out", "progress_timed_out", "startup_timed_out"}
+
+
+def supervise(tmp: Path, *trainer_args: str, steps: int = STEPS, timeout: float = 420) -> tuple[int, list[dict]]:
+    tmp.mkdir(exist_ok=True)
+    job = write_job(tmp, "--steps", str(steps), "--ckpt-every", "5", "--fault-attempt", "-1", *trainer_args)
+    r = ftsup("run", "--config", str(job), timeout=timeout)
+    return r.returncode, events(tmp)
+
+
+def named(evs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [e for e in evs if e["event"] == name]
+
+
+def skips_text(skips: list[list[int]]) -> str:
+    return ",".join(f"{a}:{b}" for a, b in skips)
+
+
+def assert_checkpoints_finite(ckpt: Path) -> int:
+    import torch
+    from safetensors.torch import load_file
+
+    checked = 0
+    for f in sorted(ckpt.glob("step-*/**/*.safetensors")):
+        for name, t in load_file(f).items():
+            assert not t.is_floating_point() or bool(torch.isfinite(t).all()), f"{f}: {name} is not finite"
+        checked += 1
+    assert checked > 0
+    return checked
+
+
+@pytest.mark.parametrize(
+    ("fault", "kind", "onset"), [("nan@30", "nonfinite", 30), ("spike@30:5", "loss_spike", 30)], ids=["nan", "spike"]
+)
+def test_an_anomaly_is_rolled_back_past_and_skipped_and_the_run_is_a_fresh_run_with_the_skip(
+    tmp_path: Path, fault: str, kind: str, onset: int
+):
+    code, evs = supervise(tmp_path / "faulted", "--fault", fault)
+    assert code == 0, evs[-5:]
+    [anomaly] = named(evs, "anomaly_detected")
+    assert (anomaly["kind"], anomaly["onset_step"]) == (kind, onset)
+    if kind == "nonfinite":
+        assert anomaly["step"] == onset  # 0 steps late
+    [rollback] = named(evs, "rollback_started")
+    assert rollback["to_step"] < onset and named(evs, "data_skipped")
+    assert [e["event"] for e in evs if e["event"] in FAILURES] == []
+    skips = skips_text(named(evs, "data_skipped")[-1]["skips"])
+    faulted = last_lines(tmp_path / "faulted" / "loss.jsonl")
+    assert sorted(faulted) == list(range(1, STEPS + 1)) and not any(j.get("step_skipped") for j in faulted.values())
+    assert_checkpoints_finite(tmp_path / "faulted" / "ckpt")
+
+    code, fresh_events = supervise(tmp_path / "fresh", "--fault", fault, "--skip", skips)
+    assert code == 0 and not [e for e in fresh_events if e["event"] in ALARMS]
+    fresh = last_lines(tmp_path / "fresh" / "loss.jsonl")
+    assert {s: j["loss_hex"] for s, j in faulted.items()} == {s: j["loss_hex"] for s, j in fresh.items()}
+
+
+def test_a_spike_that_outlasts_its_skip_escalates_with_exit_7_instead_of_looping(tmp_path: Path):
+    code, evs = supervise(tmp_path, "--fault", "spike@30:60", steps=100)
+    assert code == EXIT_ANOMALY
+    assert len(named(evs, "rollback_started")) == 1 and len(named(evs, "anomaly_escalated")) == 1
+    assert named(evs, "supervisor_exited")[-1]["code"] == EXIT_ANOMALY
+    assert_checkpoints_finite(tmp_path / "ckpt")
+
+
+def test_a_300_step_run_with_the_default_thresholds_raises_no_alarm(tmp_path: Path):
+    code, evs = supervise(tmp_path, steps=300, timeout=600)
+    assert code == 0
+    assert [e for e in evs if e["event"] in ALARMS | FAILURES] == []
+
+
+def test_a_rank_slowed_to_3x_is_reported_as_a_straggler_within_20_steps_and_never_failed(tmp_path: Path):
+    code, evs = supervise(tmp_path, "--fault", "slow@1:3", steps=30)
+    assert code == 0
+    stragglers = named(evs, "straggler_detected")
+    assert stragglers and stragglers[0]["rank"] == 1 and stragglers[0]["step"] <= 20, json.dumps(stragglers)
+    assert [e["event"] for e in evs if e["event"] in FAILURES | {"anomaly_detected", "rollback_started"}] == []
