@@ -13,16 +13,14 @@ statuses); torch-free.
 from __future__ import annotations
 
 import argparse
-import getpass
-import os
 import secrets
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from ftsup import protocol
 from ftsup.store import layout
+from ftsup.store.pins import operator
 from ftsup.supervisor import statedir, status
 from ftsup.supervisor.config import load_config
 from ftsup.supervisor.errors import UsageError
@@ -48,14 +46,6 @@ def add_arguments(p: argparse.ArgumentParser, step_number: Callable[[str], int])
     p.set_defaults(handler=cmd_rollback)
 
 
-def who() -> str:
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = f"uid {os.getuid()}"
-    return f"{user}@{socket.gethostname()} pid {os.getpid()}"
-
-
 def cmd_rollback(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     root = Path(cfg.checkpoint.dir)
@@ -72,7 +62,7 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     if len(args.reason) > protocol.MAX_REASON_CHARS or not args.reason.isprintable():
         raise UsageError(f"--reason must be printable text of at most {protocol.MAX_REASON_CHARS} characters")
     state_dir = statedir.ensure_dir(cfg.job.state_dir, "job.state_dir")
-    req = protocol.RollbackRequest(secrets.token_hex(8), args.to_step, skips, who(), args.reason, time.time())
+    req = protocol.RollbackRequest(secrets.token_hex(8), args.to_step, skips, operator(), args.reason, time.time())
     statedir.write_atomic(state_dir / FILE_NAME, protocol.encode_rollback(req))
     try:
         alive = status.supervisor_alive(Journal(state_dir / "journal.json").read())

@@ -101,7 +101,8 @@ class FtsupCallback(TrainerCallback):
         `output_dir`, so that a commit is a rename and not a copy. `config`: the model config
         saved in each checkpoint's metadata for `ftsup ckpt export-hf` (a `PretrainedConfig` or a
         JSON-able mapping; default: the model's own `config`)."""
-        self.retention = RetentionPolicy(keep_last=keep_last, keep_every=keep_every)
+        # At least the history a rollback past an anomaly needs (FTSUP_KEEP_OLDER_THAN_STEPS).
+        self.retention = RetentionPolicy(keep_last=keep_last, keep_every=keep_every).with_environment(os.environ)
         self.exit_on_stop = exit_on_stop
         self.rt = client if client is not None else runtime()
         self._dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
