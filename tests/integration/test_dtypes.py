@@ -50,7 +50,7 @@ def header(path: Path) -> dict:
 
 
 def save_one(root: Path, t: torch.Tensor) -> None:
-    with CheckpointEngine(root) as eng:
+    with CheckpointEngine(root, check_finite=False) as eng:  # arbitrary bytes: NaN patterns included
         eng.save(1, {"app": {"model": {"w": t.clone()}}}, block=True)
 
 
@@ -86,7 +86,7 @@ def test_the_tables_safetensors_header_is_what_safetensors_writes(tmp_path, name
 
 def test_a_shard_holding_every_dtype_opens_in_safetensors_with_each_chunks_dtype(tmp_path):
     state = {name: sample(name, seed=i) for i, name in enumerate([*BOTH, "complex128"])}
-    with CheckpointEngine(tmp_path / "ckpt") as eng:
+    with CheckpointEngine(tmp_path / "ckpt", check_finite=False) as eng:  # arbitrary bytes: NaN patterns included
         res = eng.save(1, {"app": dict(state)}, block=True)
     with safe_open(str(Path(res.path) / "shard-00000.safetensors"), framework="pt") as f:
         got = {k.split("@")[0].removeprefix("app."): f.get_tensor(k) for k in f.keys()}

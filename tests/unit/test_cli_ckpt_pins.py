@@ -31,6 +31,14 @@ def store(tmp_path: Path) -> Path:
     return root
 
 
+@pytest.fixture(autouse=True)
+def _fresh_structlog() -> Iterator[None]:
+    """Each command starts as in a process of its own: structlog not configured by an earlier test."""
+    structlog.reset_defaults()
+    yield
+    structlog.reset_defaults()
+
+
 def test_pin_writes_the_pin_and_says_how_to_undo_it(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "ckpt", "pin", str(store), "--step", "100", "--reason", "before the spike")
     pin = pins.read_pins(store).pins[0]

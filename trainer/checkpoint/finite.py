@@ -22,6 +22,8 @@ import torch
 from ftsup.trainer.checkpoint.staging import StagingPlan
 
 _PIECE = 1 << 20  # elements converted at once for the dtypes aminmax does not take
+# Formats with no encoding of NaN or infinity (and, in torch, no kernel to convert them): always finite.
+_NO_NONFINITE = frozenset(d for d in (getattr(torch, "float4_e2m1fn_x2", None),) if d is not None)
 
 
 def first_nonfinite(plan: StagingPlan, buf: torch.Tensor) -> str | None:
@@ -36,6 +38,8 @@ def first_nonfinite(plan: StagingPlan, buf: torch.Tensor) -> str | None:
 
 
 def _finite(values: torch.Tensor) -> bool:
+    if values.dtype in _NO_NONFINITE:
+        return True
     if values.dtype.is_complex:
         values = torch.view_as_real(values).reshape(-1)
     try:
