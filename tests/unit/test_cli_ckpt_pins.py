@@ -17,8 +17,10 @@ from tests.unit.test_cli import run
 
 
 @pytest.fixture(autouse=True)
-def _logging_as_it_was() -> Iterator[None]:
-    """A pin configures logging when nothing has (a command of its own does); leave it as other tests found it."""
+def _unconfigured_logging() -> Iterator[None]:
+    """A pin configures logging when nothing has (a command of its own does): start unconfigured, as a process of
+    its own does, whatever an earlier test left; leave structlog unconfigured."""
+    structlog.reset_defaults()
     yield
     structlog.reset_defaults()
 
@@ -29,14 +31,6 @@ def store(tmp_path: Path) -> Path:
     for step in (100, 200):
         make_fake_checkpoint(root, step, default_files(step))
     return root
-
-
-@pytest.fixture(autouse=True)
-def _fresh_structlog() -> Iterator[None]:
-    """Each command starts as in a process of its own: structlog not configured by an earlier test."""
-    structlog.reset_defaults()
-    yield
-    structlog.reset_defaults()
 
 
 def test_pin_writes_the_pin_and_says_how_to_undo_it(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
