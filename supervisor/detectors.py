@@ -13,9 +13,9 @@ The detectors, each configured by `anomaly:` (`config_anomaly.AnomalyConfig`):
   enter the window, so a spike is judged against what came before it; steps up to `warmup_steps` only fill it;
 - **stragglers**: a rank whose own work in a step (`compute_s`, else `step_s`: in a synchronised job every
   rank's step lasts as long as the slowest's, so only the work before it waits for a peer tells them apart),
-  its median over the last `straggler_patience_steps` steps, is above `straggler_ratio` x the other ranks' is a
-  `Straggler` (reported once, until it is back under halfway: `Recovered`); the first `SETTLE_STEPS` of an
-  attempt are not timed;
+  on nearly every one of the last `straggler_patience_steps` steps (its 20th percentile) above `straggler_ratio`
+  x the other ranks' median is a `Straggler` (reported once, until its median is back under halfway:
+  `Recovered`); the first `SETTLE_STEPS` of an attempt are not timed;
 - **throughput drift**: the job's step time (the median over its ranks) over `loss_window_steps` steps, against
   the same over its first such window: above `drift_ratio` x is `Drift` (reported once, until it falls back
   halfway to the baseline).
@@ -41,6 +41,7 @@ POSITIONS = 512  # data positions kept, newest last: more than a spike's patienc
 PENDING = 8  # steps a step waits for its last rank at most (a beat lost); then it is judged as it is
 MIN_REFERENCE = 5  # values a trailing median needs before it judges anything
 RATIO_STEPS = 20  # step times per rank behind `step_time_ratios`
+SLOW_QUANTILE = 0.2  # a straggler is slow on nearly every step: its 20th-percentile step, not its median
 
 
 @dataclass(frozen=True)
@@ -270,9 +271,11 @@ def _time(
     global_rank: dict[int, int],
 ) -> tuple[Health, list[Finding]]:
     """Stragglers from each rank's own work (`own`), drift from the job's step times (`times`). A rank is slow when
-    the median of its last `straggler_patience_steps` times is above `straggler_ratio` x the median of the other
-    ranks' (a median, so that one quick step of a slow rank, or one slow step of a quick one, changes nothing);
-    it is no longer slow once that falls back under halfway."""
+    nearly every one of its last `straggler_patience_steps` times is above `straggler_ratio` x the median of the
+    other ranks' medians: its low quantile (`SLOW_QUANTILE`), not its median, is compared, so that a rank the
+    host's scheduler kept waiting on some of its steps (a burst of other work on its core: real, but not a
+    rank that is slow) is not reported, while one quick step of a slow rank changes nothing. It is no longer
+    slow once its median falls back under halfway."""
     found: list[Finding] = []
     p = cfg.straggler_patience_steps
     ranks = dict(h.ranks)
@@ -285,10 +288,12 @@ def _time(
         others = [m for r, m in medians.items() if r != local]
         if local not in medians or not others or statistics.median(others) <= 0:
             continue  # not enough to compare with yet
+        recent = sorted(prev.times[-p:])
+        low = recent[int(len(recent) * SLOW_QUANTILE)] / statistics.median(others)
         ratio = medians[local] / statistics.median(others)
-        if not prev.reported and ratio > cfg.straggler_ratio:
+        if not prev.reported and low > cfg.straggler_ratio:
             ranks[local] = replace(prev, reported=True)
-            found.append(Straggler(prev.rank, local, round(ratio, 3), p))
+            found.append(Straggler(prev.rank, local, round(low, 3), p))
         elif prev.reported and ratio <= (1 + cfg.straggler_ratio) / 2:
             ranks[local] = replace(prev, reported=False)
             found.append(Recovered(prev.rank, local))

@@ -1,7 +1,10 @@
 """Numbers that go wrong, end to end: the reference trainer's own faults (`--fault nan@STEP`,
 `spike@STEP:LEN`, `slow@RANK:FACTOR`, keyed to data positions and injected in every attempt, so that
 only a data skip gets a job past them) under `ftsup run` on 2 CPU ranks with the default `anomaly:`
-thresholds.
+thresholds. Each step is padded to 0.1 s (after its work: the `compute_s` stragglers are told by is
+not padded), so that the ranks leave the host idle most of the time, as GPU-bound steps do: two
+ranks computing without a pause on this 2-core machine share their cores with every other process,
+and a rank descheduled for a few of its 25 ms steps is, for those steps, a straggler.
 
 - A NaN and a loss spike are each detected, rolled back past and skipped; the job finishes; its
   loss log is bitwise a fresh run's told to skip the same positions from the start; no committed
@@ -32,7 +35,8 @@ FAILURES = {"worker_exited", "heartbeat_timed_out", "progress_timed_out", "start
 
 def supervise(tmp: Path, *trainer_args: str, steps: int = STEPS, timeout: float = 420) -> tuple[int, list[dict]]:
     tmp.mkdir(exist_ok=True)
-    job = write_job(tmp, "--steps", str(steps), "--ckpt-every", "5", "--fault-attempt", "-1", *trainer_args)
+    job = write_job(tmp, "--steps", str(steps), "--ckpt-every", "5", "--fault-attempt", "-1", "--min-step-s", "0.1",
+                    *trainer_args)  # fmt: skip
     r = ftsup("run", "--config", str(job), timeout=timeout)
     return r.returncode, events(tmp)
 
@@ -79,7 +83,7 @@ def test_an_anomaly_is_rolled_back_past_and_skipped_and_the_run_is_a_fresh_run_w
     assert_checkpoints_finite(tmp_path / "faulted" / "ckpt")
 
     code, fresh_events = supervise(tmp_path / "fresh", "--fault", fault, "--skip", skips)
-    assert code == 0 and not [e for e in fresh_events if e["event"] in ALARMS]
+    assert code == 0 and not named(fresh_events, "anomaly_detected") + named(fresh_events, "rollback_started")
     fresh = last_lines(tmp_path / "fresh" / "loss.jsonl")
     assert {s: j["loss_hex"] for s, j in faulted.items()} == {s: j["loss_hex"] for s, j in fresh.items()}
 
