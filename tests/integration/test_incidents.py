@@ -33,10 +33,12 @@ ALARMS = {"anomaly_detected", "straggler_detected", "throughput_drift_detected",
 FAILURES = {"worker_exited", "heartbeat_timed_out", "progress_timed_out", "startup_timed_out"}
 
 
-def supervise(tmp: Path, *trainer_args: str, steps: int = STEPS, timeout: float = 420) -> tuple[int, list[dict]]:
+def supervise(
+    tmp: Path, *trainer_args: str, steps: int = STEPS, every: int = 5, timeout: float = 420
+) -> tuple[int, list[dict]]:
     tmp.mkdir(exist_ok=True)
-    job = write_job(tmp, "--steps", str(steps), "--ckpt-every", "5", "--fault-attempt", "-1", "--min-step-s", "0.1",
-                    *trainer_args)  # fmt: skip
+    job = write_job(tmp, "--steps", str(steps), "--ckpt-every", str(every), "--fault-attempt", "-1",
+                    "--min-step-s", "0.1", *trainer_args)  # fmt: skip
     r = ftsup("run", "--config", str(job), timeout=timeout)
     return r.returncode, events(tmp)
 
@@ -97,7 +99,9 @@ def test_a_spike_that_outlasts_its_skip_escalates_with_exit_7_instead_of_looping
 
 
 def test_a_300_step_run_with_the_default_thresholds_raises_no_alarm(tmp_path: Path):
-    code, evs = supervise(tmp_path, steps=300, timeout=600)
+    # A checkpoint every 25 steps: rank 0's background commit shares its process (and, on this loaded
+    # 2-core host, its core) with the steps it overlaps, a real slowdown of rank 0, if not a straggler.
+    code, evs = supervise(tmp_path, steps=300, every=25, timeout=600)
     assert code == 0
     assert [e for e in evs if e["event"] in ALARMS | FAILURES] == []
 
