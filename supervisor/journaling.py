@@ -1,8 +1,9 @@
 """The daemon's journal keeping: the node's journal written as the loop goes, and adopted when it starts.
 
 `JournalKeeper.write(status)` writes the record that `snapshot(status)` makes of the daemon (the attempt, its
-processes, the world size, the last failure, ...); an I/O error is an outage (`outages`), retried with a fresh
-snapshot until a write goes through, a later write superseding it. `adopt()` reads the journal that a previous
+processes, the world size, the last failure, the time accounting, ...; `write()` keeps the status last written);
+an I/O error is an outage (`outages`), retried with a fresh snapshot until a write goes through, a later write
+superseding it. `adopt()` reads the journal that a previous
 supervisor of this state directory left and stops what it left running, before anything new is launched; the
 attempt number it returns is where this supervisor's numbering goes on, and the record it keeps (`kept`, when it
 was this job's) the data skips in force and the rollback requests served. `exit_status(code)` is the status an
@@ -37,12 +38,15 @@ class JournalKeeper:
         self._emit = emit
         self.adopted = 0  # the attempt number the journal held when this supervisor started
         self.kept: JournalRecord | None = None  # that journal, when it was this job's and node's
+        self.status = "starting"  # the status last written
 
     @property
     def path(self) -> Path:
         return self.file.path
 
-    def write(self, status: str) -> None:
+    def write(self, status: str | None = None) -> None:
+        """Write the journal with `status` (None: the status last written, with the rest as of now)."""
+        status = self.status = self.status if status is None else status
         again = ("journal", lambda: self.write(status))  # a later write supersedes it
         self._outages.guard("journal", self.path, lambda: self.file.write(self._snapshot(status)), retry=again)
 
