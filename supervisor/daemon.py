@@ -8,8 +8,8 @@ the part that owns it: the resume choice (`resume`), the running attempt (`worke
 (`journaling`), the watchers. Every event is logged and counted once (`_emit`). What the policy knows (the world
 size, the resume step, the last failure, ...) is read from its state, never copied. The job's time accounting
 (`goodput`) is fed the policy's state before and after each event, taken up from the journal at the start, and
-journaled (then exported) each time the journal is written, at least once a second while it moves on. It never
-imports torch.
+journaled (then exported) each time the journal is written: when its activity changes, and every quarter of a
+second while it moves on. It never imports torch.
 
 `run()` starts each resource on one `ExitStack` as soon as it exists: the state directory's single-instance
 lock, the runtime directory, the log file, the metrics endpoint, the event sources, the store scanner, the
@@ -51,7 +51,7 @@ from ftsup.supervisor.sources import EventSources
 from ftsup.supervisor.workers import Workers
 
 TICK_S = 0.1
-GOODPUT_PERSIST_S = 1.0  # how often the time accounting is journaled (and exported) while it changes
+GOODPUT_PERSIST_S = 0.25  # how often the time accounting is journaled (not fsynced) and exported while it moves on
 
 log = structlog.get_logger("ftsup.supervisor")
 
@@ -66,7 +66,7 @@ class Daemon:
         self.metrics_server: MetricsServer | None = None
         self.state = policy.State()  # the policy's, as of the last event fed
         self.goodput = goodput.Accounting()  # the job's time accounting, fed the policy's states (`goodput`)
-        self._journaled: tuple[float, float | None] = (-float("inf"), None)  # when, and up to which cursor
+        self._journaled: tuple[float, float | None, str] = (-float("inf"), None, "")  # when, cursor, activity
         self.pending: list[policy.Event] = []  # for the policy, oldest first
         self.code: int | None = None  # the exit status, once the loop runs
         self.crash: str | None = None  # the line for stderr when the loop ended on a bug
@@ -110,9 +110,12 @@ class Daemon:
                         if (code := self._execute(actions)) is not None:
                             self.code = code
                             return code
-                    when, cursor = self._journaled
-                    if self.goodput.cursor != cursor and self.clock() - when >= GOODPUT_PERSIST_S:
-                        self.journal.write()  # the accounting moved on: a restarted supervisor goes on from it
+                    when, cursor, doing = self._journaled
+                    if self.goodput.activity != doing or (
+                        self.goodput.cursor != cursor and self.clock() - when >= GOODPUT_PERSIST_S
+                    ):
+                        # The accounting moved on: a supervisor restarted after this one's death goes on from here.
+                        self.journal.write(durable=False)
                     self.outages.run_due()
                     self.resume.refresh_metrics()
                     self.sources.wait(TICK_S)
@@ -204,7 +207,7 @@ class Daemon:
         now = self.clock()
         accounted = goodput.snapshot(self.goodput, now, time.time())
         self.metrics.accounting(accounted.totals)  # exported as journaled: a counter never goes back
-        self._journaled = (now, self.goodput.cursor)
+        self._journaled = (now, self.goodput.cursor, self.goodput.activity)
         latest = self.resume.latest()  # as last scanned
         extra: dict[str, Any] = {"latest_checkpoint": latest.step if latest else None}
         if self.metrics_server is not None:

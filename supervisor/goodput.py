@@ -19,8 +19,8 @@ current *activity*'s and is attributed when the activity changes, a step complet
 - **backoff**: the wait before a restart.
 - **eviction**: from an eviction notice to the stop (its emergency save and the stop included; steps trained
   meanwhile stay productive), and the time stopped until the next supervisor starts.
-- **other**: stopping a failed or stopped attempt, a rank in `eval` or `done`, and the time between a
-  supervisor's death and the next one's start.
+- **other**: stopping a failed or stopped attempt, a rank in `eval` or `done` (torchrun ending), and the time
+  between a supervisor's death and the next one's start.
 
 Across supervisor restarts and requeues the accounting is persisted in the journal (`snapshot`, `Saved`) and
 taken up again by the next supervisor (`resumed`), which attributes the time since the snapshot to `other`, or
@@ -114,6 +114,7 @@ class Accounting:
     high_water: int = -1  # the highest step the job completed, in any attempt of any supervisor
     save_since_step: float = 0.0  # save time attributed since the last step completed (for `save_s`)
     started_unix: float | None = None  # when the job's accounting began
+    gone: bool = False  # the attempt's ranks are gone and torchrun has not exited yet: the activity stays
 
 
 def start(now: float, wall: float) -> Accounting:
@@ -184,12 +185,21 @@ def feed(acc: Accounting, before: State, after: State, ev: Event, now: float) ->
         acc = _attribute(acc, cause, now, nxt)
     elif isinstance(ev, WorkersRestarted) and ev.new_ranks and acc.activity == TRAIN:
         acc = _attribute(acc, "detection", now, nxt)  # torchrun replaced its ranks: the step in flight is lost
-    new = activity(after)
-    if new != acc.activity or after.phase in _EAGER:
+    if isinstance(ev, WorkersRestarted) or after.phase != SupervisorPhase.RUNNING:
+        # Ranks gone before torchrun's exit: what they were doing goes on until the exit says how they ended.
+        acc = replace(acc, gone=isinstance(ev, WorkersRestarted) and not ev.new_ranks)
+    new = acc.activity if acc.gone else activity(after)
+    settled = _ranks_done(after) or (acc.gone and acc.activity in ("other", "eviction"))  # nothing left to fail
+    if new != acc.activity or after.phase in _EAGER or settled:
         acc = _attribute(acc, acc.activity, now, nxt)
     elif isinstance(ev, Heartbeat) and acc.activity != TRAIN and after.phase == SupervisorPhase.RUNNING:
         acc = _attribute(acc, acc.activity, now, nxt)  # a sign of life: the time until it is not detection
     return replace(acc, activity=new)
+
+
+def _ranks_done(st: State) -> bool:
+    """Every rank heard is done: torchrun is ending."""
+    return st.attempt is not None and bool(st.attempt.ranks) and all(v.phase == Phase.DONE for _, v in st.attempt.ranks)
 
 
 def _next_step(st: State) -> int:

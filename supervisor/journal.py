@@ -170,5 +170,7 @@ class Journal:
         except JournalError as e:
             raise JournalError(f"{self.path}: {e}") from None
 
-    def write(self, record: JournalRecord) -> None:
-        statedir.write_atomic(self.path, json.dumps(record.to_json(), indent=1, sort_keys=True).encode())
+    def write(self, record: JournalRecord, *, durable: bool = True) -> None:
+        """Replace the record (`durable`: fsynced, so that it survives the node's crash too, not only ours)."""
+        data = json.dumps(record.to_json(), indent=1, sort_keys=True).encode()
+        statedir.write_atomic(self.path, data, durable=durable)

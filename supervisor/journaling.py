@@ -44,11 +44,13 @@ class JournalKeeper:
     def path(self) -> Path:
         return self.file.path
 
-    def write(self, status: str | None = None) -> None:
-        """Write the journal with `status` (None: the status last written, with the rest as of now)."""
+    def write(self, status: str | None = None, *, durable: bool = True) -> None:
+        """Write the journal with `status` (None: the status last written, with the rest as of now); `durable`
+        False: not fsynced (it survives this process, not a crash of the node)."""
         status = self.status = self.status if status is None else status
-        again = ("journal", lambda: self.write(status))  # a later write supersedes it
-        self._outages.guard("journal", self.path, lambda: self.file.write(self._snapshot(status)), retry=again)
+        again = ("journal", lambda: self.write(status, durable=durable))  # a later write supersedes it
+        write = lambda: self.file.write(self._snapshot(status), durable=durable)  # noqa: E731
+        self._outages.guard("journal", self.path, write, retry=again)
 
     def adopt(self) -> int:
         """Stop what a previous supervisor of this job and node left running; return its last attempt number.

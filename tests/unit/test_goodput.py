@@ -387,6 +387,26 @@ def test_the_exported_counters_follow_the_accounting_and_never_go_back():
 def status_job(tmp: Path) -> Path:
     (tmp / "state").mkdir(mode=0o700)
     config = tmp / "job.yaml"
-    config.write_text(yaml.safe_dump({"job": {"command": ["true"], "state_dir": str(tmp / "state"), "run_id": "r"},
-                                      "launch": {"node_id": "n"}, "checkpoint": {"dir": str(tmp / "ckpt")}}))  # fmt: skip
+    cfg = {"job": {"command": ["true"], "state_dir": str(tmp / "state"), "run_id": "r"}, "launch": {"node_id": "n"},
+           "checkpoint": {"dir": str(tmp / "ckpt")}}  # fmt: skip
+    config.write_text(yaml.safe_dump(cfg))
     return config
+
+
+def test_ranks_gone_before_torchrun_exits_keep_their_activity_until_the_exit_says_how_they_ended():
+    d = started()
+    d.train(range(2, 6), dt=0.5)
+    d.feed(P.WorkersRestarted(1, new_ranks=False), at=d.now + 0.3)  # a rank killed, torchrun stopping the others
+    d.tick_until(d.now + 0.4)
+    d.feed(P.WorkersExited(1, 1), at=d.now + 0.1)
+    assert d.seconds("detection") == pytest.approx(0.8)
+    assert d.seconds("startup") == pytest.approx(3.0)
+
+
+def test_ranks_done_before_torchrun_exits_are_other_until_the_exit():
+    d = started()
+    d.train(range(2, 6), dt=0.5)
+    d.beat(5, "done", dt=0.0)
+    d.feed(P.WorkersRestarted(1, new_ranks=False), at=d.now + 0.3)
+    d.feed(P.WorkersExited(1, 0), at=d.now + 0.5)
+    assert d.seconds("other") == pytest.approx(0.8)
