@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from datetime import datetime
@@ -88,7 +89,7 @@ def test_every_cause_is_exported_and_shown(killed_run):
 
 def test_the_accounted_wall_time_is_the_supervisors_whole_run(killed_run):
     tmp, _, status = killed_run
-    stamps = [datetime.fromisoformat(e["timestamp"]).timestamp() for e in events(tmp)]
+    stamps = [stamp(e) for e in events(tmp)]
     ran = max(stamps) - min(stamps)  # from supervisor_started to supervisor_exited
     assert ran - 1.0 <= status["wall_s"] <= ran
     assert status["wall_s"] == pytest.approx(status["productive_s"] + sum(status["badput_s"].values()), abs=0.01)
@@ -103,3 +104,31 @@ def test_the_kill_shows_as_startup_detection_backoff_and_wasted_progress(killed_
     assert lost["wasted_progress"] >= 3 * 0.3 - 2 * 0.1
     assert lost["eviction"] == 0
     assert 0 < status["ratio"] < 1
+
+
+def test_a_supervisor_restarted_after_sigkill_goes_on_counting_and_its_downtime_is_other(tmp_path):
+    # Steps of at least 0.5 s leave seconds between the first checkpoint and the run's end, in which the
+    # supervisor is killed; the ranks' parent-death guards take the attempt down with it.
+    job = write_job(tmp_path, "--min-step-s", "0.5")
+    proc = subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        wait_for(lambda: (tmp_path / "ckpt" / "step-000000004").is_dir(), 120, "no checkpoint of step 4")
+        first = json.loads((tmp_path / "state" / "journal.json").read_text())["goodput"]
+        killed_at = time.time()
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        kill_tree(proc.pid)
+    r = ftsup("run", "--config", str(job))
+    assert r.returncode == 0, r.output[-4000:]
+    starts = [stamp(e) for e in events(tmp_path) if e["event"] == "supervisor_started"]
+    assert len(starts) == 2
+    got = json.loads(ftsup("status", "--config", str(job), "--json", timeout=60).output)["goodput"]
+    assert got["wall_s"] == pytest.approx(max(map(stamp, events(tmp_path))) - starts[0], abs=1.0)
+    assert got["badput_s"]["other"] >= starts[1] - killed_at  # the supervisor's downtime, at the least
+    assert got["productive_s"] > first["productive_s"]
+
+
+def stamp(event: dict[str, Any]) -> float:
+    return datetime.fromisoformat(event["timestamp"]).timestamp()
