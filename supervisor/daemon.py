@@ -76,7 +76,7 @@ class Daemon:
         self.sources = EventSources(cfg, clock=clock, emit=emit, dropped=self.metrics.heartbeats_dropped,
                                     state_bytes=self.resume.latest_bytes)  # fmt: skip
         self.journal = JournalKeeper(cfg, self.node_dir / "journal.json", self._journal_record, outages=self.outages,
-                                     emit=emit)  # fmt: skip
+                                     emit=emit, written=self._journaled_goodput)  # fmt: skip
         self.workers = Workers(cfg, self.log_dir, clock=clock, emit=emit, post=post, outages=self.outages,
                                journal=self.journal.write, figures=self.metrics.heartbeat)  # fmt: skip
         self.rollbacks = RollbackWatcher(self.node_dir, clock=clock, emit=emit)
@@ -139,6 +139,8 @@ class Daemon:
         metrics address that cannot be served, are refused (exit 2); an I/O error is exit 1."""
         self.node_dir = statedir.ensure_dir(self.node_dir, "job.state_dir")
         stack.enter_context(contextlib.closing(statedir.InstanceLock(self.node_dir)))  # before the journal is read
+        if (kept := self.journal.peek()) is not None:  # from the first scrape on, no counter lower than journaled
+            self._journaled_goodput(kept)
         statedir.ensure_dir(self.log_dir, "logging.dir" if self.cfg.logging.dir else "job.state_dir")
         runtime = statedir.RuntimeDir.make(self.node_dir, os.environ)  # systemd's RuntimeDirectory, if any
         stack.callback(runtime.remove)
@@ -201,12 +203,17 @@ class Daemon:
             self.metrics.storage_error("log_file")
         self.metrics.event(event, fields)
 
+    def _journaled_goodput(self, rec: JournalRecord) -> None:
+        """Export the accounting `rec` holds once it is on disk: a restarted supervisor, which goes on from the
+        journal, then never exports a counter lower than this one did."""
+        if rec.goodput is not None:
+            self.metrics.accounting(goodput.Saved.from_json(rec.goodput).totals)
+
     def _journal_record(self, status: str) -> JournalRecord:
         """What a restarted supervisor (or `ftsup status`) needs to know, as of now."""
         st, att, launched = self.state, self.workers.attempt, self.state.last_launch
         now = self.clock()
         accounted = goodput.snapshot(self.goodput, now, time.time())
-        self.metrics.accounting(accounted.totals)  # exported as journaled: a counter never goes back
         self._journaled = (now, self.goodput.cursor, self.goodput.activity)
         latest = self.resume.latest()  # as last scanned
         extra: dict[str, Any] = {"latest_checkpoint": latest.step if latest else None}

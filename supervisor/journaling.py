@@ -29,9 +29,11 @@ from ftsup.supervisor.outages import Outages
 class JournalKeeper:
     def __init__(
         self, cfg: JobConfig, path: Path, snapshot: Callable[[str], JournalRecord], *, outages: Outages,
-        emit: Callable[..., None],
+        emit: Callable[..., None], written: Callable[[JournalRecord], None] | None = None,
     ) -> None:  # fmt: skip
+        """`written(record)`, when given, is called with each record once it is on disk."""
         self.cfg = cfg
+        self._written = written
         self.file = Journal(path)
         self._snapshot = snapshot
         self._outages = outages
@@ -49,8 +51,23 @@ class JournalKeeper:
         False: not fsynced (it survives this process, not a crash of the node)."""
         status = self.status = self.status if status is None else status
         again = ("journal", lambda: self.write(status, durable=durable))  # a later write supersedes it
-        write = lambda: self.file.write(self._snapshot(status), durable=durable)  # noqa: E731
-        self._outages.guard("journal", self.path, write, retry=again)
+        self._outages.guard("journal", self.path, lambda: self._write(status, durable), retry=again)
+
+    def _write(self, status: str, durable: bool) -> None:
+        record = self._snapshot(status)
+        self.file.write(record, durable=durable)
+        if self._written is not None:
+            self._written(record)
+
+    def peek(self) -> JournalRecord | None:
+        """This job's and node's journal as it is now, changing nothing; None when there is none, it is another
+        job's or it cannot be used (`adopt` says why)."""
+        try:
+            rec = self.file.read(owner=os.geteuid())
+        except JournalError:
+            return None
+        mine = rec is not None and (rec.run_id, rec.node_id) == (self.cfg.job.run_id, self.cfg.launch.node_id)
+        return rec if mine else None
 
     def adopt(self) -> int:
         """Stop what a previous supervisor of this job and node left running; return its last attempt number.

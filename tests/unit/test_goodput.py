@@ -5,16 +5,23 @@ the totals plus the time since the cursor are the time elapsed, to the microseco
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 import yaml
+from structlog.testing import capture_logs
 
 from ftsup.protocol import Phase
 from ftsup.supervisor import goodput as G
 from ftsup.supervisor import policy as P
 from ftsup.supervisor.cli import main
+from ftsup.supervisor.config import load_config
+from ftsup.supervisor.daemon import Daemon
 from ftsup.supervisor.journal import Journal, JournalError, JournalRecord
 from ftsup.supervisor.metrics import Metrics
 from tests.settings import settings
@@ -410,3 +417,50 @@ def test_ranks_done_before_torchrun_exits_are_other_until_the_exit():
     d.feed(P.WorkersRestarted(1, new_ranks=False), at=d.now + 0.3)
     d.feed(P.WorkersExited(1, 0), at=d.now + 0.5)
     assert d.seconds("other") == pytest.approx(0.8)
+
+
+# ---------------------------------------------------------------------- the daemon's side
+
+
+def a_daemon(tmp: Path) -> Daemon:
+    cfg = {"job": {"command": [sys.executable, "-c", "pass"], "workdir": str(tmp), "state_dir": str(tmp / "state")},
+           "launch": {"nproc_per_node": 1}, "checkpoint": {"dir": str(tmp / "ckpt")}}  # fmt: skip
+    (tmp / "job.yaml").write_text(yaml.safe_dump(cfg))
+    (tmp / "state").mkdir(mode=0o700, exist_ok=True)
+    return Daemon(load_config(tmp / "job.yaml", hostname="node-a"))
+
+
+def exported_productive(d: Daemon) -> float | None:
+    return d.metrics.registry.get_sample_value("ftsup_productive_seconds_total")
+
+
+@pytest.fixture
+def restore_structlog() -> Iterator[None]:
+    """Starting a daemon configures structlog for the process; put the test session's configuration back."""
+    old = structlog.get_config()
+    yield
+    structlog.configure(**old)
+
+
+def test_a_restarted_supervisor_exports_the_journaled_accounting_before_its_first_scrape(tmp_path, restore_structlog):
+    d = a_daemon(tmp_path)
+    left = JournalRecord(run_id=d.cfg.job.run_id, node_id=d.cfg.launch.node_id, supervisor_pid=1,
+                         status="running", goodput=a_saved().to_json())  # fmt: skip
+    d.journal.file.write(left)
+    with contextlib.ExitStack() as stack:
+        d._start(stack)  # the metrics endpoint is up from here on
+        assert exported_productive(d) == 90.0
+
+
+def test_an_accounting_that_was_not_written_to_the_journal_is_not_exported(tmp_path):
+    d = a_daemon(tmp_path)
+    d.goodput = G.Accounting(G.Totals(42.0), cursor=0.0)
+    (tmp_path / "state").rename(tmp_path / "aside")
+    (tmp_path / "state").write_text("not a directory")  # every write fails: a storage outage
+    with capture_logs():
+        d.journal.write("running")
+    assert exported_productive(d) == 0.0
+    (tmp_path / "state").unlink()
+    (tmp_path / "aside").rename(tmp_path / "state")
+    d.journal.write("running")
+    assert exported_productive(d) == 42.0
