@@ -192,9 +192,16 @@ def feed(acc: Accounting, before: State, after: State, ev: Event, now: float) ->
     settled = _ranks_done(after) or (acc.gone and acc.activity in ("other", "eviction"))  # nothing left to fail
     if new != acc.activity or after.phase in _EAGER or settled:
         acc = _attribute(acc, acc.activity, now, nxt)
-    elif isinstance(ev, Heartbeat) and acc.activity != TRAIN and after.phase == SupervisorPhase.RUNNING:
-        acc = _attribute(acc, acc.activity, now, nxt)  # a sign of life: the time until it is not detection
+    elif _sign_of_life(ev, after) and acc.activity != TRAIN:
+        acc = _attribute(acc, acc.activity, now, nxt)  # the time until then is not detection
     return replace(acc, activity=new)
+
+
+def _sign_of_life(ev: Event, st: State) -> bool:
+    """A heartbeat of the running attempt (one of an earlier attempt, read late, says nothing of this one)."""
+    att = st.attempt
+    running = st.phase == SupervisorPhase.RUNNING and att is not None
+    return running and isinstance(ev, Heartbeat) and att is not None and ev.attempt == att.number
 
 
 def _ranks_done(st: State) -> bool:

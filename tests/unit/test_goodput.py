@@ -184,6 +184,20 @@ def test_a_crash_while_starting_is_startup():
     assert d.seconds("detection") == 0
 
 
+def test_a_beat_of_an_earlier_attempt_read_late_is_no_sign_of_life_of_the_running_one():
+    d = started()
+    d.train(range(2, 6))
+    d.feed(P.WorkersExited(1, 1), at=d.now + 0.3)
+    d.tick_until(d.now + 10)
+    d.feed(P.LaunchReady(2, None))
+    d.feed(P.WorkersStarted(2))
+    launched = d.now
+    d.feed(P.Heartbeat(1, 0, 5, Phase.TRAIN), at=d.now + 10)
+    d.tick_until(d.now + 100)  # startup_timeout_s 60: no beat of attempt 2 since its launch
+    assert d.st.phase == "stopping"
+    assert d.seconds("detection") == pytest.approx(0.3 + (d.now - launched))
+
+
 def test_the_wait_before_a_restart_is_backoff():
     d = started()
     d.train(range(2, 6))
