@@ -6,7 +6,10 @@ rollback request (`rollbacks`, read before the first launch too), the heartbeats
 attempt (`workers`), a tick for timeouts. It carries out each action through
 the part that owns it: the resume choice (`resume`), the running attempt (`workers`), the journal
 (`journaling`), the watchers. Every event is logged and counted once (`_emit`). What the policy knows (the world
-size, the resume step, the last failure, ...) is read from its state, never copied. It never imports torch.
+size, the resume step, the last failure, ...) is read from its state, never copied. The job's time accounting
+(`goodput`) is fed the policy's state before and after each event, taken up from the journal at the start, and
+journaled (then exported) each time the journal is written: when its activity changes, and every quarter of a
+second while it moves on. It never imports torch.
 
 `run()` starts each resource on one `ExitStack` as soon as it exists: the state directory's single-instance
 lock, the runtime directory, the log file, the metrics endpoint, the event sources, the store scanner, the
@@ -33,7 +36,7 @@ from typing import Any
 
 import structlog
 
-from ftsup.supervisor import logs, policy, statedir, systemd
+from ftsup.supervisor import goodput, logs, policy, statedir, systemd
 from ftsup.supervisor.config import JobConfig, settings_from
 from ftsup.supervisor.errors import ConfigError, error_line
 from ftsup.supervisor.eviction.requeue import requeue
@@ -48,6 +51,7 @@ from ftsup.supervisor.sources import EventSources
 from ftsup.supervisor.workers import Workers
 
 TICK_S = 0.1
+GOODPUT_PERSIST_S = 0.25  # how often the time accounting is journaled (not fsynced) and exported while it moves on
 
 log = structlog.get_logger("ftsup.supervisor")
 
@@ -61,6 +65,8 @@ class Daemon:
         self.metrics = Metrics(cfg.job.run_id, cfg.launch.node_id, started_unix=time.time())
         self.metrics_server: MetricsServer | None = None
         self.state = policy.State()  # the policy's, as of the last event fed
+        self.goodput = goodput.Accounting()  # the job's time accounting, fed the policy's states (`goodput`)
+        self._journaled: tuple[float, float | None, str] = (-float("inf"), None, "")  # when, cursor, activity
         self.pending: list[policy.Event] = []  # for the policy, oldest first
         self.code: int | None = None  # the exit status, once the loop runs
         self.crash: str | None = None  # the line for stderr when the loop ended on a bug
@@ -70,7 +76,7 @@ class Daemon:
         self.sources = EventSources(cfg, clock=clock, emit=emit, dropped=self.metrics.heartbeats_dropped,
                                     state_bytes=self.resume.latest_bytes)  # fmt: skip
         self.journal = JournalKeeper(cfg, self.node_dir / "journal.json", self._journal_record, outages=self.outages,
-                                     emit=emit)  # fmt: skip
+                                     emit=emit, written=self._journaled_goodput)  # fmt: skip
         self.workers = Workers(cfg, self.log_dir, clock=clock, emit=emit, post=post, outages=self.outages,
                                journal=self.journal.write, figures=self.metrics.heartbeat)  # fmt: skip
         self.rollbacks = RollbackWatcher(self.node_dir, clock=clock, emit=emit)
@@ -91,16 +97,25 @@ class Daemon:
                 # data skips in force and the rollback requests served.
                 kept = self.journal.kept
                 anomaly = AnomalyState(skips=kept.skips, served=kept.rollbacks_served) if kept else AnomalyState()
+                saved = goodput.Saved.from_json(kept.goodput) if kept and kept.goodput else None
+                self.goodput = goodput.resumed(saved, kept.status if kept else None, self.clock(), time.time())
                 self.state = policy.State(attempt_no=adopted, anomaly=anomaly)
                 self.pending += [*self.rollbacks.poll(), policy.Start()]  # a request found now is the first start
                 while True:
                     while self.pending:  # feed the events, carry out the actions
-                        now = self.clock()
-                        self.state, actions = policy.step(settings, self.state, self.pending.pop(0), now)
+                        now, before, event = self.clock(), self.state, self.pending.pop(0)
+                        self.state, actions = policy.step(settings, before, event, now)
+                        self.goodput = goodput.feed(self.goodput, before, self.state, event, now)
                         self.metrics.state(self.state, settings, now, time.time())
                         if (code := self._execute(actions)) is not None:
                             self.code = code
                             return code
+                    when, cursor, doing = self._journaled
+                    if self.goodput.activity != doing or (
+                        self.goodput.cursor != cursor and self.clock() - when >= GOODPUT_PERSIST_S
+                    ):
+                        # The accounting moved on: a supervisor restarted after this one's death goes on from here.
+                        self.journal.write(durable=False)
                     self.outages.run_due()
                     self.resume.refresh_metrics()
                     self.sources.wait(TICK_S)
@@ -124,6 +139,8 @@ class Daemon:
         metrics address that cannot be served, are refused (exit 2); an I/O error is exit 1."""
         self.node_dir = statedir.ensure_dir(self.node_dir, "job.state_dir")
         stack.enter_context(contextlib.closing(statedir.InstanceLock(self.node_dir)))  # before the journal is read
+        if (kept := self.journal.peek()) is not None:  # from the first scrape on, no counter lower than journaled
+            self._journaled_goodput(kept)
         statedir.ensure_dir(self.log_dir, "logging.dir" if self.cfg.logging.dir else "job.state_dir")
         runtime = statedir.RuntimeDir.make(self.node_dir, os.environ)  # systemd's RuntimeDirectory, if any
         stack.callback(runtime.remove)
@@ -186,9 +203,18 @@ class Daemon:
             self.metrics.storage_error("log_file")
         self.metrics.event(event, fields)
 
+    def _journaled_goodput(self, rec: JournalRecord) -> None:
+        """Export the accounting `rec` holds once it is on disk: a restarted supervisor, which goes on from the
+        journal, then never exports a counter lower than this one did."""
+        if rec.goodput is not None:
+            self.metrics.accounting(goodput.Saved.from_json(rec.goodput).totals)
+
     def _journal_record(self, status: str) -> JournalRecord:
         """What a restarted supervisor (or `ftsup status`) needs to know, as of now."""
         st, att, launched = self.state, self.workers.attempt, self.state.last_launch
+        now = self.clock()
+        accounted = goodput.snapshot(self.goodput, now, time.time())
+        self._journaled = (now, self.goodput.cursor, self.goodput.activity)
         latest = self.resume.latest()  # as last scanned
         extra: dict[str, Any] = {"latest_checkpoint": latest.step if latest else None}
         if self.metrics_server is not None:
@@ -205,5 +231,5 @@ class Daemon:
             attempt_started_unix=att.started_at if att else None, last_failure=st.last_failure, status=status,
             updated_unix=time.time(), extra=extra, skips=st.anomaly.skips, rollbacks_served=st.anomaly.served,
             incident=st.anomaly.incident.to_json() if st.anomaly.incident else None,
-            stragglers=st.anomaly.health.stragglers,
+            stragglers=st.anomaly.health.stragglers, goodput=accounted.to_json(),
         )  # fmt: skip

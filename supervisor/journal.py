@@ -4,7 +4,8 @@
 One JSON file per node: run id, attempt number, world size, chosen step, pids of the running
 attempt (torchrun and its ranks), last failure, and the time it was written; the data skips in
 force and the operator rollback requests served (a restarted supervisor keeps both), the last
-incident and the ranks reported as stragglers (for `ftsup status`). It is replaced
+incident and the ranks reported as stragglers (for `ftsup status`); the job's time accounting so far
+(`goodput`: a restarted or requeued supervisor goes on counting from it). It is replaced
 atomically (`statedir.write_atomic`: a new O_EXCL temporary, fsync, rename, fsync dir), so a
 reader sees the old or the new record, never half of one.
 
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ftsup import protocol
-from ftsup.supervisor import statedir
+from ftsup.supervisor import goodput, statedir
 from ftsup.supervisor.errors import SupervisorError
 
 FORMAT = 1
@@ -55,6 +56,7 @@ class JournalRecord:
     rollbacks_served: tuple[str, ...] = ()  # ids of the operator rollback requests served, newest last
     incident: dict[str, Any] | None = None  # the last anomaly or operator rollback (`policy_anomaly.Incident`)
     stragglers: tuple[int, ...] = ()  # global ranks reported as stragglers now
+    goodput: dict[str, Any] | None = None  # the job's time accounting so far (`goodput.Saved`)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -116,6 +118,11 @@ class JournalRecord:
         ):
             raise JournalError("'stragglers' must be a list of ranks")
         raw["stragglers"] = tuple(stragglers)
+        if raw.get("goodput") is not None:
+            try:
+                raw["goodput"] = goodput.Saved.from_json(raw["goodput"]).to_json()
+            except ValueError as e:
+                raise JournalError(f"'goodput': {e}") from None
         return cls(**raw)
 
 
@@ -163,5 +170,7 @@ class Journal:
         except JournalError as e:
             raise JournalError(f"{self.path}: {e}") from None
 
-    def write(self, record: JournalRecord) -> None:
-        statedir.write_atomic(self.path, json.dumps(record.to_json(), indent=1, sort_keys=True).encode())
+    def write(self, record: JournalRecord, *, durable: bool = True) -> None:
+        """Replace the record (`durable`: fsynced, so that it survives the node's crash too, not only ours)."""
+        data = json.dumps(record.to_json(), indent=1, sort_keys=True).encode()
+        statedir.write_atomic(self.path, data, durable=durable)

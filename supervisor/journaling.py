@@ -1,8 +1,9 @@
 """The daemon's journal keeping: the node's journal written as the loop goes, and adopted when it starts.
 
 `JournalKeeper.write(status)` writes the record that `snapshot(status)` makes of the daemon (the attempt, its
-processes, the world size, the last failure, ...); an I/O error is an outage (`outages`), retried with a fresh
-snapshot until a write goes through, a later write superseding it. `adopt()` reads the journal that a previous
+processes, the world size, the last failure, the time accounting, ...; `write()` keeps the status last written);
+an I/O error is an outage (`outages`), retried with a fresh snapshot until a write goes through, a later write
+superseding it. `adopt()` reads the journal that a previous
 supervisor of this state directory left and stops what it left running, before anything new is launched; the
 attempt number it returns is where this supervisor's numbering goes on, and the record it keeps (`kept`, when it
 was this job's) the data skips in force and the rollback requests served. `exit_status(code)` is the status an
@@ -28,23 +29,45 @@ from ftsup.supervisor.outages import Outages
 class JournalKeeper:
     def __init__(
         self, cfg: JobConfig, path: Path, snapshot: Callable[[str], JournalRecord], *, outages: Outages,
-        emit: Callable[..., None],
+        emit: Callable[..., None], written: Callable[[JournalRecord], None] | None = None,
     ) -> None:  # fmt: skip
+        """`written(record)`, when given, is called with each record once it is on disk."""
         self.cfg = cfg
+        self._written = written
         self.file = Journal(path)
         self._snapshot = snapshot
         self._outages = outages
         self._emit = emit
         self.adopted = 0  # the attempt number the journal held when this supervisor started
         self.kept: JournalRecord | None = None  # that journal, when it was this job's and node's
+        self.status = "starting"  # the status last written
 
     @property
     def path(self) -> Path:
         return self.file.path
 
-    def write(self, status: str) -> None:
-        again = ("journal", lambda: self.write(status))  # a later write supersedes it
-        self._outages.guard("journal", self.path, lambda: self.file.write(self._snapshot(status)), retry=again)
+    def write(self, status: str | None = None, *, durable: bool = True) -> None:
+        """Write the journal with `status` (None: the status last written, with the rest as of now); `durable`
+        False: not fsynced (it survives this process, not a crash of the node)."""
+        status = self.status = self.status if status is None else status
+        again = ("journal", lambda: self.write(status, durable=durable))  # a later write supersedes it
+        self._outages.guard("journal", self.path, lambda: self._write(status, durable), retry=again)
+
+    def _write(self, status: str, durable: bool) -> None:
+        record = self._snapshot(status)
+        self.file.write(record, durable=durable)
+        if self._written is not None:
+            self._written(record)
+
+    def peek(self) -> JournalRecord | None:
+        """This job's and node's journal as it is now, changing nothing; None when there is none, it is another
+        job's or it cannot be used (`adopt` says why)."""
+        try:
+            rec = self.file.read(owner=os.geteuid())
+        except JournalError:
+            return None
+        mine = rec is not None and (rec.run_id, rec.node_id) == (self.cfg.job.run_id, self.cfg.launch.node_id)
+        return rec if mine else None
 
     def adopt(self) -> int:
         """Stop what a previous supervisor of this job and node left running; return its last attempt number.

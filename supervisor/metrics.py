@@ -10,7 +10,8 @@ Three feeds, all called by the daemon's loop (one thread):
   a metric and the log line it belongs to can never disagree;
 - `state(st, now, wall)`: gauges read off the policy's state after each step of the loop;
 - `heartbeat(...)` and `checkpoint(info)`: figures the ranks report, and the newest
-  consistent checkpoint on disk.
+  consistent checkpoint on disk;
+- `accounting(totals)`: the job's time accounting (`goodput`), each time the journal is written with it.
 
 `MetricsServer` serves the registry on `metrics.listen` (`metrics_http`: one thread, bounded
 connections, request sizes and times; `close()` stops it). This module does not decide
@@ -29,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import choose_encoder
 
 from ftsup.store import layout
-from ftsup.supervisor import detectors, policy
+from ftsup.supervisor import detectors, goodput, policy
 from ftsup.supervisor.config import split_host_port
 from ftsup.supervisor.heartbeat import DROP_REASONS
 from ftsup.supervisor.logs import EVENTS
@@ -118,6 +119,13 @@ class Metrics:
                                  "operator (ftsup rollback).", ["trigger"], registry=r)  # fmt: skip
         self.skipped = Counter("ftsup_skipped_samples_total", "Data positions newly put under a skip (the ranks never "
                                "train on them).", registry=r)  # fmt: skip
+        self.productive = Counter("ftsup_productive_seconds_total", "Seconds of the job's wall time that trained a "
+                                  "step for the first time, across attempts and supervisors (as journaled).",
+                                  registry=r)  # fmt: skip
+        self.badput = Counter("ftsup_badput_seconds_total", "Seconds of the job's wall time lost, by cause: "
+                              + ", ".join(goodput.CAUSES) + " (as journaled).", ["cause"], registry=r)  # fmt: skip
+        self.goodput_ratio = Gauge("ftsup_goodput_ratio", "Productive seconds over the job's wall time so far "
+                                   "(productive plus every cause of badput).", registry=r)  # fmt: skip
         self.escalations = Counter("ftsup_anomaly_escalations_total", "Anomalies that stopped the job (exit 7): the "
                                    "same again after its skip, or the rollback budget spent.", registry=r)  # fmt: skip
 
@@ -175,6 +183,9 @@ class Metrics:
             self.anomalies.labels(kind)
         for trigger in TRIGGERS:
             self.rollbacks.labels(trigger)
+        for cause in goodput.CAUSES:
+            self.badput.labels(cause)
+        self._goodput = goodput.Totals()  # as last exported
         self.step.set(-1)
         self.ckpt_step.set(-1)
         self.hb_timeout.set(float("nan"))
@@ -264,6 +275,15 @@ class Metrics:
             for rank, ratio in detectors.step_time_ratios(health).items():
                 self.time_ratio.labels(str(rank)).set(ratio)
             self.stragglers.set(len(health.stragglers))
+
+    def accounting(self, totals: goodput.Totals) -> None:
+        """The job's time accounting as just journaled: counters never go back, across supervisor restarts too
+        (a restarted supervisor starts from the journal's totals, which are what this one exported last)."""
+        self.productive.inc(max(0.0, totals.productive_s - self._goodput.productive_s))
+        for cause, now, before in zip(goodput.CAUSES, totals.badput, self._goodput.badput, strict=True):
+            self.badput.labels(cause).inc(max(0.0, now - before))
+        self.goodput_ratio.set(totals.ratio)
+        self._goodput = totals
 
     def heartbeat(self, rank: int, figures: Mapping[str, float]) -> None:
         """Figures a rank reported; the job-wide ones are taken from global rank 0."""

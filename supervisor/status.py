@@ -10,7 +10,9 @@ file that cannot be used is said so and skipped, a journal that cannot is an err
 The JSON object keeps the keys it always had (`run_id`, `node_id`, `supervisor_running`, `journal`,
 `latest_checkpoint`, `checkpoint_dir`) and adds `supervisor_pid`, `metrics_url`, `ranks` (each with
 `heartbeat_age_s`), `ranks_problem`, and from the journal `last_incident` (the last anomaly or operator
-rollback: kind, step, onset, the step rolled back to, the skip it added), `stragglers` and `data_skips`.
+rollback: kind, step, onset, the step rolled back to, the skip it added), `stragglers`, `data_skips` and
+`goodput` (the job's time accounting as last journaled: `productive_s`, `badput_s` by cause, `wall_s`, `ratio`,
+`as_of_unix`, `since_unix`; null before the first record of it).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 import psutil
 
 from ftsup.store import layout
-from ftsup.supervisor import rankstatus
+from ftsup.supervisor import goodput, rankstatus
 from ftsup.supervisor.config import load_config
 from ftsup.supervisor.journal import Journal, JournalRecord
 
@@ -75,7 +77,16 @@ def gather(state_dir: Path, checkpoint_dir: Path, now: float) -> dict[str, Any]:
         "last_incident": rec.incident if rec is not None else None,
         "stragglers": list(rec.stragglers) if rec is not None and alive else [],
         "data_skips": [list(r) for r in rec.skips] if rec is not None else [],
+        "goodput": _goodput(rec),
     }
+
+
+def _goodput(rec: JournalRecord | None) -> dict[str, Any] | None:
+    """The job's time accounting as last journaled: productive and badput seconds, wall time, ratio."""
+    if rec is None or rec.goodput is None:
+        return None
+    saved = goodput.Saved.from_json(rec.goodput)  # checked when the journal was read
+    return {**saved.totals.summary(), "as_of_unix": saved.as_of_unix, "since_unix": saved.started_unix}
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -108,6 +119,11 @@ def text(out: dict[str, Any]) -> list[str]:
         if rec["last_failure"]:
             lines.append(f"  last failure: {rec['last_failure']}")
     lines += _incident_lines(out)
+    if (gp := out["goodput"]) is not None and gp["wall_s"] > 0:
+        lost = sorted(((s, c) for c, s in gp["badput_s"].items() if s > 0), reverse=True)
+        badput = ", ".join(f"{c} {_age(s)}" for s, c in lost) or "none"
+        lines.append(f"  goodput {gp['ratio']:.3f} over {_age(gp['wall_s'])} (as of {_utc(gp['as_of_unix'])}): "
+                     f"productive {_age(gp['productive_s'])}; badput {badput}")  # fmt: skip
     if out["ranks"]:
         lines.append("  ranks" + (" (as last heard; no supervisor hears them now)" if not alive else "") + ":")
         for r in out["ranks"]:
