@@ -37,6 +37,7 @@ from ftsup.supervisor.faults.metadata_server import MetadataServer
 from ftsup.supervisor.faults.plan import DISK_FULL_STEPS, KINDS, STRAGGLER_STEPS, Planned
 from ftsup.supervisor.faults.refjob import (
     TrainerJob,
+    fault_timeline,
     sigkill_supervisor_and_restart,
     start_supervisor,
     wait_exit,
@@ -76,6 +77,7 @@ def throw(t: Target, f: Planned) -> dict[str, Any]:
                            "rank": f.rank, "at_step": t.tail.max_step(),
                            "newest_before": _newest(t.job)}  # fmt: skip
     rec.update(_THROW[f.kind](t, f, rec))
+    rec["at_step"] = t.tail.max_step(before=rec["t_fault"])  # the last step logged when it landed
     t.best = max(t.best, t.tail.max_step())
     return rec
 
@@ -175,7 +177,9 @@ def _kill_supervisor(t: Target, f: Planned, rec: dict[str, Any]) -> dict[str, An
     seen, t.proc = sigkill_supervisor_and_restart(t.job, t.proc, t.tail, t.timeout_s, delay_s=t.restart_s)
     t.starts += 1
     t.codes.append(-signal.SIGKILL)
-    return {**seen, **_resumed_from(t, seen["first_step"])}
+    # What notices a dead supervisor is the parent-death guard of each process below it: the job gone.
+    detected = "parent_death_guard" if seen["job_gone_s"] is not None else None
+    return {**seen, "detected_by": detected, "detect_s": seen["job_gone_s"], **_resumed_from(t, seen["first_step"])}
 
 
 def _evict_signal(t: Target, f: Planned, rec: dict[str, Any]) -> dict[str, Any]:
@@ -240,7 +244,7 @@ def _disk_full(t: Target, f: Planned, rec: dict[str, Any]) -> dict[str, Any]:
                          "a save on the full store")  # fmt: skip
     finally:
         t.disk.release()
-    t_release, at_release = time.time(), t.tail.max_step()
+    t_release, at_release = time.time(), t.tail.max_step()  # within a poll of the failure logged, when it was
     failed = _save_failures(t.job, attempt) - failed_before
 
     def committed() -> layout.CheckpointInfo | None:
@@ -255,7 +259,8 @@ def _disk_full(t: Target, f: Planned, rec: dict[str, Any]) -> dict[str, Any]:
             "saves_failed": failed, "landed": failed > 0, "steps_while_full": at_release - start,
             "restarted": failure is not None, "failure": failure.event if failure else None,
             "committed_after": after.step, "recover_s": round(t_after - t_fault, 3),
-            "detected_by": "checkpoint_save_failed" if failed else None, "lost_steps": 0}  # fmt: skip
+            "detected_by": "checkpoint_save_failed" if failed else None,
+            "detect_s": round(t_release - t_fault, 3) if failed else None, "lost_steps": 0}  # fmt: skip
 
 
 def _flip(path: Path, rng: random.Random) -> int:
@@ -277,9 +282,10 @@ def _flip(path: Path, rng: random.Random) -> int:
 
 
 def _recovered(t: Target, t_fault: float, rec: dict[str, Any], **seen: Any) -> dict[str, Any]:
-    """After a fault the supervisor must detect and recover from: wait for the relaunch's first step."""
+    """After a fault the supervisor must detect and recover from: wait for the relaunch's first step, then
+    read how it was detected and what it cost from the logs (`refjob.fault_timeline`)."""
     line = wait_resumed(t.job, t.tail, t_fault, t.timeout_s)
-    return {"t_fault": t_fault, **seen, **_resumed_from(t, line.step)}
+    return {"t_fault": t_fault, **seen, **fault_timeline(t.job, t.tail, t_fault), **_resumed_from(t, line.step)}
 
 
 def _resumed_from(t: Target, first_step: int) -> dict[str, Any]:

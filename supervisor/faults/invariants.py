@@ -26,7 +26,7 @@ from typing import Any
 from ftsup.supervisor.faults.inject import RESTART_KINDS
 
 REL_TOL = 1e-4
-DETECTED = RESTART_KINDS | {"node-loss", "evict-signal", "evict-metadata"}
+DETECTED = RESTART_KINDS | {"node-loss", "evict-signal", "evict-metadata", "kill-supervisor"}
 RESUMED = RESTART_KINDS | {"node-loss", "kill-supervisor", "evict-signal", "evict-metadata"}
 NO_RESTART = frozenset({"straggler", "disk-full"})
 
