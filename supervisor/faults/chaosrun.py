@@ -2,6 +2,7 @@
 run`, at random moments, and the invariants checked fault by fault and job by job; a table and JSON.
 
     ftsup chaos --faults N --seed S [--json FILE] [--dir DIR] [--kinds K,K,...] [--restart-s S]
+    ftsup chaos ... --config JOB.yaml --loss-log FILE [--sample-log PATTERN] [--ckpt-every K]
 
 Three jobs run one after another in DIR, each the reference trainer with the same flags (2 ranks,
 CPU, gloo; a checkpoint every 5 steps; every rank's sample ids logged):
@@ -11,6 +12,9 @@ CPU, gloo; a checkpoint every 5 steps; every rank's sample ids logged):
   tmpfs when the plan holds a full disk (which needs root: without it, that kind is reported as
   not run, and why);
 - `nodes`: two supervisors as two nodes of one rank each (`nodes`), the node losses.
+
+With `--config`, a job of one's own takes the reference trainer's place in the first two
+(`configjob`: what it needs, and the kinds that are then not run).
 
 The plan (`plan`) and the checks (`invariants`) are pure. Exit 0 when every invariant held, 1 when
 one did not or a job never got where it was waited for (both reported), 2 for a usage error.
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +34,7 @@ from typing import Any
 
 from ftsup.supervisor.errors import UsageError
 from ftsup.supervisor.faults import chaos, invariants, nodes, plan
+from ftsup.supervisor.faults.configjob import NEEDS_REFERENCE_TRAINER, ConfigJob
 from ftsup.supervisor.faults.diskfull import Disk
 from ftsup.supervisor.faults.inject import Target, throw
 from ftsup.supervisor.faults.metadata_server import MetadataServer
@@ -61,6 +67,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-step-s", type=float, default=0.1, help="the reference trainer's step time (default 0.1)")
     p.add_argument("--timeout-s", type=float, default=TIMEOUT_S,
                    help=f"the longest wait for one thing of a job (default {TIMEOUT_S:g})")  # fmt: skip
+    g = p.add_argument_group("a job of one's own instead of the reference trainer (ftsup.supervisor.faults.configjob)")
+    g.add_argument("--config", type=Path, metavar="JOB.yaml", help="the job's config, as `ftsup run --config` takes it")
+    g.add_argument("--loss-log", type=Path, metavar="FILE", help="with --config (required): the file the job appends "
+                   "one JSON line per step to (step, loss, world_size; loss_hex for a bitwise comparison)")  # fmt: skip
+    g.add_argument("--sample-log", metavar="PATTERN", help="with --config: each rank's sample-id log, {rank} for the "
+                   "rank (step, rank, world_size, ids); without it samples are not checked")  # fmt: skip
+    g.add_argument("--ckpt-every", type=int, default=plan.CKPT_EVERY,
+                   help=f"with --config: its checkpoint interval in steps (default {plan.CKPT_EVERY})")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,16 +87,32 @@ def run(args: argparse.Namespace) -> int:
         faults = plan.make_plan(args.faults, args.seed, kinds)
     except ValueError as e:
         raise UsageError(f"--kinds: {e}") from None
-    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="ftsup-chaos-"))
+    root = Path(args.dir).absolute() if args.dir else Path(tempfile.mkdtemp(prefix="ftsup-chaos-"))
     if root.exists() and any(root.iterdir()):
         raise UsageError(f"{root} is not empty; give --dir a new or empty directory")
+    own = _own_job(args) if args.config else None
     root.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         not_run: dict[str, str] = {}
+        if own is not None:
+            not_run.update((k, why) for k, why in NEEDS_REFERENCE_TRAINER.items() if k in {f.kind for f in faults})
         disk = None
         if any(f.kind == "disk-full" for f in faults):
             disk = _mount(stack, root / "main-disk", not_run)
-        return _run(args, root, faults, kinds, disk, not_run)
+        return _run(args, root, faults, kinds, disk, not_run, own)
+
+
+def _own_job(args: argparse.Namespace) -> dict[str, Any]:
+    """`--config`: the job's config, validated as `ftsup run` would, with every default filled in."""
+    from ftsup.supervisor.config import load_config
+
+    if args.loss_log is None:
+        raise UsageError("--config needs --loss-log FILE: the file the job appends its loss log to")
+    if args.loss_log.exists():
+        raise UsageError(f"--loss-log {args.loss_log} exists; ftsup chaos needs it to start empty (move it away)")
+    if args.ckpt_every < 1:
+        raise UsageError(f"--ckpt-every must be at least 1, got {args.ckpt_every}")
+    return load_config(args.config).to_dict()
 
 
 def _mount(stack: contextlib.ExitStack, where: Path, not_run: dict[str, str]) -> Disk | None:
@@ -99,21 +129,26 @@ def _mount(stack: contextlib.ExitStack, where: Path, not_run: dict[str, str]) ->
 
 def _run(
     args: argparse.Namespace, root: Path, faults: list[plan.Planned], kinds: tuple[str, ...], disk: Disk | None,
-    not_run: dict[str, str],
+    not_run: dict[str, str], own: dict[str, Any] | None,
 ) -> int:  # fmt: skip
     thrown = [f for f in faults if f.kind not in not_run]
     main = [f for f in thrown if f.kind not in plan.NODE_KINDS]
     on_nodes = [f for f in thrown if f.kind in plan.NODE_KINDS]
     steps = max(plan.steps_needed(main, plan.CKPT_EVERY), plan.steps_needed(on_nodes, plan.CKPT_EVERY))
-    print(f"ftsup chaos in {root}: {len(faults)} faults (seed {args.seed}), {steps} steps per job", flush=True)
+    what = f"{args.config} (its own steps)" if own is not None else f"the reference trainer, {steps} steps per job"
+    print(f"ftsup chaos in {root}: {len(faults)} faults (seed {args.seed}) at {what}", flush=True)
     result: dict[str, Any] = {"dir": str(root), "seed": args.seed, "faults_planned": len(faults), "steps": steps,
+                              "job": str(args.config) if own is not None else "reference trainer",
                               "plan": [f.to_json() for f in faults], "not_run": not_run, "jobs": {}}  # fmt: skip
     t0 = time.monotonic()
-    ref = _job(root / "reference", "chaos-ref", steps, args)
+    ref = _job(root / "reference", "chaos-ref", steps, args, own)
     result["jobs"]["reference"] = _run_reference(ref, args.timeout_s)
+    if isinstance(ref, ConfigJob):
+        ref.collect()
+        steps = result["steps"] = invariants.last_step(ref.root / "loss.jsonl")
     records: list[dict[str, Any]] = []
     if main and result["jobs"]["reference"]["exit_code"] == 0:
-        job_result, got = _run_main(root, steps, main, args, disk)
+        job_result, got = _run_main(root, steps, main, args, disk, own)
         result["jobs"]["main"] = job_result
         records += got
     if on_nodes and result["jobs"]["reference"]["exit_code"] == 0:
@@ -137,20 +172,33 @@ def _run(
     return 0 if result["ok"] else 1
 
 
-def _job(root: Path, prefix: str, steps: int, args: argparse.Namespace, **kw: Any) -> TrainerJob:
-    """The reference trainer's job in `root`: the same flags for every job, paths aside."""
+def _job(
+    root: Path, prefix: str, steps: int, args: argparse.Namespace, own: dict[str, Any] | None = None, **kw: Any
+) -> TrainerJob:
+    """The job in `root`: the reference trainer with the same flags for every job (paths aside), or `own`."""
     extra = ("--sample-log", str(root / "samples-{rank}.jsonl"), *kw.pop("extra_args", ()))
+    if own is not None:
+        nproc = own["launch"]["nproc_per_node"]
+        return ConfigJob(root, new_run_id(prefix), 0, ckpt_every=args.ckpt_every, min_step_s=args.min_step_s,
+                         nproc=nproc if isinstance(nproc, int) else 1, base_config=own,
+                         user_loss_log=args.loss_log.absolute(), **kw,
+                         sample_pattern=os.path.abspath(args.sample_log) if args.sample_log else None)  # fmt: skip
     return TrainerJob(root, new_run_id(prefix), steps, ckpt_every=plan.CKPT_EVERY, min_step_s=args.min_step_s,
                       extra_args=extra, **kw)  # fmt: skip
 
 
+def _run_s(job: TrainerJob, timeout_s: float) -> float:
+    """How long a whole run of `job` may take: its steps at four times their pace; a job of one's own, a day."""
+    return 86400.0 if isinstance(job, ConfigJob) else timeout_s + job.steps * job.min_step_s * 4
+
+
 def _run_reference(ref: TrainerJob, timeout_s: float) -> dict[str, Any]:
     ref.write_config()
-    print(f"[reference] {ref.steps} steps on {ref.nproc} CPU ranks, uninterrupted ...", flush=True)
+    print(f"[reference] {ref.nproc} rank(s), uninterrupted ...", flush=True)
     t0 = time.monotonic()
     proc = start_supervisor(ref, "1")
     try:
-        code = _wait_exit(proc, timeout_s + ref.steps * ref.min_step_s * 4, "the uninterrupted run")
+        code = _wait_exit(proc, _run_s(ref, timeout_s), "the uninterrupted run")
     except chaos.ChaosError as e:
         return {"exit_code": None, "violations": [str(e)]}
     finally:
@@ -161,8 +209,9 @@ def _run_reference(ref: TrainerJob, timeout_s: float) -> dict[str, Any]:
 
 
 def _run_main(
-    root: Path, steps: int, faults: list[plan.Planned], args: argparse.Namespace, disk: Disk | None
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    root: Path, steps: int, faults: list[plan.Planned], args: argparse.Namespace, disk: Disk | None,
+    own: dict[str, Any] | None,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:  # fmt: skip
     print(f"[main] {len(faults)} faults on one node ...", flush=True)
     with MetadataServer() as server:
         sections = {
@@ -171,8 +220,8 @@ def _run_main(
                          "poll_interval_s": 0.2, "default_deadline_s": 30, "save_margin_s": 2},
         }  # fmt: skip
         asks = ("--fault-file", str(root / "main" / "fault.json"))
-        job = _job(root / "main", "chaos-main", steps, args, sections=sections, store=disk.store if disk else None,
-                   extra_args=asks)  # fmt: skip
+        job = _job(root / "main", "chaos-main", steps, args, own, sections=sections,
+                   store=disk.store if disk else None, extra_args=asks)  # fmt: skip
         job.write_config()
         records: list[dict[str, Any]] = []
         out: dict[str, Any] = {"exit_code": None, "error": None}
@@ -189,14 +238,16 @@ def _run_main(
                         raise
                     records.append(rec)
                     print(f"  {_fault_line(rec)}", flush=True)
-                out["exit_code"] = _wait_exit(t.proc, args.timeout_s + steps * args.min_step_s * 4, "the main job")
+                out["exit_code"] = _wait_exit(t.proc, _run_s(job, args.timeout_s), "the main job")
                 t.codes.append(out["exit_code"])
         except chaos.ChaosError as e:
             out["error"] = str(e)
         finally:
             stop_supervisor(t.proc if t else proc, job)
             out["supervisor_exit_codes"] = t.codes if t else []
-        out.update(_job_checks(root / "reference", job, steps, out))
+        if isinstance(job, ConfigJob):
+            job.collect()
+        out.update(_job_checks(root / "reference", job.root, steps, out, job.markers))
     return out, records
 
 
@@ -213,25 +264,25 @@ def _run_nodes(
                            "exit_codes": got["exit_codes"], "error": got["error"]}  # fmt: skip
     if len(got["exit_codes"]) < len(nodes.NODES) or any(c != 0 for c in got["exit_codes"].values()):
         out["exit_code"] = next((c for c in got["exit_codes"].values() if c != 0), None)
-    out.update(_job_checks(root / "reference", base, steps, out, markers=[m for n in nodes.NODES
-                                                                           for m in job.markers(n)]))  # fmt: skip
+    out.update(_job_checks(root / "reference", base.root, steps, out, [m for n in nodes.NODES for m in job.markers(n)]))
     return out, got["faults"]
 
 
-def _job_checks(
-    ref_root: Path, job: TrainerJob, steps: int, out: dict[str, Any], markers: list[str] | None = None
-) -> dict[str, Any]:
-    """The job's invariants: completed, its loss log and samples the reference's, nothing left running."""
+def _job_checks(ref_root: Path, root: Path, steps: int, out: dict[str, Any], markers: list[str]) -> dict[str, Any]:
+    """The job's invariants: completed, its loss log and samples (`root`'s) the reference's, nothing left running."""
     violations = []
     if out.get("error"):
         violations.append(f"cut short: {out['error']}")
     if out.get("exit_code") != 0:
         violations.append(f"the job did not complete: exit {out.get('exit_code')}")
-    losses = invariants.loss_log_check(ref_root / "loss.jsonl", job.loss_log, steps)
-    ref_ids = invariants.sample_ids(ref_root / "loss.jsonl", sorted(ref_root.glob("samples-*.jsonl")))
-    ids = invariants.sample_ids(job.loss_log, sorted(job.root.glob("samples-*.jsonl")))
-    samples = invariants.samples_check(ref_ids, ids, steps)
-    left = chaos.matching_processes(markers or job.markers)
+    losses = invariants.loss_log_check(ref_root / "loss.jsonl", root / "loss.jsonl", steps)
+    ref_logs = sorted(ref_root.glob("samples-*.jsonl"))
+    samples: dict[str, Any] = {"steps_checked": 0, "samples": None, "violations": [], "note": "no sample logs"}
+    if ref_logs:
+        ref_ids = invariants.sample_ids(ref_root / "loss.jsonl", ref_logs)
+        ids = invariants.sample_ids(root / "loss.jsonl", sorted(root.glob("samples-*.jsonl")))
+        samples = invariants.samples_check(ref_ids, ids, steps)
+    left = chaos.matching_processes(markers)
     chaos.stop_all(left)
     if left:
         violations.append(f"{len(left)} process(es) left running: {[chaos.describe(p) for p in left][:5]}")

@@ -114,6 +114,12 @@ def final_lines(path: Path) -> tuple[dict[int, dict[str, Any]], set[int]]:
     return final, worlds
 
 
+def last_step(path: Path) -> int:
+    """The highest step of a loss log (0 for none)."""
+    final, _ = final_lines(path)
+    return max(final, default=0)
+
+
 def loss_log_check(reference: Path, got: Path, steps: int) -> dict[str, Any]:
     """The merged loss log against the uninterrupted one (see the module docstring)."""
     ref, _ = final_lines(reference)
@@ -127,7 +133,7 @@ def loss_log_check(reference: Path, got: Path, steps: int) -> dict[str, Any]:
             continue
         a, b = final[s], ref[s]
         if changed is None or s < changed:
-            if a.get("loss_hex") != b.get("loss_hex"):
+            if a.get("loss_hex", repr(a.get("loss"))) != b.get("loss_hex", repr(b.get("loss"))):
                 unequal.append(s)
             continue
         rel = abs(float(a["loss"]) - float(b["loss"])) / max(abs(float(b["loss"])), 1e-300)

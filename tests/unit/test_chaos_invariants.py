@@ -110,6 +110,12 @@ def test_from_the_first_step_on_another_world_size_losses_need_only_agree_within
     assert (checked["violations"], checked["bitwise_steps"]) == ([], 1)
 
 
+def test_on_another_world_size_a_loss_1e_3_off_is_a_violation(tmp_path):
+    ref = write_lines(tmp_path / "ref.jsonl", [loss(s, 4.0) for s in (1, 2)])
+    got = write_lines(tmp_path / "got.jsonl", [loss(1, 4.0), loss(2, 4.0 * (1 + 1e-3), 1)])
+    assert loss_log_check(ref, got, 2)["violations"] == ["loss log: 1 step(s) differ from the uninterrupted run: [2]"]
+
+
 def test_a_step_missing_from_the_merged_loss_log_is_a_violation(tmp_path):
     ref = write_lines(tmp_path / "ref.jsonl", [loss(s, 4.0) for s in (1, 2, 3)])
     got = write_lines(tmp_path / "got.jsonl", [loss(1, 4.0), loss(3, 4.0)])
