@@ -29,6 +29,7 @@ from typing import Any
 import psutil
 
 from ftsup import procs
+from ftsup.protocol import ATTEMPT_ENV, NODE_ID_ENV, RUN_ID_ENV
 from ftsup.store import layout
 from ftsup.store.errors import CheckpointError
 from ftsup.supervisor.faults import chaos
@@ -307,13 +308,13 @@ def stale_processes(run_id: str, attempts: dict[str | None, int]) -> list[str]:
     """Live processes of `run_id` whose attempt is not the current one of their node (`attempts`: node id ->
     attempt; the key None stands for any node)."""
     out = []
-    for p in chaos.matching_processes([f"FTSUP_RUN_ID={run_id}"]):
+    for p in chaos.matching_processes([f"{RUN_ID_ENV}={run_id}"]):
         try:
             env = p.environ()
         except (psutil.NoSuchProcess, psutil.AccessDenied):  # gone meanwhile: not stale
             continue
-        current = attempts.get(env.get("FTSUP_NODE_ID"), attempts.get(None))
-        if env.get("FTSUP_RUN_ID") == run_id and env.get("FTSUP_ATTEMPT") != str(current):
+        current = attempts.get(env.get(NODE_ID_ENV), attempts.get(None))
+        if env.get(RUN_ID_ENV) == run_id and env.get(ATTEMPT_ENV) != str(current):
             out.append(chaos.describe(p))
     return out
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from ftsup.protocol import NODE_ID_ENV
 from ftsup.store import layout
 from ftsup.supervisor.faults import chaos
 from ftsup.supervisor.faults.inject import stale_processes
@@ -51,7 +52,7 @@ class NodeJob:
 
     def markers(self, node: str) -> list[str]:
         """What only this node's processes carry: its config path (the supervisor), its node id (the rest)."""
-        return [str(self.config_path(node)), f"FTSUP_NODE_ID={node}"]
+        return [str(self.config_path(node)), f"{NODE_ID_ENV}={node}"]
 
     def write_configs(self) -> None:
         for node in NODES:
