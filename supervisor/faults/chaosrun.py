@@ -188,8 +188,9 @@ def _job(
 
 
 def _run_s(job: TrainerJob, timeout_s: float) -> float:
-    """How long a whole run of `job` may take: its steps at four times their pace; a job of one's own, a day."""
-    return 86400.0 if isinstance(job, ConfigJob) else timeout_s + job.steps * job.min_step_s * 4
+    """How long a whole run of `job` may take: its steps at a tenth of their pace (two busy cores); a job of
+    one's own, a day."""
+    return 86400.0 if isinstance(job, ConfigJob) else timeout_s + job.steps * job.min_step_s * 10
 
 
 def _run_reference(ref: TrainerJob, timeout_s: float) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """Throwing one planned fault (`plan.Planned`) at the one-node job of `ftsup chaos`, and what was
-seen right after it: the moment, the checkpoint the job resumed from (verified with every checksum
-there and then, before retention could delete it), processes of earlier attempts still alive, and
-the fields each kind needs checked. Detection and recovery times are read later from the complete
-logs (`refjob.fault_timeline`); the checks themselves are `invariants`'.
+seen right after it: the moment, how the supervisor detected it and when the job logged its first
+step again (from its logs, `refjob.fault_timeline`, read once the relaunch is seen), the
+checkpoint it resumed from (verified with every checksum there and then, before retention could
+delete it), processes of earlier attempts still alive, and the fields each kind needs checked.
+The checks themselves are `invariants`'.
 
 Every fault is thrown from outside, as an operator or a failing machine would: signals to ranks,
 to torchrun and to the supervisor, a notice by signal or from the metadata server the job's
