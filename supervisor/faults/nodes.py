@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,13 +55,15 @@ class NodeJob:
         """What only this node's processes carry: its config path (the supervisor), its node id (the rest)."""
         return [str(self.config_path(node)), f"{NODE_ID_ENV}={node}"]
 
-    def write_configs(self) -> None:
+    def write_configs(self, losses: int) -> None:
+        """Both nodes' configs; the restart budget covers `losses` node losses (each may cost the survivor a
+        restart for the loss and a few while the node rejoins: torchrun's rendezvous times out under load)."""
         for node in NODES:
             cfg = self.base.config()
             cfg["job"]["state_dir"] = str(self.state_dir(node))
             cfg["launch"].update(nnodes="1:2", rdzv_endpoint=f"127.0.0.1:{self.port}", node_id=node,
                                  torchrun_args=[RDZV_CONF])  # fmt: skip
-            cfg.setdefault("restart", {}).setdefault("backoff_initial_s", 0.5)
+            cfg.setdefault("restart", {}).update(backoff_initial_s=0.5, max_restarts=5 * losses + 10)
             self.base.root.mkdir(parents=True, exist_ok=True)
             self.config_path(node).write_text(yaml.safe_dump(cfg, sort_keys=False))
 
@@ -72,7 +75,7 @@ class NodeJob:
 def run(job: NodeJob, faults: list[Planned], restart_s: float, timeout_s: float) -> dict[str, Any]:
     """Both nodes started; each fault of `faults` (node-loss) thrown in turn; both waited for. Returns the
     records of the faults, the exit statuses of the last runs of each node and an error that cut it short."""
-    job.write_configs()
+    job.write_configs(len(faults))
     procs: dict[str, subprocess.Popen[bytes] | None] = {n: job.start(n, "1") for n in NODES}
     records: list[dict[str, Any]] = []
     out: dict[str, Any] = {"faults": records, "exit_codes": {}, "error": None}
@@ -97,8 +100,6 @@ def run(job: NodeJob, faults: list[Planned], restart_s: float, timeout_s: float)
                 p = procs[node]
                 if p is not None:
                     out["exit_codes"][node] = wait_exit(p, timeout_s + job.base.steps, f"{node}'s supervisor")
-            for rec in records:
-                rec.update(_timeline(job, rec))
     except chaos.ChaosError as e:
         out["error"] = str(e)
     finally:
@@ -125,14 +126,14 @@ def _lose_node(
         orphans: list[str] = []
     except chaos.ChaosError:
         orphans = [chaos.describe(p) for p in chaos.matching_processes(job.markers(lost))]
-    alone = tail.wait_for(lambda ln: ln.t > t_fault and ln.record.get("world_size") == 1, timeout_s,
-                          "the surviving node training alone")  # fmt: skip
-    resumed = _resumed(job, alone.step, {NODES[0]: _attempt(job, NODES[0])})
+    alone = _wait_line(tail, lambda ln: ln.t > t_fault and ln.record.get("world_size") == 1, procs, timeout_s,
+                       "the surviving node training alone")  # fmt: skip
+    resumed = {**_resumed(job, alone.step), **_timeline(job, t_fault)}
     time.sleep(max(0.0, t_fault + restart_s - time.time()))  # the replaced machine's boot, not a wait for an event
     t_back = time.time()
     procs[lost] = job.start(lost, f"back-{int(t_back)}")
-    rejoined = tail.wait_for(lambda ln: ln.t > t_back and ln.record.get("world_size") == 2, timeout_s,
-                             f"{lost} rejoining")  # fmt: skip
+    rejoined = _wait_line(tail, lambda ln: ln.t > t_back and ln.record.get("world_size") == 2, procs, timeout_s,
+                          f"{lost} rejoining")  # fmt: skip
     stale = stale_processes(job.base.run_id, {n: _attempt(job, n) for n in NODES})
     return {"t_fault": t_fault, "max_step_before": trained, "orphans": orphans, "first_step": alone.step,
             "recover_s": round(alone.t - t_fault, 3), "lost_steps": trained - (alone.step - 1),
@@ -140,7 +141,7 @@ def _lose_node(
             **resumed, "stale_processes": stale}  # fmt: skip
 
 
-def _resumed(job: NodeJob, first_step: int, attempts: dict[str | None, int]) -> dict[str, Any]:
+def _resumed(job: NodeJob, first_step: int) -> dict[str, Any]:
     loaded = first_step - 1
     consistent: bool | None = None
     if loaded > 0:
@@ -151,14 +152,14 @@ def _resumed(job: NodeJob, first_step: int, attempts: dict[str | None, int]) -> 
     return {"loaded_step": loaded, "loaded_consistent": consistent}
 
 
-def _timeline(job: NodeJob, rec: dict[str, Any]) -> dict[str, Any]:
+def _timeline(job: NodeJob, t_fault: float) -> dict[str, Any]:
     """The surviving node's first failure event after the loss: how it was detected, and when."""
     events = chaos.read_events(job.log(NODES[0]))
-    failure = chaos.first_event(events, chaos.FAILURE_EVENTS, rec["t_fault"])
+    failure = chaos.first_event(events, chaos.FAILURE_EVENTS, t_fault)
     if failure is None:
         return {}
     return {"detected_by": failure.event, "reason": failure.fields.get("reason"),
-            "detect_s": round(failure.t - rec["t_fault"], 3)}  # fmt: skip
+            "detect_s": round(failure.t - t_fault, 3)}  # fmt: skip
 
 
 def _newest(job: NodeJob) -> int | None:
@@ -174,13 +175,22 @@ def _attempt(job: NodeJob, node: str) -> int:
 def _wait_step(
     tail: chaos.LossLogTail, step: int, procs: dict[str, subprocess.Popen[bytes] | None], timeout_s: float
 ) -> None:
-    def reached() -> bool:
+    _wait_line(tail, lambda ln: ln.step >= step, procs, timeout_s, f"step {step}")
+
+
+def _wait_line(
+    tail: chaos.LossLogTail, pred: Callable[[chaos.LossLine], bool], procs: dict[str, subprocess.Popen[bytes] | None],
+    timeout_s: float, what: str,
+) -> chaos.LossLine:  # fmt: skip
+    """The first loss line that satisfies `pred`; a ChaosError as soon as a node's supervisor has exited."""
+
+    def seen() -> chaos.LossLine | None:
         for node, p in procs.items():
             if p is not None and p.poll() is not None:
-                raise chaos.ChaosError(f"{node}'s supervisor exited {p.returncode} before step {step}")
-        return tail.max_step() >= step
+                raise chaos.ChaosError(f"{node}'s supervisor exited {p.returncode} before {what}")
+        return next((ln for ln in tail.lines() if pred(ln)), None)
 
-    chaos.poll_until(reached, timeout_s, f"step {step}")
+    return chaos.poll_until(seen, timeout_s, what)
 
 
 def free_port() -> int:
