@@ -241,6 +241,7 @@ def _run_main(
                     print(f"  {_fault_line(rec)}", flush=True)
                 out["exit_code"] = _wait_exit(t.proc, _run_s(job, args.timeout_s), "the main job")
                 t.codes.append(out["exit_code"])
+                out["left"] = [chaos.describe(p) for p in chaos.matching_processes(job.markers)]  # before any cleanup
         except chaos.ChaosError as e:
             out["error"] = str(e)
         finally:
@@ -262,7 +263,7 @@ def _run_nodes(
     for rec in got["faults"]:
         print(f"  {_fault_line(rec)}", flush=True)
     out: dict[str, Any] = {"exit_code": max(got["exit_codes"].values(), default=None) if got["exit_codes"] else None,
-                           "exit_codes": got["exit_codes"], "error": got["error"]}  # fmt: skip
+                           "exit_codes": got["exit_codes"], "error": got["error"], "left": got["left"]}  # fmt: skip
     if len(got["exit_codes"]) < len(nodes.NODES) or any(c != 0 for c in got["exit_codes"].values()):
         out["exit_code"] = next((c for c in got["exit_codes"].values() if c != 0), None)
     out.update(_job_checks(root / "reference", base.root, steps, out, [m for n in nodes.NODES for m in job.markers(n)]))
@@ -283,12 +284,13 @@ def _job_checks(ref_root: Path, root: Path, steps: int, out: dict[str, Any], mar
         ref_ids = invariants.sample_ids(ref_root / "loss.jsonl", ref_logs)
         ids = invariants.sample_ids(root / "loss.jsonl", sorted(root.glob("samples-*.jsonl")))
         samples = invariants.samples_check(ref_ids, ids, steps)
-    left = chaos.matching_processes(markers)
-    chaos.stop_all(left)
+    # What the job left once its supervisors exited (taken before the cleanup, which kills it), and whatever a run
+    # cut short left past its cleanup.
+    left = list(out.get("left", [])) + [chaos.describe(p) for p in chaos.matching_processes(markers)]
     if left:
-        violations.append(f"{len(left)} process(es) left running: {[chaos.describe(p) for p in left][:5]}")
+        violations.append(f"{len(left)} process(es) left running: {left[:5]}")
     violations += losses["violations"] + samples["violations"]
-    return {"loss_log": losses, "samples": samples, "leftover_processes": len(left), "violations": violations}
+    return {"loss_log": losses, "samples": samples, "leftover_processes": left, "violations": violations}
 
 
 # --------------------------------------------------------------------------- the report

@@ -78,7 +78,7 @@ def run(job: NodeJob, faults: list[Planned], restart_s: float, timeout_s: float)
     job.write_configs(len(faults))
     procs: dict[str, subprocess.Popen[bytes] | None] = {n: job.start(n, "1") for n in NODES}
     records: list[dict[str, Any]] = []
-    out: dict[str, Any] = {"faults": records, "exit_codes": {}, "error": None}
+    out: dict[str, Any] = {"faults": records, "exit_codes": {}, "error": None, "left": []}
     try:
         with chaos.LossLogTail(job.base.loss_log) as tail:
             together = tail.wait_for(lambda ln: ln.record.get("world_size") == 2, timeout_s, "two nodes training")
@@ -100,6 +100,8 @@ def run(job: NodeJob, faults: list[Planned], restart_s: float, timeout_s: float)
                 p = procs[node]
                 if p is not None:
                     out["exit_codes"][node] = wait_exit(p, timeout_s + job.base.steps, f"{node}'s supervisor")
+            markers = [m for n in NODES for m in job.markers(n)]
+            out["left"] = [chaos.describe(p) for p in chaos.matching_processes(markers)]  # before any cleanup
     except chaos.ChaosError as e:
         out["error"] = str(e)
     finally:
