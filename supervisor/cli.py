@@ -14,6 +14,7 @@ Subcommands (DESIGN.md, Contracts: their names, flags and JSON shapes change onl
     ftsup bench eviction ...                           `ftsup.supervisor.bench.eviction` (torch-free)
     ftsup bench anomaly ...                            `ftsup.supervisor.bench.anomaly` (torch-free)
     ftsup demo [--dir DIR] [--steps N] [--json FILE]   `ftsup.supervisor.faults.demo`: faults injected, bitwise check
+    ftsup chaos --faults N --seed S [--json FILE] ...  `ftsup.supervisor.faults.chaosrun`: every fault kind, invariants
 
 Exit statuses: 0 success; 1 the command ran and found a problem (verify: not consistent), or an
 internal error (its traceback on stderr, then one line); 2 usage errors, a bad config, a missing or
@@ -119,6 +120,8 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         Command("bench", "benchmarks (checkpoint needs torch; see README)", _build_bench),
         Command("demo", "the reference trainer under ftsup run, with faults injected; losses compared bitwise",
                 _build_demo),
+        Command("chaos", "a seeded plan of faults of every kind at the reference trainer; invariants checked",
+                _build_chaos),
     ]  # fmt: skip
     _add_commands(parser, commands, argv, dest="command", metavar="COMMAND")
     return parser
@@ -364,6 +367,13 @@ def _build_demo(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
 
     demo.add_arguments(p)
     p.set_defaults(handler=demo.run)
+
+
+def _build_chaos(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
+    from ftsup.supervisor.faults import chaosrun
+
+    chaosrun.add_arguments(p)
+    p.set_defaults(handler=chaosrun.run)
 
 
 if __name__ == "__main__":

@@ -48,10 +48,11 @@ class TrainerJob:
     nproc: int = 2
     extra_args: tuple[str, ...] = ()
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)  # extra config, e.g. {"restart": {...}}
+    store: Path | None = None  # the checkpoint dir when not <root>/ckpt (one on a filesystem of its own)
 
     @property
     def ckpt_dir(self) -> Path:
-        return self.root / "ckpt"
+        return self.store if self.store is not None else self.root / "ckpt"
 
     @property
     def state_dir(self) -> Path:
@@ -87,7 +88,8 @@ class TrainerJob:
             "--ckpt-dir", str(self.ckpt_dir), "--loss-log", str(self.loss_log), *self.extra_args,
         ]  # fmt: skip
 
-    def write_config(self) -> Path:
+    def config(self) -> dict[str, Any]:
+        """The job's config as a mapping (`write_config` writes it)."""
         cfg: dict[str, Any] = {
             "job": {
                 "command": [sys.executable, "-m", "ftsup.trainer.examples.gpt", *self.trainer_args()],
@@ -101,8 +103,11 @@ class TrainerJob:
         }
         for name, values in self.sections.items():
             cfg.setdefault(name, {}).update(values)
+        return cfg
+
+    def write_config(self) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        self.config_path.write_text(yaml.safe_dump(self.config(), sort_keys=False))
         return self.config_path
 
 
@@ -141,8 +146,8 @@ def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float, what: str) -> int
         raise chaos.ChaosError(f"{what} did not finish within {timeout_s:g} s") from None
 
 
-def stop_supervisor(proc: subprocess.Popen[bytes] | None, job: TrainerJob) -> None:
-    """Cleanup after an error: SIGTERM (the supervisor stops its job), then SIGKILL whatever is left."""
+def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
+    """Cleanup after an error: SIGTERM to a supervisor we started (it stops its job), SIGKILL after its grace."""
     if proc is not None and proc.poll() is None:
         try:
             supervisor = [psutil.Process(proc.pid)]
@@ -150,6 +155,11 @@ def stop_supervisor(proc: subprocess.Popen[bytes] | None, job: TrainerJob) -> No
             supervisor = []
         procs.stop(lambda: supervisor, SUPERVISOR_STOP_S, reap=proc.poll)
         proc.wait(timeout=10)
+
+
+def stop_supervisor(proc: subprocess.Popen[bytes] | None, job: TrainerJob) -> None:
+    """Cleanup after an error: the supervisor stopped (`stop_process`), then whatever of its job is left SIGKILLed."""
+    stop_process(proc)
     chaos.stop_all(chaos.matching_processes(job.markers))
 
 
@@ -164,11 +174,12 @@ def wait_resumed(job: TrainerJob, tail: chaos.LossLogTail, after: float, timeout
 
 
 def sigkill_supervisor_and_restart(
-    job: TrainerJob, proc: subprocess.Popen[bytes], tail: chaos.LossLogTail, timeout_s: float
+    job: TrainerJob, proc: subprocess.Popen[bytes], tail: chaos.LossLogTail, timeout_s: float, delay_s: float = 0.0
 ) -> tuple[dict[str, Any], subprocess.Popen[bytes]]:
     """SIGKILL the supervisor, wait for its job to go (torchrun and every rank run behind the
-    parent-death guard), count what is left, then start `ftsup run` again and wait for its first
-    resumed step. Returns what was seen and the new supervisor process."""
+    parent-death guard), count what is left, then start `ftsup run` again, `delay_s` after the kill at
+    the earliest (systemd's RestartSec), and wait for its first resumed step. Returns what was seen and
+    the new supervisor process."""
     procs = chaos.job_processes(job.state_dir)
     t = chaos.kill_process(proc.pid)
     proc.wait(timeout=10)
@@ -179,6 +190,7 @@ def sigkill_supervisor_and_restart(
         gone_s = None
     left = chaos.matching_processes(job.markers)
     max_step = tail.max_step(before=t)
+    time.sleep(max(0.0, t + delay_s - time.time()))  # the service manager's restart delay, not a wait for an event
     t_restart = time.time()
     new = start_supervisor(job, f"restart-{int(t_restart)}")
     line = wait_resumed(job, tail, t_restart, timeout_s)

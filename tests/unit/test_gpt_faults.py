@@ -3,12 +3,14 @@ which attempts it is in, and the data positions a data fault poisons."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import pytest
 import torch
 
-from ftsup.trainer.examples.faults import SPIKE_LOSS_SCALE, Fault, Poison, parse
+from ftsup.trainer.examples.faults import SPIKE_LOSS_SCALE, Fault, Poison, Trigger, parse
 
 
 @pytest.mark.parametrize(
@@ -46,3 +48,45 @@ def test_a_spike_fault_replaces_the_rows_at_its_positions_and_scales_their_loss(
     got = poison.tokens((11, 12), tokens)
     changed = [bool((got[i] != 0).any()) for i in (0, 1)]
     assert (changed, float(poison.loss((11, 12), torch.tensor(2.0)))) == ([False, True], 2.0 * SPIKE_LOSS_SCALE)
+
+
+def _ask(path, **doc):  # type: ignore[no-untyped-def]
+    """Replace the fault file atomically, as the asker does."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, path)
+
+
+def test_a_fault_file_asking_this_pid_to_exit_is_served_once(tmp_path):
+    trigger = Trigger(str(tmp_path / "fault.json"))
+    _ask(tmp_path / "fault.json", pid=os.getpid(), kind="exit")
+    assert [trigger.poll(), trigger.poll()] == ["exit", ""]
+
+
+def test_a_fault_file_asking_another_pid_is_ignored(tmp_path):
+    trigger = Trigger(str(tmp_path / "fault.json"))
+    _ask(tmp_path / "fault.json", pid=os.getpid() + 1, kind="exit")
+    assert trigger.poll() == ""
+
+
+def test_a_kill_in_commit_is_armed_for_its_point_only(tmp_path):
+    trigger = Trigger(str(tmp_path / "fault.json"))
+    _ask(tmp_path / "fault.json", pid=os.getpid(), kind="kill-in-commit", point="manifest_written")
+    armed = [trigger.poll(), trigger.kills_at("shard_written"), trigger.kills_at("manifest_written")]
+    assert armed == ["", False, True]
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1]", b'{"pid": "me", "kind": "exit"}', b" " * 5000,
+                                     b'{"kind": "kill-in-commit", "point": "anywhere"}'])  # fmt: skip
+def test_a_fault_file_of_no_schema_is_ignored(tmp_path, content):
+    path = tmp_path / "fault.json"
+    if content.startswith(b'{"kind"'):  # this pid, asking for a point that does not exist
+        content = json.dumps({**json.loads(content), "pid": os.getpid()}).encode()
+    path.write_bytes(content)
+    assert Trigger(str(path)).poll() == ""
+
+
+def test_a_fault_file_that_is_a_symlink_is_ignored(tmp_path):
+    _ask(tmp_path / "real.json", pid=os.getpid(), kind="exit")
+    (tmp_path / "fault.json").symlink_to(tmp_path / "real.json")
+    assert Trigger(str(tmp_path / "fault.json")).poll() == ""

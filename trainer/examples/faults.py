@@ -7,6 +7,11 @@ writer while step STEP's checkpoint is written), `exit@STEP` (exit status 3 afte
 takes FACTOR times as long, from the first step on: a straggler that keeps beating, not a hang;
 its peers wait for it, so it shows in the `compute_s` figure, not in `step_s`).
 
+Process faults asked for from outside at a moment the asker picks (`--fault-file`, `Trigger`;
+chaos tooling: `ftsup chaos`): `exit` (exit status 3 before the next step) and `kill-in-commit`
+(SIGKILL at a point of this rank's next save: a shard written, or rank 0's DCP metadata or
+manifest written but the directory not yet renamed).
+
 Data faults are keyed to global data *positions*, the positions the schedule without skips serves
 at the steps named, and are there in every attempt, as bad data would be: a run that skips those
 positions (a rollback's data skip, `FTSUP_DATA_SKIPS`) never meets them, and one that does not
@@ -19,9 +24,11 @@ until they are skipped.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
+import stat
 import time
 from dataclasses import dataclass
 
@@ -30,6 +37,9 @@ import torch
 from ftsup.trainer.rng import derive_seed
 
 PROCESS_FAULTS = ("kill", "kill-in-save", "exit", "stop")
+TRIGGERED = ("exit", "kill-in-commit")  # the kinds a --fault-file asks for
+COMMIT_POINTS = ("shard_written", "metadata_written", "manifest_written")  # the engine's hook points
+TRIGGER_MAX_BYTES = 4096
 SPIKE_LOSS_SCALE = 10.0
 USAGE = (
     "--fault must be KIND@STEP with KIND kill, kill-in-save, exit or stop, nan@STEP[:RANK], spike@STEP:LEN or "
@@ -117,3 +127,61 @@ class Poison:
         """A straggler: this rank's micro-batch, which took `took_s`, takes `factor` times as long."""
         if self.slow > 1.0:
             time.sleep((self.slow - 1.0) * took_s)
+
+
+class Trigger:
+    """`--fault-file PATH`: one process fault asked for from outside while the run goes on.
+
+    The file (replaced atomically by the asker) holds `{"pid": P, "kind": K}`, and for `kill-in-commit`
+    `"point"`, one of COMMIT_POINTS. Only the process whose pid is P acts on it, and once, so a file
+    left behind means nothing to the ranks of a later attempt. It is read with one `stat()` per step
+    and again only when it changed; a file that is not a small regular file of that schema is ignored
+    (it comes from outside the process), since a test knob must never stop the run it tests.
+    """
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._seen: tuple[int, int, int] | None = None
+        self._point = ""  # kill-in-commit: the commit point at which to die
+        self._served = False
+
+    def poll(self) -> str:
+        """The fault to inject before this step ("exit"), or "" (nothing, or one armed for the next save)."""
+        if not self.path or self._served:
+            return ""
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except OSError:
+            return ""
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if key == self._seen or not stat.S_ISREG(st.st_mode) or st.st_size > TRIGGER_MAX_BYTES:
+            return ""
+        self._seen = key
+        asked = _read_small_json(self.path)
+        if asked is None or asked.get("pid") != os.getpid():
+            return ""
+        kind, point = asked.get("kind"), asked.get("point", "")
+        if kind not in TRIGGERED or (kind == "kill-in-commit" and point not in COMMIT_POINTS):
+            return ""
+        self._served = True
+        if kind == "kill-in-commit":
+            self._point = str(point)
+            return ""
+        return str(kind)
+
+    def kills_at(self, point: str) -> bool:
+        """Whether the save's hook at `point` is where this rank was asked to die."""
+        return bool(self._point) and point == self._point
+
+
+def _read_small_json(path: str) -> dict[str, object] | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            raw = os.read(fd, TRIGGER_MAX_BYTES + 1)
+        finally:
+            os.close(fd)
+        doc = json.loads(raw) if len(raw) <= TRIGGER_MAX_BYTES else None
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None

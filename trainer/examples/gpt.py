@@ -28,6 +28,8 @@ background writer while step STEP's checkpoint is being written), `exit@STEP` (e
 step STEP), `stop@STEP` (SIGSTOP itself after step STEP: a hang); "after step STEP" is after its
 heartbeat, its periodic save and the supervisor's requests, when step STEP + 1 begins (so STEP <
 --steps). `slow@RANK:FACTOR`: rank RANK's micro-batches take FACTOR times as long (a straggler).
+`--fault-file PATH`: a rank exits 3, or dies in its next commit, when the file asks it by pid
+(`faults.Trigger`: chaos tooling picks the moment from outside).
 Numbers that go wrong, keyed to the data positions of the steps named, in every attempt:
 `nan@STEP[:RANK]` (that rank's loss is NaN) and `spike@STEP:LEN` (poisoned samples that drive the
 loss far up until they are skipped).
@@ -164,6 +166,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fault", default="", help="kill@STEP, kill-in-save@STEP, exit@STEP, stop@STEP, "
                    "nan@STEP[:RANK], spike@STEP:LEN or slow@RANK:FACTOR")  # fmt: skip
     p.add_argument("--fault-rank", type=int, default=0)
+    p.add_argument("--fault-file", help="a JSON file through which chaos tooling asks one rank (by pid) to exit 3 "
+                   "or to die in its next commit (faults.Trigger)")  # fmt: skip
     p.add_argument(
         "--fault-attempt",
         type=int,
@@ -217,6 +221,7 @@ def train(args: argparse.Namespace) -> int:
     fault = faults.parse(args.fault, args.fault_rank, rt.env.attempt, args.fault_attempt)
     kind, fault_step = fault.process_fault(rank)
     poison = faults.Poison(fault, args.global_batch, args.seed, rank)
+    trigger = faults.Trigger(args.fault_file)
     dataset = TokenWindows(generate(args.corpus_bytes), args.seq_len)
     config = {
         "vocab": 256, "seq_len": args.seq_len, "n_layer": args.n_layer, "n_head": args.n_head,
@@ -229,7 +234,7 @@ def train(args: argparse.Namespace) -> int:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(args.warmup, args.steps))
 
     def hook(point: str, step: int) -> None:
-        if kind == "kill-in-save" and point == "shard_written" and step == fault_step:
+        if (kind == "kill-in-save" and point == "shard_written" and step == fault_step) or trigger.kills_at(point):
             os.kill(os.getpid(), signal.SIGKILL)
         if args.save_delay_s > 0 and point == "staged" and step % args.ckpt_every == 0 and step < args.steps:
             time.sleep(args.save_delay_s)  # a periodic save that blocks this much longer, in phase save
@@ -247,6 +252,9 @@ def train(args: argparse.Namespace) -> int:
                 code = faults.inject(kind)
                 if code is not None:
                     return code
+            asked = trigger.poll()
+            if asked and (code := faults.inject(asked)) is not None:
+                return code
             model.train()
             t_start = time.monotonic()
             total = torch.zeros((), dtype=torch.float64, device=device)
