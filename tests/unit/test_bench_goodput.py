@@ -4,11 +4,15 @@ timeline in exactly one bucket), on timelines written by hand."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
 from ftsup.supervisor.bench.goodput.account import CAUSES, Interruption, Line, Timeline, account
+from ftsup.supervisor.bench.goodput.contenders import NAMES, Contender, NvrxTimeouts, contenders
+from ftsup.supervisor.bench.goodput.report import checks, not_run, table
 from ftsup.supervisor.bench.goodput.schedule import DEFAULT_MIX, KINDS, parse_mix, plan
+from ftsup.supervisor.faults.refjob import TrainerJob
 
 MIX = parse_mix(DEFAULT_MIX)
 
@@ -154,3 +158,72 @@ def test_a_run_that_never_logged_a_step_is_all_startup_and_has_goodput_zero() ->
 def test_a_hang_that_ended_the_run_is_detection_up_to_the_end() -> None:
     acc = account(Timeline(0.0, 100.0, tuple(steps(1, 5, 1.0, 1.0)), (Interruption(5.0, "hang"),)))
     assert (acc.badput_s["detection"], acc.badput_s["other"]) == (95.0, 0.0)
+
+
+# --------------------------------------------------------------------------- contenders and the report
+
+
+def lineup() -> list[Contender]:
+    return contenders(list(NAMES), max_restarts=7, evict_deadline_s=30, tuned=NvrxTimeouts(60, 3, 1))
+
+
+def job(tmp_path: Path) -> TrainerJob:
+    return TrainerJob(tmp_path, "r", 100)
+
+
+def test_every_launcher_gets_the_same_restart_budget(tmp_path: Path) -> None:
+    ftsup, torchrun, *nvrx = lineup()
+    flags = [[a for a in c.argv(job(tmp_path)) if a.startswith("--max-restarts")] for c in (torchrun, *nvrx)]
+    budget = ftsup.job(tmp_path, "r", 100, 20, 0.1).sections["restart"]["max_restarts"]
+    assert (flags, budget) == ([["--max-restarts=7"]] * 3, 7)
+
+
+def test_only_the_tuned_ft_launcher_row_sets_timeouts(tmp_path: Path) -> None:
+    *_, default, tuned = lineup()
+    timeouts = [[a for a in c.argv(job(tmp_path)) if a.startswith("--ft-")] for c in (default, tuned)]
+    assert timeouts == [[], ["--ft-initial-rank-heartbeat-timeout=60", "--ft-rank-heartbeat-timeout=3",
+                             "--ft-workload-check-interval=1"]]  # fmt: skip
+
+
+def test_every_contender_runs_the_same_trainer_flags(tmp_path: Path) -> None:
+    args = job(tmp_path).trainer_args()
+    _, torchrun, default, tuned = lineup()
+    assert all(c.argv(job(tmp_path))[-len(args) :] == args for c in (torchrun, default, tuned))
+
+
+def test_an_ft_launcher_row_without_nvidia_resiliency_ext_says_why_it_cannot_run() -> None:
+    reasons = [c.missing(lambda name: None) for c in lineup()]
+    assert (reasons[:2], all("nvidia-resiliency-ext is not installed" in str(r) for r in reasons[2:])) == (
+        [None, None], True,
+    )  # fmt: skip
+
+
+def test_an_unknown_contender_is_refused_naming_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="unknown contender.*ftsup, torchrun, nvrx-default, nvrx-tuned"):
+        contenders(["ftsup", "slurm"], max_restarts=1, evict_deadline_s=1, tuned=NvrxTimeouts())
+
+
+def goodputs(**by_name: float | None) -> list[dict[str, object]]:
+    return [{"name": n.replace("_", "-"), "goodput": g} for n, g in by_name.items()]
+
+
+def test_the_targets_pass_when_ftsup_leads_by_their_margins() -> None:
+    got = checks(goodputs(ftsup=0.9, torchrun=0.65, nvrx_default=0.5, nvrx_tuned=0.85))
+    assert [c["pass"] for c in got.values()] == [True, True, True, True]
+
+
+def test_a_target_fails_when_its_margin_is_not_met() -> None:
+    got = checks(goodputs(ftsup=0.84, torchrun=0.7, nvrx_default=0.84, nvrx_tuned=0.83))
+    assert [c["pass"] for c in got.values()] == [False, False, False, True]
+
+
+def test_a_target_whose_contender_did_not_run_is_not_measured() -> None:
+    got = checks(goodputs(ftsup=0.9, torchrun=0.6, nvrx_default=None, nvrx_tuned=None))
+    assert [c["pass"] for c in got.values()] == [True, True, None, None]
+
+
+def test_the_table_shows_a_row_not_run_with_its_reason() -> None:
+    out = {"results": [not_run("nvrx-tuned", "ft_launcher ...", "nvidia-resiliency-ext is not installed")],
+           "schedule": {"hang_cap_s": 120.0}, "checks": {}}  # fmt: skip
+    line = next(ln for ln in table(out).splitlines() if ln.startswith("nvrx-tuned "))
+    assert ("not run" in line, line.endswith("nvidia-resiliency-ext is not installed")) == (True, True)

@@ -308,7 +308,8 @@ def test_bench_help_lists_every_benchmark_without_loading_the_checkpoint_one(
     fake = FakeBench()
     monkeypatch.setitem(sys.modules, "ftsup.trainer.bench", fake)
     code, out, _ = run(capsys, "bench", "--help")
-    assert (code, listed(out), fake.parsers_built) == (0, ["recovery", "eviction", "checkpoint", "anomaly", "goodput"], 0)
+    benchmarks = ["recovery", "eviction", "checkpoint", "anomaly", "goodput"]
+    assert (code, listed(out), fake.parsers_built) == (0, benchmarks, 0)
 
 
 @pytest.mark.parametrize(("argv", "flag"), [(["demo"], "--steps"), (["bench", "recovery"], "--hang-repeats"),

@@ -75,6 +75,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="the fault schedule's seed, default 0")
     p.add_argument(
+        "--max-faults",
+        type=_positive_int,
+        default=None,
+        help="only the schedule's first N faults (default: every one due while the job runs)",
+    )
+    p.add_argument(
         "--contenders",
         default=",".join(contenders_module.NAMES),
         help=f"comma-separated, of {', '.join(contenders_module.NAMES)} (default: all)",
@@ -155,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
     root.mkdir(parents=True, exist_ok=True)
     nproc = 2
     faults = schedule.plan(args.seed, args.mean_interval_s, args.mix, nproc=nproc, horizon_s=args.timeout_s)
+    faults = faults[: args.max_faults] if args.max_faults else faults
     mix = ",".join(f"{k}={v:g}" for k, v in args.mix.items() if v > 0)
     opts = Options(hang_cap_s=args.hang_cap_s, evict_deadline_s=args.evict_deadline_s, timeout_s=args.timeout_s)
     out: dict[str, Any] = {
@@ -162,7 +169,9 @@ def run(args: argparse.Namespace) -> int:
         "schedule": {
             "seed": args.seed, "mean_interval_s": args.mean_interval_s, "mix": args.mix, "hang_cap_s": args.hang_cap_s,
             "evict_deadline_s": args.evict_deadline_s, "first": [vars_of(f) for f in faults[:20]],
-            "description": f"seed {args.seed}, one every {args.mean_interval_s:g} s on average, {mix}",
+            "max_faults": args.max_faults,
+            "description": f"seed {args.seed}, one every {args.mean_interval_s:g} s on average, {mix}"
+                           + (f", the first {args.max_faults} only" if args.max_faults else ""),
         },
         "job": {"steps": args.steps, "ckpt_every": args.ckpt_every, "min_step_s": args.min_step_s, "nproc": nproc},
         "environment": {"cpus": os.cpu_count(), "loadavg_start": _load(), "dir": str(root)},

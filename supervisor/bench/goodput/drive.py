@@ -4,8 +4,11 @@ follows each one seen from outside, and the run's `Timeline` for `account`.
 The loop polls every `POLL_S`: the launcher's exit, its rank processes (torchrun's children carrying RANK and
 LOCAL_RANK, found below the launcher: `faults.chaos.ranks_under`) and the loss log (`chaos.LossLogTail`, which
 timestamps each line as it appears). It delivers a fault when it is due and the job is training (every rank up,
-a step logged since the last launch, no earlier fault still being recovered from); one due while the job starts
-or recovers waits for that (its `deferred_s`). Then it watches for:
+`SETTLE_STEPS` steps logged since the last launch or relaunch, no earlier fault still being recovered from); one
+due while the job starts or recovers waits for that (its `deferred_s`), and any others due by then are folded
+into it (`coalesced`: a job that is down is brought down once, so that faults never pile up behind a slow
+recovery, and none lands in the instant a job resumes, which the schedule's independent arrivals almost never
+do). Then it watches for:
 
 - the reaction: a rank of the faulted attempt other than the target gone, or the launcher exited (for an
   eviction notice: the launcher exited; past `evict_deadline_s` the node is gone: its whole tree SIGKILLed);
@@ -40,6 +43,7 @@ from ftsup.supervisor.faults import chaos
 from ftsup.supervisor.faults.refjob import TrainerJob
 
 POLL_S = 0.05
+SETTLE_STEPS = 5  # steps a (re)launched job logs before a fault that came due meanwhile is delivered
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ class _Pending:
     recovered_t: float | None = None
     first_step: int | None = None
     capped: bool = False
+    coalesced: list[Fault] = field(default_factory=list)
 
     def interruption(self, load_s: float | None) -> Interruption:
         return Interruption(self.t, self.kind, self.reacted_t, self.relaunched_t,
@@ -80,8 +85,9 @@ class _Pending:
             "delivered_s": since(self.t, t0), "deferred_s": since(self.t, self.due_t) if self.due_t else None,
             "detect_s": since(self.reacted_t, self.t), "relaunch_s": since(self.relaunched_t, self.t),
             "recover_s": since(self.recovered_t, self.t), "capped": self.capped,
-            "lost_steps": None if self.first_step is None else self.max_step_before - (self.first_step - 1),
-            "survived": self.recovered_t is not None,
+            # steps logged before the fault and trained again (none when training went on past the notice)
+            "lost_steps": None if self.first_step is None else max(0, self.max_step_before - (self.first_step - 1)),
+            "survived": self.recovered_t is not None, "coalesced": [f.index for f in self.coalesced],
         }  # fmt: skip
 
 
@@ -129,6 +135,7 @@ class _Loop:
         self.known: frozenset[int] = frozenset()  # the ranks while no fault is in flight
         self.gone_since: float | None = None  # when one of `known` went without a fault of ours
         self.codes: list[int] = []
+        self.since = t0  # the latest launch or relaunch
 
     @property
     def proc(self) -> subprocess.Popen[bytes]:
@@ -173,6 +180,7 @@ class _Loop:
             first = next((ln for ln in lines if ln.t > (cur.relaunched_t or now)), None)
             if first is not None:
                 cur.recovered_t, cur.first_step = first.t, first.step
+                self.since = cur.relaunched_t or now
                 self.done.append(cur)
                 self.cur = None
                 self.known = frozenset()
@@ -199,11 +207,14 @@ class _Loop:
     def _deliver(self, now: float, ranks: dict[int, chaos.RankProcess], lines: Sequence[chaos.LossLine]) -> None:
         if not self.queue or now - self.t0 < self.queue[0].at_s or self.gone_since is not None:
             return
-        if len(ranks) != self.job.nproc or not lines:
+        if len(ranks) != self.job.nproc or sum(1 for ln in lines if ln.t > self.since) < SETTLE_STEPS:
             return  # due, but the job is not training (yet): it waits
         fault = self.queue.popleft()
+        merged = []  # also due by now: a job that is down is brought down once
+        while self.queue and now - self.t0 >= self.queue[0].at_s:
+            merged.append(self.queue.popleft())
         pending = _Pending(fault.kind, 0.0, fault=fault, due_t=self.t0 + fault.at_s, pids=frozenset(
-            r.pid for r in ranks.values()), max_step_before=self.tail.max_step())  # fmt: skip
+            r.pid for r in ranks.values()), max_step_before=self.tail.max_step(), coalesced=merged)  # fmt: skip
         if fault.kind == "evict":
             pending.t = time.time()
             self.proc.send_signal(signal.SIGTERM)
@@ -211,7 +222,7 @@ class _Loop:
             pending.target = ranks[sorted(ranks)[fault.rank % len(ranks)]]
             sent = _signal(pending.target, signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
             if sent is None:  # gone between the listing and the signal: try again at the next poll
-                self.queue.appendleft(fault)
+                self.queue.extendleft(reversed([fault, *merged]))
                 return
             pending.t = sent
         self.cur = pending

@@ -30,6 +30,7 @@ def row(name: str, command: str, run: Run, acc: Account, hang_cap_s: float) -> d
         "completed": run.completed, "steps_logged": run.steps_logged, "exit_codes": run.exit_codes,
         "launches": run.launches, "faults_delivered": len(run.faults),
         "faults_survived": sum(1 for f in run.faults if f["survived"]), "capped_hangs": capped,
+        "faults_coalesced": sum(len(f["coalesced"]) for f in run.faults),
         "ended_by": run.ended_by, "orphans": len(run.orphans), "orphan_processes": run.orphans,
         "faults": run.faults, "not_run": None,
     }  # fmt: skip
@@ -81,7 +82,7 @@ def table(out: Mapping[str, Any]) -> str:
         bad = r["badput_s"]
         ended = "-" if r["ended_by"] is None else _ended(r["ended_by"])
         lines.append([r["name"], _fmt(r["goodput"]), f"{r['productive_s']:.1f}", f"{r['wall_s']:.1f}",
-                      *(f"{bad[c]:.1f}" for c in CAUSES), f"{r['faults_survived']}/{r['faults_delivered']}",
+                      *(f"{bad[c]:.1f}" for c in CAUSES), _faults(r),
                       str(r["capped_hangs"]), ended])  # fmt: skip
     widths = [max(len(row[i]) for row in lines if len(row) > i) for i in range(len(head) - 1)]
     text = ["", *("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip() + "  " + row[-1]
@@ -91,6 +92,7 @@ def table(out: Mapping[str, Any]) -> str:
         text.append(f"{r['name']}: {r['command']}")
     sched = out.get("schedule", {})
     text.append(f"faults: {sched.get('description', '-')}")
+    text.append("faults: survived/delivered (+N: due while the job was already down, folded into the next)")
     text.append(f"hangs capped at {sched.get('hang_cap_s')} s (a gloo collective's timeout is "
                 f"{COLLECTIVE_TIMEOUT_S:g} s): badput columns in seconds")  # fmt: skip
     for r in out["results"]:
@@ -102,6 +104,12 @@ def table(out: Mapping[str, Any]) -> str:
         verdict = {True: "PASS", False: "FAIL", None: "not measured"}[c.get("pass")]
         text.append(f"  {name}: {verdict} {json.dumps({k: v for k, v in c.items() if k != 'pass'})}")
     return "\n".join(text)
+
+
+def _faults(r: Mapping[str, Any]) -> str:
+    """Survived/delivered, and +N for the faults due while the job was already down (folded into the next)."""
+    merged = r.get("faults_coalesced") or 0
+    return f"{r['faults_survived']}/{r['faults_delivered']}" + (f"+{merged}" if merged else "")
 
 
 def _ended(ended: Mapping[str, Any]) -> str:
