@@ -41,7 +41,7 @@ from ftsup.supervisor.bench.goodput.drive import Options, drive
 from ftsup.supervisor.errors import UsageError
 from ftsup.supervisor.faults.refjob import new_run_id
 
-DEFAULT_STEPS = 2400
+DEFAULT_STEPS = 4800  # about 10 minutes of training here: some ten faults per contender at the default interval
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ftsup import extras
 from ftsup.supervisor.faults.refjob import TrainerJob, child_env, start_guarded
 
 NVRX_PACKAGE = "nvidia_resiliency_ext"
@@ -79,8 +80,9 @@ class Contender:
     def missing(self, find_spec: Callable[[str], object | None] = importlib.util.find_spec) -> str | None:
         """Why this contender cannot run here (`find_spec`: where Python finds a package), or None."""
         if self.name.startswith("nvrx") and find_spec(NVRX_PACKAGE) is None:
-            return (f"nvidia-resiliency-ext is not installed (its `{NVRX_PACKAGE}` cannot be imported): "
-                    "pip install 'ftsup[bench]'")  # fmt: skip
+            return "nvidia-resiliency-ext is not installed: " + extras.needs(
+                ModuleNotFoundError(name=NVRX_PACKAGE), "ft_launcher"
+            )
         return None
 
     def prepare(self, job: TrainerJob) -> None:
