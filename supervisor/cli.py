@@ -13,6 +13,7 @@ Subcommands (DESIGN.md, Contracts: their names, flags and JSON shapes change onl
     ftsup bench recovery ...                           `ftsup.supervisor.bench.recovery` (torch-free)
     ftsup bench eviction ...                           `ftsup.supervisor.bench.eviction` (torch-free)
     ftsup bench anomaly ...                            `ftsup.supervisor.bench.anomaly` (torch-free)
+    ftsup bench goodput ...                            `ftsup.supervisor.bench.goodput` (torch-free)
     ftsup demo [--dir DIR] [--steps N] [--json FILE]   `ftsup.supervisor.faults.demo`: faults injected, bitwise check
     ftsup chaos --faults N --seed S [--json FILE] ...  `ftsup.supervisor.faults.chaosrun`: every fault kind, invariants
 
@@ -308,6 +309,8 @@ def _build_bench(bench: argparse.ArgumentParser, rest: Sequence[str]) -> None:
         Command("checkpoint", "checkpoint save/load throughput", _build_bench_checkpoint),
         Command("anomaly", "nan/spike faults: detection delay, rollback vs crash recovery, false positives",
                 _build_bench_anomaly),
+        Command("goodput", "productive time / wall time under seeded faults: ftsup vs torchrun vs ft_launcher",
+                _build_bench_goodput),
     ]  # fmt: skip
     _add_commands(bench, benchmarks, rest, dest="bench_command", metavar="BENCHMARK")
 
@@ -332,6 +335,13 @@ def _build_bench_anomaly(p: argparse.ArgumentParser, rest: Sequence[str]) -> Non
 
     anomaly.add_arguments(p)
     p.set_defaults(handler=anomaly.run)
+
+
+def _build_bench_goodput(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
+    from ftsup.supervisor.bench import goodput
+
+    goodput.add_arguments(p)
+    p.set_defaults(handler=goodput.run)
 
 
 def _build_bench_checkpoint(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
