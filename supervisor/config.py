@@ -124,7 +124,8 @@ class RestartConfig:
     window_s: float = 3600.0
     """The sliding window over which `max_restarts` is counted."""
     backoff_initial_s: float = 1.0
-    """Wait before the first restart; doubles after each failed attempt."""
+    """Wait before a restart after an attempt that reached no new step; doubles after each further one. A
+    failure after progress restarts at once."""
     backoff_max_s: float = 60.0
     """Ceiling of the backoff (at least `backoff_initial_s`)."""
     max_attempts_without_progress: int = 3

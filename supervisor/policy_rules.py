@@ -81,9 +81,12 @@ def choose_world_size(s: Settings, healthy_slots: int, batch_divisor: int | None
 
 
 def backoff_s(s: Settings, failures_in_a_row: int) -> float:
-    if failures_in_a_row <= 0:
+    """The wait before a restart. A failure after progress (the first in a row) restarts at once, as torchrun
+    restarts its workers: a job failing once an hour loses no time to waiting. Failures in a row (attempts
+    that reached no new step) wait `backoff_initial_s`, doubling each time up to `backoff_max_s`."""
+    if failures_in_a_row <= 1:
         return 0.0
-    return min(s.backoff_max_s, s.backoff_initial_s * 2 ** (failures_in_a_row - 1))
+    return min(s.backoff_max_s, s.backoff_initial_s * 2 ** (failures_in_a_row - 2))
 
 
 def save_estimate_s(s: Settings, save_times: Sequence[float], state_bytes: int | None) -> float | None:

@@ -99,7 +99,7 @@ def test_the_kill_shows_as_startup_detection_backoff_and_wasted_progress(killed_
     _, _, status = killed_run
     lost = status["badput_s"]
     assert lost["startup"] > 0 and lost["detection"] > 0 and lost["checkpoint_save"] > 0
-    assert lost["backoff"] == pytest.approx(0.2, abs=0.15)  # restart.backoff_initial_s in write_job
+    assert lost["backoff"] == pytest.approx(0.0, abs=0.15)  # a failure after progress restarts at once
     # Steps 5, 6 and 7 trained again, --min-step-s each at least, as beats read once a tick (0.1 s) time them.
     assert lost["wasted_progress"] >= 3 * 0.3 - 2 * 0.1
     assert lost["eviction"] == 0

@@ -201,11 +201,15 @@ def test_a_beat_of_an_earlier_attempt_read_late_is_no_sign_of_life_of_the_runnin
 def test_the_wait_before_a_restart_is_backoff():
     d = started()
     d.train(range(2, 6))
-    d.feed(P.WorkersExited(1, 1), at=d.now + 0.3)
+    d.feed(P.WorkersExited(1, 1), at=d.now + 0.3)  # after progress: restarted at once
+    d.tick_until(d.now + 10)
+    assert (d.st.phase, d.seconds("backoff")) == ("preparing", pytest.approx(0.0, abs=0.11))
+    d.launch(resume=5)
+    d.feed(P.WorkersExited(2, 1), at=d.now + 0.3)  # no new step: the second failure in a row waits
     failed = d.now
     d.tick_until(failed + 10)
     assert d.st.phase == "preparing"
-    assert d.seconds("backoff") == pytest.approx(4.0, abs=0.11)  # backoff_initial_s, to the tick that ended it
+    assert d.seconds("backoff") == pytest.approx(4.0, abs=0.21)  # backoff_initial_s, to the ticks that ended them
 
 
 def test_stopping_a_failed_attempt_is_other():

@@ -157,20 +157,31 @@ def test_heartbeats_without_step_progress_time_out():
     assert "progress_timed_out" in d.events()
 
 
-def test_a_failure_restarts_after_exponential_backoff_from_the_latest_checkpoint():
+def test_a_failure_after_progress_restarts_at_once_from_the_latest_checkpoint():
     d = Driver()
     d.launch()
     d.train(range(1, 5))
     d.feed(P.WorkersExited(1, 1))
-    assert (d.st.phase, d.st.resume_at - d.now) == ("backoff", 1.0)
-    assert d.feed(P.Tick(), at=d.now + 0.5) == []
-    d.now = d.st.resume_at
+    assert (d.st.phase, d.st.resume_at - d.now) == ("backoff", 0.0)
     launch = d.launch(resume=4)
     assert (launch.attempt, launch.resume_step, launch.nproc) == (2, 4, 2)
 
 
-def test_backoff_doubles_up_to_the_maximum():
-    assert [P.backoff_s(S, n) for n in range(1, 7)] == [1, 2, 4, 8, 8, 8]
+def test_a_failure_without_progress_restarts_after_exponential_backoff():
+    d = Driver()
+    d.launch()
+    d.train(range(1, 5))
+    d.feed(P.WorkersExited(1, 1))
+    d.launch(resume=4)
+    d.feed(P.WorkersExited(2, 1))  # no new step: the second failure in a row
+    assert (d.st.phase, d.st.resume_at - d.now) == ("backoff", 1.0)
+    assert d.feed(P.Tick(), at=d.now + 0.5) == []
+    d.now = d.st.resume_at
+    assert d.launch(resume=4).attempt == 3
+
+
+def test_backoff_doubles_up_to_the_maximum_from_the_second_failure_in_a_row():
+    assert [P.backoff_s(S, n) for n in range(1, 8)] == [0, 1, 2, 4, 8, 8, 8]
 
 
 def test_attempts_that_beat_but_never_pass_their_resume_step_trip_the_crash_loop_breaker():
