@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import psutil
 
 from ftsup import procs
+from ftsup.supervisor import journal, statedir
 from ftsup.supervisor.errors import SupervisorError
 
 T = TypeVar("T")
@@ -79,12 +80,20 @@ alive = procs.alive
 
 
 def read_journal(state_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The supervisor's journal record, or None when there is none yet (it is replaced atomically)."""
+    """The supervisor's journal record, or None when there is none yet (it is replaced atomically), or it is not
+    a regular file of at most the journal's size limit, not through a link (`statedir.read_private`)."""
     try:
-        raw = json.loads((Path(state_dir) / "journal.json").read_text())
-    except (FileNotFoundError, ValueError):
+        data = statedir.read_private(Path(state_dir) / "journal.json", journal.MAX_BYTES)
+        raw = None if data is None else json.loads(data)
+    except (OSError, ValueError):
         return None
     return raw if isinstance(raw, dict) else None
+
+
+def journal_attempt(state_dir: str | os.PathLike[str]) -> int:
+    """The number of the supervisor's last attempt, as journaled (0 before the first)."""
+    n = (read_journal(state_dir) or {}).get("attempt")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
 
 
 def tree(pids: Iterable[int]) -> list[psutil.Process]:

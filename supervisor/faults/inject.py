@@ -236,7 +236,7 @@ def _disk_full(t: Target, f: Planned, rec: dict[str, Any]) -> dict[str, Any]:
         raise chaos.ChaosError("disk-full needs the store on a tmpfs of its own")
     k = t.job.ckpt_every
     chaos.poll_until(lambda: t.tail.max_step() % k == k - 2, t.timeout_s, "two steps before a periodic save")
-    attempt = _attempt(t.job)
+    attempt = chaos.journal_attempt(t.job.state_dir)
     failed_before = _save_failures(t.job, attempt)
     t_fault, start = time.time(), t.tail.max_step()
     took = t.disk.fill()
@@ -300,7 +300,7 @@ def _resumed_from(t: Target, first_step: int) -> dict[str, Any]:
             consistent = layout.find_checkpoint(t.job.ckpt_dir, loaded, deep=True).consistent
         except CheckpointError:
             consistent = False
-    attempt = _attempt(t.job)
+    attempt = chaos.journal_attempt(t.job.state_dir)
     return {"loaded_step": loaded, "loaded_consistent": consistent, "attempt_after": attempt,
             "stale_processes": stale_processes(t.job.run_id, {None: attempt})}  # fmt: skip
 
@@ -326,11 +326,6 @@ def _newest(job: TrainerJob, exclude: int | None = None) -> int | None:
         if info.consistent and info.step != exclude:
             return info.step
     return None
-
-
-def _attempt(job: TrainerJob) -> int:
-    rec = chaos.read_journal(job.state_dir) or {}
-    return int(rec.get("attempt") or 0)
 
 
 def _save_failures(job: TrainerJob, attempt: int) -> int:

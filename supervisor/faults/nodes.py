@@ -136,7 +136,7 @@ def _lose_node(
     procs[lost] = job.start(lost, f"back-{int(t_back)}")
     rejoined = _wait_line(tail, lambda ln: ln.t > t_back and ln.record.get("world_size") == 2, procs, timeout_s,
                           f"{lost} rejoining")  # fmt: skip
-    stale = stale_processes(job.base.run_id, {n: _attempt(job, n) for n in NODES})
+    stale = stale_processes(job.base.run_id, {n: chaos.journal_attempt(job.state_dir(n)) for n in NODES})
     return {"t_fault": t_fault, "max_step_before": trained, "orphans": orphans, "first_step": alone.step,
             "recover_s": round(alone.t - t_fault, 3), "lost_steps": trained - (alone.step - 1),
             "world_size_after": 1, "rejoin_s": round(rejoined.t - t_back, 3), "rejoined_at_step": rejoined.step,
@@ -167,11 +167,6 @@ def _timeline(job: NodeJob, t_fault: float) -> dict[str, Any]:
 def _newest(job: NodeJob) -> int | None:
     info = layout.latest_consistent(job.base.ckpt_dir)
     return info.step if info else None
-
-
-def _attempt(job: NodeJob, node: str) -> int:
-    rec = chaos.read_journal(job.state_dir(node)) or {}
-    return int(rec.get("attempt") or 0)
 
 
 def _wait_step(

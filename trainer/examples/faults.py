@@ -24,7 +24,6 @@ until they are skipped.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -34,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ftsup.store import safefile
+from ftsup.store.errors import CheckpointError
 from ftsup.trainer.rng import derive_seed
 
 PROCESS_FAULTS = ("kill", "kill-in-save", "exit", "stop")
@@ -175,13 +176,10 @@ class Trigger:
 
 
 def _read_small_json(path: str) -> dict[str, object] | None:
+    """The file's JSON object as the store reads its files (`safefile`: no link, regular, capped, depth-checked),
+    or None for anything else."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        try:
-            raw = os.read(fd, TRIGGER_MAX_BYTES + 1)
-        finally:
-            os.close(fd)
-        doc = json.loads(raw) if len(raw) <= TRIGGER_MAX_BYTES else None
-    except (OSError, ValueError):
+        doc = safefile.read_json(path, "--fault-file", TRIGGER_MAX_BYTES)
+    except CheckpointError:
         return None
     return doc if isinstance(doc, dict) else None
