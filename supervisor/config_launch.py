@@ -48,6 +48,9 @@ class LaunchConfig:
     micro_batch: int | None = None
     """Samples per rank per forward pass; when set with `global_batch`, world_size x micro_batch must divide
     global_batch."""
+    warm_agent: bool = True
+    """Keep a spare torchrun agent parked, its imports done, once an attempt trains, and start the next attempt in it
+    (a relaunch without the second or more of torchrun's imports; one idle interpreter's memory meanwhile)."""
 
     @property
     def min_nodes(self) -> int:
@@ -84,6 +87,7 @@ def parse_launch(sec: Section, *, run_id: str, hostname: str | None) -> LaunchCo
         torchrun_args=sec.optional("torchrun_args", config_values.torchrun_args),
         global_batch=sec.nullable("global_batch", config_values.integer(1, 2**40)),
         micro_batch=sec.nullable("micro_batch", config_values.integer(1, 2**40)),
+        warm_agent=sec.optional("warm_agent", config_values.boolean),
     )
 
     if max_world is not None and min_world > max_world:

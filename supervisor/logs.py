@@ -35,7 +35,8 @@ EVENTS = frozenset(
         "supervisor_crashed", "first_step_reached", "checkpoint_found",
         "anomaly_detected", "anomaly_escalated", "rollback_started", "rollback_requested", "rollback_refused",
         "rollback_request_ignored", "data_skipped", "checkpoint_abandoned", "straggler_detected", "straggler_recovered",
-        "throughput_drift_detected", "throughput_drift_recovered",
+        "throughput_drift_detected", "throughput_drift_recovered", "spare_agent_parked", "spare_agent_used",
+        "spare_agent_failed",
     }
 )  # fmt: skip
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 from ftsup import procs, protocol
-from ftsup.supervisor import launcher, policy, ranklogs, rankstatus, statedir
+from ftsup.supervisor import launcher, policy, ranklogs, rankstatus, statedir, warmagent
 from ftsup.supervisor.config import JobConfig
 from ftsup.supervisor.errors import error_line
 from ftsup.supervisor.heartbeat import Admission, Beat
@@ -35,6 +35,7 @@ from ftsup.supervisor.outages import Outages
 
 _GONE = frozenset({-1})  # torchrun's ranks were seen and are gone
 DEAD_RANK_GRACE_S = 2.0  # torchrun reports a rank's death within ~0.3 s of it, once it has stopped the others
+PARK_AFTER_S = 60.0  # with no training step heard (heartbeats off), a spare is parked this long after a launch
 
 
 class Workers:
@@ -54,6 +55,8 @@ class Workers:
         self._journal = journal
         self._figures = figures
         self.attempt: launcher.RunningAttempt | None = None
+        self._spare: warmagent.Spare | None = None  # parked for the next attempt (`launch.warm_agent`)
+        self._launched: tuple[float, str, dict[str, str]] | None = None  # the last launch: when, interpreter, env
         self._admission = Admission()  # only processes of the running attempt may beat
         self._runtime_dir: Path | None = None
         self._ranks_seen: frozenset[int] = frozenset()
@@ -71,6 +74,7 @@ class Workers:
         finally:
             if self.attempt is not None:  # an exception must not leave an attempt running
                 self.attempt.stop(self.cfg.restart.stop_grace_s)
+            self._drop_spare()
 
     # ------------------------------------------------------------------ what the loop reads each tick
 
@@ -106,6 +110,7 @@ class Workers:
         rc = att.poll()
         if rc is not None:
             return [self._reap(att, rc)]
+        self._park_spare(att)
         return [*self._dead_ranks(att), *self._worker_group(att)]
 
     def _reap(self, att: launcher.RunningAttempt, rc: int) -> policy.Event:
@@ -171,14 +176,47 @@ class Workers:
         with contextlib.suppress(FileNotFoundError):  # a new attempt starts with no request pending
             self._control_path().unlink()
         log_path = self.log_dir / f"attempt-{action.attempt:04d}.log"
-        # SIGTERM and SIGINT stay default: they are how a tree is stopped.
-        ignore = tuple(getattr(signal, n) for n in self.cfg.eviction.signals if n not in ("SIGTERM", "SIGINT"))
         mark = procs.Mark(self.cfg.job.run_id, self.cfg.launch.node_id, action.attempt)
         argv = launcher.torchrun_argv(launcher.spec_from(self.cfg, action.nproc, ranklogs.ranks_dir(log_path)))
-        self.attempt = launcher.start(action.attempt, argv, env=env, cwd=self.cfg.job.workdir,
-                                      log_path=log_path, mark=mark, ignore_signals=ignore)  # fmt: skip
+        spare, self._spare = self._spare, None
+        warm = spare.go(action.attempt, argv, env=env, cwd=self.cfg.job.workdir, log_path=log_path,
+                        mark=mark) if spare is not None else None  # fmt: skip
+        self.attempt = warm or launcher.start(action.attempt, argv, env=env, cwd=self.cfg.job.workdir,
+                                              log_path=log_path, mark=mark, ignore_signals=self._ignored())  # fmt: skip
+        self._launched = (self._clock(), argv[0], env)
         self._journal("running")
+        if warm is not None:
+            self._emit("info", "spare_agent_used", attempt=action.attempt, pid=warm.pid)
         self._post(policy.WorkersStarted(action.attempt, (self.attempt.pid,), log=str(log_path)))
+
+    def _park_spare(self, att: launcher.RunningAttempt) -> None:
+        """With `launch.warm_agent`, park a spare for the next attempt once this one trains (its ranks' imports
+        done: the spare's do not slow them), or `PARK_AFTER_S` after its launch. One that cannot be started is
+        logged; the next attempt then starts cold."""
+        if not self.cfg.launch.warm_agent or self._launched is None or self._spare is not None:
+            return
+        launched_at, python, env = self._launched
+        if protocol.Phase.TRAIN not in self._rank_phase.values() and self._clock() - launched_at < PARK_AFTER_S:
+            return
+        self._launched = None  # one try per attempt
+        mark = procs.Mark(self.cfg.job.run_id, self.cfg.launch.node_id, att.number + 1)
+        try:
+            self._spare = warmagent.park(att.number + 1, python, env=env, cwd=self.cfg.job.workdir, mark=mark,
+                                         ignore_signals=self._ignored())  # fmt: skip
+        except OSError as e:
+            self._emit("warning", "spare_agent_failed", attempt=att.number + 1, reason=error_line(e))
+            return
+        self._emit("info", "spare_agent_parked", attempt=att.number + 1, pid=self._spare.proc.pid)
+
+    def _ignored(self) -> tuple[int, ...]:
+        """The notice signals the job's processes ignore (the supervisor's); SIGTERM and SIGINT stay default: they
+        are how a tree is stopped."""
+        return tuple(getattr(signal, n) for n in self.cfg.eviction.signals if n not in ("SIGTERM", "SIGINT"))
+
+    def _drop_spare(self) -> None:
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.discard()
 
     def stop(self, action: policy.StopWorkers) -> None:
         att = self.attempt

@@ -69,12 +69,26 @@ def hexes(lines: dict[int, dict]) -> dict[int, str]:
     return {s: j["loss_hex"] for s, j in lines.items()}
 
 
-def test_sigkilled_rank_is_restarted_and_the_run_is_bitwise_uninterrupted(reference, tmp_path):
-    r = ftsup("run", "--config", str(write_job(tmp_path, "--fault", "kill@7", "--fault-rank", "1")))
+@pytest.mark.parametrize("warm", [True, False], ids=["warm-agent", "cold-agent"])
+def test_sigkilled_rank_is_restarted_and_the_run_is_bitwise_uninterrupted(reference, tmp_path, warm):
+    job = write_job(tmp_path, "--fault", "kill@7", "--fault-rank", "1", launch={"warm_agent": warm})
+    r = ftsup("run", "--config", str(job))
     assert r.returncode == 0, r.output[-4000:]
     assert hexes(last_lines(tmp_path / "loss.jsonl")) == hexes(reference)
-    evs = [e["event"] for e in events(tmp_path)]
-    assert evs.count("workers_launched") == 2 and "job_succeeded" in evs
+    evs = events(tmp_path)
+    names = [e["event"] for e in evs]
+    assert names.count("workers_launched") == 2 and "job_succeeded" in names
+    parked = {e["attempt"]: e["pid"] for e in evs if e["event"] == "spare_agent_parked"}
+    used = {e["attempt"]: e["pid"] for e in evs if e["event"] == "spare_agent_used"}
+    if warm:  # the relaunch ran in the spare parked while attempt 1 trained; attempt 2's own spare went unused
+        assert 2 in parked and used == {2: parked[2]}, (parked, used)
+        started = [e for e in evs if e["event"] == "workers_launched"]
+        assert started[1]["attempt"] == 2
+    else:
+        assert parked == used == {}
+    # Nothing left: no rank, agent or spare (a spare's command line names no path of the job; its environment does).
+    assert not [p for p in psutil.process_iter(["environ"], ad_value=None)
+                if any(str(tmp_path) in v for v in (p.info["environ"] or {}).values())]  # fmt: skip
 
 
 def test_sigstopped_rank_is_detected_as_a_hang_and_the_run_completes(reference, tmp_path):

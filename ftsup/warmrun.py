@@ -1,0 +1,113 @@
+"""A parked launcher: an interpreter that has imported torchrun already and waits to be told what to run.
+
+Started as `python warmrun.py torch.distributed.run` (behind the parent-death guard, in a session of its own,
+standard input a Unix socket to the supervisor that started it): it imports the module named (the imports are
+what takes a second or more before `python -m torch.distributed.run` does anything), then waits for one message
+on standard input: an 8-byte big-endian length with an open file (SCM_RIGHTS), then that many bytes of JSON
+`{"argv": [...], "env": {...}, "cwd": "..."}`. On it, the file becomes standard output and error, standard input
+`/dev/null`, the environment is replaced by `env` (which names this process as the parent the ranks' guards check
+for), the working directory is `cwd`, and the module runs as
+`__main__` with `argv`, exactly as `python -m MODULE ARGV...` would run it. End of file before a message (the
+supervisor let it go) exits 0; a message it cannot read exits 2, and the supervisor starts the attempt cold.
+
+Stdlib only, importing nothing of ftsup before the message (the job's interpreter runs it by path: it may not have
+ftsup installed). The supervisor side is `ftsup.supervisor.warmagent`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import socket
+import struct
+import sys
+
+HEADER = struct.Struct(">Q")
+MAX_MESSAGE = 16 << 20  # an environment of many megabytes is not an environment
+_EXIT_BAD_MESSAGE = 2
+_EXIT_NO_CWD = 127  # what the guard returns for a command it cannot run
+
+
+def _read_message(sock: socket.socket) -> tuple[dict[str, object], int] | None:
+    """The message and its file descriptor; None at end of file before any of it."""
+    head, fds, _flags, _addr = socket.recv_fds(sock, HEADER.size, 1)
+    if not head and not fds:
+        return None
+    if len(fds) != 1:
+        raise ValueError(f"expected one file with the message, got {len(fds)}")
+    while len(head) < HEADER.size:
+        more = sock.recv(HEADER.size - len(head))
+        if not more:
+            raise ValueError("the message ended inside its header")
+        head += more
+    (length,) = HEADER.unpack(head)
+    if length > MAX_MESSAGE:
+        raise ValueError(f"a message of {length} bytes is above the cap of {MAX_MESSAGE}")
+    body = bytearray()
+    while len(body) < length:
+        chunk = sock.recv(min(1 << 16, length - len(body)))
+        if not chunk:
+            raise ValueError(f"the message ended after {len(body)} of {length} bytes")
+        body += chunk
+    msg = json.loads(body)
+    if not isinstance(msg, dict):
+        raise ValueError("the message is not a JSON object")
+    return msg, fds[0]
+
+
+def _checked(msg: dict[str, object]) -> tuple[list[str], dict[str, str], str]:
+    argv, env, cwd = msg.get("argv"), msg.get("env"), msg.get("cwd")
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        raise ValueError("argv must be a list of strings")
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise ValueError("env must map strings to strings")
+    if not isinstance(cwd, str):
+        raise ValueError("cwd must be a string")
+    return argv, env, cwd
+
+
+def main(args: list[str]) -> int:
+    if len(args) != 1:
+        print("warmrun: usage: warmrun.py MODULE (the message comes on standard input)", file=sys.stderr)
+        return _EXIT_BAD_MESSAGE
+    module = args[0]
+    __import__(module)  # the slow part, done before anyone waits for it
+    # Run afresh as __main__ below (runpy would warn that the module is imported already); its imports stay cached.
+    sys.modules.pop(module, None)
+    sock = socket.socket(fileno=os.dup(0))
+    try:
+        got = _read_message(sock)
+        if got is None:
+            return 0
+        msg, out_fd = got
+        argv, env, cwd = _checked(msg)
+    except (OSError, ValueError) as e:
+        print(f"warmrun: cannot read the launch message: {e}", file=sys.stderr)
+        return _EXIT_BAD_MESSAGE
+    finally:
+        sock.close()
+    os.environ.clear()
+    os.environ.update(env)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(out_fd, 1)
+    os.dup2(out_fd, 2)
+    os.close(out_fd)
+    try:
+        os.chdir(cwd)
+    except OSError as e:
+        print(f"warmrun: cannot enter the working directory {cwd!r}: {e.strerror or e}", file=sys.stderr)
+        return _EXIT_NO_CWD
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
+        del sys.path[0]  # run by path: ftsup's own directory must not shadow anything the module imports
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,139 @@
+"""The spare torchrun agent (`supervisor.warmagent`, `ftsup.warmrun`) on its own: real interpreters, real torchrun.
+
+A spare parked for attempt N runs attempt N's torchrun with the environment, working directory and log file it is
+handed, as the pid it was parked as; anything it cannot be used for stops it and leaves the caller to start cold;
+it dies with the process that parked it, and exits at once when let go.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ftsup import procs, warmrun
+from ftsup.supervisor import launcher, warmagent
+from tests.procs import REPO, kill_tree, wait_for
+
+pytestmark = pytest.mark.multiprocess
+
+PRINT_ENV = ("import os, sys; print('rank', os.environ['RANK'], os.environ['FTSUP_WARM_PROBE'], os.getcwd(), "
+             "os.environ['FTSUP_ATTEMPT'], flush=True)")  # fmt: skip
+
+
+def mark(n: int) -> procs.Mark:
+    return procs.Mark("warm-test", "node0", n)
+
+
+def argv_for(tmp: Path, n: int) -> list[str]:
+    spec = launcher.LaunchSpec(command=(sys.executable, "-c", PRINT_ENV), nproc=2, log_dir=str(tmp / f"ranks-{n}"))
+    return launcher.torchrun_argv(spec)
+
+
+def park(tmp: Path, n: int) -> warmagent.Spare:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return warmagent.park(n, sys.executable, env=env, cwd=REPO, mark=mark(n))
+
+
+def test_a_spare_runs_the_attempt_it_was_parked_for_with_the_environment_cwd_and_log_it_is_given(tmp_path):
+    spare = park(tmp_path, 3)
+    try:
+        env = {**os.environ, "FTSUP_WARM_PROBE": "handed-over", "PYTHONUNBUFFERED": "1"}
+        log = tmp_path / "attempt-0003.log"
+        att = spare.go(3, argv_for(tmp_path, 3), env=env, cwd=tmp_path, log_path=log, mark=mark(3))
+        assert att is not None and att.pid == spare.proc.pid and att.started_at == spare.started_at
+        assert att.proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+        text = log.read_text()
+        for rank in (0, 1):  # each rank's line, behind torchrun's prefix, in the attempt's log
+            assert f"]:rank {rank} handed-over {tmp_path} 3" in text, text[-3000:]
+    finally:
+        spare.discard()
+
+
+def test_a_spare_parked_for_another_attempt_or_interpreter_is_stopped_and_not_used(tmp_path):
+    spare = park(tmp_path, 2)
+    argv = argv_for(tmp_path, 5)
+    assert spare.go(5, argv, env=dict(os.environ), cwd=tmp_path, log_path=tmp_path / "a.log", mark=mark(5)) is None
+    assert spare.proc.returncode is not None  # stopped and reaped
+    other = park(tmp_path, 5)
+    argv[0] = "/usr/bin/python3-other"
+    assert other.go(5, argv, env=dict(os.environ), cwd=tmp_path, log_path=tmp_path / "b.log", mark=mark(5)) is None
+    assert other.proc.returncode is not None and not (tmp_path / "b.log").exists()
+
+
+def test_a_dead_spare_is_not_used_and_its_attempt_starts_cold(tmp_path):
+    spare = park(tmp_path, 1)
+    spare.proc.send_signal(signal.SIGKILL)
+    spare.proc.wait(timeout=10)
+    assert spare.go(1, argv_for(tmp_path, 1), env=dict(os.environ), cwd=tmp_path, log_path=tmp_path / "c.log",
+                    mark=mark(1)) is None  # fmt: skip
+
+
+def test_a_log_file_that_cannot_be_opened_fails_the_launch_as_a_cold_start_would(tmp_path):
+    spare = park(tmp_path, 1)
+    (tmp_path / "target").write_text("")
+    (tmp_path / "d.log").symlink_to(tmp_path / "target")  # never written through a link
+    with pytest.raises(OSError):
+        spare.go(1, argv_for(tmp_path, 1), env=dict(os.environ), cwd=tmp_path, log_path=tmp_path / "d.log",
+                 mark=mark(1))  # fmt: skip
+    assert spare.proc.returncode is not None and (tmp_path / "target").read_text() == ""
+
+
+def test_a_spare_let_go_exits_0_and_one_sent_a_bad_message_exits_2(tmp_path):
+    spare = park(tmp_path, 1)
+    spare.sock.close()  # end of file before a message: let go
+    assert spare.proc.wait(timeout=60) == 0
+    bad = park(tmp_path, 1)
+    with open(os.devnull, "wb") as out:
+        socket.send_fds(bad.sock, [warmrun.HEADER.pack(warmrun.MAX_MESSAGE + 1)], [out.fileno()])
+    assert bad.proc.wait(timeout=60) == 2
+    bad.discard()
+
+
+def test_the_message_must_be_an_object_of_argv_env_and_cwd(tmp_path):
+    for msg in ({}, {"argv": "x", "env": {}, "cwd": "/"}, {"argv": [], "env": {"A": 1}, "cwd": "/"},
+                {"argv": [], "env": {}, "cwd": 3}):  # fmt: skip
+        with pytest.raises(ValueError):
+            warmrun._checked(msg)
+    assert warmrun._checked({"argv": ["--standalone"], "env": {"A": "b"}, "cwd": "/"}) == (["--standalone"],
+                                                                                          {"A": "b"}, "/")  # fmt: skip
+
+
+def test_a_spare_dies_with_the_process_that_parked_it(tmp_path):
+    code = (
+        "import os, sys, time; from ftsup import procs; from ftsup.supervisor import warmagent;"
+        f"s = warmagent.park(1, sys.executable, env=dict(os.environ), cwd={str(REPO)!r},"
+        " mark=procs.Mark('w', 'n', 1)); print(s.proc.pid, flush=True); time.sleep(600)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        pid = int(parent.stdout.readline())
+        spare = psutil.Process(pid)
+        assert spare.ppid() == parent.pid and "torch.distributed.run" in spare.cmdline()
+        parent.kill()
+        parent.wait(timeout=10)
+        wait_for(lambda: not procs.alive(spare), 30, "the spare outlived the process that parked it")
+    finally:
+        kill_tree(parent.pid)
+        parent.wait(timeout=10)
+
+
+def test_the_message_is_json_of_the_documented_shape(tmp_path):
+    body = json.dumps({"argv": ["--standalone"], "env": {"A": "b"}, "cwd": str(tmp_path)}).encode()
+    a, b = socket.socketpair()
+    with a, b, open(os.devnull, "wb") as out:
+        socket.send_fds(a, [warmrun.HEADER.pack(len(body))], [out.fileno()])
+        a.sendall(body)
+        got = warmrun._read_message(b)
+        assert got is not None
+        msg, fd = got
+        os.close(fd)
+    assert warmrun._checked(msg) == (["--standalone"], {"A": "b"}, str(tmp_path))
