@@ -183,7 +183,8 @@ class Workers:
                         mark=mark) if spare is not None else None  # fmt: skip
         self.attempt = warm or launcher.start(action.attempt, argv, env=env, cwd=self.cfg.job.workdir,
                                               log_path=log_path, mark=mark, ignore_signals=self._ignored())  # fmt: skip
-        self._launched = (self._clock(), argv[0], env)
+        # The spare's environment at exec (what /proc shows of it) has no attempt's resume step or skips in it.
+        self._launched = (self._clock(), argv[0], launcher.rank_env(self.cfg, self._runtime(), None, os.environ))
         self._journal("running")
         if warm is not None:
             self._emit("info", "spare_agent_used", attempt=action.attempt, pid=warm.pid)

@@ -35,16 +35,16 @@ def loss_steps(tmp: Path) -> list[int]:
 
 
 def ftsup_env(tmp: Path, attempt: int) -> dict[str, str] | None:
-    """The FTSUP_* variables of a running process of `attempt` (torchrun or a rank), or None while there is none."""
+    """The FTSUP_* variables of a running rank of `attempt`, or None while there is none."""
     rec = journal(tmp)
     if rec.get("attempt") != attempt:
         return None
     for pid in rec.get("pids", []):
-        try:
+        try:  # a rank's (torchrun's own environment may be a spare agent's, fixed when it was parked)
             env = psutil.Process(pid).environ()
         except psutil.Error:
             continue
-        if env.get("FTSUP_ATTEMPT") == str(attempt):
+        if env.get("FTSUP_ATTEMPT") == str(attempt) and "LOCAL_RANK" in env:
             return {k: v for k, v in env.items() if k.startswith("FTSUP_")}
     return None
 

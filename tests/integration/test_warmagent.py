@@ -19,7 +19,9 @@ import psutil
 import pytest
 
 from ftsup import procs, warmrun
-from ftsup.supervisor import launcher, warmagent
+from ftsup.supervisor import launcher, policy, warmagent, workers
+from ftsup.supervisor.config import parse_config
+from ftsup.supervisor.outages import Outages
 from tests.procs import REPO, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -137,3 +139,53 @@ def test_the_message_is_json_of_the_documented_shape(tmp_path):
         msg, fd = got
         os.close(fd)
     assert warmrun._checked(msg) == (["--standalone"], {"A": "b"}, str(tmp_path))
+
+
+def workers_for(tmp: Path, now: list[float], warm: bool) -> tuple[workers.Workers, list[tuple[str, dict]]]:
+    cfg = parse_config({"job": {"command": [sys.executable, "-c", "import time; time.sleep(120)"], "workdir": str(tmp),
+                                "state_dir": str(tmp / "state")},
+                        "launch": {"nproc_per_node": 1, "node_id": "n0", "warm_agent": warm},
+                        "heartbeat": {"mode": "off"}}, base_dir=tmp)  # fmt: skip
+    (tmp / "state" / "logs").mkdir(parents=True)
+    logged: list[tuple[str, dict]] = []
+
+    def emit(level: str, event: str, **fields: object) -> None:
+        logged.append((event, fields))
+
+    clock = lambda: now[0]  # noqa: E731
+    w = workers.Workers(cfg, tmp / "state" / "logs", clock=clock, emit=emit, post=lambda ev: None,
+                        outages=Outages(emit, lambda purpose: None, clock), journal=lambda status: None,
+                        figures=lambda rank, figures: None)  # fmt: skip
+    return w, logged
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_with_heartbeats_off_a_spare_is_parked_a_while_after_the_launch_and_the_next_attempt_starts_in_it(
+    tmp_path, warm
+):
+    now = [1000.0]
+    w, logged = workers_for(tmp_path, now, warm)
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    with w.running(runtime):
+        w.launch_or_fail(policy.Launch(1, 1, None))
+        first = w.attempt
+        assert first is not None
+        w.watch()
+        assert [e for e, _ in logged if e.startswith("spare_")] == []  # no step heard, not long enough
+        now[0] += workers.PARK_AFTER_S
+        w.watch()
+        parked = [f for e, f in logged if e == "spare_agent_parked"]
+        assert parked == ([{"attempt": 2, "pid": parked[0]["pid"]}] if warm else []), logged
+        w.stop(policy.StopWorkers(1, "a test", grace_s=1.0))
+        w.launch_or_fail(policy.Launch(2, 1, 5))
+        assert w.attempt is not None and w.attempt.number == 2
+        used = [f["pid"] for e, f in logged if e == "spare_agent_used"]
+        assert used == ([parked[0]["pid"]] if warm else []) and (not warm or w.attempt.pid == parked[0]["pid"])
+        second = w.attempt.pid
+        now[0] += workers.PARK_AFTER_S
+        w.watch()  # attempt 2's spare, parked for attempt 3
+        spares = [f["pid"] for e, f in logged if e == "spare_agent_parked"]
+        assert len(spares) == (2 if warm else 0)
+    # Leaving stops the attempt and the spare that was not used: nothing of either is left.
+    assert not procs.pid_alive(second) and not any(procs.pid_alive(p) for p in spares)
