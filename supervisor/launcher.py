@@ -14,7 +14,8 @@
   `procs.Mark` in its environment. Output goes to a per-attempt log file.
 - `RunningAttempt.stop` stops the attempt's processes: torchrun's process tree (torchrun starts
   ranks in sessions of their own, so a signal to its process group would not reach them) and
-  any process of the attempt's mark left to a reaper; `procs.stop` is the sequence.
+  any process of the attempt's mark left to a reaper; `procs.stop` is the sequence. On one node, torchrun
+  left alone gets SIGKILL at once.
 
 - `spec_from` and `rank_env` derive the spec and the ranks' environment (the `FTSUP_*` channel
   variables) from the job config.
@@ -25,6 +26,7 @@ Not here: when to start or stop (policy).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -162,9 +164,20 @@ class RunningAttempt:
             found.setdefault(p.pid, p)
         return list(found.values())
 
-    def stop(self, grace_s: float, *, clock: Callable[[], float] = time.monotonic) -> list[int]:
-        """Stop every process of the attempt (`procs.stop`); return the pids that survived."""
-        left = procs.stop(self.tree, grace_s, clock=clock, reap=self.proc.poll)
+    def stop(self, grace_s: float, *, clock: Callable[[], float] = time.monotonic, one_node: bool = False) -> list[int]:
+        """Stop every process of the attempt (`procs.stop`); return the pids that survived.
+
+        `one_node`: torchrun has no peer to take leave of (a single-node job), so once it is the attempt's last
+        process it gets SIGKILL instead of the rest of the grace: its own shutdown (it stops ranks that are gone
+        already, then a half-second's exit of an interpreter that holds torch) is no one's."""
+
+        def found() -> list[psutil.Process]:
+            tree = self.tree()
+            if one_node and [p.pid for p in tree] == [self.proc.pid]:
+                procs.signal_all(tree, signal.SIGKILL)
+            return tree
+
+        left = procs.stop(found, grace_s, clock=clock, reap=self.proc.poll)
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:

@@ -225,7 +225,9 @@ class Workers:
             return
         t0 = self._clock()
         grace = self.cfg.restart.stop_grace_s
-        survivors = att.stop(grace if action.grace_s is None else min(action.grace_s, grace), clock=self._clock)
+        one_node = self.cfg.launch.max_nodes == 1
+        survivors = att.stop(grace if action.grace_s is None else min(action.grace_s, grace), clock=self._clock,
+                             one_node=one_node)  # fmt: skip
         if survivors:
             self._emit("error", "orphans_found", attempt=att.number, pids=survivors)
         self._emit("info", "workers_stopped", attempt=att.number, reason=action.reason,
