@@ -7,7 +7,9 @@ on standard input: an 8-byte big-endian length with an open file (SCM_RIGHTS), t
 `{"argv": [...], "env": {...}, "cwd": "..."}`. On it, the file becomes standard output and error, standard input
 `/dev/null`, the environment is replaced by `env` (which names this process as the parent the ranks' guards check
 for), the working directory is `cwd`, and the module runs as
-`__main__` with `argv`, exactly as `python -m MODULE ARGV...` would run it. End of file before a message (the
+`__main__` with `argv`, exactly as `python -m MODULE ARGV...` would run it, but for its exit (`finish`): threads
+joined and `atexit` run as the interpreter's exit does, then `os._exit`, without the half second or more that
+tearing down an interpreter holding torch takes. End of file before a message (the
 supervisor let it go) exits 0; a message it cannot read exits 2, and the supervisor starts the attempt cold.
 
 Stdlib only, importing nothing of ftsup before the message (the job's interpreter runs it by path: it may not have
@@ -16,12 +18,14 @@ ftsup installed). The supervisor side is `ftsup.supervisor.warmagent`.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import runpy
 import socket
 import struct
 import sys
+import threading
 
 HEADER = struct.Struct(">Q")
 MAX_MESSAGE = 16 << 20  # an environment of many megabytes is not an environment
@@ -103,11 +107,42 @@ def main(args: list[str]) -> int:
         print(f"warmrun: cannot enter the working directory {cwd!r}: {e.strerror or e}", file=sys.stderr)
         return _EXIT_NO_CWD
     sys.argv = [module, *argv]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    return _run(module)
+
+
+def _run(module: str) -> int:
+    """Run `module` as `__main__`; its exit status as the interpreter would give it (an uncaught exception: its
+    traceback, then 1)."""
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    except BaseException:  # noqa: BLE001 - KeyboardInterrupt too: reported, not re-raised into the teardown
+        sys.excepthook(*sys.exc_info())
+        return 1
     return 0
+
+
+def finish(status: int) -> None:
+    """Exit with `status` as the interpreter would, without its teardown: threads joined and `atexit` run (logs
+    flushed, files closed), then `os._exit`. An interpreter that holds torch takes half a second or more to tear
+    down its modules; torchrun's exit is on every relaunch's path, and nothing in that teardown is anyone's."""
+    shutdown = getattr(threading, "_shutdown", None)  # joins non-daemon threads, as the interpreter's exit does
+    if shutdown is not None:
+        shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status & 0xFF)
 
 
 if __name__ == "__main__":
     if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
         del sys.path[0]  # run by path: ftsup's own directory must not shadow anything the module imports
-    sys.exit(main(sys.argv[1:]))
+    finish(main(sys.argv[1:]))

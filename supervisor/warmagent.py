@@ -91,18 +91,21 @@ class Spare:
 
 def park(
     number: int, python: str, *, env: Mapping[str, str], cwd: str | os.PathLike[str], mark: procs.Mark,
-    ignore_signals: tuple[int, ...] = (),
+    ignore_signals: tuple[int, ...] = (), log_path: Path | None = None,
 ) -> Spare:  # fmt: skip
     """Start a spare for attempt `number` under `python` (the interpreter torchrun runs under), behind the guard,
-    in a session of its own, with `env` and the attempt's mark. Raises OSError when it cannot be started."""
+    in a session of its own, with `env` and the attempt's mark; its output before the message goes to `log_path`
+    (opened never through a link; None: nowhere). Raises OSError when it cannot be started."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     wrapped, guard_env = guard.wrap([python, os.path.abspath(warmrun.__file__), MODULE], ignore=ignore_signals)
     started_at = time.time()
     try:
-        proc = subprocess.Popen(
-            wrapped, env={**env, **mark.environ(), **guard_env}, cwd=cwd, stdin=theirs.fileno(),
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
+        with contextlib.ExitStack() as stack:
+            out = subprocess.DEVNULL if log_path is None else stack.enter_context(statedir.open_append(log_path))
+            proc = subprocess.Popen(
+                wrapped, env={**env, **mark.environ(), **guard_env}, cwd=cwd, stdin=theirs.fileno(), stdout=out,
+                stderr=out, start_new_session=True,
+            )  # fmt: skip
     except OSError:
         ours.close()
         raise

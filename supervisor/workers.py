@@ -181,14 +181,32 @@ class Workers:
         spare, self._spare = self._spare, None
         warm = spare.go(action.attempt, argv, env=env, cwd=self.cfg.job.workdir, log_path=log_path,
                         mark=mark) if spare is not None else None  # fmt: skip
-        self.attempt = warm or launcher.start(action.attempt, argv, env=env, cwd=self.cfg.job.workdir,
-                                              log_path=log_path, mark=mark, ignore_signals=self._ignored())  # fmt: skip
+        self.attempt = warm or self._start_cold(action.attempt, argv, env, log_path, mark)
         # The spare's environment at exec (what /proc shows of it) has no attempt's resume step or skips in it.
         self._launched = (self._clock(), argv[0], launcher.rank_env(self.cfg, self._runtime(), None, os.environ))
         self._journal("running")
         if warm is not None:
             self._emit("info", "spare_agent_used", attempt=action.attempt, pid=warm.pid)
         self._post(policy.WorkersStarted(action.attempt, (self.attempt.pid,), log=str(log_path)))
+
+    def _start_cold(
+        self, number: int, argv: list[str], env: Mapping[str, str], log_path: Path, mark: procs.Mark
+    ) -> launcher.RunningAttempt:
+        """An attempt with no spare parked for it. With `launch.warm_agent` it starts in a spare too, parked and
+        handed the attempt at once (the imports are waited for as a plain torchrun's would be; its exit is quick);
+        plain torchrun (`launcher.start`) where that cannot be done."""
+        if self.cfg.launch.warm_agent:
+            try:
+                spare = warmagent.park(number, argv[0], env=env, cwd=self.cfg.job.workdir, mark=mark,
+                                       ignore_signals=self._ignored(), log_path=log_path)  # fmt: skip
+            except OSError as e:
+                self._emit("warning", "spare_agent_failed", attempt=number, reason=error_line(e))
+            else:
+                att = spare.go(number, argv, env=env, cwd=self.cfg.job.workdir, log_path=log_path, mark=mark)
+                if att is not None:
+                    return att
+        return launcher.start(number, argv, env=env, cwd=self.cfg.job.workdir, log_path=log_path, mark=mark,
+                              ignore_signals=self._ignored())  # fmt: skip
 
     def _park_spare(self, att: launcher.RunningAttempt) -> None:
         """With `launch.warm_agent`, park a spare for the next attempt once this one trains (its ranks' imports

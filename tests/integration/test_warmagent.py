@@ -189,3 +189,27 @@ def test_with_heartbeats_off_a_spare_is_parked_a_while_after_the_launch_and_the_
         assert len(spares) == (2 if warm else 0)
     # Leaving stops the attempt and the spare that was not used: nothing of either is left.
     assert not procs.pid_alive(second) and not any(procs.pid_alive(p) for p in spares)
+
+
+def test_a_failed_rank_gives_the_agent_torchruns_exit_status_and_report_as_a_plain_torchrun_would(tmp_path):
+    spec = launcher.LaunchSpec(command=(sys.executable, "-c", "import sys; print('bye', flush=True); sys.exit(3)"),
+                               nproc=2, log_dir=str(tmp_path / "ranks"))  # fmt: skip
+    argv = launcher.torchrun_argv(spec)
+    log = tmp_path / "attempt-0001.log"
+    spare = warmagent.park(1, sys.executable, env=dict(os.environ), cwd=REPO, mark=mark(1), log_path=log)
+    att = spare.go(1, argv, env=dict(os.environ), cwd=tmp_path, log_path=log, mark=mark(1))
+    assert att is not None
+    assert att.proc.wait(timeout=120) == 1
+    text = log.read_text()
+    assert "ChildFailedError" in text and "exitcode  : 3" in text, text[-3000:]
+
+
+def test_an_interpreter_that_cannot_import_torchrun_says_so_in_the_attempts_log(tmp_path):
+    log = tmp_path / "attempt-0001.log"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('this torch is broken on purpose')\n")
+    spare = warmagent.park(1, sys.executable, env=env, cwd=tmp_path, mark=mark(1), log_path=log)
+    att = spare.go(1, argv_for(tmp_path, 1), env=env, cwd=tmp_path, log_path=log, mark=mark(1))
+    rc = spare.proc.wait(timeout=60) if att is None else att.proc.wait(timeout=60)
+    assert rc == 1 and "ImportError: this torch is broken on purpose" in log.read_text()
