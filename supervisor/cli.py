@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -83,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return e.code if isinstance(e.code, int) else EXIT_USAGE
         args.command_argv = command
         handler: Handler = args.handler
+        if args.command in _TOOLING:
+            signal.signal(signal.SIGTERM, _terminated)
         return handler(args)
     # The CLI boundary: a user gets one actionable line, not a traceback, for everything we can name.
     except RunError as e:
@@ -95,6 +98,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exc(file=sys.stderr)
         print(f"ftsup: error: internal error: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_PROBLEM
+
+
+_TOOLING = frozenset({"bench", "demo", "chaos"})  # they start jobs of their own, and stop them when they leave
+
+
+def _terminated(signum: int, frame: object) -> None:
+    """SIGTERM to a tooling command: leave as from an exception (its `finally` stops the jobs it started), with
+    the status a shell gives a process killed by SIGTERM."""
+    raise SystemExit(128 + signum)
 
 
 def _split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:

@@ -14,13 +14,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import signal
+import subprocess
 import sys
 from typing import Any
 
+import psutil
 import pytest
 
 from ftsup.supervisor.bench.goodput.account import CAUSES
-from tests.procs import run
+from tests.procs import kill_tree, run, wait_for
 
 MISSING = "ft_launcher is missing: nvidia-resiliency-ext is not installed (pip install -e '.[test]')"
 pytestmark = [
@@ -90,3 +93,27 @@ def test_ftsup_survives_every_fault_and_loses_no_step_to_its_eviction(bench: dic
 def test_the_json_and_the_table_name_the_hang_cap(bench: dict[str, Any]) -> None:
     data = bench["data"] or {}
     assert (data.get("schedule", {}).get("hang_cap_s"), "hangs capped at 8.0 s" in bench["output"]) == (8.0, True)
+
+
+def test_sigterm_to_the_benchmark_stops_the_job_it_started_and_leaves_nothing(tmp_path) -> None:
+    work = tmp_path / "d"
+    argv = [sys.executable, "-m", "ftsup.supervisor.cli", "bench", "goodput", "--steps", "3000", "--contenders",
+            "torchrun", "--mean-interval-s", "600", "--dir", str(work)]  # fmt: skip
+    bench = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: (work / "torchrun" / "loss.jsonl").exists(), 120, "the job never logged a step")
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        kill_tree(bench.pid)
+        bench.wait(timeout=30)
+
+    def left() -> list[int]:
+        out = []
+        for p in psutil.process_iter(["cmdline", "environ"], ad_value=None):
+            text = " ".join(p.info["cmdline"] or ()) + " ".join((p.info["environ"] or {}).values())
+            if str(work) in text:
+                out.append(p.pid)
+        return out
+
+    assert left() == []
