@@ -8,11 +8,14 @@ directory (the objects written before are still there: the "store stopped during
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import shutil
+import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -111,8 +114,10 @@ class SeaweedS3:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         try:
+            # TMPDIR: SeaweedFS puts its gRPC sockets in the temporary directory; these stay in the data directory.
+            env = dict(os.environ, TMPDIR=str(self.data_dir))
             self.proc = subprocess.Popen(self._argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         cwd=self.data_dir, start_new_session=True)  # fmt: skip
+                                         cwd=self.data_dir, env=env, start_new_session=True)  # fmt: skip
         finally:
             log.close()
         deadline = time.monotonic() + timeout_s
@@ -148,16 +153,21 @@ class SeaweedS3:
         return True
 
     def stop(self) -> None:
-        """SIGKILL the server's process group (it started a session of its own) and reap it."""
+        """SIGKILL the server's process group (it started a session of its own), reap it, and remove the gRPC
+        sockets it made in /tmp (SeaweedFS names them by their ports; a SIGTERM leaves it stuck in its graceful
+        stop for good)."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
         if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, 9)
-            except ProcessLookupError:
-                pass
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+        for role, port in zip(("master", "volume", "filer", "s3"), self.ports, strict=True):
+            sock = Path("/tmp") / f"seaweedfs-{role}-grpc-{port + GRPC_OFFSET}.sock"
+            with contextlib.suppress(OSError):
+                if stat.S_ISSOCK(os.lstat(sock).st_mode) and os.lstat(sock).st_uid == os.getuid():
+                    os.unlink(sock)
 
     def restart(self, timeout_s: float = 60.0) -> None:
         self.stop()
