@@ -23,6 +23,7 @@ import re
 import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -179,13 +180,17 @@ def composite_etag(md5s: list[bytes]) -> str:
     return f"{hashlib.md5(b''.join(md5s)).hexdigest()}-{len(md5s)}"
 
 
+def blocks_problem(entry: layout.FileEntry, crcs: list[int], algorithm: str) -> str | None:
+    """Why the block checksums `crcs` of a whole file do not give its recorded checksum, or None when they do."""
+    actual = checksums.checksum_from_block_crcs(crcs, algorithm)
+    return None if actual == entry.checksum else f"checksum {actual} != recorded {entry.checksum}"
+
+
 def check_blocks(where: str, rel: str, entry: layout.FileEntry, crcs: list[int], algorithm: str) -> None:
     """Raise CheckpointCorruptError unless the block checksums `crcs` of a whole file give its recorded checksum."""
-    actual = checksums.checksum_from_block_crcs(crcs, algorithm)
-    if actual != entry.checksum:
-        raise CheckpointCorruptError(
-            f"{where}/{rel}: checksum {actual} != recorded {entry.checksum}", path=where, file=rel
-        )
+    why = blocks_problem(entry, crcs, algorithm)
+    if why is not None:
+        raise CheckpointCorruptError(f"{where}/{rel}: {why}", path=where, file=rel)
 
 
 def clean_name(name: str, limit: int = 120) -> str:
@@ -223,6 +228,7 @@ class DurableTier(ABC):
     """One durable tier. The backends implement the primitives; download is the same for both."""
 
     location: Location
+    options: DurableOptions
 
     @property
     def url(self) -> str:
@@ -274,7 +280,6 @@ class DurableTier(ABC):
         returns its path. Raises CheckpointCorruptError naming the file when the tier's copy does not verify (nothing
         is committed locally then), CheckpointError when `dest_root` already holds that step."""
         manifest, raw = self.manifest(step)
-        token = data_token(raw)
         dest_root = Path(dest_root)
         final = dest_root / layout.step_dirname(step)
         if os.path.lexists(final):
@@ -282,8 +287,30 @@ class DurableTier(ABC):
         dest_root.mkdir(parents=True, exist_ok=True)
         work = dest_root / f".{layout.step_dirname(step)}.download-{secrets.token_hex(4)}"
         os.mkdir(work, 0o755)
-        for rel, entry in sorted(manifest.files.items()):
-            self._fetch_file(step, token, rel, entry, manifest.checksum_algorithm, work)
+        for rel in sorted(manifest.files):
+            (work / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(work / rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+
+        def write(rel: str, offset: int, data: bytes) -> None:
+            fd = os.open(work / rel, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                view, at = memoryview(data), offset
+                while view:
+                    n = os.pwrite(fd, view, at)
+                    view, at = view[n:], at + n
+            finally:
+                os.close(fd)
+
+        problems = self.read_files(step, data_token(raw), manifest, write)
+        if problems:
+            rel, why = problems[0].file or "", problems[0].reason
+            raise CheckpointCorruptError(f"{self.step_url(step)}/{rel}: {why}", path=self.step_url(step), file=rel)
+        for rel in sorted(manifest.files):
+            fd = os.open(work / rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         layout.write_file_durable(work / layout.MANIFEST_NAME, raw)
         layout.fsync_dir(work)
         try:
@@ -293,39 +320,48 @@ class DurableTier(ABC):
         layout.fsync_dir(dest_root)
         return final
 
-    def _fetch_file(self, step: int, token: str, rel: str, entry: layout.FileEntry, algorithm: str, work: Path) -> None:
-        path = work / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        crcs: list[int] = []
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            for off in range(0, entry.size, READ_CHUNK_BYTES):
-                data = self.read_range(step, token, rel, off, min(READ_CHUNK_BYTES, entry.size - off))
-                checksums.block_crcs(data, crcs, algorithm)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if entry.size == 0:
-            crcs = checksums.block_crcs(b"", algorithm=algorithm)
-        check_blocks(self.step_url(step), rel, entry, crcs, algorithm)
+    def read_files(
+        self, step: int, token: str, manifest: layout.Manifest, write: Callable[[str, int, bytes], None] | None = None
+    ) -> list[layout.Problem]:
+        """Read every file of the checkpoint back in READ_CHUNK_BYTES ranges, `options.concurrency` at once, each
+        range handed to `write(rel, offset, data)` when given; the files that do not give their recorded checksum."""
+        algorithm = manifest.checksum_algorithm
+        chunks = [
+            (rel, off, min(READ_CHUNK_BYTES, entry.size - off))
+            for rel, entry in sorted(manifest.files.items())
+            for off in range(0, entry.size, READ_CHUNK_BYTES)
+        ]
+        crcs: dict[tuple[str, int], list[int]] = {}
+        broken: dict[str, str] = {}
 
-    def deep_problems(self, step: int, token: str, manifest: layout.Manifest) -> list[layout.Problem]:
-        """Every file of the checkpoint read back (ranged reads) and checked against its recorded checksum."""
-        problems: list[layout.Problem] = []
-        for rel, entry in sorted(manifest.files.items()):
-            crcs: list[int] = []
+        def one(rel: str, offset: int, length: int) -> None:
+            if rel in broken:
+                return
             try:
-                for off in range(0, entry.size, READ_CHUNK_BYTES):
-                    data = self.read_range(step, token, rel, off, min(READ_CHUNK_BYTES, entry.size - off))
-                    checksums.block_crcs(data, crcs, manifest.checksum_algorithm)
-                if entry.size == 0:
-                    crcs = checksums.block_crcs(b"", algorithm=manifest.checksum_algorithm)
-                check_blocks(self.step_url(step), rel, entry, crcs, manifest.checksum_algorithm)
+                data = self.read_range(step, token, rel, offset, length)
             except CheckpointCorruptError as e:
-                problems.append(layout.Problem(rel, str(e).rpartition(f"/{rel}: ")[2] or str(e)))
+                broken.setdefault(rel, str(e).rpartition(f"/{rel}: ")[2] or str(e))
+                return
+            crcs[(rel, offset)] = checksums.block_crcs(data, algorithm=algorithm)
+            if write is not None:
+                write(rel, offset, data)
+
+        with ThreadPoolExecutor(self.options.concurrency, thread_name_prefix="ftsup-durable-read") as pool:
+            futures = [pool.submit(one, *chunk) for chunk in chunks]
+            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+            for f in pending:
+                f.cancel()
+            for f in done:
+                if f.exception() is not None:
+                    raise f.exception()  # type: ignore[misc]
+        problems = []
+        for rel, entry in sorted(manifest.files.items()):
+            why = broken.get(rel)
+            if why is None:
+                blocks = [c for off in range(0, entry.size, READ_CHUNK_BYTES) for c in crcs[(rel, off)]]
+                why = blocks_problem(entry, blocks, algorithm)
+            if why is not None:
+                problems.append(layout.Problem(rel, why))
             if len(problems) >= layout.MAX_PROBLEMS:
                 break
         return problems

@@ -134,7 +134,7 @@ def inspect(tier: S3Tier, step: int, *, deep: bool = False) -> layout.Checkpoint
         if len(problems) >= layout.MAX_PROBLEMS:
             break
     if deep and not problems:
-        problems = tier.deep_problems(step, token, manifest)
+        problems = tier.read_files(step, token, manifest)
     return layout.CheckpointInfo(
         step=step,
         path=path,
