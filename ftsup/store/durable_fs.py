@@ -22,7 +22,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ftsup.store import checksums, durable, layout, retention, safefile
-from ftsup.store.errors import CheckpointError, DurableConflictError, DurableTierError, ManifestError, NoCheckpointError
+from ftsup.store.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    DurableConflictError,
+    DurableTierError,
+    ManifestError,
+    NoCheckpointError,
+)
 
 _UPLOAD = re.compile(r"^\.step-\d{9,18}\.upload-data-[0-9a-f]{24}$")
 
@@ -107,30 +114,44 @@ class FilesystemTier(durable.DurableTier):
         except (CheckpointError, OSError):
             pass  # missing, or not what it should be: written again
         dest.parent.mkdir(parents=True, exist_ok=True)
+        safefile.resolve_inside(work, rel)  # a link planted on the way out of the upload folder is refused
         tmp = dest.with_name(f".{dest.name}.tmp-{secrets.token_hex(4)}")
         src = safefile.open_regular(safefile.resolve_inside(local.path, rel), f"{local.path}/{rel}")
         crcs: list[int] = []
         try:
             out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
-                for number, (offset, length) in enumerate(durable.part_plan(entry.size, durable.READ_CHUNK_BYTES), 1):
-                    data = os.pread(src, length, offset)
-                    if len(data) != length:
-                        raise CheckpointError(f"{local.path}/{rel}: shorter than its manifest records")
-                    checksums.block_crcs(data, crcs, algorithm)
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(out, view) :]
-                    if on_part is not None:
-                        on_part(rel, number)
-                os.fsync(out)
-            finally:
+                self._write_copy(src, out, local, rel, entry, crcs, on_part)
+            except BaseException:
                 os.close(out)
+                os.unlink(tmp)  # ours (O_EXCL): a copy cut short leaves nothing in the upload folder
+                raise
+            os.close(out)
         finally:
             os.close(src)
-        durable.check_blocks(str(local.path), rel, entry, crcs, algorithm)
+        why = durable.blocks_problem(entry, crcs, algorithm)
+        if why is not None:
+            os.unlink(tmp)
+            raise CheckpointCorruptError(f"{local.path}/{rel}: {why}", path=str(local.path), file=rel)
         os.replace(tmp, dest)
         return entry.size, False
+
+    def _write_copy(
+        self, src: int, out: int, local: durable.LocalCheckpoint, rel: str, entry: layout.FileEntry,
+        crcs: list[int], on_part: durable.PartHook | None,
+    ) -> None:  # fmt: skip
+        """Copy `src` to `out` in chunks, appending each chunk's block checksums to `crcs`; fsync `out`."""
+        for number, (offset, length) in enumerate(durable.part_plan(entry.size, durable.READ_CHUNK_BYTES), 1):
+            data = os.pread(src, length, offset)
+            if len(data) != length:
+                raise CheckpointCorruptError(f"{local.path}/{rel}: shorter than its manifest records", file=rel)
+            checksums.block_crcs(data, crcs, local.manifest.checksum_algorithm)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(out, view) :]
+            if on_part is not None:
+                on_part(rel, number)
+        os.fsync(out)
 
     # ------------------------------------------------------------------ reads
 
