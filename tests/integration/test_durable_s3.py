@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import psutil
 import pytest
 
 from ftsup.store import durable, layout
@@ -211,3 +212,10 @@ def test_the_endpoint_comes_from_the_standard_variable(bucket: str, tmp_path: Pa
     with durable.open_tier(f"s3://{bucket}", OPTIONS) as tier:
         tier.upload(make_fake_checkpoint(tmp_path / "fast", 4, default_files()))
     assert "step-000000004/manifest.json" in keys(s3_server, bucket)
+
+
+def test_the_store_listens_and_connects_on_loopback_only(s3_server: SeaweedS3) -> None:
+    assert s3_server.proc is not None
+    conns = psutil.Process(s3_server.proc.pid).net_connections(kind="inet")
+    addresses = {c.laddr.ip for c in conns} | {c.raddr.ip for c in conns if c.raddr}
+    assert conns and all(a.startswith("127.") for a in addresses), addresses

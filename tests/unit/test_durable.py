@@ -9,6 +9,7 @@ import importlib
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,7 +64,7 @@ def test_a_path_is_a_filesystem_location(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "bad", [{"part_bytes": 4 << 20}, {"part_bytes": (8 << 20) + 1}, {"concurrency": 0}, {"max_attempts": 0}]
 )
-def test_options_out_of_range_are_refused(bad: dict[str, int]) -> None:
+def test_options_out_of_range_are_refused(bad: dict[str, Any]) -> None:
     with pytest.raises(CheckpointError):
         durable.DurableOptions(**bad)
 
