@@ -16,23 +16,21 @@ validated, the manifest is read up to its cap, an object must hold exactly the b
 
 Credentials come only from the standard AWS chain (environment variables, `~/.aws/credentials`, `~/.aws/config`,
 a role); the endpoint from `DurableOptions.endpoint_url`, else from `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL`, which
-botocore reads. Listing, checking and deleting: `ftsup.store.s3list`.
+botocore reads. Here: the client, the keys, the reads and the requests (escaped errors). The upload:
+`ftsup.store.s3upload`; listing, checking and deleting: `ftsup.store.s3list`.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import os
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+import urllib.parse
 from typing import Any
 
 from ftsup.extras import explained
-from ftsup.store import checksums, durable, layout, s3list, safefile
+from ftsup.store import durable, layout, s3list, s3upload, safefile
 from ftsup.store.errors import (
     CheckpointCorruptError,
-    DurableConflictError,
     DurableTierError,
     ManifestError,
     NoCheckpointError,
@@ -47,10 +45,6 @@ except ModuleNotFoundError as e:
 
 MANIFEST_PUT_CODES = ("PreconditionFailed", "ConditionalRequestConflict")
 _MISSING = ("NoSuchKey", "404", "NotFound", "NoSuchUpload")
-
-
-class _Precondition(Exception):
-    """The store refused a conditional write: the object is there."""
 
 
 def s3_error(what: str, error: Exception) -> DurableTierError:
@@ -70,24 +64,6 @@ def _code(error: ClientError) -> str:
     return str(error.response.get("Error", {}).get("Code", ""))
 
 
-@dataclass
-class _FilePlan:
-    rel: str
-    entry: layout.FileEntry
-    key: str
-    parts: list[tuple[int, int]]
-    done_etag: str | None = None  # the object is there at this size: kept if its ETag is the parts' one
-    upload_id: str | None = None
-    have: dict[int, tuple[str, int]] = field(default_factory=dict)  # part number -> (ETag, size) already sent
-    md5s: dict[int, bytes] = field(default_factory=dict)
-    crcs: dict[int, list[int]] = field(default_factory=dict)
-    etags: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def single(self) -> bool:
-        return len(self.parts) == 1
-
-
 class S3Tier(durable.DurableTier):
     """A durable tier at `s3://bucket/prefix` (see the module docstring)."""
 
@@ -97,6 +73,18 @@ class S3Tier(durable.DurableTier):
         self.location = location
         self.options = options
         self.bucket = location.bucket
+        try:
+            self.client: Any = self._client(None)
+            if not _is_aws(str(self.client.meta.endpoint_url)):
+                # Another S3-compatible store (set by endpoint_url or AWS_ENDPOINT_URL_S3): bucket.host names do not
+                # resolve there as they do on AWS, so the bucket goes in the path.
+                self.client.close()
+                self.client = self._client("path")
+        except (BotoCoreError, ValueError) as e:
+            raise s3_error(f"{self.url}: cannot make an S3 client", e) from None
+
+    def _client(self, addressing: str | None) -> Any:
+        options = self.options
         config = Config(
             connect_timeout=options.connect_timeout_s,
             read_timeout=options.read_timeout_s,
@@ -105,14 +93,10 @@ class S3Tier(durable.DurableTier):
             # Every part carries Content-MD5 and is checked against the manifest's CRC-32C blocks: no third sum.
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
-            s3={"addressing_style": "path"} if options.endpoint_url else None,
+            s3={"addressing_style": addressing} if addressing else None,
         )
-        try:
-            self.client: Any = boto3.session.Session().client(
-                "s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config
-            )
-        except (BotoCoreError, ValueError) as e:
-            raise s3_error(f"{self.url}: cannot make an S3 client", e) from None
+        session = boto3.session.Session()
+        return session.client("s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config)
 
     def close(self) -> None:
         self.client.close()
@@ -205,163 +189,9 @@ class S3Tier(durable.DurableTier):
     def upload(
         self, ckpt_dir: str | os.PathLike[str], *, on_part: durable.PartHook | None = None
     ) -> durable.UploadReport:
-        local = durable.read_local(ckpt_dir)
-        step = local.manifest.step
-        report = {"bytes_sent": 0, "parts_sent": 0, "parts_kept": 0}
-        total = sum(e.size for e in local.manifest.files.values())
-        done = durable.UploadReport(step, self.step_url(step), "already", len(local.manifest.files), total)
-        existing = self.manifest_raw(step)
-        if existing is not None:
-            return self._same_or_conflict(step, existing, local.manifest_raw, done)
-        token = local.token
-        plans = [
-            _FilePlan(rel, e, self.data_key(step, token, rel), durable.part_plan(e.size, self.options.part_bytes))
-            for rel, e in sorted(local.manifest.files.items())
-        ]
-        unfinished = s3list.uploads_under(self, self.key(layout.step_dirname(step), token) + "/")
-        with ThreadPoolExecutor(self.options.concurrency, thread_name_prefix="ftsup-s3") as pool:
-            _all([pool.submit(self._plan, p, unfinished.get(p.key, [])) for p in plans])
-            retry = self._send(pool, local, plans, report, on_part)
-            if retry:  # objects that were there but not as this upload would write them: written again
-                for p in retry:
-                    p.done_etag, p.md5s, p.crcs, p.etags, p.have = None, {}, {}, {}, {}
-                    self._plan(p, [], fresh=True)
-                self._send(pool, local, retry, report, on_part)
-        self._check_objects(step, token, local.manifest)
-        try:
-            self._put(self.manifest_key(step), local.manifest_raw, if_none_match=True)
-        except _Precondition:
-            raw = self.manifest_raw(step)
-            return self._same_or_conflict(step, raw or b"", local.manifest_raw, done)
-        return durable.UploadReport(step, self.step_url(step), "committed", len(plans), total, **report)
+        return s3upload.upload(self, ckpt_dir, on_part=on_part)
 
-    def _same_or_conflict(
-        self, step: int, existing: bytes, ours: bytes, done: durable.UploadReport
-    ) -> durable.UploadReport:
-        if existing == ours:
-            return done
-        raise DurableConflictError(
-            f"{self.step_url(step)}: already committed with other content (another writer's checkpoint of step "
-            f"{step}); a committed step is never overwritten"
-        )
-
-    def _plan(self, plan: _FilePlan, unfinished: list[str], fresh: bool = False) -> None:
-        """What of `plan`'s file the tier holds: the whole object, or a multipart upload and its parts."""
-        if not fresh:
-            head = self._head(plan.key)
-            if head is not None and head["ContentLength"] == plan.entry.size:
-                plan.done_etag = str(head.get("ETag", "")).strip('"')
-                return
-        if plan.single:
-            return
-        if not fresh:
-            for upload_id in unfinished:
-                have = self._parts_of(plan.key, upload_id)
-                if all(n <= len(plan.parts) and size == plan.parts[n - 1][1] for n, (_, size) in have.items()):
-                    plan.upload_id, plan.have = upload_id, have
-                    return
-        created = self._call(
-            "start an upload of", plan.key, self.client.create_multipart_upload, Bucket=self.bucket, Key=plan.key
-        )
-        plan.upload_id = str(created["UploadId"])
-
-    def _send(
-        self,
-        pool: ThreadPoolExecutor,
-        local: durable.LocalCheckpoint,
-        plans: list[_FilePlan],
-        report: dict[str, int],
-        on_part: durable.PartHook | None,
-    ) -> list[_FilePlan]:
-        """Send (or check) every part of `plans`, complete each file; the plans whose object must be written again."""
-        futures = {
-            pool.submit(self._part, local, p, n, on_part): (p, n) for p in plans for n in range(1, len(p.parts) + 1)
-        }
-        left = {id(p): len(p.parts) for p in plans}
-        retry: list[_FilePlan] = []
-        pending: set[Future[tuple[int, bool]]] = set(futures)
-        while pending:
-            finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
-            for f in finished:
-                if f.exception() is not None:
-                    for other in pending:
-                        other.cancel()
-                    wait(pending)
-                    raise f.exception()  # type: ignore[misc]
-                plan, _ = futures[f]
-                sent, kept = f.result()
-                report["bytes_sent"] += sent
-                report["parts_sent" if sent or not kept else "parts_kept"] += 1
-                left[id(plan)] -= 1
-                if left[id(plan)] == 0 and not self._finish(local, plan):
-                    retry.append(plan)
-        return retry
-
-    def _part(
-        self, local: durable.LocalCheckpoint, plan: _FilePlan, number: int, on_part: durable.PartHook | None
-    ) -> tuple[int, bool]:
-        """Read part `number` of the local file, checksum it, send it unless the tier has it; (bytes sent, kept)."""
-        offset, length = plan.parts[number - 1]
-        data = _pread(local.path, plan.rel, offset, length)
-        plan.crcs[number] = checksums.block_crcs(data, algorithm=local.manifest.checksum_algorithm)
-        md5 = hashlib.md5(data)
-        plan.md5s[number] = md5.digest()
-        if plan.done_etag is not None:
-            return 0, True  # decided when the file's parts are all checked (`_finish`)
-        if plan.single:
-            self._put(plan.key, data, metadata={"ftsup-checksum": plan.entry.checksum})
-        elif plan.have.get(number) == (md5.hexdigest(), length):
-            plan.etags[number] = md5.hexdigest()
-            return 0, True
-        else:
-            sent = self._call(
-                "send a part of", plan.key, self.client.upload_part, Bucket=self.bucket, Key=plan.key,
-                UploadId=plan.upload_id, PartNumber=number, Body=data, ContentMD5=_b64(md5.digest()),
-            )  # fmt: skip
-            etag = str(sent.get("ETag", "")).strip('"')
-            if etag and len(etag) == 32 and etag != md5.hexdigest():
-                raise DurableTierError(
-                    f"s3://{self.bucket}/{plan.key}: part {number} stored as {etag}, sent as {md5.hexdigest()}"
-                )
-            plan.etags[number] = etag or md5.hexdigest()
-        if on_part is not None:
-            on_part(plan.rel, number)
-        return length, False
-
-    def _finish(self, local: durable.LocalCheckpoint, plan: _FilePlan) -> bool:
-        """Check the whole file's blocks against the manifest and complete its upload; False: write it again."""
-        crcs = [c for n in sorted(plan.crcs) for c in plan.crcs[n]]
-        durable.check_blocks(str(local.path), plan.rel, plan.entry, crcs, local.manifest.checksum_algorithm)
-        md5s = [plan.md5s[n] for n in sorted(plan.md5s)]
-        expected = md5s[0].hex() if plan.single else durable.composite_etag(md5s)
-        if plan.done_etag is not None:
-            return plan.done_etag == expected
-        if plan.single:
-            return True
-        parts = [{"PartNumber": n, "ETag": f'"{plan.etags[n]}"'} for n in sorted(plan.etags)]
-        done = self._call(
-            "complete the upload of", plan.key, self.client.complete_multipart_upload, Bucket=self.bucket,
-            Key=plan.key, UploadId=plan.upload_id, MultipartUpload={"Parts": parts},
-        )  # fmt: skip
-        etag = str(done.get("ETag", "")).strip('"')
-        if etag.endswith(f"-{len(parts)}") and etag != expected:
-            raise DurableTierError(f"s3://{self.bucket}/{plan.key}: completed as {etag}, expected {expected}")
-        return True
-
-    def _check_objects(self, step: int, token: str, manifest: layout.Manifest) -> None:
-        """Before the commit: every file the manifest names is in the tier at its recorded size."""
-        sizes = s3list.object_sizes(self, self.key(layout.step_dirname(step), token) + "/", len(manifest.files))
-        for rel, entry in sorted(manifest.files.items()):
-            size = sizes.get(self.data_key(step, token, rel))
-            if size != entry.size:
-                raise DurableTierError(
-                    f"{self.step_url(step)}/{token}/{rel}: {'missing' if size is None else f'{size} bytes'} in the "
-                    f"tier after its upload (recorded {entry.size}); not committed"
-                )
-
-    # ------------------------------------------------------------------ requests
-
-    def _call(self, what: str, key: str, fn: Any, **kwargs: Any) -> Any:
+    def call(self, what: str, key: str, fn: Any, **kwargs: Any) -> Any:
         try:
             return fn(**kwargs)
         except (ClientError, BotoCoreError) as e:
@@ -369,7 +199,7 @@ class S3Tier(durable.DurableTier):
                 raise DurableTierError(f"s3://{self.bucket}/{key}: arrived torn (Content-MD5 refused)") from None
             raise s3_error(f"s3://{self.bucket}/{key}: cannot {what}", e) from None
 
-    def _head(self, key: str) -> dict[str, Any] | None:
+    def head(self, key: str) -> dict[str, Any] | None:
         try:
             return dict(self.client.head_object(Bucket=self.bucket, Key=key))
         except ClientError as e:
@@ -379,14 +209,14 @@ class S3Tier(durable.DurableTier):
         except BotoCoreError as e:
             raise s3_error(f"s3://{self.bucket}/{key}: cannot look up", e) from None
 
-    def _put(
+    def put(
         self, key: str, data: bytes, *, if_none_match: bool = False, metadata: dict[str, str] | None = None
     ) -> None:
         kwargs: dict[str, Any] = {
             "Bucket": self.bucket,
             "Key": key,
             "Body": data,
-            "ContentMD5": _b64(hashlib.md5(data).digest()),
+            "ContentMD5": s3upload.b64(hashlib.md5(data).digest()),
         }
         if if_none_match:
             kwargs["IfNoneMatch"] = "*"
@@ -396,17 +226,17 @@ class S3Tier(durable.DurableTier):
             self.client.put_object(**kwargs)
         except ClientError as e:
             if if_none_match and _code(e) in MANIFEST_PUT_CODES:
-                raise _Precondition() from None
+                raise s3upload.PreconditionFailed() from None
             raise s3_error(f"s3://{self.bucket}/{key}: cannot write", e) from None
         except BotoCoreError as e:
             raise s3_error(f"s3://{self.bucket}/{key}: cannot write", e) from None
 
-    def _parts_of(self, key: str, upload_id: str) -> dict[int, tuple[str, int]]:
-        """The parts an unfinished upload holds: number -> (ETag, size); the pages capped at MAX_PARTS parts."""
+    def parts_of(self, key: str, upload_id: str) -> dict[int, tuple[str, int]]:
+        """The parts an unfinished upload holds: number -> (ETag, size), from at most `s3list.MAX_PAGES` pages."""
         parts: dict[int, tuple[str, int]] = {}
         marker = 0
-        while len(parts) <= durable.MAX_PARTS:
-            got = self._call(
+        for _page in range(s3list.MAX_PAGES):
+            got = self.call(
                 "list the parts of", key, self.client.list_parts, Bucket=self.bucket, Key=key, UploadId=upload_id,
                 PartNumberMarker=marker,
             )  # fmt: skip
@@ -415,45 +245,22 @@ class S3Tier(durable.DurableTier):
                 if type(n) is int and 1 <= n <= durable.MAX_PARTS and isinstance(etag, str) and type(size) is int:
                     parts[n] = (etag.strip('"'), size)
             nxt = got.get("NextPartNumberMarker")
-            if not got.get("IsTruncated") or type(nxt) is not int or nxt <= marker:
+            if not got.get("IsTruncated") or type(nxt) is not int or not marker < nxt < durable.MAX_PARTS:
                 break
             marker = nxt
         return parts
 
 
-def _all(futures: list[Future[Any]]) -> None:
-    """Wait for `futures`; on the first failure cancel the rest, wait for the running ones, and raise it."""
-    done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-    for f in done:
-        if f.exception() is not None:
-            for other in pending:
-                other.cancel()
-            wait(pending)
-            raise f.exception()  # type: ignore[misc]
-
-
-def _pread(ckpt: os.PathLike[str] | str, rel: str, offset: int, length: int) -> bytes:
-    path = safefile.resolve_inside(ckpt, rel)
-    fd = safefile.open_regular(path, str(path))
-    try:
-        chunks, got = [], 0
-        while got < length:
-            chunk = os.pread(fd, length - got, offset + got)
-            if not chunk:
-                raise CheckpointCorruptError(f"{path}: shorter than its manifest records", path=str(ckpt), file=rel)
-            chunks.append(chunk)
-            got += len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def _b64(digest: bytes) -> str:
-    return base64.b64encode(digest).decode()
+def _is_aws(endpoint: str) -> bool:
+    host = urllib.parse.urlsplit(endpoint).hostname or ""
+    return host.endswith((".amazonaws.com", ".amazonaws.com.cn"))
 
 
 def _total_size(got: dict[str, Any]) -> int | None:
     """The object's whole size from a ranged GET's Content-Range (`bytes 0-99/1234`), if the store sent one."""
     rng = str(got.get("ContentRange") or "")
     total = rng.rpartition("/")[2]
-    return int(total) if total.isdigit() and len(total) < 20 else None
+    if total.isdigit() and len(total) < 20:
+        return int(total)
+    length = got.get("ContentLength")  # a store that ignored the range sent the whole object
+    return length if not rng and type(length) is int else None

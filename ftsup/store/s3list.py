@@ -24,6 +24,9 @@ MAX_NAMES = 100_000
 """Names under a tier's prefix that a listing reads (a run keeps a handful of checkpoints; retention deletes the
 rest): a store that answers with more is reported, not read for ever."""
 PAGE = 1000
+MAX_PAGES = 200
+"""Pages of one listing read: a store that answers "there is more" for ever (empty pages, the same token) is not
+followed for ever."""
 
 
 def _base(tier: S3Tier) -> str:
@@ -37,11 +40,11 @@ def step_names(tier: S3Tier) -> tuple[list[int], list[str]]:
     others: list[str] = []
     token: str | None = None
     seen = 0
-    while True:
+    for _page in range(MAX_PAGES):
         kwargs: dict[str, Any] = {"Bucket": tier.bucket, "Prefix": base, "Delimiter": "/", "MaxKeys": PAGE}
         if token:
             kwargs["ContinuationToken"] = token
-        got = tier._call("list", base or "/", tier.client.list_objects_v2, **kwargs)
+        got = tier.call("list", base or "/", tier.client.list_objects_v2, **kwargs)
         for entry in got.get("CommonPrefixes", []) or []:
             name = entry.get("Prefix") if isinstance(entry, dict) else None
             seen += 1
@@ -59,12 +62,14 @@ def step_names(tier: S3Tier) -> tuple[list[int], list[str]]:
             key = obj.get("Key") if isinstance(obj, dict) else None
             inner = key[len(base) :] if isinstance(key, str) and key.startswith(base) else str(key)
             others.append(f"{durable.clean_name(inner)} (an object beside the checkpoints)")
-        token = got.get("NextContinuationToken")
+        last, token = token, got.get("NextContinuationToken")
         if not got.get("IsTruncated") or not isinstance(token, str) or not token:
             break
-        if seen >= MAX_NAMES:
-            others.append(f"... more than {MAX_NAMES} names under {tier.url}; the rest were not listed")
+        if seen >= MAX_NAMES or token == last:
+            others.append(f"... more than {seen} names under {tier.url}; the rest were not listed")
             break
+    else:
+        others.append(f"... more than {MAX_PAGES} pages of names under {tier.url}; the rest were not listed")
     return sorted(set(steps)), others
 
 
@@ -73,17 +78,19 @@ def object_sizes(tier: S3Tier, prefix: str, expected: int) -> dict[str, int]:
     sizes: dict[str, int] = {}
     token: str | None = None
     limit = expected + 2 * PAGE
-    while len(sizes) < limit:
+    for _page in range(MAX_PAGES):
+        if len(sizes) >= limit:
+            break
         kwargs: dict[str, Any] = {"Bucket": tier.bucket, "Prefix": prefix, "MaxKeys": PAGE}
         if token:
             kwargs["ContinuationToken"] = token
-        got = tier._call("list", prefix, tier.client.list_objects_v2, **kwargs)
+        got = tier.call("list", prefix, tier.client.list_objects_v2, **kwargs)
         for obj in got.get("Contents", []) or []:
             key, size = (obj.get("Key"), obj.get("Size")) if isinstance(obj, dict) else (None, None)
             if isinstance(key, str) and key.startswith(prefix) and type(size) is int and size >= 0:
                 sizes[key] = size
-        token = got.get("NextContinuationToken")
-        if not got.get("IsTruncated") or not isinstance(token, str) or not token:
+        last, token = token, got.get("NextContinuationToken")
+        if not got.get("IsTruncated") or not isinstance(token, str) or not token or token == last:
             break
     return sizes
 
@@ -93,8 +100,10 @@ def uploads_under(tier: S3Tier, prefix: str) -> dict[str, list[str]]:
     found: dict[str, list[tuple[str, str]]] = {}
     markers: dict[str, str] = {}
     seen = 0
-    while seen < MAX_NAMES:
-        got = tier._call(
+    for _page in range(MAX_PAGES):
+        if seen >= MAX_NAMES:
+            break
+        got = tier.call(
             "list the uploads under", prefix, tier.client.list_multipart_uploads, Bucket=tier.bucket, Prefix=prefix,
             MaxUploads=PAGE, **markers,
         )  # fmt: skip
@@ -106,7 +115,10 @@ def uploads_under(tier: S3Tier, prefix: str) -> dict[str, list[str]]:
         key_marker, id_marker = got.get("NextKeyMarker"), got.get("NextUploadIdMarker")
         if not got.get("IsTruncated") or not isinstance(key_marker, str) or not key_marker:
             break
-        markers = {"KeyMarker": key_marker, "UploadIdMarker": id_marker if isinstance(id_marker, str) else ""}
+        nxt = {"KeyMarker": key_marker, "UploadIdMarker": id_marker if isinstance(id_marker, str) else ""}
+        if nxt == markers:
+            break
+        markers = nxt
     return {key: [i for _, i in sorted(ups)] for key, ups in found.items()}
 
 
@@ -167,29 +179,35 @@ def delete(tier: S3Tier, step: int) -> int:
         manifest, raw = tier.manifest(step)
     except layout.ManifestError as e:
         raise CheckpointError(f"{tier.step_url(step)}: not deleted: {e}") from None
-    token = durable.data_token(raw)
-    keys = [tier.data_key(step, token, rel) for rel in sorted(manifest.files)]
     mkey = tier.manifest_key(step)
-    tier._call("delete", mkey, tier.client.delete_object, Bucket=tier.bucket, Key=mkey)
-    deleted = 1
+    tier.call("delete", mkey, tier.client.delete_object, Bucket=tier.bucket, Key=mkey)
+    return 1 + delete_files(tier, step, durable.data_token(raw), sorted(manifest.files))
+
+
+def delete_files(tier: S3Tier, step: int, token: str, rels: list[str]) -> int:
+    """Delete the objects `rels` of the data folder `token` of `step`, and unfinished uploads of those names; the
+    number of objects deleted. Only for a folder no committed manifest names (deleted first, or never committed)."""
+    keys = [tier.data_key(step, token, rel) for rel in rels]
+    where = f"{tier.step_url(step)}/{token}"
+    deleted = 0
     for i in range(0, len(keys), PAGE):
         batch = [{"Key": k} for k in keys[i : i + PAGE]]
-        got = tier._call(
-            "delete the files of", mkey, tier.client.delete_objects, Bucket=tier.bucket,
+        got = tier.call(
+            "delete the files of", where, tier.client.delete_objects, Bucket=tier.bucket,
             Delete={"Objects": batch, "Quiet": True},
         )  # fmt: skip
         errors = got.get("Errors", []) or []
         if errors:
             first = errors[0] if isinstance(errors[0], dict) else {}
             raise CheckpointError(
-                f"{tier.step_url(step)}: {len(errors)} file(s) not deleted, e.g. "
+                f"{where}: {len(errors)} file(s) not deleted, e.g. "
                 f"{durable.clean_name(str(first.get('Key')))}: {durable.clean_name(str(first.get('Code')), 40)}"
             )
         deleted += len(batch)
     named = set(keys)
     for key, ids in uploads_under(tier, tier.key(layout.step_dirname(step), token) + "/").items():
         for upload_id in ids if key in named else []:
-            tier._call(
+            tier.call(
                 "abort an upload of", key, tier.client.abort_multipart_upload, Bucket=tier.bucket, Key=key,
                 UploadId=upload_id,
             )  # fmt: skip

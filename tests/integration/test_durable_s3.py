@@ -77,6 +77,27 @@ def test_a_second_commit_of_a_step_with_other_content_is_refused_and_the_first_s
     assert tree(restored) == tree(first)
 
 
+def test_two_writers_racing_for_a_step_commit_it_once_and_the_loser_leaves_nothing(
+    bucket: str, tmp_path: Path, s3_server: SeaweedS3
+) -> None:
+    winner = make_fake_checkpoint(tmp_path / "a", 30, big_files(1))
+    loser = make_fake_checkpoint(tmp_path / "b", 30, big_files(2))
+    with durable.open_tier(f"s3://{bucket}/run", OPTIONS) as a, durable.open_tier(f"s3://{bucket}/run", OPTIONS) as b:
+        raced: list[durable.UploadReport] = []
+
+        def the_other_commits_first(rel: str, number: int) -> None:
+            if not raced:  # the loser has started sending; the winner does its whole upload now
+                raced.append(a.upload(winner))
+
+        with pytest.raises(DurableConflictError, match="already committed with other content"):
+            b.upload(loser, on_part=the_other_commits_first)
+        _, raw = b.manifest(30)
+    assert [r.outcome for r in raced] == ["committed"]
+    assert raw == (winner / layout.MANIFEST_NAME).read_bytes()
+    lost = durable.data_token((loser / layout.MANIFEST_NAME).read_bytes())
+    assert [k for k in keys(s3_server, bucket) if lost in k] == []  # the loser's files were its own: deleted
+
+
 def test_the_store_stopped_mid_upload_lists_nothing_then_the_upload_resumes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
