@@ -32,6 +32,7 @@ from ftsup.store.errors import (
 )
 
 _UPLOAD = re.compile(r"^\.step-\d{9,18}\.upload-data-[0-9a-f]{24}$")
+_LEFTOVER = re.compile(r"^\..+\.tmp-[0-9a-f]{8}$")
 
 
 class FilesystemTier(durable.DurableTier):
@@ -70,6 +71,7 @@ class FilesystemTier(durable.DurableTier):
             with ThreadPoolExecutor(self.options.concurrency, thread_name_prefix="ftsup-durable") as pool:
                 sent = list(pool.map(lambda item: self._copy(local, item[0], item[1], work, on_part),
                                      sorted(local.manifest.files.items())))  # fmt: skip
+            _remove_leftovers(work)
             manifest_tmp = work / f".{layout.MANIFEST_NAME}.tmp-{secrets.token_hex(4)}"
             layout.write_file_durable(manifest_tmp, local.manifest_raw)
             os.replace(manifest_tmp, work / layout.MANIFEST_NAME)
@@ -113,8 +115,9 @@ class FilesystemTier(durable.DurableTier):
                 return 0, True
         except (CheckpointError, OSError):
             pass  # missing, or not what it should be: written again
+        safefile.resolve_inside(work, rel)  # a link planted on the way out of the upload folder is refused,
         dest.parent.mkdir(parents=True, exist_ok=True)
-        safefile.resolve_inside(work, rel)  # a link planted on the way out of the upload folder is refused
+        safefile.resolve_inside(work, rel)  # before and after the folders on the way are made
         tmp = dest.with_name(f".{dest.name}.tmp-{secrets.token_hex(4)}")
         src = safefile.open_regular(safefile.resolve_inside(local.path, rel), f"{local.path}/{rel}")
         crcs: list[int] = []
@@ -211,6 +214,16 @@ class FilesystemTier(durable.DurableTier):
         finally:
             os.close(fd)
         return len(manifest.files) + 1
+
+
+def _remove_leftovers(top: Path) -> None:
+    """Remove the temporary copies an upload killed midway left in its folder (plain files of the names `_copy`
+    gives them), so that none of them is committed with the checkpoint."""
+    for dirpath, _dirs, files in os.walk(top):
+        for name in files:
+            path = Path(dirpath) / name
+            if _LEFTOVER.match(name) and stat.S_ISREG(os.lstat(path).st_mode):
+                os.unlink(path)
 
 
 def _fsync_tree(top: Path) -> None:

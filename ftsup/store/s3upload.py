@@ -229,7 +229,7 @@ def _check_objects(tier: S3Tier, step: int, token: str, manifest: layout.Manifes
             )
 
 
-# ------------------------------------------------------------------ requests
+# ------------------------------------------------------------------ helpers
 
 
 def _all(futures: list[Future[Any]]) -> None:

@@ -204,3 +204,13 @@ def test_ftsup_ckpt_list_of_a_bad_s3_location_is_a_usage_error_naming_it(capsys:
 
     assert main(["ckpt", "list", "s3://Bad_Bucket/run"]) == 2
     assert "not an S3 bucket name" in capsys.readouterr().err
+
+
+def test_what_a_killed_filesystem_upload_left_in_its_folder_is_not_committed(tmp_path: Path) -> None:
+    local = make_fake_checkpoint(tmp_path / "fast", 3, default_files())
+    token = durable.data_token((local / layout.MANIFEST_NAME).read_bytes())
+    folder = tmp_path / "durable" / f".step-000000003.upload-{token}"
+    folder.mkdir(parents=True)
+    (folder / ".shard-00000.safetensors.tmp-0123abcd").write_bytes(b"half a copy")
+    durable.open_tier(str(tmp_path / "durable"), OPTIONS).upload(local)
+    assert sorted(os.listdir(tmp_path / "durable" / "step-000000003")) == sorted(os.listdir(local))
