@@ -27,7 +27,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ftsup.store import checksums, layout, safefile
+from ftsup.store import checksums, layout, retention, safefile
 from ftsup.store.errors import CheckpointCorruptError, CheckpointError, ManifestError
 
 MIB = 1 << 20
@@ -287,7 +287,22 @@ class DurableTier(ABC):
         dest_root.mkdir(parents=True, exist_ok=True)
         work = dest_root / f".{layout.step_dirname(step)}.download-{secrets.token_hex(4)}"
         os.mkdir(work, 0o755)
+        try:
+            self._fetch_into(step, manifest, raw, work)
+            try:
+                os.rename(work, final)  # fails onto a non-empty directory: a step saved meanwhile is kept
+            except OSError as e:
+                raise CheckpointError(f"{final}: could not commit the download ({e.strerror or e})") from e
+        except BaseException:
+            _remove_own(dest_root, work.name)  # a random name of ours: nothing else is in it
+            raise
+        layout.fsync_dir(dest_root)
+        return final
+
+    def _fetch_into(self, step: int, manifest: layout.Manifest, raw: bytes, work: Path) -> None:
+        """Every file of the checkpoint into `work`, checked, fsynced; the manifest last."""
         for rel in sorted(manifest.files):
+            safefile.resolve_inside(work, rel)
             (work / rel).parent.mkdir(parents=True, exist_ok=True)
             os.close(os.open(work / rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
 
@@ -313,12 +328,6 @@ class DurableTier(ABC):
                 os.close(fd)
         layout.write_file_durable(work / layout.MANIFEST_NAME, raw)
         layout.fsync_dir(work)
-        try:
-            os.rename(work, final)  # fails onto a non-empty directory: a step saved meanwhile is kept
-        except OSError as e:
-            raise CheckpointError(f"{final}: could not commit the download ({e.strerror or e}); it is in {work}") from e
-        layout.fsync_dir(dest_root)
-        return final
 
     def read_files(
         self, step: int, token: str, manifest: layout.Manifest, write: Callable[[str, int, bytes], None] | None = None
@@ -365,6 +374,18 @@ class DurableTier(ABC):
             if len(problems) >= layout.MAX_PROBLEMS:
                 break
         return problems
+
+
+def _remove_own(parent: Path, name: str) -> None:
+    """Remove the directory `name` this process made under `parent` (never through a link)."""
+    try:
+        fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        retention.remove_dir(fd, name)
+    finally:
+        os.close(fd)
 
 
 def open_tier(url: str, options: DurableOptions | None = None) -> DurableTier:
