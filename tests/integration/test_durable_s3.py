@@ -228,8 +228,12 @@ def test_without_a_bucket_the_upload_fails_naming_it(s3_server: SeaweedS3, monke
             tier.upload(local)
 
 
-def test_the_endpoint_comes_from_the_standard_variable(bucket: str, tmp_path: Path, s3_server: SeaweedS3) -> None:
-    assert os.environ["AWS_ENDPOINT_URL_S3"] == s3_server.endpoint
+@pytest.mark.parametrize("variable", ["AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"])
+def test_the_endpoint_comes_from_a_standard_variable(
+    variable: str, bucket: str, tmp_path: Path, s3_server: SeaweedS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3")
+    monkeypatch.setenv(variable, s3_server.endpoint)
     with durable.open_tier(f"s3://{bucket}", OPTIONS) as tier:
         tier.upload(make_fake_checkpoint(tmp_path / "fast", 4, default_files()))
     assert "step-000000004/manifest.json" in keys(s3_server, bucket)
