@@ -58,3 +58,16 @@ def test_ckpt_list_of_an_s3_tier_with_credentials_refused_fails_in_one_line(buck
     )
     assert done.returncode == 2
     assert done.output.strip().splitlines()[-1].startswith("ftsup: error: ")
+
+
+def test_ckpt_list_of_an_s3_tier_mentions_an_upload_never_committed_without_listing_it(
+    bucket: str, tmp_path: Path, s3_server: SeaweedS3
+) -> None:
+    with durable.open_tier(f"s3://{bucket}/run", OPTIONS) as tier:
+        tier.upload(make_fake_checkpoint(tmp_path / "fast", 5, default_files()))
+    client(s3_server).put_object(Bucket=bucket, Key="run/step-000000006/data-0123456789abcdef01234567/x", Body=b"x")
+    status, out = ftsup("ckpt", "list", f"s3://{bucket}/run")
+    lines = out.splitlines()
+    assert status == 0
+    assert [line.split()[0] for line in lines[1:] if line[:1].isdigit()] == ["5"]
+    assert "not a checkpoint: step-000000006/ (no manifest: an upload not committed)" in lines
