@@ -47,12 +47,26 @@ def _port_free(port: int) -> bool:
         return True
 
 
+def _unclaimed_range() -> tuple[int, int]:
+    """Where to draw a port from: below the kernel's ephemeral range with its gRPC twin (no outgoing connection
+    takes it between the check and the server's bind, or while the server is stopped for a restart), else
+    anywhere under PORT_CEILING."""
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 0
+    if ephemeral - GRPC_OFFSET - 10000 >= 2000:
+        return 10000, ephemeral - GRPC_OFFSET
+    return 20000, PORT_CEILING - GRPC_OFFSET
+
+
 def free_port_pairs(count: int) -> list[int]:
     """`count` distinct ports below PORT_CEILING, each free on 127.0.0.1 together with its gRPC twin (+10000)."""
     draw = random.SystemRandom()
+    low, high = _unclaimed_range()
     chosen: list[int] = []
     while len(chosen) < count:
-        port = draw.randrange(20000, PORT_CEILING - GRPC_OFFSET)
+        port = draw.randrange(low, high)
         taken = {c for c in chosen} | {c + GRPC_OFFSET for c in chosen}
         if port in taken or port + GRPC_OFFSET in taken:
             continue
