@@ -40,10 +40,13 @@ class CuttingProxy:
         self.close()
 
     def cut(self) -> None:
-        """Reset every connection open now (SO_LINGER 0: an RST, not a polite FIN)."""
+        """Reset every connection open now (SO_LINGER 0: an RST, not a polite FIN); counted in `cuts`."""
+        self.cuts += 1
+        self._reset_all()
+
+    def _reset_all(self) -> None:
         with self._lock:
             doomed, self._open = list(self._open), set()
-            self.cuts += 1
         for s in doomed:
             with contextlib.suppress(OSError):
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -54,7 +57,7 @@ class CuttingProxy:
     def close(self) -> None:
         self._stop.set()
         self._acceptor.join(timeout=10)
-        self.cut()
+        self._reset_all()
         for t in self._threads:
             t.join(timeout=10)
         self.listener.close()

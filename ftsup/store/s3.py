@@ -197,6 +197,8 @@ class S3Tier(durable.DurableTier):
         except (ClientError, BotoCoreError) as e:
             if isinstance(e, ClientError) and _code(e) == "BadDigest":
                 raise DurableTierError(f"s3://{self.bucket}/{key}: arrived torn (Content-MD5 refused)") from None
+            if isinstance(e, ClientError) and _code(e) == "NoSuchUpload":
+                raise s3upload.UploadGone(f"s3://{self.bucket}/{key}: its multipart upload is gone") from None
             raise s3_error(f"s3://{self.bucket}/{key}: cannot {what}", e) from None
 
     def head(self, key: str) -> dict[str, Any] | None:

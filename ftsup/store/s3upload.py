@@ -25,8 +25,18 @@ if TYPE_CHECKING:
     from ftsup.store.s3 import S3Tier
 
 
+PASSES = 3
+"""Times a file is sent in one upload before its object is left to the next one (`_check_objects` then refuses the
+commit): an object there with other bytes, a multipart upload the store dropped meanwhile."""
+
+
 class PreconditionFailed(Exception):
     """The store refused a conditional write: the object is there."""
+
+
+class UploadGone(DurableTierError):
+    """A multipart upload the store no longer knows (aborted by a lifecycle rule or another client, or cleaned up by
+    the store): its file is sent again in a new one."""
 
 
 @dataclass
@@ -70,11 +80,14 @@ def upload(
     with ThreadPoolExecutor(tier.options.concurrency, thread_name_prefix="ftsup-s3") as pool:
         _all([pool.submit(_plan, tier, p, unfinished.get(p.key, [])) for p in plans])
         retry = _send(tier, pool, local, plans, report, on_part)
-        if retry:  # objects that were there but not as this upload would write them: written again
+        for _ in range(PASSES - 1):
+            if not retry:
+                break
+            # Objects there but not as this upload writes them, uploads gone: sent again, in new uploads.
             for p in retry:
-                p.done_etag, p.md5s, p.crcs, p.etags, p.have = None, {}, {}, {}, {}
+                p.done_etag, p.upload_id, p.md5s, p.crcs, p.etags, p.have = None, None, {}, {}, {}, {}
                 _plan(tier, p, [], fresh=True)
-            _send(tier, pool, local, retry, report, on_part)
+            retry = _send(tier, pool, local, retry, report, on_part)
     _check_objects(tier, step, token, local.manifest)
     try:
         tier.put(tier.manifest_key(step), local.manifest_raw, if_none_match=True)
@@ -110,8 +123,11 @@ def _plan(tier: S3Tier, plan: _FilePlan, unfinished: list[str], fresh: bool = Fa
     if plan.single:
         return
     if unfinished and not fresh:
-        plan.upload_id, plan.have = unfinished[0], tier.parts_of(plan.key, unfinished[0])
-        return
+        try:
+            plan.upload_id, plan.have = unfinished[0], tier.parts_of(plan.key, unfinished[0])
+            return
+        except UploadGone:  # dropped since it was listed: a new one
+            plan.upload_id, plan.have = None, {}
     created = tier.call(
         "start an upload of", plan.key, tier.client.create_multipart_upload, Bucket=tier.bucket, Key=plan.key,
         Metadata={"ftsup-checksum": plan.entry.checksum},
@@ -132,6 +148,7 @@ def _send(
         pool.submit(_part, tier, local, p, n, on_part): (p, n) for p in plans for n in range(1, len(p.parts) + 1)
     }
     left = {id(p): len(p.parts) for p in plans}
+    gone: set[int] = set()
     retry: list[_FilePlan] = []
     pending: set[Future[tuple[int, str]]] = set(futures)
     try:
@@ -139,13 +156,17 @@ def _send(
             finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
             for f in finished:
                 plan, _ = futures[f]
-                sent, how = f.result()  # a part's failure is raised here
+                try:
+                    sent, how = f.result()  # a part's failure is raised here
+                except UploadGone:
+                    gone.add(id(plan))
+                    sent, how = 0, "gone"
                 report["bytes_sent"] += sent
-                if how != "checked":  # a part of an object that was there counts once its file is judged
+                if how in ("sent", "kept"):  # a part of an object that was there counts once its file is judged
                     report["parts_sent" if how == "sent" else "parts_kept"] += 1
                 left[id(plan)] -= 1
                 if left[id(plan)] == 0:
-                    if not _finish(tier, local, plan):
+                    if id(plan) in gone or not _finish(tier, local, plan):
                         retry.append(plan)
                     elif plan.done_etag is not None:
                         report["parts_kept"] += len(plan.parts)
@@ -207,10 +228,13 @@ def _finish(tier: S3Tier, local: durable.LocalCheckpoint, plan: _FilePlan) -> bo
     if plan.single:
         return True
     parts = [{"PartNumber": n, "ETag": f'"{plan.etags[n]}"'} for n in sorted(plan.etags)]
-    done = tier.call(
-        "complete the upload of", plan.key, tier.client.complete_multipart_upload, Bucket=tier.bucket,
-        Key=plan.key, UploadId=plan.upload_id, MultipartUpload={"Parts": parts},
-    )  # fmt: skip
+    try:
+        done = tier.call(
+            "complete the upload of", plan.key, tier.client.complete_multipart_upload, Bucket=tier.bucket,
+            Key=plan.key, UploadId=plan.upload_id, MultipartUpload={"Parts": parts},
+        )  # fmt: skip
+    except UploadGone:
+        return False
     etag = str(done.get("ETag", "")).strip('"')
     if etag.endswith(f"-{len(parts)}") and etag != expected:
         raise DurableTierError(f"s3://{tier.bucket}/{plan.key}: completed as {etag}, expected {expected}")

@@ -69,5 +69,6 @@ def test_ckpt_list_of_an_s3_tier_mentions_an_upload_never_committed_without_list
     status, out = ftsup("ckpt", "list", f"s3://{bucket}/run")
     lines = out.splitlines()
     assert status == 0
-    assert [line.split()[0] for line in lines[1:] if line[:1].isdigit()] == ["5"]
+    table = lines[1 : lines.index("")]  # the rows under the header, up to the summary
+    assert [line.split()[0] for line in table] == ["5"]
     assert "not a checkpoint: step-000000006/ (no manifest: an upload not committed)" in lines

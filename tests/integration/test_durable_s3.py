@@ -4,6 +4,7 @@ delete, resumption after the store stopped mid-upload, and a hostile store (ftsu
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import psutil
@@ -84,10 +85,12 @@ def test_two_writers_racing_for_a_step_commit_it_once_and_the_loser_leaves_nothi
     loser = make_fake_checkpoint(tmp_path / "b", 30, big_files(2))
     with durable.open_tier(f"s3://{bucket}/run", OPTIONS) as a, durable.open_tier(f"s3://{bucket}/run", OPTIONS) as b:
         raced: list[durable.UploadReport] = []
+        once = threading.Lock()
 
         def the_other_commits_first(rel: str, number: int) -> None:
-            if not raced:  # the loser has started sending; the winner does its whole upload now
-                raced.append(a.upload(winner))
+            with once:  # the loser has started sending (on several threads); the winner does its whole upload now
+                if not raced:
+                    raced.append(a.upload(winner))
 
         with pytest.raises(DurableConflictError, match="already committed with other content"):
             b.upload(loser, on_part=the_other_commits_first)
