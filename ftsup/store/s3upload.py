@@ -48,6 +48,7 @@ class _FilePlan:
     key: str
     parts: list[tuple[int, int]]
     done_etag: str | None = None  # the object is there at this size: kept if its ETag is the parts' one
+    mismatched: bool = False  # it was there, but not with this upload's bytes: written again, never just checked
     upload_id: str | None = None
     have: dict[int, tuple[str, int]] = field(default_factory=dict)  # part number -> (ETag, size) already sent
     md5s: dict[int, bytes] = field(default_factory=dict)
@@ -86,7 +87,8 @@ def upload(
             # Objects there but not as this upload writes them, uploads gone: sent again, in new uploads.
             for p in retry:
                 p.done_etag, p.upload_id, p.md5s, p.crcs, p.etags, p.have = None, None, {}, {}, {}, {}
-                _plan(tier, p, [], fresh=True)
+                # An upload gone may have been completed by another writer of these bytes: looked up again.
+                _plan(tier, p, [], fresh=p.mismatched)
             retry = _send(tier, pool, local, retry, report, on_part)
     _check_objects(tier, step, token, local.manifest)
     try:
@@ -224,7 +226,8 @@ def _finish(tier: S3Tier, local: durable.LocalCheckpoint, plan: _FilePlan) -> bo
     md5s = [plan.md5s[n] for n in sorted(plan.md5s)]
     expected = md5s[0].hex() if plan.single else durable.composite_etag(md5s)
     if plan.done_etag is not None:
-        return plan.done_etag == expected
+        plan.mismatched = plan.done_etag != expected
+        return not plan.mismatched
     if plan.single:
         return True
     parts = [{"PartNumber": n, "ETag": f'"{plan.etags[n]}"'} for n in sorted(plan.etags)]

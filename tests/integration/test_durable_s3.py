@@ -101,6 +101,26 @@ def test_two_writers_racing_for_a_step_commit_it_once_and_the_loser_leaves_nothi
     assert [k for k in keys(s3_server, bucket) if lost in k] == []  # the loser's files were its own: deleted
 
 
+def test_two_writers_of_the_same_checkpoint_racing_both_succeed_and_commit_it_once(
+    bucket: str, tmp_path: Path, s3_server: SeaweedS3
+) -> None:
+    files = big_files(4)
+    mine, theirs = (make_fake_checkpoint(tmp_path / name, 31, files) for name in ("a", "b"))
+    with durable.open_tier(f"s3://{bucket}/run", OPTIONS) as a, durable.open_tier(f"s3://{bucket}/run", OPTIONS) as b:
+        raced: list[durable.UploadReport] = []
+        once = threading.Lock()
+
+        def the_other_finishes_first(rel: str, number: int) -> None:
+            with once:  # both send into the same keys; the other completes its uploads and commits meanwhile
+                if not raced:
+                    raced.append(a.upload(theirs))
+
+        report = b.upload(mine, on_part=the_other_finishes_first)
+        info = b.inspect(31, deep=True)
+    assert sorted([raced[0].outcome, report.outcome]) == ["already", "committed"]
+    assert info.consistent
+
+
 def test_the_store_stopped_mid_upload_lists_nothing_then_the_upload_resumes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
