@@ -35,8 +35,8 @@ class PreconditionFailed(Exception):
 
 
 class UploadGone(DurableTierError):
-    """A multipart upload the store no longer knows (aborted by a lifecycle rule or another client, or cleaned up by
-    the store): its file is sent again in a new one."""
+    """A multipart upload the store no longer knows (completed by another writer of the same bytes, aborted by a
+    lifecycle rule or another client): its file is looked up again, and sent again in a new one unless it is there."""
 
 
 @dataclass
