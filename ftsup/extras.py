@@ -3,7 +3,8 @@
 `pip install ftsup` alone installs the supervisor and the `ftsup` command, which never import torch. What a training
 script imports from ftsup (the checkpoint engine, the training state, ...) needs torch and numpy, which come with the
 `trainer` extra: `pip install 'ftsup[trainer]'` (torch installed first chooses its build, as the README shows).
-NVIDIA's ft_launcher, a contender of `ftsup bench goodput` and nothing else, comes with the `bench` extra.
+NVIDIA's ft_launcher, a contender of `ftsup bench goodput` and nothing else, comes with the `bench` extra; boto3, the
+S3 client of a durable tier on object storage (`ftsup.store.s3`), with the `durable` extra.
 Where such code is asked for without them, the user reads `needs(...)`: what needed which module, in which Python,
 and the line that installs it; `MissingExtraError` carries it, never a bare "No module named 'torch'".
 
@@ -15,7 +16,13 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-PROVIDED_BY = {"torch": "trainer", "numpy": "trainer", "nvidia_resiliency_ext": "bench"}
+PROVIDED_BY = {
+    "torch": "trainer",
+    "numpy": "trainer",
+    "nvidia_resiliency_ext": "bench",
+    "boto3": "durable",
+    "botocore": "durable",
+}
 """Top-level import name -> the extra of `ftsup` that installs it (pyproject.toml's optional-dependencies)."""
 
 

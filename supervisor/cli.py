@@ -4,8 +4,8 @@ Subcommands (DESIGN.md, Contracts: their names, flags and JSON shapes change onl
 
     ftsup run [--config JOB.yaml] [FLAGS] [-- CMD]     the supervisor; every config key a flag (`config_args`)
     ftsup config check [JOB.yaml] [FLAGS] [-- CMD]     the config `ftsup run` would run, checked; nothing started
-    ftsup ckpt list DIR [--json] [--deep]              every committed checkpoint, oldest first (`cli_ckpt`)
-    ftsup ckpt verify DIR [--step N] [--deep] [--json] one checkpoint (default: the newest)
+    ftsup ckpt list DIR|s3://.. [--json] [--deep]      every committed checkpoint, oldest first (`cli_ckpt`)
+    ftsup ckpt verify DIR|s3://.. [--step N] [--deep]  one checkpoint (default: the newest); s3://: `cli_durable`
     ftsup ckpt show DIR [--step N] [--json]            one checkpoint: manifest, trainer metadata, pin
     ftsup ckpt pin|unpin DIR --step N [--reason TEXT]  kept whatever the retention policy, journaled
     ftsup rollback --config JOB.yaml --to-step N ...   an operator's rollback request (`cli_rollback`)
@@ -256,6 +256,18 @@ def _build_rollback(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
 # --------------------------------------------------------------------------- ckpt
 
 
+def _store(text: str) -> Path | str:
+    """A checkpoint directory, or a durable tier on object storage kept as its URL (a Path would fold its `//`)."""
+    if text.startswith("s3://"):
+        from ftsup.store import durable
+
+        try:
+            return durable.parse_location(text).url
+        except CheckpointError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return Path(text)
+
+
 def _build_ckpt(ckpt: argparse.ArgumentParser, rest: Sequence[str]) -> None:
     actions = ckpt.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
 
@@ -265,7 +277,9 @@ def _build_ckpt(ckpt: argparse.ArgumentParser, rest: Sequence[str]) -> None:
         description="List every committed checkpoint under DIR, oldest first, and whether it "
         "is consistent (manifest parses, files have the recorded sizes; --deep: checksums).",
     )
-    p.add_argument("dir", metavar="DIR", type=Path, help="the checkpoint directory")
+    p.add_argument(
+        "dir", metavar="DIR", type=_store, help="the checkpoint directory, or a durable tier s3://BUCKET/PREFIX"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--deep", action="store_true", help="also verify every checksum (reads all)")
     p.set_defaults(handler=cli_ckpt.cmd_list)
@@ -276,7 +290,9 @@ def _build_ckpt(ckpt: argparse.ArgumentParser, rest: Sequence[str]) -> None:
         description="Verify the checkpoint of --step, or else the newest committed one (even "
         "when it is broken: then verify fails). Exit 0 when consistent, 1 when not.",
     )
-    p.add_argument("dir", metavar="DIR", type=Path, help="the checkpoint directory")
+    p.add_argument(
+        "dir", metavar="DIR", type=_store, help="the checkpoint directory, or a durable tier s3://BUCKET/PREFIX"
+    )
     p.add_argument("--step", type=_step_number, help="the step to verify (default: newest)")
     p.add_argument("--deep", action="store_true", help="also verify every checksum (reads all)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -4,7 +4,8 @@ Part of the `ftsup` command line (`ftsup.supervisor.cli` registers the commands;
 `add_commands` adds show, pin and unpin with their flags). `show` prints one checkpoint's manifest, its trainer
 metadata (the data skips in force when it was saved among them) and its pin. Torch-free: it prints what
 `ftsup.store.layout` and `ftsup.store.pins` find and decides nothing itself; a pin or unpin is logged
-(`checkpoint_pinned`, `checkpoint_unpinned`, with who and why) and journaled in the store by `pins`.
+(`checkpoint_pinned`, `checkpoint_unpinned`, with who and why) and journaled in the store by `pins`. `list` and
+`verify` of a durable tier on object storage (`s3://BUCKET/PREFIX`) are `cli_durable`'s.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import structlog
 
 from ftsup.store import layout, pins
 from ftsup.store.errors import NoCheckpointError
-from ftsup.supervisor import logs
+from ftsup.supervisor import cli_durable, logs
 from ftsup.supervisor.errors import UsageError
 
 EXIT_OK = 0
@@ -33,6 +34,8 @@ def print_json(obj: Any) -> None:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    if cli_durable.is_tier(args.dir):
+        return cli_durable.cmd_list(args)
     root = _checkpoint_root(args.dir)
     infos = layout.list_checkpoints(root, deep=args.deep)
     pinset = pins.read_pins(root)
@@ -48,7 +51,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     if not infos:
         print(f"no committed checkpoints under {root}")
     else:
-        print(_checkpoint_table(infos, pinset.kept))
+        print(checkpoint_table(infos, pinset.kept))
         broken = sum(not i.consistent for i in infos)
         check = "deep check (checksums)" if args.deep else "fast check (sizes; --deep: checksums)"
         print(f"\n{len(infos)} committed, {broken} inconsistent; {check}")
@@ -85,7 +88,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         return EXIT_OK
     for key in ("path", "step", "consistent", "kind", "world_size", "files", "bytes", "data_skips", "pinned"):
         value = shown[key]
-        print(f"{key}: {_human_bytes(value) if key == 'bytes' and isinstance(value, int) else value}")
+        print(f"{key}: {human_bytes(value) if key == 'bytes' and isinstance(value, int) else value}")
     print(f"created: {_utc(shown['created_unix'])} UTC")
     if pin is not None:
         print(f"pin: by {pin.who} at {_utc(pin.pinned_unix)} UTC" + (f": {pin.reason}" if pin.reason else ""))
@@ -170,6 +173,8 @@ def _pin_lines(pinset: pins.PinSet, steps: set[int]) -> list[str]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    if cli_durable.is_tier(args.dir):
+        return cli_durable.cmd_verify(args)
     root = _checkpoint_root(args.dir)
     committed = dict(layout.committed_dirs(root))
     if args.step is None:
@@ -204,7 +209,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         how = "checksums verified" if args.deep else "sizes checked; --deep verifies checksums"
         print(
             f"{path.name}: consistent ({manifest.kind}, world size {manifest.world_size}, "
-            f"{len(manifest.files)} files, {_human_bytes(total)}; {how})"
+            f"{len(manifest.files)} files, {human_bytes(total)}; {how})"
         )
     else:
         print(f"{path.name}: NOT consistent ({len(problems)} problem(s)):")
@@ -259,7 +264,7 @@ def _uncommitted_lines(root: Path) -> list[str]:
     return lines
 
 
-def _checkpoint_table(infos: Sequence[layout.CheckpointInfo], pinned: frozenset[int] = frozenset()) -> str:
+def checkpoint_table(infos: Sequence[layout.CheckpointInfo], pinned: frozenset[int] = frozenset()) -> str:
     rows = [("STEP", "KIND", "WORLD", "CREATED (UTC)", "STATUS", "PIN", "PATH")]
     for i in infos:
         rows.append(
@@ -289,7 +294,7 @@ def _utc(created_unix: float | None) -> str:
     return datetime.fromtimestamp(created_unix, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _human_bytes(n: int) -> str:
+def human_bytes(n: int) -> str:
     if n < 1024:
         return f"{n} B"
     size, unit = n / 1024, "KiB"

@@ -11,6 +11,8 @@ writes it. Both import this package; it imports neither of them, nor torch:
 - `retention`: which checkpoints to keep, and deleting the rest;
 - `pins`: checkpoints an operator pinned against retention, and the journal of who did and why;
 - `dcpmeta`: the schema of `dcp_metadata.json`;
+- `durable` (with `durable_fs`, and `s3`, `s3upload`, `s3list`: boto3): the durable tier, checkpoints copied to
+  object storage or a shared filesystem;
 - `errors`: the `CheckpointError` tree.
 
 The format, the commit protocol and the rules for a hostile store: `DESIGN.md` beside this file.

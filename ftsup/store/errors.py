@@ -51,3 +51,14 @@ class CheckpointMismatchError(CheckpointError):
 
 class CheckpointSaveError(CheckpointError):
     """A save failed; the previous committed checkpoint is untouched."""
+
+
+class DurableTierError(CheckpointError):
+    """The durable tier could not be reached or refused a request (the store down, a connection cut, credentials
+    refused, a bucket missing): nothing was committed by the call that raised it, and the same call made again
+    resumes where it stopped."""
+
+
+class DurableConflictError(CheckpointError):
+    """The durable tier already holds a different checkpoint of this step (another writer committed it first):
+    a committed step is never overwritten."""

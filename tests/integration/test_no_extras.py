@@ -94,3 +94,13 @@ def test_torch_side_code_asked_for_names_the_missing_extra(asked: str, venv: Pat
     done = bare(venv, [a.format(**fill) for a in TORCH_SIDE[asked]], tmp_path)
     last = (done.stderr.strip().splitlines() or [""])[-1]
     assert (done.returncode != 0, EXTRA in last) == (True, True), (done.returncode, done.stderr[-3000:])
+
+
+def test_a_durable_tier_on_object_storage_asked_for_names_the_durable_extra(venv: Path, tmp_path: Path) -> None:
+    done = bare(venv, [str(venv / "ftsup"), "ckpt", "list", "s3://bucket/run"], tmp_path)
+    last = (done.stderr.strip().splitlines() or [""])[-1]
+    assert (done.returncode, last.startswith("ftsup: error: "), "pip install 'ftsup[durable]'" in last) == (
+        2,
+        True,
+        True,
+    )

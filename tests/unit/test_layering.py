@@ -4,7 +4,8 @@
                          (ftsup.store, ftsup.protocol, ftsup.procs, ftsup.guard: every module under ftsup/)
 
 - The shared core imports neither side, and only the standard library besides itself (the
-  process modules also psutil); `ftsup.guard` imports nothing of ftsup at all, because its exec
+  process modules also psutil, the durable tier's S3 backend boto3);
+  `ftsup.guard` imports nothing of ftsup at all, because its exec
   wrapper runs isolated (`python -I -S`), where nothing else of ftsup can be found.
 - `ftsup.trainer` never imports `ftsup.supervisor`, not even inside a function.
 - `ftsup.supervisor` never imports `ftsup.trainer` at module level. Inside a function it may only
@@ -24,7 +25,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 FOLDERS = {"ftsup": "ftsup", "ftsup.supervisor": "supervisor", "ftsup.trainer": "trainer"}  # as setup.py maps them
-CORE_THIRD_PARTY = {"ftsup.procs": {"psutil"}}  # what a core module may import beyond the standard library
+# What a core module may import beyond the standard library: the process modules psutil; the durable tier's S3
+# backend boto3, which only an s3:// tier imports (the `durable` extra; ftsup/store/DESIGN.md, "Durable tier").
+CORE_THIRD_PARTY = {"ftsup.procs": {"psutil"}, "ftsup.store.s3": {"boto3", "botocore"}}
 
 LAZY_TRAINER_IMPORTS = {
     "ftsup.supervisor.cli": "`ftsup ckpt export-hf` and `ftsup bench checkpoint` need torch: imported when they run",

@@ -1,0 +1,290 @@
+"""The upload of a committed local checkpoint into a durable tier on object storage (`ftsup.store.s3`).
+
+Files first, each in parts read once from the local checkpoint: checked against the manifest's block checksums,
+sent with Content-MD5 (`DurableOptions.concurrency` parts in flight across all files), completed; one listing checks
+every file's size; then the manifest, with `If-None-Match: *`. Made again after an interruption it resumes: an
+object already there with the ETag of the parts' MD5s is kept, an unfinished multipart upload is continued with the
+parts whose size and MD5 match (ftsup/store/DESIGN.md, "Durable tier"). The requests are the tier's (`S3Tier.call`,
+`head`, `put`, `parts_of`); this module makes none of its own.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import os
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ftsup.store import checksums, durable, layout, s3list, safefile
+from ftsup.store.errors import CheckpointCorruptError, CheckpointError, DurableConflictError, DurableTierError
+
+if TYPE_CHECKING:
+    from ftsup.store.s3 import S3Tier
+
+
+PASSES = 3
+"""Times a file is sent in one upload before its object is left to the next one (`_check_objects` then refuses the
+commit): an object there with other bytes, a multipart upload the store dropped meanwhile."""
+
+
+class PreconditionFailed(Exception):
+    """The store refused a conditional write: the object is there."""
+
+
+class UploadGone(DurableTierError):
+    """A multipart upload the store no longer knows (completed by another writer of the same bytes, aborted by a
+    lifecycle rule or another client): its file is looked up again, and sent again in a new one unless it is there."""
+
+
+@dataclass
+class _FilePlan:
+    """One file of an upload: where it goes, its parts, what the tier already holds of it, what was read and sent."""
+
+    rel: str
+    entry: layout.FileEntry
+    key: str
+    parts: list[tuple[int, int]]
+    done_etag: str | None = None  # the object is there at this size: kept if its ETag is the parts' one
+    mismatched: bool = False  # it was there, but not with this upload's bytes: written again, never just checked
+    upload_id: str | None = None
+    have: dict[int, tuple[str, int]] = field(default_factory=dict)  # part number -> (ETag, size) already sent
+    md5s: dict[int, bytes] = field(default_factory=dict)
+    crcs: dict[int, list[int]] = field(default_factory=dict)
+    etags: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def single(self) -> bool:
+        return len(self.parts) == 1
+
+
+def upload(
+    tier: S3Tier, ckpt_dir: str | os.PathLike[str], *, on_part: durable.PartHook | None = None
+) -> durable.UploadReport:
+    """`S3Tier.upload`: copy the committed local checkpoint `ckpt_dir` into `tier` and commit it there."""
+    local = durable.read_local(ckpt_dir)
+    step = local.manifest.step
+    report = {"bytes_sent": 0, "parts_sent": 0, "parts_kept": 0}
+    total = sum(e.size for e in local.manifest.files.values())
+    done = durable.UploadReport(step, tier.step_url(step), "already", len(local.manifest.files), total)
+    existing = tier.manifest_raw(step)
+    if existing is not None:
+        return _same_or_conflict(tier, step, existing, local.manifest_raw, done)
+    token = local.token
+    plans = [
+        _FilePlan(rel, e, tier.data_key(step, token, rel), durable.part_plan(e.size, tier.options.part_bytes))
+        for rel, e in sorted(local.manifest.files.items())
+    ]
+    unfinished = s3list.uploads_under(tier, tier.key(layout.step_dirname(step), token) + "/")
+    with ThreadPoolExecutor(tier.options.concurrency, thread_name_prefix="ftsup-s3") as pool:
+        _all([pool.submit(_plan, tier, p, unfinished.get(p.key, [])) for p in plans])
+        retry = _send(tier, pool, local, plans, report, on_part)
+        for _ in range(PASSES - 1):
+            if not retry:
+                break
+            # Objects there but not as this upload writes them, uploads gone: sent again, in new uploads.
+            for p in retry:
+                p.done_etag, p.upload_id, p.md5s, p.crcs, p.etags, p.have = None, None, {}, {}, {}, {}
+                # An upload gone may have been completed by another writer of these bytes: looked up again.
+                _plan(tier, p, [], fresh=p.mismatched)
+            retry = _send(tier, pool, local, retry, report, on_part)
+    _check_objects(tier, step, token, local.manifest)
+    try:
+        tier.put(tier.manifest_key(step), local.manifest_raw, if_none_match=True)
+    except PreconditionFailed:
+        raw = tier.manifest_raw(step)
+        if raw != local.manifest_raw:  # our files sit under our manifest's hash, which nothing committed names
+            with contextlib.suppress(CheckpointError):
+                s3list.delete_files(tier, step, token, sorted(local.manifest.files))
+        return _same_or_conflict(tier, step, raw or b"", local.manifest_raw, done)
+    return durable.UploadReport(step, tier.step_url(step), "committed", len(plans), total, **report)
+
+
+def _same_or_conflict(
+    tier: S3Tier, step: int, existing: bytes, ours: bytes, done: durable.UploadReport
+) -> durable.UploadReport:
+    if existing == ours:
+        return done
+    raise DurableConflictError(
+        f"{tier.step_url(step)}: already committed with other content (another writer's checkpoint of step "
+        f"{step}); a committed step is never overwritten"
+    )
+
+
+def _plan(tier: S3Tier, plan: _FilePlan, unfinished: list[str], fresh: bool = False) -> None:
+    """What of `plan`'s file the tier holds: the whole object, or an unfinished multipart upload and its parts
+    (the oldest: any will do, since a part is kept only where its size and MD5 are those read now, and only the
+    parts of this plan are completed)."""
+    if not fresh:
+        head = tier.head(plan.key)
+        if head is not None and head.get("ContentLength") == plan.entry.size:
+            plan.done_etag = str(head.get("ETag", "")).strip('"')
+            return
+    if plan.single:
+        return
+    if unfinished and not fresh:
+        try:
+            plan.upload_id, plan.have = unfinished[0], tier.parts_of(plan.key, unfinished[0])
+            return
+        except UploadGone:  # dropped since it was listed: a new one
+            plan.upload_id, plan.have = None, {}
+    created = tier.call(
+        "start an upload of", plan.key, tier.client.create_multipart_upload, Bucket=tier.bucket, Key=plan.key,
+        Metadata={"ftsup-checksum": plan.entry.checksum},
+    )  # fmt: skip
+    plan.upload_id = str(created["UploadId"])
+
+
+def _send(
+    tier: S3Tier,
+    pool: ThreadPoolExecutor,
+    local: durable.LocalCheckpoint,
+    plans: list[_FilePlan],
+    report: dict[str, int],
+    on_part: durable.PartHook | None,
+) -> list[_FilePlan]:
+    """Send (or check) every part of `plans`, complete each file; the plans whose object must be written again."""
+    futures = {
+        pool.submit(_part, tier, local, p, n, on_part): (p, n) for p in plans for n in range(1, len(p.parts) + 1)
+    }
+    left = {id(p): len(p.parts) for p in plans}
+    gone: set[int] = set()
+    retry: list[_FilePlan] = []
+    pending: set[Future[tuple[int, str]]] = set(futures)
+    try:
+        while pending:
+            finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            for f in finished:
+                plan, _ = futures[f]
+                try:
+                    sent, how = f.result()  # a part's failure is raised here
+                except UploadGone:
+                    gone.add(id(plan))
+                    sent, how = 0, "gone"
+                report["bytes_sent"] += sent
+                if how in ("sent", "kept"):  # a part of an object that was there counts once its file is judged
+                    report["parts_sent" if how == "sent" else "parts_kept"] += 1
+                left[id(plan)] -= 1
+                if left[id(plan)] == 0:
+                    if id(plan) in gone or not _finish(tier, local, plan):
+                        retry.append(plan)
+                    elif plan.done_etag is not None:
+                        report["parts_kept"] += len(plan.parts)
+    except BaseException:
+        for other in pending:  # nothing more is sent for an upload that failed
+            other.cancel()
+        wait(pending)
+        raise
+    return retry
+
+
+def _part(
+    tier: S3Tier, local: durable.LocalCheckpoint, plan: _FilePlan, number: int, on_part: durable.PartHook | None
+) -> tuple[int, str]:
+    """Read part `number` of the local file, checksum it, send it unless the tier has it: (bytes sent, "sent",
+    "kept" or "checked": read for the check of an object that is there)."""
+    offset, length = plan.parts[number - 1]
+    data = _pread(local.path, plan.rel, offset, length)
+    plan.crcs[number] = checksums.block_crcs(data, algorithm=local.manifest.checksum_algorithm)
+    md5 = hashlib.md5(data)
+    plan.md5s[number] = md5.digest()
+    if plan.done_etag is not None:
+        return 0, "checked"  # decided when the file's parts are all checked (`_finish`)
+    if plan.single:
+        tier.put(plan.key, data, metadata={"ftsup-checksum": plan.entry.checksum})
+    elif plan.have.get(number) == (md5.hexdigest(), length):
+        plan.etags[number] = md5.hexdigest()
+        return 0, "kept"
+    else:
+        sent = tier.call(
+            "send a part of", plan.key, tier.client.upload_part, Bucket=tier.bucket, Key=plan.key,
+            UploadId=plan.upload_id, PartNumber=number, Body=data, ContentMD5=b64(md5.digest()),
+        )  # fmt: skip
+        etag = str(sent.get("ETag", "")).strip('"')
+        if etag and len(etag) == 32 and etag != md5.hexdigest():
+            raise DurableTierError(
+                f"s3://{tier.bucket}/{plan.key}: part {number} stored as {etag}, sent as {md5.hexdigest()}"
+            )
+        plan.etags[number] = etag or md5.hexdigest()
+    if on_part is not None:
+        on_part(plan.rel, number)
+    return length, "sent"
+
+
+def _finish(tier: S3Tier, local: durable.LocalCheckpoint, plan: _FilePlan) -> bool:
+    """Check the whole file's blocks against the manifest and complete its upload; False: write it again."""
+    crcs = [c for n in sorted(plan.crcs) for c in plan.crcs[n]]
+    why = durable.blocks_problem(plan.entry, crcs, local.manifest.checksum_algorithm)
+    if why is not None:
+        if plan.upload_id is not None:  # the parts of a bad copy are of no use to anyone
+            with contextlib.suppress(DurableTierError):
+                tier.call("abort an upload of", plan.key, tier.client.abort_multipart_upload, Bucket=tier.bucket,
+                           Key=plan.key, UploadId=plan.upload_id)  # fmt: skip
+        raise CheckpointCorruptError(f"{local.path}/{plan.rel}: {why}", path=str(local.path), file=plan.rel)
+    md5s = [plan.md5s[n] for n in sorted(plan.md5s)]
+    expected = md5s[0].hex() if plan.single else durable.composite_etag(md5s)
+    if plan.done_etag is not None:
+        plan.mismatched = plan.done_etag != expected
+        return not plan.mismatched
+    if plan.single:
+        return True
+    parts = [{"PartNumber": n, "ETag": f'"{plan.etags[n]}"'} for n in sorted(plan.etags)]
+    try:
+        done = tier.call(
+            "complete the upload of", plan.key, tier.client.complete_multipart_upload, Bucket=tier.bucket,
+            Key=plan.key, UploadId=plan.upload_id, MultipartUpload={"Parts": parts},
+        )  # fmt: skip
+    except UploadGone:
+        return False
+    etag = str(done.get("ETag", "")).strip('"')
+    if etag.endswith(f"-{len(parts)}") and etag != expected:
+        raise DurableTierError(f"s3://{tier.bucket}/{plan.key}: completed as {etag}, expected {expected}")
+    return True
+
+
+def _check_objects(tier: S3Tier, step: int, token: str, manifest: layout.Manifest) -> None:
+    """Before the commit: every file the manifest names is in the tier at its recorded size."""
+    sizes = s3list.object_sizes(tier, tier.key(layout.step_dirname(step), token) + "/", len(manifest.files))
+    for rel, entry in sorted(manifest.files.items()):
+        size = sizes.get(tier.data_key(step, token, rel))
+        if size != entry.size:
+            raise DurableTierError(
+                f"{tier.step_url(step)}/{token}/{rel}: {'missing' if size is None else f'{size} bytes'} in the "
+                f"tier after its upload (recorded {entry.size}); not committed"
+            )
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _all(futures: list[Future[Any]]) -> None:
+    """Wait for `futures`; on the first failure cancel the rest, wait for the running ones, and raise it."""
+    done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+    for other in pending if any(f.exception() is not None for f in done) else ():
+        other.cancel()
+    wait(pending)
+    for f in done:
+        f.result()
+
+
+def _pread(ckpt: os.PathLike[str] | str, rel: str, offset: int, length: int) -> bytes:
+    path = safefile.resolve_inside(ckpt, rel)
+    fd = safefile.open_regular(path, str(path))
+    try:
+        chunks, got = [], 0
+        while got < length:
+            chunk = os.pread(fd, length - got, offset + got)
+            if not chunk:
+                raise CheckpointCorruptError(f"{path}: shorter than its manifest records", path=str(ckpt), file=rel)
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def b64(digest: bytes) -> str:
+    """A digest as a Content-MD5 header carries it."""
+    return base64.b64encode(digest).decode()
