@@ -11,6 +11,8 @@ writes it. Both import this package; it imports neither of them, nor torch:
 - `retention`: which checkpoints to keep, and deleting the rest;
 - `pins`: checkpoints an operator pinned against retention, and the journal of who did and why;
 - `dcpmeta`: the schema of `dcp_metadata.json`;
+- `dtypes`: the dtypes by name (a checkpoint's, safetensors');
+- `stheader`, `hublayout`: safetensors headers and the Hugging Face Hub's layout of a model, read as hostile input;
 - `errors`: the `CheckpointError` tree.
 
 The format, the commit protocol and the rules for a hostile store: `DESIGN.md` beside this file.

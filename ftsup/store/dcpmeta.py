@@ -9,19 +9,31 @@ needs, and a skeleton made only of the node kinds `codec` writes, naming only st
 file that fails is a corrupt checkpoint (the loader quarantines it and tries the next older one),
 never a `StopIteration` or `KeyError` halfway through a load.
 
-Stdlib-only: the dtype's element size comes from the caller (`codec` knows dtypes, and needs torch).
+Stdlib-only: element sizes come from the torch-free dtype table (`dtypes`), so that `ftsup ckpt show`
+lists a checkpoint's tensors without torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
-from ftsup.store import layout
+from ftsup.store import dtypes, layout, safefile
 from ftsup.store.errors import CheckpointCorruptError, CheckpointError
 
 _MAX_DIMS = 64
 _MAX_ELEMENTS = 1 << 62
+
+
+def read(path: Path, manifest: layout.Manifest) -> dict[str, Any]:
+    """A checkpoint's `dcp_metadata.json`, verified against the manifest (size, checksum) and its schema
+    checked; raises CheckpointCorruptError naming what is wrong."""
+    raw = layout.read_verified(path, manifest, layout.DCP_META_NAME, layout.DCP_META_MAX_BYTES)
+    where = f"{path}/{layout.DCP_META_NAME}"
+    meta = safefile.loads(raw, where, max_values=layout.DCP_META_MAX_BYTES // 8)
+    validate(meta, manifest, lambda name: dtypes.lookup(name).itemsize, where)
+    return dict(meta)
 
 
 def validate(meta: Any, manifest: layout.Manifest, itemsize: Callable[[str], int], where: str) -> None:

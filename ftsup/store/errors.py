@@ -51,3 +51,8 @@ class CheckpointMismatchError(CheckpointError):
 
 class CheckpointSaveError(CheckpointError):
     """A save failed; the previous committed checkpoint is untouched."""
+
+
+class ModelFileError(CheckpointError):
+    """A model's files outside the store (a Hugging Face model directory: its safetensors files, their
+    index, its config) are missing or malformed; the message names the file and the tensor."""
