@@ -72,7 +72,7 @@ class HubReader:
         dtype, shape = self.spec(name)
         if not shape:
             e = self.entry(name)
-            return self._read(name, e.start, e.nbytes).view(dtype).reshape(())
+            return _aligned(self._read(name, e.start, e.nbytes), dtype).view(dtype).reshape(())
         return self.read_rows(name, 0, shape[0])
 
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
@@ -84,7 +84,7 @@ class HubReader:
         e = self.entry(name)
         row = e.nbytes // shape[0] if shape[0] else 0
         raw = self._read(name, e.start + start * row, (stop - start) * row)
-        return raw.view(dtype).reshape((stop - start, *shape[1:]))
+        return _aligned(raw, dtype).view(dtype).reshape((stop - start, *shape[1:]))
 
     def _read(self, name: str, start: int, n: int) -> torch.Tensor:
         if n == 0:
@@ -115,3 +115,9 @@ class HubReader:
                 raise ModelFileError(f"{what}: changed since its header was read")
             self._fds[file] = fd
         return fd
+
+
+def _aligned(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`raw` (bytes), copied where it does not start on an element boundary of `dtype`: a file of another
+    writer may place a tensor at any offset, and a view as `dtype` needs its elements aligned."""
+    return raw.clone() if raw.storage_offset() % dtype.itemsize else raw
