@@ -148,7 +148,8 @@ def _engine_rows(meta: Mapping[str, Any]) -> list[dict[str, Any]]:
         if s["file"] not in held:
             held.append(s["file"])
     rows = []
-    for fqn, t in meta["tensors"].items():
+    for fqn in dcpmeta.state_order(meta):
+        t = meta["tensors"][fqn]
         n = dtypes.lookup(t["dtype"], fqn).itemsize
         for d in t["size"]:
             n *= d

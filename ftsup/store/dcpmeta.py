@@ -111,6 +111,23 @@ def _validate(meta: Any, manifest: layout.Manifest, itemsize: Callable[[str], in
     _skeleton(top["skeleton"], set(tensors))
 
 
+def state_order(meta: Mapping[str, Any]) -> list[str]:
+    """The tensors of checkpointed (checked) `meta` in the order the saved state held them: its skeleton's
+    (`tensors` is in the order of DCP's plan, which on several ranks puts each rank's share first)."""
+    order: list[str] = []
+    stack = [meta["skeleton"]]
+    while stack:
+        ((tag, val),) = stack.pop().items()
+        if tag == "T":
+            order.append(val)
+        elif tag == "d":
+            stack.extend(reversed([node for _, node in val]))
+        elif tag in ("t", "l"):
+            stack.extend(reversed(val))
+    seen = set(order)
+    return [k for k in dict.fromkeys(order) if k in meta["tensors"]] + [k for k in meta["tensors"] if k not in seen]
+
+
 def _skeleton(root: Any, tensors: set[str]) -> None:
     """The node kinds `codec.encode` writes ({"v": scalar}, {"T": key}, {"d": [[k, node]...]},
     {"t": [...]}, {"l": [...]}), walked without recursion."""

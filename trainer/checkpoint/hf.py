@@ -256,7 +256,7 @@ def _engine_tensors(
     ckpt: Path, manifest: layout.Manifest, prefix: str | None, dtype: torch.dtype | None
 ) -> list[OutTensor]:
     meta = dcpmeta.read(ckpt, manifest)
-    keys = list(meta["tensors"])  # the order the state dict had
+    keys = dcpmeta.state_order(meta)  # the model's state dict order: what save_torch_state_dict splits by
     prefix = prefix if prefix is not None else model_prefix(keys)
     names = [k for k in keys if k.startswith(prefix)]
     if not names:
