@@ -23,8 +23,9 @@ SAFETENSORS_BITS: dict[str, int] = {
     "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
     "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
 }  # fmt: skip
-"""Bits per value of each safetensors dtype. Sub-byte dtypes (F4, F6_*) pack values into bytes: a
-tensor's byte size is its values times its bits over 8, which must come out whole."""
+"""Bits per value of each safetensors dtype, in the order the format lists them (its writer lays a file's
+tensors out by that order, the last first). Sub-byte dtypes (F4, F6_*) pack values into bytes: a tensor's
+byte size is its values times its bits over 8, which must come out whole."""
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ HEADER_MAX_BYTES = 100_000_000
 _MAX_DIMS = 64
 _MAX_ELEMENTS = 1 << 62
 _TENSOR_KEYS = frozenset({"dtype", "shape", "data_offsets"})
+_RANK = {name: i for i, name in enumerate(dtypes.SAFETENSORS_BITS)}  # the format's order of its dtypes
 
 
 @dataclass(frozen=True)
@@ -118,8 +119,9 @@ def encode(tensors: Sequence[tuple[str, str, Sequence[int], int]], metadata: Map
 
 def write_order(tensors: Sequence[tuple[str, str]]) -> list[int]:
     """The positions of (name, safetensors dtype) tensors in the order safetensors' writer lays their
-    bytes out: widest values first (each then starts naturally aligned), by name among equals."""
-    return sorted(range(len(tensors)), key=lambda i: (-dtypes.SAFETENSORS_BITS[tensors[i][1]], tensors[i][0]))
+    bytes out: by dtype, last of the format's list first (the widest: each tensor then starts naturally
+    aligned), then by name."""
+    return sorted(range(len(tensors)), key=lambda i: (-_RANK[tensors[i][1]], tensors[i][0]))
 
 
 def nbytes_of(dtype: str, shape: Sequence[int]) -> int | None:

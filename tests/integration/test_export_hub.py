@@ -246,3 +246,21 @@ def test_writing_holds_one_tensor_in_memory_at_a_time_whatever_the_shard_size(tm
     write_model(tmp_path / "out", tensors, max_shard_bytes=10**9)  # one shard holding them all
     got = exported(tmp_path / "out")
     assert (peak[0], alive[0], sorted(got)) == (1, 0, sorted(t.name for t in tensors))
+
+
+def test_a_file_of_mixed_dtypes_is_byte_for_byte_what_safetensors_save_file_writes(tmp_path):
+    from safetensors.torch import save_file
+
+    from ftsup.trainer.checkpoint.hfwrite import OutTensor, write_model
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {name: torch.randint(0, 256, (3, 8), dtype=torch.uint8, generator=g).view(dtype)
+               for name, dtype in [("z.w", torch.float32), ("a.w", torch.int32), ("m", torch.bfloat16),
+                                   ("b", torch.float16), ("q", torch.float8_e4m3fn), ("c", torch.float64),
+                                   ("u", torch.uint16), ("k", torch.bool)]}  # fmt: skip
+    tensors["k"] = tensors["k"].view(torch.uint8) % 2 == 1
+    save_file(tensors, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    (tmp_path / "out").mkdir()
+    write_model(tmp_path / "out", [OutTensor(n, t.dtype, tuple(t.shape), lambda t=t: t) for n, t in tensors.items()],
+                max_shard_bytes=10**9)  # fmt: skip
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()

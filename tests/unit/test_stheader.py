@@ -50,9 +50,9 @@ def test_encode_writes_a_header_that_read_accepts_with_data_8_byte_aligned(tmp_p
     assert (len(head) % 8, got.tensors["w"].nbytes, got.tensors["i"].start - got.data_start) == (0, 6, 6)
 
 
-def test_the_write_order_puts_wider_values_first_then_names(tmp_path: Path) -> None:
-    names = [("b", "BF16"), ("a", "U8"), ("c", "F64"), ("a2", "F16"), ("f4", "F4")]
-    assert [names[i][0] for i in stheader.write_order(names)] == ["c", "a2", "b", "a", "f4"]
+def test_the_write_order_is_safetensors_by_dtype_then_name(tmp_path: Path) -> None:
+    names = [("b", "BF16"), ("a", "U8"), ("c", "F64"), ("a2", "F16"), ("f4", "F4"), ("z", "F32"), ("y", "I32")]
+    assert [names[i][0] for i in stheader.write_order(names)] == ["c", "z", "y", "b", "a2", "a", "f4"]
 
 
 @pytest.mark.parametrize(
