@@ -118,7 +118,8 @@ def _show_hub(root: Path, as_json: bool) -> int:
     model = hublayout.read(root)
     config = hublayout.read_config(root)
     tensors = _hub_rows(model)
-    files = [{"file": f, "bytes": h.file_size, "tensors": len(h.tensors)} for f, h in model.headers.items()]
+    files: list[dict[str, Any]] = [{"file": f, "bytes": h.file_size, "tensors": len(h.tensors)}
+                                   for f, h in model.headers.items()]  # fmt: skip
     shown = {
         "path": str(root), "layout": "hub", "sharded": model.index is not None, "files": files,
         "bytes": sum(f["bytes"] for f in files), "index_metadata": model.index, "config": config,

@@ -90,8 +90,7 @@ def load_hf_model(
         _agree(errors, world, group, device, "reading the model's tensors")
     with torch.no_grad():
         for t, value in staged:
-            local = t.tensor.to_local() if _is_dtensor(t.tensor) else t.tensor
-            local.copy_(value)
+            _local(t.tensor).copy_(value)
     files = {f: h.file_size for f, h in hub.headers.items()}
     origin = {"dir": str(root.resolve()), "files": files, "tensors": len(targets),
               "bytes": sum(hub.tensors[t.source].nbytes for t in targets)}  # fmt: skip
@@ -115,9 +114,9 @@ def _match(
     state = module.state_dict()
     by_storage: dict[tuple[int, tuple[int, ...]], list[str]] = {}
     for key, t in state.items():
-        local = t.to_local() if _is_dtensor(t) else t
-        by_storage.setdefault((local.data_ptr(), tuple(t.shape)), []).append(key)
-    targets, used = [], set()
+        by_storage.setdefault((_local(t).data_ptr(), tuple(t.shape)), []).append(key)
+    targets: list[_Target] = []
+    used: set[str] = set()
     for keys in by_storage.values():  # tied weights: one name of theirs in the files is enough
         present = [k for k in keys if source_of(k) in hub.weight_map]
         if not present:
@@ -163,8 +162,8 @@ def _read_share(
     if _is_dtensor(t.tensor):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        local, offset = compute_local_shape_and_global_offset(t.tensor.shape, t.tensor.device_mesh,
-                                                              t.tensor.placements)  # fmt: skip
+        dt: Any = t.tensor
+        local, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
         if len(local) == 0:
             return attempt(lambda: reader.read(t.source), torch.zeros((), dtype=dtype))
 
@@ -215,3 +214,8 @@ def _agree(errors: list[BaseException], world: int, group: Any, device: torch.de
 
 def _is_dtensor(t: Any) -> bool:
     return type(t).__name__ == "DTensor"
+
+
+def _local(t: Any) -> torch.Tensor:
+    """This rank's part of `t`: a DTensor's local tensor (a view of its shard), or `t` itself."""
+    return t.to_local() if _is_dtensor(t) else t

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -87,7 +88,7 @@ def test_show_of_a_hub_directory_with_a_step_is_a_usage_error(
     assert (code, "--step does not apply" in err) == (2, True)
 
 
-def engine_files() -> tuple[dict[str, bytes], dict[str, object]]:
+def engine_files() -> tuple[dict[str, bytes], dict[str, Any]]:
     """A checkpoint's files as the engine lays them out: one float32 [4, 4] tensor in two row chunks, one per
     rank's shard (their bytes are garbage: show never reads them), and its dcp_metadata.json."""
     shard = bytes(4096 + 32)

@@ -32,6 +32,7 @@ any error that directory is removed and OUT is as it was. Nothing is written thr
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -267,7 +268,7 @@ def _engine_tensors(
         t = meta["tensors"][k]
         saved = codec.dtype_from_name(t["dtype"], k)
         out.append(OutTensor(k[len(prefix) :], cast_target(dtype, saved), tuple(t["size"]),
-                             lambda k=k: chunks.read(k)))  # fmt: skip
+                             functools.partial(chunks.read, k)))  # fmt: skip
     return out
 
 
@@ -298,7 +299,7 @@ def _trainer_tensors(
     out = []
     for name in model.weight_map:
         saved, shape = reader.spec(name)
-        out.append(OutTensor(name, cast_target(dtype, saved), shape, lambda name=name: reader.read(name)))
+        out.append(OutTensor(name, cast_target(dtype, saved), shape, functools.partial(reader.read, name)))
     if CONFIG_NAME not in manifest.files:
         return out, None
     raw = layout.read_verified(ckpt, manifest, CONFIG_NAME, hublayout.CONFIG_MAX_BYTES)

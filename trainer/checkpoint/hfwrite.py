@@ -26,6 +26,7 @@ import torch
 from ftsup.store import hublayout, stheader
 from ftsup.store.errors import CheckpointError
 from ftsup.trainer.checkpoint import codec
+from ftsup.trainer.checkpoint.shardio import as_memoryview
 
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _WRITE_BLOCK = 64 << 20
@@ -112,7 +113,7 @@ def _write_file(path: Path, group: Sequence[OutTensor], progress: Callable[[int]
             if tuple(data.shape) != t.shape:
                 raise CheckpointError(f"tensor {t.name!r} was read with shape {list(data.shape)}, not {list(t.shape)}")
             if data.numel():
-                _write_all(fd, memoryview(data.contiguous().reshape(-1).view(torch.uint8).numpy()))
+                _write_all(fd, as_memoryview(data.contiguous().reshape(-1).view(torch.uint8)))
             del data
             if progress is not None:
                 progress(t.nbytes)
