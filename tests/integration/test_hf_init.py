@@ -135,8 +135,26 @@ def test_names_are_mapped_by_rename(tmp_path):
     assert digests(model.state_dict()) == digests(sd)
 
 
-def first_loss(tmp_path: Path, name: str, nproc: int, init: Path | None) -> float:
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()]
+def test_a_transformers_model_saved_sharded_with_tied_weights_loads_with_the_same_logits(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    torch.manual_seed(1)
+    saved = GPT2LMHeadModel(config).eval()
+    saved.save_pretrained(tmp_path / "hf", max_shard_size="30KB")  # lm_head.weight is wte's: saved once
+    torch.manual_seed(2)
+    model = GPT2LMHeadModel(config).eval()
+    result = load_hf_model(model, tmp_path / "hf")
+    x = torch.arange(16).unsqueeze(0) % 64
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, saved(x).logits)
+    assert (
+        len(result.origin["files"]) > 1 and model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    )
+
+
+def first_loss(tmp_path: Path, name: str, nproc: int, init: Path | None, parallel: str = "ddp") -> float:
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()] + [f"--parallel={parallel}"]
     argv = ["-m", "ftsup.trainer.examples.gpt", "--steps", "1", "--ckpt-every", "1", "--global-batch", "4",
             "--micro-batch", "2", "--corpus-bytes", "65536", "--ckpt-dir", str(tmp_path / name),
             "--loss-log", str(tmp_path / f"{name}.jsonl"), *flags]  # fmt: skip
@@ -149,9 +167,13 @@ def first_loss(tmp_path: Path, name: str, nproc: int, init: Path | None) -> floa
 
 
 @pytest.mark.multiprocess
-def test_the_reference_trainer_starts_from_a_hub_model_with_the_same_first_loss_on_one_rank_and_two(tmp_path):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_the_reference_trainer_starts_from_a_hub_model_with_the_same_first_loss_on_one_rank_and_two(
+    tmp_path, parallel
+):  # fmt: skip
     hub_model(tmp_path / "hf")
-    one, two = first_loss(tmp_path, "one", 1, tmp_path / "hf"), first_loss(tmp_path, "two", 2, tmp_path / "hf")
+    one = first_loss(tmp_path, "one", 1, tmp_path / "hf")
+    two = first_loss(tmp_path, "two", 2, tmp_path / "hf", parallel)
     own = first_loss(tmp_path, "own", 1, None)
     assert (abs(one - two) <= 1e-4 * abs(one), one != own) == (True, True), (one, two, own)
     meta = layout.read_manifest(tmp_path / "two" / layout.step_dirname(1)).metadata
