@@ -178,3 +178,37 @@ def test_the_reference_trainer_starts_from_a_hub_model_with_the_same_first_loss_
     assert (abs(one - two) <= 1e-4 * abs(one), one != own) == (True, True), (one, two, own)
     meta = layout.read_manifest(tmp_path / "two" / layout.step_dirname(1)).metadata
     assert meta["init_from_hf"]["dir"] == str((tmp_path / "hf").resolve())
+
+
+@pytest.mark.parametrize(
+    ("break_it", "says"),
+    [
+        (lambda d: next(d.glob("model-00002-*.safetensors")).unlink(), r"names model-00002-of-\d{5}\.safetensors "
+                                                                        r"\(for tensor '[^']+'\), which is missing"),
+        (lambda d: next(d.glob("model-00001-*.safetensors")).write_bytes(b"\x08" + bytes(7) + b'{"a": 1}'),
+         r"model-00001-of-\d{5}\.safetensors: tensor 'a': not an object of exactly dtype, shape and data_offsets"),
+    ],
+    ids=["missing-shard", "bad-header"],
+)  # fmt: skip
+def test_a_hostile_hub_directory_names_the_file_and_loads_nothing(tmp_path, break_it, says):
+    hub_model(tmp_path / "hf")
+    break_it(tmp_path / "hf")
+    model, before = model_and_before()
+    with pytest.raises(ModelFileError, match=says):
+        load_hf_model(model, tmp_path / "hf")
+    assert digests(model.state_dict()) == before
+
+
+def test_a_dtype_torch_lacks_names_the_file_and_the_tensor(tmp_path):
+    from ftsup.store import stheader
+
+    sd = hub_model(tmp_path / "src")
+    entries = [(k, "F32", list(v.shape), v.nbytes) for k, v in sd.items() if k != "ln.bias"]
+    entries.append(("ln.bias", "F6_E2M3", [32], 24))  # 32 six-bit values: a dtype of safetensors' that torch lacks
+    (tmp_path / "hf").mkdir()
+    head = stheader.encode(entries, None)
+    (tmp_path / "hf" / "model.safetensors").write_bytes(head + bytes(sum(e[3] for e in entries)))
+    model, before = model_and_before()
+    with pytest.raises(ModelFileError, match=r"model\.safetensors: tensor 'ln\.bias' has dtype F6_E2M3, which torch"):
+        load_hf_model(model, tmp_path / "hf")
+    assert digests(model.state_dict()) == before
