@@ -5,8 +5,9 @@ Subcommands (DESIGN.md, Contracts: their names, flags and JSON shapes change onl
     ftsup run [--config JOB.yaml] [FLAGS] [-- CMD]     the supervisor; every config key a flag (`config_args`)
     ftsup config check [JOB.yaml] [FLAGS] [-- CMD]     the config `ftsup run` would run, checked; nothing started
     ftsup ckpt list DIR|s3://.. [--json] [--deep]      every committed checkpoint, oldest first (`cli_ckpt`)
-    ftsup ckpt verify DIR|s3://.. [--step N] [--deep]  one checkpoint (default: the newest); s3://: `cli_durable`
-    ftsup ckpt show DIR [--step N] [--json]            one checkpoint: manifest, trainer metadata, pin
+    ftsup ckpt verify DIR|s3://.. [--step N] [--deep] [--json]   one checkpoint (default: the newest)
+    ftsup ckpt show DIR [--step N] [--json]            a checkpoint or HF model: manifest, tensors (`cli_show`)
+    ftsup ckpt export-hf DIR [--step N] OUT ...        the model in the Hub's layout (`export_hf`; needs torch)
     ftsup ckpt pin|unpin DIR --step N [--reason TEXT]  kept whatever the retention policy, journaled
     ftsup rollback --config JOB.yaml --to-step N ...   an operator's rollback request (`cli_rollback`)
     ftsup bench checkpoint ...                         delegated to `ftsup.trainer.bench`
@@ -46,7 +47,7 @@ from typing import TYPE_CHECKING
 
 from ftsup import extras
 from ftsup.store.errors import CheckpointError
-from ftsup.supervisor import cli_ckpt, export_hf
+from ftsup.supervisor import cli_ckpt, cli_show, export_hf
 from ftsup.supervisor.cli_ckpt import print_json as _print_json
 from ftsup.supervisor.errors import RunError, SupervisorError, UsageError, error_line
 
@@ -297,7 +298,8 @@ def _build_ckpt(ckpt: argparse.ArgumentParser, rest: Sequence[str]) -> None:
     p.add_argument("--deep", action="store_true", help="also verify every checksum (reads all)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cli_ckpt.cmd_verify)
-    cli_ckpt.add_commands(actions, _step_number)  # show, pin, unpin
+    cli_show.add_command(actions, _step_number)
+    cli_ckpt.add_commands(actions, _step_number)  # pin, unpin
 
     p = actions.add_parser(
         "export-hf",

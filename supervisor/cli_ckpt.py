@@ -1,8 +1,7 @@
-"""`ftsup ckpt list|verify|show|pin|unpin`: what a checkpoint store holds, as a table or as JSON; pins.
+"""`ftsup ckpt list|verify|pin|unpin`: what a checkpoint store holds, as a table or as JSON; pins.
 
 Part of the `ftsup` command line (`ftsup.supervisor.cli` registers the commands; the exit statuses are its;
-`add_commands` adds show, pin and unpin with their flags). `show` prints one checkpoint's manifest, its trainer
-metadata (the data skips in force when it was saved among them) and its pin. Torch-free: it prints what
+`add_commands` adds pin and unpin with their flags; `show` is `cli_show`'s). Torch-free: it prints what
 `ftsup.store.layout` and `ftsup.store.pins` find and decides nothing itself; a pin or unpin is logged
 (`checkpoint_pinned`, `checkpoint_unpinned`, with who and why) and journaled in the store by `pins`. `list` and
 `verify` of a durable tier on object storage (`s3://BUCKET/PREFIX`) are `cli_durable`'s.
@@ -36,7 +35,7 @@ def print_json(obj: Any) -> None:
 def cmd_list(args: argparse.Namespace) -> int:
     if cli_durable.is_tier(args.dir):
         return cli_durable.cmd_list(args)
-    root = _checkpoint_root(args.dir)
+    root = checkpoint_root(args.dir)
     infos = layout.list_checkpoints(root, deep=args.deep)
     pinset = pins.read_pins(root)
     by_step = {p.step: p for p in pinset.pins}
@@ -60,57 +59,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_show(args: argparse.Namespace) -> int:
-    root = _checkpoint_root(args.dir)
-    committed = dict(layout.committed_dirs(root))
-    if args.step is None and not committed:
-        raise NoCheckpointError(f"no committed checkpoint under {root}")
-    if args.step is not None and args.step not in committed:
-        raise NoCheckpointError(_no_step_message(root, args.step))
-    path = committed[max(committed) if args.step is None else args.step]
-    manifest, problems = layout.check_checkpoint(path)
-    step = manifest.step if manifest else layout.parse_step_dirname(path.name)
-    pinset = pins.read_pins(root)
-    pin = next((p for p in pinset.pins if p.step == step), None)
-    meta = dict(manifest.metadata) if manifest else {}
-    shown = {
-        "path": str(path), "step": step, "consistent": manifest is not None and not problems,
-        "problems": [str(p) for p in problems], "kind": manifest.kind if manifest else None,
-        "world_size": manifest.world_size if manifest else None,
-        "created_unix": manifest.created_unix if manifest else None,
-        "files": len(manifest.files) if manifest else None,
-        "bytes": sum(e.size for e in manifest.files.values()) if manifest else None,
-        "data_skips": meta.get("data_skips", []), "pinned": step in pinset.kept,
-        "pin": pin.to_json() if pin else None, "metadata": meta,
-    }  # fmt: skip
-    if args.json:
-        print_json(shown)
-        return EXIT_OK
-    for key in ("path", "step", "consistent", "kind", "world_size", "files", "bytes", "data_skips", "pinned"):
-        value = shown[key]
-        print(f"{key}: {human_bytes(value) if key == 'bytes' and isinstance(value, int) else value}")
-    print(f"created: {_utc(shown['created_unix'])} UTC")
-    if pin is not None:
-        print(f"pin: by {pin.who} at {_utc(pin.pinned_unix)} UTC" + (f": {pin.reason}" if pin.reason else ""))
-    for p in problems:
-        print(f"problem: {p}")
-    for key, value in meta.items():  # the trainer's metadata, as the manifest holds it (capped per line)
-        print(f"metadata.{key}: {json.dumps(value)[:200]}")
-    return EXIT_OK
-
-
 def add_commands(actions: Any, step_number: Callable[[str], int]) -> None:
-    """`ftsup ckpt show`, `pin` and `unpin` on the subcommands `actions` of `ftsup ckpt`."""
-    p = actions.add_parser(
-        "show",
-        help="one checkpoint's manifest, trainer metadata (data skips) and pin",
-        description="Show the checkpoint of --step, or else the newest committed one: its manifest, the trainer's "
-        "metadata it holds (data_skips among them) and its pin.",
-    )
-    p.add_argument("dir", metavar="DIR", type=Path, help="the checkpoint directory")
-    p.add_argument("--step", type=step_number, help="the step to show (default: newest)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(handler=cmd_show)
+    """`ftsup ckpt pin` and `unpin` on the subcommands `actions` of `ftsup ckpt`."""
     for name, verb, handler in (("pin", "keep", cmd_pin), ("unpin", "stop keeping", cmd_unpin)):
         p = actions.add_parser(
             name,
@@ -128,7 +78,7 @@ def add_commands(actions: Any, step_number: Callable[[str], int]) -> None:
 
 
 def cmd_pin(args: argparse.Namespace) -> int:
-    root = _checkpoint_root(args.dir)
+    root = checkpoint_root(args.dir)
     done = pins.pin(root, args.step, who=pins.operator(), reason=args.reason, now=time.time())
     _log("checkpoint_pinned", done, root)
     if args.json:
@@ -140,7 +90,7 @@ def cmd_pin(args: argparse.Namespace) -> int:
 
 
 def cmd_unpin(args: argparse.Namespace) -> int:
-    root = _checkpoint_root(args.dir)
+    root = checkpoint_root(args.dir)
     old = pins.unpin(root, args.step, who=pins.operator(), reason=args.reason, now=time.time())
     _log("checkpoint_unpinned", pins.Pin(old.step, pins.operator(), args.reason, time.time()), root)
     if args.json:
@@ -175,7 +125,7 @@ def _pin_lines(pinset: pins.PinSet, steps: set[int]) -> list[str]:
 def cmd_verify(args: argparse.Namespace) -> int:
     if cli_durable.is_tier(args.dir):
         return cli_durable.cmd_verify(args)
-    root = _checkpoint_root(args.dir)
+    root = checkpoint_root(args.dir)
     committed = dict(layout.committed_dirs(root))
     if args.step is None:
         if not committed:
@@ -184,7 +134,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     elif args.step in committed:
         path = committed[args.step]
     else:
-        raise NoCheckpointError(_no_step_message(root, args.step))
+        raise NoCheckpointError(no_step_message(root, args.step))
 
     manifest, problems = layout.check_checkpoint(path, deep=args.deep)
     consistent = manifest is not None and not problems
@@ -225,7 +175,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK if consistent else EXIT_PROBLEM
 
 
-def _checkpoint_root(path: Path) -> Path:
+def checkpoint_root(path: Path) -> Path:
     if not path.exists():
         raise UsageError(f"checkpoint directory {path} does not exist")
     if not path.is_dir():
@@ -233,7 +183,7 @@ def _checkpoint_root(path: Path) -> Path:
     return path
 
 
-def _no_step_message(root: Path, step: int) -> str:
+def no_step_message(root: Path, step: int) -> str:
     name = layout.step_dirname(step)
     others = sorted(p.name for p in root.glob(f"{name}.*"))
     found = f" (found {', '.join(others)}: not committed)" if others else ""
@@ -272,7 +222,7 @@ def checkpoint_table(infos: Sequence[layout.CheckpointInfo], pinned: frozenset[i
                 str(i.step),
                 i.kind or "-",
                 str(i.world_size) if i.world_size is not None else "-",
-                _utc(i.created_unix),
+                utc(i.created_unix),
                 "ok" if i.consistent else "INCONSISTENT",
                 "pinned" if i.step in pinned else "-",
                 i.path,
@@ -288,7 +238,7 @@ def checkpoint_table(infos: Sequence[layout.CheckpointInfo], pinned: frozenset[i
     return "\n".join(lines)
 
 
-def _utc(created_unix: float | None) -> str:
+def utc(created_unix: float | None) -> str:
     if created_unix is None:
         return "-"
     return datetime.fromtimestamp(created_unix, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")

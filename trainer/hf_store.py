@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ftsup.store import blocksum, checksums, choice, layout, safefile
+from ftsup.store import blocksum, checksums, choice, hublayout, layout, safefile
 from ftsup.store.errors import CheckpointError, CheckpointSaveError
 from ftsup.store.retention import RetentionPolicy, apply_retention, remove_dir
 
-FORMAT = "hf-trainer"
+FORMAT = hublayout.TRAINER_FORMAT
 """The manifest metadata's `format` of a committed Trainer checkpoint."""
 HF_PREFIX = "checkpoint-"  # transformers' PREFIX_CHECKPOINT_DIR
 MAX_FILES = 100_000  # a Trainer checkpoint holds a dozen files (a few hundred with sharded FSDP state)

@@ -21,7 +21,9 @@ What it does, so that the loop does not:
   (`ckpt_dir`, by default `FTSUP_CHECKPOINT_DIR`, which `ftsup run` sets from `checkpoint.dir`),
   the `TrainingState`, and loads the latest consistent checkpoint of at most the supervisor's
   choice (`FTSUP_RESUME_STEP`) in phase `load`. A checkpoint of another configuration is refused
-  before anything is loaded, naming the key (`config=`, see `ftsup.trainer.modelconfig`).
+  before anything is loaded, naming the key (`config=`, see `ftsup.trainer.modelconfig`). A fresh run
+  (no checkpoint yet) given `init_from_hf=DIR` starts from a Hugging Face Hub-layout model's weights,
+  each rank reading only its share (`ftsup.trainer.hfinit`).
 - **Data.** `micro_batches()` yields this rank's micro-batches of the step from `dataset` in the
   world-size-independent order of a `GlobalBatchSchedule` (or, given only a `schedule`, the
   `MicroBatch` descriptions themselves). Gradients are synchronised only on the step's last
@@ -77,6 +79,7 @@ from ftsup.store.retention import RetentionPolicy
 from ftsup.trainer import rng
 from ftsup.trainer.checkpoint.engine import CheckpointEngine, LoadResult
 from ftsup.trainer.data import DataConfigError, GlobalBatchSchedule, MicroBatch, RankBatchSampler
+from ftsup.trainer.hfinit import HfInit, load_hf_model
 from ftsup.trainer.runtime import Agreement, RuntimeClient, runtime
 from ftsup.trainer.state import TrainingState
 from ftsup.trainer.stepguard import StepCheck
@@ -95,7 +98,9 @@ class Session:
     (then `ckpt_dir` and `keep_last` are not used). `save_every`: steps between periodic saves (None:
     none, only emergency and final ones). `seed` (default 0, or the schedule's): the data order's
     and the dropout seeds'. `skip`: ranges (A, B) of global data positions never to serve (with
-    those of `FTSUP_DATA_SKIPS` and of the resumed checkpoint).
+    those of `FTSUP_DATA_SKIPS` and of the resumed checkpoint). `init_from_hf`: a Hugging Face Hub-layout
+    model directory whose weights a fresh run starts from (`ftsup.trainer.hfinit`: each rank reads its
+    share); a resumed run takes its checkpoint's, and every checkpoint records where they came from.
     """
 
     def __init__(
@@ -119,6 +124,7 @@ class Session:
         pin_memory: bool = False,
         engine: CheckpointEngine | None = None,
         skip: Iterable[tuple[int, int]] = (),
+        init_from_hf: str | os.PathLike[str] | None = None,
     ) -> None:
         if save_every is not None and (not isinstance(save_every, int) or save_every < 1):
             raise ValueError(f"save_every must be a number of steps >= 1 or None, not {save_every!r}")
@@ -143,6 +149,15 @@ class Session:
             self.state = TrainingState(model, optimizer, scheduler, scaler, schedule=self.schedule, config=config)
             with rt.phase("load"):
                 self.loaded: LoadResult | None = self.state.resume(engine, at_most=rt.env.resume_step)
+                self.hf_init: HfInit | None = None
+                """What `init_from_hf` loaded (None: a checkpoint was resumed, or no Hugging Face model was given)."""
+                if self.loaded is None and init_from_hf is not None:
+                    t0 = time.monotonic()
+                    self.hf_init = load_hf_model(model, init_from_hf)
+                    self.state.origin = self.hf_init.origin
+                    took = round(time.monotonic() - t0, 4)
+                    log.info("hf_model_loaded", rank=self.rank, path=self.hf_init.origin["dir"],
+                             bytes_read=self.hf_init.bytes_read, duration_s=took)  # fmt: skip
             self.schedule = self.state.schedule  # with every skip in force
             self._agreement = Agreement()
         except BaseException:

@@ -72,6 +72,9 @@ class TrainingState:
         self.guard = StepGuard(optimizer, scheduler, scaler)
         self.step = 0
         self.samples = 0
+        self.origin: dict[str, Any] | None = None
+        """Where the run's first weights came from (`ftsup.trainer.hfinit`: a Hugging Face model), recorded in
+        every checkpoint's metadata (`init_from_hf`) and taken back up by a resume; None: its own initialisation."""
 
     # ------------------------------------------------------------------ the step guard
 
@@ -122,7 +125,8 @@ class TrainingState:
     # ------------------------------------------------------------------ with the engine
 
     def metadata(self) -> dict[str, Any]:
-        return {
+        origin = {} if self.origin is None else {"init_from_hf": self.origin}
+        return origin | {
             "step": self.step,
             "samples": self.samples,
             "global_batch": self.schedule.global_batch,
@@ -194,6 +198,8 @@ class TrainingState:
             if e.rejected and self.schedule.rank == 0:
                 log.warning("training_started_from_scratch", step=0, unusable=len(e.rejected), reason=str(e))
             return None
+        if isinstance(result.metadata.get("init_from_hf"), dict):
+            self.origin = dict(result.metadata["init_from_hf"])
         saved = result.rank_state
         if saved is not None and "rng" in saved:
             rng.restore(saved["rng"])

@@ -13,6 +13,8 @@ writes it. Both import this package; it imports neither of them, nor torch:
 - `dcpmeta`: the schema of `dcp_metadata.json`;
 - `durable` (with `durable_fs`, and `s3`, `s3upload`, `s3list`: boto3): the durable tier, checkpoints copied to
   object storage or a shared filesystem;
+- `dtypes`: the dtypes by name (a checkpoint's, safetensors');
+- `stheader`, `hublayout`: safetensors headers and the Hugging Face Hub's layout of a model, read as hostile input;
 - `errors`: the `CheckpointError` tree.
 
 The format, the commit protocol and the rules for a hostile store: `DESIGN.md` beside this file.

@@ -9,19 +9,31 @@ needs, and a skeleton made only of the node kinds `codec` writes, naming only st
 file that fails is a corrupt checkpoint (the loader quarantines it and tries the next older one),
 never a `StopIteration` or `KeyError` halfway through a load.
 
-Stdlib-only: the dtype's element size comes from the caller (`codec` knows dtypes, and needs torch).
+Stdlib-only: element sizes come from the torch-free dtype table (`dtypes`), so that `ftsup ckpt show`
+lists a checkpoint's tensors without torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
-from ftsup.store import layout
+from ftsup.store import dtypes, layout, safefile
 from ftsup.store.errors import CheckpointCorruptError, CheckpointError
 
 _MAX_DIMS = 64
 _MAX_ELEMENTS = 1 << 62
+
+
+def read(path: Path, manifest: layout.Manifest) -> dict[str, Any]:
+    """A checkpoint's `dcp_metadata.json`, verified against the manifest (size, checksum) and its schema
+    checked; raises CheckpointCorruptError naming what is wrong."""
+    raw = layout.read_verified(path, manifest, layout.DCP_META_NAME, layout.DCP_META_MAX_BYTES)
+    where = f"{path}/{layout.DCP_META_NAME}"
+    meta = safefile.loads(raw, where, max_values=layout.DCP_META_MAX_BYTES // 8)
+    validate(meta, manifest, lambda name: dtypes.lookup(name).itemsize, where)
+    return dict(meta)
 
 
 def validate(meta: Any, manifest: layout.Manifest, itemsize: Callable[[str], int], where: str) -> None:
@@ -97,6 +109,23 @@ def _validate(meta: Any, manifest: layout.Manifest, itemsize: Callable[[str], in
         fqn, offsets = missing[0]
         raise _Invalid(f"the chunk of {fqn!r:.80} at {list(offsets)} is stored nowhere ({len(missing)} such chunks)")
     _skeleton(top["skeleton"], set(tensors))
+
+
+def state_order(meta: Mapping[str, Any]) -> list[str]:
+    """The tensors of checkpointed (checked) `meta` in the order the saved state held them: its skeleton's
+    (`tensors` is in the order of DCP's plan, which on several ranks puts each rank's share first)."""
+    order: list[str] = []
+    stack = [meta["skeleton"]]
+    while stack:
+        ((tag, val),) = stack.pop().items()
+        if tag == "T":
+            order.append(val)
+        elif tag == "d":
+            stack.extend(reversed([node for _, node in val]))
+        elif tag in ("t", "l"):
+            stack.extend(reversed(val))
+    seen = set(order)
+    return [k for k in dict.fromkeys(order) if k in meta["tensors"]] + [k for k in meta["tensors"] if k not in seen]
 
 
 def _skeleton(root: Any, tensors: set[str]) -> None:

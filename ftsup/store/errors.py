@@ -62,3 +62,8 @@ class DurableTierError(CheckpointError):
 class DurableConflictError(CheckpointError):
     """The durable tier already holds a different checkpoint of this step (another writer committed it first):
     a committed step is never overwritten."""
+
+
+class ModelFileError(CheckpointError):
+    """A model's files outside the store (a Hugging Face model directory: its safetensors files, their
+    index, its config) are missing or malformed; the message names the file and the tensor."""

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -137,10 +138,12 @@ def loads(
     *,
     max_values: int | None = None,
     error: type[CheckpointError] = CheckpointCorruptError,
+    object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
 ) -> Any:
     """`json.loads` of a store file, after checking what would make it fail badly: nesting deeper
     than MAX_JSON_DEPTH, more than `max_values` values (each costs the decoder an object), and
-    NaN/Infinity (not JSON, and no field of ours holds them). Raises `error` naming `what`."""
+    NaN/Infinity (not JSON, and no field of ours holds them). Raises `error` naming `what`, also for
+    a ValueError that `object_pairs_hook` raises (a duplicate key, where a format forbids one)."""
     if not isinstance(raw, bytes):
         raise TypeError("loads() takes the raw bytes of a file")
     skeleton = _STRINGS.sub(b'""', _ESCAPES.sub(b"", raw))  # brackets and commas in strings are not structure
@@ -152,7 +155,7 @@ def loads(
         if values > max_values:
             raise error(f"{what}: about {values} JSON values, over the limit of {max_values}; refusing to parse it")
     try:
-        return json.loads(raw, parse_constant=_refuse_constant)
+        return json.loads(raw, parse_constant=_refuse_constant, object_pairs_hook=object_pairs_hook)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise error(f"{what}: not valid JSON ({e})") from None
 

@@ -30,7 +30,8 @@ def test_importing_supervisor_and_the_checkpoint_store_does_not_import_torch() -
     loaded = modules_loaded_after(
         "import supervisor, ftsup.supervisor.cli, ftsup.trainer.checkpoint, ftsup.store, ftsup.store.layout, "
         "ftsup.store.checksums, ftsup.store.blocksum, ftsup.store.retention, ftsup.store.safefile, "
-        "ftsup.store.choice, ftsup.store.dcpmeta, ftsup.store.errors"
+        "ftsup.store.choice, ftsup.store.dcpmeta, ftsup.store.errors, ftsup.store.dtypes, ftsup.store.stheader, "
+        "ftsup.store.hublayout, ftsup.supervisor.cli_show"
     )
     assert "torch" not in loaded
 
@@ -42,3 +43,13 @@ def test_ftsup_ckpt_verify_does_not_import_torch_or_the_benchmark(tmp_path: Path
         f"assert main(['ckpt', 'verify', {str(tmp_path)!r}, '--deep', '--json']) == 0"
     )
     assert {"torch", "ftsup.trainer.bench"} & loaded == set()
+
+
+def test_ftsup_ckpt_show_of_a_hugging_face_model_does_not_import_torch(tmp_path: Path) -> None:
+    from tests.unit.test_hublayout import sharded
+
+    root = sharded(tmp_path / "m")
+    loaded = modules_loaded_after(
+        f"from ftsup.supervisor.cli import main\nassert main(['ckpt', 'show', {str(root)!r}, '--json']) == 0"
+    )
+    assert "torch" not in loaded

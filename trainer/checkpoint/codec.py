@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ftsup.store import dtypes
 from ftsup.store.errors import CheckpointError
 
 
@@ -36,22 +37,16 @@ class DType:
     packed: int = 1
 
 
-def _dt(dtype: torch.dtype, st: str | None, packed: int = 1) -> DType:
-    return DType(dtype, str(dtype).removeprefix("torch."), st, packed)
+def _bind(d: dtypes.CheckpointDType) -> DType:
+    dtype = getattr(torch, d.name)
+    if dtype.itemsize != d.itemsize:  # the torch-free table and torch must agree, or no size is right
+        raise RuntimeError(f"ftsup.store.dtypes says {d.name} takes {d.itemsize} bytes, torch {dtype.itemsize}")
+    return DType(dtype, d.name, d.safetensors, d.packed)
 
 
-DTYPES: tuple[DType, ...] = (
-    _dt(torch.float64, "F64"), _dt(torch.float32, "F32"), _dt(torch.float16, "F16"), _dt(torch.bfloat16, "BF16"),
-    _dt(torch.int64, "I64"), _dt(torch.int32, "I32"), _dt(torch.int16, "I16"), _dt(torch.int8, "I8"),
-    _dt(torch.uint64, "U64"), _dt(torch.uint32, "U32"), _dt(torch.uint16, "U16"), _dt(torch.uint8, "U8"),
-    _dt(torch.bool, "BOOL"), _dt(torch.complex64, "C64"), _dt(torch.complex128, None),
-    _dt(torch.float8_e4m3fn, "F8_E4M3"), _dt(torch.float8_e4m3fnuz, "F8_E4M3FNUZ"),
-    _dt(torch.float8_e5m2, "F8_E5M2"), _dt(torch.float8_e5m2fnuz, "F8_E5M2FNUZ"),
-    _dt(torch.float8_e8m0fnu, "F8_E8M0"), _dt(torch.float4_e2m1fn_x2, "F4", packed=2),
-)  # fmt: skip
-"""The one dtype table of the project: what save, load, the shard headers and the Hugging Face
-export use. Every dtype torch and safetensors both have is here (and complex128, which only
-the checkpoint holds); any other dtype (sub-byte ints, quantized, bits) is refused by name."""
+DTYPES: tuple[DType, ...] = tuple(_bind(d) for d in dtypes.CHECKPOINT)
+"""The one dtype table of the project (`ftsup.store.dtypes.CHECKPOINT`, torch-free), each name bound
+to its torch dtype: what save, load, the shard headers and the Hugging Face export use."""
 
 _BY_TORCH = {d.torch: d for d in DTYPES}
 _BY_NAME = {d.name: d for d in DTYPES}
@@ -75,11 +70,7 @@ def dtype_name(dtype: torch.dtype, what: str | None = None) -> str:
 
 def dtype_from_name(name: object, what: str | None = None) -> torch.dtype:
     """The torch dtype a checkpoint names; CheckpointError (naming `what`) for an unknown name."""
-    d = _BY_NAME.get(name) if isinstance(name, str) else None
-    if d is None:
-        where = f" for {what}" if what else ""
-        raise CheckpointError(f"checkpoint names unknown dtype {name!r:.60}{where}")
-    return d.torch
+    return _BY_NAME[dtypes.lookup(name, what).name].torch
 
 
 def safetensors_header(dtype: torch.dtype, sizes: Sequence[int], what: str) -> tuple[str, list[int]] | None:

@@ -1,64 +1,69 @@
-"""Export a checkpoint's model weights as Hugging Face sharded safetensors.
+"""Export a checkpoint's model in the Hugging Face Hub's layout.
 
-    ftsup ckpt export-hf DIR --step N OUT
+    ftsup ckpt export-hf DIR [--step N] OUT [--max-shard-size 5GB] [--dtype bf16|fp16|fp32]
 
-writes `OUT/model-0000k-of-0000n.safetensors` and `OUT/model.safetensors.index.json`
-(`{"metadata": {"total_size": ...}, "weight_map": {name: file}}`), the layout
-`transformers` loads with `from_pretrained`. Whatever world size saved the checkpoint, each
-tensor is assembled whole from its saved chunks. The checkpoint is deep-verified first, so a
-corrupt one is never exported, and OUT appears only when complete (written beside it, renamed).
+writes what huggingface_hub's `save_torch_state_dict` writes for the model's state dict (`hfwrite`):
+`OUT/model.safetensors` or, past the shard size, `OUT/model-0000k-of-0000n.safetensors` and
+`OUT/model.safetensors.index.json`; and `OUT/config.json`, which `from_pretrained(OUT)` needs.
 
-Only the model's tensors are exported: the keys under the state's `model` entry (for
-`TrainingState` that is `train.model.`, for `ModelOptimState` `app.model.`), found
-automatically or given with `--prefix`.
+Where the tensors come from:
 
-`OUT/config.json`, which `AutoModelForCausalLM.from_pretrained(OUT)` needs, is the model config the
-checkpoint holds (its metadata's `config`, when that is a `transformers` config: it names a
-`model_type`; `TrainingState(config=hf_config.to_dict())` saves one) or, given, `--config FILE`
-(which wins). Without either the weights are exported alone, and the caller is told.
+- an engine checkpoint: the keys under the state's `model` entry (for `TrainingState` that is
+  `train.model.`, for `ModelOptimState` `app.model.`), found automatically or given with `--prefix`, in
+  the order of the model's state dict; each assembled whole from its saved chunks, whatever world
+  size saved them, by ranged reads verified block by block against the manifest's checksums (a
+  corrupt tensor is never exported; what the export does not need, the optimizer's state, is not
+  read: `ftsup ckpt verify --deep` reads it all);
+- a checkpoint that `FtsupCallback` committed (metadata `format: hf-trainer`): the Trainer's
+  `save_pretrained` weights, found by their headers (`ftsup.store.hublayout`), each file's block
+  checksums computed and checked against the manifest first and every range read verified against
+  them (`hubread`); its `generation_config.json` is copied, checked against the manifest.
 
-A checkpoint that `FtsupCallback` committed (metadata `format: hf-trainer`) holds the Trainer's
-`save_pretrained` output already: its weights (`model*.safetensors`, the index when sharded),
-`config.json` and `generation_config.json` are copied as they are, each checked against the
-manifest's checksum as it is copied.
+`config.json` is `--config FILE` (which wins), the Trainer's own, or the model config the checkpoint's
+metadata holds (a `transformers` config names a `model_type`; `TrainingState(config=hf_config.to_dict())`
+saves one); without any, the weights are exported alone and the caller is told. `dtype` converts the
+plain floating tensors (`dtypes.CASTABLE`; the others are kept as saved), and the config's `dtype`
+(and `torch_dtype`, where it has one) says so.
+
+OUT appears only when complete: everything is written into a new directory beside it (made by
+`mkdtemp`, never one found there), fsynced and renamed onto OUT (absent, or an empty directory); on
+any error that directory is removed and OUT is as it was. Nothing is written through a link.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import math
 import os
 import re
 import shutil
-import struct
+import stat
+import tempfile
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ftsup.store import checksums, layout, safefile
+from ftsup.store import checksums, dcpmeta, dtypes, hublayout, layout, safefile
 from ftsup.store.errors import CheckpointCorruptError, CheckpointError
 from ftsup.trainer.checkpoint import codec
-from ftsup.trainer.checkpoint.loading import read_dcp_metadata
+from ftsup.trainer.checkpoint.hfwrite import OutTensor, check, write_model, write_new
+from ftsup.trainer.checkpoint.hubread import HubReader
+from ftsup.trainer.checkpoint.shardio import VerifiedFile, read_files
 
-INDEX_NAME = "model.safetensors.index.json"
-CONFIG_NAME = "config.json"
-CONFIG_MAX_BYTES = 16 << 20  # a model config is a few KiB; tokenizer-sized vocabularies stay far below this
-HEADER_MAX_BYTES = 100 << 20  # safetensors' own limit on a header
-TRAINER_FORMAT = "hf-trainer"  # ftsup.trainer.hf_store.FORMAT (that module's import would pull in no more than this)
-_TRAINER_EXPORTED = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|"
-                               r"config\.json|generation_config\.json)$")  # fmt: skip
-INDEX_MAX_BYTES = 64 << 20  # a sharded model's index: one line per tensor
-_COPY_CHUNK = 64 << 20  # a multiple of the checksum block
+INDEX_NAME = hublayout.INDEX_NAME
+CONFIG_NAME = hublayout.CONFIG_NAME
+GENERATION_CONFIG_NAME = "generation_config.json"
+_TRAINER_WEIGHTS = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json)$")
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A model config given on the command line: a regular file of at most CONFIG_MAX_BYTES holding a
     JSON object (a link to one is followed: the path is the caller's own)."""
     what = f"--config {path}"
-    real = Path(path).resolve()
-    obj = safefile.read_json(real, what, CONFIG_MAX_BYTES, error=CheckpointError)
+    obj = safefile.read_json(Path(path).resolve(), what, hublayout.CONFIG_MAX_BYTES, error=CheckpointError)
     if not isinstance(obj, dict):
         raise CheckpointError(f"{what}: a model config is a JSON object, not {type(obj).__name__}")
     return obj
@@ -83,203 +88,222 @@ def model_prefix(keys: list[str]) -> str:
     return found.pop()
 
 
-def _read_meta(ckpt: Path, manifest: layout.Manifest) -> dict[str, Any]:
-    return read_dcp_metadata(ckpt, manifest)  # verified, its schema checked
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a checkpoint dtype name (`bfloat16`): for a caller without torch (the CLI)."""
+    return codec.dtype_from_name(name)
 
 
-def assemble(ckpt: Path, meta: Mapping[str, Any], fqn: str) -> torch.Tensor:
-    """One whole tensor, from every chunk of it in the shard files."""
-    t = meta["tensors"][fqn]
-    dtype = codec.dtype_from_name(t["dtype"], fqn)
-    full = torch.empty(t["size"], dtype=dtype)
-    for s in meta["storage"]:
-        if s["fqn"] != fqn or s["nbytes"] == 0:
-            continue
-        path = layout.resolve_inside(ckpt, s["file"])
-        with open(path, "rb") as f:
-            f.seek(s["byte_offset"])
-            raw = bytearray(f.read(s["nbytes"]))
-        if len(raw) != s["nbytes"]:
-            raise CheckpointCorruptError(f"{s['file']}: ends inside {fqn}", path=str(ckpt), file=s["file"])
-        chunk = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(s["sizes"])
-        view = full
-        for dim, (o, n) in enumerate(zip(s["offsets"], s["sizes"], strict=True)):
-            view = view.narrow(dim, o, n)
-        view.copy_(chunk)
-    return full
-
-
-def _header_entry(name: str, dtype: torch.dtype, shape: list[int]) -> tuple[str, list[int]]:
-    """The safetensors dtype and shape of one exported tensor; CheckpointError naming it when
-    safetensors cannot store it."""
-    entry = codec.safetensors_header(dtype, shape, name)
-    if entry is None:
-        dims = "" if shape else " (0-dimensional)"
-        raise CheckpointError(
-            f"tensor {name!r} has dtype {codec.dtype_name(dtype)}{dims}, which safetensors cannot store; "
-            "convert it (or leave it out with --prefix) before exporting"
-        )
-    return entry
-
-
-def _write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> int:
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    pos = 0
-    for name, t in tensors:
-        n = t.numel() * t.element_size()
-        st_dtype, shape = _header_entry(name, t.dtype, list(t.shape))
-        header[name] = {"dtype": st_dtype, "shape": shape, "data_offsets": [pos, pos + n]}
-        pos += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # data 8-byte aligned, as safetensors' own writer does
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        for _, t in tensors:
-            if t.numel():
-                f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    return pos
+def cast_target(dtype: torch.dtype | None, saved: torch.dtype) -> torch.dtype:
+    """The dtype a tensor saved as `saved` is written in when the export converts to `dtype`."""
+    return dtype if dtype is not None and codec.dtype_name(saved) in dtypes.CASTABLE else saved
 
 
 def export_hf(root: str | os.PathLike[str], step: int | None, out: str | os.PathLike[str], *,
-              prefix: str | None = None, max_shard_bytes: int = 5 * 10**9,
-              config: Mapping[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
-    """Write the model of checkpoint `step` (None: latest consistent) to `out`; returns the index,
-    whose metadata says where `config.json` came from (`config`: "file", "checkpoint" or None)."""
+              prefix: str | None = None, max_shard_bytes: int = hublayout.DEFAULT_MAX_SHARD_BYTES,
+              config: Mapping[str, Any] | None = None, dtype: torch.dtype | None = None,
+              progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Write the model of checkpoint `step` (None: the latest consistent one) to `out`; returns the
+    index, whose metadata adds the step and where `config.json` came from (`config`: "file",
+    "checkpoint" or None). `progress(done, total)`: bytes written so far, after each tensor."""
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"{out} exists and is not empty; choose a new directory")
-    info = layout.find_checkpoint(root, step, deep=True)
+    if dtype is not None and codec.dtype_name(dtype) not in dtypes.CAST_NAMES.values():
+        raise CheckpointError(f"cannot export as {dtype}: the choices are {', '.join(dtypes.CAST_NAMES)}")
+    _check_out(out)
+    info = layout.find_checkpoint(root, step)
     if not info.consistent:
         raise CheckpointCorruptError(
             f"checkpoint {info.path} is not consistent: {'; '.join(map(str, info.problems))}", path=info.path
         )
     ckpt = Path(info.path)
     manifest = layout.read_manifest(ckpt)
-    trainer = manifest.metadata.get("format") == TRAINER_FORMAT
+    trainer = manifest.metadata.get("format") == hublayout.TRAINER_FORMAT
     if trainer and prefix is not None:
-        raise CheckpointError(
-            f"{ckpt} is a Trainer checkpoint: its weights are exported as saved; --prefix does not apply"
-        )
-    write = None if trainer else _plan_engine_export(ckpt, manifest, prefix, max_shard_bytes)
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        index = _copy_trainer_export(ckpt, manifest, tmp) if write is None else write(tmp)
-        source = None
-        if config is not None:
-            source = "file"
-            (tmp / CONFIG_NAME).unlink(missing_ok=True)  # the Trainer's copy: the file given wins
-            layout.write_file_durable(tmp / CONFIG_NAME, json.dumps(dict(config), indent=2).encode())
-        elif (tmp / CONFIG_NAME).exists():
-            source = "checkpoint"  # the Trainer's own
-        elif (saved := checkpoint_config(manifest.metadata)) is not None:
-            source = "checkpoint"
-            layout.write_file_durable(tmp / CONFIG_NAME, json.dumps(saved, indent=2).encode())
-        index["metadata"].update(ftsup_step=info.step, config=source)
-        layout.fsync_dir(tmp)
-        if out.exists():
-            out.rmdir()
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        raise CheckpointError(f"{ckpt} is a Trainer checkpoint: its weights are its model's; --prefix does not apply")
+    with ExitStack() as stack:
+        if trainer:
+            tensors, saved_config = _trainer_tensors(ckpt, manifest, dtype, stack)
+        else:
+            tensors, saved_config = _engine_tensors(ckpt, manifest, prefix, dtype), None
+        check(tensors)  # a dtype safetensors lacks is refused before anything is written
+        total, done = sum(t.nbytes for t in tensors), [0]
+
+        def advance(n: int) -> None:
+            done[0] += n
+            if progress is not None:
+                progress(done[0], total)
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+        try:
+            index = write_model(tmp, tensors, max_shard_bytes, advance)
+            data, source = _config(config, saved_config, checkpoint_config(manifest.metadata), dtype)
+            if data is not None:
+                write_new(tmp / CONFIG_NAME, data)
+            if trainer and GENERATION_CONFIG_NAME in manifest.files:
+                raw = layout.read_verified(ckpt, manifest, GENERATION_CONFIG_NAME, hublayout.CONFIG_MAX_BYTES)
+                write_new(tmp / GENERATION_CONFIG_NAME, raw)
+            index["metadata"].update(ftsup_step=info.step, config=source)
+            _publish(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return index
 
 
-def _plan_engine_export(
-    ckpt: Path, manifest: layout.Manifest, prefix: str | None, max_shard_bytes: int
-) -> Callable[[Path], dict[str, Any]]:
-    """Check what an engine checkpoint's export writes (refusing a dtype safetensors lacks before
-    anything is written) and return the function that writes it into a directory."""
-    meta = _read_meta(ckpt, manifest)
-    keys = sorted(meta["tensors"])
+def _config(
+    given: Mapping[str, Any] | None,
+    trainer: tuple[dict[str, Any], bytes] | None,
+    metadata: Mapping[str, Any] | None,
+    dtype: torch.dtype | None,
+) -> tuple[bytes | None, str | None]:
+    """config.json's bytes and where they came from: the file given, the Trainer's (its bytes as saved,
+    unless converted), the checkpoint's metadata, or none."""
+    if given is not None:
+        return _config_bytes(given, dtype), "file"
+    if trainer is not None:
+        return (trainer[1] if dtype is None else _config_bytes(trainer[0], dtype)), "checkpoint"
+    if metadata is not None:
+        return _config_bytes(metadata, dtype), "checkpoint"
+    return None, None
+
+
+def _config_bytes(config: Mapping[str, Any], dtype: torch.dtype | None) -> bytes:
+    config = dict(config)
+    if dtype is not None:  # what from_pretrained(dtype="auto") loads the weights as
+        name = codec.dtype_name(dtype)
+        config["dtype"] = name
+        if "torch_dtype" in config:
+            config["torch_dtype"] = name
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()  # as transformers writes config.json
+
+
+def _check_out(out: Path) -> None:
+    try:
+        st = os.lstat(out)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise CheckpointError(f"{out} is a symbolic link; choose a new directory")
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointError(f"{out} exists and is not a directory; choose a new directory")
+    with os.scandir(out) as it:
+        if any(True for _ in it):
+            raise CheckpointError(f"{out} exists and is not empty; choose a new directory")
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Rename the finished directory onto `out` (absent or empty: rename replaces an empty directory)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    os.chmod(tmp, 0o777 & ~mask)  # mkdtemp made it private; the export is a directory like any other
+    layout.fsync_dir(tmp)
+    try:
+        os.rename(tmp, out)
+    except OSError as e:
+        raise CheckpointError(f"{out}: cannot put the export there ({e.strerror or e}); it must be absent or an "
+                              "empty directory") from None  # fmt: skip
+    layout.fsync_dir(out.parent)
+
+
+class _Chunks:
+    """An engine checkpoint's tensors, each assembled from its chunks by verified ranged reads."""
+
+    def __init__(self, ckpt: Path, manifest: layout.Manifest, meta: Mapping[str, Any]):
+        self.ckpt, self.manifest, self.meta = ckpt, manifest, meta
+        self.storage: dict[str, list[Mapping[str, Any]]] = {}
+        for s in meta["storage"]:
+            self.storage.setdefault(s["fqn"], []).append(s)
+        self.files: dict[str, VerifiedFile] = {}
+
+    def _file(self, rel: str, crc_rel: str) -> VerifiedFile:
+        vf = self.files.get(rel)
+        if vf is None:
+            entry = self.manifest.files[rel]
+            vf = VerifiedFile(str(layout.resolve_inside(self.ckpt, rel)), entry.size, entry.checksum,
+                              str(layout.resolve_inside(self.ckpt, crc_rel)), rel)  # fmt: skip
+            self.files[rel] = vf
+        return vf
+
+    def read(self, fqn: str) -> torch.Tensor:
+        t = self.meta["tensors"][fqn]
+        dtype, size = codec.dtype_from_name(t["dtype"], fqn), tuple(t["size"])
+        chunks = [s for s in self.storage.get(fqn, []) if s["nbytes"] > 0]
+        if not chunks:
+            return torch.empty(size, dtype=dtype)
+        try:
+            requests = [(self._file(s["file"], s["crc_file"]), [(s["byte_offset"], s["byte_offset"] + s["nbytes"])])
+                        for s in chunks]  # fmt: skip
+            regions = read_files(requests)
+        except CheckpointCorruptError as e:
+            raise CheckpointCorruptError(
+                f"{self.ckpt}: {e} (reading {fqn})", path=str(self.ckpt), file=e.file
+            ) from None
+        views = []
+        for s, ((base, region),) in zip(chunks, regions, strict=True):
+            lo = s["byte_offset"] - base
+            views.append((s, region[lo : lo + s["nbytes"]].view(dtype).reshape(s["sizes"])))
+        if len(views) == 1 and tuple(views[0][0]["sizes"]) == size:
+            return views[0][1]  # one chunk, the whole tensor: no copy
+        full = torch.empty(size, dtype=dtype)
+        for s, chunk in views:
+            view = full
+            for dim, (o, n) in enumerate(zip(s["offsets"], s["sizes"], strict=True)):
+                view = view.narrow(dim, o, n)
+            view.copy_(chunk)
+        return full
+
+
+def _engine_tensors(
+    ckpt: Path, manifest: layout.Manifest, prefix: str | None, dtype: torch.dtype | None
+) -> list[OutTensor]:
+    meta = dcpmeta.read(ckpt, manifest)
+    keys = dcpmeta.state_order(meta)  # the model's state dict order: what save_torch_state_dict splits by
     prefix = prefix if prefix is not None else model_prefix(keys)
     names = [k for k in keys if k.startswith(prefix)]
     if not names:
         raise CheckpointError(f"no tensor in {ckpt} starts with {prefix!r}")
-    # Greedy sharding in name order, as transformers' save_pretrained does.
-    shards: list[list[str]] = [[]]
-    size = 0
+    chunks = _Chunks(ckpt, manifest, meta)
+    out = []
     for k in names:
         t = meta["tensors"][k]
-        dtype = codec.dtype_from_name(t["dtype"], k)
-        _header_entry(k[len(prefix) :], dtype, list(t["size"]))  # refused before anything is written
-        n = dtype.itemsize * math.prod(t["size"])
-        if shards[-1] and size + n > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(k)
-        size += n
-
-    def write(tmp: Path) -> dict[str, Any]:
-        weight_map: dict[str, str] = {}
-        total = 0
-        for i, group in enumerate(shards, start=1):
-            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            tensors = [(k[len(prefix) :], assemble(ckpt, meta, k)) for k in group]
-            total += _write_safetensors(tmp / fname, tensors)
-            weight_map.update({name: fname for name, _ in tensors})
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        layout.write_file_durable(tmp / INDEX_NAME, json.dumps(index, indent=2).encode())
-        return index
-
-    return write
+        saved = codec.dtype_from_name(t["dtype"], k)
+        out.append(OutTensor(k[len(prefix) :], cast_target(dtype, saved), tuple(t["size"]),
+                             functools.partial(chunks.read, k)))  # fmt: skip
+    return out
 
 
-def _copy_trainer_export(ckpt: Path, manifest: layout.Manifest, tmp: Path) -> dict[str, Any]:
-    """Copy a Trainer checkpoint's save_pretrained files, each verified as it is copied; the index
-    (of the one weights file, when not sharded) is read from what was copied."""
-    names = sorted(n for n in manifest.files if _TRAINER_EXPORTED.match(n))
-    weights = [n for n in names if n.endswith(".safetensors")]
-    if not weights:
+def _trainer_tensors(
+    ckpt: Path, manifest: layout.Manifest, dtype: torch.dtype | None, stack: ExitStack
+) -> tuple[list[OutTensor], tuple[dict[str, Any], bytes] | None]:
+    """The weights of a Trainer checkpoint, each of their files checked against the manifest first
+    (the index whole; each weights file's block checksums, which then verify every range read)."""
+    verified: dict[str, VerifiedFile] = {}
+    for rel in sorted(n for n in manifest.files if _TRAINER_WEIGHTS.match(n)):
+        entry = manifest.files[rel]
+        if rel == INDEX_NAME:
+            layout.read_verified(ckpt, manifest, rel, hublayout.INDEX_MAX_BYTES)
+            continue
+        path = layout.resolve_inside(ckpt, rel)
+        algorithm = checksums.checksum_algorithm(entry.checksum)
+        crcs = checksums.file_block_crcs(path, algorithm)
+        if checksums.checksum_from_block_crcs(crcs, algorithm) != entry.checksum:
+            raise CheckpointCorruptError(f"{ckpt}/{rel}: checksum mismatch", path=str(ckpt), file=rel)
+        verified[rel] = VerifiedFile.of_blocks(str(path), entry.size, crcs, algorithm, rel)
+    if not verified:
         raise CheckpointError(f"{ckpt} holds no safetensors weights (saved with save_safetensors=False?)")
-    for name in names:
-        _copy_verified(ckpt, name, manifest.files[name], manifest.checksum_algorithm, tmp / name)
-    if INDEX_NAME in names:
-        index = safefile.read_json(tmp / INDEX_NAME, f"{ckpt}/{INDEX_NAME}", INDEX_MAX_BYTES)
-        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
-            raise CheckpointCorruptError(f"{ckpt}/{INDEX_NAME}: no weight_map", path=str(ckpt), file=INDEX_NAME)
-        index.setdefault("metadata", {})
-        return index
-    header = _safetensors_header(tmp / weights[0], f"{ckpt}/{weights[0]}")
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    total = max((v["data_offsets"][1] for v in tensors.values() if isinstance(v, dict)), default=0)
-    return {"metadata": {"total_size": total}, "weight_map": dict.fromkeys(tensors, weights[0])}
-
-
-def _copy_verified(ckpt: Path, rel: str, entry: layout.FileEntry, algorithm: str, dest: Path) -> None:
-    fd = safefile.open_regular(layout.resolve_inside(ckpt, rel), f"{ckpt}/{rel}")
-    crcs: list[int] = []
-    size = 0
-    with open(fd, "rb", buffering=0) as src, open(dest, "xb") as dst:
-        buf = bytearray(_COPY_CHUNK)
-        view = memoryview(buf)
-        while True:
-            n = 0
-            while n < len(buf) and (got := src.readinto(view[n:])):
-                n += got
-            checksums.block_crcs(view[:n], crcs, algorithm)
-            dst.write(view[:n])
-            size += n
-            if n < len(buf):
-                break
-        dst.flush()
-        os.fsync(dst.fileno())
-    if size != entry.size or checksums.checksum_from_block_crcs(crcs, algorithm) != entry.checksum:
-        raise CheckpointCorruptError(f"{ckpt}/{rel}: changed since it was verified", path=str(ckpt), file=rel)
-
-
-def _safetensors_header(path: Path, what: str) -> dict[str, Any]:
-    with open(path, "rb") as f:
-        head = f.read(8)
-        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-        if not 0 < n <= HEADER_MAX_BYTES:
-            raise CheckpointCorruptError(f"{what}: not a safetensors file (header length {n})", path=what)
-        raw = f.read(n)
-    header = safefile.loads(raw, what)
-    if not isinstance(header, dict):
-        raise CheckpointCorruptError(f"{what}: a safetensors header is a JSON object", path=what)
-    return header
+    model = hublayout.read(ckpt, follow_links=False)
+    for file in model.headers:
+        if file not in verified:
+            raise CheckpointCorruptError(f"{ckpt}/{file}: not a file of the checkpoint's manifest", path=str(ckpt))
+    reader = stack.enter_context(HubReader(model, verified))
+    out = []
+    for name in model.weight_map:
+        saved, shape = reader.spec(name)
+        out.append(OutTensor(name, cast_target(dtype, saved), shape, functools.partial(reader.read, name)))
+    if CONFIG_NAME not in manifest.files:
+        return out, None
+    raw = layout.read_verified(ckpt, manifest, CONFIG_NAME, hublayout.CONFIG_MAX_BYTES)
+    config = safefile.loads(raw, f"{ckpt}/{CONFIG_NAME}")
+    if not isinstance(config, dict):
+        raise CheckpointCorruptError(f"{ckpt}/{CONFIG_NAME}: not a JSON object", path=str(ckpt))
+    return out, (config, raw)

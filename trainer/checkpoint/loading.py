@@ -138,13 +138,8 @@ def _passed_over(p: choice.Passed, given_up: list[choice.Passed]) -> None:
 
 
 def read_dcp_metadata(path: Path, manifest: layout.Manifest) -> dict[str, Any]:
-    """A checkpoint's `dcp_metadata.json`, verified against the manifest and its schema checked
-    (`dcpmeta`); raises CheckpointCorruptError naming what is wrong."""
-    raw = layout.read_verified(path, manifest, layout.DCP_META_NAME, layout.DCP_META_MAX_BYTES)
-    where = f"{path}/{layout.DCP_META_NAME}"
-    meta = safefile.loads(raw, where, max_values=layout.DCP_META_MAX_BYTES // 8)
-    dcpmeta.validate(meta, manifest, lambda dtype: codec.dtype_from_name(dtype).itemsize, where)
-    return dict(meta)
+    """A checkpoint's `dcp_metadata.json`, verified and its schema checked (`dcpmeta.read`)."""
+    return dcpmeta.read(path, manifest)
 
 
 def _load_from(

@@ -274,6 +274,14 @@ class VerifiedFile:
         if checksum_from_block_crcs(self.crcs, self.algorithm) != checksum or len(self.crcs) != blocks:
             raise CheckpointCorruptError(f"{rel}: block checksums do not match the manifest", file=rel)
 
+    @classmethod
+    def of_blocks(cls, path: str, size: int, crcs: list[int], algorithm: str, rel: str) -> VerifiedFile:
+        """Ranged reads of a file without a sidecar (a Trainer checkpoint's weights), verified against
+        block checksums the caller computed and checked against the manifest."""
+        vf = cls.__new__(cls)
+        vf.path, vf.rel, vf.size, vf.crcs, vf.algorithm, vf.bytes_read = path, rel, size, crcs, algorithm, 0
+        return vf
+
     def read_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, torch.Tensor]]:
         """Read the given [start, end) byte ranges; returns (region_start, region) pairs that
         cover them, each region widened to whole checksum blocks and verified."""

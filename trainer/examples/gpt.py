@@ -162,6 +162,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="block each periodic save this much longer (tests of long saves; no effect on the math)",
     )
     p.add_argument("--clip-grad-norm", type=float, help="clip the gradients to this norm (default: no clipping)")
+    p.add_argument("--init-from-hf", metavar="DIR", help="a fresh run starts from this Hugging Face model directory's "
+                   "weights (model.safetensors, or its index and shards; each rank reads its share)")  # fmt: skip
     p.add_argument("--skip", default="", help="A:B,C:D: global data positions never served (with FTSUP_DATA_SKIPS)")
     p.add_argument("--fault", default="", help="kill@STEP, kill-in-save@STEP, exit@STEP, stop@STEP, "
                    "nan@STEP[:RANK], spike@STEP:LEN or slow@RANK:FACTOR")  # fmt: skip
@@ -242,7 +244,7 @@ def train(args: argparse.Namespace) -> int:
     engine = CheckpointEngine(args.ckpt_dir, retention=RetentionPolicy(keep_last=args.keep_last), hook=hook)
     session = Session(model, optimizer, scheduler, dataset, global_batch=args.global_batch, seed=args.seed,
                       micro_batch=args.micro_batch, config=config, save_every=args.ckpt_every, engine=engine,
-                      num_workers=args.num_workers, skip=args.skip)  # fmt: skip
+                      num_workers=args.num_workers, skip=args.skip, init_from_hf=args.init_from_hf)  # fmt: skip
     loss_log = open(args.loss_log, "a") if args.loss_log and rank == 0 else None  # noqa: SIM115
     sample_log = open(args.sample_log.replace("{rank}", str(rank)), "a") if args.sample_log else None  # noqa: SIM115
     first = session.step + 1

@@ -1,0 +1,214 @@
+"""Starting from a Hugging Face model directory (`ftsup.trainer.hfinit.load_hf_model`, the reference trainer's
+`--init-from-hf`): every tensor bitwise the file's on one rank and on two (DDP, FSDP2), each rank reading exactly
+its share; the reference trainer's first loss the same on one rank and two; bad input loads nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import save_torch_state_dict
+
+from ftsup.store import layout
+from ftsup.store.errors import ModelFileError
+from ftsup.trainer.examples.gpt import GPT
+from ftsup.trainer.hfinit import load_hf_model
+from tests.procs import run, torchrun
+
+SHAPE = {"seq_len": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}  # tests/bin/hf_init_worker.py's
+
+
+def hub_model(path: Path, seed: int = 1, max_shard_size: str = "20KB") -> dict[str, torch.Tensor]:
+    """The reference GPT of `seed`, written as huggingface_hub writes a sharded model; its state dict."""
+    torch.manual_seed(seed)
+    sd = GPT(256, dropout=0.0, **SHAPE).state_dict()
+    path.mkdir()
+    save_torch_state_dict(sd, path, max_shard_size=max_shard_size)
+    return sd
+
+
+def digests(sd: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {k: hashlib.sha256(v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            for k, v in sd.items()}  # fmt: skip
+
+
+def shares(sd: dict[str, torch.Tensor], world: int) -> list[int]:
+    """The bytes each rank reads: rows [r*c, (r+1)*c) of each tensor, c = ceil(rows / world); a tensor of
+    fewer rows than ranks all on rank 0."""
+    out = [0] * world
+    for t in sd.values():
+        n = t.shape[0] if t.dim() else 0
+        if n < world:
+            out[0] += t.nbytes
+            continue
+        c = -(-n // world)
+        for r in range(world):
+            out[r] += max(0, min((r + 1) * c, n) - r * c) * (t.nbytes // n)
+    return out
+
+
+def test_one_process_loads_every_tensor_bitwise_reading_each_byte_once(tmp_path):
+    sd = hub_model(tmp_path / "hf")
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 2
+    torch.manual_seed(0)
+    model = GPT(256, dropout=0.0, **SHAPE)
+    result = load_hf_model(model, tmp_path / "hf")
+    assert digests(model.state_dict()) == digests(sd)
+    assert (result.bytes_read, result.origin["tensors"], result.origin["dir"]) == (
+        sum(t.nbytes for t in sd.values()), len(sd), str((tmp_path / "hf").resolve()))  # fmt: skip
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_load_every_tensor_bitwise_each_reading_exactly_its_share(tmp_path, parallel):
+    sd = hub_model(tmp_path / "hf")
+    r = torchrun("hf_init_worker.py", ["--hf", str(tmp_path / "hf"), "--parallel", parallel,
+                                       "--out", str(tmp_path / "rank")], nproc=2)  # fmt: skip
+    assert r.returncode == 0, r.output[-3000:]
+    outs = [json.loads((tmp_path / f"rank.{i}.json").read_text()) for i in (0, 1)]
+    assert [o.get("error") for o in outs] == [None, None]
+    assert [o["digests"] for o in outs] == [digests(sd)] * 2
+    assert [o["bytes_read"] for o in outs] == shares(sd, 2)
+
+
+def model_and_before() -> tuple[GPT, dict[str, str]]:
+    torch.manual_seed(0)
+    model = GPT(256, dropout=0.0, **SHAPE)
+    return model, digests(model.state_dict())
+
+
+def test_a_model_tensor_the_files_lack_names_it_and_loads_nothing(tmp_path):
+    sd = hub_model(tmp_path / "src")
+    del sd["head.weight"]
+    (tmp_path / "hf").mkdir()
+    save_torch_state_dict(sd, tmp_path / "hf", max_shard_size="20KB")
+    model, before = model_and_before()
+    with pytest.raises(ModelFileError, match="the model has tensor 'head.weight'.*which no file of the model holds"):
+        load_hf_model(model, tmp_path / "hf")
+    assert digests(model.state_dict()) == before
+
+
+def test_a_file_tensor_the_model_lacks_names_the_file_and_the_tensor_and_loads_nothing(tmp_path):
+    sd = hub_model(tmp_path / "src")
+    (tmp_path / "hf").mkdir()
+    save_torch_state_dict({**sd, "extra.weight": torch.zeros(3)}, tmp_path / "hf", max_shard_size="20KB")
+    model, before = model_and_before()
+    with pytest.raises(ModelFileError, match=r"model-\d{5}-of-\d{5}\.safetensors: holds tensor 'extra\.weight', "
+                                             "which the model does not have"):  # fmt: skip
+        load_hf_model(model, tmp_path / "hf")
+    assert digests(model.state_dict()) == before
+
+
+def test_another_shape_names_the_file_and_the_tensor_and_loads_nothing(tmp_path):
+    sd = hub_model(tmp_path / "src")
+    (tmp_path / "hf").mkdir()
+    save_torch_state_dict({**sd, "ln.bias": torch.zeros(7)}, tmp_path / "hf")
+    model, before = model_and_before()
+    with pytest.raises(ModelFileError, match=r"model\.safetensors: tensor 'ln\.bias' has shape \[7\]; the model's"):
+        load_hf_model(model, tmp_path / "hf")
+    assert digests(model.state_dict()) == before
+
+
+def test_another_floating_dtype_is_refused_unless_converting(tmp_path):
+    sd = hub_model(tmp_path / "src")
+    half = {k: v.to(torch.bfloat16) for k, v in sd.items()}
+    (tmp_path / "hf").mkdir()
+    save_torch_state_dict(half, tmp_path / "hf")
+    model, before = model_and_before()
+    with pytest.raises(ModelFileError, match="is bfloat16; the model's .* is float32 \\(convert=True"):
+        load_hf_model(model, tmp_path / "hf")
+    assert digests(model.state_dict()) == before
+    load_hf_model(model, tmp_path / "hf", convert=True)
+    assert digests(model.state_dict()) == digests({k: v.to(torch.float32) for k, v in half.items()})
+
+
+def test_names_are_mapped_by_rename(tmp_path):
+    sd = hub_model(tmp_path / "src")
+    (tmp_path / "hf").mkdir()
+    save_torch_state_dict({f"gpt.{k}": v for k, v in sd.items()}, tmp_path / "hf")
+    model, _ = model_and_before()
+    load_hf_model(model, tmp_path / "hf", rename=lambda key: f"gpt.{key}")
+    assert digests(model.state_dict()) == digests(sd)
+
+
+def test_a_transformers_model_saved_sharded_with_tied_weights_loads_with_the_same_logits(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    torch.manual_seed(1)
+    saved = GPT2LMHeadModel(config).eval()
+    saved.save_pretrained(tmp_path / "hf", max_shard_size="30KB")  # lm_head.weight is wte's: saved once
+    torch.manual_seed(2)
+    model = GPT2LMHeadModel(config).eval()
+    result = load_hf_model(model, tmp_path / "hf")
+    x = torch.arange(16).unsqueeze(0) % 64
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, saved(x).logits)
+    assert (
+        len(result.origin["files"]) > 1 and model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    )
+
+
+def first_loss(tmp_path: Path, name: str, nproc: int, init: Path | None, parallel: str = "ddp") -> float:
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()] + [f"--parallel={parallel}"]
+    argv = ["-m", "ftsup.trainer.examples.gpt", "--steps", "1", "--ckpt-every", "1", "--global-batch", "4",
+            "--micro-batch", "2", "--corpus-bytes", "65536", "--ckpt-dir", str(tmp_path / name),
+            "--loss-log", str(tmp_path / f"{name}.jsonl"), *flags]  # fmt: skip
+    argv += ["--init-from-hf", str(init)] if init else []
+    if nproc > 1:
+        argv = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", *argv]
+    r = run([sys.executable, *argv], timeout=180)
+    assert r.returncode == 0, r.output[-3000:]
+    return json.loads((tmp_path / f"{name}.jsonl").read_text().splitlines()[0])["loss"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_the_reference_trainer_starts_from_a_hub_model_with_the_same_first_loss_on_one_rank_and_two(
+    tmp_path, parallel
+):  # fmt: skip
+    hub_model(tmp_path / "hf")
+    one = first_loss(tmp_path, "one", 1, tmp_path / "hf")
+    two = first_loss(tmp_path, "two", 2, tmp_path / "hf", parallel)
+    own = first_loss(tmp_path, "own", 1, None)
+    assert (abs(one - two) <= 1e-4 * abs(one), one != own) == (True, True), (one, two, own)
+    meta = layout.read_manifest(tmp_path / "two" / layout.step_dirname(1)).metadata
+    assert meta["init_from_hf"]["dir"] == str((tmp_path / "hf").resolve())
+
+
+@pytest.mark.parametrize(
+    ("break_it", "says"),
+    [
+        (lambda d: next(d.glob("model-00002-*.safetensors")).unlink(), r"names model-00002-of-\d{5}\.safetensors "
+                                                                        r"\(for tensor '[^']+'\), which is missing"),
+        (lambda d: next(d.glob("model-00001-*.safetensors")).write_bytes(b"\x08" + bytes(7) + b'{"a": 1}'),
+         r"model-00001-of-\d{5}\.safetensors: tensor 'a': not an object of exactly dtype, shape and data_offsets"),
+    ],
+    ids=["missing-shard", "bad-header"],
+)  # fmt: skip
+def test_a_hostile_hub_directory_names_the_file_and_loads_nothing(tmp_path, break_it, says):
+    hub_model(tmp_path / "hf")
+    break_it(tmp_path / "hf")
+    model, before = model_and_before()
+    with pytest.raises(ModelFileError, match=says):
+        load_hf_model(model, tmp_path / "hf")
+    assert digests(model.state_dict()) == before
+
+
+def test_a_dtype_torch_lacks_names_the_file_and_the_tensor(tmp_path):
+    from ftsup.store import stheader
+
+    sd = hub_model(tmp_path / "src")
+    entries = [(k, "F32", list(v.shape), v.nbytes) for k, v in sd.items() if k != "ln.bias"]
+    entries.append(("ln.bias", "F6_E2M3", [32], 24))  # 32 six-bit values: a dtype of safetensors' that torch lacks
+    (tmp_path / "hf").mkdir()
+    head = stheader.encode(entries, None)
+    (tmp_path / "hf" / "model.safetensors").write_bytes(head + bytes(sum(e[3] for e in entries)))
+    model, before = model_and_before()
+    with pytest.raises(ModelFileError, match=r"model\.safetensors: tensor 'ln\.bias' has dtype F6_E2M3, which torch"):
+        load_hf_model(model, tmp_path / "hf")
+    assert digests(model.state_dict()) == before

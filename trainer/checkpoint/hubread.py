@@ -1,0 +1,123 @@
+"""Tensors of a Hugging Face Hub-layout model, read by byte ranges (never a whole file).
+
+`HubReader` turns a `hublayout.HubModel` (its headers, read as hostile input) into torch tensors:
+each tensor's dtype and shape come from its header through the project's dtype table (a safetensors
+dtype torch lacks, such as F6_E2M3, is refused naming the file and the tensor) and its bytes from
+exactly its range of its file, or from a part of that range (`read_rows`: rows of the first
+dimension, what one rank's share of a tensor sharded on dim 0 needs). Where the caller has block
+checksums of a file (a Trainer checkpoint's weights, whose manifest records their checksums), the
+reads go through `shardio.VerifiedFile`, each block verified; a Hub directory has no checksums and
+is read as it is. `bytes_read` counts what was read from the files.
+
+Not here: the headers and the index (`ftsup.store.hublayout`), writing (`hfwrite`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from types import TracebackType
+
+import torch
+
+from ftsup.store import dtypes, hublayout, safefile, stheader
+from ftsup.store.errors import ModelFileError
+from ftsup.trainer.checkpoint import codec
+from ftsup.trainer.checkpoint.shardio import VerifiedFile
+
+
+class HubReader:
+    """Ranged reads of a Hub-layout model's tensors; a context manager (it keeps files open)."""
+
+    def __init__(self, model: hublayout.HubModel, verified: Mapping[str, VerifiedFile] | None = None):
+        self.model = model
+        self.verified = dict(verified or {})
+        self.bytes_read = 0
+        self._tensors = model.tensors
+        self._fds: dict[str, int] = {}
+
+    def __enter__(self) -> HubReader:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def entry(self, name: str) -> stheader.TensorEntry:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise ModelFileError(f"{self.model.root}: the model has no tensor {name!r:.200}") from None
+
+    def spec(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """The torch dtype and shape of tensor `name`."""
+        e = self.entry(name)
+        d = dtypes.BY_SAFETENSORS.get(e.dtype)
+        where = f"{self.model.root / self.model.weight_map[name]}: tensor {name!r:.200}"
+        if d is None:
+            raise ModelFileError(f"{where} has dtype {e.dtype}, which torch has no dtype for; it cannot be loaded")
+        shape = list(e.shape)
+        if d.packed > 1:  # safetensors counts packed values, torch their bytes (codec.DType.packed)
+            if not shape or shape[-1] % d.packed:
+                raise ModelFileError(f"{where}: a {e.dtype} shape {shape} does not pack into whole bytes")
+            shape[-1] //= d.packed
+        return codec.dtype_from_name(d.name), tuple(shape)
+
+    def read(self, name: str) -> torch.Tensor:
+        """Tensor `name`, whole."""
+        dtype, shape = self.spec(name)
+        if not shape:
+            e = self.entry(name)
+            return _aligned(self._read(name, e.start, e.nbytes), dtype).view(dtype).reshape(())
+        return self.read_rows(name, 0, shape[0])
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the first dimension of tensor `name` (its only bytes read)."""
+        dtype, shape = self.spec(name)
+        if not shape or not 0 <= start <= stop <= shape[0]:
+            raise ModelFileError(f"{self.model.root}: rows {start}..{stop} of tensor {name!r:.200} of shape "
+                                 f"{list(shape)}")  # fmt: skip
+        e = self.entry(name)
+        row = e.nbytes // shape[0] if shape[0] else 0
+        raw = self._read(name, e.start + start * row, (stop - start) * row)
+        return _aligned(raw, dtype).view(dtype).reshape((stop - start, *shape[1:]))
+
+    def _read(self, name: str, start: int, n: int) -> torch.Tensor:
+        if n == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        file = self.model.weight_map[name]
+        self.bytes_read += n
+        vf = self.verified.get(file)
+        if vf is not None:
+            ((base, region),) = vf.read_ranges([(start, start + n)])
+            return region[start - base : start - base + n]
+        fd = self._open(file)
+        buf = bytearray(n)
+        view, pos = memoryview(buf), 0
+        while pos < n:
+            got = os.preadv(fd, [view[pos:]], start + pos)
+            if got <= 0:
+                raise ModelFileError(f"{self.model.root / file}: ends inside tensor {name!r:.200}")
+            pos += got
+        return torch.frombuffer(buf, dtype=torch.uint8)
+
+    def _open(self, file: str) -> int:
+        fd = self._fds.get(file)
+        if fd is None:
+            what = str(self.model.root / file)
+            fd = safefile.open_regular(self.model.path(file), what, ModelFileError)
+            if os.fstat(fd).st_size != self.model.headers[file].file_size:
+                os.close(fd)
+                raise ModelFileError(f"{what}: changed since its header was read")
+            self._fds[file] = fd
+        return fd
+
+
+def _aligned(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`raw` (bytes), copied where it does not start on an element boundary of `dtype`: a file of another
+    writer may place a tensor at any offset, and a view as `dtype` needs its elements aligned."""
+    return raw.clone() if raw.storage_offset() % dtype.itemsize else raw

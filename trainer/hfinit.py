@@ -1,0 +1,221 @@
+"""Start a run from a Hugging Face Hub-layout model: each rank reads only its share, by byte ranges.
+
+    load_hf_model(model, "/models/gpt2-sharded")       # a plain module, DDP or FSDP2, on any world size
+
+The directory is `model.safetensors`, or `model.safetensors.index.json` and its shards, read header by
+header as hostile input (`ftsup.store.hublayout`). Before any byte of a tensor is read, every tensor of
+the model's state dict is matched to one of the files' (through `rename`, where the names differ), with
+its shape and dtype (a different floating dtype is converted only with `convert=True`); a tensor of the
+model the files lack, one of the files the model lacks, or a shape that differs is an error naming the
+file and the tensor, and nothing is loaded. Tensors that share storage in the model (tied weights) need
+one of their names in the files.
+
+What each rank reads (`hubread.HubReader`, ranged reads, never a whole file):
+
+- a DTensor (FSDP2): the rows of dim 0 its local shard covers, and nothing else is exchanged;
+- a replicated tensor (a plain module on one rank, DDP on several): rank r reads rows [r*c, (r+1)*c) of
+  dim 0 (c = ceil(rows / world size)) and the ranks all-gather them as bytes over `group`; a tensor of
+  fewer rows than ranks, or 0-dimensional, is read by rank 0 and broadcast.
+
+Every rank's reads finish (and succeed, agreed by one all-reduce) before any rank copies into the
+model: a file that fails on one rank loads nothing anywhere. The result says what was read (`bytes_read`,
+this rank's) and where the weights came from (`origin`, which `TrainingState` records in every
+checkpoint of the run: the checkpoints that follow are ftsup's own).
+
+Not here: the headers (`ftsup.store.hublayout`), the ranged reads (`ftsup.trainer.checkpoint.hubread`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ftsup.store import hublayout
+from ftsup.store.errors import CheckpointError, ModelFileError
+from ftsup.trainer.checkpoint import codec
+from ftsup.trainer.checkpoint.hubread import HubReader
+
+
+@dataclass(frozen=True)
+class HfInit:
+    origin: dict[str, Any]
+    """Where the weights came from: `{"dir", "files": {file: bytes}, "tensors", "bytes"}`."""
+    bytes_read: int
+    """Bytes of tensor data this rank read from the files."""
+
+
+@dataclass(frozen=True)
+class _Target:
+    key: str  # the model's state dict key
+    source: str  # the files' name
+    tensor: torch.Tensor  # the model's tensor (a DTensor under FSDP2)
+
+
+def load_hf_model(
+    model: torch.nn.Module,
+    directory: str | os.PathLike[str],
+    *,
+    rename: Mapping[str, str] | Callable[[str], str] | None = None,
+    convert: bool = False,
+    group: Any = None,
+) -> HfInit:
+    """Load the Hub-layout model in `directory` into `model` (a collective over `group`, default the world,
+    when torch.distributed is initialised). Raises ModelFileError, on every rank, before anything is loaded."""
+    root = Path(directory)
+    module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    rank = dist.get_rank(group) if world > 1 else 0
+    device = next((t.device for t in module.state_dict().values()), torch.device("cpu"))
+    errors: list[BaseException] = []
+    try:
+        hub = hublayout.read(root)
+    except CheckpointError as e:
+        errors.append(e)
+    _agree(errors, world, group, device, "reading the model's headers")
+    with HubReader(hub) as reader:
+        try:
+            targets = _match(module, hub, reader, rename, convert)
+        except CheckpointError as e:
+            errors.append(e)
+            targets = []
+        _agree(errors, world, group, device, "matching the model's tensors")
+        # Every rank takes part in every collective, whatever failed on it: the ranks agree only afterwards.
+        staged = [(t, _read_share(t, reader, world, rank, group, device, errors)) for t in targets]
+        _agree(errors, world, group, device, "reading the model's tensors")
+    with torch.no_grad():
+        for t, value in staged:
+            _local(t.tensor).copy_(value)
+    files = {f: h.file_size for f, h in hub.headers.items()}
+    origin = {"dir": str(root.resolve()), "files": files, "tensors": len(targets),
+              "bytes": sum(hub.tensors[t.source].nbytes for t in targets)}  # fmt: skip
+    return HfInit(origin, reader.bytes_read)
+
+
+def _match(
+    module: torch.nn.Module,
+    hub: hublayout.HubModel,
+    reader: HubReader,
+    rename: Mapping[str, str] | Callable[[str], str] | None,
+    convert: bool,
+) -> list[_Target]:
+    """Every tensor of the model matched to one of the files', checked; the errors name file and tensor."""
+
+    def source_of(key: str) -> str:
+        if rename is None:
+            return key
+        return rename(key) if callable(rename) else rename.get(key, key)
+
+    state = module.state_dict()
+    by_storage: dict[tuple[int, tuple[int, ...]], list[str]] = {}
+    for key, t in state.items():
+        by_storage.setdefault((_local(t).data_ptr(), tuple(t.shape)), []).append(key)
+    targets: list[_Target] = []
+    used: set[str] = set()
+    for keys in by_storage.values():  # tied weights: one name of theirs in the files is enough
+        present = [k for k in keys if source_of(k) in hub.weight_map]
+        if not present:
+            key = keys[0]
+            raise ModelFileError(f"{hub.root}: the model has tensor {key!r} (as {source_of(key)!r} in the files), "
+                                 "which no file of the model holds")  # fmt: skip
+        key, source = present[0], source_of(present[0])
+        t = state[key]
+        dtype, shape = reader.spec(source)
+        where = f"{hub.root / hub.weight_map[source]}: tensor {source!r}"
+        if shape != tuple(t.shape):
+            raise ModelFileError(f"{where} has shape {list(shape)}; the model's {key!r} is {list(t.shape)}")
+        if dtype != t.dtype and not (convert and dtype.is_floating_point and t.dtype.is_floating_point):
+            raise ModelFileError(f"{where} is {codec.dtype_name(dtype)}; the model's {key!r} is "
+                                 f"{codec.dtype_name(t.dtype)} (convert=True converts floating dtypes)")  # fmt: skip
+        targets.append(_Target(key, source, t))
+        used.update(source_of(k) for k in present)
+    extra = [name for name in hub.weight_map if name not in used]
+    if extra:
+        raise ModelFileError(f"{hub.root / hub.weight_map[extra[0]]}: holds tensor {extra[0]!r}, which the model does "
+                             f"not have ({len(extra)} such tensors)")  # fmt: skip
+    return targets
+
+
+def _read_share(
+    t: _Target, reader: HubReader, world: int, rank: int, group: Any, device: torch.device,
+    errors: list[BaseException],
+) -> torch.Tensor:  # fmt: skip
+    """This rank's value of `t`: its DTensor shard's rows, or the whole tensor (its rows read here, the
+    rest gathered from the other ranks). A read that fails is added to `errors` (then zeros stand in)
+    and the collectives still take place."""
+    dtype, shape = reader.spec(t.source)
+
+    def attempt(read: Callable[[], torch.Tensor], fallback: torch.Tensor) -> torch.Tensor:
+        if errors:
+            return fallback
+        try:
+            return read()
+        except (CheckpointError, OSError) as e:
+            errors.append(e)
+            return fallback
+
+    if _is_dtensor(t.tensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        dt: Any = t.tensor
+        local, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+        if len(local) == 0:
+            return attempt(lambda: reader.read(t.source), torch.zeros((), dtype=dtype))
+
+        def rows() -> torch.Tensor:
+            part = reader.read_rows(t.source, offset[0], offset[0] + local[0])
+            for dim in range(1, len(local)):
+                part = part.narrow(dim, offset[dim], local[dim])
+            return part
+
+        return attempt(rows, torch.zeros(tuple(local), dtype=dtype))
+    if world == 1:
+        return attempt(lambda: reader.read(t.source), torch.zeros(shape, dtype=dtype))
+    nbytes = reader.entry(t.source).nbytes
+    n = shape[0] if shape else 0
+    if n < world:  # 0-dimensional, or fewer rows than ranks: rank 0 reads it all
+        buf = torch.zeros(nbytes, dtype=torch.uint8)
+        if rank == 0:
+            buf = attempt(lambda: reader.read(t.source).reshape(-1).view(torch.uint8), buf)
+        buf = buf.to(device)
+        dist.broadcast(buf, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        return buf.cpu().view(dtype).reshape(shape)
+    c, row = -(-n // world), nbytes // n
+    lo, hi = min(rank * c, n), min((rank + 1) * c, n)
+    mine = torch.zeros((c, row), dtype=torch.uint8)
+    if hi > lo:
+        got = attempt(
+            lambda: reader.read_rows(t.source, lo, hi).reshape(hi - lo, -1).view(torch.uint8), mine[: hi - lo]
+        )
+        mine[: hi - lo].copy_(got)
+    mine = mine.to(device)
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine, group=group)
+    return torch.cat(parts)[:n].cpu().reshape(-1).view(dtype).reshape(shape)
+
+
+def _agree(errors: list[BaseException], world: int, group: Any, device: torch.device, doing: str) -> None:
+    """Raise on every rank when any rank failed (its own first error where it has one)."""
+    failed = bool(errors)
+    if world > 1:
+        flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        failed = bool(flag.item())
+    if errors:
+        raise errors[0]
+    if failed:
+        raise ModelFileError(f"another rank failed {doing}; nothing was loaded")
+
+
+def _is_dtensor(t: Any) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _local(t: Any) -> torch.Tensor:
+    """This rank's part of `t`: a DTensor's local tensor (a view of its shard), or `t` itself."""
+    return t.to_local() if _is_dtensor(t) else t
