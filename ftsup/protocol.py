@@ -51,9 +51,10 @@ RUN_ID_ENV = "FTSUP_RUN_ID"
 NODE_ID_ENV = "FTSUP_NODE_ID"
 DATA_SKIPS_ENV = "FTSUP_DATA_SKIPS"  # A:B,C:D: ranges of global data positions no rank serves (`parse_data_skips`)
 KEEP_OLDER_THAN_STEPS_ENV = "FTSUP_KEEP_OLDER_THAN_STEPS"  # the history a rollback needs, for the engine's retention
+DURABLE_TIER_ENV = "FTSUP_CHECKPOINT_DURABLE"  # the durable tier's location (s3://BUCKET/PREFIX or a path); empty: none
 ENV_NAMES = (HEARTBEAT_SOCKET_ENV, HEARTBEAT_INTERVAL_ENV, CONTROL_FILE_ENV, CHECKPOINT_DIR_ENV, RESUME_STEP_ENV,
-             ATTEMPT_ENV, RUN_ID_ENV, NODE_ID_ENV, DATA_SKIPS_ENV, KEEP_OLDER_THAN_STEPS_ENV, GUARD_PARENT_ENV,
-             GUARD_IGNORE_ENV)  # fmt: skip
+             ATTEMPT_ENV, RUN_ID_ENV, NODE_ID_ENV, DATA_SKIPS_ENV, KEEP_OLDER_THAN_STEPS_ENV, DURABLE_TIER_ENV,
+             GUARD_PARENT_ENV, GUARD_IGNORE_ENV)  # fmt: skip
 """Every variable of ours a rank's environment holds."""
 
 DEFAULT_INTERVAL_S = 0.5  # a rank's beat interval in `eval` when the supervisor exports none
@@ -131,6 +132,8 @@ class RuntimeEnv:
     control_file: str | None = None
     checkpoint_dir: str | None = None
     resume_step: int | None = None
+    durable_tier: str | None = None
+    """DURABLE_TIER_ENV: where the durable tier is, for a resume from a checkpoint only it holds."""
     attempt: int = 0
     run_id: str | None = None
     rank: int = 0
@@ -172,6 +175,7 @@ class RuntimeEnv:
             control_file=env.get(CONTROL_FILE_ENV) or None,
             checkpoint_dir=env.get(CHECKPOINT_DIR_ENV) or None,
             resume_step=num(RESUME_STEP_ENV, None),
+            durable_tier=env.get(DURABLE_TIER_ENV) or None,
             attempt=num(ATTEMPT_ENV, 0) or 0,
             run_id=env.get(RUN_ID_ENV) or None,
             rank=num("RANK", 0) or 0,
