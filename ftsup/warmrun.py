@@ -76,7 +76,7 @@ def main(args: list[str]) -> int:
         print("warmrun: usage: warmrun.py MODULE (the message comes on standard input)", file=sys.stderr)
         return _EXIT_BAD_MESSAGE
     module = args[0]
-    __import__(module)  # the slow part, done before anyone waits for it
+    _import_in_background(module)  # the slow part, done before anyone waits for it
     # Run afresh as __main__ below (runpy would warn that the module is imported already); its imports stay cached.
     sys.modules.pop(module, None)
     sock = socket.socket(fileno=os.dup(0))
@@ -108,6 +108,36 @@ def main(args: list[str]) -> int:
         return _EXIT_NO_CWD
     sys.argv = [module, *argv]
     return _run(module)
+
+
+IMPORT_NICE = 19
+"""How much lower the importing thread's priority is than the rest of the process's: the spare imports while the
+ranks it will replace train, and on a node with few cores its second of import must not slow one of them."""
+
+
+def _import_in_background(module: str) -> None:
+    """Import `module` on a thread of its own whose nice value is raised by IMPORT_NICE (on Linux a thread's own: this
+    thread's stays as it was, and so does everything it starts later, torchrun and the ranks among them); waits for
+    it. An import that fails there (a module that must be imported on the main thread) is made again here, where
+    any error is the interpreter's own, as with `python -m`."""
+    done: list[bool] = []
+
+    def work() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IMPORT_NICE)
+        except (OSError, AttributeError):
+            pass  # no per-thread priority here: imported at the process's own
+        try:
+            __import__(module)
+            done.append(True)
+        except BaseException:  # noqa: BLE001 - made again on the main thread, which reports it
+            pass
+
+    t = threading.Thread(target=work, name="warmrun-import", daemon=True)
+    t.start()
+    t.join()
+    if not done:
+        __import__(module)
 
 
 def _run(module: str) -> int:

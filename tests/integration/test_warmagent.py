@@ -128,6 +128,39 @@ def test_a_spare_dies_with_the_process_that_parked_it(tmp_path):
         parent.wait(timeout=10)
 
 
+PROBE = """
+import os, subprocess, sys, threading
+here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+with open(os.environ["PROBE_OUT"], "a") as f:
+    if __name__ != "__main__":
+        f.write(f"import {here}\\n")
+    else:
+        child = subprocess.run([sys.executable, "-c", "import os; print(os.nice(0))"], capture_output=True, text=True)
+        f.write(f"main {here}\\nchild {child.stdout.strip()}\\n")
+"""
+
+
+def test_a_spare_imports_at_the_lowest_priority_and_runs_its_attempt_and_the_ranks_at_its_own(tmp_path):
+    (tmp_path / "probe_mod.py").write_text(PROBE)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PROBE_OUT": str(tmp_path / "out")}
+    a, b = socket.socketpair()
+    proc = subprocess.Popen([sys.executable, str(REPO / "ftsup" / "warmrun.py"), "probe_mod"], stdin=b, env=env,
+                            cwd=tmp_path)  # fmt: skip
+    try:
+        b.close()
+        body = json.dumps({"argv": [], "env": env, "cwd": str(tmp_path)}).encode()
+        with a, open(os.devnull, "wb") as out:
+            socket.send_fds(a, [warmrun.HEADER.pack(len(body))], [out.fileno()])
+            a.sendall(body)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        kill_tree(proc.pid)
+        proc.wait(timeout=10)
+    base = os.nice(0)
+    lines = (tmp_path / "out").read_text().split()
+    assert lines == ["import", str(min(base + warmrun.IMPORT_NICE, 19)), "main", str(base), "child", str(base)]
+
+
 def test_the_message_is_json_of_the_documented_shape(tmp_path):
     body = json.dumps({"argv": ["--standalone"], "env": {"A": "b"}, "cwd": str(tmp_path)}).encode()
     a, b = socket.socketpair()
