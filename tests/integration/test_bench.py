@@ -18,7 +18,10 @@ import psutil
 import pytest
 
 from ftsup.trainer.bench import launch
+from ftsup.trainer.bench.durable_rows import ROWS as DURABLE_ROWS
 from ftsup.trainer.bench.report import CORE_FIELDS, ROW_NAMES
+from tests.s3fixtures import client
+from tests.s3server import SeaweedS3
 
 pytestmark = pytest.mark.multiprocess
 
@@ -28,20 +31,28 @@ FTSUP_ROWS = ("ftsup_async", "ftsup_sync", "ftsup_load_same", "ftsup_load_reshar
 LOAD_ROWS = ("ftsup_load_same", "ftsup_load_reshard", "dcp_load_reshard")
 
 
-def _descendants() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if p.status() != "zombie"]
+def _descendants(but: int | None = None) -> list[psutil.Process]:
+    """This process's live descendants, but the tree of `but` (the module's S3 store, still running)."""
+    spared = set()
+    if but is not None:
+        spared = {but, *(c.pid for c in psutil.Process(but).children(recursive=True))}
+    return [p for p in psutil.Process().children(recursive=True) if p.status() != "zombie" and p.pid not in spared]
 
 
 @pytest.fixture(scope="module")
-def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def bench(tmp_path_factory: pytest.TempPathFactory, s3_server: SeaweedS3) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("bench")
     out = work / "out.json"
+    client(s3_server).create_bucket(Bucket="bench-durable")
     argv = [
         sys.executable, "-m", "ftsup.trainer.bench", "checkpoint",
         "--size-mb", "16", "--ranks", "2", "--repeats", "1", "--rss-saves", "3",
         "--process-timeout-s", "40", "--dir", str(work / "d"), "--json", str(out),
+        "--durable", "s3://bench-durable/runs", "--durable-part-mib", "5",
     ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", AWS_CONFIG_FILE=str(work / "none"),
+               AWS_SHARED_CREDENTIALS_FILE=str(work / "none"), **s3_server.env())  # fmt: skip
+    env.pop("AWS_ENDPOINT_URL", None)
     proc = subprocess.Popen(
         argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
@@ -53,7 +64,10 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         output, _ = proc.communicate()
         pytest.fail(f"benchmark ran past {RUN_TIMEOUT_S}s:\n{output[-4000:]}")
     data = json.loads(out.read_text()) if out.exists() else None
-    return {"rc": proc.returncode, "output": output, "data": data, "dir": work / "d"}
+    left = client(s3_server).list_objects_v2(Bucket="bench-durable").get("KeyCount", 0)
+    assert s3_server.proc is not None
+    return {"rc": proc.returncode, "output": output, "data": data, "dir": work / "d", "objects_left": left,
+            "store_pid": s3_server.proc.pid}  # fmt: skip
 
 
 def _rows(bench: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -133,14 +147,26 @@ def test_every_target_has_its_ratio(bench: dict[str, Any]) -> None:
 def test_no_rank_process_is_left_running(bench: dict[str, Any]) -> None:
     groups = bench["data"]["groups"]
     assert {g: v.get("leftover_pids", []) for g, v in groups.items()} == {g: [] for g in groups}
-    assert _descendants() == []
+    assert _descendants(but=bench["store_pid"]) == []
+
+
+def test_durable_rows_upload_and_restore_beside_plain_s3_and_leave_nothing_in_the_bucket(
+    bench: dict[str, Any],
+) -> None:
+    section = bench["data"]["durable"]
+    rows = {r["name"]: r for r in section["rows"]}
+    assert [(n, rows[n]["status"]) for n in DURABLE_ROWS] == [(n, "ok") for n in DURABLE_ROWS], rows
+    assert all(rows[n]["seconds"] > 0 and rows[n]["bytes"] > 0 for n in DURABLE_ROWS)
+    assert set(section["ratios"]) == {"durable_upload_vs_plain", "durable_restore_vs_plain"}
+    assert all(v > 0 for v in section["ratios"].values())
+    assert bench["objects_left"] == 0
 
 
 def test_run_folder_is_removed(bench: dict[str, Any]) -> None:
     assert list(bench["dir"].glob("ftsup-bench-*")) == []
 
 
-def test_a_hanging_group_is_killed_with_its_children_at_the_deadline(tmp_path: Path) -> None:
+def test_a_hanging_group_is_killed_with_its_children_at_the_deadline(tmp_path: Path, s3_server: SeaweedS3) -> None:
     # A "rank" that starts a child (like DCP's checkpoint daemon) and then hangs.
     hang = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', " \
            "'import time; time.sleep(600)']); time.sleep(600)"  # fmt: skip
@@ -148,7 +174,7 @@ def test_a_hanging_group_is_killed_with_its_children_at_the_deadline(tmp_path: P
     outcome = launch.run_group(2, [sys.executable, "-c", hang], tmp_path, "hang", timeout_s=2.0)
     assert (outcome.status, outcome.leftover_pids, len(outcome.stopped_pids)) == ("timeout", (), 4)
     assert time.monotonic() - start < 15
-    assert _descendants() == []
+    assert _descendants(but=s3_server.proc.pid if s3_server.proc else None) == []
 
 
 def test_a_failing_rank_fails_the_group_without_waiting_for_the_deadline(tmp_path: Path) -> None:
@@ -159,7 +185,9 @@ def test_a_failing_rank_fails_the_group_without_waiting_for_the_deadline(tmp_pat
     assert time.monotonic() - start < 15
 
 
-def test_a_process_mode_run_past_its_timeout_is_reported_hung_and_leaves_nothing(tmp_path: Path) -> None:
+def test_a_process_mode_run_past_its_timeout_is_reported_hung_and_leaves_nothing(
+    tmp_path: Path, s3_server: SeaweedS3
+) -> None:
     others = [n for n in ROW_NAMES if n != "dcp_async_process"]
     argv = [sys.executable, "-m", "ftsup.trainer.bench", "checkpoint", "--size-mb", "4",
             "--dir", str(tmp_path / "d"), "--json", str(tmp_path / "out.json"),
@@ -169,4 +197,4 @@ def test_a_process_mode_run_past_its_timeout_is_reported_hung_and_leaves_nothing
     row = rows["dcp_async_process"]
     assert (done.returncode, row["status"], row["stall_s"], row["durable_s"]) == (0, "hung", None, None)
     assert {rows[n]["status"] for n in others} == {"skipped"}
-    assert _descendants() == []
+    assert _descendants(but=s3_server.proc.pid if s3_server.proc else None) == []

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ftsup.trainer.bench import launch, report
+from ftsup.trainer.bench import durable_rows, launch, report
 from ftsup.trainer.bench.shape import shape_for
 
 MAIN_ROWS = (
@@ -144,6 +144,19 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
         help="hard limit for the dcp_async_process group (default 120)",
     )
     parser.add_argument("--keep", action="store_true", help="keep the run folder")
+    parser.add_argument(
+        "--durable",
+        metavar="s3://BUCKET/PREFIX",
+        default=None,
+        help="a durable tier on object storage for the durable rows (upload and restore of the newest ftsup "
+        "checkpoint, each beside the plain S3 operation; endpoint and credentials from the standard AWS "
+        "variables); without it those rows are not run",
+    )
+    parser.add_argument(
+        "--durable-rounds", type=int, default=None, help="rounds of the durable rows (default: --repeats)"
+    )
+    parser.add_argument("--durable-part-mib", type=int, default=16, help="upload part size in MiB (default 16)")
+    parser.add_argument("--durable-concurrency", type=int, default=8, help="requests in flight (default 8)")
 
 
 def _log(msg: str) -> None:
@@ -229,10 +242,15 @@ def run_checkpoint(args: argparse.Namespace) -> int:
     run = _Run(args)
     skip = set(args.skip)
     not_run: dict[str, str] = {}
+    section = durable_rows.not_run("no --durable tier given")
     try:
         _run_groups(run, args, reshard, skip, not_run)
+        section = _durable(run, args)
     finally:
         data = _assemble(run, args, reshard, skip, not_run)
+        data["durable"] = section
+        data["ratios"].update(section["ratios"])
+        data["targets"].update(section["targets"])
         # A hung process-mode group is an expected outcome; anything else keeps the logs.
         broken = [p for p, g in run.groups.items() if p != "process" and g["status"] not in ("ok", "not run")]
         if args.keep or broken:
@@ -240,11 +258,13 @@ def run_checkpoint(args: argparse.Namespace) -> int:
         else:
             shutil.rmtree(run.dir, ignore_errors=True)
     print(report.table(data["results"], data["targets"]))
+    print()
+    print(durable_rows.table(data["durable"]))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(data, indent=2) + "\n")
         _log(f"wrote {args.json}")
-    bad = [r["name"] for r in data["results"] if r["status"] in _BAD]
+    bad = [r["name"] for r in data["results"] + data["durable"]["rows"] if r["status"] in _BAD]
     if bad:
         _log(f"rows that did not complete: {', '.join(bad)}")
     return 1 if bad else 0
@@ -289,6 +309,28 @@ def _run_groups(run: _Run, args: argparse.Namespace, reshard: int, skip: set[str
     )
     process_rows = [r for r in PROCESS_ROWS if r not in skip]
     run.launch("process", args.ranks, process_rows, args.process_timeout_s, **pinned)
+
+
+def _durable(run: _Run, args: argparse.Namespace) -> dict[str, Any]:
+    """The durable rows on the newest checkpoint the main group's ftsup rows committed."""
+    if not args.durable:
+        return durable_rows.not_run("no --durable tier given")
+    from ftsup.store import durable
+
+    source = durable_rows.newest_checkpoint(run.dir / "ftsup")
+    if source is None:
+        return durable_rows.not_run("the main group committed no ftsup checkpoint")
+    rounds = args.durable_rounds or args.repeats
+    options = durable.DurableOptions(part_bytes=args.durable_part_mib << 20, concurrency=args.durable_concurrency)
+    _log(f"durable: {rounds} rounds on {source.name} at {args.durable}")
+    try:
+        return durable_rows.run_rows(source, args.durable, rounds=rounds, options=options)
+    except Exception as e:  # noqa: BLE001 - reported as the rows' error, the other rows stand
+        _log(f"durable: failed: {type(e).__name__}: {e}")
+        section = durable_rows.not_run(f"{type(e).__name__}: {e}")
+        for r in section["rows"]:
+            r["status"] = "error"
+        return section
 
 
 def _config_from(records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,0 +1,213 @@
+"""The durable rows of `ftsup bench checkpoint`: upload to and restore from a durable tier on object storage, each
+side by side with the plain S3 operation on the same bytes, with the same client and the same concurrency.
+
+Torch-free; run in the benchmark's parent after the main group, on the newest checkpoint its ftsup rows committed.
+After one unmeasured round, each round, in an order alternating round by round:
+
+- `durable_upload`: `S3Tier.upload` of the checkpoint (every part's MD5 and block checksums, the listing check, the
+  conditional manifest), into a prefix of its own so that no round finds another's objects;
+- `s3_upload`: the same files sent as plain multipart uploads (`create_multipart_upload`, `upload_part`,
+  `complete_multipart_upload`; a file up to one part: one `put_object`), the same part size, the same number of
+  requests in flight across all files, no checksum;
+- `durable_restore`: `DurableTier.read_files`, every byte read back in ranged GETs and checked against the
+  manifest's block checksums (what a resume from the tier reads);
+- `s3_ranged_get`: the same ranges as plain ranged GETs, the same concurrency, the bytes read and dropped.
+
+The ratios are medians over rounds of each round's plain seconds over ftsup's (1.0: as fast as the plain operation).
+The tier's location and credentials come as for a job: `s3://BUCKET/PREFIX`, the endpoint from `AWS_ENDPOINT_URL_S3`
+or `AWS_ENDPOINT_URL`, credentials from the standard AWS chain. What each round wrote is deleted after it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+from ftsup.store import durable, layout
+
+ROWS = ("durable_upload", "s3_upload", "durable_restore", "s3_ranged_get")
+TARGETS = {"durable_upload_vs_plain": (">=", 0.9), "durable_restore_vs_plain": (">=", 0.9)}
+_PAIRS = {"durable_upload_vs_plain": ("s3_upload", "durable_upload"),
+          "durable_restore_vs_plain": ("s3_ranged_get", "durable_restore")}  # fmt: skip
+
+
+def newest_checkpoint(root: Path) -> Path | None:
+    """The newest committed checkpoint directory under `root` (a store the main group's ftsup rows wrote)."""
+    dirs = layout.committed_dirs(root) if root.is_dir() else []
+    return max(dirs)[1] if dirs else None
+
+
+def run_rows(source: Path, url: str, *, rounds: int, options: durable.DurableOptions) -> dict[str, Any]:
+    """Every row `rounds` times on the checkpoint `source`, at the tier `url`; the rows, ratios and targets."""
+    location = durable.parse_location(url)
+    if not location.is_s3:
+        raise SystemExit(f"--durable {url}: the durable rows measure object storage; give s3://BUCKET/PREFIX")
+    local = durable.read_local(source)
+    nbytes = sum(e.size for e in local.manifest.files.values())
+    seconds: dict[str, list[float]] = {r: [] for r in ROWS}
+    ratios: dict[str, list[float]] = {name: [] for name in _PAIRS}
+    tag = f"ftsup-bench-{os.getpid()}-{time.strftime('%Y%m%d%H%M%S')}"
+    for i in range(-1, rounds):  # round -1: unmeasured, the connections and the store warmed up
+        base = f"{location.url.rstrip('/')}/{tag}/round-{i + 1}"
+        ftsup_first = i % 2 == 0
+        with durable.open_tier(f"{base}/ftsup", options) as opened:
+            tier: Any = opened  # an S3Tier: its client is the plain rows' too
+            s3 = _Plain(tier, local, f"{tier.location.prefix}-plain")
+            try:
+                order = [("durable_upload", functools.partial(tier.upload, source)), ("s3_upload", s3.upload)]
+                for name, fn in order if ftsup_first else order[::-1]:
+                    seconds[name].append(_timed(fn))
+                restore = functools.partial(_restore, tier, local)
+                order = [("durable_restore", restore), ("s3_ranged_get", s3.ranged_get)]
+                for name, fn in order if ftsup_first else order[::-1]:
+                    seconds[name].append(_timed(fn))
+            finally:
+                s3.delete()
+                tier.delete(local.manifest.step)
+        if i < 0:
+            for v in seconds.values():
+                v.clear()
+            continue
+        for name, (plain, ours) in _PAIRS.items():
+            ratios[name].append(seconds[plain][-1] / seconds[ours][-1])
+    rows = [
+        {
+            "name": r,
+            "status": "ok",
+            "seconds": statistics.median(seconds[r]),
+            "seconds_each": [round(s, 4) for s in seconds[r]],
+            "bytes": nbytes,
+            "mib_per_s": nbytes / statistics.median(seconds[r]) / 2**20,
+        }
+        for r in ROWS
+    ]
+    values = {name: statistics.median(v) for name, v in ratios.items()}
+    targets = {}
+    for name, (op, limit) in TARGETS.items():
+        value = values[name]
+        targets[name] = {"value": value, "target": f"{op} {limit:g}", "met": value >= limit,
+                         "each": [round(v, 3) for v in ratios[name]]}  # fmt: skip
+    config = {"url": location.url, "rounds": rounds, "part_bytes": options.part_bytes,
+              "concurrency": options.concurrency, "files": len(local.manifest.files), "bytes": nbytes,
+              "checkpoint": str(source)}  # fmt: skip
+    return {"rows": rows, "ratios": values, "targets": targets, "config": config}
+
+
+def not_run(why: str) -> dict[str, Any]:
+    """The durable section of a run that did not measure it, and why."""
+    rows = [{"name": r, "status": "not run", "error": why} for r in ROWS]
+    targets = {n: {"value": None, "target": f"{op} {lim:g}", "met": None} for n, (op, lim) in TARGETS.items()}
+    return {"rows": rows, "ratios": dict.fromkeys(TARGETS), "targets": targets, "config": {}}
+
+
+def table(section: dict[str, Any]) -> str:
+    lines = [f"{'durable row':<20} {'status':<10} {'seconds':>8} {'MiB/s':>8}  each"]
+    for r in section["rows"]:
+        if r["status"] != "ok":
+            lines.append(f"{r['name']:<20} {r['status']:<10} {'-':>8} {'-':>8}  {r.get('error', '')}")
+            continue
+        lines.append(f"{r['name']:<20} {r['status']:<10} {r['seconds']:>8.3f} {r['mib_per_s']:>8.1f}  "
+                     f"{' '.join(f'{s:.3f}' for s in r['seconds_each'])}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _restore(tier: durable.DurableTier, local: durable.LocalCheckpoint) -> None:
+    problems = tier.read_files(local.manifest.step, local.token, local.manifest)
+    if problems:
+        raise SystemExit(f"durable_restore: the tier gave back other bytes: {problems[0]}")
+
+
+def _timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+class _Plain:
+    """The plain S3 operations on the checkpoint's files, through the tier's own client (same configuration, same
+    connection pool), under `prefix`."""
+
+    def __init__(self, tier: Any, local: durable.LocalCheckpoint, prefix: str) -> None:
+        self.client = tier.client
+        self.bucket = tier.bucket
+        self.options: durable.DurableOptions = tier.options
+        self.local = local
+        self.prefix = prefix
+        self.keys: list[str] = []
+
+    def _key(self, rel: str) -> str:
+        return f"{self.prefix}/{rel}"
+
+    def _pool(self, jobs: list[Any]) -> None:
+        with ThreadPoolExecutor(self.options.concurrency, thread_name_prefix="bench-plain") as pool:
+            futures = [pool.submit(job) for job in jobs]
+            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+            for f in pending:
+                f.cancel()
+            for f in done:
+                if f.exception() is not None:
+                    raise f.exception()  # type: ignore[misc]
+
+    def _read(self, rel: str, offset: int, length: int) -> bytes:
+        with open(self.local.path / rel, "rb") as f:
+            f.seek(offset)
+            return f.read(length)
+
+    def upload(self) -> None:
+        part_bytes = self.options.part_bytes
+        jobs: list[Any] = []
+        multipart: dict[str, tuple[str, list[tuple[int, int]]]] = {}
+        for rel, entry in sorted(self.local.manifest.files.items()):
+            key = self._key(rel)
+            self.keys.append(key)
+            plan = durable.part_plan(entry.size, part_bytes)
+            if len(plan) == 1:
+                jobs.append(functools.partial(self._put, key, rel, entry.size))
+                continue
+            upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
+            multipart[key] = (upload_id, plan)
+        etags: dict[tuple[str, int], str] = {}
+
+        def part(key: str, rel: str, upload_id: str, number: int, offset: int, length: int) -> None:
+            got = self.client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
+                                          Body=self._read(rel, offset, length))  # fmt: skip
+            etags[(key, number)] = got["ETag"]
+
+        for rel in sorted(self.local.manifest.files):
+            key = self._key(rel)
+            if key in multipart:
+                upload_id, plan = multipart[key]
+                for number, (offset, length) in enumerate(plan, 1):
+                    jobs.append(functools.partial(part, key, rel, upload_id, number, offset, length))
+        self._pool(jobs)
+        for key, (upload_id, plan) in multipart.items():
+            parts = [{"PartNumber": n, "ETag": etags[(key, n)]} for n in range(1, len(plan) + 1)]
+            self.client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id,
+                                                  MultipartUpload={"Parts": parts})  # fmt: skip
+
+    def _put(self, key: str, rel: str, size: int) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=key, Body=self._read(rel, 0, size))
+
+    def _get(self, key: str, offset: int, length: int) -> None:
+        got = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}")
+        got["Body"].read()
+
+    def ranged_get(self) -> None:
+        chunk = durable.READ_CHUNK_BYTES
+        jobs = [
+            functools.partial(self._get, self._key(rel), off, min(chunk, entry.size - off))
+            for rel, entry in sorted(self.local.manifest.files.items())
+            for off in range(0, entry.size, chunk)
+        ]
+        self._pool(jobs)
+
+    def delete(self) -> None:
+        for start in range(0, len(self.keys), 1000):
+            batch = [{"Key": k} for k in self.keys[start : start + 1000]]
+            self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+        self.keys.clear()
