@@ -213,7 +213,8 @@ class Daemon:
 
     def _durable_before_exit(self, code: int) -> None:
         """With a durable tier, an eviction exits 5 once its checkpoint is durable, or at its deadline saying which
-        checkpoint is the newest durable one; a finished job waits for its final checkpoint's upload."""
+        checkpoint is the newest durable one; a finished job waits for what was picked (its final checkpoint's
+        upload, and the ones before it still waiting)."""
         if self.durable is None:
             return
         margin = self.settings.stop_margin_s if self.settings is not None else 1.0
@@ -225,7 +226,7 @@ class Daemon:
             final = Path(self.cfg.checkpoint.dir) / layout.step_dirname(self.state.best_step)
             if final.is_dir():
                 self.durable.submit(final, urgent=True)
-                self.durable.wait_durable(self.state.best_step, FINAL_DURABLE_WAIT_S, "the job finished")
+                self.durable.wait_idle(FINAL_DURABLE_WAIT_S, "the job finished", self.state.best_step)
 
     def _emit(self, level: str, event: str, **fields: Any) -> None:
         """Log an event and count it: every log event goes through here, so metrics and logs agree."""

@@ -10,9 +10,9 @@ and resumed by the next upload of that checkpoint). On the daemon's loop, never 
   once, urgent (an older upload in progress waits);
 - `poll()`: what the uploader's thread reported (uploads started, tries failed, commits, drops, deletions) is
   logged and counted here, on the loop's thread, through the daemon's `emit`; the gauges follow;
-- `wait_durable(step, timeout_s)`: the only wait, made when the job ends (an eviction's exit 5 after its
-  checkpoint is durable, or the final checkpoint's): it polls as it waits, and says which checkpoint is the newest
-  durable one when the time runs out.
+- `wait_durable(step, timeout_s)` and `wait_idle(...)`: the only waits, made when the job ends (an eviction's exit
+  5 once its checkpoint is durable; a finished job once everything picked is, the final checkpoint last): they
+  poll as they wait, and say which checkpoint is the newest durable one when the time runs out.
 
 On the uploader's thread, after each commit, retention of the tier (`durable_policy.victims`: a listing, then each
 victim deleted through the tier's own delete, manifest first) and, at its start, one listing for the newest
@@ -149,6 +149,24 @@ class DurableKeeper:
                 break  # dropped: its outcome was just logged
         if not done:
             self._missed(step, why, f"not durable within {timeout_s:.1f}s")
+        return done
+
+    def wait_idle(self, timeout_s: float, why: str, final: int) -> bool:
+        """Wait up to `timeout_s` until nothing waits for the tier (what was picked is durable or dropped); whether
+        `final` is durable then (when it is not, say so, naming the newest durable checkpoint)."""
+        if self.uploader is None:
+            return False
+        end = self._clock() + max(0.0, timeout_s)
+        while True:
+            self.poll()
+            st = self.uploader.status()
+            left = end - self._clock()
+            if (not st.pending and st.uploading is None) or left <= 0:
+                break
+            self.uploader.wait_durable(st.uploading if st.uploading is not None else st.pending[0], min(POLL_S, left))
+        done = self.uploader.wait_durable(final, 0.0)
+        if not done:
+            self._missed(final, why, f"not durable within {timeout_s:.1f}s")
         return done
 
     def status(self) -> dict[str, Any]:
