@@ -135,7 +135,7 @@ def test_an_eviction_exits_5_only_once_its_emergency_checkpoint_is_durable(
         wait_for(lambda: last_step(tmp_path) >= 7 or proc.poll() is not None, 90, "step 7 never logged")
         server.stop()
         proc.send_signal(signal.SIGTERM)
-        saved = wait_for(lambda: named(tmp_path, "checkpoint_committed") or proc.poll() is not None, 30, "no save")
+        wait_for(lambda: named(tmp_path, "checkpoint_committed") or proc.poll() is not None, 30, "no save")
         wait_for(lambda: named(tmp_path, "durable_upload_failed") or proc.poll() is not None, 30, "no failed upload")
         waiting = proc.poll() is None and not named(tmp_path, "supervisor_exited")  # the store is still down
         server.start()
@@ -145,7 +145,7 @@ def test_an_eviction_exits_5_only_once_its_emergency_checkpoint_is_durable(
         if proc is not None:
             kill_tree(proc.pid)
         server.stop()
-    step = saved[-1]["step"]
+    step = named(tmp_path, "checkpoint_committed")[-1]["step"]
     kind = layout.inspect_checkpoint(tmp_path / "ckpt" / layout.step_dirname(step)).kind
     order = [e["event"] for e in events(tmp_path) if e["event"] in ("durable_committed", "supervisor_exited")]
     assert (waiting, code, got, order) == (True, EXIT_EVICTED, ([(step, kind, True)], []),
