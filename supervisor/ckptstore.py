@@ -6,7 +6,8 @@ loop must never wait on that: a stalled loop is a hang it does not detect. So th
 here, on one thread owned by the daemon (`start`, `close`), never by the loop:
 
 - every `interval_s`, a scan (fast checks) finds the newest consistent checkpoint and the number of committed
-  ones (the metrics, the eviction estimate, the journal). Each checkpoint's fast check is cached
+  ones (the metrics, the eviction estimate, the journal), and with `recent` the newest that many checkpoints,
+  each checked (what goes to the durable tier). Each checkpoint's fast check is cached
   by (directory, its inode and mtime, the manifest's inode, size, mtime and ctime), so a scan of an
   unchanged store costs a `scandir` and two `lstat`s per checkpoint looked at, newest first until
   a consistent one. (A file changed in place under an unchanged manifest shows at the next
@@ -62,6 +63,8 @@ class StoreView:
     errors: int = 0
     last_error: str | None = None
     last_exception: Exception | None = None  # what `last_error` describes
+    recent: tuple[layout.CheckpointInfo, ...] = ()
+    """The newest `recent` committed checkpoints, each fast-checked, newest first (for the durable tier)."""
 
 
 @dataclass(frozen=True)
@@ -96,9 +99,12 @@ class _Request:
 
 
 class StoreScanner:
-    def __init__(self, root: str | os.PathLike[str], *, deep: bool = False, interval_s: float = REFRESH_S):
+    def __init__(
+        self, root: str | os.PathLike[str], *, deep: bool = False, interval_s: float = REFRESH_S, recent: int = 0
+    ) -> None:
         self._root = Path(root)
         self._deep = deep
+        self._recent = recent  # how many of the newest checkpoints a scan checks and reports, beyond the latest
         self._interval_s = interval_s
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -185,7 +191,8 @@ class StoreScanner:
     def _count_error(self, e: Exception) -> None:
         with self._lock:
             v = self._view
-            self._view = StoreView(v.latest, v.committed, v.scans + 1, v.errors + 1, f"{type(e).__name__}: {e}", e)
+            self._view = StoreView(v.latest, v.committed, v.scans + 1, v.errors + 1, f"{type(e).__name__}: {e}", e,
+                                   v.recent)  # fmt: skip
 
     def _choose(self, at_most: int | None) -> Resume:
         picked = choice.choose(self._root, deep=self._deep, at_most=at_most)
@@ -205,20 +212,25 @@ class StoreScanner:
     def _scan(self) -> None:
         dirs = layout.committed_dirs(self._root)
         latest = None
-        for _, path in reversed(dirs):
+        recent: list[layout.CheckpointInfo] = []
+        for n, (_, path) in enumerate(reversed(dirs)):
+            if latest is not None and n >= self._recent:
+                break
             with self._lock:
                 if self._requests or self._stop.is_set():
                     return  # the choice goes first; this scan is redone after it
             info = self._inspect(path)
-            if info.consistent:
+            if n < self._recent:
+                recent.append(info)
+            if info.consistent and latest is None:
                 latest = info
-                break
         names = {p.name for _, p in dirs}
         for name in [n for n in self._cache if n not in names]:
             del self._cache[name]
         with self._lock:
             v = self._view
-            self._view = StoreView(latest, len(dirs), v.scans + 1, v.errors, v.last_error, v.last_exception)
+            self._view = StoreView(latest, len(dirs), v.scans + 1, v.errors, v.last_error, v.last_exception,
+                                   tuple(recent))  # fmt: skip
 
     def _inspect(self, path: Path) -> layout.CheckpointInfo:
         key = _fingerprint(path)

@@ -231,8 +231,10 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(cfg.to_dict())
         return EXIT_OK
+    tier = cfg.checkpoint.durable
+    durable = f", durable tier {tier.url}" if tier is not None else ""
     print(f"{cfg.source}: ok (run_id {cfg.job.run_id}, node {cfg.launch.node_id}, command {' '.join(cfg.job.command)}, "
-          f"state in {cfg.job.state_dir}, checkpoints in {cfg.checkpoint.dir})")  # fmt: skip
+          f"state in {cfg.job.state_dir}, checkpoints in {cfg.checkpoint.dir}{durable})")  # fmt: skip
     return EXIT_OK
 
 

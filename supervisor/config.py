@@ -18,9 +18,9 @@ integer 62), so `nnodes: 1:2` means what it says; `1e3` is a number; `mode: off`
 still reads yes, no, on, off as YAML 1.1 does). A key given twice is an error, not "last wins".
 
 This module knows the sections: their keys, defaults and the rules between keys (the `launch:` section's are
-`config_launch`, the `anomaly:` section's `config_anomaly`). How a single value is read and how its errors are
-worded (`Where`, `Section`, the parse functions) is `config_values`, reading the file `config_file`, the command
-line's flags `config_args`.
+`config_launch`, the `anomaly:` section's `config_anomaly`, `checkpoint.durable`'s `config_durable`). How a single
+value is read and how its errors are worded (`Where`, `Section`, the parse functions) is `config_values`, reading
+the file `config_file`, the command line's flags `config_args`.
 
 This module decides nothing at runtime: `nproc_per_node: auto`, learned timeouts and `eviction.providers: [auto]`
 are kept as written for the daemon to resolve. Its only I/O is reading the file and, when `launch.node_id` is
@@ -38,6 +38,7 @@ from typing import Any
 
 from ftsup.supervisor import config_file, config_signals, config_values, statedir
 from ftsup.supervisor.config_anomaly import AnomalyConfig, parse_anomaly
+from ftsup.supervisor.config_durable import DurableConfig, parse_durable
 from ftsup.supervisor.config_launch import LaunchConfig, parse_launch
 from ftsup.supervisor.config_values import Section, Where
 from ftsup.supervisor.errors import ConfigError
@@ -86,6 +87,9 @@ class CheckpointConfig:
     `<job.workdir>/.ftsup/checkpoints`. Relative paths resolve against the config file's directory."""
     verify_deep: bool = False
     """Check every checksum of the chosen checkpoint before each relaunch (slower; the fast check reads sizes only)."""
+    durable: DurableConfig | None = None
+    """A durable tier (`s3://BUCKET/PREFIX` or a shared filesystem path, or a mapping: `config_durable`) that the
+    supervisor copies committed checkpoints to, off the training path. Null: none, and nothing changes."""
 
 
 @dataclass(frozen=True)
@@ -287,7 +291,9 @@ def parse_config(
         job=job_section,
         launch=launch_config,
         checkpoint=CheckpointConfig(
-            dir=ckpt_dir, verify_deep=checkpoint.optional("verify_deep", config_values.boolean)
+            dir=ckpt_dir,
+            verify_deep=checkpoint.optional("verify_deep", config_values.boolean),
+            durable=checkpoint.nullable("durable", parse_durable),
         ),
         heartbeat=_parse_heartbeat(heartbeat),
         restart=_parse_restart(restart),

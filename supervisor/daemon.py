@@ -36,8 +36,10 @@ from typing import Any
 
 import structlog
 
+from ftsup.store import layout
 from ftsup.supervisor import goodput, logs, policy, statedir, systemd
 from ftsup.supervisor.config import JobConfig, settings_from
+from ftsup.supervisor.durable_keeper import DurableKeeper
 from ftsup.supervisor.errors import ConfigError, error_line
 from ftsup.supervisor.eviction.requeue import requeue
 from ftsup.supervisor.journal import JournalRecord
@@ -52,6 +54,7 @@ from ftsup.supervisor.workers import Workers
 
 TICK_S = 0.1
 GOODPUT_PERSIST_S = 0.25  # how often the time accounting is journaled (not fsynced) and exported while it moves on
+FINAL_DURABLE_WAIT_S = 600.0  # the longest a finished job waits for its final checkpoint to be durable
 
 log = structlog.get_logger("ftsup.supervisor")
 
@@ -73,8 +76,12 @@ class Daemon:
         self.outages = Outages(self._emit, self.metrics.storage_error, clock)
         post, emit = self.pending.append, self._emit
         self.resume = ResumeChoice(cfg, emit=emit, post=post, outages=self.outages, metrics=self.metrics)
+        self.durable = (DurableKeeper(cfg, emit=emit, metrics=self.metrics, clock=clock)
+                        if cfg.checkpoint.durable is not None else None)  # fmt: skip
         self.sources = EventSources(cfg, clock=clock, emit=emit, dropped=self.metrics.heartbeats_dropped,
-                                    state_bytes=self.resume.latest_bytes)  # fmt: skip
+                                    state_bytes=self.resume.latest_bytes,
+                                    upload_s=self.durable.estimate_s if self.durable else None)  # fmt: skip
+        self.settings: policy.Settings | None = None
         self.journal = JournalKeeper(cfg, self.node_dir / "journal.json", self._journal_record, outages=self.outages,
                                      emit=emit, written=self._journaled_goodput)  # fmt: skip
         self.workers = Workers(cfg, self.log_dir, clock=clock, emit=emit, post=post, outages=self.outages,
@@ -92,7 +99,7 @@ class Daemon:
                            pid=os.getpid(), config=self.cfg.source, metrics=server)  # fmt: skip
                 adopted = self.journal.adopt()
                 systemd.notify("READY=1", f"STATUS=supervising {self.cfg.job.run_id}")
-                settings = settings_from(self.cfg, self.resume.nproc_max())
+                settings = self.settings = settings_from(self.cfg, self.resume.nproc_max())
                 # Attempt numbers go on from the journal: log files and FTSUP_ATTEMPT stay unique; so do the
                 # data skips in force and the rollback requests served.
                 kept = self.journal.kept
@@ -118,6 +125,9 @@ class Daemon:
                         self.journal.write(durable=False)
                     self.outages.run_due()
                     self.resume.refresh_metrics()
+                    if self.durable is not None:  # what the scan found committed goes durable, off this loop
+                        self.durable.observe(self.resume.store.view())
+                        self.durable.poll()
                     self.sources.wait(TICK_S)
                     self.pending.extend(self.sources.events())  # signals, eviction notices
                     self.pending.extend(self.rollbacks.poll())
@@ -153,6 +163,8 @@ class Daemon:
         stack.enter_context(self.sources.running(runtime.path))
         stack.callback(systemd.notify, "STOPPING=1")
         stack.enter_context(self.resume.running())
+        if self.durable is not None:  # closed after the workers are stopped: what was sent is kept
+            stack.enter_context(self.durable.running())
         stack.enter_context(self.workers.running(runtime.path))
 
     def _serve_metrics(self) -> MetricsServer | None:
@@ -176,6 +188,9 @@ class Daemon:
         for action in actions:
             if isinstance(action, policy.Log):
                 self._emit(action.level, action.event, **action.as_dict())
+                if action.event == "checkpoint_committed" and self.durable is not None:
+                    fields = action.as_dict()
+                    self.durable.saved(int(str(fields["step"])), str(fields.get("kind")))
                 if action.event in ("straggler_detected", "straggler_recovered"):
                     self.journal.write("running")  # for `ftsup status`
             elif isinstance(action, policy.PrepareLaunch):
@@ -189,11 +204,29 @@ class Daemon:
             elif isinstance(action, policy.AckEviction):
                 self.sources.ack(action.source)
             elif isinstance(action, policy.Exit):
+                self._durable_before_exit(action.code)
                 self.journal.write(exit_status(action.code))
                 if action.code == policy.EXIT_EVICTED:
                     requeue(self.cfg.eviction.requeue_command, os.environ, self._emit)
                 return action.code
         return None
+
+    def _durable_before_exit(self, code: int) -> None:
+        """With a durable tier, an eviction exits 5 once its checkpoint is durable, or at its deadline saying which
+        checkpoint is the newest durable one; a finished job waits for what was picked (its final checkpoint's
+        upload, and the ones before it still waiting)."""
+        if self.durable is None:
+            return
+        margin = self.settings.stop_margin_s if self.settings is not None else 1.0
+        if code == policy.EXIT_EVICTED and self.durable.tier_cfg.emergency:
+            ej = self.state.eviction
+            left = ej.deadline - self.clock() - margin if ej is not None else 0.0
+            self.durable.wait_durable(ej.committed_step if ej is not None else None, left, "evicted")
+        elif code == policy.EXIT_OK and self.durable.tier_cfg.final and self.state.best_step >= 0:
+            final = Path(self.cfg.checkpoint.dir) / layout.step_dirname(self.state.best_step)
+            if final.is_dir():
+                self.durable.submit(final, urgent=True)
+                self.durable.wait_idle(FINAL_DURABLE_WAIT_S, "the job finished", self.state.best_step)
 
     def _emit(self, level: str, event: str, **fields: Any) -> None:
         """Log an event and count it: every log event goes through here, so metrics and logs agree."""
@@ -219,6 +252,8 @@ class Daemon:
         extra: dict[str, Any] = {"latest_checkpoint": latest.step if latest else None}
         if self.metrics_server is not None:
             extra["metrics"] = self.metrics_server.address
+        if self.durable is not None:
+            extra["durable"] = self.durable.status()
         if self.sources.noticed:
             extra["eviction"] = [{"source": n.source, "deadline_unix": n.deadline_unix, "detail": n.detail}
                                  for n in self.sources.noticed.values()]  # fmt: skip

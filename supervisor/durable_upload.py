@@ -2,14 +2,18 @@
 
 The node's supervisor, which never imports torch and outlives a crashed rank, hands it each committed checkpoint of
 the fast tier that should become durable (`submit`); the thread uploads them one at a time, the newest first (an
-emergency checkpoint must not wait behind older periodic ones), through `ftsup.store.durable`. A tier that fails
-(`DurableTierError`: the store down, connections cut, credentials refused) is tried again after a backoff
+emergency checkpoint must not wait behind older periodic ones; one submitted `urgent` stops an older upload in
+progress at its next part, which goes on later from where it stopped), through `ftsup.store.durable`. A tier that
+fails (`DurableTierError`: the store down, connections cut, credentials refused) is tried again after a backoff
 (`backoff_initial_s`, doubling up to `backoff_max_s`), and each try resumes the upload where the last one stopped: the
 training never waits on it. A checkpoint that cannot go (its local copy gone or not matching its manifest, the step
-committed there with other content) is dropped and reported. Each outcome goes to `on_outcome` (the caller logs and
-counts it); `status()` says what is durable, pending and failing; `wait_durable` is for a caller that must know (an
-eviction's deadline); `close()` stops it at the next part and joins the thread (what was sent is kept for the next
-upload of that checkpoint).
+committed there with other content, or any other exception: the thread never dies of one) is dropped and reported;
+so is the oldest waiting one past `max_pending`. Each outcome goes to `on_outcome`, each start of an upload to
+`on_started`, each failed try to `on_retry` (the caller logs and counts them; they run on this thread, or on the
+submitter's for a checkpoint dropped at once); `housekeeping(step)` runs on the thread after each commit, and
+`housekeeping(None)` once when it starts (the caller's retention and listing of the tier). `status()` says what is
+durable, pending and failing; `wait_durable` is for a caller that must know (an eviction's deadline); `close()`
+stops it at the next part and joins the thread (what was sent is kept for the next upload of that checkpoint).
 
 Not here: which checkpoints go durable, logging and metrics (the caller's), the store's protocol (`ftsup.store`).
 """
@@ -37,6 +41,8 @@ class Outcome:
     duration_s: float
     report: durable.UploadReport | None = None
     error: str | None = None
+    send_s: float = 0.0
+    """The duration of the try that went through (the tier's throughput is `report.bytes_sent / send_s`)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,10 @@ class _Stopped(Exception):
     """Raised from the part hook: the uploader is closing."""
 
 
+class _Preempted(Exception):
+    """Raised from the part hook: a newer urgent checkpoint goes first; this one waits again."""
+
+
 class Uploader:
     def __init__(
         self,
@@ -62,15 +72,26 @@ class Uploader:
         backoff_initial_s: float = 1.0,
         backoff_max_s: float = 30.0,
         on_outcome: Callable[[Outcome], None] | None = None,
+        on_started: Callable[[int, str], None] | None = None,
+        on_retry: Callable[[int, str, float], None] | None = None,
+        housekeeping: Callable[[int | None], None] | None = None,
+        max_pending: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0 < backoff_initial_s <= backoff_max_s:
             raise ValueError("backoff_initial_s must be positive and at most backoff_max_s")
+        if max_pending is not None and max_pending < 1:
+            raise ValueError("max_pending must be at least 1")
         self.tier = tier
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.on_outcome = on_outcome
+        self.on_started = on_started  # (step, path)
+        self.on_retry = on_retry  # (step, error, the wait before the next try)
+        self.housekeeping = housekeeping
+        self.max_pending = max_pending
         self.clock = clock
+        self._preempt = False
         self._cond = threading.Condition()
         self._pending: dict[int, Path] = {}
         self._durable: set[int] = set()
@@ -80,18 +101,29 @@ class Uploader:
         self._thread = threading.Thread(target=self._run, name="ftsup-durable-upload", daemon=True)
         self._thread.start()
 
-    def submit(self, ckpt_dir: str | Path) -> None:
+    def submit(self, ckpt_dir: str | Path, *, urgent: bool = False) -> bool:
         """Queue the committed local checkpoint `ckpt_dir` (a `step-N` directory); never blocks, never raises for
-        what the upload will find (a step already durable or queued is not queued again)."""
+        what the upload will find. A step already durable, queued or uploading is not queued again (False). An
+        `urgent` one newer than the upload in progress stops that one at its next part (it waits again)."""
         path = Path(ckpt_dir)
         step = layout.parse_step_dirname(path.name)
         if step is None:
             raise ValueError(f"{path}: not a committed checkpoint directory (step-NNNNNNNNN)")
+        dropped: list[tuple[int, Path]] = []
         with self._cond:
-            if self._closing or step in self._durable or step == self._uploading:
-                return
+            if self._closing or step in self._durable or step == self._uploading or step in self._pending:
+                return False
             self._pending[step] = path
+            if urgent and self._uploading is not None and step > self._uploading:
+                self._preempt = True
+            while self.max_pending is not None and len(self._pending) > self.max_pending:
+                oldest = min(self._pending)
+                dropped.append((oldest, self._pending.pop(oldest)))
             self._cond.notify_all()
+        for old, where in dropped:
+            why = f"superseded: more than {self.max_pending} checkpoints waiting, the newest go first"
+            self._report(Outcome(old, str(where), False, 0, 0.0, error=why))
+        return (step, path) not in dropped
 
     def status(self) -> UploaderStatus:
         with self._cond:
@@ -133,6 +165,7 @@ class Uploader:
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
+        self._call(self.housekeeping, None)
         while True:
             with self._cond:
                 while not self._pending and not self._closing:
@@ -142,42 +175,74 @@ class Uploader:
                 step = max(self._pending)
                 path = self._pending.pop(step)
                 self._uploading = step
-            outcome = self._upload(step, path)
+                self._preempt = False
+            self._call(self.on_started, step, str(path))
+            try:
+                outcome = self._upload(step, path)
+            except _Preempted:
+                outcome = None
+                with self._cond:
+                    if step not in self._durable:
+                        self._pending.setdefault(step, path)  # after the urgent one, from where it stopped
             with self._cond:
                 self._uploading = None
                 if outcome is not None and outcome.committed:
                     self._durable.add(step)
                 self._cond.notify_all()
-            if outcome is not None and self.on_outcome is not None:
-                try:
-                    self.on_outcome(outcome)
-                except Exception:  # noqa: BLE001 - a reporter that fails must not stop every later upload
-                    pass
+            if outcome is not None:
+                self._report(outcome)
+                if outcome.committed:
+                    self._call(self.housekeeping, step)
+
+    def _report(self, outcome: Outcome) -> None:
+        self._call(self.on_outcome, outcome)
+
+    @staticmethod
+    def _call(hook: Callable[..., None] | None, *args: object) -> None:
+        if hook is None:
+            return
+        try:
+            hook(*args)
+        except Exception:  # noqa: BLE001 - a reporter that fails must not stop every later upload
+            pass
 
     def _upload(self, step: int, path: Path) -> Outcome | None:
-        """Upload until it goes through or cannot; None when closed meanwhile."""
+        """Upload until it goes through or cannot; None when closed meanwhile. Raises _Preempted."""
         started = self.clock()
         delay = self.backoff_initial_s
         attempts = 0
         while True:
             attempts += 1
+            try_started = self.clock()
             try:
                 report = self.tier.upload(path, on_part=self._check_closing)
-            except _Stopped:
+            except (_Stopped, _Preempted) as e:
+                if isinstance(e, _Preempted):
+                    raise
                 return None
             except DurableTierError as e:  # the tier failed: the same upload is tried again, resuming
                 with self._cond:
                     self._last_error = str(e)
-                    if self._cond.wait_for(lambda: self._closing, timeout=delay):
-                        return None
+                self._call(self.on_retry, step, str(e), delay)
+                with self._cond:
+                    if self._cond.wait_for(lambda: self._closing or self._preempt, timeout=delay):
+                        if self._closing:
+                            return None
+                        raise _Preempted() from None
                 delay = min(delay * 2, self.backoff_max_s)
                 continue
             except (CheckpointError, OSError) as e:  # this checkpoint cannot go: reported, dropped
                 return Outcome(step, str(path), False, attempts, self.clock() - started, error=str(e))
+            except Exception as e:  # noqa: BLE001 - adapter boundary: a bug on a hostile answer drops this one only
+                why = f"{type(e).__name__}: {e}"
+                return Outcome(step, str(path), False, attempts, self.clock() - started, error=why)
             with self._cond:
                 self._last_error = None
-            return Outcome(step, str(path), True, attempts, self.clock() - started, report=report)
+            sent = self.clock() - try_started
+            return Outcome(step, str(path), True, attempts, self.clock() - started, report=report, send_s=sent)
 
     def _check_closing(self, rel: str, number: int) -> None:
         if self._closing:
             raise _Stopped()
+        if self._preempt:
+            raise _Preempted()

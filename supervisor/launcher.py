@@ -97,6 +97,7 @@ def rank_env(
     window = cfg.anomaly.detection_window_steps
     history = {protocol.KEEP_OLDER_THAN_STEPS_ENV: str(window)} if cfg.anomaly.enabled else {}
     env = {"PYTHONFAULTHANDLER": "1", **base, **prefix, **history, **cfg.job.env, **channel, "PYTHONUNBUFFERED": "1"}
+    env.update(durable_env(cfg))
     if skips:
         try:  # a skip is never forgotten: the ones given from outside stay, unless they are not skips at all
             env[protocol.DATA_SKIPS_ENV] = protocol.encode_data_skips(
@@ -104,6 +105,18 @@ def rank_env(
             )
         except ValueError:  # not ranges, or too many together: the supervisor's (the rank refuses a bad value)
             env[protocol.DATA_SKIPS_ENV] = protocol.encode_data_skips(skips)
+    return env
+
+
+def durable_env(cfg: JobConfig) -> dict[str, str]:
+    """The durable tier as the ranks see it: its location (`DURABLE_TIER_ENV`) and the endpoint the config gives
+    (`AWS_ENDPOINT_URL_S3`, over one from outside). Without a tier: nothing."""
+    tier = cfg.checkpoint.durable
+    if tier is None:
+        return {}
+    env = {protocol.DURABLE_TIER_ENV: tier.url}
+    if tier.endpoint_url is not None:
+        env["AWS_ENDPOINT_URL_S3"] = tier.endpoint_url
     return env
 
 

@@ -36,7 +36,8 @@ EVENTS = frozenset(
         "anomaly_detected", "anomaly_escalated", "rollback_started", "rollback_requested", "rollback_refused",
         "rollback_request_ignored", "data_skipped", "checkpoint_abandoned", "straggler_detected", "straggler_recovered",
         "throughput_drift_detected", "throughput_drift_recovered", "spare_agent_parked", "spare_agent_used",
-        "spare_agent_failed",
+        "spare_agent_failed", "durable_upload_started", "durable_committed", "durable_upload_failed",
+        "durable_dropped", "durable_deleted", "durable_retention_failed", "durable_deadline_missed",
     }
 )  # fmt: skip
 

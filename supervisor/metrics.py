@@ -11,7 +11,8 @@ Three feeds, all called by the daemon's loop (one thread):
 - `state(st, now, wall)`: gauges read off the policy's state after each step of the loop;
 - `heartbeat(...)` and `checkpoint(info)`: figures the ranks report, and the newest
   consistent checkpoint on disk;
-- `accounting(totals)`: the job's time accounting (`goodput`), each time the journal is written with it.
+- `accounting(totals)`: the job's time accounting (`goodput`), each time the journal is written with it;
+- `durable(...)`: the durable tier's gauges (newest durable step and its time, what waits, the throughput).
 
 `MetricsServer` serves the registry on `metrics.listen` (`metrics_http`: one thread, bounded
 connections, request sizes and times; `close()` stops it). This module does not decide
@@ -58,6 +59,10 @@ STORAGE_PURPOSES = {
 }
 """What the supervisor reads and writes, the `purpose` label of `ftsup_storage_errors_total`, and what each is
 for (as the `storage_failed` log line says it)."""
+
+DURABLE_OUTCOMES = ("committed", "already", "failed", "dropped")
+"""How uploads to the durable tier ended, the `outcome` label of `ftsup_durable_uploads_total`: committed by this
+upload, already there with the same content, a try that failed (retried), dropped (cannot go)."""
 
 TRIGGERS = ("auto", "operator")
 """What started a rollback, the `trigger` label of `ftsup_rollbacks_total`."""
@@ -167,6 +172,22 @@ class Metrics:
                                 registry=r)  # fmt: skip
         self.ckpt_count = Gauge("ftsup_checkpoints", "Committed checkpoints in the checkpoint directory.", registry=r)
 
+        # ---- the durable tier (checkpoint.durable), from its uploader
+        self.durable_uploads = Counter("ftsup_durable_uploads_total", "Uploads to the durable tier, by outcome: "
+                                       + ", ".join(DURABLE_OUTCOMES) + " (failed: a try, retried).", ["outcome"],
+                                       registry=r)  # fmt: skip
+        self.durable_bytes = Counter("ftsup_durable_uploaded_bytes_total", "Bytes sent to the durable tier (parts "
+                                     "already there not counted).", registry=r)  # fmt: skip
+        self.durable_step = Gauge("ftsup_durable_latest_step", "Step of the newest durable checkpoint known (-1: "
+                                  "none).", registry=r)  # fmt: skip
+        self.durable_ts = Gauge("ftsup_durable_latest_timestamp_seconds", "When the newest durable checkpoint was "
+                                "committed to the tier (Unix time; until one is, this supervisor's start).",
+                                registry=r)  # fmt: skip
+        self.durable_pending = Gauge("ftsup_durable_pending", "Checkpoints waiting for the durable tier or being "
+                                     "uploaded.", registry=r)  # fmt: skip
+        self.durable_rate = Gauge("ftsup_durable_upload_bytes_per_second", "Throughput of the last upload that "
+                                  "sent enough to measure it (NaN: none yet).", registry=r)  # fmt: skip
+
         for name in sorted(EVENTS):  # the event label's values: the listed events, from zero
             self.events.labels(name)
         for name in PHASES:
@@ -183,6 +204,11 @@ class Metrics:
             self.anomalies.labels(kind)
         for trigger in TRIGGERS:
             self.rollbacks.labels(trigger)
+        for outcome in DURABLE_OUTCOMES:
+            self.durable_uploads.labels(outcome)
+        self.durable_step.set(-1)
+        self.durable_ts.set(started_unix)
+        self.durable_rate.set(float("nan"))
         for cause in goodput.CAUSES:
             self.badput.labels(cause)
         self._goodput = goodput.Totals()  # as last exported
@@ -228,6 +254,15 @@ class Metrics:
             self.skipped.inc(fields["samples"])
         elif name == "anomaly_escalated":
             self.escalations.inc()
+        elif name == "durable_committed":
+            self.durable_uploads.labels("already" if fields.get("outcome") == "already" else "committed").inc()
+            sent = fields.get("bytes_sent")
+            if isinstance(sent, int) and sent > 0:
+                self.durable_bytes.inc(sent)
+        elif name == "durable_upload_failed":
+            self.durable_uploads.labels("failed").inc()
+        elif name == "durable_dropped":
+            self.durable_uploads.labels("dropped").inc()
 
     def storage_error(self, purpose: str) -> None:
         """Count one I/O error of `purpose` (the daemon names it from a fixed set: checkpoint_dir, journal, ...)."""
@@ -300,6 +335,13 @@ class Metrics:
         self.ckpt_step.set(latest.step)
         self.ckpt_ts.set(latest.created_unix or 0)
         self.ckpt_bytes.set(latest.tensor_bytes or 0)
+
+    def durable(self, *, newest_step: int | None, newest_unix: float, pending: int, rate: float | None) -> None:
+        """The durable tier's gauges, from its keeper (`durable_keeper`)."""
+        self.durable_step.set(-1 if newest_step is None else newest_step)
+        self.durable_ts.set(newest_unix)
+        self.durable_pending.set(pending)
+        self.durable_rate.set(float("nan") if rate is None else rate)
 
     def render(self) -> bytes:
         """The exposition text, as a scrape would get it."""

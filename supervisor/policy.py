@@ -311,7 +311,7 @@ def _evict(s: Settings, st: State, ev: EvictionNoticed, now: float) -> tuple[Sta
                 StopWorkers(att.number, exit_.reason),
             ]
         return replace(base, phase=SupervisorPhase.DONE), [notice, exit_]
-    fits, why = save_fits(s, st.step_times, st.save_times, now, ev.deadline, ev.state_bytes)
+    fits, why = save_fits(s, st.step_times, st.save_times, now, ev.deadline, ev.state_bytes, ev.upload_s)
     if not fits:
         return replace(
             st,

@@ -197,6 +197,7 @@ class EvictionNoticed:
     detail: str = ""
     advisory: bool = False
     state_bytes: int | None = None  # size of the last checkpoint, to estimate a save before one is timed
+    upload_s: float | None = None  # with a durable tier: how long the checkpoint's upload to it is expected to take
 
 
 Event = (

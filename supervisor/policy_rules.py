@@ -101,13 +101,23 @@ def save_estimate_s(s: Settings, save_times: Sequence[float], state_bytes: int |
 
 def save_fits(
     s: Settings, step_times: Sequence[float], save_times: Sequence[float], now: float, deadline: float,
-    state_bytes: int | None,
+    state_bytes: int | None, upload_s: float | None = None,
 ) -> tuple[bool, str]:  # fmt: skip
-    """Whether an emergency save (a step, the save with half of it again, the margin) fits before `deadline`."""
+    """Whether an emergency save (a step, the save with half of it again, the margin) fits before `deadline`.
+
+    With a durable tier (`upload_s`: the upload's expected time at the measured throughput) the save is done when
+    it is durable, so the upload counts too. A local save that fits while its upload would not is still made
+    (the fast tier's copy serves a restart on this machine, and the upload goes on until the deadline); the reason
+    says that it is not expected to be durable in time."""
     step_s = p99(step_times) or 0.0
     est = save_estimate_s(s, save_times, state_bytes)
-    need = step_s + 1.5 * (est or 0.0) + s.save_margin_s
+    local = step_s + 1.5 * (est or 0.0) + s.save_margin_s
+    need = local + (upload_s or 0.0)
     left = deadline - now
     basis = f"save ~{est:.2f}s" if est is not None else "no save measured yet"
+    if upload_s is not None:
+        basis += f", upload ~{upload_s:.2f}s"
     why = f"needs {need:.1f}s ({basis}, step {step_s:.2f}s, margin {s.save_margin_s:g}s), {left:.1f}s left"
-    return need <= left, why
+    if need > left and local <= left:
+        why += "; the save alone fits, not its upload: it is not expected to be durable before the deadline"
+    return local <= left, why

@@ -9,6 +9,9 @@ raises one `ConfigError` naming the key for the first of:
   otherwise become a new directory tree, with the state directory inside it);
 - `checkpoint.dir`, `job.state_dir`, `logging.dir`: not a directory, or absent and not creatable (the nearest
   existing ancestor is a file, or not writable); nothing is created here, the daemon and the ranks do that;
+- `checkpoint.durable`: an `s3://` tier without boto3 (`MissingExtraError` naming the `durable` extra), a tier on a
+  filesystem that is not a directory nor creatable (the store itself is not reached here: it may be down for a
+  while, which the uploader rides out);
 - `job.command[0]`, and the interpreter that runs torchrun when the command is not Python, does not resolve to
   an executable file with PATH as the ranks will see it (the supervisor's environment with `job.env` applied),
   relative paths resolving against `job.workdir` as they will for the ranks; a bare `python` or `python3` is the
@@ -29,8 +32,10 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from ftsup import extras
 from ftsup.supervisor import launcher
 from ftsup.supervisor.config import JobConfig
+from ftsup.supervisor.config_durable import DurableConfig
 from ftsup.supervisor.config_values import Where, file_kind
 
 
@@ -42,6 +47,8 @@ def check(cfg: JobConfig, environ: Mapping[str, str] | None = None) -> None:
     workdir = Path(cfg.job.workdir)
     existing_directory(top.child("job").child("workdir"), workdir)
     directory_or_creatable(top.child("checkpoint").child("dir"), Path(cfg.checkpoint.dir))
+    if (tier := cfg.checkpoint.durable) is not None:
+        durable_tier(cfg.source, tier)
     directory_or_creatable(top.child("job").child("state_dir"), Path(cfg.job.state_dir))
     if cfg.logging.dir is not None:
         directory_or_creatable(top.child("logging").child("dir"), Path(cfg.logging.dir))
@@ -57,6 +64,15 @@ def check(cfg: JobConfig, environ: Mapping[str, str] | None = None) -> None:
         named = cfg.job.command[0]
         role = f"{named!r} (the interpreter ftsup runs under)" if named != argv[0] else repr(named)
         torch_importable(command.item(0), interpreter, role, env=env, workdir=workdir)
+
+
+def durable_tier(source: str, tier: DurableConfig) -> None:
+    """An `s3://` tier needs boto3 (the `durable` extra): `MissingExtraError` naming it, before anything starts
+    rather than at the first upload; a tier on a filesystem must be a directory, or one that can be created."""
+    if tier.is_s3:
+        extras.require("durable", f"{source}: checkpoint.durable ({tier.url})")
+    else:
+        directory_or_creatable(Where(source).child("checkpoint").child("durable").child("url"), Path(tier.url))
 
 
 PROBE_TIMEOUT_S = 60.0

@@ -30,6 +30,7 @@ from ftsup.supervisor.outages import Outages
 
 _STORE_ERRORS = (OSError, CheckpointError)  # what reading the store raises while it is unreadable or mid-change
 CHOICE_TIMEOUT_S = 60.0  # the resume choice waits this long for the store, then leaves it to the ranks
+RECENT_FOR_DURABLE = 16  # the newest checkpoints each scan checks for the durable tier (`durable_policy.pick`)
 
 
 class ResumeChoice:
@@ -43,7 +44,8 @@ class ResumeChoice:
         self._post = post
         self._outages = outages
         self._metrics = metrics
-        self.store = StoreScanner(cfg.checkpoint.dir, deep=cfg.checkpoint.verify_deep)  # all reads of the store
+        recent = RECENT_FOR_DURABLE if cfg.checkpoint.durable is not None else 0  # what may go durable
+        self.store = StoreScanner(cfg.checkpoint.dir, deep=cfg.checkpoint.verify_deep, recent=recent)  # all reads
         self._seen = (0, 0)  # (scans, errors) of the view last handed to the metrics
         self._newest: int | None = None  # the newest step seen, from the first scan on (checkpoint_found after it)
 

@@ -38,15 +38,17 @@ DROPS_LOG_EVERY_S = 10.0
 class EventSources:
     def __init__(
         self, cfg: JobConfig, *, clock: Callable[[], float], emit: Callable[..., None], dropped: Any,
-        state_bytes: Callable[[], int | None],
+        state_bytes: Callable[[], int | None], upload_s: Callable[[int | None], float | None] | None = None,
     ) -> None:  # fmt: skip
         """`emit(level, event, **fields)` logs an event; `dropped` counts dropped heartbeats by reason (a prometheus
-        Counter); `state_bytes()` is the size of the latest checkpoint as last seen, to estimate a save."""
+        Counter); `state_bytes()` is the size of the latest checkpoint as last seen, to estimate a save;
+        `upload_s(state_bytes)` the time its upload to the durable tier takes (None: no durable tier)."""
         self.cfg = cfg
         self._clock = clock
         self._emit = emit
         self._dropped = dropped
         self._state_bytes = state_bytes
+        self._upload_s = upload_s
         self.noticed: dict[str, Notice] = {}
         self._wakeup: Wakeup | None = None
         self._watchers: WatcherThreads | None = None
@@ -114,4 +116,6 @@ class EventSources:
         self.noticed[notice.source] = notice
         deadline = self._clock() + (notice.deadline_unix - time.time())  # wall clock -> the loop's clock
         systemd.extend_timeout(max(1.0, notice.deadline_unix - time.time()) + self.cfg.restart.stop_grace_s)
-        return policy.EvictionNoticed(notice.source, deadline, notice.detail, notice.advisory, self._state_bytes())
+        size = self._state_bytes()
+        upload = self._upload_s(size) if self._upload_s is not None else None
+        return policy.EvictionNoticed(notice.source, deadline, notice.detail, notice.advisory, size, upload)

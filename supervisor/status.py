@@ -12,7 +12,9 @@ The JSON object keeps the keys it always had (`run_id`, `node_id`, `supervisor_r
 `heartbeat_age_s`), `ranks_problem`, and from the journal `last_incident` (the last anomaly or operator
 rollback: kind, step, onset, the step rolled back to, the skip it added), `stragglers`, `data_skips` and
 `goodput` (the job's time accounting as last journaled: `productive_s`, `badput_s` by cause, `wall_s`, `ratio`,
-`as_of_unix`, `since_unix`; null before the first record of it).
+`as_of_unix`, `since_unix`; null before the first record of it) and `durable` (with `checkpoint.durable`: `url`,
+`newest_step` and `newest_unix` of the newest durable checkpoint known, `pending` and `uploading` steps,
+`last_error` while the tier fails; null without a tier).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def supervisor_alive(rec: JournalRecord | None) -> bool:
         return False
 
 
-def gather(state_dir: Path, checkpoint_dir: Path, now: float) -> dict[str, Any]:
+def gather(state_dir: Path, checkpoint_dir: Path, now: float, durable_url: str | None = None) -> dict[str, Any]:
     rec = Journal(state_dir / "journal.json").read()
     alive = supervisor_alive(rec)
     latest = layout.latest_consistent(checkpoint_dir)
@@ -78,6 +80,33 @@ def gather(state_dir: Path, checkpoint_dir: Path, now: float) -> dict[str, Any]:
         "stragglers": list(rec.stragglers) if rec is not None and alive else [],
         "data_skips": [list(r) for r in rec.skips] if rec is not None else [],
         "goodput": _goodput(rec),
+        "durable": _durable(rec, durable_url),
+    }
+
+
+def _durable(rec: JournalRecord | None, url: str | None) -> dict[str, Any] | None:
+    """The durable tier as last journaled (the journal is hostile input: each field checked, or left out as
+    unknown); None without a tier in the config."""
+    if url is None:
+        return None
+    got = rec.extra.get("durable") if rec is not None else None
+    got = got if isinstance(got, dict) and got.get("url") == url else {}
+
+    def step(value: object) -> int | None:
+        return value if type(value) is int and 0 <= value < 10**18 else None
+
+    pending = got.get("pending")
+    error = got.get("last_error")
+    when = got.get("newest_unix")
+    return {
+        "url": url,
+        "newest_step": step(got.get("newest_step")),
+        "newest_unix": float(when)
+        if isinstance(when, int | float) and not isinstance(when, bool) and when >= 0
+        else None,
+        "pending": [s for s in pending[:1000] if step(s) is not None] if isinstance(pending, list) else [],
+        "uploading": step(got.get("uploading")),
+        "last_error": error[:500] if isinstance(error, str) else None,
     }
 
 
@@ -91,8 +120,9 @@ def _goodput(rec: JournalRecord | None) -> dict[str, Any] | None:
 
 def cmd_status(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
+    tier = cfg.checkpoint.durable.url if cfg.checkpoint.durable is not None else None
     out = {"run_id": cfg.job.run_id, "node_id": cfg.launch.node_id,
-           **gather(Path(cfg.job.state_dir), Path(cfg.checkpoint.dir), time.time())}  # fmt: skip
+           **gather(Path(cfg.job.state_dir), Path(cfg.checkpoint.dir), time.time(), tier)}  # fmt: skip
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -139,9 +169,23 @@ def text(out: dict[str, Any]) -> list[str]:
                      f"{_utc(latest.get('created_unix'))}) in {where}")  # fmt: skip
     else:
         lines.append(f"  latest consistent checkpoint: none in {where}")
+    if (tier := out.get("durable")) is not None:
+        lines.append("  " + _durable_line(tier))
     if out["metrics_url"]:
         lines.append(f"  metrics: {out['metrics_url']}")
     return lines
+
+
+def _durable_line(tier: dict[str, Any]) -> str:
+    newest = tier["newest_step"]
+    head = f"durable tier {tier['url']}: newest durable checkpoint " + (
+        f"step {newest} ({_utc(tier['newest_unix'])})" if newest is not None else "none known"
+    )
+    waiting = ([f"uploading step {tier['uploading']}"] if tier["uploading"] is not None else []) + (
+        [f"waiting: step {', '.join(map(str, tier['pending']))}"] if tier["pending"] else []
+    )
+    line = head + ("; " + ", ".join(waiting) if waiting else "")
+    return line + (f"; last error: {tier['last_error']}" if tier["last_error"] else "")
 
 
 def _incident_lines(out: dict[str, Any]) -> list[str]:

@@ -104,3 +104,13 @@ def test_a_durable_tier_on_object_storage_asked_for_names_the_durable_extra(venv
         True,
         True,
     )
+
+
+def test_a_job_with_a_durable_tier_on_object_storage_is_refused_before_it_starts_naming_the_extra(
+    venv: Path, tmp_path: Path
+) -> None:
+    argv = [str(venv / "ftsup"), "config", "check", "--checkpoint-durable", "s3://bucket/run", "--", "true"]
+    done = bare(venv, argv, tmp_path)
+    last = (done.stderr.strip().splitlines() or [""])[-1]
+    named = ("checkpoint.durable (s3://bucket/run) needs boto3" in last, "pip install 'ftsup[durable]'" in last)
+    assert (done.returncode, named) == (2, (True, True)), done.stderr[-2000:]

@@ -1,0 +1,82 @@
+"""`checkpoint.durable` in the job config (`config_durable`): absent or null is no tier, a location string is short for
+`{url: ...}`, every key of the mapping has its default, every bad value is refused naming its key, and the ranks see
+the tier (and the endpoint the config gives) in their environment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ftsup.protocol import DURABLE_TIER_ENV
+from ftsup.supervisor import config_args, launcher
+from ftsup.supervisor.config import JobConfig, parse_config
+from ftsup.supervisor.config_durable import DurableConfig
+from ftsup.supervisor.errors import ConfigError
+
+
+def config(durable: object = None, *, given: bool = True) -> JobConfig:
+    checkpoint = {"dir": "/ckpt", "durable": durable} if given else {"dir": "/ckpt"}
+    raw = {"job": {"command": ["true"]}, "checkpoint": checkpoint}
+    return parse_config(raw, source="job.yaml", base_dir=Path("/job"), hostname="n")
+
+
+def test_no_durable_key_and_a_null_one_are_no_tier() -> None:
+    assert (config(given=False).checkpoint.durable, config(None).checkpoint.durable) == (None, None)
+
+
+def test_a_location_string_is_a_tier_with_every_default() -> None:
+    assert config("s3://my-bucket/jobs/gpt/").checkpoint.durable == DurableConfig(url="s3://my-bucket/jobs/gpt")
+
+
+def test_the_keys_of_a_mapping_replace_their_defaults() -> None:
+    got = config({"url": "/shared/durable", "periodic_every": 0, "emergency": False, "keep_last": 5,
+                  "part_bytes": 8 << 20, "concurrency": 2}).checkpoint.durable  # fmt: skip
+    assert got == DurableConfig(url="/shared/durable", periodic_every=0, emergency=False, keep_last=5,
+                                part_bytes=8 << 20, concurrency=2)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("durable", "message"),
+    [
+        ("relative/path", "checkpoint.durable.url: 'relative/path': a filesystem path must be absolute"),
+        ("gs://bucket/x", "checkpoint.durable.url: 'gs://bucket/x': scheme 'gs' is not s3"),
+        ("s3://B/x", "checkpoint.durable.url: 's3://B/x': bucket 'B' is not an S3 bucket name"),
+        ("s3://bucket/a/../b", "checkpoint.durable.url: 's3://bucket/a/../b': prefix component '..'"),
+        ("~/durable", "checkpoint.durable.url: '~/durable': neither '~' nor environment variables are expanded"),
+        ({"periodic_every": 2}, "checkpoint.durable.url: required; give s3://BUCKET/PREFIX"),
+        ({"url": "s3://bucket/x", "part_bytes": 6_000_000}, "checkpoint.durable.part_bytes: 6000000 is not a "
+         "multiple of 65536"),
+        ({"url": "s3://bucket/x", "part_bytes": 1 << 20}, "checkpoint.durable.part_bytes: must be at least 5242880"),
+        ({"url": "s3://bucket/x", "concurrency": 0}, "checkpoint.durable.concurrency: must be at least 1"),
+        ({"url": "s3://bucket/x", "keep_last": 0}, "checkpoint.durable.keep_last: must be at least 1"),
+        ({"url": "s3://bucket/x", "endpoint_url": "localhost:9000"}, "checkpoint.durable.endpoint_url: "
+         "'localhost:9000' is not an http(s) URL"),
+        ({"url": "/shared/x", "endpoint_url": "http://127.0.0.1:9000"}, "checkpoint.durable.endpoint_url: an "
+         "endpoint is for an s3:// tier"),
+        ({"url": "s3://bucket/x", "aws_secret_access_key": "k"}, "checkpoint.durable.aws_secret_access_key: "
+         "unknown key"),
+        (["s3://bucket/x"], "checkpoint.durable: expected a location such as s3://BUCKET/PREFIX or a mapping"),
+    ],
+)  # fmt: skip
+def test_a_bad_durable_tier_is_refused_naming_the_key(durable: object, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        config(durable)
+    assert f"job.yaml: {message}" in str(e.value)
+
+
+def test_the_tier_is_a_flag_of_ftsup_run() -> None:
+    overrides = [config_args.Override("checkpoint.durable", "s3://my-bucket/run", "--checkpoint-durable")]
+    cfg = config_args.load(None, overrides, ["python", "train.py"], hostname="n")
+    assert cfg.checkpoint.durable == DurableConfig(url="s3://my-bucket/run")
+
+
+def test_the_ranks_see_the_tier_and_the_configured_endpoint() -> None:
+    cfg = config({"url": "s3://my-bucket/run", "endpoint_url": "http://127.0.0.1:9000"})
+    env = launcher.rank_env(cfg, Path("/run"), None, {"AWS_ENDPOINT_URL_S3": "http://elsewhere:1"})
+    assert (env[DURABLE_TIER_ENV], env["AWS_ENDPOINT_URL_S3"]) == ("s3://my-bucket/run", "http://127.0.0.1:9000")
+
+
+def test_without_a_tier_the_ranks_environment_is_unchanged() -> None:
+    env = launcher.rank_env(config(given=False), Path("/run"), None, {})
+    assert [k for k in env if k == DURABLE_TIER_ENV or k.startswith("AWS_")] == []
