@@ -37,6 +37,7 @@ EVENTS = frozenset(
         "rollback_request_ignored", "data_skipped", "checkpoint_abandoned", "straggler_detected", "straggler_recovered",
         "throughput_drift_detected", "throughput_drift_recovered", "spare_agent_parked", "spare_agent_used",
         "spare_agent_failed",
+        "durable_choice_failed",  # the durable tier had no part in a resume choice (it failed or did not answer)
     }
 )  # fmt: skip
 
