@@ -12,7 +12,10 @@ most `at_most`:
 - a durable checkpoint is chosen only when its manifest parses (its step its key's) and every file it names is
   there at its recorded size (`DurableTier.inspect`; deep: every checksum too); one that is not is passed over
   (SKIPPED: a tier is never renamed into, and another node may be writing it), with the reason, and the next older
-  one is looked at. A step listed but gone when it is looked at (retention deleted it meanwhile) is no checkpoint.
+  one is looked at. A step listed but gone when it is looked at (retention deleted it meanwhile) is no checkpoint;
+- a durable checkpoint of a newer step than the fast tier's choice but created before it is from a timeline this
+  run has left (a rollback renamed its local copies out of the `step-N` namespace, `choice.abandon`; the tier still
+  holds the ones it uploaded): passed over, so that a run never resumes the timeline it was rolled back from.
 
 Errors of the tier itself (`DurableTierError`: the store down, credentials refused) are raised: the caller decides
 (the supervisor goes on with the fast tier's choice alone, after a bounded wait; a rank's load too). One definition
@@ -79,10 +82,12 @@ def choose_durable(
     at_most: int | None = None,
     deep: bool = False,
     exclude: Collection[str] = (),
+    created_after: float | None = None,
 ) -> tuple[DurablePick | None, tuple[choice.Passed, ...]]:
     """The newest consistent checkpoint of `tier` of a step in (`above`, `at_most`] (None: unbounded), and the ones
     newer than it that were passed over (SKIPPED, with the reason). `exclude`: step URLs (`tier.step_url(step)`)
-    already given up on (a load that failed after this check passed). Raises DurableTierError when the tier fails."""
+    already given up on (a load that failed after this check passed). `created_after`: one created before then is
+    passed over (see the module docstring). Raises DurableTierError when the tier fails."""
     passed: list[choice.Passed] = []
     for step in sorted(set(tier.committed_steps()), reverse=True):
         if at_most is not None and step > at_most:
@@ -96,6 +101,11 @@ def choose_durable(
             info = tier.inspect(step, deep=deep)
             if not info.consistent:
                 passed.append(choice.Passed(url, step, choice.SKIPPED, "; ".join(map(str, info.problems))))
+                continue
+            if created_after is not None and info.created_unix is not None and info.created_unix < created_after:
+                why = (f"created before step {above} of the fast tier: from a timeline this run has left "
+                       "(a rollback)")  # fmt: skip
+                passed.append(choice.Passed(url, step, choice.SKIPPED, why))
                 continue
             manifest, raw = tier.manifest(step)
         except NoCheckpointError:
@@ -123,7 +133,8 @@ def across(
     above = fast.info.step if fast.info is not None else None
     if above is not None and at_most is not None and above >= at_most:
         return from_fast(fast)  # nothing newer may be chosen: the tier is not read
-    pick, passed = choose_durable(tier, above=above, at_most=at_most, deep=deep, exclude=exclude)
+    created = fast.info.created_unix if fast.info is not None else None
+    pick, passed = choose_durable(tier, above=above, at_most=at_most, deep=deep, exclude=exclude, created_after=created)
     if pick is None:
         return TierChoice(FAST if fast.info else None, fast.info, fast.passed + passed)
     return TierChoice(DURABLE, pick.info, fast.passed + passed, pick)

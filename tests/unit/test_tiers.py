@@ -102,6 +102,16 @@ def test_the_bound_on_the_step_holds_in_the_durable_tier_too(fast: Path, tier, t
     assert (got.tier, got.step) == ("durable", 20)
 
 
+def test_a_durable_checkpoint_created_before_the_fast_tiers_choice_is_from_a_timeline_left_behind(
+    fast: Path, tier, tmp_path: Path
+) -> None:
+    tier.upload(make_fake_checkpoint(tmp_path / "before-the-rollback", 30, default_files(30), created_unix=1000.0))
+    make_fake_checkpoint(fast, 20, default_files(20), created_unix=2000.0)  # saved again after a rollback to 10
+    got = across(fast, tier)
+    assert (got.tier, got.step) == ("fast", 20)
+    assert [(p.step, "a timeline this run has left" in p.reason) for p in got.passed] == [(30, True)]
+
+
 def test_a_durable_step_already_given_up_on_is_not_chosen_again(fast: Path, tier, tmp_path: Path) -> None:
     for step in (20, 30):
         durable_copy(tier, tmp_path, step)
