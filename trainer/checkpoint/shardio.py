@@ -397,7 +397,10 @@ def read_files(
     # One buffer for every region, each at a page boundary: a reshard asks for hundreds of
     # regions under 2 MiB, and a mapping of their own each would fault in 4 KiB pages (about
     # 2 s per GiB here) where one mapping gets huge pages.
-    arena = aligned_buffer(sum(round_up(e - s, PAGE) for file_spans in spans for s, e in file_spans), populate=False)
+    # Faulted in by the reading threads inside `preadv` (in the kernel, in parallel); a fetched file's bytes are
+    # copied in holding the GIL, so its pages are faulted in up front, once, instead of under that copy.
+    fetched = any(vf.fetch is not None for vf, _ in requests)
+    arena = aligned_buffer(sum(round_up(e - s, PAGE) for file_spans in spans for s, e in file_spans), populate=fetched)
     out: list[list[tuple[int, torch.Tensor]]] = []
     pos = 0
     for file_spans in spans:
