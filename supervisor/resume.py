@@ -153,5 +153,9 @@ def durable_opener(cfg: JobConfig) -> Callable[[], durable.DurableTier] | None:
     url = getattr(spec, "url", None)
     if not url:
         return None
-    options = durable.DurableOptions(endpoint_url=getattr(spec, "endpoint_url", None) or None)
+    options_of = getattr(spec, "options", None)  # the config's own (endpoint, part size, concurrency), if it has them
+    if callable(options_of):
+        options = options_of()
+    else:
+        options = durable.DurableOptions(endpoint_url=getattr(spec, "endpoint_url", None))
     return functools.partial(durable.open_tier, str(url), options)

@@ -20,7 +20,7 @@ from ftsup.protocol import DURABLE_TIER_ENV
 from ftsup.store import durable, layout
 from ftsup.trainer.checkpoint import CheckpointEngine
 from ftsup.trainer.checkpoint.stateful import ModelOptimState
-from tests.procs import REPO, run, torchrun
+from tests.procs import REPO, free_port, run, torchrun
 from tests.s3fixtures import client
 from tests.s3server import SeaweedS3
 
@@ -70,6 +70,36 @@ def test_a_flipped_byte_in_a_durable_file_is_caught_naming_the_object_and_the_pr
     skipped = [e for e in logs if e["event"] == "checkpoint_skipped"]
     assert [(e["step"], f"s3://{bucket}/{key}: checksum mismatch" in e["reason"]) for e in skipped] == [(2, True)]
     assert not any((tmp_path / "new-vm").glob("step-*"))  # read from the tier, nothing written locally
+
+
+def test_a_checkpoint_only_a_shared_filesystem_tier_holds_loads_from_it_bitwise(tmp_path: Path) -> None:
+    state = make_state(7)
+    with CheckpointEngine(tmp_path / "fast", durable_tier=None) as engine:
+        engine.save(3, {"app": state}, rank_state={"rank": 0, "data": 42}, block=True)
+    url = str(tmp_path / "shared")
+    upload_all(url, tmp_path / "fast")
+    fresh = make_state(99)
+    with CheckpointEngine(tmp_path / "new-vm", durable_tier=url) as engine:
+        loaded = engine.load({"app": fresh})
+    assert (loaded.step, loaded.tier, loaded.rank_state) == (3, "durable", {"rank": 0, "data": 42})
+    assert all(torch.equal(a, b) for a, b in zip(weights(fresh), weights(state), strict=True))
+
+
+def test_a_durable_tier_that_cannot_be_reached_leaves_the_local_stores_choice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    closed = free_port()  # nothing listens there: every connection is refused
+    for name, value in {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{closed}", "AWS_ACCESS_KEY_ID": "k",
+                        "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    with CheckpointEngine(tmp_path / "fast", durable_tier="s3://bucket/run") as engine:
+        engine.save(1, {"app": make_state(1)}, block=True)
+        with structlog.testing.capture_logs() as logs:
+            loaded = engine.load({"app": make_state(99)})
+    assert (loaded.step, loaded.tier) == (1, "fast")
+    assert [e["event"] for e in logs if e["event"] == "durable_choice_failed"] == ["durable_choice_failed"]
 
 
 @pytest.fixture(scope="module")
