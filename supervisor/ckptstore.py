@@ -15,7 +15,10 @@ here, on one thread owned by the daemon (`start`, `close`), never by the loop:
 - `choose()` asks for the resume choice (`ftsup.store.choice`: fresh checks, deep when
   configured, quarantines) and waits for it, at most `timeout_s`; it goes before any scan. With
   `at_most` (a rollback) it chooses among the steps up to that one and abandons the committed
-  checkpoints after the one chosen (`choice.abandon`: renamed, kept).
+  checkpoints after the one chosen (`choice.abandon`: renamed, kept). With a durable tier (`durable_tier`, an opener
+  of it), the choice is across both tiers (`ftsup.store.tiers`), the tier's part on a thread of its own for at most
+  `durable_timeout_s`: a tier that fails or does not answer in time leaves the fast tier's choice alone, and says
+  why (`Resume.durable_error`).
 
 A manifest of CHILD_CHECK_BYTES or more is checked in a child process: the JSON decoder and the
 pre-checks hold the GIL for a whole file at a time (a 58 MiB manifest held it for 3 s here), time
@@ -33,14 +36,18 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftsup.store import choice, layout
+from ftsup.store import choice, durable, layout, tiers
 from ftsup.store.errors import CheckpointError, ManifestError
 
 REFRESH_S = 2.0
+DURABLE_TIMEOUT_S = 30.0
+"""How long the resume choice waits for the durable tier's part (a listing, then a check of each checkpoint newer
+than the fast tier's choice) before it goes on with the fast tier's choice alone."""
 CHILD_CHECK_BYTES = 4 << 20
 """Manifests this big (about 15,000 ranks) or bigger are checked in a child process (see above)."""
 CHILD_TIMEOUT_S = 120.0
@@ -77,6 +84,11 @@ class Resume:
     answered: bool = True
     error: str | None = None
     abandoned: tuple[choice.Passed, ...] = ()  # checkpoints after a rollback's choice, renamed (or not: SKIPPED)
+    tier: str | None = None
+    """Where the chosen checkpoint is: `tiers.FAST`, `tiers.DURABLE` (the ranks read it from the durable tier), or
+    None (none chosen)."""
+    durable_error: str | None = None
+    """Why the durable tier had no part in the choice (it failed, or gave no answer in time), when one is set."""
 
     @property
     def quiet(self) -> bool:
@@ -100,11 +112,14 @@ class _Request:
 
 class StoreScanner:
     def __init__(
-        self, root: str | os.PathLike[str], *, deep: bool = False, interval_s: float = REFRESH_S, recent: int = 0
-    ) -> None:
+        self, root: str | os.PathLike[str], *, deep: bool = False, interval_s: float = REFRESH_S, recent: int = 0,
+        durable_tier: Callable[[], durable.DurableTier] | None = None, durable_timeout_s: float = DURABLE_TIMEOUT_S,
+    ) -> None:  # fmt: skip
         self._root = Path(root)
         self._deep = deep
         self._recent = recent  # how many of the newest checkpoints a scan checks and reports, beyond the latest
+        self._durable = durable_tier
+        self._durable_timeout_s = durable_timeout_s
         self._interval_s = interval_s
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -195,19 +210,48 @@ class StoreScanner:
                                    v.recent)  # fmt: skip
 
     def _choose(self, at_most: int | None) -> Resume:
-        picked = choice.choose(self._root, deep=self._deep, at_most=at_most)
+        fast = choice.choose(self._root, deep=self._deep, at_most=at_most)
+        both, durable_error = self._across(fast, at_most)
+        picked = both.as_choice
         abandoned: tuple[choice.Passed, ...] = ()
         if at_most is not None:
             after = picked.info.step if picked.info is not None else -1
             abandoned = choice.abandon(self._root, after, f"a rollback to step {at_most} or before chose step {after}")
         self._cache.clear()  # it may have renamed some
         meta: dict[str, Any] = {}
-        if picked.info is not None:
+        if both.durable is not None:
+            meta = dict(both.durable.manifest.metadata)
+        elif picked.info is not None:
             try:
                 meta = dict(layout.read_manifest(picked.info.path).metadata)
             except ManifestError:
                 pass  # it changed since the check: the ranks' own load decides
-        return Resume(picked, meta, abandoned=abandoned)
+        return Resume(picked, meta, abandoned=abandoned, tier=both.tier, durable_error=durable_error)
+
+    def _across(self, fast: choice.Choice, at_most: int | None) -> tuple[tiers.TierChoice, str | None]:
+        """The choice across both tiers, or the fast tier's alone with the reason when the durable tier fails or
+        does not answer within `durable_timeout_s` (its thread is left to finish: a daemon thread holding nothing
+        the daemon needs; its answer is dropped)."""
+        opener = self._durable
+        if opener is None:
+            return tiers.from_fast(fast), None
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                with opener() as tier:
+                    box["choice"] = tiers.across(fast, tier, at_most=at_most, deep=self._deep)
+            except Exception as e:  # adapter boundary: the tier (store down, no boto3, a bug on its answers)
+                box["error"] = f"{type(e).__name__}: {e}"
+            done.set()
+
+        threading.Thread(target=work, name="ftsup-durable-choice", daemon=True).start()
+        if not done.wait(self._durable_timeout_s):
+            return tiers.from_fast(fast), f"no answer within {self._durable_timeout_s:g}s"
+        if "choice" in box:
+            return box["choice"], None
+        return tiers.from_fast(fast), str(box.get("error"))
 
     def _scan(self) -> None:
         dirs = layout.committed_dirs(self._root)

@@ -24,6 +24,7 @@ from ftsup.supervisor import console, statedir
 EVENTS = frozenset(
     {
         "checkpoint_pinned", "checkpoint_unpinned",  # by `ftsup ckpt pin|unpin`, not the daemon
+        "durable_choice_failed",  # the durable tier had no part in a resume choice (it failed or did not answer)
         "supervisor_started", "journal_adopted", "leftovers_stopped", "health_probed",
         "health_probe_failed", "checkpoint_chosen", "checkpoint_quarantined", "checkpoint_skipped", "world_size_chosen",
         "workers_launched", "workers_restarted", "heartbeats_dropped", "journal_ignored",

@@ -17,10 +17,11 @@ Which world size to launch with, given the slots and the divisor, is the policy'
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ftsup.store import choice, layout
+from ftsup.store import choice, durable, layout
 from ftsup.store.errors import CheckpointError
 from ftsup.supervisor import health, policy
 from ftsup.supervisor.ckptstore import StoreScanner
@@ -45,7 +46,9 @@ class ResumeChoice:
         self._outages = outages
         self._metrics = metrics
         recent = RECENT_FOR_DURABLE if cfg.checkpoint.durable is not None else 0  # what may go durable
-        self.store = StoreScanner(cfg.checkpoint.dir, deep=cfg.checkpoint.verify_deep, recent=recent)  # all reads
+        # All reads of the store, and of the durable tier for the resume choice.
+        self.store = StoreScanner(cfg.checkpoint.dir, deep=cfg.checkpoint.verify_deep, recent=recent,
+                                  durable_tier=durable_opener(cfg))  # fmt: skip
         self._seen = (0, 0)  # (scans, errors) of the view last handed to the metrics
         self._newest: int | None = None  # the newest step seen, from the first scan on (checkpoint_found after it)
 
@@ -104,6 +107,8 @@ class ResumeChoice:
             level = "warning" if p.action == choice.ABANDONED else "error"  # one not renamed stays a resume point
             self._emit(level, "checkpoint_abandoned", attempt=attempt, step=p.step, reason=p.reason, path=p.path,
                        moved_to=p.moved_to)  # fmt: skip
+        if resume.durable_error is not None:  # the fast tier's choice alone
+            self._emit("warning", "durable_choice_failed", attempt=attempt, reason=resume.durable_error)
         info = resume.picked.info
         if info is None and not resume.answered and at_most is not None:
             # The ranks' own load picks, but never past the rollback's bound (FTSUP_RESUME_STEP is an upper bound).
@@ -113,7 +118,8 @@ class ResumeChoice:
             self._emit("info" if resume.quiet else "warning", "checkpoint_chosen", attempt=attempt, step=None,
                        reason=resume.why_no_checkpoint)  # fmt: skip
             return None, {}
-        self._emit("info", "checkpoint_chosen", attempt=attempt, step=info.step, kind=info.kind)
+        self._emit("info", "checkpoint_chosen", attempt=attempt, step=info.step, kind=info.kind, tier=resume.tier,
+                   path=info.path)  # fmt: skip
         return info.step, resume.metadata
 
     def _batch_divisor(self, meta: dict[str, Any]) -> int | None:
@@ -141,3 +147,12 @@ class ResumeChoice:
                 self._emit("info", "checkpoint_found", step=step, kind=view.latest.kind)
             self._newest = step if self._newest is None else max(self._newest, step)
         self._metrics.checkpoint(view.latest, view.committed)
+
+
+def durable_opener(cfg: JobConfig) -> Callable[[], durable.DurableTier] | None:
+    """An opener of the durable tier `checkpoint.durable` names (None without one): the resume choice opens it for
+    each choice, on the store scanner's thread."""
+    spec = cfg.checkpoint.durable
+    if spec is None:
+        return None
+    return functools.partial(durable.open_tier, spec.url, spec.options())

@@ -30,7 +30,12 @@ def read(path: Path, manifest: layout.Manifest) -> dict[str, Any]:
     """A checkpoint's `dcp_metadata.json`, verified against the manifest (size, checksum) and its schema
     checked; raises CheckpointCorruptError naming what is wrong."""
     raw = layout.read_verified(path, manifest, layout.DCP_META_NAME, layout.DCP_META_MAX_BYTES)
-    where = f"{path}/{layout.DCP_META_NAME}"
+    return parse(raw, manifest, f"{path}/{layout.DCP_META_NAME}")
+
+
+def parse(raw: bytes, manifest: layout.Manifest, where: str) -> dict[str, Any]:
+    """`dcp_metadata.json`'s bytes (already verified against the manifest: from a store, or from a durable tier)
+    parsed and their schema checked; raises CheckpointCorruptError naming what is wrong."""
     meta = safefile.loads(raw, where, max_values=layout.DCP_META_MAX_BYTES // 8)
     validate(meta, manifest, lambda name: dtypes.lookup(name).itemsize, where)
     return dict(meta)

@@ -248,6 +248,11 @@ class DurableTier(ABC):
     def list_checkpoints(self, *, deep: bool = False) -> DurableListing:
         """The committed checkpoints, each checked (fast or deep); a step without a manifest is not one."""
 
+    def committed_steps(self) -> list[int]:
+        """The steps that look committed (`step-N` names), oldest first, none of them checked: what a choice looks
+        at newest first, checking one at a time (`ftsup.store.tiers`)."""
+        return [c.step for c in self.list_checkpoints().checkpoints]
+
     @abstractmethod
     def inspect(self, step: int, *, deep: bool = False) -> layout.CheckpointInfo:
         """The check of the committed checkpoint of `step`; NoCheckpointError when its manifest is not there."""

@@ -195,6 +195,9 @@ class FilesystemTier(durable.DurableTier):
         ]
         return durable.DurableListing(found, others)
 
+    def committed_steps(self) -> list[int]:
+        return [step for step, _ in layout.committed_dirs(self.root)]
+
     def inspect(self, step: int, *, deep: bool = False) -> layout.CheckpointInfo:
         ckpt = self.root / layout.step_dirname(step)
         if not os.path.lexists(ckpt) or not stat.S_ISDIR(os.lstat(ckpt).st_mode):

@@ -178,6 +178,9 @@ class S3Tier(durable.DurableTier):
     def list_checkpoints(self, *, deep: bool = False) -> durable.DurableListing:
         return s3list.listing(self, deep=deep)
 
+    def committed_steps(self) -> list[int]:
+        return s3list.step_names(self)[0]
+
     def inspect(self, step: int, *, deep: bool = False) -> layout.CheckpointInfo:
         return s3list.inspect(self, step, deep=deep)
 

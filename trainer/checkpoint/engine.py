@@ -100,6 +100,15 @@ def _report_duration(result: SaveResult) -> None:
     client.report(save_s=result.durable_s)
 
 
+def _durable_from_environment() -> str | None:
+    """FTSUP_CHECKPOINT_DURABLE, as the rank's runtime read it (None where a malformed FTSUP_* variable made that
+    fail: the training script hears of it from its own runtime())."""
+    try:
+        return runtime().env.durable_tier
+    except ValueError:
+        return None
+
+
 class CheckpointEngine:
     """Save and load sharded checkpoints under `directory` (shared by all ranks).
 
@@ -122,6 +131,11 @@ class CheckpointEngine:
     `retention` (default: `RetentionPolicy()`) keeps at least the history the supervisor asks for in
     `FTSUP_KEEP_OLDER_THAN_STEPS` (`RetentionPolicy.with_environment`: a rollback past an anomaly
     needs a checkpoint from before its onset); a bad value of it is a CheckpointError naming it.
+
+    `durable_tier`: a durable tier's location (`s3://BUCKET/PREFIX` or a path) that `load` reads a checkpoint from
+    when it is newer than the local store's consistent ones, or when a step asked for is not consistent here
+    (`ftsup.store.tiers`); "auto" (the default): `FTSUP_CHECKPOINT_DURABLE`, which `ftsup run` sets from
+    `checkpoint.durable`; None: none. Saves go to `directory` only.
     """
 
     def __init__(
@@ -135,10 +149,12 @@ class CheckpointEngine:
         recycle: bool = True,
         hook: Hook | None = None,
         check_finite: bool = True,
+        durable_tier: str | None = "auto",
     ):
         if max_in_flight < 1:
             raise CheckpointError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.directory = Path(directory)
+        self.durable_tier = _durable_from_environment() if durable_tier == "auto" else durable_tier
         self._hook = hook or (lambda point, step: None)
         policy = (retention if retention is not None else RetentionPolicy()).with_environment(os.environ)
         _warn_if_checksums_are_slow()
@@ -326,4 +342,5 @@ class CheckpointEngine:
             raise CheckpointError("load() on a closed CheckpointEngine")
         self._drain()
         with gcpause.paused():
-            return loading.load(self.directory, self._comm, state, step=step, at_most=at_most, check=check)
+            return loading.load(self.directory, self._comm, state, step=step, at_most=at_most, check=check,
+                                durable_tier=self.durable_tier)  # fmt: skip

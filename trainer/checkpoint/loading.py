@@ -30,15 +30,18 @@ from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from ftsup.store import choice, dcpmeta, layout, safefile
+from ftsup.extras import MissingExtraError
+from ftsup.store import choice, dcpmeta, layout, safefile, tiers
 from ftsup.store.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
+    DurableTierError,
     NoCheckpointError,
 )
 from ftsup.trainer.checkpoint import codec
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
+from ftsup.trainer.checkpoint.durableread import DurableSource, LazyTier, pick_from
 from ftsup.trainer.checkpoint.reader import ShardReader
 
 log = structlog.get_logger("ftsup.checkpoint")
@@ -54,6 +57,8 @@ class LoadResult:
     rank_state: Any  # this rank's saved rank_state, or None (rank >= saved world size)
     bytes_read: int
     load_s: float
+    tier: str = tiers.FAST
+    """Where it was read from: `tiers.FAST` (the local store) or `tiers.DURABLE`."""
 
 
 def load(
@@ -64,23 +69,34 @@ def load(
     step: int | None,
     at_most: int | None,
     check: Callable[[Mapping[str, Any]], None] | None,
+    durable_tier: str | None = None,
 ) -> LoadResult:
-    """`CheckpointEngine.load` (see there); a collective over the engine's group."""
+    """`CheckpointEngine.load` (see there); a collective over the engine's group. `durable_tier`: the durable
+    tier's location, where a checkpoint newer than the local store's consistent ones may be read from."""
     t0 = time.perf_counter()
     flat, _ = codec.flatten(codec.state_dicts(state))
     given_up: list[choice.Passed] = []  # rank 0's: what was passed over, for the error if nothing is left
-    while True:
-        chosen: dict[str, Any] | None = _choose(directory, step, at_most, given_up) if comm.rank == 0 else None
-        chosen = comm.broadcast(chosen)
-        if "error" in chosen:
-            raise NoCheckpointError(chosen["error"], rejected=chosen["rejected"])
-        try:
-            return _load_from(comm, chosen, state, flat, t0, check)
-        except CheckpointCorruptError as e:
-            if step is not None:
-                raise
+    tier = LazyTier(durable_tier)
+    try:
+        while True:
+            chosen: dict[str, Any] | None = None
             if comm.rank == 0:
-                _passed_over(choice.give_up(chosen["path"], chosen["step"], str(e)), given_up)
+                chosen = _choose(directory, step, at_most, given_up, tier)
+            chosen = comm.broadcast(chosen)
+            if "error" in chosen:
+                raise NoCheckpointError(chosen["error"], rejected=chosen["rejected"])
+            from_tier = chosen.get("tier") == tiers.DURABLE
+            try:
+                return _load_from(comm, chosen, state, flat, t0, check, tier if from_tier else None)
+            except (CheckpointCorruptError, DurableTierError) as e:
+                if step is not None or not (from_tier or isinstance(e, CheckpointCorruptError)):
+                    raise
+                if comm.rank == 0 and from_tier:  # a tier is never renamed into: passed over, left as it is
+                    _passed_over(choice.Passed(chosen["path"], chosen["step"], choice.SKIPPED, str(e)), given_up)
+                elif comm.rank == 0:
+                    _passed_over(choice.give_up(chosen["path"], chosen["step"], str(e)), given_up)
+    finally:
+        tier.close()
 
 
 def read_rank_state(checkpoint_path: str | os.PathLike[str], rank: int) -> Any:
@@ -92,17 +108,23 @@ def read_rank_state(checkpoint_path: str | os.PathLike[str], rank: int) -> Any:
     return _read_own_rank_state(path, manifest, rank)
 
 
-def _choose(directory: Path, step: int | None, at_most: int | None, given_up: list[choice.Passed]) -> dict[str, Any]:
+def _choose(
+    directory: Path, step: int | None, at_most: int | None, given_up: list[choice.Passed], tier: LazyTier
+) -> dict[str, Any]:
     """Rank 0: the checkpoint to load and its verified DCP metadata (or why there is none).
     Loading "latest" (or at most a step), whatever fails is passed over (`choice`), logged and
-    added to `given_up`; loading a given step, its failure is the error."""
+    added to `given_up`; loading a given step, its failure is the error. With a durable tier, a
+    checkpoint of it newer than the local store's choice is chosen (`tiers`), a given step the local
+    store does not hold consistent is read from it."""
     while True:
         if step is not None:
             try:
                 info = layout.find_checkpoint(directory, step)
             except NoCheckpointError as e:
-                return {"error": str(e), "rejected": []}
+                return _durable_step(tier, step) if tier.usable else {"error": str(e), "rejected": []}
             if not info.consistent:
+                if tier.usable:
+                    return _durable_step(tier, step)
                 return {"error": f"checkpoint {info.path} is not consistent: {'; '.join(map(str, info.problems))}",
                         "rejected": []}  # fmt: skip
         else:
@@ -111,6 +133,11 @@ def _choose(directory: Path, step: int | None, at_most: int | None, given_up: li
             picked = choice.choose(directory, at_most=at_most, quarantine=False, exclude={p.path for p in given_up})
             for p in picked.passed:
                 _passed_over(p, given_up)
+            durable_chosen = _durable_latest(picked, tier, at_most, given_up)
+            if durable_chosen is not None:
+                if "error" in durable_chosen:
+                    continue  # its metadata did not verify: passed over, choose again
+                return durable_chosen
             if picked.info is None:
                 bound = f" of step <= {at_most}" if at_most is not None else ""
                 rejected = [str(p) for p in given_up]
@@ -127,6 +154,48 @@ def _choose(directory: Path, step: int | None, at_most: int | None, given_up: li
             _passed_over(choice.give_up(info.path, info.step, str(e)), given_up)
             continue
         return {"step": info.step, "path": info.path, "manifest": manifest.to_json(), "meta": meta}
+
+
+def _durable_latest(
+    fast: choice.Choice, tier: LazyTier, at_most: int | None, given_up: list[choice.Passed]
+) -> dict[str, Any] | None:
+    """Rank 0: the durable tier's checkpoint newer than the local choice `fast`, as `_choose` returns it; None when
+    there is none (or no tier, or the tier failed: the local choice stands); {"error"} when the one chosen failed
+    (passed over, in `given_up`)."""
+    if not tier.usable:
+        return None
+    try:
+        both = tiers.across(fast, tier.get(), at_most=at_most, exclude={p.path for p in given_up})
+    except (CheckpointError, MissingExtraError, OSError) as e:  # the tier down, no boto3, a location refused
+        tier.failed = True  # the rest of this load goes on without it
+        log.warning("durable_choice_failed", reason=str(e), step=fast.info.step if fast.info else None)
+        return None
+    for p in both.passed[len(fast.passed) :]:
+        _passed_over(p, given_up)
+    if both.durable is None:
+        return None
+    return _durable_chosen(tier, both.durable, given_up)
+
+
+def _durable_step(tier: LazyTier, step: int) -> dict[str, Any]:
+    """Rank 0: the durable checkpoint of a given `step`, as `_choose` returns it, or the error."""
+    try:
+        pick = tiers.find_durable(tier.get(), step)
+    except (CheckpointError, MissingExtraError, OSError) as e:
+        return {"error": f"step {step}: not consistent in the local store nor in the durable tier ({e})",
+                "rejected": []}  # fmt: skip
+    return _durable_chosen(tier, pick, [])
+
+
+def _durable_chosen(tier: LazyTier, pick: tiers.DurablePick, given_up: list[choice.Passed]) -> dict[str, Any]:
+    """What rank 0 broadcasts for the durable checkpoint `pick`: its manifest's bytes and its verified metadata."""
+    try:
+        meta = tiers.read_dcp_metadata(tier.get(), pick)
+    except (CheckpointError, MissingExtraError, OSError) as e:
+        _passed_over(choice.Passed(pick.info.path, pick.step, choice.SKIPPED, str(e)), given_up)
+        return {"error": str(e), "rejected": []}
+    return {"tier": tiers.DURABLE, "step": pick.step, "path": pick.info.path, "raw": pick.raw,
+            "manifest": pick.manifest.to_json(), "meta": meta}  # fmt: skip
 
 
 def _passed_over(p: choice.Passed, given_up: list[choice.Passed]) -> None:
@@ -149,23 +218,32 @@ def _load_from(
     flat: dict[str, torch.Tensor],
     t0: float,
     check: Callable[[Mapping[str, Any]], None] | None,
+    tier: LazyTier | None = None,
 ) -> LoadResult:  # fmt: skip
-    path = Path(chosen["path"])
+    """Load the chosen checkpoint: from the local store, or (`tier`) from the durable tier."""
+    path: Path | str = Path(chosen["path"]) if tier is None else chosen["path"]
     manifest = layout.parse_manifest(json.dumps(chosen["manifest"]))
     meta = chosen["meta"]
+    source = None
     if check is not None:
         check(manifest.metadata)  # the same metadata on every rank: all raise or none does
     mismatches = _mismatches(meta["tensors"], flat)
     rank_state: Any = None
     status = 0  # 0 fine, 1 corrupt, 2 mismatch: agreed by all ranks before any byte moves
-    corrupt: CheckpointCorruptError | None = None
+    corrupt: CheckpointCorruptError | DurableTierError | None = None
     if mismatches:
         status = 2
     else:
         try:
-            rank_state = _read_own_rank_state(path, manifest, comm.rank)
+            if tier is None:
+                rank_state = _read_own_rank_state(Path(path), manifest, comm.rank)
+            else:
+                source = DurableSource(tier.get(), pick_from(chosen))
+                rank_state = _read_durable_rank_state(source, comm.rank)
         except CheckpointCorruptError as e:
             status, corrupt = 1, e
+        except (CheckpointError, MissingExtraError, OSError) as e:  # reading the durable tier failed on this rank
+            status, corrupt = 1, e if isinstance(e, DurableTierError) else DurableTierError(f"{path}: {e}")
     agreed = comm.all_reduce_max(status)
     if agreed == 2:
         shown = "; ".join(mismatches[:20]) or "(reported by another rank)"
@@ -176,7 +254,7 @@ def _load_from(
         )
     if agreed == 1:
         raise corrupt or CheckpointCorruptError(f"{path}: another rank found a corrupt file", path=str(path))
-    reader = ShardReader(path, manifest, meta, comm)
+    reader = ShardReader(path, manifest, meta, comm, source)
     try:
         with warnings.catch_warnings():
             # A single process without torch.distributed is a supported mode, not a mistake.
@@ -193,6 +271,10 @@ def _load_from(
             failure = wrapped[0] if isinstance(wrapped, tuple) else wrapped
             if isinstance(failure, CheckpointCorruptError):
                 raise failure from None
+        for wrapped in e.failures.values():
+            failure = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+            if isinstance(failure, DurableTierError):
+                raise failure from None
         raise CheckpointError(f"loading {path} failed: {e}") from e
     rebuilt = codec.rebuild(meta["skeleton"], flat)
     for key, value in state.items():
@@ -201,11 +283,13 @@ def _load_from(
         elif isinstance(state, dict):
             state[key] = rebuilt[key]
     load_s = time.perf_counter() - t0
-    log.info("checkpoint_loaded", step=manifest.step, rank=comm.rank, duration_s=round(load_s, 4),
-             path=str(path), bytes_read=reader.bytes_read)  # fmt: skip
+    bytes_read = reader.bytes_read + (source.bytes_read if source is not None else 0)
+    log.info("checkpoint_loaded", step=manifest.step, rank=comm.rank, duration_s=round(load_s, 4), path=str(path),
+             bytes_read=bytes_read, tier=tiers.FAST if tier is None else tiers.DURABLE)  # fmt: skip
     return LoadResult(
         step=manifest.step, path=str(path), kind=manifest.kind, saved_world_size=manifest.world_size,
-        metadata=manifest.metadata, rank_state=rank_state, bytes_read=reader.bytes_read, load_s=load_s,
+        metadata=manifest.metadata, rank_state=rank_state, bytes_read=bytes_read, load_s=load_s,
+        tier=tiers.FAST if tier is None else tiers.DURABLE,
     )  # fmt: skip
 
 
@@ -214,12 +298,26 @@ def _read_own_rank_state(path: Path, manifest: layout.Manifest, rank: int) -> An
     if name not in manifest.files:
         return None  # this rank did not exist when the checkpoint was saved
     raw = layout.read_verified(path, manifest, name, layout.RANK_STATE_MAX_BYTES)
+    return _decode_rank_state(raw, str(path), f"{path}/{name}", name)
+
+
+def _read_durable_rank_state(source: DurableSource, rank: int) -> Any:
+    name = layout.rank_state_name(rank)
+    pick = source.pick
+    if name not in pick.manifest.files:
+        return None
+    raw = tiers.read_verified(source.tier, pick, name, layout.RANK_STATE_MAX_BYTES)
+    source.bytes_read += len(raw)
+    return _decode_rank_state(raw, pick.info.path, tiers.object_url(source.tier, pick.step, pick.token, name), name)
+
+
+def _decode_rank_state(raw: bytes, path: str, where: str, name: str) -> Any:
     try:
-        return codec.decode_inline(safefile.loads(raw, f"{path}/{name}"))
+        return codec.decode_inline(safefile.loads(raw, where))
     except CheckpointCorruptError:
         raise
     except CheckpointError as e:  # a well-checksummed file that is not a rank state
-        raise CheckpointCorruptError(f"{path}/{name}: {e}", path=str(path), file=name) from None
+        raise CheckpointCorruptError(f"{where}: {e}", path=path, file=name) from None
 
 
 def _mismatches(saved: Mapping[str, Any], flat: Mapping[str, torch.Tensor]) -> list[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -42,13 +42,27 @@ class ChunkLocation:
     dtype: torch.dtype
 
 
-class ShardReader(StorageReader):
-    """A DCP StorageReader over our shard files: ranged reads, verified before any copy."""
+class FileSource(Protocol):
+    """Where a checkpoint's shard files are read from, when not from the local store (a durable tier's)."""
 
-    def __init__(self, path: Path, manifest: layout.Manifest, meta: Mapping[str, Any], comm: LocalComm | GroupComm):
+    threads: int
+    piece: int
+
+    def verified_file(self, rel: str, crc_rel: str) -> VerifiedFile: ...
+
+
+class ShardReader(StorageReader):
+    """A DCP StorageReader over our shard files: ranged reads, verified before any copy. `source`: the files come
+    from there (a durable tier, `durableread`) instead of the directory `path`."""
+
+    def __init__(
+        self, path: Path | str, manifest: layout.Manifest, meta: Mapping[str, Any], comm: LocalComm | GroupComm,
+        source: FileSource | None = None,
+    ) -> None:  # fmt: skip
         self.path = path
         self.manifest = manifest
         self.comm = comm
+        self.source = source
         self.bytes_read = 0
         sd_meta: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         for fqn, t in meta["tensors"].items():
@@ -132,13 +146,17 @@ class ShardReader(StorageReader):
         for file, reqs in by_file.items():
             entry = self.manifest.files[file]
             crc_file = reqs[0][1].crc_file
-            vf = VerifiedFile(
-                str(layout.resolve_inside(self.path, file)), entry.size, entry.checksum,
-                str(layout.resolve_inside(self.path, crc_file)), file,
-            )  # fmt: skip
+            if self.source is not None:
+                vf = self.source.verified_file(file, crc_file)
+            else:
+                vf = VerifiedFile(
+                    str(layout.resolve_inside(self.path, file)), entry.size, entry.checksum,
+                    str(layout.resolve_inside(self.path, crc_file)), file,
+                )  # fmt: skip
             files.append((vf, [(s, e) for _, _, s, e, _ in reqs]))
+        how = {"threads": self.source.threads, "piece": self.source.piece} if self.source is not None else {}
         ready = []
-        for (vf, _), regions, reqs in zip(files, read_files(files), by_file.values(), strict=True):
+        for (vf, _), regions, reqs in zip(files, read_files(files, **how), by_file.values(), strict=True):
             self.bytes_read += vf.bytes_read
             for req, loc, s, e, _ in reqs:
                 if e == s:

@@ -23,7 +23,7 @@ import os
 import stat
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -257,22 +257,46 @@ def _write_all(fd: int, mv: memoryview, start: int, end: int) -> None:
 
 
 class VerifiedFile:
-    """Ranged, checksum-verified reads from one shard file of a committed checkpoint."""
+    """Ranged, checksum-verified reads from one shard file of a committed checkpoint: a local file, or one whose
+    bytes come from `fetch(offset, length)` (a durable tier's ranged reads, `VerifiedFile.fetched`)."""
+
+    fetch: Callable[[int, int], bytes] | None = None
+    shown: str
+    """The file as errors name it (its path in the checkpoint; a durable tier's object)."""
 
     def __init__(self, path: str, size: int, checksum: str, crc_path: str, rel: str):
         self.path = path
         self.rel = rel
+        self.shown = rel
         self.size = size
-        blocks = -(-size // CHECKSUM_BLOCK_BYTES)
         # A regular file of exactly one checksum per block: never a FIFO, a device or a link.
-        raw = safefile.read_regular(crc_path, f"{rel}: its block checksums", SIDECAR_MAX_BYTES, exact=4 * blocks)
+        exact = 4 * -(-size // CHECKSUM_BLOCK_BYTES)
+        raw = safefile.read_regular(crc_path, f"{rel}: its block checksums", SIDECAR_MAX_BYTES, exact=exact)
+        self._sidecar(raw, checksum)
+
+    def _sidecar(self, raw: bytes, checksum: str) -> None:
+        blocks = -(-self.size // CHECKSUM_BLOCK_BYTES)
+        if len(raw) != 4 * blocks:
+            raise CheckpointCorruptError(f"{self.shown}: {len(raw)} bytes of block checksums, not {4 * blocks}",
+                                         file=self.rel)  # fmt: skip
         self.bytes_read = len(raw)
         self.crcs = unpack_block_crcs(raw)
         # Checkpoints of earlier versions use another algorithm; the recorded checksum names it.
         self.algorithm = checksum_algorithm(checksum)
         # The file's checksum is defined over its block CRCs, so the sidecar verifies itself.
         if checksum_from_block_crcs(self.crcs, self.algorithm) != checksum or len(self.crcs) != blocks:
-            raise CheckpointCorruptError(f"{rel}: block checksums do not match the manifest", file=rel)
+            raise CheckpointCorruptError(f"{self.shown}: block checksums do not match the manifest", file=self.rel)
+
+    @classmethod
+    def fetched(
+        cls, fetch: Callable[[int, int], bytes], size: int, checksum: str, sidecar: bytes, rel: str, shown: str
+    ) -> VerifiedFile:
+        """Ranged reads by `fetch(offset, length)` (exactly `length` bytes), verified against the block checksums
+        `sidecar` holds (its bytes, checked here against the manifest's `checksum`); errors name `shown`."""
+        vf = cls.__new__(cls)
+        vf.path, vf.rel, vf.shown, vf.size, vf.fetch = shown, rel, shown, size, fetch
+        vf._sidecar(sidecar, checksum)
+        return vf
 
     @classmethod
     def of_blocks(cls, path: str, size: int, crcs: list[int], algorithm: str, rel: str) -> VerifiedFile:
@@ -280,6 +304,7 @@ class VerifiedFile:
         block checksums the caller computed and checked against the manifest."""
         vf = cls.__new__(cls)
         vf.path, vf.rel, vf.size, vf.crcs, vf.algorithm, vf.bytes_read = path, rel, size, crcs, algorithm, 0
+        vf.shown = rel
         return vf
 
     def read_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, torch.Tensor]]:
@@ -307,18 +332,25 @@ class VerifiedFile:
         tail, or all of it where the filesystem refuses the alignment) goes through `fd`.
         """
         B = CHECKSUM_BLOCK_BYTES
-        pos = 0 if direct is None else _read_direct(direct, start, mv[: len(mv) // PAGE * PAGE])
-        while pos < len(mv):
-            n = os.preadv(fd, [mv[pos:]], start + pos)
-            if n <= 0:
-                raise CheckpointCorruptError(f"{self.rel}: file ends early at byte {start + pos}", file=self.rel)
-            pos += n
+        if self.fetch is not None:
+            data = self.fetch(start, len(mv))
+            if len(data) != len(mv):
+                raise CheckpointCorruptError(f"{self.shown}: {len(data)} bytes at {start}, asked for {len(mv)}",
+                                             file=self.rel)  # fmt: skip
+            mv[:] = data
+        else:
+            pos = 0 if direct is None else _read_direct(direct, start, mv[: len(mv) // PAGE * PAGE])
+            while pos < len(mv):
+                n = os.preadv(fd, [mv[pos:]], start + pos)
+                if n <= 0:
+                    raise CheckpointCorruptError(f"{self.rel}: file ends early at byte {start + pos}", file=self.rel)
+                pos += n
         got = block_crcs(mv, algorithm=self.algorithm)
         want = self.crcs[start // B : start // B + len(got)]
         if got != want:
             bad = next(i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)
             raise CheckpointCorruptError(
-                f"{self.rel}: checksum mismatch in bytes {start + bad * B}..{start + (bad + 1) * B}", file=self.rel
+                f"{self.shown}: checksum mismatch in bytes {start + bad * B}..{start + (bad + 1) * B}", file=self.rel
             )
 
 
@@ -339,8 +371,9 @@ def _read_direct(fd: int, start: int, mv: memoryview) -> int:
 
 
 def read_files(
-    requests: Sequence[tuple[VerifiedFile, Sequence[tuple[int, int]]]],
-) -> list[list[tuple[int, torch.Tensor]]]:
+    requests: Sequence[tuple[VerifiedFile, Sequence[tuple[int, int]]]], *, threads: int = READ_THREADS,
+    piece: int = READ_PIECE,
+) -> list[list[tuple[int, torch.Tensor]]]:  # fmt: skip
     """`read_ranges` of several files at once; for each file, its (region_start, region) pairs.
 
     The regions are views of one buffer, which lives as long as any of them. Every region is
@@ -356,12 +389,18 @@ def read_files(
     A 2-to-3 reshard of 1 GiB here: median 0.76 of DCP's load time with O_DIRECT against 1.12
     through the page cache (16 loads each, interleaved with DCP's in the same runs). Where the
     filesystem refuses O_DIRECT, everything goes through the page cache.
+
+    A file read by `fetch` (a durable tier's) is read the same way, in pieces of `piece` bytes (a multiple of the
+    checksum block) by `threads` threads (the tier's connections), each piece verified by its thread.
     """
     spans = [vf._spans(ranges) for vf, ranges in requests]
     # One buffer for every region, each at a page boundary: a reshard asks for hundreds of
     # regions under 2 MiB, and a mapping of their own each would fault in 4 KiB pages (about
     # 2 s per GiB here) where one mapping gets huge pages.
-    arena = aligned_buffer(sum(round_up(e - s, PAGE) for file_spans in spans for s, e in file_spans), populate=False)
+    # Faulted in by the reading threads inside `preadv` (in the kernel, in parallel); a fetched file's bytes are
+    # copied in holding the GIL, so its pages are faulted in up front, once, instead of under that copy.
+    fetched = any(vf.fetch is not None for vf, _ in requests)
+    arena = aligned_buffer(sum(round_up(e - s, PAGE) for file_spans in spans for s, e in file_spans), populate=fetched)
     out: list[list[tuple[int, torch.Tensor]]] = []
     pos = 0
     for file_spans in spans:
@@ -371,8 +410,13 @@ def read_files(
             pos += round_up(e - s, PAGE)
     fds: list[int] = []
     try:
-        pieces = []
+        pieces: list[tuple[VerifiedFile, int, int | None, int, memoryview]] = []
         for (vf, _), regions in zip(requests, out, strict=True):
+            if vf.fetch is not None:
+                for s, region in regions:
+                    mv = as_memoryview(region)
+                    pieces += [(vf, -1, None, s + lo, mv[lo : lo + piece]) for lo in range(0, len(mv), piece)]
+                continue
             fd = safefile.open_regular(vf.path, vf.rel)  # no link, FIFO or device
             fds.append(fd)
             st = os.fstat(fd)
@@ -387,9 +431,9 @@ def read_files(
                     direct = None
             for s, region in regions:
                 mv = as_memoryview(region)
-                pieces += [(vf, fd, direct, s + lo, mv[lo : lo + READ_PIECE]) for lo in range(0, len(mv), READ_PIECE)]
+                pieces += [(vf, fd, direct, s + lo, mv[lo : lo + piece]) for lo in range(0, len(mv), piece)]
         if pieces:
-            with ThreadPoolExecutor(min(READ_THREADS, len(pieces)), thread_name_prefix="ftsup-ckpt-read") as pool:
+            with ThreadPoolExecutor(min(threads, len(pieces)), thread_name_prefix="ftsup-ckpt-read") as pool:
                 # map() re-raises the first failure in piece order, after every read finished.
                 list(pool.map(lambda p: p[0]._read_piece(*p[1:]), pieces))
     finally:
