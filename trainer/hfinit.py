@@ -17,10 +17,11 @@ What each rank reads (`hubread.HubReader`, ranged reads, never a whole file):
   dim 0 (c = ceil(rows / world size)) and the ranks all-gather them as bytes over `group`; a tensor of
   fewer rows than ranks, or 0-dimensional, is read by rank 0 and broadcast.
 
-Every rank's reads finish (and succeed, agreed by one all-reduce) before any rank copies into the
-model: a file that fails on one rank loads nothing anywhere. The result says what was read (`bytes_read`,
-this rank's) and where the weights came from (`origin`, which `TrainingState` records in every
-checkpoint of the run: the checkpoints that follow are ftsup's own).
+What a rank reads for itself goes into one page-aligned buffer, faulted in at once (fresh memory faulted in page by
+page, inside the reads, took longer than the reads themselves here). Every rank's reads finish (and succeed,
+agreed by one all-reduce) before any rank copies into the model: a file that fails on one rank loads nothing
+anywhere. The result says what was read (`bytes_read`, this rank's) and where the weights came from (`origin`,
+which `TrainingState` records in every checkpoint of the run: the checkpoints that follow are ftsup's own).
 
 Not here: the headers (`ftsup.store.hublayout`), the ranged reads (`ftsup.trainer.checkpoint.hubread`).
 """
@@ -40,6 +41,9 @@ from ftsup.store import hublayout
 from ftsup.store.errors import CheckpointError, ModelFileError
 from ftsup.trainer.checkpoint import codec
 from ftsup.trainer.checkpoint.hubread import HubReader
+from ftsup.trainer.checkpoint.shardio import aligned_buffer, round_up
+
+_ALIGN = 64  # a staging slot's alignment: any dtype's elements, and a cache line
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,8 @@ def load_hf_model(
             targets = []
         _agree(errors, world, group, device, "matching the model's tensors")
         # Every rank takes part in every collective, whatever failed on it: the ranks agree only afterwards.
-        staged = [(t, _read_share(t, reader, world, rank, group, device, errors)) for t in targets]
+        take = _staging([_direct_bytes(t, reader, world) for t in targets])
+        staged = [(t, _read_share(t, reader, world, rank, group, device, errors, take)) for t in targets]
         _agree(errors, world, group, device, "reading the model's tensors")
     with torch.no_grad():
         for t, value in staged:
@@ -141,9 +146,45 @@ def _match(
     return targets
 
 
+def _direct_bytes(t: _Target, reader: HubReader, world: int) -> int:
+    """The bytes of `t` this rank reads into its staging buffer: its DTensor shard's rows, or, alone, all of it
+    (0-dimensional tensors and the DDP path's rows, which are gathered, are read into buffers of their own)."""
+    dtype, shape = reader.spec(t.source)
+    if not shape:
+        return 0
+    row = reader.entry(t.source).nbytes // shape[0] if shape[0] else 0
+    if _is_dtensor(t.tensor):
+        local, _ = _box(t.tensor)
+        return local[0] * row if local else 0
+    return shape[0] * row if world == 1 else 0
+
+
+def _staging(sizes: list[int]) -> Callable[[int], torch.Tensor]:
+    """Slots of one page-aligned buffer, populated up front, handed out in the order of `sizes` (each aligned for
+    any dtype)."""
+    slot = [round_up(n, _ALIGN) for n in sizes]
+    buf = aligned_buffer(sum(slot)) if sum(slot) else torch.empty(0, dtype=torch.uint8)
+    pos = [0]
+
+    def take(n: int) -> torch.Tensor:
+        view = buf[pos[0] : pos[0] + n]
+        pos[0] += round_up(n, _ALIGN)
+        return view
+
+    return take
+
+
+def _box(dt: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A DTensor's local shape and its offset in the whole tensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    return tuple(local), tuple(offset)
+
+
 def _read_share(
     t: _Target, reader: HubReader, world: int, rank: int, group: Any, device: torch.device,
-    errors: list[BaseException],
+    errors: list[BaseException], take: Callable[[int], torch.Tensor],
 ) -> torch.Tensor:  # fmt: skip
     """This rank's value of `t`: its DTensor shard's rows, or the whole tensor (its rows read here, the
     rest gathered from the other ranks). A read that fails is added to `errors` (then zeros stand in)
@@ -160,22 +201,21 @@ def _read_share(
             return fallback
 
     if _is_dtensor(t.tensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        dt: Any = t.tensor
-        local, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+        local, offset = _box(t.tensor)
         if len(local) == 0:
             return attempt(lambda: reader.read(t.source), torch.zeros((), dtype=dtype))
+        out = take(_direct_bytes(t, reader, world))
 
         def rows() -> torch.Tensor:
-            part = reader.read_rows(t.source, offset[0], offset[0] + local[0])
+            part = reader.read_rows(t.source, offset[0], offset[0] + local[0], out)
             for dim in range(1, len(local)):
                 part = part.narrow(dim, offset[dim], local[dim])
             return part
 
         return attempt(rows, torch.zeros(tuple(local), dtype=dtype))
     if world == 1:
-        return attempt(lambda: reader.read(t.source), torch.zeros(shape, dtype=dtype))
+        whole = take(_direct_bytes(t, reader, world)) if shape else None
+        return attempt(lambda: reader.read(t.source, whole), torch.zeros(shape, dtype=dtype))
     nbytes = reader.entry(t.source).nbytes
     n = shape[0] if shape else 0
     if n < world:  # 0-dimensional, or fewer rows than ranks: rank 0 reads it all

@@ -79,7 +79,7 @@ from ftsup.store.retention import RetentionPolicy
 from ftsup.trainer import rng
 from ftsup.trainer.checkpoint.engine import CheckpointEngine, LoadResult
 from ftsup.trainer.data import DataConfigError, GlobalBatchSchedule, MicroBatch, RankBatchSampler
-from ftsup.trainer.hfinit import HfInit, load_hf_model
+from ftsup.trainer.hfinit import HfInit
 from ftsup.trainer.runtime import Agreement, RuntimeClient, runtime
 from ftsup.trainer.state import TrainingState
 from ftsup.trainer.stepguard import StepCheck
@@ -153,8 +153,7 @@ class Session:
                 """What `init_from_hf` loaded (None: a checkpoint was resumed, or no Hugging Face model was given)."""
                 if self.loaded is None and init_from_hf is not None:
                     t0 = time.monotonic()
-                    self.hf_init = load_hf_model(model, init_from_hf)
-                    self.state.origin = self.hf_init.origin
+                    self.hf_init = self.state.init_from_hf(init_from_hf)
                     took = round(time.monotonic() - t0, 4)
                     log.info("hf_model_loaded", rank=self.rank, path=self.hf_init.origin["dir"],
                              bytes_read=self.hf_init.bytes_read, duration_s=took)  # fmt: skip

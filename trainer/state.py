@@ -20,7 +20,8 @@ dataclass) is recorded as JSON reads it back (`modelconfig.canonical`), so the s
 always matches itself after a resume; keys that name software versions are never compared.
 
     state = TrainingState(model, optimizer, scheduler, schedule=schedule, config=model_config)
-    state.resume(engine)                  # latest consistent checkpoint, or a fresh start
+    if state.resume(engine) is None:      # latest consistent checkpoint, or a fresh start
+        state.init_from_hf("/models/base") # optional: a fresh start from a Hugging Face model's weights
     ...
     state.clip_and_step(1.0, loss)        # no update when the loss or the gradient norm is not finite
     state.step += 1; state.samples = state.schedule.position_after(state.step)
@@ -32,7 +33,8 @@ serves a single process, DDP and FSDP2, and the checkpoint reshards to another w
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import structlog
@@ -44,6 +46,7 @@ from ftsup.store.errors import CheckpointMismatchError, NoCheckpointError
 from ftsup.trainer import modelconfig, rng
 from ftsup.trainer.checkpoint.engine import CheckpointEngine, LoadResult, SaveHandle, SaveResult
 from ftsup.trainer.data import DataPositionError, GlobalBatchSchedule
+from ftsup.trainer.hfinit import HfInit, load_hf_model
 from ftsup.trainer.runtime import runtime
 from ftsup.trainer.stepguard import StepCheck, StepGuard
 
@@ -75,6 +78,20 @@ class TrainingState:
         self.origin: dict[str, Any] | None = None
         """Where the run's first weights came from (`ftsup.trainer.hfinit`: a Hugging Face model), recorded in
         every checkpoint's metadata (`init_from_hf`) and taken back up by a resume; None: its own initialisation."""
+
+    def init_from_hf(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        rename: Mapping[str, str] | Callable[[str], str] | None = None,
+        convert: bool = False,
+        group: Any = None,
+    ) -> HfInit:
+        """The model's weights from a Hugging Face Hub-layout model directory (`ftsup.trainer.hfinit.load_hf_model`,
+        collective: each rank reads its share), recorded as the run's `origin` in every checkpoint from now on."""
+        result = load_hf_model(self.model, directory, rename=rename, convert=convert, group=group)
+        self.origin = result.origin
+        return result
 
     # ------------------------------------------------------------------ the step guard
 

@@ -1,7 +1,8 @@
 """`ftsup ckpt export-hf` in the Hub's conventions: the reference trainer's checkpoint exported is what
 huggingface_hub's own `save_torch_state_dict` writes (names, index, every byte), opens in safetensors with every
 tensor bitwise the training one, loads with huggingface_hub's loader and, for a transformers model, with
-`from_pretrained` (the same logits, in the dtype asked for); bad input leaves nothing in OUT."""
+`from_pretrained` (the same logits, in the dtype asked for); so does the HF Trainer example's checkpoint, exported
+in shards; bad input (and a Trainer checkpoint whose weights lie) leaves nothing in OUT."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from ftsup.trainer.checkpoint import CheckpointCorruptError, CheckpointEngine, C
 from ftsup.trainer.checkpoint.hf import export_hf
 from ftsup.trainer.examples.gpt import GPT
 from tests.helpers import flip_byte
+from tests.hubfiles import overlap, past_end, rewrite_header, with_two_tensors
 from tests.procs import run
 
 SHAPE = {"seq_len": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
@@ -171,6 +173,55 @@ def test_a_trainer_checkpoint_is_resharded_and_converted_with_from_pretrained_gi
         assert (loaded.dtype, torch.equal(loaded(x).logits, want)) == (torch.float16, True)
 
 
+@pytest.fixture(scope="module")
+def trainer_example(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The HF Trainer example (`ftsup.trainer.examples.hf_gpt2`) trained 4 steps in one process, its checkpoint
+    exported in shards of 100KB: the store, the export, and the logits the trained model gave."""
+    tmp = tmp_path_factory.mktemp("trainer-example")
+    r = run([sys.executable, "-m", "ftsup.trainer.examples.hf_gpt2", "--steps", "4", "--save-every", "4",
+             "--eval-every", "100", "--output-dir", str(tmp / "store"), "--logits-out", str(tmp / "logits.pt")],
+            timeout=240)  # fmt: skip
+    assert r.returncode == 0, r.output[-3000:]
+    assert main(["ckpt", "export-hf", str(tmp / "store"), str(tmp / "hf"), "--max-shard-size", "100KB"]) == 0
+    return {"store": tmp / "store", "hf": tmp / "hf", "logits": tmp / "logits.pt"}
+
+
+def trainer_weights(store: Path) -> dict[str, torch.Tensor]:
+    """The Trainer's own weights in its committed checkpoint (save_pretrained's model.safetensors)."""
+    with safe_open(str(store / layout.step_dirname(4) / hublayout.SINGLE_NAME), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def test_the_trainer_examples_export_in_shards_opens_in_safe_open_with_every_tensor_bitwise_the_trained_one(
+    trainer_example,
+):  # fmt: skip
+    got, want = exported(trainer_example["hf"]), trainer_weights(trainer_example["store"])
+    assert len(list(trainer_example["hf"].glob("model-*-of-*.safetensors"))) > 2
+    assert {k: (t.dtype, as_bytes(t)) for k, t in got.items()} == {k: (t.dtype, as_bytes(t)) for k, t in want.items()}
+
+
+def test_the_trainer_examples_export_in_shards_loads_with_huggingface_hubs_sharded_loader_bitwise(trainer_example):
+    from huggingface_hub import load_torch_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(trainer_example["hf"]))
+    result = load_torch_model(model, trainer_example["hf"])
+    want = trainer_weights(trainer_example["store"])
+    want["lm_head.weight"] = want["transformer.wte.weight"]  # tied: save_pretrained writes it once
+    assert (list(result.unexpected_keys), set(result.missing_keys) <= {"lm_head.weight"}) == ([], True)
+    assert {k: as_bytes(t) for k, t in model.state_dict().items()} == {k: as_bytes(t) for k, t in want.items()}
+
+
+def test_the_trainer_examples_export_in_shards_loads_with_from_pretrained_giving_the_trained_logits(trainer_example):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(trainer_example["hf"]).eval()
+    trained = torch.load(trainer_example["logits"])
+    with torch.no_grad():
+        logits = model(torch.arange(trained.shape[1]).unsqueeze(0) % 256).logits
+    assert torch.equal(logits, trained)
+
+
 # --------------------------------------------------------------------------- bad input
 
 
@@ -264,3 +315,55 @@ def test_a_file_of_mixed_dtypes_is_byte_for_byte_what_safetensors_save_file_writ
     write_model(tmp_path / "out", [OutTensor(n, t.dtype, tuple(t.shape), lambda t=t: t) for n, t in tensors.items()],
                 max_shard_bytes=10**9)  # fmt: skip
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
+def trainer_store(tmp_path: Path, break_it) -> Path:
+    """A store holding what FtsupCallback commits of a Trainer's checkpoint (a GPT-2 saved by save_pretrained in
+    several shards), with its weights broken by `break_it(checkpoint dir)` before the commit: a manifest that
+    verifies, over files that lie."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ftsup.trainer import hf_store
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+    model.save_pretrained(tmp_path / "checkpoint-3", max_shard_size="30KB")
+    break_it(tmp_path / "checkpoint-3")
+    hf_store.commit_hf_checkpoint(tmp_path / "checkpoint-3", tmp_path / "store", 3, kind="final", world_size=1,
+                                  metadata={"step": 3})  # fmt: skip
+    return tmp_path / "store"
+
+
+def unsupported_dtype(d: Path) -> None:
+    """c_attn.bias (96 F32 values, 384 bytes) said to be 512 six-bit floats: a dtype of safetensors' torch lacks."""
+    name = "transformer.h.0.attn.c_attn.bias"
+    shard = json.loads((d / hublayout.INDEX_NAME).read_text())["weight_map"][name]
+
+    def change(header: dict) -> None:
+        header[name] = {**header[name], "dtype": "F6_E2M3", "shape": [512]}
+
+    rewrite_header(d / shard, change)
+
+
+@pytest.mark.parametrize(
+    ("break_it", "says"),
+    [
+        (lambda d: next(d.glob("model-00002-*.safetensors")).unlink(),
+         r"model\.safetensors\.index\.json: names model-00002-of-\d{5}\.safetensors \(for tensor '[^']+'\), which is "
+         "missing"),
+        (lambda d: rewrite_header(with_two_tensors(d), overlap),
+         r"model-\d{5}-of-\d{5}\.safetensors: tensor '[^']+' overlaps tensor '[^']+'"),
+        (lambda d: rewrite_header(with_two_tensors(d), past_end),
+         r"model-\d{5}-of-\d{5}\.safetensors: tensor '[^']+': its bytes \[\d+, \d+\) run past the end of the file"),
+        (unsupported_dtype, r"model-\d{5}-of-\d{5}\.safetensors: tensor 'transformer\.h\.0\.attn\.c_attn\.bias' has "
+                            "dtype F6_E2M3, which torch has no dtype for"),
+    ],
+    ids=["missing-shard", "overlapping-header", "header-past-the-end", "unsupported-dtype"],
+)  # fmt: skip
+def test_a_trainer_checkpoint_whose_weights_lie_names_the_file_and_the_tensor_and_leaves_nothing_in_out(
+    tmp_path, break_it, says
+):  # fmt: skip
+    store = trainer_store(tmp_path, break_it)
+    with pytest.raises(CheckpointError, match=says):
+        export_hf(store, None, tmp_path / "hf", max_shard_bytes=30_000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]

@@ -1,6 +1,8 @@
 """Starting from a Hugging Face model directory (`ftsup.trainer.hfinit.load_hf_model`, the reference trainer's
 `--init-from-hf`): every tensor bitwise the file's on one rank and on two (DDP, FSDP2), each rank reading exactly
-its share; the reference trainer's first loss the same on one rank and two; bad input loads nothing."""
+its share; the reference trainer's first loss the same on one rank and two; a transformers model saved by
+`save_pretrained` in shards trains its first step from its own weights on one rank and on two (FSDP2), each rank
+reading its share as the kernel counts it; bad input loads nothing."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import hashlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +20,8 @@ from ftsup.store import layout
 from ftsup.store.errors import ModelFileError
 from ftsup.trainer.examples.gpt import GPT
 from ftsup.trainer.hfinit import load_hf_model
-from tests.procs import run, torchrun
+from tests.hubfiles import overlap, past_end, rewrite_header, with_two_tensors
+from tests.procs import python, run, torchrun
 
 SHAPE = {"seq_len": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}  # tests/bin/hf_init_worker.py's
 
@@ -126,6 +130,21 @@ def test_another_floating_dtype_is_refused_unless_converting(tmp_path):
     assert digests(model.state_dict()) == digests({k: v.to(torch.float32) for k, v in half.items()})
 
 
+def test_a_training_state_started_from_a_hub_model_records_its_origin_in_the_checkpoints_that_follow(tmp_path):
+    from ftsup import GlobalBatchSchedule, TrainingState
+    from ftsup.trainer.checkpoint import CheckpointEngine
+
+    sd = hub_model(tmp_path / "hf")
+    model, _ = model_and_before()
+    state = TrainingState(model, torch.optim.AdamW(model.parameters()), schedule=GlobalBatchSchedule(64, 4, 4, 1, 0, 0))
+    result = state.init_from_hf(tmp_path / "hf")
+    state.step, state.samples = 1, 4
+    with CheckpointEngine(tmp_path / "ckpt") as eng:
+        state.save(eng, kind="final", block=True)
+    meta = layout.read_manifest(tmp_path / "ckpt" / layout.step_dirname(1)).metadata
+    assert (digests(model.state_dict()), meta["init_from_hf"]) == (digests(sd), result.origin)
+
+
 def test_names_are_mapped_by_rename(tmp_path):
     sd = hub_model(tmp_path / "src")
     (tmp_path / "hf").mkdir()
@@ -151,6 +170,63 @@ def test_a_transformers_model_saved_sharded_with_tied_weights_loads_with_the_sam
     assert (
         len(result.origin["files"]) > 1 and model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
     )
+
+
+GPT2: dict[str, Any] = {"vocab_size": 256, "n_positions": 32, "n_embd": 64, "n_layer": 2, "n_head": 4,
+                        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gpt2_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A transformers GPT-2 saved by `save_pretrained` in several shards, then one training step started from it
+    by tests/bin/hf_gpt2_run.py on one rank and on two (FSDP2): the saved model and each run's per-rank results."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tmp = tmp_path_factory.mktemp("gpt2")
+    torch.manual_seed(1)
+    saved = GPT2LMHeadModel(GPT2Config(**GPT2)).eval()
+    saved.save_pretrained(tmp / "hf", max_shard_size="100KB")
+    runs = {}
+    for name, nproc in (("one", 1), ("two", 2)):
+        args = ["--hf", str(tmp / "hf"), "--ckpt-dir", str(tmp / f"ckpt-{name}"), "--out", str(tmp / name)]
+        r = python("hf_gpt2_run.py", args, timeout=240) if nproc == 1 else torchrun("hf_gpt2_run.py", args, nproc=2,
+                                                                                    timeout=240)  # fmt: skip
+        assert r.returncode == 0, r.output[-3000:]
+        runs[name] = [json.loads((tmp / f"{name}.{i}.json").read_text()) for i in range(nproc)]
+    shards = len(list((tmp / "hf").glob("model-*-of-*.safetensors")))
+    index = tmp / "hf" / "model.safetensors.index.json"
+    total = json.loads(index.read_text())["metadata"]["total_size"]
+    return {"saved": saved, "shards": shards, "tensor_bytes": total, "index_bytes": index.stat().st_size, **runs}
+
+
+@pytest.mark.multiprocess
+def test_a_transformers_model_saved_in_shards_trains_its_first_step_from_its_weights_on_one_rank_and_two_fsdp2(
+    gpt2_runs,
+):  # fmt: skip
+    from ftsup.trainer.examples.corpus import TokenWindows, generate
+
+    saved, (one,), two = gpt2_runs["saved"], gpt2_runs["one"], gpt2_runs["two"]
+    data = TokenWindows(generate(65536), 32)
+    with torch.no_grad():  # the saved model's own loss on the micro-batches the step trained on
+        losses = [saved(input_ids=x, labels=x).loss.double() for ids in one["micro_batches"]
+                  for x in [torch.stack([data[i][1][:-1] for i in ids])]]  # fmt: skip
+    want = float(sum(losses) / len(losses))
+    assert gpt2_runs["shards"] > 2
+    assert sorted(i for r in two for b in r["micro_batches"] for i in b) == sorted(sum(one["micro_batches"], []))
+    assert (abs(one["loss"] - want) <= 1e-5 * want, [abs(r["loss"] - one["loss"]) <= 1e-5 * want for r in two]) == (
+        True, [True, True]), (want, one["loss"], [r["loss"] for r in two])  # fmt: skip
+
+
+@pytest.mark.multiprocess
+def test_each_fsdp2_rank_reads_its_share_of_a_sharded_transformers_model_and_one_rank_all_of_it(gpt2_runs):
+    (one,), two = gpt2_runs["one"], gpt2_runs["two"]
+    total = gpt2_runs["tensor_bytes"]  # the files' tensors: the whole model, its tied weights once
+    # Beside its share, a rank reads the index, the files' headers and the few bytes of the ranks' agreement.
+    other = gpt2_runs["index_bytes"] + 1024
+    measured = [r["share"] <= r["rchar"] <= r["share"] + r["header_bytes"] + other for r in (one, *two)]
+    assert (one["share"], sum(r["share"] for r in two), [r["bytes_read"] for r in two], one["bytes_read"]) == (
+        total, total, [r["share"] for r in two], total)  # fmt: skip
+    assert measured == [True] * 3, [(r["share"], r["rchar"], r["header_bytes"]) for r in (one, *two)]
 
 
 def first_loss(tmp_path: Path, name: str, nproc: int, init: Path | None, parallel: str = "ddp") -> float:
@@ -187,8 +263,12 @@ def test_the_reference_trainer_starts_from_a_hub_model_with_the_same_first_loss_
                                                                         r"\(for tensor '[^']+'\), which is missing"),
         (lambda d: next(d.glob("model-00001-*.safetensors")).write_bytes(b"\x08" + bytes(7) + b'{"a": 1}'),
          r"model-00001-of-\d{5}\.safetensors: tensor 'a': not an object of exactly dtype, shape and data_offsets"),
+        (lambda d: rewrite_header(with_two_tensors(d), overlap),
+         r"model-\d{5}-of-\d{5}\.safetensors: tensor '[^']+' overlaps tensor '[^']+'"),
+        (lambda d: rewrite_header(with_two_tensors(d), past_end),
+         r"model-\d{5}-of-\d{5}\.safetensors: tensor '[^']+': its bytes \[\d+, \d+\) run past the end of the file"),
     ],
-    ids=["missing-shard", "bad-header"],
+    ids=["missing-shard", "bad-header", "overlapping-header", "header-past-the-end"],
 )  # fmt: skip
 def test_a_hostile_hub_directory_names_the_file_and_loads_nothing(tmp_path, break_it, says):
     hub_model(tmp_path / "hf")

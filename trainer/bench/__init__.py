@@ -5,8 +5,9 @@ package does not import torch: the parent process only plans, launches rank proc
 (`ftsup.trainer.bench.rank`) and reports.
 
 Modules: `checkpoint` (orchestration, options), `launch` (rank groups, timeouts, reaping),
-`report` (pure: records -> rows, ratios, table), `shape` (model size), and inside the rank
-processes `rank`, `synthetic`, `probes`, `peer_rows`, `ftsup_rows`.
+`report` (pure: records -> rows, ratios, table), `hf_report` (the same for the Hugging Face rows),
+`shape` (model size), and inside the rank processes `rank`, `synthetic`, `probes`, `peer_rows`,
+`ftsup_rows`, `loads`, `hf_rows` (and the export's own process, `hf_child`).
 
 Tooling, not product: the product (`ftsup run`, `status`, `config`, `ckpt` and the trainer library)
 never imports it; `ftsup.supervisor.cli` does only for `ftsup bench checkpoint`.

@@ -6,7 +6,8 @@ The parent (this module, torch-free) writes a spec per group of ranks and launch
    ftsup_async (+ RSS growth over N saves), ftsup_sync, ftsup_load_same;
 2. the reshard group (R' != R ranks): dcp_load_reshard and ftsup_load_reshard, interleaved,
    reading the checkpoints the main group left;
-3. the DCP process-mode group (R ranks), last and alone, under its own timeout: it has been
+3. the Hugging Face group (R ranks, `hf_rows`): hf_export, hf_import and dcp_hf_import;
+4. the DCP process-mode group (R ranks), last and alone, under its own timeout: it has been
    seen to hang, and then reports "hung" instead of stalling the benchmark.
 
 It then combines the ranks' records (`report`), prints a table and writes the JSON.
@@ -25,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ftsup.trainer.bench import durable_rows, launch, report
+from ftsup.store import hublayout
+from ftsup.trainer.bench import durable_rows, hf_report, launch, report
 from ftsup.trainer.bench.shape import shape_for
 
 MAIN_ROWS = (
@@ -143,6 +145,14 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
         default=120.0,
         help="hard limit for the dcp_async_process group (default 120)",
     )
+    parser.add_argument(
+        "--hf-max-shard-size",
+        dest="hf_max_shard_bytes",
+        type=_shard_size,
+        default=100 * 10**6,
+        metavar="SIZE",
+        help="the shard size hf_export writes the model in, as the Hub's tools read it (default 100MB)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the run folder")
     parser.add_argument(
         "--durable",
@@ -157,6 +167,13 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--durable-part-mib", type=int, default=16, help="upload part size in MiB (default 16)")
     parser.add_argument("--durable-concurrency", type=int, default=8, help="requests in flight (default 8)")
+
+
+def _shard_size(text: str) -> int:
+    try:
+        return hublayout.parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _log(msg: str) -> None:
@@ -271,7 +288,7 @@ def run_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _run_groups(run: _Run, args: argparse.Namespace, reshard: int, skip: set[str], not_run: dict[str, str]) -> None:
-    """Main group, then reshard loads of what it wrote, then DCP's process mode, alone."""
+    """Main group, then reshard loads of what it wrote, the Hugging Face rows, then DCP's process mode, alone."""
     main_skip = set(skip)
     if args.rss_saves <= 0 or "ftsup_async" in skip:
         main_skip.add("ftsup_rss")
@@ -307,6 +324,9 @@ def _run_groups(run: _Run, args: argparse.Namespace, reshard: int, skip: set[str
         reshard_loads=reshard_rows,
         **pinned,
     )
+    hf_rows = [r for r in hf_report.ROW_NAMES if r not in skip]
+    run.launch("hf", args.ranks, ["hf"] if hf_rows else [], 180 + gib * args.repeats * 120, hf_rows=hf_rows,
+               hf_max_shard_bytes=args.hf_max_shard_bytes, **pinned)  # fmt: skip
     process_rows = [r for r in PROCESS_ROWS if r not in skip]
     run.launch("process", args.ranks, process_rows, args.process_timeout_s, **pinned)
 
@@ -353,9 +373,9 @@ def _assemble(
 ) -> dict[str, Any]:
     """Rows in the order of `MAIN_ROWS`, `RESHARD_ROWS` and `PROCESS_ROWS`, ratios, targets, config and how each
     group ended."""
-    groups = {"main": args.ranks, "reshard": reshard, "process": args.ranks}
-    phase_of = {r: p for p, rows in (("main", MAIN_ROWS), ("reshard", RESHARD_ROWS),
-                                     ("process", PROCESS_ROWS)) for r in rows}  # fmt: skip
+    groups = {"main": args.ranks, "reshard": reshard, "process": args.ranks, "hf": args.ranks}
+    phase_of = {r: p for p, rows in (("main", MAIN_ROWS), ("reshard", RESHARD_ROWS), ("process", PROCESS_ROWS),
+                                     ("hf", hf_report.ROW_NAMES)) for r in rows}  # fmt: skip
     combined = {p: report.combine(run.records.get(p, [])) for p in groups}
 
     def status_of(name: str) -> str:
@@ -403,6 +423,7 @@ def _assemble(
         "recycle": args.recycle,
         "steps_during": args.steps_during,
         "rss_saves": args.rss_saves,
+        "hf_max_shard_bytes": args.hf_max_shard_bytes,
         "layers": run.shape.layers,
         "width": run.shape.width,
         "planned_state_bytes": run.shape.state_bytes,

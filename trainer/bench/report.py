@@ -12,6 +12,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ftsup.trainer.bench import hf_report
+
 GIB = 2**30
 MIB = 2**20
 
@@ -27,13 +29,14 @@ ROW_NAMES = (
     "ftsup_load_same",
     "ftsup_load_reshard",
     "dcp_load_reshard",
+    *hf_report.ROW_NAMES,
 )
 
 _MAX = {
     "stall_s", "durable_s", "load_s", "block_s", "extra_step_s", "copy_s", "baseline_step_s",
     "engine_stage_s", "engine_durable_s", "steps_during", "rss_growth_bytes", "rss_before",
     "rss_after", "wall_s", "copy_plain_s", "copy_hugepage_s", "raw_adjacent_s", "peak_rss_bytes",
-    "peak_rss_increase_bytes",
+    "peak_rss_increase_bytes", *hf_report.MAX_FIELDS,
 }  # fmt: skip
 _SUM = {"bytes", "bytes_read", "rchar", "needed_bytes", "engine_bytes_read", "engine_tensor_bytes"}
 _ALL = {"exact", "perturbed", "cache_dropped"}
@@ -204,6 +207,7 @@ TARGETS = {
     "ftsup_load_reshard_rchar_vs_needed": ("<=", 1.1),
     "ftsup_load_reshard_time_vs_dcp_load_reshard": ("<=", 1.0),
     "ftsup_rss_growth_mib": ("<=", 64.0),
+    **hf_report.TARGETS,
 }
 
 
@@ -243,6 +247,7 @@ def ratios(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
             get("ftsup_load_reshard", "load_s"), get("dcp_load_reshard", "load_s")
         ),
         "ftsup_rss_growth_mib": None if growth is None else growth / MIB,
+        **hf_report.ratios(rows),
     }
 
 

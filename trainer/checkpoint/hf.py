@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 import shutil
@@ -51,7 +52,7 @@ from ftsup.store.errors import CheckpointCorruptError, CheckpointError
 from ftsup.trainer.checkpoint import codec
 from ftsup.trainer.checkpoint.hfwrite import OutTensor, check, write_model, write_new
 from ftsup.trainer.checkpoint.hubread import HubReader
-from ftsup.trainer.checkpoint.shardio import VerifiedFile, read_files
+from ftsup.trainer.checkpoint.shardio import PAGE, VerifiedFile, aligned_buffer, read_files, round_up
 
 INDEX_NAME = hublayout.INDEX_NAME
 CONFIG_NAME = hublayout.CONFIG_NAME
@@ -206,7 +207,11 @@ def _publish(tmp: Path, out: Path) -> None:
 
 
 class _Chunks:
-    """An engine checkpoint's tensors, each assembled from its chunks by verified ranged reads."""
+    """An engine checkpoint's tensors, each assembled from its chunks by verified ranged reads.
+
+    A tensor read is valid until the next read: the buffers it is read into and assembled in are reused from
+    tensor to tensor (the writer writes each before it asks for the next), so that their pages are faulted in
+    once, not once per tensor (that cost as much as the disk's own time here)."""
 
     def __init__(self, ckpt: Path, manifest: layout.Manifest, meta: Mapping[str, Any]):
         self.ckpt, self.manifest, self.meta = ckpt, manifest, meta
@@ -214,6 +219,16 @@ class _Chunks:
         for s in meta["storage"]:
             self.storage.setdefault(s["fqn"], []).append(s)
         self.files: dict[str, VerifiedFile] = {}
+        self._arena: torch.Tensor | None = None  # what the chunks are read into
+        self._full: torch.Tensor | None = None  # what a tensor of several chunks is assembled in
+
+    def _buffer(self, which: str, nbytes: int) -> torch.Tensor:
+        """A reused page-aligned buffer of at least `nbytes`, grown (to the largest asked for) when short."""
+        buf: torch.Tensor | None = getattr(self, which)
+        if buf is None or buf.numel() < nbytes:
+            buf = aligned_buffer(nbytes)
+            setattr(self, which, buf)
+        return buf
 
     def _file(self, rel: str, crc_rel: str) -> VerifiedFile:
         vf = self.files.get(rel)
@@ -233,7 +248,9 @@ class _Chunks:
         try:
             requests = [(self._file(s["file"], s["crc_file"]), [(s["byte_offset"], s["byte_offset"] + s["nbytes"])])
                         for s in chunks]  # fmt: skip
-            regions = read_files(requests)
+            # What read_files lays the widened ranges out in: each a whole number of pages.
+            need = sum(round_up(e - s, PAGE) for vf, ranges in requests for s, e in vf._spans(ranges))
+            regions = read_files(requests, self._buffer("_arena", need))
         except CheckpointCorruptError as e:
             raise CheckpointCorruptError(
                 f"{self.ckpt}: {e} (reading {fqn})", path=str(self.ckpt), file=e.file
@@ -244,7 +261,8 @@ class _Chunks:
             views.append((s, region[lo : lo + s["nbytes"]].view(dtype).reshape(s["sizes"])))
         if len(views) == 1 and tuple(views[0][0]["sizes"]) == size:
             return views[0][1]  # one chunk, the whole tensor: no copy
-        full = torch.empty(size, dtype=dtype)
+        nbytes = dtype.itemsize * math.prod(size)
+        full = self._buffer("_full", nbytes)[:nbytes].view(dtype).reshape(size)
         for s, chunk in views:
             view = full
             for dim, (o, n) in enumerate(zip(s["offsets"], s["sizes"], strict=True)):

@@ -7,7 +7,10 @@ exactly its range of its file, or from a part of that range (`read_rows`: rows o
 dimension, what one rank's share of a tensor sharded on dim 0 needs). Where the caller has block
 checksums of a file (a Trainer checkpoint's weights, whose manifest records their checksums), the
 reads go through `shardio.VerifiedFile`, each block verified; a Hub directory has no checksums and
-is read as it is. `bytes_read` counts what was read from the files.
+is read as it is: a range of more than one piece (`PIECE_BYTES`) is read in pieces by `READ_THREADS` threads
+(one read in flight leaves a disk idle between requests; the checkpoint reader's `shardio.read_files` does the
+same), each file with readahead off (`POSIX_FADV_RANDOM`), so that the disk gives what is asked for and not a
+window more. `bytes_read` counts what was read from the files.
 
 Not here: the headers and the index (`ftsup.store.hublayout`), writing (`hfwrite`).
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 
 import torch
@@ -23,7 +27,10 @@ import torch
 from ftsup.store import dtypes, hublayout, safefile, stheader
 from ftsup.store.errors import ModelFileError
 from ftsup.trainer.checkpoint import codec
-from ftsup.trainer.checkpoint.shardio import VerifiedFile
+from ftsup.trainer.checkpoint.shardio import VerifiedFile, as_memoryview
+
+PIECE_BYTES = 4 << 20
+READ_THREADS = 8
 
 
 class HubReader:
@@ -35,6 +42,7 @@ class HubReader:
         self.bytes_read = 0
         self._tensors = model.tensors
         self._fds: dict[str, int] = {}
+        self._pool: ThreadPoolExecutor | None = None
 
     def __enter__(self) -> HubReader:
         return self
@@ -43,6 +51,9 @@ class HubReader:
         self.close()
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
@@ -67,26 +78,30 @@ class HubReader:
             shape[-1] //= d.packed
         return codec.dtype_from_name(d.name), tuple(shape)
 
-    def read(self, name: str) -> torch.Tensor:
-        """Tensor `name`, whole."""
+    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor `name`, whole (read into `out` where given: as in `read_rows`)."""
         dtype, shape = self.spec(name)
         if not shape:
             e = self.entry(name)
-            return _aligned(self._read(name, e.start, e.nbytes), dtype).view(dtype).reshape(())
-        return self.read_rows(name, 0, shape[0])
+            return _aligned(self._read(name, e.start, e.nbytes, out), dtype).view(dtype).reshape(())
+        return self.read_rows(name, 0, shape[0], out)
 
-    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of the first dimension of tensor `name` (its only bytes read)."""
+    def read_rows(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [start, stop) of the first dimension of tensor `name` (its only bytes read). `out`: a contiguous
+        uint8 CPU tensor of exactly those bytes to read them into (memory the caller reuses, its pages faulted in
+        already), or None for a new buffer; a file with block checksums is read into buffers of its own."""
         dtype, shape = self.spec(name)
         if not shape or not 0 <= start <= stop <= shape[0]:
             raise ModelFileError(f"{self.model.root}: rows {start}..{stop} of tensor {name!r:.200} of shape "
                                  f"{list(shape)}")  # fmt: skip
         e = self.entry(name)
         row = e.nbytes // shape[0] if shape[0] else 0
-        raw = self._read(name, e.start + start * row, (stop - start) * row)
+        raw = self._read(name, e.start + start * row, (stop - start) * row, out)
         return _aligned(raw, dtype).view(dtype).reshape((stop - start, *shape[1:]))
 
-    def _read(self, name: str, start: int, n: int) -> torch.Tensor:
+    def _read(self, name: str, start: int, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is not None and (out.numel() != n or out.dtype != torch.uint8 or not out.is_contiguous()):
+            raise ValueError(f"out: {n} contiguous bytes to read {name!r:.200} into, not {out.numel()} {out.dtype}")
         if n == 0:
             return torch.empty(0, dtype=torch.uint8)
         file = self.model.weight_map[name]
@@ -96,14 +111,24 @@ class HubReader:
             ((base, region),) = vf.read_ranges([(start, start + n)])
             return region[start - base : start - base + n]
         fd = self._open(file)
-        buf = bytearray(n)
-        view, pos = memoryview(buf), 0
-        while pos < n:
-            got = os.preadv(fd, [view[pos:]], start + pos)
-            if got <= 0:
-                raise ModelFileError(f"{self.model.root / file}: ends inside tensor {name!r:.200}")
-            pos += got
-        return torch.frombuffer(buf, dtype=torch.uint8)
+        target: torch.Tensor | bytearray = out if out is not None else bytearray(n)
+        view = as_memoryview(target) if isinstance(target, torch.Tensor) else memoryview(target)
+
+        def fill(lo: int) -> None:
+            pos, hi = lo, min(n, lo + PIECE_BYTES)
+            while pos < hi:
+                got = os.preadv(fd, [view[pos:hi]], start + pos)
+                if got <= 0:
+                    raise ModelFileError(f"{self.model.root / file}: ends inside tensor {name!r:.200}")
+                pos += got
+
+        if n <= PIECE_BYTES:
+            fill(0)
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ftsup-hub-read")
+            list(self._pool.map(fill, range(0, n, PIECE_BYTES)))  # close() waits for any still in flight
+        return target if isinstance(target, torch.Tensor) else torch.frombuffer(target, dtype=torch.uint8)
 
     def _open(self, file: str) -> int:
         fd = self._fds.get(file)
@@ -113,6 +138,8 @@ class HubReader:
             if os.fstat(fd).st_size != self.model.headers[file].file_size:
                 os.close(fd)
                 raise ModelFileError(f"{what}: changed since its header was read")
+            if hasattr(os, "posix_fadvise"):  # read what is asked for, not a readahead window more
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             self._fds[file] = fd
         return fd
 
