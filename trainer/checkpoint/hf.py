@@ -250,7 +250,7 @@ class _Chunks:
                         for s in chunks]  # fmt: skip
             # What read_files lays the widened ranges out in: each a whole number of pages.
             need = sum(round_up(e - s, PAGE) for vf, ranges in requests for s, e in vf._spans(ranges))
-            regions = read_files(requests, self._buffer("_arena", need))
+            regions = read_files(requests, arena=self._buffer("_arena", need))
         except CheckpointCorruptError as e:
             raise CheckpointCorruptError(
                 f"{self.ckpt}: {e} (reading {fqn})", path=str(self.ckpt), file=e.file

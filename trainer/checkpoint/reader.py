@@ -154,9 +154,10 @@ class ShardReader(StorageReader):
                     str(layout.resolve_inside(self.path, crc_file)), file,
                 )  # fmt: skip
             files.append((vf, [(s, e) for _, _, s, e, _ in reqs]))
-        how = {"threads": self.source.threads, "piece": self.source.piece} if self.source is not None else {}
+        got = read_files(files) if self.source is None else read_files(files, threads=self.source.threads,
+                                                                        piece=self.source.piece)  # fmt: skip
         ready = []
-        for (vf, _), regions, reqs in zip(files, read_files(files, **how), by_file.values(), strict=True):
+        for (vf, _), regions, reqs in zip(files, got, by_file.values(), strict=True):
             self.bytes_read += vf.bytes_read
             for req, loc, s, e, _ in reqs:
                 if e == s:
