@@ -44,10 +44,10 @@ class ResumeChoice:
         self._post = post
         self._outages = outages
         self._metrics = metrics
-        # All reads of the store, and of the durable tier for the resume choice.
-        self.store = StoreScanner(cfg.checkpoint.dir, deep=cfg.checkpoint.verify_deep, durable_tier=durable_opener(cfg))
+        self.store = StoreScanner(cfg.checkpoint.dir, deep=cfg.checkpoint.verify_deep)  # all reads of the store
         self._seen = (0, 0)  # (scans, errors) of the view last handed to the metrics
         self._newest: int | None = None  # the newest step seen, from the first scan on (checkpoint_found after it)
+        self.store.with_durable_tier(durable_opener(cfg))  # the resume choice reads the durable tier too
 
     @contextlib.contextmanager
     def running(self) -> Iterator[ResumeChoice]:
