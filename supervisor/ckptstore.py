@@ -108,9 +108,6 @@ class _Request:
 
 
 class StoreScanner:
-    _durable: Callable[[], durable.DurableTier] | None = None  # `with_durable_tier`
-    _durable_timeout_s = DURABLE_TIMEOUT_S
-
     def __init__(self, root: str | os.PathLike[str], *, deep: bool = False, interval_s: float = REFRESH_S):
         self._root = Path(root)
         self._deep = deep
@@ -122,6 +119,9 @@ class StoreScanner:
         self._requests: list[_Request] = []
         self._cache: dict[str, tuple[tuple[Any, ...], layout.CheckpointInfo]] = {}
         self._thread = threading.Thread(target=self._run, name="ftsup-ckpt-scan", daemon=True)
+
+    _durable: Callable[[], durable.DurableTier] | None = None  # set by `with_durable_tier`
+    _durable_timeout_s = DURABLE_TIMEOUT_S
 
     def with_durable_tier(
         self, opener: Callable[[], durable.DurableTier] | None, timeout_s: float = DURABLE_TIMEOUT_S
