@@ -15,10 +15,10 @@ here, on one thread owned by the daemon (`start`, `close`), never by the loop:
 - `choose()` asks for the resume choice (`ftsup.store.choice`: fresh checks, deep when
   configured, quarantines) and waits for it, at most `timeout_s`; it goes before any scan. With
   `at_most` (a rollback) it chooses among the steps up to that one and abandons the committed
-  checkpoints after the one chosen (`choice.abandon`: renamed, kept). With a durable tier (`durable_tier`, an opener
-  of it), the choice is across both tiers (`ftsup.store.tiers`), the tier's part on a thread of its own for at most
-  `durable_timeout_s`: a tier that fails or does not answer in time leaves the fast tier's choice alone, and says
-  why (`Resume.durable_error`).
+  checkpoints after the one chosen (`choice.abandon`: renamed, kept). With a durable tier
+  (`with_durable_tier`, an opener of it), the choice is across both tiers (`ftsup.store.tiers`), the tier's
+  part on a thread of its own for at most a timeout: a tier that fails or does not answer in time leaves the
+  fast tier's choice alone, and says why (`Resume.durable_error`).
 
 A manifest of CHILD_CHECK_BYTES or more is checked in a child process: the JSON decoder and the
 pre-checks hold the GIL for a whole file at a time (a 58 MiB manifest held it for 3 s here), time
@@ -112,14 +112,11 @@ class _Request:
 
 class StoreScanner:
     def __init__(
-        self, root: str | os.PathLike[str], *, deep: bool = False, interval_s: float = REFRESH_S, recent: int = 0,
-        durable_tier: Callable[[], durable.DurableTier] | None = None, durable_timeout_s: float = DURABLE_TIMEOUT_S,
-    ) -> None:  # fmt: skip
+        self, root: str | os.PathLike[str], *, deep: bool = False, interval_s: float = REFRESH_S, recent: int = 0
+    ) -> None:
         self._root = Path(root)
         self._deep = deep
         self._recent = recent  # how many of the newest checkpoints a scan checks and reports, beyond the latest
-        self._durable = durable_tier
-        self._durable_timeout_s = durable_timeout_s
         self._interval_s = interval_s
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -128,6 +125,17 @@ class StoreScanner:
         self._requests: list[_Request] = []
         self._cache: dict[str, tuple[tuple[Any, ...], layout.CheckpointInfo]] = {}
         self._thread = threading.Thread(target=self._run, name="ftsup-ckpt-scan", daemon=True)
+
+    _durable: Callable[[], durable.DurableTier] | None = None  # set by `with_durable_tier`
+    _durable_timeout_s = DURABLE_TIMEOUT_S
+
+    def with_durable_tier(
+        self, opener: Callable[[], durable.DurableTier] | None, timeout_s: float = DURABLE_TIMEOUT_S
+    ) -> StoreScanner:
+        """Make the resume choice across the fast tier and the durable tier `opener` opens (None: none), the tier's
+        part waited for at most `timeout_s` (see the module docstring); before `start()`."""
+        self._durable, self._durable_timeout_s = opener, timeout_s
+        return self
 
     def start(self) -> StoreScanner:
         self._thread.start()

@@ -46,11 +46,10 @@ class ResumeChoice:
         self._outages = outages
         self._metrics = metrics
         recent = RECENT_FOR_DURABLE if cfg.checkpoint.durable is not None else 0  # what may go durable
-        # All reads of the store, and of the durable tier for the resume choice.
-        self.store = StoreScanner(cfg.checkpoint.dir, deep=cfg.checkpoint.verify_deep, recent=recent,
-                                  durable_tier=durable_opener(cfg))  # fmt: skip
+        self.store = StoreScanner(cfg.checkpoint.dir, deep=cfg.checkpoint.verify_deep, recent=recent)  # all reads
         self._seen = (0, 0)  # (scans, errors) of the view last handed to the metrics
         self._newest: int | None = None  # the newest step seen, from the first scan on (checkpoint_found after it)
+        self.store.with_durable_tier(durable_opener(cfg))  # the resume choice reads the durable tier too
 
     @contextlib.contextmanager
     def running(self) -> Iterator[ResumeChoice]:

@@ -20,8 +20,10 @@ What it does, so that the loop does not:
 - **Resume.** Constructing it (every rank, after `init_process_group`) makes the checkpoint engine
   (`ckpt_dir`, by default `FTSUP_CHECKPOINT_DIR`, which `ftsup run` sets from `checkpoint.dir`),
   the `TrainingState`, and loads the latest consistent checkpoint of at most the supervisor's
-  choice (`FTSUP_RESUME_STEP`) in phase `load`. A checkpoint of another configuration is refused
-  before anything is loaded, naming the key (`config=`, see `ftsup.trainer.modelconfig`). A fresh run
+  choice (`FTSUP_RESUME_STEP`) in phase `load`, from the durable tier when only it holds that one
+  (`FTSUP_CHECKPOINT_DURABLE`, set from `checkpoint.durable`: a new machine resumes from there).
+  A checkpoint of another configuration is refused before anything is loaded, naming the key
+  (`config=`, see `ftsup.trainer.modelconfig`). A fresh run
   (no checkpoint yet) given `init_from_hf=DIR` starts from a Hugging Face Hub-layout model's weights,
   each rank reading only its share (`ftsup.trainer.hfinit`).
 - **Data.** `micro_batches()` yields this rank's micro-batches of the step from `dataset` in the

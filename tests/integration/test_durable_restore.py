@@ -85,6 +85,21 @@ def test_a_checkpoint_only_a_shared_filesystem_tier_holds_loads_from_it_bitwise(
     assert all(torch.equal(a, b) for a, b in zip(weights(fresh), weights(state), strict=True))
 
 
+def test_a_step_asked_for_that_only_the_durable_tier_holds_consistent_loads_from_it(tmp_path: Path) -> None:
+    states = {step: make_state(step) for step in (1, 2)}
+    with CheckpointEngine(tmp_path / "fast", durable_tier=None) as engine:
+        for step, state in states.items():
+            engine.save(step, {"app": state}, block=True)
+    url = str(tmp_path / "shared")
+    upload_all(url, tmp_path / "fast")
+    (tmp_path / "fast" / "step-000000001" / "shard-00000.safetensors").write_bytes(b"torn")
+    fresh = make_state(99)
+    with CheckpointEngine(tmp_path / "fast", durable_tier=url) as engine:
+        loaded = engine.load({"app": fresh}, step=1)
+    assert (loaded.step, loaded.tier) == (1, "durable")
+    assert all(torch.equal(a, b) for a, b in zip(weights(fresh), weights(states[1]), strict=True))
+
+
 def test_a_durable_tier_that_cannot_be_reached_leaves_the_local_stores_choice(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,4 +1,4 @@
-"""The supervisor's resume choice with a durable tier (`StoreScanner(durable_tier=...)`): across both tiers, and the
+"""The supervisor's resume choice with a durable tier (`StoreScanner.with_durable_tier`): across both tiers, and the
 fast tier's choice alone, said why, when the tier fails or does not answer in time."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def test_the_resume_choice_takes_a_newer_durable_checkpoint_with_its_metadata(tm
     make_fake_checkpoint(tmp_path / "ckpt", 10, default_files(10))
     with durable.open_tier(str(tmp_path / "durable")) as tier:
         tier.upload(make_fake_checkpoint(tmp_path / "other", 20, default_files(20), metadata={"samples": 240}))
-    scanner = StoreScanner(tmp_path / "ckpt", durable_tier=lambda: durable.open_tier(str(tmp_path / "durable")))
+    scanner = StoreScanner(tmp_path / "ckpt").with_durable_tier(lambda: durable.open_tier(str(tmp_path / "durable")))
     got = scanner.choose(10)
     assert (got.tier, got.picked.info.step if got.picked.info else None, got.metadata, got.durable_error) == (
         "durable",
@@ -43,7 +43,8 @@ def test_the_resume_choice_takes_a_newer_durable_checkpoint_with_its_metadata(tm
 def test_a_durable_tier_that_cannot_be_read_leaves_the_fast_choice_and_says_why(tmp_path: Path) -> None:
     make_fake_checkpoint(tmp_path / "ckpt", 10, default_files(10))
     (tmp_path / "not-a-directory").write_bytes(b"")
-    scanner = StoreScanner(tmp_path / "ckpt", durable_tier=lambda: durable.open_tier(str(tmp_path / "not-a-directory")))
+    not_a_tier = str(tmp_path / "not-a-directory")
+    scanner = StoreScanner(tmp_path / "ckpt").with_durable_tier(lambda: durable.open_tier(not_a_tier))
     got = scanner.choose(10)
     assert (got.tier, got.picked.info.step if got.picked.info else None) == ("fast", 10)
     assert got.durable_error is not None and "NotADirectoryError" in got.durable_error
@@ -58,8 +59,9 @@ def test_a_durable_tier_that_does_not_answer_in_time_leaves_the_fast_choice(
         monkeypatch.setenv(name, value)
     make_fake_checkpoint(tmp_path / "ckpt", 10, default_files(10))
     options = durable.DurableOptions(endpoint_url=silent_endpoint, read_timeout_s=20, max_attempts=1)
-    scanner = StoreScanner(tmp_path / "ckpt", durable_tier=lambda: durable.open_tier("s3://bucket/run", options),
-                           durable_timeout_s=0.5)  # fmt: skip
+    scanner = StoreScanner(tmp_path / "ckpt").with_durable_tier(
+        lambda: durable.open_tier("s3://bucket/run", options), 0.5
+    )
     got = scanner.choose(30)
     assert (got.tier, got.picked.info.step if got.picked.info else None) == ("fast", 10)
     assert got.durable_error == "no answer within 0.5s"
