@@ -17,10 +17,13 @@ What each rank reads (`hubread.HubReader`, ranged reads, never a whole file):
   dim 0 (c = ceil(rows / world size)) and the ranks all-gather them as bytes over `group`; a tensor of
   fewer rows than ranks, or 0-dimensional, is read by rank 0 and broadcast.
 
-What a rank reads for itself goes into one page-aligned buffer, faulted in at once (fresh memory faulted in page by
-page, inside the reads, took longer than the reads themselves here). Every rank's reads finish (and succeed,
-agreed by one all-reduce) before any rank copies into the model: a file that fails on one rank loads nothing
-anywhere. The result says what was read (`bytes_read`, this rank's) and where the weights came from (`origin`,
+A tensor on the CPU of the file's dtype whose part here is whole rows (FSDP2's shards, a plain module's tensors) is
+read straight into its own memory: no buffer to fault in, no copy (both took longer than the reads themselves here).
+What is converted, narrowed, gathered or moved to a device is read into one page-aligned buffer, faulted in at once,
+and copied only once every rank's reads finished and succeeded (one all-reduce). Bad input (the directory, a header,
+a name, a shape or a dtype) is found before the first byte is read and loads nothing; a read that fails midway (an
+I/O error, a file cut short since its header was read) fails on every rank, the tensors read into place until then
+overwritten. The result says what was read (`bytes_read`, this rank's) and where the weights came from (`origin`,
 which `TrainingState` records in every checkpoint of the run: the checkpoints that follow are ftsup's own).
 
 Not here: the headers (`ftsup.store.hublayout`), the ranged reads (`ftsup.trainer.checkpoint.hubread`).
@@ -95,7 +98,8 @@ def load_hf_model(
         _agree(errors, world, group, device, "reading the model's tensors")
     with torch.no_grad():
         for t, value in staged:
-            _local(t.tensor).copy_(value)
+            if value is not None:  # None: read in place
+                _local(t.tensor).copy_(value)
     files = {f: h.file_size for f, h in hub.headers.items()}
     origin = {"dir": str(root.resolve()), "files": files, "tensors": len(targets),
               "bytes": sum(hub.tensors[t.source].nbytes for t in targets)}  # fmt: skip
@@ -146,11 +150,27 @@ def _match(
     return targets
 
 
+def _in_place(t: _Target, reader: HubReader, world: int) -> torch.Tensor | None:
+    """The bytes of this rank's part of `t` (a contiguous uint8 view of its memory) where they can be read straight
+    into it: on the CPU, the file's dtype, whole rows of dim 0 (FSDP2), or the whole tensor alone; else None."""
+    dtype, shape = reader.spec(t.source)
+    local = _local(t.tensor)
+    if not shape or local.device.type != "cpu" or local.dtype != dtype or not local.is_contiguous():
+        return None
+    if _is_dtensor(t.tensor):
+        if tuple(_box(t.tensor)[0][1:]) != tuple(shape[1:]):
+            return None
+    elif world != 1:
+        return None
+    return local.detach().reshape(-1).view(torch.uint8)
+
+
 def _direct_bytes(t: _Target, reader: HubReader, world: int) -> int:
     """The bytes of `t` this rank reads into its staging buffer: its DTensor shard's rows, or, alone, all of it
-    (0-dimensional tensors and the DDP path's rows, which are gathered, are read into buffers of their own)."""
+    (0-dimensional tensors and the DDP path's rows, which are gathered, are read into buffers of their own; what
+    is read in place needs none)."""
     dtype, shape = reader.spec(t.source)
-    if not shape:
+    if not shape or _in_place(t, reader, world) is not None:
         return 0
     row = reader.entry(t.source).nbytes // shape[0] if shape[0] else 0
     if _is_dtensor(t.tensor):
@@ -185,25 +205,29 @@ def _box(dt: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
 def _read_share(
     t: _Target, reader: HubReader, world: int, rank: int, group: Any, device: torch.device,
     errors: list[BaseException], take: Callable[[int], torch.Tensor],
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor | None:  # fmt: skip
     """This rank's value of `t`: its DTensor shard's rows, or the whole tensor (its rows read here, the
-    rest gathered from the other ranks). A read that fails is added to `errors` (then zeros stand in)
-    and the collectives still take place."""
+    rest gathered from the other ranks); None where it was read in place. A read that fails is added to
+    `errors` (then zeros stand in) and the collectives still take place."""
     dtype, shape = reader.spec(t.source)
 
-    def attempt(read: Callable[[], torch.Tensor], fallback: torch.Tensor) -> torch.Tensor:
+    def attempt(read: Callable[[], Any], fallback: Callable[[], Any]) -> Any:
         if errors:
-            return fallback
+            return fallback()
         try:
             return read()
         except (CheckpointError, OSError) as e:
             errors.append(e)
-            return fallback
+            return fallback()
 
+    mem = _in_place(t, reader, world)
     if _is_dtensor(t.tensor):
         local, offset = _box(t.tensor)
         if len(local) == 0:
-            return attempt(lambda: reader.read(t.source), torch.zeros((), dtype=dtype))
+            return attempt(lambda: reader.read(t.source), lambda: torch.zeros((), dtype=dtype))
+        if mem is not None:
+            attempt(lambda: reader.read_rows(t.source, offset[0], offset[0] + local[0], mem), lambda: None)
+            return None
         out = take(_direct_bytes(t, reader, world))
 
         def rows() -> torch.Tensor:
@@ -212,16 +236,19 @@ def _read_share(
                 part = part.narrow(dim, offset[dim], local[dim])
             return part
 
-        return attempt(rows, torch.zeros(tuple(local), dtype=dtype))
+        return attempt(rows, lambda: torch.zeros(tuple(local), dtype=dtype))
     if world == 1:
+        if mem is not None:
+            attempt(lambda: reader.read(t.source, mem), lambda: None)
+            return None
         whole = take(_direct_bytes(t, reader, world)) if shape else None
-        return attempt(lambda: reader.read(t.source, whole), torch.zeros(shape, dtype=dtype))
+        return attempt(lambda: reader.read(t.source, whole), lambda: torch.zeros(shape, dtype=dtype))
     nbytes = reader.entry(t.source).nbytes
     n = shape[0] if shape else 0
     if n < world:  # 0-dimensional, or fewer rows than ranks: rank 0 reads it all
         buf = torch.zeros(nbytes, dtype=torch.uint8)
         if rank == 0:
-            buf = attempt(lambda: reader.read(t.source).reshape(-1).view(torch.uint8), buf)
+            buf = attempt(lambda: reader.read(t.source).reshape(-1).view(torch.uint8), lambda: buf)
         buf = buf.to(device)
         dist.broadcast(buf, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         return buf.cpu().view(dtype).reshape(shape)
@@ -230,7 +257,7 @@ def _read_share(
     mine = torch.zeros((c, row), dtype=torch.uint8)
     if hi > lo:
         got = attempt(
-            lambda: reader.read_rows(t.source, lo, hi).reshape(hi - lo, -1).view(torch.uint8), mine[: hi - lo]
+            lambda: reader.read_rows(t.source, lo, hi).reshape(hi - lo, -1).view(torch.uint8), lambda: mine[: hi - lo]
         )
         mine[: hi - lo].copy_(got)
     mine = mine.to(device)

@@ -8,8 +8,8 @@ then the whole) when there are several ranks, and trained one step of 4 samples 
 micro-batches of 2. Writes FILE.<rank>.json: the step's loss (the mean over ranks), the sample ids of each of this
 rank's micro-batches, this rank's share of the model (the bytes of its local tensors, tied ones once), the bytes the
 Session's loader says it read, and, for a second load of DIR after the step (`TrainingState.init_from_hf`, everything
-imported by then), the bytes this process read (`rchar` of /proc/self/io: the kernel's count of every read call)
-and the bytes of the files' headers.
+imported by then), the bytes this process read (`rchar` of /proc/self/io: the kernel's count of every read call),
+the bytes of the files' headers and the number of tensors read.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def main() -> None:
     session.state.init_from_hf(args.hf)
     read = rchar() - before
     result = {"loss": loss, "micro_batches": batches, "share": share(model), "bytes_read": session.hf_init.bytes_read,
-              "rchar": read, "header_bytes": hublayout.read(args.hf).header_bytes, "world_size": world}  # fmt: skip
+              "rchar": read, "header_bytes": hublayout.read(args.hf).header_bytes, "world_size": world,
+              "tensors": session.hf_init.origin["tensors"]}  # fmt: skip
     with open(f"{args.out}.{rank}.json", "w") as f:
         json.dump(result, f)
     sys.stdout.flush()

@@ -9,15 +9,20 @@ checksums of a file (a Trainer checkpoint's weights, whose manifest records thei
 reads go through `shardio.VerifiedFile`, each block verified; a Hub directory has no checksums and
 is read as it is: a range of more than one piece (`PIECE_BYTES`) is read in pieces by `READ_THREADS` threads
 (one read in flight leaves a disk idle between requests; the checkpoint reader's `shardio.read_files` does the
-same), each file with readahead off (`POSIX_FADV_RANDOM`), so that the disk gives what is asked for and not a
-window more. `bytes_read` counts what was read from the files.
+same). A range read into the caller's memory (`out`) is read with O_DIRECT, each piece widened to whole pages
+into a buffer of its thread's and copied from there (the page cache's insert and copy cost more than the disk
+here, and a model is read once); elsewhere, and where the filesystem refuses O_DIRECT, through the page cache
+with readahead off (`POSIX_FADV_RANDOM`), so that the disk gives what is asked for and not a window more.
+`bytes_read` counts the tensors' bytes read (a piece read with O_DIRECT reads up to two pages more).
 
 Not here: the headers and the index (`ftsup.store.hublayout`), writing (`hfwrite`).
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
@@ -27,7 +32,7 @@ import torch
 from ftsup.store import dtypes, hublayout, safefile, stheader
 from ftsup.store.errors import ModelFileError
 from ftsup.trainer.checkpoint import codec
-from ftsup.trainer.checkpoint.shardio import VerifiedFile, as_memoryview
+from ftsup.trainer.checkpoint.shardio import PAGE, VerifiedFile, _open_direct, aligned_buffer, as_memoryview, round_up
 
 PIECE_BYTES = 4 << 20
 READ_THREADS = 8
@@ -43,6 +48,8 @@ class HubReader:
         self._tensors = model.tensors
         self._fds: dict[str, int] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._direct: dict[str, int | None] = {}  # O_DIRECT descriptors (None: refused)
+        self._scratch = threading.local()  # each reading thread's page-aligned buffer
 
     def __enter__(self) -> HubReader:
         return self
@@ -55,7 +62,8 @@ class HubReader:
             self._pool.shutdown()
             self._pool = None
         fds, self._fds = self._fds, {}
-        for fd in fds.values():
+        direct, self._direct = self._direct, {}
+        for fd in [*fds.values(), *(d for d in direct.values() if d is not None)]:
             os.close(fd)
 
     def entry(self, name: str) -> stheader.TensorEntry:
@@ -114,8 +122,12 @@ class HubReader:
         target: torch.Tensor | bytearray = out if out is not None else bytearray(n)
         view = as_memoryview(target) if isinstance(target, torch.Tensor) else memoryview(target)
 
+        direct = self._open_direct(file, fd) if out is not None else None
+
         def fill(lo: int) -> None:
             pos, hi = lo, min(n, lo + PIECE_BYTES)
+            if direct is not None and self._read_direct(direct, start + lo, view[lo:hi]):
+                return
             while pos < hi:
                 got = os.preadv(fd, [view[pos:hi]], start + pos)
                 if got <= 0:
@@ -129,6 +141,36 @@ class HubReader:
                 self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ftsup-hub-read")
             list(self._pool.map(fill, range(0, n, PIECE_BYTES)))  # close() waits for any still in flight
         return target if isinstance(target, torch.Tensor) else torch.frombuffer(target, dtype=torch.uint8)
+
+    def _read_direct(self, fd: int, start: int, into: memoryview) -> bool:
+        """Fill `into` with the file's bytes from `start` by O_DIRECT reads of whole pages; False where the
+        filesystem refuses them (the caller then reads through the page cache)."""
+        lo, hi = start // PAGE * PAGE, round_up(start + len(into), PAGE)
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None or buf.numel() < hi - lo:
+            buf = self._scratch.buf = aligned_buffer(max(hi - lo, PIECE_BYTES + 2 * PAGE))
+        mv, pos, want = as_memoryview(buf)[: hi - lo], 0, start + len(into) - lo
+        while pos < want:
+            try:
+                got = os.preadv(fd, [mv[pos:]], lo + pos)
+            except OSError as e:
+                if e.errno == errno.EINVAL:
+                    return False
+                raise
+            if got <= 0:
+                raise ModelFileError(f"{self.model.root}: a file ends at byte {lo + pos}, inside a tensor")
+            pos += got
+        into[:] = mv[start - lo : start - lo + len(into)]
+        return True
+
+    def _open_direct(self, file: str, fd: int) -> int | None:
+        if file not in self._direct:
+            direct = _open_direct(str(self.model.path(file)), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            if direct is not None and not os.path.samestat(os.fstat(direct), os.fstat(fd)):
+                os.close(direct)  # replaced since it was opened: read it all through `fd`
+                direct = None
+            self._direct[file] = direct
+        return self._direct[file]
 
     def _open(self, file: str) -> int:
         fd = self._fds.get(file)
