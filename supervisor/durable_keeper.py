@@ -39,6 +39,7 @@ from ftsup.supervisor.metrics import Metrics
 BACKOFF_INITIAL_S = 1.0
 BACKOFF_MAX_S = 30.0
 POLL_S = 0.1  # how often a wait for durability reports what the uploader did
+UPLOAD_NICE = 10  # the uploader's threads yield the CPU to the ranks: training never waits on the tier
 
 
 def _error_line(e: BaseException) -> str:
@@ -84,7 +85,7 @@ class DurableKeeper:
                 on_outcome=lambda o: self._todo.append(lambda: self._outcome(o)),
                 on_started=lambda step, path: self._todo.append(lambda: self._started(step, path)),
                 on_retry=lambda step, why, wait: self._todo.append(lambda: self._retry(step, why, wait)),
-                housekeeping=self._housekeeping, max_pending=max(self.tier_cfg.keep_last, 2),
+                housekeeping=self._housekeeping, max_pending=max(self.tier_cfg.keep_last, 2), nice=UPLOAD_NICE,
             )  # fmt: skip
             try:
                 yield self
