@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ftsup.store import layout
+from ftsup.supervisor import console
 from ftsup.supervisor.ckptstore import StoreScanner
 from ftsup.supervisor.config import JobConfig, parse_config
 from ftsup.supervisor.durable_keeper import DurableKeeper
@@ -80,4 +81,13 @@ def test_an_eviction_without_a_durable_checkpoint_says_which_is_the_newest_durab
     assert (durable, missed) == (True, False)
     assert log.named("durable_deadline_missed")[0]["reason"] == (
         f"evicted: no checkpoint was saved for it; the newest durable checkpoint in {tmp_path / 'durable'} is step 7"
+    )
+
+
+def test_a_terminal_is_told_when_a_checkpoint_is_durable_and_when_one_could_not_be() -> None:
+    committed = {"event": "durable_committed", "step": 20, "url": "s3://b-1/run"}
+    missed = {"event": "durable_deadline_missed", "level": "warning", "reason": "evicted: ...; the newest is step 10"}
+    assert (console.line(committed), console.line(missed)) == (
+        "ftsup: checkpoint of step 20 durable in s3://b-1/run",
+        "ftsup: warning: evicted: ...; the newest is step 10",
     )
