@@ -70,6 +70,8 @@ _LINES = {
     ),
     "checkpoint_found": lambda ev: f"checkpoint of step {ev.get('step')} committed ({ev.get('kind') or '?'})",
     "checkpoint_committed": lambda ev: f"{ev.get('kind') or ''} checkpoint of step {ev.get('step')} committed".lstrip(),
+    "durable_committed": lambda ev: f"checkpoint of step {ev.get('step')} durable in {ev.get('url')}",
+    "durable_deadline_missed": lambda ev: f"warning: {ev.get('reason')}",
     "restart_scheduled": lambda ev: f"relaunching in {_seconds(ev)}",
     "job_succeeded": lambda ev: f"training finished: attempt {ev.get('attempt')}, step {ev.get('step')}",
     "job_stopped": lambda ev: f"stopped: {ev.get('reason')}",

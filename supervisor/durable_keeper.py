@@ -39,6 +39,8 @@ from ftsup.supervisor.metrics import Metrics
 BACKOFF_INITIAL_S = 1.0
 BACKOFF_MAX_S = 30.0
 POLL_S = 0.1  # how often a wait for durability reports what the uploader did
+UPLOAD_NICE = 10  # the uploader's threads yield the CPU to the ranks: training never waits on the tier
+CLOSE_S = 5.0  # the longest the daemon's end waits for an upload to stop at its next part (it resumes later)
 
 
 def _error_line(e: BaseException) -> str:
@@ -68,6 +70,7 @@ class DurableKeeper:
         self._failing: str | None = None  # the last failed try's error, until an upload goes through
         self.uploader: Uploader | None = None
         self._tier: durable.DurableTier | None = None
+        self._own_newest = -1  # the newest step this run made durable (the uploader's thread's)
 
     @property
     def url(self) -> str:
@@ -84,12 +87,12 @@ class DurableKeeper:
                 on_outcome=lambda o: self._todo.append(lambda: self._outcome(o)),
                 on_started=lambda step, path: self._todo.append(lambda: self._started(step, path)),
                 on_retry=lambda step, why, wait: self._todo.append(lambda: self._retry(step, why, wait)),
-                housekeeping=self._housekeeping, max_pending=max(self.tier_cfg.keep_last, 2),
+                housekeeping=self._housekeeping, max_pending=max(self.tier_cfg.keep_last, 2), nice=UPLOAD_NICE,
             )  # fmt: skip
             try:
                 yield self
             finally:
-                self.uploader.close()
+                self.uploader.close(CLOSE_S)
                 self.poll()
         finally:
             tier.close()
@@ -134,7 +137,7 @@ class DurableKeeper:
         """Wait up to `timeout_s` for `step` to be durable (polling the uploader's reports meanwhile); when it is
         not, say so and name the newest durable checkpoint. `why` says what waits (an eviction, the job's end)."""
         if step is None or self.uploader is None:
-            self._missed(step, why, "no checkpoint of this attempt to make durable")
+            self._missed(None, why, "no checkpoint was saved for it")
             return False
         end = self._clock() + max(0.0, timeout_s)
         done = False
@@ -183,9 +186,9 @@ class DurableKeeper:
 
     def _missed(self, step: int | None, why: str, detail: str) -> None:
         newest = f"step {self.newest}" if self.newest is not None else "none known"
+        what = f"the checkpoint of step {step} is {detail}" if step is not None else detail
         self._emit("warning", "durable_deadline_missed", step=step, url=self.url, newest_durable_step=self.newest,
-                   reason=f"{why}: checkpoint of step {step} {detail}; the newest durable checkpoint in {self.url} "
-                   f"is {newest}")  # fmt: skip
+                   reason=f"{why}: {what}; the newest durable checkpoint in {self.url} is {newest}")  # fmt: skip
 
     def _started(self, step: int, path: str) -> None:
         self._emit("info", "durable_upload_started", step=step, url=self.url, path=path)
@@ -234,6 +237,7 @@ class DurableKeeper:
             self._todo.append(lambda: self._known(newest.step, newest.created_unix))
         if committed is None:
             return
+        self._own_newest = max(self._own_newest, committed)
         keep_older = self.cfg.anomaly.detection_window_steps if self.cfg.anomaly.enabled else 0
         pinned = pins.read_pins(self.cfg.checkpoint.dir)
         if not pinned.readable:
@@ -243,7 +247,7 @@ class DurableKeeper:
             return
         doomed = durable_policy.victims(((c.step, c.consistent) for c in listing.checkpoints),
                                         keep_last=self.tier_cfg.keep_last, keep_older_than_steps=keep_older,
-                                        committed=committed, pinned=pinned.kept)  # fmt: skip
+                                        newest=self._own_newest, pinned=pinned.kept)  # fmt: skip
         for step in doomed:
             again = pins.read_pins(self.cfg.checkpoint.dir)  # an operator may pin one meanwhile
             if step in again.kept or not again.readable:

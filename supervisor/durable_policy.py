@@ -13,8 +13,8 @@ which durable checkpoints retention lets go. Pure functions over values; no I/O,
 - *Retention* (`victims`): the tier keeps its newest `keep_last` consistent checkpoints, always the newest one, the
   pinned steps (the fast tier's pins) and the history a rollback needs (the newest at least
   `keep_older_than_steps` older than the latest, and every younger one), as the fast tier's retention does
-  (`ftsup.store.retention.retention_victims`); checkpoints newer than the one just committed are not of this
-  run's timeline and are neither deleted nor counted; inconsistent ones are never deleted here.
+  (`ftsup.store.retention.retention_victims`); checkpoints newer than the newest this run made durable are not
+  of its timeline and are neither deleted nor counted; inconsistent ones are never deleted here.
 
 Not here: the uploads (`durable_upload`), carrying the decisions out (`durable_keeper`).
 """
@@ -89,11 +89,11 @@ def upload_estimate_s(state_bytes: int | None, rates: Sequence[float]) -> float 
 
 
 def victims(
-    listed: Iterable[tuple[int, bool]], *, keep_last: int, keep_older_than_steps: int, committed: int,
+    listed: Iterable[tuple[int, bool]], *, keep_last: int, keep_older_than_steps: int, newest: int,
     pinned: Iterable[int] = (),
 ) -> list[int]:  # fmt: skip
-    """The durable steps retention deletes, given the tier's committed steps and whether each is consistent,
-    just after `committed` was committed there."""
+    """The durable steps retention deletes, given the tier's committed steps and whether each is consistent, when
+    `newest` is the newest this run made durable (uploads go newest first: one committed after it is older)."""
     policy = retention.RetentionPolicy(keep_last=keep_last, keep_older_than_steps=keep_older_than_steps)
-    own = [(s, ok) for s, ok in listed if s <= committed]
-    return retention.retention_victims(own, policy, protect={committed}, pinned=pinned)
+    own = [(s, ok) for s, ok in listed if s <= newest]
+    return retention.retention_victims(own, policy, protect={newest}, pinned=pinned)

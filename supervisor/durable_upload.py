@@ -20,6 +20,8 @@ Not here: which checkpoints go durable, logging and metrics (the caller's), the 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -76,6 +78,7 @@ class Uploader:
         on_retry: Callable[[int, str, float], None] | None = None,
         housekeeping: Callable[[int | None], None] | None = None,
         max_pending: int | None = None,
+        nice: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0 < backoff_initial_s <= backoff_max_s:
@@ -90,6 +93,7 @@ class Uploader:
         self.on_retry = on_retry  # (step, error, the wait before the next try)
         self.housekeeping = housekeeping
         self.max_pending = max_pending
+        self.nice = nice  # added to this thread's nice value (Linux: per thread, inherited by its upload threads)
         self.clock = clock
         self._preempt = False
         self._cond = threading.Condition()
@@ -165,6 +169,10 @@ class Uploader:
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
+        if self.nice > 0:  # the uploads' CPU (MD5s, checksums) yields to the training processes on a busy node
+            with contextlib.suppress(OSError, AttributeError):
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + self.nice))
         self._call(self.housekeeping, None)
         while True:
             with self._cond:

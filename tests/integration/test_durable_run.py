@@ -100,7 +100,7 @@ def test_training_goes_on_while_the_store_is_down_and_the_upload_completes_once_
         use_server(monkeypatch, server, tmp_path)
         client(server).create_bucket(Bucket="down")
         url = "s3://down/job"
-        job = write_job(tmp_path, url, steps=40, min_step_s=0.1)
+        job = write_job(tmp_path, url, steps=60, min_step_s=0.1)
         server.stop()
         proc = start(job)
         failed = wait_for(lambda: named(tmp_path, "durable_upload_failed"), 90, "no upload ever failed")
@@ -108,16 +108,25 @@ def test_training_goes_on_while_the_store_is_down_and_the_upload_completes_once_
         wait_for(lambda: last_step(tmp_path) >= at + 10 or proc.poll() is not None, 60, "training stalled")
         assert proc.poll() is None and last_step(tmp_path) >= at + 10  # ten steps more while the store is down
         server.start()
-        assert proc.wait(timeout=120) == 0
+        seen: set[tuple[int, bool]] = set()  # every checkpoint the tier listed while the uploads went on
+
+        def finished() -> bool:
+            with durable.open_tier(url) as tier:
+                seen.update((c.step, c.consistent) for c in tier.list_checkpoints().checkpoints)
+            return proc is not None and proc.poll() is not None
+
+        wait_for(finished, 120, "the job never finished")
+        code = proc.wait(timeout=10)
+        got = listed(url)
     finally:
         if proc is not None:
             kill_tree(proc.pid)
-        got = listed("s3://down/job") if server.proc is not None else None
         server.stop()
     newest = layout.latest_consistent(tmp_path / "ckpt")
-    assert newest is not None and failed[0]["step"] > 0 and got is not None
     checkpoints, others = got
-    assert (checkpoints[-1], all(ok for _, _, ok in checkpoints), others) == ((newest.step, "final", True), True, [])
+    assert (code, newest is not None, failed[0]["step"] > 0, others) == (0, True, True, [])
+    assert newest is not None and checkpoints[-1] == (newest.step, "final", True)
+    assert all(ok for _, ok in seen) and all(ok for _, _, ok in checkpoints)
 
 
 def test_an_eviction_exits_5_only_once_its_emergency_checkpoint_is_durable(

@@ -26,7 +26,7 @@ from ftsup.supervisor.detectors import KINDS
 from ftsup.supervisor.goodput import CAUSES
 from ftsup.supervisor.heartbeat import DROP_REASONS
 from ftsup.supervisor.logs import EVENTS
-from ftsup.supervisor.metrics import FAILURE_KINDS, PHASES, STORAGE_PURPOSES, TRIGGERS
+from ftsup.supervisor.metrics import DURABLE_OUTCOMES, FAILURE_KINDS, PHASES, STORAGE_PURPOSES, TRIGGERS
 from tests.procs import BIN, REPO, free_port, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -109,7 +109,7 @@ def test_every_label_value_comes_from_a_fixed_set_or_the_nodes_own_ids(probed):
         "source": {"command", "signal:SIGTERM"}, "run_id": {RUN_ID}, "node_id": {NODE_ID},
         "version": {metadata.version("ftsup")}, "reason": set(DROP_REASONS), "purpose": set(STORAGE_PURPOSES),
         "trigger": set(TRIGGERS), "rank": {"0"},  # the node's one rank
-        "cause": set(CAUSES),
+        "cause": set(CAUSES), "outcome": set(DURABLE_OUTCOMES),
     }  # fmt: skip
     seen: dict[str, set[str]] = {}
     for _, labels in _series(probed["second"]):

@@ -53,7 +53,7 @@ def test_an_upload_is_estimated_at_the_slowest_recent_rate_or_the_first_guess() 
 
 def test_durable_retention_keeps_the_newest_pins_and_a_rollbacks_history_but_not_later_timelines() -> None:
     listed = [(s, True) for s in (10, 20, 30, 40, 50, 60)] + [(70, False), (90, True)]
-    doomed = durable_policy.victims(listed, keep_last=1, keep_older_than_steps=15, committed=60, pinned={10})
+    doomed = durable_policy.victims(listed, keep_last=1, keep_older_than_steps=15, newest=60, pinned={10})
     assert doomed == [20, 30]  # 40 is the newest at least 15 steps older than 60, 50 younger; 90 is not this run's
 
 

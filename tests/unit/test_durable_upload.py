@@ -4,6 +4,7 @@ store, tests/integration/test_durable_uploader.py."""
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -134,3 +135,17 @@ def test_past_max_pending_the_oldest_waiting_checkpoint_is_dropped(tmp_path: Pat
     first_out = [(o.step, o.committed) for o in outcomes][:1]
     assert (queued, pending, first_out) == ([True, True, True], (7, 6), [(5, False)])
     assert "superseded" in (outcomes[0].error or "")
+
+
+def test_the_uploads_run_at_a_lower_cpu_priority_than_the_caller(tmp_path: Path) -> None:
+    seen: list[int] = []
+    local = make_fake_checkpoint(tmp_path / "fast", 2, default_files())
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def hook(step: int, path: str) -> None:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    with Uploader(tier(tmp_path), on_started=hook, nice=3) as up:
+        up.submit(local)
+        up.wait_durable(2, timeout_s=30)
+    assert (seen, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())) == ([min(19, mine + 3)], mine)
