@@ -17,6 +17,7 @@ engine's). Stdlib only, like the rest of `ftsup.store`; everything read from a t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -360,14 +361,7 @@ class DurableTier(ABC):
             if write is not None:
                 write(rel, offset, data)
 
-        with ThreadPoolExecutor(self.options.concurrency, thread_name_prefix="ftsup-durable-read") as pool:
-            futures = [pool.submit(one, *chunk) for chunk in chunks]
-            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-            for f in pending:
-                f.cancel()
-            for f in done:
-                if f.exception() is not None:
-                    raise f.exception()  # type: ignore[misc]
+        run_all([functools.partial(one, *chunk) for chunk in chunks], self.options.concurrency, "ftsup-durable-read")
         problems = []
         for rel, entry in sorted(manifest.files.items()):
             why = broken.get(rel)
@@ -379,6 +373,19 @@ class DurableTier(ABC):
             if len(problems) >= layout.MAX_PROBLEMS:
                 break
         return problems
+
+
+def run_all(jobs: list[Callable[[], object]], threads: int, name: str) -> None:
+    """Run `jobs` on `threads` threads (named `name`); at the first that raises, the ones not started are cancelled
+    and its exception is raised once the running ones end."""
+    with ThreadPoolExecutor(threads, thread_name_prefix=name) as pool:
+        futures = [pool.submit(job) for job in jobs]
+        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in pending:
+            f.cancel()
+        for f in done:
+            if f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
 
 
 def _remove_own(parent: Path, name: str) -> None:

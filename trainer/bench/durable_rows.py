@@ -24,7 +24,6 @@ import functools
 import os
 import statistics
 import time
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -144,14 +143,7 @@ class _Plain:
         return f"{self.prefix}/{rel}"
 
     def _pool(self, jobs: list[Any]) -> None:
-        with ThreadPoolExecutor(self.options.concurrency, thread_name_prefix="bench-plain") as pool:
-            futures = [pool.submit(job) for job in jobs]
-            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-            for f in pending:
-                f.cancel()
-            for f in done:
-                if f.exception() is not None:
-                    raise f.exception()  # type: ignore[misc]
+        durable.run_all(jobs, self.options.concurrency, "bench-plain")
 
     def _read(self, rel: str, offset: int, length: int) -> bytes:
         with open(self.local.path / rel, "rb") as f:
