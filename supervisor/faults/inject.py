@@ -307,7 +307,8 @@ def _resumed_from(t: Target, first_step: int) -> dict[str, Any]:
 
 def stale_processes(run_id: str, attempts: dict[str | None, int]) -> list[str]:
     """Live processes of `run_id` whose attempt is not the current one of their node (`attempts`: node id ->
-    attempt; the key None stands for any node)."""
+    attempt; the key None stands for any node), but the spare agent the supervisor parks for the next attempt
+    (`launch.warm_agent`: it carries that attempt's mark from its start; DESIGN.md, "The spare agent")."""
     out = []
     for p in chaos.matching_processes([f"{RUN_ID_ENV}={run_id}"]):
         try:
@@ -315,9 +316,22 @@ def stale_processes(run_id: str, attempts: dict[str | None, int]) -> list[str]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):  # gone meanwhile: not stale
             continue
         current = attempts.get(env.get(NODE_ID_ENV), attempts.get(None))
-        if env.get(RUN_ID_ENV) == run_id and env.get(ATTEMPT_ENV) != str(current):
-            out.append(chaos.describe(p))
+        if env.get(RUN_ID_ENV) != run_id or env.get(ATTEMPT_ENV) == str(current):
+            continue
+        if current is not None and env.get(ATTEMPT_ENV) == str(current + 1) and _is_spare(p):
+            continue
+        out.append(chaos.describe(p))
     return out
+
+
+def _is_spare(p: psutil.Process) -> bool:
+    """A parked spare agent: `ftsup/warmrun.py`, or the guard about to exec it, with no children yet."""
+    try:
+        cmdline = p.cmdline()
+        children = p.children()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return True  # gone meanwhile: nothing left
+    return not children and any(os.path.basename(a) == "warmrun.py" for a in cmdline)
 
 
 def _newest(job: TrainerJob, exclude: int | None = None) -> int | None:

@@ -246,3 +246,33 @@ def test_an_interpreter_that_cannot_import_torchrun_says_so_in_the_attempts_log(
     att = spare.go(1, argv_for(tmp_path, 1), env=env, cwd=tmp_path, log_path=log, mark=mark(1))
     rc = spare.proc.wait(timeout=60) if att is None else att.proc.wait(timeout=60)
     assert rc == 1 and "ImportError: this torch is broken on purpose" in log.read_text()
+
+
+def test_the_chaos_check_for_stale_processes_passes_over_a_parked_spare_and_flags_any_other(tmp_path):
+    from ftsup.protocol import ATTEMPT_ENV, RUN_ID_ENV
+    from ftsup.supervisor.faults.inject import stale_processes
+
+    run_id = f"stale-{os.getpid()}"
+    started = []
+
+    def start(attempt: int, argv: list[str]) -> subprocess.Popen:
+        a, b = socket.socketpair()
+        env = {**os.environ, RUN_ID_ENV: run_id, ATTEMPT_ENV: str(attempt)}
+        proc = subprocess.Popen(argv, stdin=b, env=env)
+        b.close()
+        started.append((proc, a))
+        return proc
+
+    spare = [sys.executable, str(REPO / "ftsup" / "warmrun.py"), "json"]  # waits for its message
+    try:
+        start(4, spare)  # parked for the attempt after the current one (3)
+        late = start(5, spare)  # parked for no attempt that can come next
+        early = start(2, [sys.executable, "-c", "import time; time.sleep(60)"])  # an earlier attempt's
+        wait_for(lambda: all(procs.alive(psutil.Process(p.pid)) for p, _ in started), 30, "the processes starting")
+        stale = stale_processes(run_id, {None: 3})
+        assert sorted(int(s.split()[1]) for s in stale) == sorted([late.pid, early.pid]), stale
+    finally:
+        for proc, a in started:
+            a.close()
+            proc.kill()
+            proc.wait(timeout=10)
