@@ -258,7 +258,7 @@ def test_the_chaos_check_for_stale_processes_passes_over_a_parked_spare_and_flag
     def start(attempt: int, argv: list[str]) -> subprocess.Popen:
         a, b = socket.socketpair()
         env = {**os.environ, RUN_ID_ENV: run_id, ATTEMPT_ENV: str(attempt)}
-        proc = subprocess.Popen(argv, stdin=b, env=env)
+        proc = subprocess.Popen(argv, stdin=b.fileno(), env=env)
         b.close()
         started.append((proc, a))
         return proc
