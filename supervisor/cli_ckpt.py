@@ -122,6 +122,42 @@ def _pin_lines(pinset: pins.PinSet, steps: set[int]) -> list[str]:
     return lines
 
 
+def print_verified(
+    path: str, name: str, step: int | None, manifest: layout.Manifest | None, consistent: bool,
+    problems: list[layout.Problem], args: argparse.Namespace, *, deep_means: str,
+    described: layout.CheckpointInfo | None = None,
+) -> None:  # fmt: skip
+    """What `ftsup ckpt verify` found of one checkpoint, as JSON (`--json`) or text; `described`, where given, is
+    what kind, world size and creation time are read from (else the manifest)."""
+    if args.json:
+        about: Any = described if described is not None else manifest
+        print_json(
+            {
+                "path": path,
+                "step": step,
+                "consistent": consistent,
+                "deep": args.deep,
+                "problems": [{"file": p.file, "reason": p.reason} for p in problems],
+                "kind": about.kind if about else None,
+                "world_size": about.world_size if about else None,
+                "created_unix": about.created_unix if about else None,
+                "files": len(manifest.files) if manifest else None,
+                "bytes": sum(e.size for e in manifest.files.values()) if manifest else None,
+            }
+        )
+    elif manifest is not None and consistent:
+        total = sum(e.size for e in manifest.files.values())
+        how = deep_means if args.deep else "sizes checked; --deep verifies checksums"
+        print(
+            f"{name}: consistent ({manifest.kind}, world size {manifest.world_size}, "
+            f"{len(manifest.files)} files, {human_bytes(total)}; {how})"
+        )
+    else:
+        print(f"{name}: NOT consistent ({len(problems)} problem(s)):")
+        for p in problems:
+            print(f"  {p}")
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     if cli_durable.is_tier(args.dir):
         return cli_durable.cmd_verify(args)
@@ -139,32 +175,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     manifest, problems = layout.check_checkpoint(path, deep=args.deep)
     consistent = manifest is not None and not problems
     step = manifest.step if manifest else layout.parse_step_dirname(path.name)
-    if args.json:
-        print_json(
-            {
-                "path": str(path),
-                "step": step,
-                "consistent": consistent,
-                "deep": args.deep,
-                "problems": [{"file": p.file, "reason": p.reason} for p in problems],
-                "kind": manifest.kind if manifest else None,
-                "world_size": manifest.world_size if manifest else None,
-                "created_unix": manifest.created_unix if manifest else None,
-                "files": len(manifest.files) if manifest else None,
-                "bytes": sum(e.size for e in manifest.files.values()) if manifest else None,
-            }
-        )
-    elif manifest is not None and consistent:
-        total = sum(e.size for e in manifest.files.values())
-        how = "checksums verified" if args.deep else "sizes checked; --deep verifies checksums"
-        print(
-            f"{path.name}: consistent ({manifest.kind}, world size {manifest.world_size}, "
-            f"{len(manifest.files)} files, {human_bytes(total)}; {how})"
-        )
-    else:
-        print(f"{path.name}: NOT consistent ({len(problems)} problem(s)):")
-        for p in problems:
-            print(f"  {p}")
+    print_verified(str(path), path.name, step, manifest, consistent, problems, args, deep_means="checksums verified")
+    if not consistent and not args.json:
         if args.step is None:
             fallback = layout.latest_consistent(root, below=step)
             print(

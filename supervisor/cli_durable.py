@@ -60,31 +60,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             manifest: layout.Manifest | None = tier.manifest(step)[0]
         except CheckpointError:
             manifest = None
-    name = layout.step_dirname(step)
-    if args.json:
-        cli_ckpt.print_json(
-            {
-                "path": info.path,
-                "step": step,
-                "consistent": info.consistent,
-                "deep": args.deep,
-                "problems": [{"file": p.file, "reason": p.reason} for p in info.problems],
-                "kind": info.kind,
-                "world_size": info.world_size,
-                "created_unix": info.created_unix,
-                "files": len(manifest.files) if manifest else None,
-                "bytes": sum(e.size for e in manifest.files.values()) if manifest else None,
-            }
-        )
-    elif info.consistent and manifest is not None:
-        total = sum(e.size for e in manifest.files.values())
-        how = "checksums verified, every byte read back" if args.deep else "sizes checked; --deep verifies checksums"
-        print(
-            f"{name}: consistent ({manifest.kind}, world size {manifest.world_size}, {len(manifest.files)} files, "
-            f"{cli_ckpt.human_bytes(total)}; {how})"
-        )
-    else:
-        print(f"{name}: NOT consistent ({len(info.problems)} problem(s)):")
-        for p in info.problems:
-            print(f"  {p}")
+    cli_ckpt.print_verified(info.path, layout.step_dirname(step), step, manifest, info.consistent,
+                            list(info.problems), args, deep_means="checksums verified, every byte read back",
+                            described=info)  # fmt: skip
     return cli_ckpt.EXIT_OK if info.consistent else cli_ckpt.EXIT_PROBLEM

@@ -24,7 +24,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ftsup import guard
-from ftsup.trainer.bench import probes, synthetic
+from ftsup.trainer.bench import loads, probes, synthetic
 from ftsup.trainer.bench.hf_report import IMPORT_ROWS
 from ftsup.trainer.bench.peer_rows import RAW_BLOCK, DirectIOUnsupported, _write_file
 from ftsup.trainer.bench.rank import Ctx, RowFn
@@ -139,10 +138,10 @@ def _export_child(ctx: Ctx, ckpt: Path, out: Path, shard: int, result: Path) -> 
 
 
 def _imports(ctx: Ctx, out: Path, reference: str | None, names: list[str]) -> None:
-    loads = {"hf_import": lambda: _hf_load(ctx, out), "dcp_hf_import": lambda: _dcp_load(ctx, out)}
+    by_name = {"hf_import": lambda: _hf_load(ctx, out), "dcp_hf_import": lambda: _dcp_load(ctx, out)}
     for i in range(ctx.repeats):
         for name in names if i % 2 == 0 else names[::-1]:
-            _import_once(ctx, name, loads[name], reference, i)
+            _import_once(ctx, name, by_name[name], reference, i)
 
 
 def _hf_load(ctx: Ctx, out: Path) -> Any:
@@ -158,44 +157,8 @@ def _dcp_load(ctx: Ctx, out: Path) -> None:
 
 
 def _import_once(ctx: Ctx, name: str, load: Callable[[], Any], reference: str | None, repeat: int) -> None:
-    model = ctx.syn.model
-    sd = model.state_dict()
-    synthetic.zero_(sd)
-    perturbed = None
-    if repeat == 0:
-        zeroed = synthetic.full_checksum(sd)
-        perturbed = zeroed != reference if ctx.rank == 0 else None
-    del sd
-    dropped = ctx.drop_cache()
-    probes.trim_heap()
-    rss_start = probes.current_rss()
-    probes.reset_peak_rss()
-    before = probes.io_counters()
-    start = time.perf_counter()
-    result = load()
-    seconds = time.perf_counter() - start
-    after = probes.io_counters()
-    peak = probes.peak_rss()
-    ctx.barrier()
-    got = synthetic.full_checksum(model.state_dict())
-    share = synthetic.local_bytes(model.state_dict())
-    read, rchar = probes.io_delta(before, after, "read_bytes"), probes.io_delta(before, after, "rchar")
-    ctx.rec.record(
-        name,
-        repeat,
-        load_s=seconds,
-        bytes_read=read,
-        rchar=rchar,
-        needed_bytes=share,
-        engine_bytes_read=getattr(result, "bytes_read", None),
-        rank_bytes_read_vs_share=None if read is None or not share else read / share,
-        rank_rchar_vs_share=None if rchar is None or not share else rchar / share,
-        exact=(got == reference and perturbed is not False) if ctx.rank == 0 else None,
-        perturbed=perturbed,
-        cache_dropped=dropped,
-        peak_rss_bytes=peak,
-        peak_rss_increase_bytes=None if peak is None or rss_start is None else peak - rss_start,
-    )
+    loads.measure_load(ctx, loads.LoadCase(name, reference, load), repeat, ctx.syn.model.state_dict,
+                       per_rank_ratios=True)  # fmt: skip
 
 
 ROWS: dict[str, RowFn] = {"hf": hf}

@@ -39,7 +39,16 @@ def run_loads(ctx: Ctx, cases: list[LoadCase]) -> list[str]:
 
 
 def _load_once(ctx: Ctx, case: LoadCase, repeat: int) -> None:
-    sd = ctx.syn.app.state_dict()
+    measure_load(ctx, case, repeat, ctx.syn.app.state_dict)
+
+
+def measure_load(
+    ctx: Ctx, case: LoadCase, repeat: int, state_dict: Callable[[], dict[str, Any]], *, per_rank_ratios: bool = False
+) -> None:
+    """One measured load of `case` into the state `state_dict()` gives, zeroed first, from a dropped cache: time,
+    bytes read (the disk's and the kernel's count), peak RSS, bitwise exact; `per_rank_ratios` also records each
+    rank's bytes read over its share."""
+    sd = state_dict()
     synthetic.zero_(sd)
     perturbed = None
     if repeat == 0:
@@ -57,19 +66,23 @@ def _load_once(ctx: Ctx, case: LoadCase, repeat: int) -> None:
     after = probes.io_counters()
     peak = probes.peak_rss()
     ctx.barrier()
-    got = synthetic.full_checksum(ctx.syn.app.state_dict())
-    exact = None
-    if ctx.rank == 0:
-        exact = got == case.reference and perturbed is not False
+    got = synthetic.full_checksum(state_dict())
+    share = synthetic.local_bytes(state_dict())
+    read, rchar = probes.io_delta(before, after, "read_bytes"), probes.io_delta(before, after, "rchar")
+    ratios = {}
+    if per_rank_ratios:
+        ratios = {"rank_bytes_read_vs_share": None if read is None or not share else read / share,
+                  "rank_rchar_vs_share": None if rchar is None or not share else rchar / share}  # fmt: skip
     ctx.rec.record(
         case.name,
         repeat,
         load_s=seconds,
-        bytes_read=probes.io_delta(before, after, "read_bytes"),
-        rchar=probes.io_delta(before, after, "rchar"),
-        needed_bytes=synthetic.local_bytes(ctx.syn.app.state_dict()),
+        bytes_read=read,
+        rchar=rchar,
+        needed_bytes=share,
         engine_bytes_read=getattr(result, "bytes_read", None),
-        exact=exact,
+        **ratios,
+        exact=(got == case.reference and perturbed is not False) if ctx.rank == 0 else None,
         perturbed=perturbed,
         cache_dropped=dropped,
         peak_rss_bytes=peak,
