@@ -84,6 +84,9 @@ def gather(state_dir: Path, checkpoint_dir: Path, now: float, durable_url: str |
     }
 
 
+_LAST_UNIX = 253402300800  # 10000-01-01: a time past it (or not finite) is no time a status can show
+
+
 def _durable(rec: JournalRecord | None, url: str | None) -> dict[str, Any] | None:
     """The durable tier as last journaled (the journal is hostile input: each field checked, or left out as
     unknown); None without a tier in the config."""
@@ -102,7 +105,7 @@ def _durable(rec: JournalRecord | None, url: str | None) -> dict[str, Any] | Non
         "url": url,
         "newest_step": step(got.get("newest_step")),
         "newest_unix": float(when)
-        if isinstance(when, int | float) and not isinstance(when, bool) and when >= 0
+        if isinstance(when, int | float) and not isinstance(when, bool) and 0 <= when < _LAST_UNIX
         else None,
         "pending": [s for s in pending[:1000] if step(s) is not None] if isinstance(pending, list) else [],
         "uploading": step(got.get("uploading")),

@@ -56,6 +56,13 @@ def test_a_journaled_tier_of_the_wrong_shape_shows_as_unknown(tmp_path, capsys) 
                      "uploading": None, "last_error": None}  # fmt: skip
 
 
+def test_a_journaled_time_no_clock_can_show_is_unknown_and_status_still_prints(tmp_path, capsys) -> None:
+    config = job(tmp_path, "s3://my-bucket/run")
+    journal(tmp_path, {"durable": {"url": "s3://my-bucket/run", "newest_step": 40, "newest_unix": 1e20}})
+    assert json.loads(status(config, capsys, "--json"))["durable"]["newest_unix"] is None
+    assert "newest durable checkpoint step 40" in status(config, capsys)
+
+
 def test_without_a_tier_status_has_a_null_durable(tmp_path, capsys) -> None:
     config = job(tmp_path, None)
     journal(tmp_path, {})
