@@ -49,14 +49,15 @@ import torch
 
 from ftsup.store import checksums, dcpmeta, dtypes, hublayout, layout, safefile
 from ftsup.store.errors import CheckpointCorruptError, CheckpointError
-from ftsup.trainer.checkpoint import codec
-from ftsup.trainer.checkpoint.hfwrite import OutTensor, check, write_model, write_new
+from ftsup.trainer.checkpoint import codec, gcpause
+from ftsup.trainer.checkpoint.hfwrite import OutTensor, check, plan, write_model, write_new
 from ftsup.trainer.checkpoint.hubread import HubReader
 from ftsup.trainer.checkpoint.shardio import PAGE, VerifiedFile, aligned_buffer, read_files, round_up
 
 INDEX_NAME = hublayout.INDEX_NAME
 CONFIG_NAME = hublayout.CONFIG_NAME
 GENERATION_CONFIG_NAME = "generation_config.json"
+BATCH_BYTES = 16 << 20  # the arena of an engine checkpoint's reads (a larger tensor is read alone)
 _TRAINER_WEIGHTS = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json)$")
 
 
@@ -121,10 +122,11 @@ def export_hf(root: str | os.PathLike[str], step: int | None, out: str | os.Path
     if trainer and prefix is not None:
         raise CheckpointError(f"{ckpt} is a Trainer checkpoint: its weights are its model's; --prefix does not apply")
     with ExitStack() as stack:
+        stack.enter_context(gcpause.paused())  # a full collection (0.1-0.2 s here) is a third of an export's time
         if trainer:
             tensors, saved_config = _trainer_tensors(ckpt, manifest, dtype, stack)
         else:
-            tensors, saved_config = _engine_tensors(ckpt, manifest, prefix, dtype), None
+            tensors, saved_config = _engine_tensors(ckpt, manifest, prefix, dtype, max_shard_bytes), None
         check(tensors)  # a dtype safetensors lacks is refused before anything is written
         total, done = sum(t.nbytes for t in tensors), [0]
 
@@ -210,8 +212,9 @@ class _Chunks:
     """An engine checkpoint's tensors, each assembled from its chunks by verified ranged reads.
 
     A tensor read is valid until the next read: the buffers it is read into and assembled in are reused from
-    tensor to tensor (the writer writes each before it asks for the next), so that their pages are faulted in
-    once, not once per tensor (that cost as much as the disk's own time here)."""
+    tensor to tensor (the writer stages each before it asks for the next), so that their pages are faulted in
+    once, not once per tensor (that cost as much as the disk's own time here). A tensor whose chunks are whole
+    rows of dim 0 (FSDP2's) is returned as those chunks, in order, not assembled (`hfwrite.OutTensor`)."""
 
     def __init__(self, ckpt: Path, manifest: layout.Manifest, meta: Mapping[str, Any]):
         self.ckpt, self.manifest, self.meta = ckpt, manifest, meta
@@ -221,12 +224,18 @@ class _Chunks:
         self.files: dict[str, VerifiedFile] = {}
         self._arena: torch.Tensor | None = None  # what the chunks are read into
         self._full: torch.Tensor | None = None  # what a tensor of several chunks is assembled in
+        self._read: dict[str, list[tuple[Mapping[str, Any], torch.Tensor]]] = {}  # the last batch's, not yet used
+        self.order: dict[str, int] = {}
+        self.sequence: list[str] = []
 
     def _buffer(self, which: str, nbytes: int) -> torch.Tensor:
         """A reused page-aligned buffer of at least `nbytes`, grown (to the largest asked for) when short."""
         buf: torch.Tensor | None = getattr(self, which)
         if buf is None or buf.numel() < nbytes:
-            buf = aligned_buffer(nbytes)
+            # The arena at once as large as a batch (not grown batch by batch: each new page costs its fault, about
+            # 2 s per GiB here), left for the reading threads to fault in, in parallel, inside their reads.
+            floor = BATCH_BYTES if which == "_arena" else 0
+            buf = aligned_buffer(max(nbytes, floor), populate=which != "_arena")
             setattr(self, which, buf)
         return buf
 
@@ -239,40 +248,93 @@ class _Chunks:
             self.files[rel] = vf
         return vf
 
-    def read(self, fqn: str) -> torch.Tensor:
+    def expect(self, fqns: list[str]) -> None:
+        """The order the tensors will be read in: each read reads ahead in it (`_batch`)."""
+        self.order = {f: i for i, f in enumerate(fqns)}
+        self.sequence = list(fqns)
+
+    def _chunks(self, fqn: str) -> list[Mapping[str, Any]]:
+        return [s for s in self.storage.get(fqn, []) if s["nbytes"] > 0]
+
+    def _need(self, fqn: str) -> int:
+        """The arena bytes `fqn`'s chunks take (read_files lays each widened range out in whole pages)."""
+        total = 0
+        for c in self._chunks(fqn):
+            vf, start = self._file(c["file"], c["crc_file"]), c["byte_offset"]
+            total += sum(round_up(e - s, PAGE) for s, e in vf._spans([(start, start + c["nbytes"])]))
+        return total
+
+    def _batch(self, fqn: str, alone: bool) -> dict[str, list[tuple[Mapping[str, Any], torch.Tensor]]]:
+        """The chunks of `fqn` and, unless `alone`, of the tensors expected after it up to BATCH_BYTES, read in one
+        `read_files` (one set of reading threads kept busy, instead of one small read after another)."""
+        batch, need = [fqn], self._need(fqn)
+        i = self.order.get(fqn)
+        if not alone and i is not None:
+            for nxt in self.sequence[i + 1 :]:
+                n = self._need(nxt)
+                if need + n > BATCH_BYTES:
+                    break
+                batch.append(nxt)
+                need += n
+        chunks = [(f, c) for f in batch for c in self._chunks(f)]
+        requests = [(self._file(c["file"], c["crc_file"]), [(c["byte_offset"], c["byte_offset"] + c["nbytes"])])
+                    for _, c in chunks]  # fmt: skip
+        regions = read_files(requests, arena=self._buffer("_arena", need)) if requests else []
+        got: dict[str, list[tuple[Mapping[str, Any], torch.Tensor]]] = {f: [] for f in batch}
+        for (f, c), ((base, region),) in zip(chunks, regions, strict=True):
+            lo = c["byte_offset"] - base
+            got[f].append((c, region[lo : lo + c["nbytes"]]))
+        return got
+
+    def read(self, fqn: str) -> torch.Tensor | list[torch.Tensor]:
         t = self.meta["tensors"][fqn]
         dtype, size = codec.dtype_from_name(t["dtype"], fqn), tuple(t["size"])
-        chunks = [s for s in self.storage.get(fqn, []) if s["nbytes"] > 0]
-        if not chunks:
+        if fqn not in self._read:
+            try:
+                try:
+                    self._read = self._batch(fqn, alone=False)
+                except CheckpointCorruptError:
+                    self._read = {}
+                    self._read = self._batch(fqn, alone=True)  # which tensor is bad: fqn, or one read after it
+            except CheckpointCorruptError as e:
+                raise CheckpointCorruptError(
+                    f"{self.ckpt}: {e} (reading {fqn})", path=str(self.ckpt), file=e.file
+                ) from None
+        views = [(c, raw.view(dtype).reshape(c["sizes"])) for c, raw in self._read.pop(fqn)]
+        if not views:
             return torch.empty(size, dtype=dtype)
-        try:
-            requests = [(self._file(s["file"], s["crc_file"]), [(s["byte_offset"], s["byte_offset"] + s["nbytes"])])
-                        for s in chunks]  # fmt: skip
-            # What read_files lays the widened ranges out in: each a whole number of pages.
-            need = sum(round_up(e - s, PAGE) for vf, ranges in requests for s, e in vf._spans(ranges))
-            regions = read_files(requests, arena=self._buffer("_arena", need))
-        except CheckpointCorruptError as e:
-            raise CheckpointCorruptError(
-                f"{self.ckpt}: {e} (reading {fqn})", path=str(self.ckpt), file=e.file
-            ) from None
-        views = []
-        for s, ((base, region),) in zip(chunks, regions, strict=True):
-            lo = s["byte_offset"] - base
-            views.append((s, region[lo : lo + s["nbytes"]].view(dtype).reshape(s["sizes"])))
+        slabs = _slabs([(tuple(c["offsets"]), tuple(c["sizes"])) for c, _ in views], size)
+        if slabs is not None:  # whole rows of dim 0 (FSDP2's chunks), which tile the tensor: no copy
+            return [views[i][1] for i in slabs]
         if len(views) == 1 and tuple(views[0][0]["sizes"]) == size:
             return views[0][1]  # one chunk, the whole tensor: no copy
         nbytes = dtype.itemsize * math.prod(size)
         full = self._buffer("_full", nbytes)[:nbytes].view(dtype).reshape(size)
-        for s, chunk in views:
+        for c, chunk in views:
             view = full
-            for dim, (o, n) in enumerate(zip(s["offsets"], s["sizes"], strict=True)):
+            for dim, (o, n) in enumerate(zip(c["offsets"], c["sizes"], strict=True)):
                 view = view.narrow(dim, o, n)
             view.copy_(chunk)
         return full
 
 
+def _slabs(chunks: list[tuple[tuple[int, ...], tuple[int, ...]]], size: tuple[int, ...]) -> list[int] | None:
+    """The order of `chunks` ((offsets, sizes) in a tensor of `size`) whose elements, one chunk after the other,
+    are the tensor's: where each holds whole rows of dim 0 and together they tile it; else None."""
+    if not size:
+        return None
+    order = sorted(range(len(chunks)), key=lambda i: chunks[i][0][0])
+    row = 0
+    for i in order:
+        offsets, sizes = chunks[i]
+        if offsets[0] != row or any(offsets[1:]) or tuple(sizes[1:]) != tuple(size[1:]):
+            return None
+        row += sizes[0]
+    return order if row == size[0] else None
+
+
 def _engine_tensors(
-    ckpt: Path, manifest: layout.Manifest, prefix: str | None, dtype: torch.dtype | None
+    ckpt: Path, manifest: layout.Manifest, prefix: str | None, dtype: torch.dtype | None, max_shard_bytes: int
 ) -> list[OutTensor]:
     meta = dcpmeta.read(ckpt, manifest)
     keys = dcpmeta.state_order(meta)  # the model's state dict order: what save_torch_state_dict splits by
@@ -287,6 +349,8 @@ def _engine_tensors(
         saved = codec.dtype_from_name(t["dtype"], k)
         out.append(OutTensor(k[len(prefix) :], cast_target(dtype, saved), tuple(t["size"]),
                              functools.partial(chunks.read, k)))  # fmt: skip
+    check(out)
+    chunks.expect([prefix + t.name for _, group in plan(out, max_shard_bytes) for t in group])
     return out
 
 
