@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ftsup.store import hublayout
 from ftsup.store.errors import CheckpointError, ModelFileError
-from ftsup.trainer.checkpoint import codec
+from ftsup.trainer.checkpoint import codec, gcpause
 from ftsup.trainer.checkpoint.hubread import HubReader
 from ftsup.trainer.checkpoint.shardio import aligned_buffer, round_up
 
@@ -76,6 +76,17 @@ def load_hf_model(
     when torch.distributed is initialised). Raises ModelFileError, on every rank, before anything is loaded."""
     root = Path(directory)
     module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    with gcpause.paused():  # a full collection on one rank (0.1-0.2 s here) stalls every rank at the next collective
+        return _load(module, root, rename, convert, group)
+
+
+def _load(
+    module: torch.nn.Module,
+    root: Path,
+    rename: Mapping[str, str] | Callable[[str], str] | None,
+    convert: bool,
+    group: Any,
+) -> HfInit:
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank(group) if world > 1 else 0
     device = next((t.device for t in module.state_dict().values()), torch.device("cpu"))
@@ -94,7 +105,14 @@ def load_hf_model(
         _agree(errors, world, group, device, "matching the model's tensors")
         # Every rank takes part in every collective, whatever failed on it: the ranks agree only afterwards.
         take = _staging([_direct_bytes(t, reader, world) for t in targets])
-        staged = [(t, _read_share(t, reader, world, rank, group, device, errors, take)) for t in targets]
+        parts = {id(t): p for t in targets if (p := _in_place_part(t, reader, world)) is not None}
+        if parts and not errors:  # what is read straight into place is read all at once, without collectives
+            try:
+                reader.read_rows_into(list(parts.values()))
+            except (CheckpointError, OSError) as e:
+                errors.append(e)
+        rest = [t for t in targets if id(t) not in parts]
+        staged = [(t, _read_share(t, reader, world, rank, group, device, errors, take)) for t in rest]
         _agree(errors, world, group, device, "reading the model's tensors")
     with torch.no_grad():
         for t, value in staged:
@@ -163,6 +181,17 @@ def _in_place(t: _Target, reader: HubReader, world: int) -> torch.Tensor | None:
     elif world != 1:
         return None
     return local.detach().reshape(-1).view(torch.uint8)
+
+
+def _in_place_part(t: _Target, reader: HubReader, world: int) -> tuple[str, int, int, torch.Tensor] | None:
+    """(source, first row, end row, memory) of this rank's part of `t` where it is read straight into place."""
+    mem = _in_place(t, reader, world)
+    if mem is None:
+        return None
+    if _is_dtensor(t.tensor):
+        local, offset = _box(t.tensor)
+        return (t.source, offset[0], offset[0] + local[0], mem) if local else None
+    return t.source, 0, reader.spec(t.source)[1][0], mem
 
 
 def _direct_bytes(t: _Target, reader: HubReader, world: int) -> int:

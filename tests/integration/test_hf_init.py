@@ -296,3 +296,23 @@ def test_a_dtype_torch_lacks_names_the_file_and_the_tensor(tmp_path):
     with pytest.raises(ModelFileError, match=r"model\.safetensors: tensor 'ln\.bias' has dtype F6_E2M3, which torch"):
         load_hf_model(model, tmp_path / "hf")
     assert digests(model.state_dict()) == before
+
+
+def test_a_file_cut_short_under_a_batched_read_fails_it_naming_the_file(tmp_path, monkeypatch):
+    from ftsup.store import hublayout
+    from ftsup.trainer.checkpoint import hubread
+    from ftsup.trainer.checkpoint.hubread import HubReader
+
+    torch.manual_seed(0)
+    sd = {f"t{i}": torch.randn(256, 1024) for i in range(4)}  # 1 MiB each, one file
+    (tmp_path / "hf").mkdir()
+    save_torch_state_dict(sd, tmp_path / "hf")
+    monkeypatch.setattr(hubread, "PIECE_BYTES", 256 << 10)  # several pieces per tensor, over the reading threads
+    with HubReader(hublayout.read(tmp_path / "hf")) as reader:
+        reader.read_rows("t0", 0, 1)  # the file is open (and its size checked) from here on
+        path = tmp_path / "hf" / "model.safetensors"
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size - (3 << 20))  # most of the last three tensors' bytes
+        outs = [torch.zeros(t.nbytes, dtype=torch.uint8) for t in sd.values()]
+        with pytest.raises(ModelFileError, match=r"model\.safetensors: ends inside tensor 't[123]'"):
+            reader.read_rows_into([(name, 0, 256, out) for name, out in zip(sd, outs, strict=True)])

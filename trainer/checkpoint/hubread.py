@@ -21,12 +21,14 @@ Not here: the headers and the index (`ftsup.store.hublayout`), writing (`hfwrite
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 
+import numpy
 import torch
 
 from ftsup.store import dtypes, hublayout, safefile, stheader
@@ -107,26 +109,58 @@ class HubReader:
         raw = self._read(name, e.start + start * row, (stop - start) * row, out)
         return _aligned(raw, dtype).view(dtype).reshape((stop - start, *shape[1:]))
 
+    def read_rows_into(self, parts: Sequence[tuple[str, int, int, torch.Tensor]]) -> None:
+        """`read_rows(name, start, stop, out)` for each of `parts`, all at once: the pieces of every part are spread
+        over the reading threads together (one tensor's rows after another's, each part a piece or two, left one
+        read in flight and the disk idle between them). A file with block checksums is read part after part."""
+        jobs: list[Callable[[], None]] = []
+        for name, start, stop, out in parts:
+            dtype, shape = self.spec(name)
+            if not shape or not 0 <= start <= stop <= shape[0]:
+                raise ModelFileError(f"{self.model.root}: rows {start}..{stop} of tensor {name!r:.200} of shape "
+                                     f"{list(shape)}")  # fmt: skip
+            if self.model.weight_map[name] in self.verified:
+                self.read_rows(name, start, stop, out)
+                continue
+            e = self.entry(name)
+            row = e.nbytes // shape[0] if shape[0] else 0
+            jobs += self._pieces(name, e.start + start * row, (stop - start) * row, out)
+        self._run(jobs)
+
     def _read(self, name: str, start: int, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is not None and (out.numel() != n or out.dtype != torch.uint8 or not out.is_contiguous()):
             raise ValueError(f"out: {n} contiguous bytes to read {name!r:.200} into, not {out.numel()} {out.dtype}")
         if n == 0:
             return torch.empty(0, dtype=torch.uint8)
         file = self.model.weight_map[name]
-        self.bytes_read += n
         vf = self.verified.get(file)
         if vf is not None:
+            self.bytes_read += n
             ((base, region),) = vf.read_ranges([(start, start + n)])
             return region[start - base : start - base + n]
-        fd = self._open(file)
-        target: torch.Tensor | bytearray = out if out is not None else bytearray(n)
-        view = as_memoryview(target) if isinstance(target, torch.Tensor) else memoryview(target)
+        target = out if out is not None else torch.frombuffer(bytearray(n), dtype=torch.uint8)
+        self._run(self._pieces(name, start, n, target, direct=out is not None))
+        return target
 
-        direct = self._open_direct(file, fd) if out is not None else None
+    def _pieces(
+        self, name: str, start: int, n: int, out: torch.Tensor, direct: bool = True
+    ) -> list[Callable[[], None]]:
+        """The reads that fill `out` (n contiguous uint8 bytes) with the file's bytes from `start`: one per piece."""
+        if out.numel() != n or out.dtype != torch.uint8 or not out.is_contiguous():
+            raise ValueError(f"out: {n} contiguous bytes to read {name!r:.200} into, not {out.numel()} {out.dtype}")
+        if n == 0:
+            return []
+        file = self.model.weight_map[name]
+        self.bytes_read += n
+        fd = self._open(file)
+        view = as_memoryview(out)
+        dfd = self._open_direct(file, fd) if direct else None
 
         def fill(lo: int) -> None:
             pos, hi = lo, min(n, lo + PIECE_BYTES)
-            if direct is not None and self._read_direct(direct, start + lo, view[lo:hi]):
+            if dfd is not None and self._read_direct(
+                dfd, start + lo, view[lo:hi], f"{file}: ends inside tensor {name!r:.200}"
+            ):
                 return
             while pos < hi:
                 got = os.preadv(fd, [view[pos:hi]], start + pos)
@@ -134,17 +168,27 @@ class HubReader:
                     raise ModelFileError(f"{self.model.root / file}: ends inside tensor {name!r:.200}")
                 pos += got
 
-        if n <= PIECE_BYTES:
-            fill(0)
-        else:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ftsup-hub-read")
-            list(self._pool.map(fill, range(0, n, PIECE_BYTES)))  # close() waits for any still in flight
-        return target if isinstance(target, torch.Tensor) else torch.frombuffer(target, dtype=torch.uint8)
+        return [functools.partial(fill, lo) for lo in range(0, n, PIECE_BYTES)]
 
-    def _read_direct(self, fd: int, start: int, into: memoryview) -> bool:
+    def _run(self, jobs: list[Callable[[], None]]) -> None:
+        """Run `jobs` (one inline; more on the reading threads), re-raising the first failure once all are done."""
+        if len(jobs) == 1:
+            jobs[0]()
+            return
+        if not jobs:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ftsup-hub-read")
+        futures = [self._pool.submit(job) for job in jobs]
+        errors = [f.exception() for f in futures]  # waits for every one: none still writes into `out` afterwards
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+
+    def _read_direct(self, fd: int, start: int, into: memoryview, short: str) -> bool:
         """Fill `into` with the file's bytes from `start` by O_DIRECT reads of whole pages; False where the
-        filesystem refuses them (the caller then reads through the page cache)."""
+        filesystem refuses them (the caller then reads through the page cache). `short`: the error where the file
+        ends first (the file and the tensor)."""
         lo, hi = start // PAGE * PAGE, round_up(start + len(into), PAGE)
         buf = getattr(self._scratch, "buf", None)
         if buf is None or buf.numel() < hi - lo:
@@ -158,9 +202,10 @@ class HubReader:
                     return False
                 raise
             if got <= 0:
-                raise ModelFileError(f"{self.model.root}: a file ends at byte {lo + pos}, inside a tensor")
+                raise ModelFileError(f"{self.model.root / short} (at byte {lo + pos})")
             pos += got
-        into[:] = mv[start - lo : start - lo + len(into)]
+        # numpy's copy releases the GIL (a memoryview's holds it): the reading threads copy side by side
+        numpy.copyto(numpy.asarray(into), numpy.asarray(mv[start - lo : start - lo + len(into)]))
         return True
 
     def _open_direct(self, file: str, fd: int) -> int | None:
