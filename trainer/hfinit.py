@@ -18,7 +18,8 @@ What each rank reads (`hubread.HubReader`, ranged reads, never a whole file):
   fewer rows than ranks, or 0-dimensional, is read by rank 0 and broadcast.
 
 A tensor on the CPU of the file's dtype whose part here is whole rows (FSDP2's shards, a plain module's tensors) is
-read straight into its own memory: no buffer to fault in, no copy (both took longer than the reads themselves here).
+read straight into its own memory: no buffer to fault in, no copy (both took longer than the reads themselves here);
+all such parts are read in one call (`HubReader.read_rows_into`), their pieces over the reader's threads at once.
 What is converted, narrowed, gathered or moved to a device is read into one page-aligned buffer, faulted in at once,
 and copied only once every rank's reads finished and succeeded (one all-reduce). Bad input (the directory, a header,
 a name, a shape or a dtype) is found before the first byte is read and loads nothing; a read that fails midway (an

@@ -10,8 +10,10 @@ Where the tensors come from:
 
 - an engine checkpoint: the keys under the state's `model` entry (for `TrainingState` that is
   `train.model.`, for `ModelOptimState` `app.model.`), found automatically or given with `--prefix`, in
-  the order of the model's state dict; each assembled whole from its saved chunks, whatever world
-  size saved them, by ranged reads verified block by block against the manifest's checksums (a
+  the order of the model's state dict; each made whole from its saved chunks, whatever world size
+  saved them (FSDP2's rows of dim 0 passed on in order, other layouts assembled), by ranged reads in
+  batches of `BATCH_BYTES`, in the order the files are written, verified block by block against the
+  manifest's checksums (a
   corrupt tensor is never exported; what the export does not need, the optimizer's state, is not
   read: `ftsup ckpt verify --deep` reads it all);
 - a checkpoint that `FtsupCallback` committed (metadata `format: hf-trainer`): the Trainer's

@@ -1,19 +1,20 @@
 """Tensors of a Hugging Face Hub-layout model, read by byte ranges (never a whole file).
 
-`HubReader` turns a `hublayout.HubModel` (its headers, read as hostile input) into torch tensors:
-each tensor's dtype and shape come from its header through the project's dtype table (a safetensors
-dtype torch lacks, such as F6_E2M3, is refused naming the file and the tensor) and its bytes from
-exactly its range of its file, or from a part of that range (`read_rows`: rows of the first
-dimension, what one rank's share of a tensor sharded on dim 0 needs). Where the caller has block
-checksums of a file (a Trainer checkpoint's weights, whose manifest records their checksums), the
-reads go through `shardio.VerifiedFile`, each block verified; a Hub directory has no checksums and
-is read as it is: a range of more than one piece (`PIECE_BYTES`) is read in pieces by `READ_THREADS` threads
-(one read in flight leaves a disk idle between requests; the checkpoint reader's `shardio.read_files` does the
-same). A range read into the caller's memory (`out`) is read with O_DIRECT, each piece widened to whole pages
-into a buffer of its thread's and copied from there (the page cache's insert and copy cost more than the disk
-here, and a model is read once); elsewhere, and where the filesystem refuses O_DIRECT, through the page cache
-with readahead off (`POSIX_FADV_RANDOM`), so that the disk gives what is asked for and not a window more.
-`bytes_read` counts the tensors' bytes read (a piece read with O_DIRECT reads up to two pages more).
+`HubReader` turns a `hublayout.HubModel` (its headers, read as hostile input) into torch tensors: each tensor's
+dtype and shape come from its header through the project's dtype table (a safetensors dtype torch lacks, such as
+F6_E2M3, is refused naming the file and the tensor) and its bytes from exactly its range of its file, or from a part
+of that range (`read_rows`: rows of the first dimension, what one rank's share of a tensor sharded on dim 0 needs).
+Where the caller has block checksums of a file (a Trainer checkpoint's weights, whose manifest records their
+checksums), the reads go through `shardio.VerifiedFile`, each block verified; a Hub directory has no checksums and
+is read as it is: a range of more than one piece (`PIECE_BYTES`) is read in pieces by `READ_THREADS` threads (one
+read in flight leaves a disk idle between requests; the checkpoint reader's `shardio.read_files` does the same), and
+`read_rows_into` reads many ranges at once, the pieces of all of them over those threads (a load's parts, one
+tensor's rows each, mostly a piece or two). A range read into the caller's memory (`out`) is read with O_DIRECT,
+each piece widened to whole pages into a buffer of its thread's and copied from there by numpy, the GIL released
+(the page cache's insert and copy cost more than the disk here, and a model is read once); elsewhere, and where the
+filesystem refuses O_DIRECT, through the page cache with readahead off (`POSIX_FADV_RANDOM`), so that the disk gives
+what is asked for and not a window more. `bytes_read` counts the tensors' bytes read (a piece read with O_DIRECT
+reads up to two pages more).
 
 Not here: the headers and the index (`ftsup.store.hublayout`), writing (`hfwrite`).
 """
