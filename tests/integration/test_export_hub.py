@@ -367,3 +367,14 @@ def test_a_trainer_checkpoint_whose_weights_lie_names_the_file_and_the_tensor_an
     with pytest.raises(CheckpointError, match=says):
         export_hf(store, None, tmp_path / "hf", max_shard_bytes=30_000)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]
+
+
+def test_chunks_of_whole_rows_that_tile_a_tensor_are_passed_on_in_row_order_and_nothing_else_is():
+    from ftsup.trainer.checkpoint.hf import _slabs
+
+    size = (10, 4)
+    assert _slabs([((6, 0), (4, 4)), ((0, 0), (6, 4))], size) == [1, 0]  # two ranks' rows, listed out of order
+    assert _slabs([((0, 0), (10, 2)), ((0, 2), (10, 2))], size) is None  # split on dim 1: assembled
+    assert _slabs([((0, 0), (5, 4)), ((6, 0), (4, 4))], size) is None  # a row missing
+    assert _slabs([((0, 0), (6, 4)), ((5, 0), (5, 4))], size) is None  # overlapping rows
+    assert _slabs([], ()) is None  # 0-dimensional
