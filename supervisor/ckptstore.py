@@ -229,6 +229,8 @@ class StoreScanner:
         meta: dict[str, Any] = {}
         if both.durable is not None:
             meta = dict(both.durable.manifest.metadata)
+        elif picked.info is not None and picked.info.metadata is not None:
+            meta = dict(picked.info.metadata)  # as its check read it: a 50,000-file manifest is not parsed twice
         elif picked.info is not None:
             try:
                 meta = dict(layout.read_manifest(picked.info.path).metadata)

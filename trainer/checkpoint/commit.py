@@ -34,7 +34,7 @@ from ftsup.store.retention import RetentionPolicy, apply_retention, claim_spare,
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
 from ftsup.trainer.checkpoint.finite import first_nonfinite
 from ftsup.trainer.checkpoint.shardio import write_shard
-from ftsup.trainer.checkpoint.staging import StagingPlan
+from ftsup.trainer.checkpoint.staging import StagingPlan, metadata_bytes
 
 log = structlog.get_logger("ftsup.checkpoint")
 
@@ -238,12 +238,10 @@ class Committer:
         try:
             if errors:
                 raise CheckpointSaveError("; ".join(errors))
-            assert job.plan.meta_json is not None
             files: dict[str, layout.FileEntry] = {}
             for r in reports:
                 files.update({k: layout.FileEntry(v["size"], v["checksum"]) for k, v in r["files"].items()})
-            meta = dict(job.plan.meta_json, skeleton=job.skeleton)
-            raw = json.dumps(meta, separators=(",", ":")).encode()
+            raw = metadata_bytes(job.plan, job.skeleton)
             layout.write_file_durable(partial / layout.DCP_META_NAME, raw)
             files[layout.DCP_META_NAME] = layout.FileEntry(len(raw), checksums.checksum_bytes(raw))
             self.hook("metadata_written", job.step)
