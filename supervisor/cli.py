@@ -11,6 +11,7 @@ Subcommands (DESIGN.md, Contracts: their names, flags and JSON shapes change onl
     ftsup ckpt pin|unpin DIR --step N [--reason TEXT]  kept whatever the retention policy, journaled
     ftsup rollback --config JOB.yaml --to-step N ...   an operator's rollback request (`cli_rollback`)
     ftsup bench checkpoint ...                         delegated to `ftsup.trainer.bench`
+    ftsup bench scale ...                              delegated to `ftsup.trainer.bench` (`scale`)
     ftsup bench recovery ...                           `ftsup.supervisor.bench.recovery` (torch-free)
     ftsup bench eviction ...                           `ftsup.supervisor.bench.eviction` (torch-free)
     ftsup bench anomaly ...                            `ftsup.supervisor.bench.anomaly` (torch-free)
@@ -339,6 +340,8 @@ def _build_bench(bench: argparse.ArgumentParser, rest: Sequence[str]) -> None:
         Command("eviction", "steps lost per eviction: ftsup's emergency saves vs periodic checkpoints only",
                 _build_bench_eviction),
         Command("checkpoint", "checkpoint save/load throughput", _build_bench_checkpoint),
+        Command("scale", "metadata costs (plan, commit, resume choice, refresh) at N simulated ranks",
+                _build_bench_scale),
         Command("anomaly", "nan/spike faults: detection delay, rollback vs crash recovery, false positives",
                 _build_bench_anomaly),
         Command("goodput", "productive time / wall time under seeded faults: ftsup vs torchrun vs ft_launcher",
@@ -390,6 +393,22 @@ def _build_bench_checkpoint(p: argparse.ArgumentParser, rest: Sequence[str]) -> 
 
     def checked(args: argparse.Namespace) -> int:  # its flags parse without torch; its ranks need it
         extras.require("trainer", "ftsup bench checkpoint")
+        return int(run(args))
+
+    p.set_defaults(handler=checked)
+
+
+def _build_bench_scale(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
+    module = _import_bench()
+    add_arguments = getattr(module, "add_scale_arguments", None)
+    run = getattr(module, "run_scale", None)
+    if add_arguments is None or run is None:
+        raise UsageError(f"{module.__name__} does not provide add_scale_arguments and run_scale; "
+                         "this installation's benchmark is incomplete")  # fmt: skip
+    add_arguments(p)
+
+    def checked(args: argparse.Namespace) -> int:
+        extras.require("trainer", "ftsup bench scale")
         return int(run(args))
 
     p.set_defaults(handler=checked)

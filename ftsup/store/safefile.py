@@ -71,6 +71,15 @@ def resolve_inside(ckpt_dir: str | os.PathLike[str], rel: str) -> Path:
     return target
 
 
+def open_dir(path: str | os.PathLike[str]) -> int | None:
+    """A read-only descriptor of the directory `path` (the caller closes it), or None when it cannot be opened: then
+    whatever the caller looks up in it by path says what is wrong."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+
+
 def open_regular(path: str | os.PathLike[str], what: str, error: type[CheckpointError] = CheckpointCorruptError) -> int:
     """A read-only descriptor of `path` if it is a regular file (not a symlink, FIFO, device,
     socket or directory); raises `error` naming `what` otherwise. The caller closes it."""

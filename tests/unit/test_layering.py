@@ -31,6 +31,8 @@ CORE_THIRD_PARTY = {"ftsup.procs": {"psutil"}, "ftsup.store.s3": {"boto3", "boto
 
 LAZY_TRAINER_IMPORTS = {
     "ftsup.supervisor.cli": "`ftsup ckpt export-hf` and `ftsup bench checkpoint` need torch: imported when they run",
+    "ftsup.supervisor.bench.scale_store": "`ftsup bench scale`'s store side: its clock, torch-free, is the trainer "
+    "side's (`ftsup.trainer.bench.scale_measure`), imported when it runs",
 }
 
 

@@ -149,7 +149,7 @@ def test_manifest_round_trips_through_json() -> None:
 
 @pytest.mark.parametrize(
     "bad_path",
-    ["/etc/passwd", "../outside.bin", "a/../../b", "a//b", "a/./b", "a\\b", "trailing/"],
+    ["/etc/passwd", "../outside.bin", "a/../../b", "a//b", "a/./b", "a\\b", "trailing/", ".", "..", "", "a\x00b"],
 )
 def test_manifest_refuses_unsafe_file_paths_naming_them(bad_path: str) -> None:
     obj = valid_manifest_json(files={bad_path: {"size": 1, "checksum": "crc32x64k:00000000"}})

@@ -34,13 +34,24 @@ from ftsup.store.retention import RetentionPolicy, apply_retention, claim_spare,
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
 from ftsup.trainer.checkpoint.finite import first_nonfinite
 from ftsup.trainer.checkpoint.shardio import write_shard
-from ftsup.trainer.checkpoint.staging import StagingPlan
+from ftsup.trainer.checkpoint.staging import StagingPlan, metadata_bytes
 
 log = structlog.get_logger("ftsup.checkpoint")
 
 Hook = Callable[[str, int], None]
 """Called as hook(point, step) at: staged, shard_written, metadata_written, manifest_written,
 renamed. For fault-injection tests (e.g. SIGKILL at an exact point of the protocol)."""
+
+
+INDENTED_MANIFEST_FILES = 3000
+"""A manifest listing more files than this (a job of more than 1,000 ranks) is written as compact JSON: indented
+JSON is encoded by the json module's pure-Python encoder, which at 16,384 ranks took most of the commit's time."""
+
+
+def manifest_bytes(manifest: layout.Manifest) -> bytes:
+    """The manifest as written: indented for a person to read, compact where it lists thousands of files."""
+    obj = manifest.to_json()
+    return (json.dumps(obj, indent=1) if len(manifest.files) <= INDENTED_MANIFEST_FILES else json.dumps(obj)).encode()
 
 
 @dataclass(frozen=True)
@@ -238,12 +249,10 @@ class Committer:
         try:
             if errors:
                 raise CheckpointSaveError("; ".join(errors))
-            assert job.plan.meta_json is not None
             files: dict[str, layout.FileEntry] = {}
             for r in reports:
                 files.update({k: layout.FileEntry(v["size"], v["checksum"]) for k, v in r["files"].items()})
-            meta = dict(job.plan.meta_json, skeleton=job.skeleton)
-            raw = json.dumps(meta, separators=(",", ":")).encode()
+            raw = metadata_bytes(job.plan, job.skeleton)
             layout.write_file_durable(partial / layout.DCP_META_NAME, raw)
             files[layout.DCP_META_NAME] = layout.FileEntry(len(raw), checksums.checksum_bytes(raw))
             self.hook("metadata_written", job.step)
@@ -251,7 +260,7 @@ class Committer:
                 step=job.step, world_size=self.world_size, kind=job.kind, created_unix=time.time(),
                 files=files, tensor_bytes=sum(r["tensor_bytes"] for r in reports), metadata=job.metadata,
             )  # fmt: skip
-            layout.write_file_durable(partial / layout.MANIFEST_NAME, json.dumps(manifest.to_json(), indent=1).encode())
+            layout.write_file_durable(partial / layout.MANIFEST_NAME, manifest_bytes(manifest))
             layout.fsync_dir(partial)
             self.hook("manifest_written", job.step)
             os.rename(partial, final)

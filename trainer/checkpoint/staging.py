@@ -17,6 +17,7 @@ Not here: the buffers' reuse and bounds (the engine owns them), writing and comm
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +38,26 @@ class StagingPlan:
     signature: tuple[Any, ...]
     layout: ShardLayout
     sources: list[tuple[str, tuple[int, ...]]]  # (fqn, chunk offsets) per layout slot
-    meta_json: dict[str, Any] | None  # rank 0 only: DCP metadata + every rank's slots
+    meta_head: bytes | None
+    """Rank 0 only: the DCP metadata and every rank's slots, encoded once for every save of this plan, as a JSON
+    object without its closing brace (`metadata_bytes` adds a save's skeleton). Kept encoded, not as objects: at
+    thousands of ranks it lists millions of chunks, which as Python objects take gigabytes and seconds to encode."""
     tensor_bytes: int
+
+
+def metadata_bytes(plan: StagingPlan, skeleton: Any) -> bytes:
+    """A save's `dcp_metadata.json`: the plan's encoded metadata and the save's skeleton (the same bytes as
+    encoding the whole object, compact, with the skeleton last)."""
+    assert plan.meta_head is not None
+    return plan.meta_head + b',"skeleton":' + json.dumps(skeleton, separators=(",", ":")).encode() + b"}"
+
+
+def encode_head(meta_json: dict[str, Any]) -> bytes:
+    """`meta_json` as compact JSON without its closing brace (see `StagingPlan.meta_head`)."""
+    if not meta_json or "skeleton" in meta_json:
+        raise CheckpointError("the DCP metadata of a plan holds tensors and storage, and no skeleton")
+    raw = json.dumps(meta_json, separators=(",", ":")).encode()
+    return raw[:-1]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -65,22 +84,41 @@ def signature(flat: dict[str, torch.Tensor]) -> tuple[Any, ...]:
 
 
 def make_plan(flat: dict[str, torch.Tensor], sig: tuple[Any, ...], comm: LocalComm | GroupComm) -> StagingPlan:
-    """Plan this save with DCP's planner (a collective on `comm`: every rank calls it)."""
-    planner = DefaultSavePlanner(flatten_state_dict=False)
-    planner.set_up_planner(flat, None, comm.rank == 0)
-    local = planner.create_local_plan()
+    """Plan this save with DCP's planner (a collective on `comm`: every rank calls it): each rank's
+    local plan (`plan_local`), the coordinator's global one (`plan_global`), each rank's layout
+    (`plan_finish`)."""
+    planner, local = plan_local(flat, comm.rank == 0)
     gathered = comm.gather(local)
-    meta_json: dict[str, Any] | None = None
     per_rank: list[SavePlan] | None = None
+    meta_head: bytes | None = None
     if comm.rank == 0:
         assert gathered is not None
-        per_rank, metadata = planner.create_global_plan(gathered)
-        meta_json = _metadata_to_json(metadata, [_plan_chunks(p) for p in per_rank])
-    mine = planner.finish_plan(comm.scatter(per_rank))
-    shard = build_layout(_plan_chunks(mine))
+        per_rank, meta_head = plan_global(planner, gathered)
+    return plan_finish(planner, sig, comm.scatter(per_rank), meta_head)
+
+
+def plan_local(flat: dict[str, Any], coordinator: bool) -> tuple[DefaultSavePlanner, SavePlan]:
+    """One rank's part of `make_plan` before the gather: its planner and local plan."""
+    planner = DefaultSavePlanner(flatten_state_dict=False)
+    planner.set_up_planner(flat, None, coordinator)
+    return planner, planner.create_local_plan()
+
+
+def plan_global(planner: DefaultSavePlanner, gathered: list[SavePlan]) -> tuple[list[SavePlan], bytes]:
+    """The coordinator's part of `make_plan`: every rank's final plan and the checkpoint's DCP metadata (encoded,
+    see `StagingPlan.meta_head`)."""
+    per_rank, metadata = planner.create_global_plan(gathered)
+    return per_rank, encode_head(_metadata_to_json(metadata, [_plan_chunks(p) for p in per_rank]))
+
+
+def plan_finish(
+    planner: DefaultSavePlanner, sig: tuple[Any, ...], mine: SavePlan, meta_head: bytes | None
+) -> StagingPlan:
+    """One rank's part of `make_plan` after the scatter: its shard file's layout."""
+    shard = build_layout(_plan_chunks(planner.finish_plan(mine)))
     sources = [(s.fqn, s.offsets) for s in shard.slots]
     nbytes = sum(s.nbytes for s in shard.slots)
-    return StagingPlan(sig, shard, sources, meta_json, nbytes)
+    return StagingPlan(sig, shard, sources, meta_head, nbytes)
 
 
 @torch.no_grad()
