@@ -58,6 +58,25 @@ class UploaderStatus:
     """The tier's last failure while it is being retried; None once an upload went through."""
 
 
+def _yield_cpu(nice: int) -> None:
+    """This thread (and the upload threads it starts) `nice` steps nicer. Where the kernel groups processes by session
+    for scheduling (autogroup), a thread's nice weighs only against threads of its own session, and the ranks run in
+    a session of their own (the launcher's torchrun): so a process that leads its session (a supervisor started by
+    systemd, a container, a daemon) also sets its session's group at least `nice`, which then weighs against the
+    ranks'. In a session it does not lead (a shell's) the group is left as it is: it is not the supervisor's."""
+    with contextlib.suppress(OSError, AttributeError):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    with contextlib.suppress(OSError, ValueError):
+        if os.getsid(0) != os.getpid():
+            return
+        with open("/proc/self/autogroup") as f:  # "/autogroup-123 nice 0"; absent without autogroup
+            current = int(f.read().rpartition("nice")[2])
+        if current < nice:
+            with open("/proc/self/autogroup", "w") as f:
+                f.write(str(min(19, nice)))
+
+
 class _Stopped(Exception):
     """Raised from the part hook: the uploader is closing."""
 
@@ -170,9 +189,7 @@ class Uploader:
 
     def _run(self) -> None:
         if self.nice > 0:  # the uploads' CPU (MD5s, checksums) yields to the training processes on a busy node
-            with contextlib.suppress(OSError, AttributeError):
-                tid = threading.get_native_id()
-                os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + self.nice))
+            _yield_cpu(self.nice)
         self._call(self.housekeeping, None)
         while True:
             with self._cond:

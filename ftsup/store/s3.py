@@ -96,7 +96,9 @@ class S3Tier(durable.DurableTier):
             s3={"addressing_style": addressing} if addressing else None,
         )
         session = boto3.session.Session()
-        return session.client("s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config)
+        client = session.client("s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config)
+        _sign_parts_by_md5(client)
+        return client
 
     def close(self) -> None:
         self.client.close()
@@ -215,13 +217,15 @@ class S3Tier(durable.DurableTier):
             raise s3_error(f"s3://{self.bucket}/{key}: cannot look up", e) from None
 
     def put(
-        self, key: str, data: bytes, *, if_none_match: bool = False, metadata: dict[str, str] | None = None
-    ) -> None:
+        self, key: str, data: bytes | bytearray, *, if_none_match: bool = False,
+        metadata: dict[str, str] | None = None, md5: bytes | None = None,
+    ) -> None:  # fmt: skip
+        """Write `data` to `key` with its Content-MD5 (`md5`: its digest, when the caller has it already)."""
         kwargs: dict[str, Any] = {
             "Bucket": self.bucket,
             "Key": key,
             "Body": data,
-            "ContentMD5": s3upload.b64(hashlib.md5(data).digest()),
+            "ContentMD5": s3upload.b64(md5 if md5 is not None else hashlib.md5(data).digest()),
         }
         if if_none_match:
             kwargs["IfNoneMatch"] = "*"
@@ -254,6 +258,26 @@ class S3Tier(durable.DurableTier):
                 break
             marker = nxt
         return parts
+
+
+def _sign_parts_by_md5(client: Any) -> None:
+    """A body sent with Content-MD5 is signed through that header, not hashed a second time for the signature.
+
+    SigV4 signs the request's headers, Content-MD5 among them, and the payload's SHA-256 unless the request says
+    UNSIGNED-PAYLOAD. botocore leaves the payload unsigned when a request carries Content-MD5 over HTTPS, and hashes
+    every byte with SHA-256 over plain HTTP. Every part and object this tier writes carries the signed Content-MD5 of
+    its bytes, which the store checks (a torn part is refused), so over either scheme it is sent as botocore sends it
+    over HTTPS: one hash of each byte, not two. A request without Content-MD5 is signed as botocore signs it.
+    """
+    config = client.meta.config
+    unsigned = config.merge(Config(s3={**(config.s3 or {}), "payload_signing_enabled": False}))
+
+    def by_md5(request: Any, **_: Any) -> None:
+        if "Content-MD5" in request.headers:
+            request.context["client_config"] = unsigned
+
+    for operation in ("UploadPart", "PutObject"):
+        client.meta.events.register(f"before-sign.s3.{operation}", by_md5)
 
 
 def _is_aws(endpoint: str) -> bool:

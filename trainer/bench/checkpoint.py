@@ -129,7 +129,7 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
         "--skip",
         nargs="+",
         default=[],
-        choices=report.ROW_NAMES,
+        choices=(*report.ROW_NAMES, "durable_stall"),
         metavar="ROW",
         help="rows not to run (reported as skipped)",
     )
@@ -344,13 +344,32 @@ def _durable(run: _Run, args: argparse.Namespace) -> dict[str, Any]:
     options = durable.DurableOptions(part_bytes=args.durable_part_mib << 20, concurrency=args.durable_concurrency)
     _log(f"durable: {rounds} rounds on {source.name} at {args.durable}")
     try:
-        return durable_rows.run_rows(source, args.durable, rounds=rounds, options=options)
+        section = durable_rows.run_rows(source, args.durable, rounds=rounds, options=options)
     except Exception as e:  # noqa: BLE001 - reported as the rows' error, the other rows stand
         _log(f"durable: failed: {type(e).__name__}: {e}")
-        section = durable_rows.not_run(f"{type(e).__name__}: {e}")
+        section = durable_rows.not_run(f"{type(e).__name__}: {e}", durable_rows.ROWS)
         for r in section["rows"]:
             r["status"] = "error"
-        return section
+    stall = _durable_stall(run, args)
+    section["rows"] += stall["rows"]
+    section["ratios"].update(stall["ratios"])
+    section["targets"].update(stall["targets"])
+    return section
+
+
+def _durable_stall(run: _Run, args: argparse.Namespace) -> dict[str, Any]:
+    """The stall rows (`durable_stall`): a group of the main group's size, its save with the tier's upload
+    beside it and without."""
+    if "durable_stall" in args.skip:
+        return durable_rows.not_run("skipped", durable_rows.STALL_ROWS)
+    gib = max(args.size_mb / 1024, 1 / 64)
+    cfg = _config_from(run.records.get("main", []))
+    pinned = {"matmul_repeats": cfg.get("matmul_repeats"), **({"step_kind": cfg["step_kind"]} if cfg.get("step_kind")
+              else {})}  # fmt: skip
+    status = run.launch("durable", args.ranks, ["durable_stall"], 180 + gib * args.repeats * 120,
+                        durable_url=args.durable, durable_part_bytes=args.durable_part_mib << 20,
+                        durable_concurrency=args.durable_concurrency, **pinned)  # fmt: skip
+    return durable_rows.stall_rows(run.records.get("durable", []), args.ranks, status)
 
 
 def _config_from(records: list[dict[str, Any]]) -> dict[str, Any]:

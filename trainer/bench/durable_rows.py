@@ -14,6 +14,10 @@ After one unmeasured round, each round, in an order alternating round by round:
 - `s3_ranged_get`: the same ranges as plain ranged GETs, the same concurrency, the bytes read and dropped.
 
 The ratios are medians over rounds of each round's plain seconds over ftsup's (1.0: as fast as the plain operation).
+Beside them, from a group of ranks of their own (`durable_stall`), `ftsup_async_durable` and `ftsup_async_alone`:
+the training stall of ftsup's async save with the tier's upload of the previous checkpoint running beside the ranks
+as the supervisor runs it, and the same save with none; their ratio is the median over repeats of each repeat's
+stall with the upload over the stall without (`stall_rows`).
 The tier's location and credentials come as for a job: `s3://BUCKET/PREFIX`, the endpoint from `AWS_ENDPOINT_URL_S3`
 or `AWS_ENDPOINT_URL`, credentials from the standard AWS chain. What each round wrote is deleted after it.
 """
@@ -30,9 +34,13 @@ from typing import Any
 from ftsup.store import durable, layout
 
 ROWS = ("durable_upload", "s3_upload", "durable_restore", "s3_ranged_get")
-TARGETS = {"durable_upload_vs_plain": (">=", 0.9), "durable_restore_vs_plain": (">=", 0.9)}
+STALL_ROWS = ("ftsup_async_durable", "ftsup_async_alone")
+"""Measured in the ranks (`durable_stall`): ftsup's async save with the tier's upload running beside it, and alone."""
+TARGETS = {"durable_upload_vs_plain": (">=", 0.9), "durable_restore_vs_plain": (">=", 0.9),
+           "durable_stall_vs_alone": ("<=", 1.1)}  # fmt: skip
 _PAIRS = {"durable_upload_vs_plain": ("s3_upload", "durable_upload"),
           "durable_restore_vs_plain": ("s3_ranged_get", "durable_restore")}  # fmt: skip
+_STALL_FIELDS = ("stall_s", "block_s", "extra_step_s", "durable_s", "baseline_step_s")
 
 
 def newest_checkpoint(root: Path) -> Path | None:
@@ -86,27 +94,79 @@ def run_rows(source: Path, url: str, *, rounds: int, options: durable.DurableOpt
         for r in ROWS
     ]
     values = {name: statistics.median(v) for name, v in ratios.items()}
-    targets = {}
-    for name, (op, limit) in TARGETS.items():
-        value = values[name]
-        targets[name] = {"value": value, "target": f"{op} {limit:g}", "met": value >= limit,
-                         "each": [round(v, 3) for v in ratios[name]]}  # fmt: skip
+    targets = {name: _target(name, values[name], ratios[name]) for name in _PAIRS}
     config = {"url": location.url, "rounds": rounds, "part_bytes": options.part_bytes,
               "concurrency": options.concurrency, "files": len(local.manifest.files), "bytes": nbytes,
               "checkpoint": str(source)}  # fmt: skip
     return {"rows": rows, "ratios": values, "targets": targets, "config": config}
 
 
-def not_run(why: str) -> dict[str, Any]:
-    """The durable section of a run that did not measure it, and why."""
-    rows = [{"name": r, "status": "not run", "error": why} for r in ROWS]
-    targets = {n: {"value": None, "target": f"{op} {lim:g}", "met": None} for n, (op, lim) in TARGETS.items()}
-    return {"rows": rows, "ratios": dict.fromkeys(TARGETS), "targets": targets, "config": {}}
+def _target(name: str, value: float | None, each: list[float]) -> dict[str, Any]:
+    op, limit = TARGETS[name]
+    met = None if value is None else (value >= limit if op == ">=" else value <= limit)
+    return {"value": value, "target": f"{op} {limit:g}", "met": met, "each": [round(v, 3) for v in each]}
+
+
+def not_run(why: str, names: tuple[str, ...] = ROWS + STALL_ROWS) -> dict[str, Any]:
+    """The durable section (or the part of it that `names` are) of a run that did not measure it, and why."""
+    rows = [{"name": r, "status": "not run", "error": why} for r in names]
+    wanted = [n for n in TARGETS if set(_PAIRS.get(n, STALL_ROWS)) <= set(names)]
+    targets = {n: _target(n, None, []) for n in wanted}
+    return {"rows": rows, "ratios": dict.fromkeys(wanted), "targets": targets, "config": {}}
+
+
+def stall_rows(records: list[dict[str, Any]], world: int, group_status: str) -> dict[str, Any]:
+    """The stall part of the durable section from the ranks' records (`durable_stall`): each row's medians over
+    repeats of its figures (the largest over ranks in each repeat), and the ratio, the median over repeats of each
+    repeat's stall with the upload over the stall without."""
+    by: dict[str, dict[int, list[dict[str, Any]]]] = {r: {} for r in STALL_ROWS}
+    finals: dict[str, list[dict[str, Any]]] = {r: [] for r in STALL_ROWS}
+    for rec in records:
+        if rec.get("row") in by:
+            if isinstance(rec.get("repeat"), int):
+                by[rec["row"]].setdefault(rec["repeat"], []).append(rec)
+            elif rec.get("repeat") is None:
+                finals[rec["row"]].append(rec)
+    rows, each = [], {}
+    for name in STALL_ROWS:
+        errors = [r["error"] for r in finals[name] if r.get("error")]
+        done = sum(1 for r in finals[name] if r.get("status") == "ok")
+        repeats = {i: recs for i, recs in sorted(by[name].items()) if len(recs) == world}
+        if done < world or not repeats:
+            status = group_status if group_status != "ok" else "incomplete"
+            rows.append({"name": name, "status": "error" if errors else status,
+                         "error": errors[0] if errors else f"the group ended {group_status!r}"})  # fmt: skip
+            continue
+        per = {i: {f: max(r[f] for r in recs if r.get(f) is not None) for f in _STALL_FIELDS}
+               for i, recs in repeats.items()}  # fmt: skip
+        each[name] = {i: p["stall_s"] for i, p in per.items()}
+        row: dict[str, Any] = {"name": name, "status": "ok", "repeats": len(per)}
+        row.update({f: statistics.median(p[f] for p in per.values()) for f in _STALL_FIELDS})
+        row["stall_each"] = [round(p["stall_s"], 4) for p in per.values()]
+        row["bytes"] = max((r.get("bytes") or 0) for recs in repeats.values() for r in recs)
+        if name == STALL_ROWS[0]:
+            overlapped = [r["upload_overlapped"] for recs in repeats.values() for r in recs if "upload_overlapped" in r]
+            row["upload_overlapped"] = f"{sum(overlapped)}/{len(overlapped)}"
+            row["upload_s"] = statistics.median(r["upload_s"] for recs in repeats.values() for r in recs
+                                                if "upload_s" in r)  # fmt: skip
+        rows.append(row)
+    pairs = sorted(set(each.get(STALL_ROWS[0], {})) & set(each.get(STALL_ROWS[1], {})))
+    ratios = [each[STALL_ROWS[0]][i] / each[STALL_ROWS[1]][i] for i in pairs if each[STALL_ROWS[1]][i] > 0]
+    value = statistics.median(ratios) if ratios else None
+    return {
+        "rows": rows,
+        "ratios": {"durable_stall_vs_alone": value},
+        "targets": {"durable_stall_vs_alone": _target("durable_stall_vs_alone", value, ratios)},
+    }
 
 
 def table(section: dict[str, Any]) -> str:
     lines = [f"{'durable row':<20} {'status':<10} {'seconds':>8} {'MiB/s':>8}  each"]
     for r in section["rows"]:
+        if r["status"] == "ok" and "stall_s" in r:
+            lines.append(f"{r['name']:<20} {r['status']:<10} {r['stall_s']:>8.3f} {'stall':>8}  "
+                         f"{' '.join(f'{s:.3f}' for s in r['stall_each'])}")  # fmt: skip
+            continue
         if r["status"] != "ok":
             lines.append(f"{r['name']:<20} {r['status']:<10} {'-':>8} {'-':>8}  {r.get('error', '')}")
             continue

@@ -187,9 +187,9 @@ def main(spec_path: str) -> int:
 
 
 def _run_rows(ctx: Ctx) -> None:
-    from ftsup.trainer.bench import ftsup_rows, hf_rows, loads, peer_rows
+    from ftsup.trainer.bench import durable_stall, ftsup_rows, hf_rows, loads, peer_rows
 
-    table: dict[str, RowFn] = {**peer_rows.ROWS, **ftsup_rows.ROWS, **loads.ROWS, **hf_rows.ROWS}
+    table: dict[str, RowFn] = {**peer_rows.ROWS, **ftsup_rows.ROWS, **loads.ROWS, **hf_rows.ROWS, **durable_stall.ROWS}
     for name in ctx.spec["rows"]:
         gc.collect()
         probes.trim_heap()
