@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftsup.store import blocksum, checksums, safefile
+from ftsup.store import blocksum, checksums, nodes, safefile
 from ftsup.store.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -172,8 +172,11 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     checksum_algorithm: str = CHECKSUM_ALGORITHM
     """What every checksum in `files` is computed with (older checkpoints: ``crc32x64k``)."""
+    nodes: Mapping[str, tuple[int, ...]] | None = None
+    """Node id -> its ranks, in a store each node keeps for itself (`ftsup.store.nodes`); None: one shared store."""
 
     def to_json(self) -> dict[str, Any]:
+        extra = {"nodes": {n: list(r) for n, r in sorted(self.nodes.items())}} if self.nodes is not None else {}
         return {
             "format_version": self.format_version,
             "step": self.step,
@@ -185,7 +188,7 @@ class Manifest:
             "files": {p: {"size": e.size, "checksum": e.checksum} for p, e in sorted(self.files.items())},
             "tensor_bytes": self.tensor_bytes,
             "metadata": dict(self.metadata),
-        }
+        } | extra
 
 
 def _require(obj: Mapping[str, Any], key: str, types: type | tuple[type, ...], where: str) -> Any:
@@ -262,7 +265,9 @@ def parse_manifest(raw: bytes | str, where: str = "manifest.json") -> Manifest:
         # The trainer's metadata records the step it saved: a checkpoint copied under another
         # step (its manifest edited to match the new name) must not become the newest one.
         raise ManifestError(f"{where}: records step {step} but its metadata says step {metadata['step']!r:.40}")
+    nodes_raw = obj.get("nodes")
     return Manifest(
+        nodes=None if nodes_raw is None else nodes.parse_nodes(nodes_raw, world_size, where),
         step=step,
         world_size=world_size,
         kind=kind,
@@ -335,7 +340,11 @@ def check_checkpoint(ckpt_dir: str | os.PathLike[str], *, deep: bool = False) ->
         return None, [Problem(MANIFEST_NAME, str(e))]
     problems: list[Problem] = []
     base = Path(ckpt_dir)
-    for rel, entry in sorted(manifest.files.items()):
+    try:  # a node-local store's copy holds its node's files only (`ftsup.store.nodes`)
+        held = nodes.held_files(base, manifest.files, manifest.nodes)
+    except ManifestError as e:
+        return None, [Problem(nodes.NODE_FILE, str(e))]
+    for rel, entry in sorted(held.items()):
         if len(problems) >= MAX_PROBLEMS:
             problems.append(Problem(None, f"more than {MAX_PROBLEMS} problems; the rest were not checked"))
             break
