@@ -71,10 +71,16 @@ class DurableKeeper:
         self.uploader: Uploader | None = None
         self._tier: durable.DurableTier | None = None
         self._own_newest = -1  # the newest step this run made durable (the uploader's thread's)
+        self._parts: set[int] = set()  # steps whose part this node uploaded, waiting for the others' (logged)
 
     @property
     def url(self) -> str:
         return self.tier_cfg.url
+
+    @property
+    def node(self) -> str | None:
+        """This node, where each node keeps its own fast tier (it uploads its part of each checkpoint)."""
+        return None if self.cfg.checkpoint.dir_shared else self.cfg.launch.node_id
 
     @contextlib.contextmanager
     def running(self) -> Iterator[DurableKeeper]:
@@ -88,6 +94,8 @@ class DurableKeeper:
                 on_started=lambda step, path: self._todo.append(lambda: self._started(step, path)),
                 on_retry=lambda step, why, wait: self._todo.append(lambda: self._retry(step, why, wait)),
                 housekeeping=self._housekeeping, max_pending=max(self.tier_cfg.keep_last, 2), nice=UPLOAD_NICE,
+                node=self.node,
+                on_waiting=lambda step, why, wait: self._todo.append(lambda: self._waiting(step, why, wait)),
             )  # fmt: skip
             try:
                 yield self
@@ -187,6 +195,8 @@ class DurableKeeper:
     def _missed(self, step: int | None, why: str, detail: str) -> None:
         newest = f"step {self.newest}" if self.newest is not None else "none known"
         what = f"the checkpoint of step {step} is {detail}" if step is not None else detail
+        if self._failing is not None and step is not None:
+            what += f" (waiting for: {self._failing})"
         self._emit("warning", "durable_deadline_missed", step=step, url=self.url, newest_durable_step=self.newest,
                    reason=f"{why}: {what}; the newest durable checkpoint in {self.url} is {newest}")  # fmt: skip
 
@@ -196,6 +206,14 @@ class DurableKeeper:
     def _retry(self, step: int, why: str, wait: float) -> None:
         self._failing = why
         self._emit("warning", "durable_upload_failed", step=step, url=self.url, reason=why, retry_in_s=round(wait, 3))
+
+    def _waiting(self, step: int, why: str, wait: float) -> None:
+        """This node's part of `step` is in the tier; its commit waits for the other nodes' (logged once a step)."""
+        self._failing = why
+        if step not in self._parts:
+            self._parts = {*sorted(self._parts)[-16:], step}
+            self._emit("info", "durable_part_uploaded", step=step, url=self.url, node=self.node, reason=why,
+                       retry_in_s=round(wait, 3))  # fmt: skip
 
     def _outcome(self, o: Outcome) -> None:
         if not o.committed or o.report is None:
@@ -208,9 +226,9 @@ class DurableKeeper:
             self._rates = [*self._rates, rate][-durable_policy.RATE_HISTORY :]
         self._failing = None
         self._known(o.step, self._wall())
-        self._emit("info", "durable_committed", step=o.step, url=r.url, outcome=r.outcome, files=r.files,
-                   bytes=r.bytes_total, bytes_sent=r.bytes_sent, parts_kept=r.parts_kept, attempts=o.attempts,
-                   duration_s=round(o.duration_s, 3),
+        self._emit("info", "durable_committed", step=o.step, url=r.url, outcome=r.outcome, node=self.node,
+                   files=r.files, bytes=r.bytes_total, bytes_sent=r.bytes_sent, parts_kept=r.parts_kept,
+                   attempts=o.attempts, duration_s=round(o.duration_s, 3),
                    throughput_bytes_per_s=round(rate) if rate is not None else None)  # fmt: skip
 
     def _known(self, step: int, when: float | None) -> None:

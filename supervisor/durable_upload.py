@@ -1,19 +1,23 @@
 """The durable tier's uploader: committed local checkpoints copied to a durable tier on a thread of its own.
 
-The node's supervisor, which never imports torch and outlives a crashed rank, hands it each committed checkpoint of
-the fast tier that should become durable (`submit`); the thread uploads them one at a time, the newest first (an
-emergency checkpoint must not wait behind older periodic ones; one submitted `urgent` stops an older upload in
-progress at its next part, which goes on later from where it stopped), through `ftsup.store.durable`. A tier that
-fails (`DurableTierError`: the store down, connections cut, credentials refused) is tried again after a backoff
+The node's supervisor, which never imports torch and outlives a crashed rank, hands it each committed checkpoint of the
+fast tier that should become durable (`submit`); the thread uploads them one at a time, the newest first (an emergency
+checkpoint must not wait behind older periodic ones; one submitted `urgent` stops an older upload in progress at its
+next part, which goes on later from where it stopped), through `ftsup.store.durable`. A tier that fails
+(`DurableTierError`: the store down, connections cut, credentials refused) is tried again after a backoff
 (`backoff_initial_s`, doubling up to `backoff_max_s`), and each try resumes the upload where the last one stopped: the
 training never waits on it. A checkpoint that cannot go (its local copy gone or not matching its manifest, the step
-committed there with other content, or any other exception: the thread never dies of one) is dropped and reported;
-so is the oldest waiting one past `max_pending`. Each outcome goes to `on_outcome`, each start of an upload to
-`on_started`, each failed try to `on_retry` (the caller logs and counts them; they run on this thread, or on the
-submitter's for a checkpoint dropped at once); `housekeeping(step)` runs on the thread after each commit, and
-`housekeeping(None)` once when it starts (the caller's retention and listing of the tier). `status()` says what is
-durable, pending and failing; `wait_durable` is for a caller that must know (an eviction's deadline); `close()`
-stops it at the next part and joins the thread (what was sent is kept for the next upload of that checkpoint).
+committed there with other content, or any other exception: the thread never dies of one) is dropped and reported; so is
+the oldest waiting one past `max_pending`. In a job whose nodes keep separate fast tiers (`node`), an upload sends this
+node's part of a checkpoint; one whose commit waits for the other nodes' parts (`DurableWaitError`) waits again in the
+queue (tried after a backoff up to WAIT_MAX_S, `on_waiting` told what it waits for) while other checkpoints go
+meanwhile: two nodes each waiting for the other's part of another step never stall each other. Each outcome goes to
+`on_outcome`, each start of an upload to `on_started`, each failed try to `on_retry` (the caller logs and counts them;
+they run on this thread, or on the submitter's for a checkpoint dropped at once); `housekeeping(step)` runs on the
+thread after each commit, and `housekeeping(None)` once when it starts (the caller's retention and listing of the tier).
+`status()` says what is durable, pending and failing; `wait_durable` is for a caller that must know (an eviction's
+deadline); `close()` stops it at the next part and joins the thread (what was sent is kept for the next upload of that
+checkpoint).
 
 Not here: which checkpoints go durable, logging and metrics (the caller's), the store's protocol (`ftsup.store`).
 """
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ftsup.store import durable, layout
-from ftsup.store.errors import CheckpointError, DurableTierError
+from ftsup.store.errors import CheckpointError, DurableTierError, DurableWaitError
 
 
 @dataclass(frozen=True)
@@ -62,8 +66,16 @@ class _Stopped(Exception):
     """Raised from the part hook: the uploader is closing."""
 
 
+class _Waiting(Exception):
+    """Raised from an upload: this node's part is in the tier, the commit waits for the other nodes' parts."""
+
+
 class _Preempted(Exception):
     """Raised from the part hook: a newer urgent checkpoint goes first; this one waits again."""
+
+
+WAIT_MAX_S = 5.0
+"""The longest wait between tries of a commit that waits for other nodes' parts (they come with their uploads)."""
 
 
 class Uploader:
@@ -79,6 +91,8 @@ class Uploader:
         housekeeping: Callable[[int | None], None] | None = None,
         max_pending: int | None = None,
         nice: int = 0,
+        node: str | None = None,
+        on_waiting: Callable[[int, str, float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0 < backoff_initial_s <= backoff_max_s:
@@ -93,6 +107,9 @@ class Uploader:
         self.on_retry = on_retry  # (step, error, the wait before the next try)
         self.housekeeping = housekeeping
         self.max_pending = max_pending
+        self.node = node  # a node-local job's node: its part of each checkpoint (`ftsup.store.nodes`)
+        self.on_waiting = on_waiting  # (step, what its commit waits for, the wait before the next try)
+        self._waits: dict[int, tuple[float, float]] = {}  # step waiting for other nodes -> (next try, its delay)
         self.nice = nice  # added to this thread's nice value (Linux: per thread, inherited by its upload threads)
         self.clock = clock
         self._preempt = False
@@ -176,15 +193,22 @@ class Uploader:
         self._call(self.housekeeping, None)
         while True:
             with self._cond:
-                while not self._pending and not self._closing:
-                    self._cond.wait()
+                while not self._closing:
+                    now = self.clock()
+                    ready = [s for s in self._pending if s not in self._waits or self._waits[s][0] <= now]
+                    if ready:
+                        break
+                    soonest = min((self._waits[s][0] for s in self._pending), default=None)
+                    self._cond.wait(None if soonest is None else max(0.01, soonest - now))
                 if self._closing:
                     return
-                step = max(self._pending)
+                step = max(ready)
                 path = self._pending.pop(step)
                 self._uploading = step
                 self._preempt = False
-            self._call(self.on_started, step, str(path))
+                again = step in self._waits
+            if not again:
+                self._call(self.on_started, step, str(path))
             try:
                 outcome = self._upload(step, path)
             except _Preempted:
@@ -192,8 +216,18 @@ class Uploader:
                 with self._cond:
                     if step not in self._durable:
                         self._pending.setdefault(step, path)  # after the urgent one, from where it stopped
+            except _Waiting as e:  # its part is there; the others' come: other checkpoints go meanwhile
+                outcome = None
+                with self._cond:
+                    delay = min(self._waits[step][1] * 2, WAIT_MAX_S) if again else self.backoff_initial_s
+                    self._waits[step] = (self.clock() + delay, delay)
+                    self._last_error = str(e)
+                    self._pending.setdefault(step, path)
+                self._call(self.on_waiting, step, str(e), delay)
             with self._cond:
                 self._uploading = None
+                if outcome is not None:
+                    self._waits.pop(step, None)
                 if outcome is not None and outcome.committed:
                     self._durable.add(step)
                 self._cond.notify_all()
@@ -223,11 +257,16 @@ class Uploader:
             attempts += 1
             try_started = self.clock()
             try:
-                report = self.tier.upload(path, on_part=self._check_closing)
+                if self.node is None:
+                    report = self.tier.upload(path, on_part=self._check_closing)
+                else:
+                    report = self.tier.upload(path, on_part=self._check_closing, node=self.node)
             except (_Stopped, _Preempted) as e:
                 if isinstance(e, _Preempted):
                     raise
                 return None
+            except DurableWaitError as e:
+                raise _Waiting(str(e)) from None
             except DurableTierError as e:  # the tier failed: the same upload is tried again, resuming
                 with self._cond:
                     self._last_error = str(e)

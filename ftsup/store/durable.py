@@ -239,8 +239,11 @@ class DurableTier(ABC):
         return f"{self.url.rstrip('/')}/{layout.step_dirname(step)}"
 
     @abstractmethod
-    def upload(self, ckpt_dir: str | os.PathLike[str], *, on_part: PartHook | None = None) -> UploadReport:
-        """Copy the committed local checkpoint `ckpt_dir` into the tier and commit it there. Raises
+    def upload(
+        self, ckpt_dir: str | os.PathLike[str], *, on_part: PartHook | None = None, node: str | None = None
+    ) -> UploadReport:
+        """Copy the committed local checkpoint `ckpt_dir` into the tier and commit it there; with `node`, only the
+        part of a checkpoint that node holds, committed once every node's part is there (`ftsup.store.nodes`). Raises
         DurableTierError when the tier fails (call again: what arrived and verifies is kept),
         DurableConflictError when the step is committed there with other content, CheckpointCorruptError when
         the local copy does not match its manifest."""

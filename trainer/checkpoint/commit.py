@@ -31,6 +31,7 @@ import torch
 from ftsup.store import checksums, choice, layout
 from ftsup.store.errors import CheckpointError, CheckpointSaveError
 from ftsup.store.retention import RetentionPolicy, apply_retention, claim_spare, remove_dir
+from ftsup.trainer.checkpoint import commit_nodes
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
 from ftsup.trainer.checkpoint.finite import first_nonfinite
 from ftsup.trainer.checkpoint.shardio import write_shard
@@ -96,8 +97,12 @@ class Committer:
         recycle: bool,
         hook: Hook,
         check_finite: bool = True,
+        node: str | None = None,
+        leader: bool = False,
     ):  # fmt: skip
         self.directory = directory
+        self.node = node  # each node keeps its own directory (`commit_nodes`); None: one store every rank shares
+        self.leader = leader if node is not None else comm.rank == 0  # the rank that commits into this directory
         self.check_finite = check_finite
         self.comm = comm
         self.rank = comm.rank
@@ -109,6 +114,8 @@ class Committer:
 
     def write(self, job: StagedSave) -> SaveResult:
         """Write, gather, commit: a collective over the engine's group (every rank, same order)."""
+        if self.node is not None:
+            return commit_nodes.write(self, job)
         step, comm = job.step, self.comm
         partial = self.directory / layout.partial_dirname(step)
         final = self.directory / layout.step_dirname(step)
@@ -150,7 +157,8 @@ class Committer:
         return SaveResult(step, str(final), job.kind, job.plan.tensor_bytes, job.stage_s, durable_s)
 
     def retain(self, newest: int) -> None:
-        """Rank 0, after a commit: apply the retention policy, never deleting `newest`."""
+        """The leader (rank 0, or each node's first local rank in a node-local store), after a commit: apply the
+        retention policy to this directory, never deleting `newest`."""
         try:
             spares = self.world_size if self.recycle else 0  # one save's shard files
             apply_retention(self.directory, self.retention, protect={newest}, spares=spares)
