@@ -11,7 +11,8 @@ committed there with other content, or any other exception: the thread never die
 the oldest waiting one past `max_pending`. In a job whose nodes keep separate fast tiers (`node`), an upload sends this
 node's part of a checkpoint; one whose commit waits for the other nodes' parts (`DurableWaitError`) waits again in the
 queue (tried after a backoff up to WAIT_MAX_S, `on_waiting` told what it waits for) while other checkpoints go
-meanwhile: two nodes each waiting for the other's part of another step never stall each other. Each outcome goes to
+meanwhile: two nodes each waiting for the other's part of another step never stall each other; one still waiting
+when a newer checkpoint becomes durable is dropped (superseded). Each outcome goes to
 `on_outcome`, each start of an upload to `on_started`, each failed try to `on_retry` (the caller logs and counts them;
 they run on this thread, or on the submitter's for a checkpoint dropped at once); `housekeeping(step)` runs on the
 thread after each commit, and `housekeeping(None)` once when it starts (the caller's retention and listing of the tier).
@@ -234,7 +235,22 @@ class Uploader:
             if outcome is not None:
                 self._report(outcome)
                 if outcome.committed:
+                    self._supersede_waiting(step)
                     self._call(self.housekeeping, step)
+
+    def _supersede_waiting(self, step: int) -> None:
+        """Give up the older commits that wait for other nodes' parts once `step` is durable: a part that has not
+        come by then (its node gone, its copy lost with its machine) may never come, and a newer checkpoint is
+        durable."""
+        with self._cond:
+            old = [s for s in self._waits if s < step and s in self._pending]
+            gone = [(s, self._pending.pop(s)) for s in sorted(old)]
+            for s, _ in gone:
+                self._waits.pop(s, None)
+            self._cond.notify_all()
+        for s, where in gone:
+            why = f"superseded: step {step} is durable, and the other nodes' parts of this one did not come"
+            self._report(Outcome(s, str(where), False, 0, 0.0, error=why))
 
     def _report(self, outcome: Outcome) -> None:
         self._call(self.on_outcome, outcome)

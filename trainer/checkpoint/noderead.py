@@ -22,7 +22,7 @@ from typing import Any
 import structlog
 
 from ftsup.store import layout, safefile, tiers
-from ftsup.store.errors import CheckpointCorruptError, CheckpointError, ManifestError
+from ftsup.store.errors import CheckpointCorruptError, CheckpointError, ManifestError, NoCheckpointError
 from ftsup.trainer.checkpoint.durableread import PIECE_BYTES, DurableSource, LazyTier
 from ftsup.trainer.checkpoint.shardio import VerifiedFile
 
@@ -64,7 +64,14 @@ class NodeSource:
                     "configured to read them from",
                     path=str(self.local),
                 )
-            pick = tiers.find_durable(self.tier.get(), self.manifest.step)
+            try:
+                pick = tiers.find_durable(self.tier.get(), self.manifest.step)
+            except NoCheckpointError as e:  # not committed there (a node's part never came): another step is chosen
+                raise CheckpointCorruptError(
+                    f"{self.local}: this node's copy lacks files of step {self.manifest.step}, and the durable tier "
+                    f"holds no commit of it ({e})",
+                    path=str(self.local),
+                ) from None
             if pick.manifest != self.manifest:
                 raise CheckpointCorruptError(
                     f"{pick.info.path}: not the checkpoint chosen (another manifest for step {self.manifest.step})",
