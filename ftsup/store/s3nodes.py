@@ -3,7 +3,8 @@
 Each node's supervisor sends only the files its node holds (`nodes.sent_by`), under the same keys as any upload
 (the data folder named by the manifest's hash: every node of the step computes the same one, since every node
 commits the same manifest bytes), checked part by part exactly as `s3upload` does; then it writes a marker of its
-part, `step-N/nodes-<hex>/<node>.json` (the files it verified there, with `If-None-Match: *`), and tries the commit:
+part, `step-N/nodes-<hex>/<node>.json` (the files it verified there; only that node writes that name, always with
+the same bytes, so one found otherwise is written over), and tries the commit:
 once every node the manifest names has its marker and one listing shows every file at its recorded size, the
 manifest goes with `If-None-Match: *`. The last node to finish commits; a refused write that finds the same bytes
 was another node's commit (the outcome is "already"). Until every marker is there the try raises `WaitingForNodes`
@@ -22,10 +23,8 @@ from ftsup.store import durable, layout, nodes, s3list, s3upload
 from ftsup.store.errors import (
     CheckpointCorruptError,
     CheckpointError,
-    DurableConflictError,
     DurableTierError,
     DurableWaitError,
-    ManifestError,
 )
 
 if TYPE_CHECKING:
@@ -65,15 +64,16 @@ def upload(
     report = {"bytes_sent": 0, "parts_sent": 0, "parts_kept": 0}
     marker_key = markers_folder(tier, step, token) + f"{node}.json"
     marker = nodes.marker_bytes(node, step, {rel: manifest.files[rel] for rel in mine})
-    if read_small(tier, marker_key, nodes.MARKER_MAX_BYTES) != marker:  # not sent yet, or cut short
+    try:
+        marked = read_small(tier, marker_key, nodes.MARKER_MAX_BYTES) == marker
+    except DurableTierError:
+        raise
+    except CheckpointError:
+        marked = False  # not this node's marker (too big): written over below
+    if not marked:  # not sent yet, or cut short
         _send_files(tier, local, mine, report, on_part)
-        try:
-            tier.put(marker_key, marker, if_none_match=True)
-        except s3upload.PreconditionFailed:
-            if read_small(tier, marker_key, nodes.MARKER_MAX_BYTES) != marker:
-                raise DurableConflictError(
-                    f"s3://{tier.bucket}/{marker_key}: another marker of node {node} for this checkpoint is there"
-                ) from None
+        # Only this node writes this name, always the same bytes: one that is there otherwise is written over.
+        tier.put(marker_key, marker)
     outcome = try_commit(tier, local)
     bits = dict(report, files=len(mine))
     return durable.UploadReport(step, tier.step_url(step), outcome, bits.pop("files"), total, **bits)
@@ -124,13 +124,14 @@ def try_commit(tier: S3Tier, local: durable.LocalCheckpoint) -> str:
         key = f"{folder}{node}.json"
         if key not in present:
             continue
-        raw = read_small(tier, key, nodes.MARKER_MAX_BYTES)
-        if raw is None:
-            continue
         try:
-            markers[node] = nodes.parse_marker(raw, node, step, manifest.files, f"s3://{tier.bucket}/{key}")
-        except ManifestError:
-            continue  # not a part this checkpoint can count on: the node's next upload writes it again
+            raw = read_small(tier, key, nodes.MARKER_MAX_BYTES)
+            if raw is not None:
+                markers[node] = nodes.parse_marker(raw, node, step, manifest.files, f"s3://{tier.bucket}/{key}")
+        except DurableTierError:
+            raise
+        except CheckpointError:
+            continue  # not a part this checkpoint can count on (too big, not a marker of it): never committed on it
     data = tier.key(layout.step_dirname(step), token) + "/"
     listed = s3list.object_sizes(tier, data, len(manifest.files))
     sizes = {key[len(data) :]: size for key, size in listed.items()}

@@ -113,3 +113,28 @@ def test_deleting_the_checkpoint_removes_its_node_markers(bucket: str, tmp_path:
         tier.delete(4)
     left = client(s3_server).list_objects_v2(Bucket=bucket).get("Contents", [])
     assert left == []
+
+
+def test_a_marker_planted_for_a_node_whose_files_are_not_there_commits_nothing(bucket: str, tmp_path: Path) -> None:
+    copies = node_copies(tmp_path)
+    with durable.open_tier(f"s3://{bucket}/job", OPTIONS) as tier:
+        assert isinstance(tier, S3Tier)
+        local = durable.read_local(copies["node-b"])
+        entries = local.manifest.files
+        forged = nodes.marker_bytes("node-a", 4, {r: entries[r] for r in nodes.sent_by(entries, NODES, "node-a")})
+        tier.put(s3nodes.markers_folder(tier, 4, local.token) + "node-a.json", forged)
+        with pytest.raises(s3nodes.WaitingForNodes, match=r"shard-00000.safetensors \(missing\)"):
+            tier.upload(copies["node-b"], node="node-b")
+        assert tier.list_checkpoints().checkpoints == []
+
+
+def test_a_nodes_own_marker_found_torn_is_written_again_and_the_step_commits(bucket: str, tmp_path: Path) -> None:
+    copies = node_copies(tmp_path)
+    with durable.open_tier(f"s3://{bucket}/job", OPTIONS) as tier:
+        assert isinstance(tier, S3Tier)
+        token = durable.read_local(copies["node-b"]).token
+        tier.put(s3nodes.markers_folder(tier, 4, token) + "node-b.json", b'{"node": "node-b", "step": 4, "fi')
+        with pytest.raises(s3nodes.WaitingForNodes):
+            tier.upload(copies["node-a"], node="node-a")
+        assert tier.upload(copies["node-b"], node="node-b").outcome == "committed"
+        assert tier.inspect(4, deep=True).consistent
