@@ -185,3 +185,17 @@ def test_the_commit_waits_for_a_marker_that_lists_less_than_its_ranks_files() ->
     assert nodes.missing_for_commit(manifest().files, NODES, got, sizes()) == [
         "node node-b's marker lists not every file of its ranks"
     ]
+
+
+def test_a_filesystem_tier_takes_a_one_node_checkpoint_whole_and_refuses_one_nodes_part(tmp_path: Path) -> None:
+    from ftsup.store import durable
+    from ftsup.store.errors import CheckpointError
+
+    one = manifest({"node-a": (0, 1)})
+    ckpt = node_copy(tmp_path / "a", "node-a", one)
+    for rel in FILES:
+        (ckpt / rel).write_bytes(FILES[rel])  # one node holds every file
+    with durable.open_tier(str(tmp_path / "durable")) as tier:
+        assert tier.upload(ckpt, node="node-a").outcome == "committed"
+        with pytest.raises(CheckpointError, match="object storage"):
+            tier.upload(node_copy(tmp_path / "b", "node-b", manifest()), node="node-b")
