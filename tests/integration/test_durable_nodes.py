@@ -6,11 +6,16 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ftsup.store import checksums, durable, layout, nodes, s3nodes
 from ftsup.store.s3 import S3Tier
+from ftsup.supervisor.config import parse_config
+from ftsup.supervisor.durable_keeper import DurableKeeper
+from ftsup.supervisor.metrics import Metrics
+from tests.procs import wait_for
 from tests.s3fixtures import client
 from tests.s3server import SeaweedS3
 
@@ -138,3 +143,29 @@ def test_a_nodes_own_marker_found_torn_is_written_again_and_the_step_commits(buc
             tier.upload(copies["node-a"], node="node-a")
         assert tier.upload(copies["node-b"], node="node-b").outcome == "committed"
         assert tier.inspect(4, deep=True).consistent
+
+
+def test_an_eviction_waiting_for_another_nodes_part_says_what_it_waits_for(bucket: str, tmp_path: Path) -> None:
+    copies = node_copies(tmp_path)
+    raw = {"job": {"command": ["true"]}, "checkpoint": {"dir": str(tmp_path / "node-a"), "dir_shared": False,
+           "durable": {"url": f"s3://{bucket}/job", "part_bytes": 5 << 20}},
+           "launch": {"nnodes": 2, "rdzv_endpoint": "127.0.0.1:29400", "node_id": "node-a"}}  # fmt: skip
+    cfg = parse_config(raw, source="job.yaml", base_dir=tmp_path, hostname="n")
+    seen: list[tuple[str, dict[str, Any]]] = []
+    keeper = DurableKeeper(
+        cfg, emit=lambda level, event, **f: seen.append((event, f)), metrics=Metrics("r", "n-a", started_unix=0)
+    )
+    with keeper.running():
+        keeper.saved(4, "emergency")
+
+        def part_logged() -> bool:
+            keeper.poll()
+            return any(e == "durable_part_uploaded" for e, _ in seen)
+
+        wait_for(part_logged, 60, "node-a's part was never uploaded")
+        durable_now = keeper.wait_durable(4, 0.5, "the eviction")
+    parts = [f for e, f in seen if e == "durable_part_uploaded"]
+    missed = [f for e, f in seen if e == "durable_deadline_missed"]
+    assert not durable_now and [p["step"] for p in parts] == [4] and parts[0]["node"] == "node-a"
+    assert "waiting for: " in missed[0]["reason"] and "node node-b's part" in missed[0]["reason"]
+    assert copies
