@@ -86,3 +86,13 @@ def test_a_node_that_lost_its_fast_tier_reads_its_share_from_the_store_bitwise(
     assert (loaded["step"], loaded["digests"]) == (2, saved[1]["digests_2"])
     reads = _node_reads(output)
     assert reads[1][0] == 0 and reads[1][1] > 0 and reads[0][0] > 0, reads
+
+
+def test_a_node_killed_after_staging_its_copy_leaves_the_step_committed_on_no_node(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    r = torchrun("ckpt_worker.py", ["save", "--dir", str(ckpt), "--steps", "1,2", "--node-local", "--kill-at",
+                                    "manifest_written:2:1", "--out", str(tmp_path / "s.json")], nproc=2)  # fmt: skip
+    assert r.returncode != 0
+    for node in ("node-0", "node-1"):
+        assert [i.step for i in layout.list_checkpoints(ckpt / node, deep=True) if i.consistent] == [1], node
+        assert [s for s, _ in layout.committed_dirs(ckpt / node)] == [1], node
