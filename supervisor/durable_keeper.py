@@ -115,9 +115,12 @@ class DurableKeeper:
         self._seen = (view.scans, view.errors)
         if view.scans - scans <= view.errors - errors:
             return  # no scan went through since the last look
-        self._picks, chosen = durable_policy.pick(self.tier_cfg, self._picks, view.recent)
+        self._picks, chosen, others = durable_policy.candidates(self.tier_cfg, self._picks, view.recent)
         for info in chosen:
             self.submit(Path(info.path))
+        for info in others if self.node is not None else []:  # to follow rank 0's node's pick (`follows`)
+            if self.uploader is not None:
+                self.uploader.submit(Path(info.path), picked=False)
 
     def saved(self, step: int, kind: str | None) -> None:
         """The ranks reported a checkpoint of `step` committed for an eviction: submitted now, urgent."""
@@ -172,7 +175,7 @@ class DurableKeeper:
             self.poll()
             st = self.uploader.status()
             left = end - self._clock()
-            if (not st.pending and st.uploading is None) or left <= 0:
+            if (set(st.pending) <= set(st.following) and st.uploading is None) or left <= 0:
                 break
             self.uploader.wait_durable(st.uploading if st.uploading is not None else st.pending[0], min(POLL_S, left))
         done = self.uploader.wait_durable(final, 0.0)
@@ -216,6 +219,8 @@ class DurableKeeper:
                        retry_in_s=round(wait, 3))  # fmt: skip
 
     def _outcome(self, o: Outcome) -> None:
+        if o.skipped:
+            return  # not this node's to upload, by the pick every node agrees on
         if not o.committed or o.report is None:
             self._emit("error", "durable_dropped", step=o.step, url=self.url, path=o.path, attempts=o.attempts,
                        reason=o.error or "not uploaded")  # fmt: skip
@@ -277,6 +282,28 @@ class DurableKeeper:
                 continue
             self._later("info", "durable_deleted", step=step, url=self.url, objects=removed,
                         reason=f"durable retention (keep_last {self.tier_cfg.keep_last})")  # fmt: skip
+        if self.node is not None and good:
+            self._sweep(tier, {c.step for c in listing.checkpoints}, good[-1].step)
+
+    def _sweep(self, tier: durable.DurableTier, committed: set[int], newest: int) -> None:
+        """Delete what this job's nodes wrote for the steps older than the newest commit that were never committed
+        (`DurableTier.sweep`: the objects their markers name, and those markers); they can no longer commit."""
+        try:
+            manifest, _ = tier.manifest(newest)
+            job = {*(manifest.nodes or ()), *([self.node] if self.node else [])}
+            stale = [s for s in tier.committed_steps() if s < newest and s not in committed]
+        except Exception as e:  # noqa: BLE001 - the tier's failure is logged; the next commit sweeps again
+            self._later("warning", "durable_retention_failed", step=newest, reason=f"sweep: {_error_line(e)}")
+            return
+        for step in stale:
+            try:
+                removed = tier.sweep(step, job)
+            except Exception as e:  # noqa: BLE001 - one failed deletion must not stop the uploads
+                self._later("warning", "durable_retention_failed", step=step, reason=_error_line(e))
+                continue
+            if removed:
+                self._later("info", "durable_deleted", step=step, url=self.url, objects=removed,
+                            reason=f"never committed, superseded by step {newest}")  # fmt: skip
 
     def _later(self, level: str, event: str, **fields: Any) -> None:
         """An event for the loop's thread to log (logging and metrics are the loop's)."""

@@ -248,6 +248,17 @@ class DurableTier(ABC):
         DurableConflictError when the step is committed there with other content, CheckpointCorruptError when
         the local copy does not match its manifest."""
 
+    def follows(self, ckpt_dir: str | os.PathLike[str], node: str, picked: bool) -> str:
+        """Whether node `node` uploads its part of the checkpoint `ckpt_dir` now: "go", "skip" (not picked), or,
+        where the tier keeps node parts (`ftsup.store.s3nodes.follows`), "follow" (the node of rank 0 picked it);
+        DurableWaitError while a periodic one waits for that node's pick. Here: what this node picked goes."""
+        return "go" if picked else "skip"
+
+    def sweep(self, step: int, nodes: set[str]) -> int:
+        """Delete what the nodes `nodes` wrote for `step`, which was never committed (`ftsup.store.s3nodes.sweep`);
+        the number of objects deleted. Here (no node parts): nothing."""
+        return 0
+
     @abstractmethod
     def list_checkpoints(self, *, deep: bool = False) -> DurableListing:
         """The committed checkpoints, each checked (fast or deep); a step without a manifest is not one."""

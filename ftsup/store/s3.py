@@ -201,6 +201,12 @@ class S3Tier(durable.DurableTier):
             return s3nodes.upload(self, ckpt_dir, node, on_part=on_part)
         return s3upload.upload(self, ckpt_dir, on_part=on_part)
 
+    def follows(self, ckpt_dir: str | os.PathLike[str], node: str, picked: bool) -> str:
+        return s3nodes.follows(self, ckpt_dir, node, picked)
+
+    def sweep(self, step: int, nodes: set[str]) -> int:
+        return s3nodes.sweep(self, step, nodes)
+
     def call(self, what: str, key: str, fn: Any, **kwargs: Any) -> Any:
         try:
             return fn(**kwargs)

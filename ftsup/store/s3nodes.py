@@ -19,12 +19,13 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from ftsup.store import durable, layout, nodes, s3list, s3upload
+from ftsup.store import durable, layout, nodes, s3list, s3upload, safefile
 from ftsup.store.errors import (
     CheckpointCorruptError,
     CheckpointError,
     DurableTierError,
     DurableWaitError,
+    ManifestError,
 )
 
 if TYPE_CHECKING:
@@ -77,6 +78,82 @@ def upload(
     outcome = try_commit(tier, local)
     bits = dict(report, files=len(mine))
     return durable.UploadReport(step, tier.step_url(step), outcome, bits.pop("files"), total, **bits)
+
+
+class WaitingForLeader(DurableWaitError):
+    """A periodic checkpoint that the node of rank 0 has not picked (its marker is not in the tier) yet."""
+
+
+def follows(tier: S3Tier, ckpt_dir: str | os.PathLike[str], node: str, picked: bool) -> str:
+    """The pick that every node of a node-local job agrees on (`ftsup/store/DESIGN.md`, Node-local fast tiers):
+    the node of rank 0 (the leader) uploads what it picked by the policy; another node uploads an emergency or
+    final checkpoint it picked itself ("go"), and a periodic one only once the leader's marker of that step is in
+    the tier ("follow"; WaitingForLeader until then); anything else is "skip". A checkpoint whose manifest records
+    no nodes, or not this node, goes as picked (its upload says what is wrong)."""
+    local = durable.read_local(ckpt_dir)
+    manifest = local.manifest
+    if manifest.nodes is None or node not in manifest.nodes:
+        return "go" if picked else "skip"
+    leader = nodes.node_of_rank(manifest.nodes, 0)
+    if leader == node or manifest.kind != "periodic":
+        return "go" if picked else "skip"
+    step = manifest.step
+    if tier.manifest_raw(step) is not None or tier.head(markers_folder(tier, step, local.token) + f"{leader}.json"):
+        return "follow"
+    raise WaitingForLeader(f"{tier.step_url(step)}: not picked by node {leader} (rank 0) yet")
+
+
+def sweep(tier: S3Tier, step: int, nodes_of_job: set[str]) -> int:
+    """Delete what this job's nodes wrote for the step `step`, which has no manifest in the tier: the files each
+    marker of a node of `nodes_of_job` names (in the data folder beside it), then those markers; never an object no
+    such marker names. The number of objects deleted. Only for a step that can no longer commit (the caller's)."""
+    base = tier.key(layout.step_dirname(step)) + "/"
+    got = tier.call("list", base, tier.client.list_objects_v2, Bucket=tier.bucket, Prefix=base, Delimiter="/",
+                    MaxKeys=s3list.PAGE)  # fmt: skip
+    folders = [e.get("Prefix") for e in got.get("CommonPrefixes", []) or [] if isinstance(e, dict)]
+    found: dict[str, list[tuple[str, str]]] = {}  # data token -> (marker key, node)
+    for folder in folders:
+        if not isinstance(folder, str) or not folder.startswith(base) or not folder.endswith("/"):
+            continue
+        name = folder[len(base) : -1]
+        if not name.startswith("nodes-") or "/" in name:
+            continue
+        present = s3list.object_sizes(tier, folder, len(nodes_of_job))
+        for node in sorted(nodes_of_job):
+            key = f"{folder}{node}.json"
+            if key in present:
+                found.setdefault("data-" + name.removeprefix("nodes-"), []).append((key, node))
+    if tier.manifest_raw(step) is not None:
+        return 0  # committed meanwhile: the checkpoint's retention deletes it
+    deleted = 0
+    for token, marks in sorted(found.items()):
+        if not durable.is_token(token):
+            continue
+        for key, node in marks:
+            try:
+                raw = read_small(tier, key, nodes.MARKER_MAX_BYTES)
+                rels = _marker_files(raw, node, step, f"s3://{tier.bucket}/{key}") if raw is not None else []
+            except DurableTierError:
+                raise
+            except CheckpointError:
+                continue  # not a marker of this job's: what it names stays, and so does it
+            deleted += s3list.delete_files(tier, step, token, rels)
+            tier.call("delete", key, tier.client.delete_object, Bucket=tier.bucket, Key=key)
+            deleted += 1
+    return deleted
+
+
+def _marker_files(raw: bytes, node: str, step: int, where: str) -> list[str]:
+    """The files a marker of `node` for `step` names (checked as `nodes.parse_marker` does, without a manifest)."""
+    obj = safefile.loads(raw, where, max_values=nodes.MARKER_MAX_BYTES // 16, error=ManifestError)
+    if not isinstance(obj, dict) or obj.get("node") != node or obj.get("step") != step:
+        raise ManifestError(f"{where}: not the marker of node {node!r} for step {step}")
+    listed = obj.get("files")
+    if not isinstance(listed, dict):
+        raise ManifestError(f"{where}: files must be an object")
+    for rel in listed:
+        safefile.validate_relpath(rel)
+    return sorted(listed)
 
 
 def _send_files(

@@ -31,11 +31,11 @@ def files() -> dict[str, bytes]:
     return out
 
 
-def node_copies(root: Path, step: int = 4) -> dict[str, Path]:
+def node_copies(root: Path, step: int = 4, kind: str = "periodic") -> dict[str, Path]:
     """The copy of checkpoint `step` in each node's own fast tier: its node's files, its node file, one manifest."""
     data = files()
     entries = {rel: layout.FileEntry(len(d), checksums.checksum_bytes(d)) for rel, d in data.items()}
-    manifest = layout.Manifest(step=step, world_size=3, kind="periodic", created_unix=1.7e9, files=entries,
+    manifest = layout.Manifest(step=step, world_size=3, kind=kind, created_unix=1.7e9, files=entries,
                                tensor_bytes=1, nodes=NODES)  # fmt: skip
     raw = json.dumps(manifest.to_json()).encode()
     out = {}

@@ -93,3 +93,59 @@ def test_a_commit_still_waiting_when_a_newer_checkpoint_is_durable_is_dropped_as
     dropped = [o for o in outcomes if not o.committed]
     assert [o.step for o in dropped] == [1] and "superseded: step 2 is durable" in (dropped[0].error or "")
     assert status.pending == ()
+
+
+class _Follows(_WaitsForStep1):
+    """The tier's `follows` answers from `verdicts` (step -> "go", "skip", "follow" or "wait"); uploads commit."""
+
+    def __init__(self, inner: durable.DurableTier, verdicts: dict[int, str]) -> None:
+        super().__init__(inner)
+        self.verdicts = verdicts
+
+    def follows(self, ckpt_dir, node, picked):  # type: ignore[no-untyped-def]
+        verdict = self.verdicts[layout.parse_step_dirname(Path(ckpt_dir).name) or 0]
+        if verdict == "wait":
+            raise DurableWaitError("not picked by node node-a (rank 0) yet")
+        return verdict
+
+    def upload(self, ckpt_dir, *, on_part=None, node=None):  # type: ignore[no-untyped-def]
+        self.tries.append((layout.parse_step_dirname(Path(ckpt_dir).name), node))
+        return self.inner.upload(ckpt_dir, on_part=on_part)
+
+
+def test_a_checkpoint_not_this_nodes_to_upload_is_skipped_quietly(tmp_path: Path) -> None:
+    outcomes: list[Outcome] = []
+    fake = _Follows(durable.open_tier(str(tmp_path / "durable"), durable.DurableOptions(concurrency=2)), {1: "skip"})
+    ckpt = make_fake_checkpoint(tmp_path / "fast", 1, default_files(1))
+    with Uploader(fake, node="node-a", backoff_initial_s=0.05, on_outcome=outcomes.append) as up:
+        up.submit(ckpt, picked=False)
+        wait_for(lambda: outcomes, 30, "step 1 had no outcome")
+    assert [(o.step, o.committed, o.skipped) for o in outcomes] == [(1, False, True)] and fake.tries == []
+
+
+def test_a_step_waiting_for_the_leaders_pick_is_uploaded_once_it_comes(tmp_path: Path) -> None:
+    verdicts = {1: "wait"}
+    fake = _Follows(durable.open_tier(str(tmp_path / "durable"), durable.DurableOptions(concurrency=2)), verdicts)
+    ckpt = make_fake_checkpoint(tmp_path / "fast", 1, default_files(1))
+    with Uploader(fake, node="node-b", backoff_initial_s=0.05) as up:
+        up.submit(ckpt, picked=False)
+        wait_for(lambda: up.status().following == (1,), 30, "step 1 never waited for the leader")
+        quiet = up.status().last_error
+        verdicts[1] = "follow"
+        assert up.wait_durable(1, timeout_s=30)
+    assert quiet is None and fake.tries == [(1, "node-b")]
+
+
+def test_a_step_the_leader_never_picks_is_dropped_quietly_once_a_newer_one_is_durable(tmp_path: Path) -> None:
+    outcomes: list[Outcome] = []
+    verdicts = {1: "wait", 2: "go"}
+    fake = _Follows(durable.open_tier(str(tmp_path / "durable"), durable.DurableOptions(concurrency=2)), verdicts)
+    older, newer = (make_fake_checkpoint(tmp_path / "fast", s, default_files(s)) for s in (1, 2))
+    with Uploader(fake, node="node-b", backoff_initial_s=0.05, on_outcome=outcomes.append) as up:
+        up.submit(older, picked=False)
+        wait_for(lambda: up.status().following == (1,), 30, "step 1 never waited for the leader")
+        up.submit(newer)
+        wait_for(lambda: len(outcomes) == 2, 30, "step 1 was never given up")
+        status = up.status()
+    assert sorted((o.step, o.committed, o.skipped) for o in outcomes) == [(1, False, True), (2, True, False)]
+    assert status.pending == () and (1, "node-b") not in fake.tries
