@@ -52,9 +52,10 @@ NODE_ID_ENV = "FTSUP_NODE_ID"
 DATA_SKIPS_ENV = "FTSUP_DATA_SKIPS"  # A:B,C:D: ranges of global data positions no rank serves (`parse_data_skips`)
 KEEP_OLDER_THAN_STEPS_ENV = "FTSUP_KEEP_OLDER_THAN_STEPS"  # the history a rollback needs, for the engine's retention
 DURABLE_TIER_ENV = "FTSUP_CHECKPOINT_DURABLE"  # the durable tier's location (s3://BUCKET/PREFIX or a path); empty: none
+NODE_LOCAL_ENV = "FTSUP_CHECKPOINT_NODE_LOCAL"  # "1": each node keeps its own checkpoint dir (`ftsup.store.nodes`)
 ENV_NAMES = (HEARTBEAT_SOCKET_ENV, HEARTBEAT_INTERVAL_ENV, CONTROL_FILE_ENV, CHECKPOINT_DIR_ENV, RESUME_STEP_ENV,
              ATTEMPT_ENV, RUN_ID_ENV, NODE_ID_ENV, DATA_SKIPS_ENV, KEEP_OLDER_THAN_STEPS_ENV, DURABLE_TIER_ENV,
-             GUARD_PARENT_ENV, GUARD_IGNORE_ENV)  # fmt: skip
+             GUARD_PARENT_ENV, GUARD_IGNORE_ENV, NODE_LOCAL_ENV)  # fmt: skip
 """Every variable of ours a rank's environment holds."""
 
 DEFAULT_INTERVAL_S = 0.5  # a rank's beat interval in `eval` when the supervisor exports none
@@ -141,6 +142,10 @@ class RuntimeEnv:
     world_size: int = 1
     data_skips: DataSkips = ()
     """The skips in force (DATA_SKIPS_ENV): data positions this run's schedule never serves."""
+    node_id: str | None = None
+    """NODE_ID_ENV: the id of this rank's node."""
+    node_local: bool = False
+    """NODE_LOCAL_ENV: each node keeps its own checkpoint dir (its first local rank commits there)."""
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> RuntimeEnv:
@@ -182,6 +187,8 @@ class RuntimeEnv:
             local_rank=num("LOCAL_RANK", 0) or 0,
             world_size=num("WORLD_SIZE", 1) or 1,
             data_skips=parse_data_skips(env.get(DATA_SKIPS_ENV, ""), f"environment variable {DATA_SKIPS_ENV}"),
+            node_id=env.get(NODE_ID_ENV) or None,
+            node_local=env.get(NODE_LOCAL_ENV, "").strip() == "1",
         )
 
 

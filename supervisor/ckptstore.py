@@ -128,13 +128,17 @@ class StoreScanner:
 
     _durable: Callable[[], durable.DurableTier] | None = None  # set by `with_durable_tier`
     _durable_timeout_s = DURABLE_TIMEOUT_S
+    _durable_only = False
 
     def with_durable_tier(
-        self, opener: Callable[[], durable.DurableTier] | None, timeout_s: float = DURABLE_TIMEOUT_S
-    ) -> StoreScanner:
+        self, opener: Callable[[], durable.DurableTier] | None, timeout_s: float = DURABLE_TIMEOUT_S,
+        *, durable_only: bool = False,
+    ) -> StoreScanner:  # fmt: skip
         """Make the resume choice across the fast tier and the durable tier `opener` opens (None: none), the tier's
-        part waited for at most `timeout_s` (see the module docstring); before `start()`."""
-        self._durable, self._durable_timeout_s = opener, timeout_s
+        part waited for at most `timeout_s` (see the module docstring); before `start()`. `durable_only` (the
+        nodes of the job keep separate fast tiers): the newest checkpoint committed in the durable tier, since a
+        local one cannot be known complete on the other nodes; the fast tier's choice only when the tier fails."""
+        self._durable, self._durable_timeout_s, self._durable_only = opener, timeout_s, durable_only
         return self
 
     def start(self) -> StoreScanner:
@@ -219,7 +223,10 @@ class StoreScanner:
 
     def _choose(self, at_most: int | None) -> Resume:
         fast = choice.choose(self._root, deep=self._deep, at_most=at_most)
-        both, durable_error = self._across(fast, at_most)
+        only = self._durable_only and self._durable is not None
+        both, durable_error = self._across(choice.Choice(None) if only else fast, at_most)
+        if only and durable_error is not None:  # the tier failed: the ranks' own load falls back the same way
+            both = tiers.from_fast(fast)
         picked = both.as_choice
         abandoned: tuple[choice.Passed, ...] = ()
         if at_most is not None:

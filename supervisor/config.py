@@ -51,6 +51,11 @@ LOG_FORMATS = ("json", "console")
 
 _EXAMPLE = "deploy/examples/job.yaml"
 _SHARED_STORE = "nnodes ({}) allows more than one node, so set it to a directory every node shares"
+_NODE_LOCAL = (
+    "is false and nnodes ({}) allows more than one node: each node's part of a checkpoint is committed in a durable "
+    "tier on object storage, the only place every node reads, so set checkpoint.durable to s3://BUCKET/PREFIX (or "
+    "make checkpoint.dir a directory every node shares and dir_shared true)"
+)
 
 
 # --------------------------------------------------------------------------- the sections
@@ -90,6 +95,10 @@ class CheckpointConfig:
     durable: DurableConfig | None = None
     """A durable tier (`s3://BUCKET/PREFIX` or a shared filesystem path, or a mapping: `config_durable`) that the
     supervisor copies committed checkpoints to, off the training path. Null: none, and nothing changes."""
+    dir_shared: bool = True
+    """Whether every node sees the same `dir`. False: each node keeps its own (node-local disk); each node's
+    supervisor uploads its node's part of a checkpoint and one commits it once every node's part is there, and a
+    job resumes from the newest checkpoint of the durable tier. A multi-node job needs an s3:// `durable` for it."""
 
 
 @dataclass(frozen=True)
@@ -283,17 +292,22 @@ def parse_config(
     run_id = job.optional("run_id", config_values.identifier, f"ftsup-{digest[:8]}")
     launch_config = parse_launch(launch, run_id=run_id, hostname=hostname)
     job_section = _parse_job(job, base, run_id=run_id, node_id=launch_config.node_id, config_path=config_path)
-    if launch_config.max_nodes > 1:  # a default under a node's own workdir would split the store
+    dir_shared = checkpoint.optional("dir_shared", config_values.boolean)
+    durable = checkpoint.nullable("durable", parse_durable)
+    if launch_config.max_nodes > 1 and dir_shared:  # a default under a node's own workdir would split the store
         ckpt_dir = checkpoint.required("dir", config_values.path(base), _SHARED_STORE.format(launch_config.nnodes))
     else:  # beside the state directory, in a .ftsup that git ignores
         ckpt_dir = checkpoint.optional("dir", config_values.path(base), job_section.workdir / ".ftsup" / "checkpoints")
+    if launch_config.max_nodes > 1 and not dir_shared and (durable is None or not durable.is_s3):
+        checkpoint.fail("dir_shared", _NODE_LOCAL.format(launch_config.nnodes))
     return JobConfig(
         job=job_section,
         launch=launch_config,
         checkpoint=CheckpointConfig(
             dir=ckpt_dir,
             verify_deep=checkpoint.optional("verify_deep", config_values.boolean),
-            durable=checkpoint.nullable("durable", parse_durable),
+            durable=durable,
+            dir_shared=dir_shared,
         ),
         heartbeat=_parse_heartbeat(heartbeat),
         restart=_parse_restart(restart),

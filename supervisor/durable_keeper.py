@@ -71,10 +71,16 @@ class DurableKeeper:
         self.uploader: Uploader | None = None
         self._tier: durable.DurableTier | None = None
         self._own_newest = -1  # the newest step this run made durable (the uploader's thread's)
+        self._parts: set[int] = set()  # steps whose part this node uploaded, waiting for the others' (logged)
 
     @property
     def url(self) -> str:
         return self.tier_cfg.url
+
+    @property
+    def node(self) -> str | None:
+        """This node, where each node keeps its own fast tier (it uploads its part of each checkpoint)."""
+        return None if self.cfg.checkpoint.dir_shared else self.cfg.launch.node_id
 
     @contextlib.contextmanager
     def running(self) -> Iterator[DurableKeeper]:
@@ -88,6 +94,8 @@ class DurableKeeper:
                 on_started=lambda step, path: self._todo.append(lambda: self._started(step, path)),
                 on_retry=lambda step, why, wait: self._todo.append(lambda: self._retry(step, why, wait)),
                 housekeeping=self._housekeeping, max_pending=max(self.tier_cfg.keep_last, 2), nice=UPLOAD_NICE,
+                node=self.node,
+                on_waiting=lambda step, why, wait: self._todo.append(lambda: self._waiting(step, why, wait)),
             )  # fmt: skip
             try:
                 yield self
@@ -107,9 +115,12 @@ class DurableKeeper:
         self._seen = (view.scans, view.errors)
         if view.scans - scans <= view.errors - errors:
             return  # no scan went through since the last look
-        self._picks, chosen = durable_policy.pick(self.tier_cfg, self._picks, view.recent)
+        self._picks, chosen, others = durable_policy.candidates(self.tier_cfg, self._picks, view.recent)
         for info in chosen:
             self.submit(Path(info.path))
+        for info in others if self.node is not None else []:  # to follow rank 0's node's pick (`follows`)
+            if self.uploader is not None:
+                self.uploader.submit(Path(info.path), picked=False)
 
     def saved(self, step: int, kind: str | None) -> None:
         """The ranks reported a checkpoint of `step` committed for an eviction: submitted now, urgent."""
@@ -164,7 +175,7 @@ class DurableKeeper:
             self.poll()
             st = self.uploader.status()
             left = end - self._clock()
-            if (not st.pending and st.uploading is None) or left <= 0:
+            if (set(st.pending) <= set(st.following) and st.uploading is None) or left <= 0:
                 break
             self.uploader.wait_durable(st.uploading if st.uploading is not None else st.pending[0], min(POLL_S, left))
         done = self.uploader.wait_durable(final, 0.0)
@@ -187,6 +198,8 @@ class DurableKeeper:
     def _missed(self, step: int | None, why: str, detail: str) -> None:
         newest = f"step {self.newest}" if self.newest is not None else "none known"
         what = f"the checkpoint of step {step} is {detail}" if step is not None else detail
+        if self._failing is not None and step is not None:
+            what += f" (waiting for: {self._failing})"
         self._emit("warning", "durable_deadline_missed", step=step, url=self.url, newest_durable_step=self.newest,
                    reason=f"{why}: {what}; the newest durable checkpoint in {self.url} is {newest}")  # fmt: skip
 
@@ -197,7 +210,17 @@ class DurableKeeper:
         self._failing = why
         self._emit("warning", "durable_upload_failed", step=step, url=self.url, reason=why, retry_in_s=round(wait, 3))
 
+    def _waiting(self, step: int, why: str, wait: float) -> None:
+        """This node's part of `step` is in the tier; its commit waits for the other nodes' (logged once a step)."""
+        self._failing = why
+        if step not in self._parts:
+            self._parts = {*sorted(self._parts)[-16:], step}
+            self._emit("info", "durable_part_uploaded", step=step, url=self.url, node=self.node, reason=why,
+                       retry_in_s=round(wait, 3))  # fmt: skip
+
     def _outcome(self, o: Outcome) -> None:
+        if o.skipped:
+            return  # not this node's to upload, by the pick every node agrees on
         if not o.committed or o.report is None:
             self._emit("error", "durable_dropped", step=o.step, url=self.url, path=o.path, attempts=o.attempts,
                        reason=o.error or "not uploaded")  # fmt: skip
@@ -208,9 +231,9 @@ class DurableKeeper:
             self._rates = [*self._rates, rate][-durable_policy.RATE_HISTORY :]
         self._failing = None
         self._known(o.step, self._wall())
-        self._emit("info", "durable_committed", step=o.step, url=r.url, outcome=r.outcome, files=r.files,
-                   bytes=r.bytes_total, bytes_sent=r.bytes_sent, parts_kept=r.parts_kept, attempts=o.attempts,
-                   duration_s=round(o.duration_s, 3),
+        self._emit("info", "durable_committed", step=o.step, url=r.url, outcome=r.outcome, node=self.node,
+                   files=r.files, bytes=r.bytes_total, bytes_sent=r.bytes_sent, parts_kept=r.parts_kept,
+                   attempts=o.attempts, duration_s=round(o.duration_s, 3),
                    throughput_bytes_per_s=round(rate) if rate is not None else None)  # fmt: skip
 
     def _known(self, step: int, when: float | None) -> None:
@@ -259,6 +282,28 @@ class DurableKeeper:
                 continue
             self._later("info", "durable_deleted", step=step, url=self.url, objects=removed,
                         reason=f"durable retention (keep_last {self.tier_cfg.keep_last})")  # fmt: skip
+        if self.node is not None and good:
+            self._sweep(tier, {c.step for c in listing.checkpoints}, good[-1].step)
+
+    def _sweep(self, tier: durable.DurableTier, committed: set[int], newest: int) -> None:
+        """Delete what this job's nodes wrote for the steps older than the newest commit that were never committed
+        (`DurableTier.sweep`: the objects their markers name, and those markers); they can no longer commit."""
+        try:
+            manifest, _ = tier.manifest(newest)
+            job = {*(manifest.nodes or ()), *([self.node] if self.node else [])}
+            stale = [s for s in tier.committed_steps() if s < newest and s not in committed]
+        except Exception as e:  # noqa: BLE001 - the tier's failure is logged; the next commit sweeps again
+            self._later("warning", "durable_retention_failed", step=newest, reason=f"sweep: {_error_line(e)}")
+            return
+        for step in stale:
+            try:
+                removed = tier.sweep(step, job)
+            except Exception as e:  # noqa: BLE001 - one failed deletion must not stop the uploads
+                self._later("warning", "durable_retention_failed", step=step, reason=_error_line(e))
+                continue
+            if removed:
+                self._later("info", "durable_deleted", step=step, url=self.url, objects=removed,
+                            reason=f"never committed, superseded by step {newest}")  # fmt: skip
 
     def _later(self, level: str, event: str, **fields: Any) -> None:
         """An event for the loop's thread to log (logging and metrics are the loop's)."""

@@ -49,15 +49,26 @@ def pick(
 ) -> tuple[Picks, list[layout.CheckpointInfo]]:
     """The checkpoints of `recent` (the fast tier's newest, as a scan that went through found them) that go durable
     now, oldest first."""
+    state, chosen, _ = candidates(cfg, state, recent)
+    return state, chosen
+
+
+def candidates(
+    cfg: DurableConfig, state: Picks, recent: Iterable[layout.CheckpointInfo]
+) -> tuple[Picks, list[layout.CheckpointInfo], list[layout.CheckpointInfo]]:
+    """`pick`, and the other new periodic checkpoints (oldest first) where periodic ones go at all: in a job whose
+    nodes keep separate fast tiers, a node other than rank 0's uploads those its leader picked
+    (`ftsup.store.s3nodes.follows`), whatever its own count says."""
     infos = sorted(recent, key=lambda i: i.step)
     newest = max((i.step for i in infos), default=None)
     if state.seen is None:
         if newest is None:  # an empty store: everything from now on is new
-            return Picks(seen=-1, periodic=state.periodic), []
+            return Picks(seen=-1, periodic=state.periodic), [], []
         consistent = [i for i in infos if i.consistent]
         first = consistent[-1:] if consistent and cfg.wants(consistent[-1].kind) else []
-        return Picks(seen=newest, periodic=state.periodic), first
+        return Picks(seen=newest, periodic=state.periodic), first, []
     chosen: list[layout.CheckpointInfo] = []
+    others: list[layout.CheckpointInfo] = []
     periodic = state.periodic
     for info in infos:
         if info.step <= state.seen or not info.consistent:
@@ -66,10 +77,12 @@ def pick(
             periodic += 1
             if cfg.periodic_every > 0 and periodic % cfg.periodic_every == 0:
                 chosen.append(info)
+            elif cfg.periodic_every > 0:
+                others.append(info)
         elif cfg.wants(info.kind):
             chosen.append(info)
     seen = state.seen if newest is None else max(state.seen, newest)
-    return Picks(seen=seen, periodic=periodic), chosen
+    return Picks(seen=seen, periodic=periodic), chosen, others
 
 
 def measured_rate(bytes_sent: int, send_s: float) -> float | None:

@@ -1,19 +1,26 @@
 """The durable tier's uploader: committed local checkpoints copied to a durable tier on a thread of its own.
 
-The node's supervisor, which never imports torch and outlives a crashed rank, hands it each committed checkpoint of
-the fast tier that should become durable (`submit`); the thread uploads them one at a time, the newest first (an
-emergency checkpoint must not wait behind older periodic ones; one submitted `urgent` stops an older upload in
-progress at its next part, which goes on later from where it stopped), through `ftsup.store.durable`. A tier that
-fails (`DurableTierError`: the store down, connections cut, credentials refused) is tried again after a backoff
+The node's supervisor, which never imports torch and outlives a crashed rank, hands it each committed checkpoint of the
+fast tier that should become durable (`submit`); the thread uploads them one at a time, the newest first (an emergency
+checkpoint must not wait behind older periodic ones; one submitted `urgent` stops an older upload in progress at its
+next part, which goes on later from where it stopped), through `ftsup.store.durable`. A tier that fails
+(`DurableTierError`: the store down, connections cut, credentials refused) is tried again after a backoff
 (`backoff_initial_s`, doubling up to `backoff_max_s`), and each try resumes the upload where the last one stopped: the
 training never waits on it. A checkpoint that cannot go (its local copy gone or not matching its manifest, the step
-committed there with other content, or any other exception: the thread never dies of one) is dropped and reported;
-so is the oldest waiting one past `max_pending`. Each outcome goes to `on_outcome`, each start of an upload to
-`on_started`, each failed try to `on_retry` (the caller logs and counts them; they run on this thread, or on the
-submitter's for a checkpoint dropped at once); `housekeeping(step)` runs on the thread after each commit, and
-`housekeeping(None)` once when it starts (the caller's retention and listing of the tier). `status()` says what is
-durable, pending and failing; `wait_durable` is for a caller that must know (an eviction's deadline); `close()`
-stops it at the next part and joins the thread (what was sent is kept for the next upload of that checkpoint).
+committed there with other content, or any other exception: the thread never dies of one) is dropped and reported; so is
+the oldest waiting one past `max_pending`. In a job whose nodes keep separate fast tiers (`node`), an upload sends this
+node's part of a checkpoint; one whose commit waits for the other nodes' parts (`DurableWaitError`) waits again in the
+queue (tried after a backoff up to WAIT_MAX_S, `on_waiting` told what it waits for) while other checkpoints go
+meanwhile: two nodes each waiting for the other's part of another step never stall each other; one still waiting
+when a newer checkpoint becomes durable is dropped (superseded). There a checkpoint submitted not `picked` goes only
+where the tier's `follows` says so (the pick every node agrees on: the node of rank 0's), quietly skipped
+otherwise. Each outcome goes to
+`on_outcome`, each start of an upload to `on_started`, each failed try to `on_retry` (the caller logs and counts them;
+they run on this thread, or on the submitter's for a checkpoint dropped at once); `housekeeping(step)` runs on the
+thread after each commit, and `housekeeping(None)` once when it starts (the caller's retention and listing of the tier).
+`status()` says what is durable, pending and failing; `wait_durable` is for a caller that must know (an eviction's
+deadline); `close()` stops it at the next part and joins the thread (what was sent is kept for the next upload of that
+checkpoint).
 
 Not here: which checkpoints go durable, logging and metrics (the caller's), the store's protocol (`ftsup.store`).
 """
@@ -29,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ftsup.store import durable, layout
-from ftsup.store.errors import CheckpointError, DurableTierError
+from ftsup.store.errors import CheckpointError, DurableTierError, DurableWaitError
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,8 @@ class Outcome:
     error: str | None = None
     send_s: float = 0.0
     """The duration of the try that went through (the tier's throughput is `report.bytes_sent / send_s`)."""
+    skipped: bool = False
+    """Not this node's to upload, by the pick every node agrees on (`DurableTier.follows`): nothing went wrong."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,8 @@ class UploaderStatus:
     uploading: int | None
     last_error: str | None
     """The tier's last failure while it is being retried; None once an upload went through."""
+    following: tuple[int, ...] = ()
+    """Pending steps submitted not picked that wait for the leader's pick (which may never come)."""
 
 
 def _yield_cpu(nice: int) -> None:
@@ -81,8 +92,21 @@ class _Stopped(Exception):
     """Raised from the part hook: the uploader is closing."""
 
 
+class _Waiting(Exception):
+    """Raised from an upload: this node's part is in the tier, the commit waits for the other nodes' parts; or
+    (`quiet`) a periodic checkpoint waits for the node of rank 0 to pick it (nothing sent yet)."""
+
+    def __init__(self, why: str, quiet: bool) -> None:
+        super().__init__(why)
+        self.quiet = quiet
+
+
 class _Preempted(Exception):
     """Raised from the part hook: a newer urgent checkpoint goes first; this one waits again."""
+
+
+WAIT_MAX_S = 5.0
+"""The longest wait between tries of a commit that waits for other nodes' parts (they come with their uploads)."""
 
 
 class Uploader:
@@ -98,6 +122,8 @@ class Uploader:
         housekeeping: Callable[[int | None], None] | None = None,
         max_pending: int | None = None,
         nice: int = 0,
+        node: str | None = None,
+        on_waiting: Callable[[int, str, float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0 < backoff_initial_s <= backoff_max_s:
@@ -112,11 +138,15 @@ class Uploader:
         self.on_retry = on_retry  # (step, error, the wait before the next try)
         self.housekeeping = housekeeping
         self.max_pending = max_pending
+        self.node = node  # a node-local job's node: its part of each checkpoint (`ftsup.store.nodes`)
+        self.on_waiting = on_waiting  # (step, what its commit waits for, the wait before the next try)
+        self._waits: dict[int, tuple[float, float]] = {}  # step waiting for other nodes -> (next try, its delay)
         self.nice = nice  # added to this thread's nice value (Linux: per thread, inherited by its upload threads)
         self.clock = clock
         self._preempt = False
         self._cond = threading.Condition()
         self._pending: dict[int, Path] = {}
+        self._unpicked: set[int] = set()  # submitted only to follow the node of rank 0's pick (`follows`)
         self._durable: set[int] = set()
         self._uploading: int | None = None
         self._last_error: str | None = None
@@ -124,29 +154,36 @@ class Uploader:
         self._thread = threading.Thread(target=self._run, name="ftsup-durable-upload", daemon=True)
         self._thread.start()
 
-    def submit(self, ckpt_dir: str | Path, *, urgent: bool = False) -> bool:
+    def submit(self, ckpt_dir: str | Path, *, urgent: bool = False, picked: bool = True) -> bool:
         """Queue the committed local checkpoint `ckpt_dir` (a `step-N` directory); never blocks, never raises for
         what the upload will find. A step already durable, queued or uploading is not queued again (False). An
-        `urgent` one newer than the upload in progress stops that one at its next part (it waits again)."""
+        `urgent` one newer than the upload in progress stops that one at its next part (it waits again). One not
+        `picked` (a node-local job's) goes only where the tier's `follows` says so."""
         path = Path(ckpt_dir)
         step = layout.parse_step_dirname(path.name)
         if step is None:
             raise ValueError(f"{path}: not a committed checkpoint directory (step-NNNNNNNNN)")
-        dropped: list[tuple[int, Path]] = []
+        dropped: list[tuple[int, Path, bool]] = []
         with self._cond:
+            if picked and step in self._pending:
+                self._unpicked.discard(step)
             if self._closing or step in self._durable or step == self._uploading or step in self._pending:
                 return False
             self._pending[step] = path
+            if not picked:
+                self._unpicked.add(step)
             if urgent and self._uploading is not None and step > self._uploading:
                 self._preempt = True
             while self.max_pending is not None and len(self._pending) > self.max_pending:
                 oldest = min(self._pending)
-                dropped.append((oldest, self._pending.pop(oldest)))
+                dropped.append((oldest, self._pending.pop(oldest), oldest in self._unpicked))
+                self._unpicked.discard(oldest)
+                self._waits.pop(oldest, None)
             self._cond.notify_all()
-        for old, where in dropped:
+        for old, where, unpicked in dropped:
             why = f"superseded: more than {self.max_pending} checkpoints waiting, the newest go first"
-            self._report(Outcome(old, str(where), False, 0, 0.0, error=why))
-        return (step, path) not in dropped
+            self._report(Outcome(old, str(where), False, 0, 0.0, error=why, skipped=unpicked))
+        return step not in {old for old, _, _ in dropped}
 
     def status(self) -> UploaderStatus:
         with self._cond:
@@ -155,6 +192,7 @@ class Uploader:
                 pending=tuple(sorted(self._pending, reverse=True)),
                 uploading=self._uploading,
                 last_error=self._last_error,
+                following=tuple(sorted((s for s in self._unpicked if s in self._waits), reverse=True)),
             )
 
     def wait_durable(self, step: int, timeout_s: float) -> bool:
@@ -193,31 +231,73 @@ class Uploader:
         self._call(self.housekeeping, None)
         while True:
             with self._cond:
-                while not self._pending and not self._closing:
-                    self._cond.wait()
+                while not self._closing:
+                    now = self.clock()
+                    ready = [s for s in self._pending if s not in self._waits or self._waits[s][0] <= now]
+                    if ready:
+                        break
+                    soonest = min((self._waits[s][0] for s in self._pending), default=None)
+                    self._cond.wait(None if soonest is None else max(0.01, soonest - now))
                 if self._closing:
                     return
-                step = max(self._pending)
+                step = max(ready)
                 path = self._pending.pop(step)
                 self._uploading = step
                 self._preempt = False
-            self._call(self.on_started, step, str(path))
+                again = step in self._waits
+                picked = step not in self._unpicked
+            if not again and picked:
+                self._call(self.on_started, step, str(path))
             try:
-                outcome = self._upload(step, path)
+                outcome = self._upload(step, path, picked, announce=not again and not picked)
             except _Preempted:
                 outcome = None
                 with self._cond:
                     if step not in self._durable:
                         self._pending.setdefault(step, path)  # after the urgent one, from where it stopped
+            except _Waiting as e:  # its part is there (or the leader's pick comes): other checkpoints go meanwhile
+                outcome = None
+                with self._cond:
+                    newer = max(self._durable, default=-1) > step
+                    if not newer:
+                        delay = min(self._waits[step][1] * 2, WAIT_MAX_S) if again else self.backoff_initial_s
+                        self._waits[step] = (self.clock() + delay, delay)
+                        self._pending.setdefault(step, path)
+                        if not e.quiet:
+                            self._last_error = str(e)
+                if newer:  # a newer checkpoint is durable already: superseded at once (as in `_supersede_waiting`)
+                    why = "superseded: a newer checkpoint is durable; the other nodes' parts of this one did not come"
+                    outcome = Outcome(step, str(path), False, 0, 0.0, error=why, skipped=e.quiet)
+                elif not e.quiet:
+                    self._call(self.on_waiting, step, str(e), delay)
             with self._cond:
                 self._uploading = None
+                if outcome is not None:
+                    self._waits.pop(step, None)
+                    self._unpicked.discard(step)
                 if outcome is not None and outcome.committed:
                     self._durable.add(step)
                 self._cond.notify_all()
             if outcome is not None:
                 self._report(outcome)
                 if outcome.committed:
+                    self._supersede_waiting(step)
                     self._call(self.housekeeping, step)
+
+    def _supersede_waiting(self, step: int) -> None:
+        """Give up the older commits that wait for other nodes' parts once `step` is durable: a part that has not
+        come by then (its node gone, its copy lost with its machine) may never come, and a newer checkpoint is
+        durable. So are the older ones submitted only to follow the leader's pick (`follows`), quietly."""
+        with self._cond:
+            old = [s for s in self._pending if s < step and (s in self._waits or s in self._unpicked)]
+            gone = [(s, self._pending.pop(s), s in self._unpicked) for s in sorted(old)]
+            for s, _, _ in gone:
+                self._waits.pop(s, None)
+                self._unpicked.discard(s)
+            self._cond.notify_all()
+        for s, where, unpicked in gone:
+            why = f"superseded: step {step} is durable, and the other nodes' parts of this one did not come"
+            self._report(Outcome(s, str(where), False, 0, 0.0, error=why, skipped=unpicked))
 
     def _report(self, outcome: Outcome) -> None:
         self._call(self.on_outcome, outcome)
@@ -231,20 +311,39 @@ class Uploader:
         except Exception:  # noqa: BLE001 - a reporter that fails must not stop every later upload
             pass
 
-    def _upload(self, step: int, path: Path) -> Outcome | None:
-        """Upload until it goes through or cannot; None when closed meanwhile. Raises _Preempted."""
+    def _upload(self, step: int, path: Path, picked: bool = True, *, announce: bool = False) -> Outcome | None:
+        """Upload until it goes through or cannot; None when closed meanwhile. Raises _Preempted, and _Waiting.
+        One not `picked` goes only where the tier's `follows` says so (`announce`: `on_started` when it does)."""
         started = self.clock()
         delay = self.backoff_initial_s
         attempts = 0
         while True:
             attempts += 1
             try_started = self.clock()
+            leader = True  # a wait raised now is for the leader's pick
             try:
-                report = self.tier.upload(path, on_part=self._check_closing)
+                if self.node is None:
+                    verdict = "go" if picked else "skip"
+                else:
+                    verdict = self.tier.follows(path, self.node, picked)
+                with self._cond:
+                    superseded = verdict == "follow" and max(self._durable, default=-1) > step
+                if verdict == "skip" or superseded:
+                    return Outcome(step, str(path), False, attempts, self.clock() - started, skipped=True)
+                if announce:
+                    announce = False
+                    self._call(self.on_started, step, str(path))
+                leader = False
+                if self.node is None:
+                    report = self.tier.upload(path, on_part=self._check_closing)
+                else:
+                    report = self.tier.upload(path, on_part=self._check_closing, node=self.node)
             except (_Stopped, _Preempted) as e:
                 if isinstance(e, _Preempted):
                     raise
                 return None
+            except DurableWaitError as e:
+                raise _Waiting(str(e), leader) from None
             except DurableTierError as e:  # the tier failed: the same upload is tried again, resuming
                 with self._cond:
                     self._last_error = str(e)

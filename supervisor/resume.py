@@ -49,7 +49,8 @@ class ResumeChoice:
         self.store = StoreScanner(cfg.checkpoint.dir, deep=cfg.checkpoint.verify_deep, recent=recent)  # all reads
         self._seen = (0, 0)  # (scans, errors) of the view last handed to the metrics
         self._newest: int | None = None  # the newest step seen, from the first scan on (checkpoint_found after it)
-        self.store.with_durable_tier(durable_opener(cfg))  # the resume choice reads the durable tier too
+        node_local = not cfg.checkpoint.dir_shared and cfg.launch.max_nodes > 1  # the durable tier's newest commit
+        self.store.with_durable_tier(durable_opener(cfg), durable_only=node_local)  # the choice reads the tier too
 
     @contextlib.contextmanager
     def running(self) -> Iterator[ResumeChoice]:

@@ -239,11 +239,25 @@ class DurableTier(ABC):
         return f"{self.url.rstrip('/')}/{layout.step_dirname(step)}"
 
     @abstractmethod
-    def upload(self, ckpt_dir: str | os.PathLike[str], *, on_part: PartHook | None = None) -> UploadReport:
-        """Copy the committed local checkpoint `ckpt_dir` into the tier and commit it there. Raises
+    def upload(
+        self, ckpt_dir: str | os.PathLike[str], *, on_part: PartHook | None = None, node: str | None = None
+    ) -> UploadReport:
+        """Copy the committed local checkpoint `ckpt_dir` into the tier and commit it there; with `node`, only the
+        part of a checkpoint that node holds, committed once every node's part is there (`ftsup.store.nodes`). Raises
         DurableTierError when the tier fails (call again: what arrived and verifies is kept),
         DurableConflictError when the step is committed there with other content, CheckpointCorruptError when
         the local copy does not match its manifest."""
+
+    def follows(self, ckpt_dir: str | os.PathLike[str], node: str, picked: bool) -> str:
+        """Whether node `node` uploads its part of the checkpoint `ckpt_dir` now: "go", "skip" (not picked), or,
+        where the tier keeps node parts (`ftsup.store.s3nodes.follows`), "follow" (the node of rank 0 picked it);
+        DurableWaitError while a periodic one waits for that node's pick. Here: what this node picked goes."""
+        return "go" if picked else "skip"
+
+    def sweep(self, step: int, nodes: set[str]) -> int:
+        """Delete what the nodes `nodes` wrote for `step`, which was never committed (`ftsup.store.s3nodes.sweep`);
+        the number of objects deleted. Here (no node parts): nothing."""
+        return 0
 
     @abstractmethod
     def list_checkpoints(self, *, deep: bool = False) -> DurableListing:

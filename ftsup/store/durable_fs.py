@@ -51,9 +51,14 @@ class FilesystemTier(durable.DurableTier):
     # ------------------------------------------------------------------ upload
 
     def upload(
-        self, ckpt_dir: str | os.PathLike[str], *, on_part: durable.PartHook | None = None
+        self, ckpt_dir: str | os.PathLike[str], *, on_part: durable.PartHook | None = None, node: str | None = None
     ) -> durable.UploadReport:
         local = durable.read_local(ckpt_dir)
+        if node is not None and local.manifest.nodes is not None and len(local.manifest.nodes) > 1:
+            raise CheckpointError(
+                f"{local.path}: a node's part of a checkpoint goes to a durable tier on object storage (s3://) only; "
+                "a shared filesystem can be the checkpoint store itself (checkpoint.dir_shared: true)"
+            )
         step = local.manifest.step
         total = sum(e.size for e in local.manifest.files.values())
         already = durable.UploadReport(step, self.step_url(step), "already", len(local.manifest.files), total)

@@ -59,6 +59,12 @@ class DurableTierError(CheckpointError):
     resumes where it stopped."""
 
 
+class DurableWaitError(DurableTierError):
+    """This writer's part of a checkpoint is in the durable tier, and its commit waits for the parts of other
+    writers (the other nodes of a job whose nodes keep separate fast tiers): the same call made later commits it,
+    or finds it committed."""
+
+
 class DurableConflictError(CheckpointError):
     """The durable tier already holds a different checkpoint of this step (another writer committed it first):
     a committed step is never overwritten."""

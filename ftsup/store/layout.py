@@ -19,7 +19,6 @@ does the manifest. Which checkpoints to keep, and deleting the others, is `reten
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
@@ -31,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftsup.store import blocksum, checksums, safefile
+from ftsup.store import blocksum, checksums, nodes, safefile
 from ftsup.store.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -40,6 +39,9 @@ from ftsup.store.errors import (
     NoCheckpointError,
 )
 from ftsup.store.safefile import resolve_inside, validate_relpath
+from ftsup.store.writes import fsync_dir as fsync_dir
+from ftsup.store.writes import write_file_durable as write_file_durable
+from ftsup.store.writes import write_json_atomic as write_json_atomic
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -115,42 +117,6 @@ def rank_state_name(rank: int) -> str:
     return f"rank-{rank:05d}.json"
 
 
-# --------------------------------------------------------------------------- durable writes
-
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file_durable(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write `data` to a new file and fsync it (the directory is the caller's to fsync). The file
-    must not exist: whatever is there (a symlink someone planted) is never written through."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
-    """Replace `path` with `obj` as JSON, atomically (tmp file, fsync, rename, fsync dir)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)  # left by a crashed writer of the same pid (a link there is removed, not followed)
-    write_file_durable(tmp, json.dumps(obj, indent=1, sort_keys=True).encode())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
 # --------------------------------------------------------------------------- manifest
 
 
@@ -174,8 +140,11 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     checksum_algorithm: str = CHECKSUM_ALGORITHM
     """What every checksum in `files` is computed with (older checkpoints: ``crc32x64k``)."""
+    nodes: Mapping[str, tuple[int, ...]] | None = None
+    """Node id -> its ranks, in a store each node keeps for itself (`ftsup.store.nodes`); None: one shared store."""
 
     def to_json(self) -> dict[str, Any]:
+        extra = {"nodes": {n: list(r) for n, r in sorted(self.nodes.items())}} if self.nodes is not None else {}
         return {
             "format_version": self.format_version,
             "step": self.step,
@@ -187,7 +156,18 @@ class Manifest:
             "files": {p: {"size": e.size, "checksum": e.checksum} for p, e in sorted(self.files.items())},
             "tensor_bytes": self.tensor_bytes,
             "metadata": dict(self.metadata),
-        }
+        } | extra
+
+
+INDENTED_MANIFEST_FILES = 3000
+"""A manifest listing more files than this (a job of more than 1,000 ranks) is written as compact JSON: indented
+JSON is encoded by the json module's pure-Python encoder, which at 16,384 ranks took most of the commit's time."""
+
+
+def manifest_bytes(manifest: Manifest) -> bytes:
+    """The manifest as written: indented for a person to read, compact where it lists thousands of files."""
+    obj = manifest.to_json()
+    return (json.dumps(obj, indent=1) if len(manifest.files) <= INDENTED_MANIFEST_FILES else json.dumps(obj)).encode()
 
 
 def _require(obj: Mapping[str, Any], key: str, types: type | tuple[type, ...], where: str) -> Any:
@@ -269,7 +249,9 @@ def parse_manifest(raw: bytes | str, where: str = "manifest.json") -> Manifest:
         # The trainer's metadata records the step it saved: a checkpoint copied under another
         # step (its manifest edited to match the new name) must not become the newest one.
         raise ManifestError(f"{where}: records step {step} but its metadata says step {metadata['step']!r:.40}")
+    nodes_raw = obj.get("nodes")
     return Manifest(
+        nodes=None if nodes_raw is None else nodes.parse_nodes(nodes_raw, world_size, where),
         step=step,
         world_size=world_size,
         kind=kind,
@@ -341,18 +323,24 @@ def check_checkpoint(ckpt_dir: str | os.PathLike[str], *, deep: bool = False) ->
     except ManifestError as e:
         return None, [Problem(MANIFEST_NAME, str(e))]
     base = os.fspath(ckpt_dir)
+    try:  # a node-local store's copy holds its node's files only (`ftsup.store.nodes`)
+        held = nodes.held_files(base, manifest.files, manifest.nodes)
+    except ManifestError as e:
+        return None, [Problem(nodes.NODE_FILE, str(e))]
     dir_fd = safefile.open_dir(base)  # names looked up in it: a path walked from / for 50,000 files costs more
     try:
-        return manifest, _check_files(base, dir_fd, manifest, deep)
+        return manifest, _check_files(base, dir_fd, manifest, held, deep)
     finally:
         if dir_fd is not None:
             os.close(dir_fd)
 
 
-def _check_files(base: str, dir_fd: int | None, manifest: Manifest, deep: bool) -> list[Problem]:
+def _check_files(
+    base: str, dir_fd: int | None, manifest: Manifest, held: Mapping[str, FileEntry], deep: bool
+) -> list[Problem]:
     problems: list[Problem] = []
     lstat = functools.partial(os.lstat, dir_fd=dir_fd) if dir_fd is not None else lambda r: os.lstat(f"{base}/{r}")
-    for rel, entry in sorted(manifest.files.items()):
+    for rel, entry in sorted(held.items()):
         if len(problems) >= MAX_PROBLEMS:
             problems.append(Problem(None, f"more than {MAX_PROBLEMS} problems; the rest were not checked"))
             break

@@ -28,7 +28,7 @@ import urllib.parse
 from typing import Any
 
 from ftsup.extras import explained
-from ftsup.store import durable, layout, s3list, s3upload, safefile
+from ftsup.store import durable, layout, s3list, s3nodes, s3upload, safefile
 from ftsup.store.errors import (
     CheckpointCorruptError,
     DurableTierError,
@@ -187,14 +187,27 @@ class S3Tier(durable.DurableTier):
         return s3list.inspect(self, step, deep=deep)
 
     def delete(self, step: int) -> int:
-        return s3list.delete(self, step)
+        try:  # a node-local job's checkpoint: its nodes' markers go after its files
+            manifest, raw = self.manifest(step)
+        except ManifestError:
+            return s3list.delete(self, step)  # which says why nothing is deleted
+        removed = s3list.delete(self, step)
+        return removed + s3nodes.delete_markers(self, step, durable.data_token(raw), manifest)
 
     # ------------------------------------------------------------------ upload
 
     def upload(
-        self, ckpt_dir: str | os.PathLike[str], *, on_part: durable.PartHook | None = None
+        self, ckpt_dir: str | os.PathLike[str], *, on_part: durable.PartHook | None = None, node: str | None = None
     ) -> durable.UploadReport:
+        if node is not None:
+            return s3nodes.upload(self, ckpt_dir, node, on_part=on_part)
         return s3upload.upload(self, ckpt_dir, on_part=on_part)
+
+    def follows(self, ckpt_dir: str | os.PathLike[str], node: str, picked: bool) -> str:
+        return s3nodes.follows(self, ckpt_dir, node, picked)
+
+    def sweep(self, step: int, nodes: set[str]) -> int:
+        return s3nodes.sweep(self, step, nodes)
 
     def call(self, what: str, key: str, fn: Any, **kwargs: Any) -> Any:
         try:

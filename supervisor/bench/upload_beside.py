@@ -45,7 +45,9 @@ class _Watched(durable.DurableTier):
         self.options = tier.options
         self.first = threading.Event()
 
-    def upload(self, ckpt_dir: Any, *, on_part: durable.PartHook | None = None) -> durable.UploadReport:
+    def upload(
+        self, ckpt_dir: Any, *, on_part: durable.PartHook | None = None, node: str | None = None
+    ) -> durable.UploadReport:
         def hook(rel: str, number: int) -> None:
             if not self.first.is_set():
                 self.first.set()
@@ -53,7 +55,7 @@ class _Watched(durable.DurableTier):
             if on_part is not None:
                 on_part(rel, number)
 
-        return self.inner.upload(ckpt_dir, on_part=hook)
+        return self.inner.upload(ckpt_dir, on_part=hook, node=node)
 
     def list_checkpoints(self, *, deep: bool = False) -> durable.DurableListing:
         return self.inner.list_checkpoints(deep=deep)

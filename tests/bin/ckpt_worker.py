@@ -88,12 +88,16 @@ def main() -> int:
     p.add_argument("--kill-at", default="")
     p.add_argument("--out", required=True)
     p.add_argument("--process-group", default="auto", choices=["auto", "none"], help="the engine's process_group")
+    p.add_argument("--node-local", action="store_true", help="each rank a node of its own, with --dir/node-<rank>")
     args = p.parse_args()
 
     torch.set_num_threads(1)
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
+    if args.node_local:  # as `ftsup run` tells the ranks of a job with checkpoint.dir_shared: false
+        os.environ.update({"FTSUP_NODE_ID": f"node-{rank}", "LOCAL_RANK": "0", "FTSUP_CHECKPOINT_NODE_LOCAL": "1"})
+        args.dir = os.path.join(args.dir, f"node-{rank}")
 
     hook = None
     if args.kill_at:

@@ -65,3 +65,22 @@ def test_a_durable_tier_that_does_not_answer_in_time_leaves_the_fast_choice(
     got = scanner.choose(30)
     assert (got.tier, got.picked.info.step if got.picked.info else None) == ("fast", 10)
     assert got.durable_error == "no answer within 0.5s"
+
+
+def test_with_node_local_fast_tiers_the_choice_is_the_durable_tiers_newest_over_a_newer_local_one(
+    tmp_path: Path,
+) -> None:
+    make_fake_checkpoint(tmp_path / "ckpt", 30, default_files(30))  # committed here; other nodes' parts unknown
+    with durable.open_tier(str(tmp_path / "durable")) as tier:
+        tier.upload(make_fake_checkpoint(tmp_path / "other", 20, default_files(20)))
+    opener = lambda: durable.open_tier(str(tmp_path / "durable"))  # noqa: E731
+    got = StoreScanner(tmp_path / "ckpt").with_durable_tier(opener, durable_only=True).choose(10)
+    assert (got.tier, got.picked.info.step if got.picked.info else None) == ("durable", 20)
+
+
+def test_with_node_local_fast_tiers_a_tier_that_fails_leaves_the_fast_choice(tmp_path: Path) -> None:
+    make_fake_checkpoint(tmp_path / "ckpt", 30, default_files(30))
+    (tmp_path / "not-a-directory").write_bytes(b"")
+    opener = lambda: durable.open_tier(str(tmp_path / "not-a-directory"))  # noqa: E731
+    got = StoreScanner(tmp_path / "ckpt").with_durable_tier(opener, durable_only=True).choose(10)
+    assert (got.tier, got.picked.info.step if got.picked.info else None) == ("fast", 30)

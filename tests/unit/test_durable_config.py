@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ftsup.protocol import DURABLE_TIER_ENV
+from ftsup.protocol import DURABLE_TIER_ENV, NODE_LOCAL_ENV
 from ftsup.supervisor import config_args, launcher
 from ftsup.supervisor.config import JobConfig, parse_config
 from ftsup.supervisor.config_durable import DurableConfig
@@ -80,3 +80,29 @@ def test_the_ranks_see_the_tier_and_the_configured_endpoint() -> None:
 def test_without_a_tier_the_ranks_environment_is_unchanged() -> None:
     env = launcher.rank_env(config(given=False), Path("/run"), None, {})
     assert [k for k in env if k == DURABLE_TIER_ENV or k.startswith("AWS_")] == []
+
+
+def multinode(checkpoint: dict[str, object]) -> JobConfig:
+    raw = {"job": {"command": ["true"]}, "launch": {"nnodes": 2, "rdzv_endpoint": "n0:29400"}, "checkpoint": checkpoint}
+    return parse_config(raw, source="job.yaml", base_dir=Path("/job"), hostname="n")
+
+
+def test_a_checkpoint_dir_is_shared_by_default() -> None:
+    assert config(None).checkpoint.dir_shared is True
+
+
+def test_node_local_fast_tiers_of_a_multinode_job_without_a_durable_tier_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"checkpoint.dir_shared: is false and nnodes \(2\).*set checkpoint.durable"):
+        multinode({"dir": "/local/ckpt", "dir_shared": False})
+
+
+def test_node_local_fast_tiers_of_a_multinode_job_with_a_durable_tier_on_a_filesystem_are_refused() -> None:
+    with pytest.raises(ConfigError, match="checkpoint.dir_shared: .*object storage"):
+        multinode({"dir": "/local/ckpt", "dir_shared": False, "durable": "/shared/durable"})
+
+
+def test_node_local_fast_tiers_with_an_s3_tier_need_no_shared_dir_and_the_ranks_are_told() -> None:
+    cfg = multinode({"dir_shared": False, "durable": "s3://bucket/job"})
+    assert cfg.checkpoint.dir_shared is False
+    assert launcher.durable_env(cfg)[NODE_LOCAL_ENV] == "1"
+    assert NODE_LOCAL_ENV not in launcher.durable_env(config("s3://bucket/job"))

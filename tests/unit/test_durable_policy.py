@@ -73,3 +73,10 @@ def test_an_eviction_estimate_counts_the_upload_and_still_saves_when_only_the_sa
     assert "needs 19.0s (save ~2.00s, upload ~10.00s" in why and "not expected to be durable" not in why
     assert "the save alone fits, not its upload" in late_why
     assert save_fits(settings(), [1.0], [2.0], 0.0, 8.0, None, upload_s=10.0)[0] is False
+
+
+def test_the_periodic_checkpoints_not_picked_are_the_candidates_another_node_may_follow() -> None:
+    cfg = DurableConfig(url="s3://b-1/p", periodic_every=3)
+    state, _, _ = durable_policy.candidates(cfg, Picks(), [])
+    _, chosen, others = durable_policy.candidates(cfg, state, [info(1), info(2), info(3, "emergency"), info(4)])
+    assert ([i.step for i in chosen], [i.step for i in others]) == ([3, 4], [1, 2])

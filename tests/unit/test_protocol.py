@@ -221,7 +221,7 @@ def test_the_channel_the_supervisor_exports_is_what_a_rank_reads():
     got = RuntimeEnv.from_environ({**env, **procs.Mark("run-1", "node-0", 3).environ()})
     assert got == RuntimeEnv(heartbeat_socket="/run/ftsup/j/heartbeat.sock", heartbeat_interval_s=0.25,
                              control_file="/run/ftsup/j/control.json", checkpoint_dir="/ckpt", resume_step=1200,
-                             attempt=3, run_id="run-1")  # fmt: skip
+                             attempt=3, run_id="run-1", node_id="node-0")  # fmt: skip
 
 
 def test_no_resume_step_travels_as_empty_and_reads_as_none():

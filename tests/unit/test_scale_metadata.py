@@ -13,7 +13,7 @@ import torch
 
 from ftsup.store import layout
 from ftsup.supervisor.ckptstore import StoreScanner
-from ftsup.trainer.checkpoint import commit, staging
+from ftsup.trainer.checkpoint import staging
 from ftsup.trainer.checkpoint.comm import LocalComm
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "checkpoint-format1"
@@ -63,11 +63,11 @@ def _manifest(ranks: int) -> layout.Manifest:
 
 
 def test_a_small_manifest_is_written_indented_and_reads_back_the_same() -> None:
-    raw = commit.manifest_bytes(_manifest(8))
+    raw = layout.manifest_bytes(_manifest(8))
     assert raw.count(b"\n") > 8 and layout.parse_manifest(raw).to_json() == _manifest(8).to_json()
 
 
 def test_a_manifest_of_thousands_of_files_is_written_compact_and_reads_back_the_same() -> None:
-    many = commit.INDENTED_MANIFEST_FILES + 1
-    raw = commit.manifest_bytes(_manifest(many))
+    many = layout.INDENTED_MANIFEST_FILES + 1
+    raw = layout.manifest_bytes(_manifest(many))
     assert b"\n" not in raw and layout.parse_manifest(raw).to_json() == _manifest(many).to_json()

@@ -14,7 +14,6 @@ Not here: staging (`staging`), the queue and the futures the training loop waits
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import stat
@@ -31,6 +30,7 @@ import torch
 from ftsup.store import checksums, choice, layout
 from ftsup.store.errors import CheckpointError, CheckpointSaveError
 from ftsup.store.retention import RetentionPolicy, apply_retention, claim_spare, remove_dir
+from ftsup.trainer.checkpoint import commit_nodes
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
 from ftsup.trainer.checkpoint.finite import first_nonfinite
 from ftsup.trainer.checkpoint.shardio import write_shard
@@ -41,17 +41,6 @@ log = structlog.get_logger("ftsup.checkpoint")
 Hook = Callable[[str, int], None]
 """Called as hook(point, step) at: staged, shard_written, metadata_written, manifest_written,
 renamed. For fault-injection tests (e.g. SIGKILL at an exact point of the protocol)."""
-
-
-INDENTED_MANIFEST_FILES = 3000
-"""A manifest listing more files than this (a job of more than 1,000 ranks) is written as compact JSON: indented
-JSON is encoded by the json module's pure-Python encoder, which at 16,384 ranks took most of the commit's time."""
-
-
-def manifest_bytes(manifest: layout.Manifest) -> bytes:
-    """The manifest as written: indented for a person to read, compact where it lists thousands of files."""
-    obj = manifest.to_json()
-    return (json.dumps(obj, indent=1) if len(manifest.files) <= INDENTED_MANIFEST_FILES else json.dumps(obj)).encode()
 
 
 @dataclass(frozen=True)
@@ -107,8 +96,12 @@ class Committer:
         recycle: bool,
         hook: Hook,
         check_finite: bool = True,
+        node: str | None = None,
+        leader: bool = False,
     ):  # fmt: skip
         self.directory = directory
+        self.node = node  # each node keeps its own directory (`commit_nodes`); None: one store every rank shares
+        self.leader = leader if node is not None else comm.rank == 0  # the rank that commits into this directory
         self.check_finite = check_finite
         self.comm = comm
         self.rank = comm.rank
@@ -120,6 +113,8 @@ class Committer:
 
     def write(self, job: StagedSave) -> SaveResult:
         """Write, gather, commit: a collective over the engine's group (every rank, same order)."""
+        if self.node is not None:
+            return commit_nodes.write(self, job)
         step, comm = job.step, self.comm
         partial = self.directory / layout.partial_dirname(step)
         final = self.directory / layout.step_dirname(step)
@@ -161,7 +156,8 @@ class Committer:
         return SaveResult(step, str(final), job.kind, job.plan.tensor_bytes, job.stage_s, durable_s)
 
     def retain(self, newest: int) -> None:
-        """Rank 0, after a commit: apply the retention policy, never deleting `newest`."""
+        """The leader (rank 0, or each node's first local rank in a node-local store), after a commit: apply the
+        retention policy to this directory, never deleting `newest`."""
         try:
             spares = self.world_size if self.recycle else 0  # one save's shard files
             apply_retention(self.directory, self.retention, protect={newest}, spares=spares)
@@ -260,7 +256,7 @@ class Committer:
                 step=job.step, world_size=self.world_size, kind=job.kind, created_unix=time.time(),
                 files=files, tensor_bytes=sum(r["tensor_bytes"] for r in reports), metadata=job.metadata,
             )  # fmt: skip
-            layout.write_file_durable(partial / layout.MANIFEST_NAME, manifest_bytes(manifest))
+            layout.write_file_durable(partial / layout.MANIFEST_NAME, layout.manifest_bytes(manifest))
             layout.fsync_dir(partial)
             self.hook("manifest_written", job.step)
             os.rename(partial, final)

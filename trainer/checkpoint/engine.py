@@ -109,6 +109,16 @@ def _durable_from_environment() -> str | None:
         return None
 
 
+def _node_from_environment() -> tuple[str | None, bool]:
+    """(this node, whether this rank is its first local rank) where each node keeps its own checkpoint directory
+    (FTSUP_CHECKPOINT_NODE_LOCAL, which `ftsup run` sets from `checkpoint.dir_shared: false`); (None, False) else."""
+    try:
+        env = runtime().env
+    except ValueError:
+        return None, False
+    return (env.node_id, env.local_rank == 0) if env.node_local and env.node_id else (None, False)
+
+
 class CheckpointEngine:
     """Save and load sharded checkpoints under `directory` (shared by all ranks).
 
@@ -161,12 +171,13 @@ class CheckpointEngine:
         self._comm: LocalComm | GroupComm = make_comm(process_group)
         self.rank = self._comm.rank
         self.world_size = self._comm.world_size
-        if self.rank == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
+        node, leader = _node_from_environment()
         self._committer = Committer(
             self.directory, self._comm, o_direct=o_direct, retention=policy, recycle=recycle, hook=self._hook,
-            check_finite=check_finite,
+            check_finite=check_finite, node=node, leader=leader,
         )  # fmt: skip
+        if self._committer.leader:
+            self.directory.mkdir(parents=True, exist_ok=True)
         self._plan: staging.StagingPlan | None = None
         self._buffers: list[torch.Tensor | None] = [None] * max_in_flight
         self._free: queue.Queue[int] = queue.Queue()
@@ -315,7 +326,7 @@ class CheckpointEngine:
             if not result.skipped:
                 _report_duration(result)  # before the result: a caller woken by it beats after this
             job.future.set_result(result)
-            if self.rank == 0 and not result.skipped:
+            if self._committer.leader and not result.skipped:
                 self._committer.retain(job.step)
 
     # ------------------------------------------------------------------ load
@@ -341,6 +352,7 @@ class CheckpointEngine:
         if self._closed:
             raise CheckpointError("load() on a closed CheckpointEngine")
         self._drain()
+        node_local = self._committer.node is not None
         with gcpause.paused():
             return loading.load(self.directory, self._comm, state, step=step, at_most=at_most, check=check,
-                                durable_tier=self.durable_tier)  # fmt: skip
+                                durable_tier=self.durable_tier, node_local=node_local)  # fmt: skip

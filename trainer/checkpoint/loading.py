@@ -42,6 +42,7 @@ from ftsup.store.errors import (
 from ftsup.trainer.checkpoint import codec
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
 from ftsup.trainer.checkpoint.durableread import DurableSource, LazyTier, pick_from
+from ftsup.trainer.checkpoint.noderead import NodeRead, NodeSource
 from ftsup.trainer.checkpoint.reader import ShardReader
 
 log = structlog.get_logger("ftsup.checkpoint")
@@ -70,9 +71,12 @@ def load(
     at_most: int | None,
     check: Callable[[Mapping[str, Any]], None] | None,
     durable_tier: str | None = None,
+    node_local: bool = False,
 ) -> LoadResult:
     """`CheckpointEngine.load` (see there); a collective over the engine's group. `durable_tier`: the durable
-    tier's location, where a checkpoint newer than the local store's consistent ones may be read from."""
+    tier's location, where a checkpoint newer than the local store's consistent ones may be read from.
+    `node_local`: `directory` is this rank's node's own; each rank reads what its node's copy of the chosen
+    checkpoint holds from there, the rest from the durable tier (`noderead`)."""
     t0 = time.perf_counter()
     flat, _ = codec.flatten(codec.state_dicts(state))
     given_up: list[choice.Passed] = []  # rank 0's: what was passed over, for the error if nothing is left
@@ -87,11 +91,13 @@ def load(
                 raise NoCheckpointError(chosen["error"], rejected=chosen["rejected"])
             from_tier = chosen.get("tier") == tiers.DURABLE
             try:
-                return _load_from(comm, chosen, state, flat, t0, check, tier if from_tier else None)
+                node = NodeRead(directory, tier) if node_local else None
+                return _load_from(comm, chosen, state, flat, t0, check, tier if from_tier else None, node)
             except (CheckpointCorruptError, DurableTierError) as e:
                 if step is not None or not (from_tier or isinstance(e, CheckpointCorruptError)):
                     raise
-                if comm.rank == 0 and from_tier:  # a tier is never renamed into: passed over, left as it is
+                if comm.rank == 0 and (from_tier or node_local):  # a tier, or a copy that may be good where another
+                    # node's file failed, is never renamed into: passed over, left as it is
                     _passed_over(choice.Passed(chosen["path"], chosen["step"], choice.SKIPPED, str(e)), given_up)
                 elif comm.rank == 0:
                     _passed_over(choice.give_up(chosen["path"], chosen["step"], str(e)), given_up)
@@ -219,12 +225,14 @@ def _load_from(
     t0: float,
     check: Callable[[Mapping[str, Any]], None] | None,
     tier: LazyTier | None = None,
+    node: NodeRead | None = None,
 ) -> LoadResult:  # fmt: skip
-    """Load the chosen checkpoint: from the local store, or (`tier`) from the durable tier."""
+    """Load the chosen checkpoint: from the local store, or (`tier`) from the durable tier; `node`: each file from
+    this rank's node's copy where it holds it, else from the durable tier."""
     path: Path | str = Path(chosen["path"]) if tier is None else chosen["path"]
     manifest = layout.parse_manifest(json.dumps(chosen["manifest"]))
     meta = chosen["meta"]
-    source = None
+    source: DurableSource | NodeSource | None = None
     if check is not None:
         check(manifest.metadata)  # the same metadata on every rank: all raise or none does
     mismatches = _mismatches(meta["tensors"], flat)
@@ -235,7 +243,12 @@ def _load_from(
         status = 2
     else:
         try:
-            if tier is None:
+            if node is not None:
+                durable_pick = DurableSource(tier.get(), pick_from(chosen)) if tier is not None else None
+                source = NodeSource(node.directory / layout.step_dirname(manifest.step), manifest, node.tier,
+                                    durable_pick)  # fmt: skip
+                rank_state = _read_node_rank_state(source, comm.rank)
+            elif tier is None:
                 rank_state = _read_own_rank_state(Path(path), manifest, comm.rank)
             else:
                 source = DurableSource(tier.get(), pick_from(chosen))
@@ -284,6 +297,8 @@ def _load_from(
             state[key] = rebuilt[key]
     load_s = time.perf_counter() - t0
     bytes_read = reader.bytes_read + (source.bytes_read if source is not None else 0)
+    if isinstance(source, NodeSource):
+        log.info("checkpoint_node_read", **source.report(comm.rank))
     log.info("checkpoint_loaded", step=manifest.step, rank=comm.rank, duration_s=round(load_s, 4), path=str(path),
              bytes_read=bytes_read, tier=tiers.FAST if tier is None else tiers.DURABLE)  # fmt: skip
     return LoadResult(
@@ -299,6 +314,14 @@ def _read_own_rank_state(path: Path, manifest: layout.Manifest, rank: int) -> An
         return None  # this rank did not exist when the checkpoint was saved
     raw = layout.read_verified(path, manifest, name, layout.RANK_STATE_MAX_BYTES)
     return _decode_rank_state(raw, str(path), f"{path}/{name}", name)
+
+
+def _read_node_rank_state(source: NodeSource, rank: int) -> Any:
+    name = layout.rank_state_name(rank)
+    if name not in source.manifest.files:
+        return None
+    raw = source.read_small(name, layout.RANK_STATE_MAX_BYTES)
+    return _decode_rank_state(raw, str(source.local), f"{source.local}/{name}", name)
 
 
 def _read_durable_rank_state(source: DurableSource, rank: int) -> Any:

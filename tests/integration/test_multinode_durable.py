@@ -1,0 +1,121 @@
+"""Two supervisors on 127.0.0.1 acting as two nodes of one job, each with its own fast tier
+(`checkpoint.dir_shared: false`) and one bucket of a real S3 store (SeaweedFS) as the durable tier.
+
+Each node uploads its part of every checkpoint and the last one commits it: the bucket holds one commit per step.
+Node B is SIGKILLed and its fast tier wiped (a new machine); B started again rejoins, its rank reads its share of
+the checkpoint from the store, and the job completes with every step's samples in order.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ftsup.store import durable
+from tests.procs import REPO, free_port, kill_tree, wait_for
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 60
+
+
+def node_config(tmp: Path, node: str, port: int, url: str) -> Path:
+    cfg = {
+        "job": {
+            "command": [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "4",
+                        "--n-layer", "2", "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000",
+                        "--min-step-s", "0.15", "--loss-log", str(tmp / "loss.jsonl")],
+            "workdir": str(REPO), "run_id": "mn-durable-test", "state_dir": str(tmp / node),
+            "env": {"PYTHONPATH": str(REPO)},
+        },
+        "launch": {"nproc_per_node": 1, "nnodes": "1:2", "rdzv_endpoint": f"127.0.0.1:{port}", "node_id": node,
+                   "torchrun_args": ["--rdzv-conf=last_call_timeout=2,join_timeout=120,read_timeout=10"]},
+        "checkpoint": {"dir": str(tmp / node / "ckpt"), "dir_shared": False,
+                       "durable": {"url": url, "keep_last": 100, "part_bytes": 5 << 20}},
+        "restart": {"backoff_initial_s": 0.5, "stop_grace_s": 3, "max_attempts_without_progress": 5},
+    }  # fmt: skip
+    path = tmp / f"{node}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def start(cfg: Path, out: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(cfg)], env=env,
+                            stdout=open(out, "ab"), stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def lines(log: Path) -> list[dict]:
+    return [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")] if log.exists() else []
+
+
+def events(tmp: Path, node: str, name: str) -> list[dict]:
+    return [e for e in lines(tmp / node / "logs" / "supervisor.jsonl") if e.get("event") == name]
+
+
+def node_reads(root: Path) -> list[dict]:
+    """Every `checkpoint_node_read` a rank logged under `root`: its files read locally and from the store."""
+    found = []
+    for path in root.rglob("*"):
+        if path.is_file() and "ckpt" not in path.parts:
+            for line in path.read_text(errors="replace").splitlines():
+                if "checkpoint_node_read" in line:
+                    counts = dict(re.findall(r'"?(local_files|durable_files)"?[=:] ?(\d+)', line))
+                    where = re.search(r'"?path"?[=:] ?"?([^",\s]+)', line)
+                    found.append({k: int(v) for k, v in counts.items()} | {"path": where.group(1) if where else ""})
+    return found
+
+
+def test_two_nodes_with_separate_fast_tiers_commit_once_per_step_and_a_wiped_node_rejoins_from_the_store(
+    tmp_path: Path, bucket: str
+) -> None:
+    url = f"s3://{bucket}/job"
+    port = free_port()
+    a_cfg, b_cfg = node_config(tmp_path, "node-a", port, url), node_config(tmp_path, "node-b", port, url)
+    a = start(a_cfg, tmp_path / "a.out")
+    b = start(b_cfg, tmp_path / "b.out")
+    b2 = None
+    try:
+        wait_for(lambda: any(j["world_size"] == 2 for j in lines(tmp_path / "loss.jsonl")), 120,
+                 "the two nodes never trained together")  # fmt: skip
+        wait_for(lambda: any(e.get("outcome") == "committed" and e["step"] >= 8
+                             for n in ("node-a", "node-b") for e in events(tmp_path, n, "durable_committed")),
+                 120, "no durable commit of both nodes' parts")  # fmt: skip
+        b.kill()
+        b.wait(timeout=10)
+        shutil.rmtree(tmp_path / "node-b" / "ckpt")  # a new machine: its fast tier is gone
+        b2 = start(b_cfg, tmp_path / "b2.out")
+        assert a.wait(timeout=240) == 0, (tmp_path / "a.out").read_text()[-3000:]
+        assert b2.wait(timeout=90) == 0, (tmp_path / "b2.out").read_text()[-3000:]
+    finally:
+        for p in (a, b, b2):
+            if p is not None:
+                kill_tree(p.pid)
+    final: dict[int, dict] = {}
+    for j in lines(tmp_path / "loss.jsonl"):
+        final[j["step"]] = j
+    assert sorted(final) == list(range(1, STEPS + 1))
+    assert [final[s]["samples"] for s in sorted(final)] == [12 * s for s in range(1, STEPS + 1)]
+    # One commit per step in the store, whichever node made it; both nodes uploaded parts.
+    committed = [e for n in ("node-a", "node-b") for e in events(tmp_path, n, "durable_committed")]
+    commits = collections.Counter(e["step"] for e in committed if e["outcome"] == "committed")
+    assert commits and max(commits.values()) == 1, commits
+    parts = {n: {e["step"] for e in events(tmp_path, n, "durable_part_uploaded")} for n in ("node-a", "node-b")}
+    assert parts["node-a"] and parts["node-b"], parts
+    with durable.open_tier(url) as tier:
+        listed = tier.list_checkpoints()
+    assert {c.step for c in listed.checkpoints} == set(commits)
+    assert all(c.consistent for c in listed.checkpoints)
+    # Node B's rank, on its new fast tier, read its share of the checkpoint it resumed from from the store.
+    b_reads = [r for r in node_reads(tmp_path / "node-b") if r.get("durable_files", 0) > 0]
+    assert b_reads, node_reads(tmp_path)
+    assert all(re.search(r"node-b/ckpt/step-\d+$", r["path"]) for r in b_reads)
