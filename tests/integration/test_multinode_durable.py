@@ -40,7 +40,7 @@ def node_config(tmp: Path, node: str, port: int, url: str) -> Path:
         "launch": {"nproc_per_node": 1, "nnodes": "1:2", "rdzv_endpoint": f"127.0.0.1:{port}", "node_id": node,
                    "torchrun_args": ["--rdzv-conf=last_call_timeout=2,join_timeout=120,read_timeout=10"]},
         "checkpoint": {"dir": str(tmp / node / "ckpt"), "dir_shared": False,
-                       "durable": {"url": url, "keep_last": 100, "part_bytes": 5 << 20}},
+                       "durable": {"url": url, "keep_last": 100, "part_bytes": 5 << 20, "periodic_every": 2}},
         "restart": {"backoff_initial_s": 0.5, "stop_grace_s": 3, "max_attempts_without_progress": 5},
     }  # fmt: skip
     path = tmp / f"{node}.yaml"
@@ -109,8 +109,19 @@ def test_two_nodes_with_separate_fast_tiers_commit_once_per_step_and_a_wiped_nod
     committed = [e for n in ("node-a", "node-b") for e in events(tmp_path, n, "durable_committed")]
     commits = collections.Counter(e["step"] for e in committed if e["outcome"] == "committed")
     assert commits and max(commits.values()) == 1, commits
-    parts = {n: {e["step"] for e in events(tmp_path, n, "durable_part_uploaded")} for n in ("node-a", "node-b")}
+    went = ("durable_part_uploaded", "durable_committed")
+    parts = {n: {e["step"] for name in went for e in events(tmp_path, n, name)} for n in ("node-a", "node-b")}
     assert parts["node-a"] and parts["node-b"], parts
+    # Every node uploads what rank 0's node picked (a part goes up only for a step it picked): each step whose part
+    # went up after node B rejoined (from the step it resumed from on) is committed, the final one among them.
+    sent = parts["node-a"] | parts["node-b"]
+    from_store = [r["path"] for r in node_reads(tmp_path / "node-b") if r.get("durable_files", 0) > 0]
+    resumed = min(int(m.group(1)) for p in from_store if (m := re.search(r"step-(\d+)$", p)))
+    assert {s for s in sent if s >= resumed} <= set(commits) and STEPS in commits, (
+        resumed,
+        sorted(commits),
+        sorted(sent),
+    )
     with durable.open_tier(url) as tier:
         listed = tier.list_checkpoints()
     assert {c.step for c in listed.checkpoints} == set(commits)
