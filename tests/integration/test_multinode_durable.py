@@ -124,6 +124,13 @@ def test_two_nodes_with_separate_fast_tiers_commit_once_per_step_and_a_wiped_nod
     assert 3 * len(after & set(commits)) >= 2 * len(after) and STEPS in commits, (sorted(commits), first, rejoined)
     with durable.open_tier(url) as tier:
         listed = tier.list_checkpoints()
+        final_nodes = tier.manifest(STEPS)[0].nodes or {}
+    # The other node sent, after the rejoin, only steps that rank 0's node picked (sent) too.
+    leader = next(n for n, ranks in final_nodes.items() if 0 in ranks)
+    other = "node-b" if leader == "node-a" else "node-a"
+    picked = {e["step"] for e in events(tmp_path, leader, "durable_upload_started")}
+    followed = {e["step"] for e in events(tmp_path, other, "durable_upload_started") if e["timestamp"] > rejoined}
+    assert followed - {STEPS} <= picked, (leader, sorted(picked), sorted(followed))
     assert {c.step for c in listed.checkpoints} == set(commits)
     assert all(c.consistent for c in listed.checkpoints)
     # Node B's rank, on its new fast tier, read its share of the checkpoint it resumed from from the store.
