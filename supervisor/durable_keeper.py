@@ -282,16 +282,18 @@ class DurableKeeper:
                 continue
             self._later("info", "durable_deleted", step=step, url=self.url, objects=removed,
                         reason=f"durable retention (keep_last {self.tier_cfg.keep_last})")  # fmt: skip
-        if self.node is not None and good:
-            self._sweep(tier, {c.step for c in listing.checkpoints}, good[-1].step)
+        if self.node is not None and len(good) >= 2:
+            self._sweep(tier, {c.step for c in listing.checkpoints}, good[-1].step, good[-2].step)
 
-    def _sweep(self, tier: durable.DurableTier, committed: set[int], newest: int) -> None:
-        """Delete what this job's nodes wrote for the steps older than the newest commit that were never committed
-        (`DurableTier.sweep`: the objects their markers name, and those markers); they can no longer commit."""
+    def _sweep(self, tier: durable.DurableTier, committed: set[int], newest: int, below: int) -> None:
+        """Delete what this job's nodes wrote for the steps older than `below` (the commit before the newest,
+        `newest`) that were never committed (`DurableTier.sweep`: the objects their markers name, and those
+        markers). Another node still uploads a step older than the newest commit (newest first: the leader picked
+        it); one older than two commits it has dropped (`ftsup/store/DESIGN.md`, Node-local fast tiers)."""
         try:
             manifest, _ = tier.manifest(newest)
             job = {*(manifest.nodes or ()), *([self.node] if self.node else [])}
-            stale = [s for s in tier.committed_steps() if s < newest and s not in committed]
+            stale = [s for s in tier.committed_steps() if s < below and s not in committed]
         except Exception as e:  # noqa: BLE001 - the tier's failure is logged; the next commit sweeps again
             self._later("warning", "durable_retention_failed", step=newest, reason=f"sweep: {_error_line(e)}")
             return

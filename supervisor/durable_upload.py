@@ -66,7 +66,8 @@ class UploaderStatus:
     last_error: str | None
     """The tier's last failure while it is being retried; None once an upload went through."""
     following: tuple[int, ...] = ()
-    """Pending steps submitted not picked that wait for the leader's pick (which may never come)."""
+    """Pending steps that wait for the leader's pick (which may never come), tried since the newest commit: a job's
+    end does not wait for them."""
 
 
 def _yield_cpu(nice: int) -> None:
@@ -147,6 +148,8 @@ class Uploader:
         self._cond = threading.Condition()
         self._pending: dict[int, Path] = {}
         self._unpicked: set[int] = set()  # submitted only to follow the node of rank 0's pick (`follows`)
+        self._announced: set[int] = set()  # past `follows` (`on_started` told), until its outcome
+        self._quiet_at: dict[int, int] = {}  # waiting for the leader's pick -> the newest durable step at its last try
         self._durable: set[int] = set()
         self._uploading: int | None = None
         self._last_error: str | None = None
@@ -179,6 +182,7 @@ class Uploader:
                 dropped.append((oldest, self._pending.pop(oldest), oldest in self._unpicked))
                 self._unpicked.discard(oldest)
                 self._waits.pop(oldest, None)
+                self._quiet_at.pop(oldest, None)
             self._cond.notify_all()
         for old, where, unpicked in dropped:
             why = f"superseded: more than {self.max_pending} checkpoints waiting, the newest go first"
@@ -192,7 +196,16 @@ class Uploader:
                 pending=tuple(sorted(self._pending, reverse=True)),
                 uploading=self._uploading,
                 last_error=self._last_error,
-                following=tuple(sorted((s for s in self._unpicked if s in self._waits), reverse=True)),
+                following=tuple(
+                    sorted(
+                        (
+                            s
+                            for s, at in self._quiet_at.items()
+                            if s in self._pending and at == max(self._durable, default=-1)
+                        ),
+                        reverse=True,
+                    )
+                ),  # fmt: skip
             )
 
     def wait_durable(self, step: int, timeout_s: float) -> bool:
@@ -246,28 +259,30 @@ class Uploader:
                 self._preempt = False
                 again = step in self._waits
                 picked = step not in self._unpicked
-            if not again and picked:
-                self._call(self.on_started, step, str(path))
             try:
-                outcome = self._upload(step, path, picked, announce=not again and not picked)
+                outcome = self._upload(step, path, picked)
             except _Preempted:
                 outcome = None
                 with self._cond:
+                    self._announced.discard(step)  # started again later
                     if step not in self._durable:
                         self._pending.setdefault(step, path)  # after the urgent one, from where it stopped
             except _Waiting as e:  # its part is there (or the leader's pick comes): other checkpoints go meanwhile
                 outcome = None
-                with self._cond:
-                    newer = max(self._durable, default=-1) > step
+                with self._cond:  # given up once a newer one is durable; one not sent yet, once it is stale
+                    sent = step in self._announced
+                    newer = max(self._durable, default=-1) > step if sent else self._stale(step)
                     if not newer:
                         delay = min(self._waits[step][1] * 2, WAIT_MAX_S) if again else self.backoff_initial_s
                         self._waits[step] = (self.clock() + delay, delay)
+                        if not sent:
+                            self._quiet_at[step] = max(self._durable, default=-1)
                         self._pending.setdefault(step, path)
                         if not e.quiet:
                             self._last_error = str(e)
                 if newer:  # a newer checkpoint is durable already: superseded at once (as in `_supersede_waiting`)
                     why = "superseded: a newer checkpoint is durable; the other nodes' parts of this one did not come"
-                    outcome = Outcome(step, str(path), False, 0, 0.0, error=why, skipped=e.quiet)
+                    outcome = Outcome(step, str(path), False, 0, 0.0, error=why, skipped=not sent)
                 elif not e.quiet:
                     self._call(self.on_waiting, step, str(e), delay)
             with self._cond:
@@ -275,6 +290,8 @@ class Uploader:
                 if outcome is not None:
                     self._waits.pop(step, None)
                     self._unpicked.discard(step)
+                    self._announced.discard(step)
+                    self._quiet_at.pop(step, None)
                 if outcome is not None and outcome.committed:
                     self._durable.add(step)
                 self._cond.notify_all()
@@ -287,17 +304,26 @@ class Uploader:
     def _supersede_waiting(self, step: int) -> None:
         """Give up the older commits that wait for other nodes' parts once `step` is durable: a part that has not
         come by then (its node gone, its copy lost with its machine) may never come, and a newer checkpoint is
-        durable. So are the older ones submitted only to follow the leader's pick (`follows`), quietly."""
+        durable; one that waits for the leader's pick (nothing of it sent) only once it is stale, quietly."""
         with self._cond:
-            old = [s for s in self._pending if s < step and (s in self._waits or s in self._unpicked)]
-            gone = [(s, self._pending.pop(s), s in self._unpicked) for s in sorted(old)]
+            old = [
+                s for s in self._pending if s < step and s in self._waits and (s in self._announced or self._stale(s))
+            ]
+            gone = [(s, self._pending.pop(s), s not in self._announced) for s in sorted(old)]
             for s, _, _ in gone:
                 self._waits.pop(s, None)
+                self._quiet_at.pop(s, None)
                 self._unpicked.discard(s)
+                self._announced.discard(s)
             self._cond.notify_all()
         for s, where, unpicked in gone:
             why = f"superseded: step {step} is durable, and the other nodes' parts of this one did not come"
             self._report(Outcome(s, str(where), False, 0, 0.0, error=why, skipped=unpicked))
+
+    def _stale(self, step: int) -> bool:
+        """Older than the two newest steps made durable: a step another node's retention may sweep
+        (`durable_keeper`), so a node that has sent nothing of it yet sends nothing (under the lock)."""
+        return step < (sorted(self._durable)[-2:-1] or [-1])[0]
 
     def _report(self, outcome: Outcome) -> None:
         self._call(self.on_outcome, outcome)
@@ -311,9 +337,9 @@ class Uploader:
         except Exception:  # noqa: BLE001 - a reporter that fails must not stop every later upload
             pass
 
-    def _upload(self, step: int, path: Path, picked: bool = True, *, announce: bool = False) -> Outcome | None:
+    def _upload(self, step: int, path: Path, picked: bool = True) -> Outcome | None:
         """Upload until it goes through or cannot; None when closed meanwhile. Raises _Preempted, and _Waiting.
-        One not `picked` goes only where the tier's `follows` says so (`announce`: `on_started` when it does)."""
+        In a node-local job it goes only where the tier's `follows` says so (`on_started` once it does)."""
         started = self.clock()
         delay = self.backoff_initial_s
         attempts = 0
@@ -327,11 +353,14 @@ class Uploader:
                 else:
                     verdict = self.tier.follows(path, self.node, picked)
                 with self._cond:
-                    superseded = verdict == "follow" and max(self._durable, default=-1) > step
-                if verdict == "skip" or superseded:
+                    stale = verdict == "follow" and self._stale(step)
+                if verdict == "skip" or stale:
                     return Outcome(step, str(path), False, attempts, self.clock() - started, skipped=True)
+                with self._cond:
+                    announce = step not in self._announced
+                    self._announced.add(step)
+                    self._quiet_at.pop(step, None)
                 if announce:
-                    announce = False
                     self._call(self.on_started, step, str(path))
                 leader = False
                 if self.node is None:

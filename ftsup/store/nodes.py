@@ -10,8 +10,9 @@ DESIGN.md`, "Durable tier", Node-local fast tiers).
 Which files a node holds follows from the names: a rank's files (`shard-NNNNN.*`, `rank-NNNNN.json`) are held by the
 node of that rank; a file that names no rank (`dcp_metadata.json`) is written by every node and sent to the durable
 tier by the node of rank 0. In the durable tier each node sends its own files and then writes a marker object,
-`step-N/data-<hex>/node-<id>.json` (the files it verified there); the commit is made once every node's marker is
-there (`ready`), by whichever node finds that first, with the conditional write that lets only one commit.
+`step-N/nodes-<hex>/<id>.json` beside the data folder `data-<hex>` (the files it verified there); the commit is
+made once every node's marker is there, by whichever node finds that first, with the conditional write that lets
+only one commit.
 
 Here: the node field and the node file (parsed as hostile input), which files a node holds, the markers, the commit
 rule. Stdlib only; everything read is hostile.

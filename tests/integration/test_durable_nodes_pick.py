@@ -74,16 +74,20 @@ def test_a_committed_step_is_not_swept(bucket: str, tmp_path: Path, s3_server: S
     assert _keys(s3_server, bucket) == before
 
 
-def test_retention_after_a_newer_commit_sweeps_the_superseded_step(
+def test_retention_after_two_newer_commits_sweeps_the_superseded_step(
     bucket: str, tmp_path: Path, s3_server: SeaweedS3
 ) -> None:
-    old, new = node_copies(tmp_path / "old", step=4), node_copies(tmp_path / "new", step=8)
+    old, mid = node_copies(tmp_path / "old", step=4), node_copies(tmp_path / "mid", step=8)
+    new = node_copies(tmp_path / "new", step=12)
     with durable.open_tier(f"s3://{bucket}/job", OPTIONS) as tier:
         assert isinstance(tier, S3Tier)
         with pytest.raises(s3nodes.WaitingForNodes):
             tier.upload(old["node-a"], node="node-a")  # step 4: node-b's part never comes
         planted = tier.data_key(4, durable.read_local(old["node-a"]).token, "planted.bin")
         tier.put(planted, b"not named by any marker")
+        with pytest.raises(s3nodes.WaitingForNodes):
+            tier.upload(mid["node-b"], node="node-b")
+        tier.upload(mid["node-a"], node="node-a")  # step 8 committed
         with pytest.raises(s3nodes.WaitingForNodes):
             tier.upload(new["node-b"], node="node-b")
     fast = new["node-a"].parent
@@ -96,7 +100,7 @@ def test_retention_after_a_newer_commit_sweeps_the_superseded_step(
         cfg, emit=lambda level, event, **f: seen.append((event, f)), metrics=Metrics("r", "n-a", started_unix=0)
     )
     with keeper.running():
-        keeper.saved(8, "emergency")
+        keeper.saved(12, "emergency")
 
         def swept() -> bool:
             keeper.poll()

@@ -40,7 +40,7 @@ def node_config(tmp: Path, node: str, port: int, url: str) -> Path:
         "launch": {"nproc_per_node": 1, "nnodes": "1:2", "rdzv_endpoint": f"127.0.0.1:{port}", "node_id": node,
                    "torchrun_args": ["--rdzv-conf=last_call_timeout=2,join_timeout=120,read_timeout=10"]},
         "checkpoint": {"dir": str(tmp / node / "ckpt"), "dir_shared": False,
-                       "durable": {"url": url, "keep_last": 100, "part_bytes": 5 << 20}},
+                       "durable": {"url": url, "keep_last": 100, "part_bytes": 5 << 20, "periodic_every": 2}},
         "restart": {"backoff_initial_s": 0.5, "stop_grace_s": 3, "max_attempts_without_progress": 5},
     }  # fmt: skip
     path = tmp / f"{node}.yaml"
@@ -109,10 +109,28 @@ def test_two_nodes_with_separate_fast_tiers_commit_once_per_step_and_a_wiped_nod
     committed = [e for n in ("node-a", "node-b") for e in events(tmp_path, n, "durable_committed")]
     commits = collections.Counter(e["step"] for e in committed if e["outcome"] == "committed")
     assert commits and max(commits.values()) == 1, commits
-    parts = {n: {e["step"] for e in events(tmp_path, n, "durable_part_uploaded")} for n in ("node-a", "node-b")}
+    went = ("durable_part_uploaded", "durable_committed")
+    parts = {n: {e["step"] for name in went for e in events(tmp_path, n, name)} for n in ("node-a", "node-b")}
     assert parts["node-a"] and parts["node-b"], parts
+    # Every node uploads what rank 0's node picked (another node sends a part only for a step that node picked), so
+    # most of the steps first sent once node B had rejoined are committed (the last scans before the job's end may
+    # not see one), the final one among them.
+    rejoined = events(tmp_path, "node-b", "supervisor_started")[-1]["timestamp"]
+    first: dict[int, str] = {}
+    for n in ("node-a", "node-b"):
+        for e in events(tmp_path, n, "durable_upload_started"):
+            first[e["step"]] = min(first.get(e["step"], e["timestamp"]), e["timestamp"])
+    after = {step for step, when in first.items() if when > rejoined}
+    assert 3 * len(after & set(commits)) >= 2 * len(after) and STEPS in commits, (sorted(commits), first, rejoined)
     with durable.open_tier(url) as tier:
         listed = tier.list_checkpoints()
+        final_nodes = tier.manifest(STEPS)[0].nodes or {}
+    # The other node sent, after the rejoin, only steps that rank 0's node picked (sent) too.
+    leader = next(n for n, ranks in final_nodes.items() if 0 in ranks)
+    other = "node-b" if leader == "node-a" else "node-a"
+    picked = {e["step"] for e in events(tmp_path, leader, "durable_upload_started")}
+    followed = {e["step"] for e in events(tmp_path, other, "durable_upload_started") if e["timestamp"] > rejoined}
+    assert followed - {STEPS} <= picked, (leader, sorted(picked), sorted(followed))
     assert {c.step for c in listed.checkpoints} == set(commits)
     assert all(c.consistent for c in listed.checkpoints)
     # Node B's rank, on its new fast tier, read its share of the checkpoint it resumed from from the store.

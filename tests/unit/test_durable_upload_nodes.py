@@ -136,16 +136,21 @@ def test_a_step_waiting_for_the_leaders_pick_is_uploaded_once_it_comes(tmp_path:
     assert quiet is None and fake.tries == [(1, "node-b")]
 
 
-def test_a_step_the_leader_never_picks_is_dropped_quietly_once_a_newer_one_is_durable(tmp_path: Path) -> None:
+def test_a_step_the_leader_never_picks_is_dropped_quietly_once_two_newer_ones_are_durable(tmp_path: Path) -> None:
     outcomes: list[Outcome] = []
-    verdicts = {1: "wait", 2: "go"}
+    verdicts = {1: "wait", 2: "go", 3: "go"}
     fake = _Follows(durable.open_tier(str(tmp_path / "durable"), durable.DurableOptions(concurrency=2)), verdicts)
-    older, newer = (make_fake_checkpoint(tmp_path / "fast", s, default_files(s)) for s in (1, 2))
+    ckpts = [make_fake_checkpoint(tmp_path / "fast", s, default_files(s)) for s in (1, 2, 3)]
     with Uploader(fake, node="node-b", backoff_initial_s=0.05, on_outcome=outcomes.append) as up:
-        up.submit(older, picked=False)
+        up.submit(ckpts[0], picked=False)
         wait_for(lambda: up.status().following == (1,), 30, "step 1 never waited for the leader")
-        up.submit(newer)
-        wait_for(lambda: len(outcomes) == 2, 30, "step 1 was never given up")
+        up.submit(ckpts[1])
+        assert up.wait_durable(2, timeout_s=30)
+        still = up.status().following
+        up.submit(ckpts[2])
+        wait_for(lambda: len(outcomes) == 3, 30, "step 1 was never given up")
         status = up.status()
-    assert sorted((o.step, o.committed, o.skipped) for o in outcomes) == [(1, False, True), (2, True, False)]
+    assert still == (1,)
+    assert sorted((o.step, o.committed, o.skipped) for o in outcomes) == [(1, False, True), (2, True, False),
+                                                                         (3, True, False)]  # fmt: skip
     assert status.pending == () and (1, "node-b") not in fake.tries
