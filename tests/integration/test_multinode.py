@@ -24,18 +24,19 @@ pytestmark = pytest.mark.multiprocess
 STEPS = 60
 
 
-def node_config(tmp: Path, node: str, port: int) -> Path:
+def node_config(tmp: Path, node: str, port: int, *, run_id: str = "mn-test", checkpoint: dict | None = None) -> Path:
+    """Node `node`'s job file; `checkpoint` replaces the shared store of `tmp / "ckpt"`."""
     cfg = {
         "job": {
             "command": [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "4",
                         "--n-layer", "2", "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000",
                         "--min-step-s", "0.15", "--loss-log", str(tmp / "loss.jsonl")],
-            "workdir": str(REPO), "run_id": "mn-test", "state_dir": str(tmp / node),
+            "workdir": str(REPO), "run_id": run_id, "state_dir": str(tmp / node),
             "env": {"PYTHONPATH": str(REPO)},
         },
         "launch": {"nproc_per_node": 1, "nnodes": "1:2", "rdzv_endpoint": f"127.0.0.1:{port}", "node_id": node,
                    "torchrun_args": ["--rdzv-conf=last_call_timeout=2,join_timeout=120,read_timeout=10"]},
-        "checkpoint": {"dir": str(tmp / "ckpt")},
+        "checkpoint": checkpoint or {"dir": str(tmp / "ckpt")},
         "restart": {"backoff_initial_s": 0.5, "stop_grace_s": 3, "max_attempts_without_progress": 5},
     }  # fmt: skip
     path = tmp / f"{node}.yaml"
@@ -50,7 +51,7 @@ def start(cfg: Path, out: Path) -> subprocess.Popen:
 
 
 def lines(log: Path) -> list[dict]:
-    return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    return [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")] if log.exists() else []
 
 
 def test_losing_a_node_relaunches_smaller_and_the_node_can_rejoin(tmp_path):

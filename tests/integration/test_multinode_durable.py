@@ -9,53 +9,24 @@ the checkpoint from the store, and the job completes with every step's samples i
 from __future__ import annotations
 
 import collections
-import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from ftsup.store import durable
-from tests.procs import REPO, free_port, kill_tree, wait_for
+from tests.integration import test_multinode as multinode
+from tests.integration.test_multinode import STEPS, lines, start
+from tests.procs import free_port, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
-STEPS = 60
-
 
 def node_config(tmp: Path, node: str, port: int, url: str) -> Path:
-    cfg = {
-        "job": {
-            "command": [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "4",
-                        "--n-layer", "2", "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000",
-                        "--min-step-s", "0.15", "--loss-log", str(tmp / "loss.jsonl")],
-            "workdir": str(REPO), "run_id": "mn-durable-test", "state_dir": str(tmp / node),
-            "env": {"PYTHONPATH": str(REPO)},
-        },
-        "launch": {"nproc_per_node": 1, "nnodes": "1:2", "rdzv_endpoint": f"127.0.0.1:{port}", "node_id": node,
-                   "torchrun_args": ["--rdzv-conf=last_call_timeout=2,join_timeout=120,read_timeout=10"]},
-        "checkpoint": {"dir": str(tmp / node / "ckpt"), "dir_shared": False,
-                       "durable": {"url": url, "keep_last": 100, "part_bytes": 5 << 20, "periodic_every": 2}},
-        "restart": {"backoff_initial_s": 0.5, "stop_grace_s": 3, "max_attempts_without_progress": 5},
-    }  # fmt: skip
-    path = tmp / f"{node}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def start(cfg: Path, out: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(cfg)], env=env,
-                            stdout=open(out, "ab"), stderr=subprocess.STDOUT)  # fmt: skip
-
-
-def lines(log: Path) -> list[dict]:
-    return [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")] if log.exists() else []
+    checkpoint = {"dir": str(tmp / node / "ckpt"), "dir_shared": False,
+                  "durable": {"url": url, "keep_last": 100, "part_bytes": 5 << 20, "periodic_every": 2}}  # fmt: skip
+    return multinode.node_config(tmp, node, port, run_id="mn-durable-test", checkpoint=checkpoint)
 
 
 def events(tmp: Path, node: str, name: str) -> list[dict]:
