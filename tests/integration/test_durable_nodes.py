@@ -145,9 +145,9 @@ def test_a_nodes_own_marker_found_torn_is_written_again_and_the_step_commits(buc
         assert tier.inspect(4, deep=True).consistent
 
 
-def test_an_eviction_waiting_for_another_nodes_part_says_what_it_waits_for(bucket: str, tmp_path: Path) -> None:
-    copies = node_copies(tmp_path)
-    raw = {"job": {"command": ["true"]}, "checkpoint": {"dir": str(tmp_path / "node-a"), "dir_shared": False,
+def node_a_keeper(fast: Path, bucket: str, tmp_path: Path) -> tuple[DurableKeeper, list[tuple[str, dict[str, Any]]]]:
+    """Node-a's durable keeper of a two-node job with node-local fast tiers (`fast` its own), and what it emits."""
+    raw = {"job": {"command": ["true"]}, "checkpoint": {"dir": str(fast), "dir_shared": False,
            "durable": {"url": f"s3://{bucket}/job", "part_bytes": 5 << 20}},
            "launch": {"nnodes": 2, "rdzv_endpoint": "127.0.0.1:29400", "node_id": "node-a"}}  # fmt: skip
     cfg = parse_config(raw, source="job.yaml", base_dir=tmp_path, hostname="n")
@@ -155,6 +155,12 @@ def test_an_eviction_waiting_for_another_nodes_part_says_what_it_waits_for(bucke
     keeper = DurableKeeper(
         cfg, emit=lambda level, event, **f: seen.append((event, f)), metrics=Metrics("r", "n-a", started_unix=0)
     )
+    return keeper, seen
+
+
+def test_an_eviction_waiting_for_another_nodes_part_says_what_it_waits_for(bucket: str, tmp_path: Path) -> None:
+    copies = node_copies(tmp_path)
+    keeper, seen = node_a_keeper(tmp_path / "node-a", bucket, tmp_path)
     with keeper.running():
         keeper.saved(4, "emergency")
 

@@ -5,16 +5,12 @@ and the durable tier's retention pass (`ftsup/store/DESIGN.md`, Node-local fast 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from ftsup.store import durable, s3nodes
 from ftsup.store.s3 import S3Tier
-from ftsup.supervisor.config import parse_config
-from ftsup.supervisor.durable_keeper import DurableKeeper
-from ftsup.supervisor.metrics import Metrics
-from tests.integration.test_durable_nodes import OPTIONS, node_copies
+from tests.integration.test_durable_nodes import OPTIONS, node_a_keeper, node_copies
 from tests.procs import wait_for
 from tests.s3fixtures import client
 from tests.s3server import SeaweedS3
@@ -91,14 +87,7 @@ def test_retention_after_two_newer_commits_sweeps_the_superseded_step(
         with pytest.raises(s3nodes.WaitingForNodes):
             tier.upload(new["node-b"], node="node-b")
     fast = new["node-a"].parent
-    raw = {"job": {"command": ["true"]}, "checkpoint": {"dir": str(fast), "dir_shared": False,
-           "durable": {"url": f"s3://{bucket}/job", "part_bytes": 5 << 20}},
-           "launch": {"nnodes": 2, "rdzv_endpoint": "127.0.0.1:29400", "node_id": "node-a"}}  # fmt: skip
-    cfg = parse_config(raw, source="job.yaml", base_dir=tmp_path, hostname="n")
-    seen: list[tuple[str, dict[str, Any]]] = []
-    keeper = DurableKeeper(
-        cfg, emit=lambda level, event, **f: seen.append((event, f)), metrics=Metrics("r", "n-a", started_unix=0)
-    )
+    keeper, seen = node_a_keeper(fast, bucket, tmp_path)
     with keeper.running():
         keeper.saved(12, "emergency")
 

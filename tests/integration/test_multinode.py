@@ -54,6 +54,15 @@ def lines(log: Path) -> list[dict]:
     return [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")] if log.exists() else []
 
 
+def assert_every_step_once_in_order(loss_log: Path) -> None:
+    """Every step of the job trained, the last time each was, on the samples that follow the step before."""
+    final: dict[int, dict] = {}
+    for j in lines(loss_log):
+        final[j["step"]] = j
+    assert sorted(final) == list(range(1, STEPS + 1))
+    assert [final[s]["samples"] for s in sorted(final)] == [12 * s for s in range(1, STEPS + 1)]
+
+
 def test_losing_a_node_relaunches_smaller_and_the_node_can_rejoin(tmp_path):
     port = free_port()
     a_cfg, b_cfg = node_config(tmp_path, "node-a", port), node_config(tmp_path, "node-b", port)
@@ -79,11 +88,7 @@ def test_losing_a_node_relaunches_smaller_and_the_node_can_rejoin(tmp_path):
         for p in (a, b, b2):
             if p is not None:
                 kill_tree(p.pid)
-    final: dict[int, dict] = {}
-    for j in lines(tmp_path / "loss.jsonl"):
-        final[j["step"]] = j
-    assert sorted(final) == list(range(1, STEPS + 1))
-    assert [final[s]["samples"] for s in sorted(final)] == [12 * s for s in range(1, STEPS + 1)]
+    assert_every_step_once_in_order(tmp_path / "loss.jsonl")
     a_events = [json.loads(x) for x in (tmp_path / "node-a" / "logs" / "supervisor.jsonl").read_text().splitlines()]
     launches = [e for e in a_events if e["event"] == "workers_launched"]
     assert len(launches) >= 2 and launches[1]["resume_step"] is not None
