@@ -155,9 +155,10 @@ def marker_bytes(node: str, step: int, files: Mapping[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def parse_marker(raw: bytes, node: str, step: int, files: Mapping[str, Any], where: str) -> list[str]:
+def parse_marker(raw: bytes, node: str, step: int, files: Mapping[str, Any] | None, where: str) -> list[str]:
     """The files a marker of `node` says it verified, each as the manifest's `files` records it; ManifestError
-    naming what is wrong (another node, another step, a file the manifest does not name or names otherwise)."""
+    naming what is wrong (another node, another step, a file the manifest does not name or names otherwise).
+    `files` None (a step no manifest commits: its leftovers swept): each name need only be a safe relative path."""
     if len(raw) > MARKER_MAX_BYTES:
         raise ManifestError(f"{where}: {len(raw)} bytes, over the {MARKER_MAX_BYTES}-byte limit for a marker")
     obj = safefile.loads(raw, where, max_values=MARKER_MAX_BYTES // 16, error=ManifestError)
@@ -167,6 +168,9 @@ def parse_marker(raw: bytes, node: str, step: int, files: Mapping[str, Any], whe
     if not isinstance(listed, dict):
         raise ManifestError(f"{where}: files must be an object")
     for rel, entry in listed.items():
+        if files is None:
+            safefile.validate_relpath(rel)
+            continue
         want = files.get(rel)
         if want is None:
             raise ManifestError(f"{where}: names {rel!r:.120}, which the manifest does not")

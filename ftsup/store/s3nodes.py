@@ -19,13 +19,12 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from ftsup.store import durable, layout, nodes, s3list, s3upload, safefile
+from ftsup.store import durable, layout, nodes, s3list, s3upload
 from ftsup.store.errors import (
     CheckpointCorruptError,
     CheckpointError,
     DurableTierError,
     DurableWaitError,
-    ManifestError,
 )
 
 if TYPE_CHECKING:
@@ -132,7 +131,7 @@ def sweep(tier: S3Tier, step: int, nodes_of_job: set[str]) -> int:
         for key, node in marks:
             try:
                 raw = read_small(tier, key, nodes.MARKER_MAX_BYTES)
-                rels = _marker_files(raw, node, step, f"s3://{tier.bucket}/{key}") if raw is not None else []
+                rels = nodes.parse_marker(raw, node, step, None, f"s3://{tier.bucket}/{key}") if raw is not None else []
             except DurableTierError:
                 raise
             except CheckpointError:
@@ -141,19 +140,6 @@ def sweep(tier: S3Tier, step: int, nodes_of_job: set[str]) -> int:
             tier.call("delete", key, tier.client.delete_object, Bucket=tier.bucket, Key=key)
             deleted += 1
     return deleted
-
-
-def _marker_files(raw: bytes, node: str, step: int, where: str) -> list[str]:
-    """The files a marker of `node` for `step` names (checked as `nodes.parse_marker` does, without a manifest)."""
-    obj = safefile.loads(raw, where, max_values=nodes.MARKER_MAX_BYTES // 16, error=ManifestError)
-    if not isinstance(obj, dict) or obj.get("node") != node or obj.get("step") != step:
-        raise ManifestError(f"{where}: not the marker of node {node!r} for step {step}")
-    listed = obj.get("files")
-    if not isinstance(listed, dict):
-        raise ManifestError(f"{where}: files must be an object")
-    for rel in listed:
-        safefile.validate_relpath(rel)
-    return sorted(listed)
 
 
 def _send_files(
