@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,7 @@ def test_a_hang_is_detected_in_time_while_the_store_is_hostile(tmp_path: Path) -
     try:
         wait_for(lambda: (tmp_path / "ckpt" / layout.step_dirname(4)).is_dir(), 180, "no first checkpoint")
         plant_hostile(tmp_path / "ckpt")  # before the hang at step 10, while the daemon scans
+        planted_at = datetime.now(timezone.utc).isoformat()
         out, _ = proc.communicate(timeout=300)
     finally:
         kill_tree(proc.pid)
@@ -70,4 +72,6 @@ def test_a_hang_is_detected_in_time_while_the_store_is_hostile(tmp_path: Path) -
     assert len(hangs) == 1, [e["event"] for e in events]
     silent, timeout = map(float, re.search(r"silent for ([\d.]+)s \(timeout ([\d.]+)s\)", hangs[0]["reason"]).groups())  # type: ignore[union-attr]
     assert silent <= timeout + 1.0
-    assert sorted(e["step"] for e in events if e["event"] == "checkpoint_quarantined") == [97, 98, 99]
+    timeline = [(e["timestamp"], e["event"], e.get("step"), e.get("reason")) for e in events]
+    quarantined = sorted(e["step"] for e in events if e["event"] == "checkpoint_quarantined")
+    assert quarantined == [97, 98, 99], (f"planted at {planted_at}", timeline)
