@@ -28,6 +28,11 @@ ACCESS_KEY = "ftsuptestkey"
 SECRET_KEY = "ftsuptestsecret0123456789"
 GRPC_OFFSET = 10000
 PORT_CEILING = 55000  # a port's gRPC twin (port + 10000) stays below it
+# Volume slots of the one volume server. With `-volume.max=0` SeaweedFS derives them from the free disk space over
+# the volume size limit, and every bucket (a collection) takes 7 volumes at its first write: on a disk with 20 GB
+# free a server held 11 buckets and then answered every PUT with InternalError. Volumes are not preallocated, so
+# slots cost nothing until written.
+MAX_VOLUMES = 4000
 
 
 def weed_binary() -> str | None:
@@ -117,9 +122,9 @@ class SeaweedS3:
             f"-filer.port={filer}", f"-filer.port.grpc={filer + GRPC_OFFSET}",
             "-filer", "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3 + GRPC_OFFSET}", f"-s3.config={config}",
             "-s3.port.iceberg=0", "-s3.port.lance=0", "-s3.iam=false",
-            "-master.telemetry=false", "-master.resumeState=false", "-master.volumeSizeLimitMB=256", "-volume.max=0",
-            "-volume.preStopSeconds=0", f"-filer.localSocket={self.data_dir / 'filer.sock'}",
-            f"-s3.localSocket={self.data_dir / 's3.sock'}",
+            "-master.telemetry=false", "-master.resumeState=false", "-master.volumeSizeLimitMB=256",
+            f"-volume.max={MAX_VOLUMES}", "-volume.preStopSeconds=0",
+            f"-filer.localSocket={self.data_dir / 'filer.sock'}", f"-s3.localSocket={self.data_dir / 's3.sock'}",
         ]  # fmt: skip
 
     def start(self, timeout_s: float = 60.0) -> None:
