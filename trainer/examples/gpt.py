@@ -261,8 +261,8 @@ def train(args: argparse.Namespace) -> int:
             t_start = time.monotonic()
             total = torch.zeros((), dtype=torch.float64, device=device)
             ids_now: list[int] = []
+            t_micro = time.monotonic()  # a micro-batch's time includes its fetch, so a slowed one is slow whole
             for ids, tokens in session.micro_batches():
-                t_micro = time.monotonic()
                 mb = session.micro_batch
                 want = mb.sample_ids if mb else ()
                 if tuple(ids.tolist()) != want:
@@ -274,6 +274,7 @@ def train(args: argparse.Namespace) -> int:
                 (loss / session.accumulation_steps).backward()
                 total += loss.detach().double()
                 poison.slow_down(time.monotonic() - t_micro)
+                t_micro = time.monotonic()
             # this rank's loss; the guard's one copy to the host brings it and the mean over the ranks
             check = session.clip_and_step(args.clip_grad_norm, total / session.accumulation_steps)
             mean = check.mean_loss
