@@ -108,6 +108,7 @@ class _Request:
         self.done = threading.Event()
         self.result: Resume | None = None
         self.error: OSError | CheckpointError | None = None  # the store could not be read: the caller's to retry
+        self.given_up = False  # the caller stopped waiting: its result, made later, goes to `take_late()`
 
 
 class StoreScanner:
@@ -123,6 +124,7 @@ class StoreScanner:
         self._stop = threading.Event()
         self._view = StoreView()
         self._requests: list[_Request] = []
+        self._late: list[Resume] = []  # choices made after their caller gave up on them (what they renamed)
         self._cache: dict[str, tuple[tuple[Any, ...], layout.CheckpointInfo]] = {}
         self._thread = threading.Thread(target=self._run, name="ftsup-ckpt-scan", daemon=True)
 
@@ -172,12 +174,22 @@ class StoreScanner:
         with self._lock:
             self._requests.append(req)
         self._wake.set()
-        if req.done.wait(timeout_s) and req.error is not None:
+        req.done.wait(timeout_s)
+        with self._lock:
+            req.given_up = not req.done.is_set()
+        if req.error is not None:
             raise req.error
-        if req.done.is_set() and req.result is not None:
+        if req.result is not None:
             return req.result
-        error = self.view().last_error if req.done.is_set() else f"nothing within {timeout_s:g}s"
+        error = self.view().last_error if not req.given_up else f"nothing within {timeout_s:g}s"
         return Resume(choice.Choice(None), answered=False, error=error)
+
+    def take_late(self) -> list[Resume]:
+        """The choices made since the last call whose callers had stopped waiting for them (`choose`'s timeout):
+        what they quarantined, skipped or abandoned is still to be told."""
+        with self._lock:
+            late, self._late = self._late, []
+        return late
 
     # ------------------------------------------------------------------ the thread
 
@@ -199,14 +211,22 @@ class StoreScanner:
             self._serve(req)
 
     def _serve(self, req: _Request) -> None:
+        result: Resume | None = None
+        error: OSError | CheckpointError | None = None
         try:
-            req.result = self._choose(req.at_most)
+            result = self._choose(req.at_most)
         except (OSError, CheckpointError) as e:
-            req.error = e
+            error = e
             self._count_error(e)
         except Exception as e:  # adapter boundary: a bug on hostile input is counted, the ranks choose
             self._count_error(e)
-        req.done.set()
+        with self._lock:  # the caller takes the result, or has given up and `take_late()` hands it on
+            if req.given_up:
+                if result is not None:
+                    self._late.append(result)
+            else:
+                req.result, req.error = result, error
+            req.done.set()
 
     def scan(self) -> None:
         """One scan, on the caller's thread (the scanner's own, or a test's before `start()`)."""

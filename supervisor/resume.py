@@ -24,7 +24,7 @@ from typing import Any
 from ftsup.store import choice, durable, layout
 from ftsup.store.errors import CheckpointError
 from ftsup.supervisor import health, policy
-from ftsup.supervisor.ckptstore import StoreScanner
+from ftsup.supervisor.ckptstore import Resume, StoreScanner
 from ftsup.supervisor.config import JobConfig
 from ftsup.supervisor.metrics import Metrics
 from ftsup.supervisor.outages import Outages
@@ -49,6 +49,7 @@ class ResumeChoice:
         self.store = StoreScanner(cfg.checkpoint.dir, deep=cfg.checkpoint.verify_deep, recent=recent)  # all reads
         self._seen = (0, 0)  # (scans, errors) of the view last handed to the metrics
         self._newest: int | None = None  # the newest step seen, from the first scan on (checkpoint_found after it)
+        self._late_attempt = 0  # the attempt of the last choice that did not come in time
         node_local = not cfg.checkpoint.dir_shared and cfg.launch.max_nodes > 1  # the durable tier's newest commit
         self.store.with_durable_tier(durable_opener(cfg), durable_only=node_local)  # the choice reads the tier too
 
@@ -97,16 +98,9 @@ class ResumeChoice:
 
     def _choose_checkpoint(self, attempt: int, at_most: int | None) -> tuple[int | None, dict[str, Any]]:
         resume = self.store.choose(CHOICE_TIMEOUT_S, at_most)  # made on the scanner's thread
-        for p in resume.picked.passed:
-            if p.action == choice.QUARANTINED:
-                self._emit("error", "checkpoint_quarantined", attempt=attempt, step=p.step, reason=p.reason,
-                           path=p.moved_to)  # fmt: skip
-            else:
-                self._emit("warning", "checkpoint_skipped", attempt=attempt, step=p.step, reason=p.reason, path=p.path)
-        for p in resume.abandoned:
-            level = "warning" if p.action == choice.ABANDONED else "error"  # one not renamed stays a resume point
-            self._emit(level, "checkpoint_abandoned", attempt=attempt, step=p.step, reason=p.reason, path=p.path,
-                       moved_to=p.moved_to)  # fmt: skip
+        if not resume.answered:
+            self._late_attempt = attempt
+        self._tell_passed(attempt, resume)
         if resume.durable_error is not None:  # the fast tier's choice alone
             self._emit("warning", "durable_choice_failed", attempt=attempt, reason=resume.durable_error)
         info = resume.picked.info
@@ -122,6 +116,21 @@ class ResumeChoice:
                    path=info.path)  # fmt: skip
         return info.step, resume.metadata
 
+    def _tell_passed(self, attempt: int, resume: Resume, **late: Any) -> None:
+        """Log what a choice quarantined, skipped or abandoned on its way (`late`: fields of a choice made after
+        its attempt stopped waiting for it)."""
+        for p in resume.picked.passed:
+            if p.action == choice.QUARANTINED:
+                self._emit("error", "checkpoint_quarantined", attempt=attempt, step=p.step, reason=p.reason,
+                           path=p.moved_to, **late)  # fmt: skip
+            else:
+                self._emit("warning", "checkpoint_skipped", attempt=attempt, step=p.step, reason=p.reason, path=p.path,
+                           **late)  # fmt: skip
+        for p in resume.abandoned:
+            level = "warning" if p.action == choice.ABANDONED else "error"  # one not renamed stays a resume point
+            self._emit(level, "checkpoint_abandoned", attempt=attempt, step=p.step, reason=p.reason, path=p.path,
+                       moved_to=p.moved_to, **late)  # fmt: skip
+
     def _batch_divisor(self, meta: dict[str, Any]) -> int | None:
         g = self.cfg.launch.global_batch or meta.get("global_batch")
         b = self.cfg.launch.micro_batch or meta.get("micro_batch")
@@ -130,7 +139,10 @@ class ResumeChoice:
         return None
 
     def refresh_metrics(self) -> None:
-        """Hand the scanner's latest view to the metrics (no I/O here); a failed scan is an outage."""
+        """Hand the scanner's latest view to the metrics (no I/O here); a failed scan is an outage. A resume choice
+        that came after its attempt stopped waiting (`CHOICE_TIMEOUT_S`) is logged now: what it renamed."""
+        for late in self.store.take_late():
+            self._tell_passed(self._late_attempt, late, late=True)
         view = self.store.view()
         scans, errors = self._seen
         if (view.scans, view.errors) == (scans, errors):

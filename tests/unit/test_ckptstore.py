@@ -195,3 +195,30 @@ def test_the_scanner_sends_manifests_past_the_threshold_to_a_child(
     finally:
         s.close()
     assert [p.name for p in children] == ["step-000000100"]
+
+
+def test_a_resume_choice_made_after_its_caller_gave_up_is_handed_on_with_what_it_quarantined(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_fake_checkpoint(tmp_path / "ckpt", 100, default_files(1))
+    torn = make_fake_checkpoint(tmp_path / "ckpt", 200, default_files(2))
+    (torn / "shard-00000.safetensors").write_bytes(b"torn")
+    release, real = threading.Event(), choice.choose
+
+    def slow(*args: Any, **kw: Any) -> choice.Choice:  # a store slow to answer (a loaded mount), then answering
+        release.wait(30)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ckptstore.choice, "choose", slow)
+    s = StoreScanner(tmp_path / "ckpt", interval_s=0.05).start()
+    try:
+        assert s.choose(timeout_s=0.2).answered is False
+        assert s.take_late() == []
+        release.set()
+        late = wait_for(lambda: s.take_late() or None, 10, "the late choice was never handed on")
+    finally:
+        release.set()
+        s.close()
+    assert [(r.picked.info.step if r.picked.info else None) for r in late] == [100]
+    assert [(p.step, p.action) for p in late[0].picked.passed] == [(200, choice.QUARANTINED)]
+    assert s.take_late() == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,13 +16,16 @@ import structlog
 import yaml
 from structlog.testing import capture_logs
 
-from ftsup.supervisor import policy, statedir
+from ftsup.store import choice
+from ftsup.supervisor import ckptstore, policy, resume, statedir
 from ftsup.supervisor.cli import main
 from ftsup.supervisor.config import load_config
 from ftsup.supervisor.daemon import Daemon
 from ftsup.supervisor.journal import JournalRecord
 from ftsup.supervisor.outages import RETRY_INITIAL_S
 from ftsup.supervisor.resume import ResumeChoice
+from tests.helpers import default_files, make_fake_checkpoint
+from tests.procs import wait_for
 
 
 class FakeClock:
@@ -102,6 +106,30 @@ def test_the_delayed_launch_goes_ahead_once_the_store_is_back(tmp_path: Path) ->
     with capture_logs() as logs:
         d.outages.run_due()
     assert (d.pending, "storage_recovered" in events(logs)) == ([policy.LaunchReady(1, None, None)], True)
+
+
+def test_a_resume_choice_that_came_too_late_still_logs_what_it_quarantined(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_fake_checkpoint(tmp_path / "ckpt", 100, default_files(1))
+    torn = make_fake_checkpoint(tmp_path / "ckpt", 200, default_files(2))
+    (torn / "shard-00000.safetensors").write_bytes(b"torn")
+    release, real = threading.Event(), choice.choose
+
+    def slow(*args: Any, **kw: Any) -> choice.Choice:
+        release.wait(30)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ckptstore.choice, "choose", slow)
+    monkeypatch.setattr(resume, "CHOICE_TIMEOUT_S", 0.2)
+    d = daemon(tmp_path, FakeClock())
+    with d.resume.running(), capture_logs() as logs:
+        assert d.resume.prepare(attempt=1).resume_step is None  # left to the ranks' own load
+        release.set()
+        wait_for(lambda: (torn.parent / (torn.name + ".corrupt")).exists(), 10, "the late choice never quarantined")
+        wait_for(lambda: d.resume.refresh_metrics() or "checkpoint_quarantined" in events(logs), 10, "never logged")
+    told = [e for e in logs if e["event"] == "checkpoint_quarantined"]
+    assert [(e["attempt"], e["step"], e["late"]) for e in told] == [(1, 200, True)]
 
 
 def test_a_store_read_for_the_metrics_that_fails_is_counted_and_not_raised(tmp_path: Path) -> None:
