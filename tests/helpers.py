@@ -76,3 +76,29 @@ def flip_byte(path: str | Path, offset: int = 0) -> None:
 def write_manifest_json(ckpt: str | Path, obj: Mapping[str, Any]) -> None:
     """Overwrite a checkpoint's manifest with raw JSON (for malformed-manifest tests)."""
     layout.write_json_atomic(Path(ckpt) / layout.MANIFEST_NAME, dict(obj))
+
+
+def torn_newest(root: Path) -> Path:
+    """A store under `root` with a consistent checkpoint of step 100 and a torn one of step 200 (a shard's bytes
+    replaced): the one a resume choice quarantines. Returns step 200's directory."""
+    make_fake_checkpoint(root, 100, default_files(1))
+    torn = make_fake_checkpoint(root, 200, default_files(2))
+    (torn / "shard-00000.safetensors").write_bytes(b"torn")
+    return torn
+
+
+def slow_choices(monkeypatch: Any, wait_s: float = 30.0) -> Any:
+    """Make every resume choice of `ftsup.store.choice` wait until the returned event is set (a store slow to
+    answer, then answering as itself)."""
+    import threading
+
+    from ftsup.store import choice
+
+    release, real = threading.Event(), choice.choose
+
+    def slow(*args: Any, **kw: Any) -> choice.Choice:
+        release.wait(wait_s)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(choice, "choose", slow)
+    return release

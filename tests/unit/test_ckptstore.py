@@ -15,7 +15,7 @@ import pytest
 from ftsup.store import checksums, choice, layout
 from ftsup.supervisor import ckptstore
 from ftsup.supervisor.ckptstore import StoreScanner, StoreView
-from tests.helpers import default_files, make_fake_checkpoint
+from tests.helpers import default_files, make_fake_checkpoint, slow_choices, torn_newest
 from tests.procs import wait_for
 
 
@@ -200,16 +200,8 @@ def test_the_scanner_sends_manifests_past_the_threshold_to_a_child(
 def test_a_resume_choice_made_after_its_caller_gave_up_is_handed_on_with_what_it_quarantined(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    make_fake_checkpoint(tmp_path / "ckpt", 100, default_files(1))
-    torn = make_fake_checkpoint(tmp_path / "ckpt", 200, default_files(2))
-    (torn / "shard-00000.safetensors").write_bytes(b"torn")
-    release, real = threading.Event(), choice.choose
-
-    def slow(*args: Any, **kw: Any) -> choice.Choice:  # a store slow to answer (a loaded mount), then answering
-        release.wait(30)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(ckptstore.choice, "choose", slow)
+    torn_newest(tmp_path / "ckpt")
+    release = slow_choices(monkeypatch)  # a store slow to answer (a loaded mount), then answering
     s = StoreScanner(tmp_path / "ckpt", interval_s=0.05).start()
     try:
         assert s.choose(timeout_s=0.2).answered is False

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,15 +15,14 @@ import structlog
 import yaml
 from structlog.testing import capture_logs
 
-from ftsup.store import choice
-from ftsup.supervisor import ckptstore, policy, resume, statedir
+from ftsup.supervisor import policy, resume, statedir
 from ftsup.supervisor.cli import main
 from ftsup.supervisor.config import load_config
 from ftsup.supervisor.daemon import Daemon
 from ftsup.supervisor.journal import JournalRecord
 from ftsup.supervisor.outages import RETRY_INITIAL_S
 from ftsup.supervisor.resume import ResumeChoice
-from tests.helpers import default_files, make_fake_checkpoint
+from tests.helpers import slow_choices, torn_newest
 from tests.procs import wait_for
 
 
@@ -111,16 +109,8 @@ def test_the_delayed_launch_goes_ahead_once_the_store_is_back(tmp_path: Path) ->
 def test_a_resume_choice_that_came_too_late_still_logs_what_it_quarantined(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    make_fake_checkpoint(tmp_path / "ckpt", 100, default_files(1))
-    torn = make_fake_checkpoint(tmp_path / "ckpt", 200, default_files(2))
-    (torn / "shard-00000.safetensors").write_bytes(b"torn")
-    release, real = threading.Event(), choice.choose
-
-    def slow(*args: Any, **kw: Any) -> choice.Choice:
-        release.wait(30)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(ckptstore.choice, "choose", slow)
+    torn = torn_newest(tmp_path / "ckpt")
+    release = slow_choices(monkeypatch)
     monkeypatch.setattr(resume, "CHOICE_TIMEOUT_S", 0.2)
     d = daemon(tmp_path, FakeClock())
     with d.resume.running(), capture_logs() as logs:
