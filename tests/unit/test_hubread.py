@@ -1,7 +1,7 @@
 """Ranged reads of a Hub-layout model (`ftsup.trainer.checkpoint.hubread.HubReader`): tensors at any offset read
 bitwise in pieces whatever piece boundary they cross, with O_DIRECT into the caller's memory and through the page
 cache; a piece that comes back short is an error naming the file and the tensor; the process's reading threads
-serve readers in several threads at once and are made anew in a forked child."""
+serve readers in several threads at once, are made anew in a forked child, and stop when released."""
 
 from __future__ import annotations
 
@@ -155,3 +155,21 @@ def test_a_forked_child_reads_with_threads_of_its_own(tmp_path: Path, odd_pieces
         pytest.fail("the forked child's read never finished: it waited for the parent's reading threads")
     assert child.exitcode == 0
     assert (tmp_path / "got").read_bytes() == as_bytes(sd["b_rows"])
+
+
+def test_released_reading_threads_stop_and_the_next_read_makes_new_ones(tmp_path: Path, odd_pieces: None) -> None:
+    sd = model_dir(tmp_path / "hf")
+    t = sd["b_rows"]
+
+    def reading_threads() -> list[threading.Thread]:
+        return [th for th in threading.enumerate() if th.name.startswith("ftsup-hub-read")]
+
+    with HubReader(hublayout.read(tmp_path / "hf")) as reader:
+        reader.read("b_rows", torch.zeros(t.nbytes, dtype=torch.uint8))  # several pieces: the threads start
+        assert reading_threads()
+        hubread.release_reading_threads()
+        assert reading_threads() == []  # joined, not left to finish
+        out = torch.zeros(t.nbytes, dtype=torch.uint8)
+        assert as_bytes(reader.read("b_rows", out)) == as_bytes(t)
+        assert reading_threads()
+    hubread.release_reading_threads()

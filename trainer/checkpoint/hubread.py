@@ -16,8 +16,9 @@ elsewhere, and where the filesystem refuses O_DIRECT, through the page cache wit
 (`POSIX_FADV_RANDOM`), so that the disk gives what is asked for and not a window more. The reading threads and
 their page-aligned buffers are the process's, made on the first read and kept for the next reader (`_shared`: with
 fresh ones for every reader, one rank's share of a 342 MiB model took 0.12 s here against 0.10); they hold a piece
-of memory each, and one more for the thread that reads a lone piece itself, 40 MiB from then on; a forked child
-makes its own. `bytes_read` counts the tensors' bytes read (a piece read with O_DIRECT reads up to two pages more).
+of memory each, and one more for the thread that reads a lone piece itself, 40 MiB from then on, until
+`release_reading_threads`; a forked child makes its own. `bytes_read` counts the tensors' bytes read (a piece read
+with O_DIRECT reads up to two pages more).
 
 Not here: the headers and the index (`ftsup.store.hublayout`), writing (`hfwrite`).
 """
@@ -68,6 +69,17 @@ class _Shared:
 _shared = _Shared()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_shared.forget)
+
+
+def release_reading_threads() -> None:
+    """Stop the process's reading threads (waiting for them) and let their buffers go; the next read makes new
+    ones. For a process that reads no more models and wants the memory back; not while a read is in flight. (At
+    exit, concurrent.futures joins the idle threads itself.)"""
+    with _shared.lock:
+        pool, _shared.pool = _shared.pool, None
+        _shared.scratch = threading.local()
+    if pool is not None:
+        pool.shutdown(wait=True)
 
 
 class HubReader:
