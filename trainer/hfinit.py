@@ -60,9 +60,15 @@ class HfInit:
 
 @dataclass(frozen=True)
 class _Target:
+    """One tensor of the model and how this rank reads it, worked out once per load (`_match`)."""
+
     key: str  # the model's state dict key
     source: str  # the files' name
     tensor: torch.Tensor  # the model's tensor (a DTensor under FSDP2)
+    dtype: torch.dtype  # the file's
+    shape: tuple[int, ...]  # the file's, in torch's terms
+    box: tuple[tuple[int, ...], tuple[int, ...]] | None  # a DTensor's local shape and offset; None: not a DTensor
+    mem: torch.Tensor | None  # this rank's part's memory where it is read straight into it (`_in_place`)
 
 
 def load_hf_model(
@@ -90,7 +96,8 @@ def _load(
 ) -> HfInit:
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank(group) if world > 1 else 0
-    device = next((t.device for t in module.state_dict().values()), torch.device("cpu"))
+    state = module.state_dict()
+    device = next((t.device for t in state.values()), torch.device("cpu"))
     errors: list[BaseException] = []
     try:
         hub = hublayout.read(root)
@@ -99,14 +106,14 @@ def _load(
     _agree(errors, world, group, device, "reading the model's headers")
     with HubReader(hub) as reader:
         try:
-            targets = _match(module, hub, reader, rename, convert)
+            targets = _match(state, hub, reader, rename, convert, world)
         except CheckpointError as e:
             errors.append(e)
             targets = []
         _agree(errors, world, group, device, "matching the model's tensors")
         # Every rank takes part in every collective, whatever failed on it: the ranks agree only afterwards.
         take = _staging([_direct_bytes(t, reader, world) for t in targets])
-        parts = {id(t): p for t in targets if (p := _in_place_part(t, reader, world)) is not None}
+        parts = {id(t): p for t in targets if (p := _in_place_part(t, reader)) is not None}
         if parts and not errors:  # what is read straight into place is read all at once, without collectives
             try:
                 reader.read_rows_into(list(parts.values()))
@@ -126,20 +133,21 @@ def _load(
 
 
 def _match(
-    module: torch.nn.Module,
+    state: Mapping[str, torch.Tensor],
     hub: hublayout.HubModel,
     reader: HubReader,
     rename: Mapping[str, str] | Callable[[str], str] | None,
     convert: bool,
+    world: int,
 ) -> list[_Target]:
-    """Every tensor of the model matched to one of the files', checked; the errors name file and tensor."""
+    """Every tensor of the model's `state` matched to one of the files', checked, with how this rank reads it;
+    the errors name file and tensor."""
 
     def source_of(key: str) -> str:
         if rename is None:
             return key
         return rename(key) if callable(rename) else rename.get(key, key)
 
-    state = module.state_dict()
     by_storage: dict[tuple[int, tuple[int, ...]], list[str]] = {}
     for key, t in state.items():
         by_storage.setdefault((_local(t).data_ptr(), tuple(t.shape)), []).append(key)
@@ -160,7 +168,8 @@ def _match(
         if dtype != t.dtype and not (convert and dtype.is_floating_point and t.dtype.is_floating_point):
             raise ModelFileError(f"{where} is {codec.dtype_name(dtype)}; the model's {key!r} is "
                                  f"{codec.dtype_name(t.dtype)} (convert=True converts floating dtypes)")  # fmt: skip
-        targets.append(_Target(key, source, t))
+        box = _box(t) if _is_dtensor(t) else None
+        targets.append(_Target(key, source, t, dtype, shape, box, _in_place(t, dtype, shape, box, world)))
         used.update(source_of(k) for k in present)
     extra = [name for name in hub.weight_map if name not in used]
     if extra:
@@ -169,42 +178,44 @@ def _match(
     return targets
 
 
-def _in_place(t: _Target, reader: HubReader, world: int) -> torch.Tensor | None:
-    """The bytes of this rank's part of `t` (a contiguous uint8 view of its memory) where they can be read straight
-    into it: on the CPU, the file's dtype, whole rows of dim 0 (FSDP2), or the whole tensor alone; else None."""
-    dtype, shape = reader.spec(t.source)
-    local = _local(t.tensor)
+def _in_place(
+    tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...],
+    box: tuple[tuple[int, ...], tuple[int, ...]] | None, world: int,
+) -> torch.Tensor | None:  # fmt: skip
+    """The bytes of this rank's part of `tensor` (a contiguous uint8 view of its memory) where they can be read
+    straight into it: on the CPU, the file's dtype, whole rows of dim 0 (FSDP2), or the whole tensor alone; else
+    None."""
+    local = _local(tensor)
     if not shape or local.device.type != "cpu" or local.dtype != dtype or not local.is_contiguous():
         return None
-    if _is_dtensor(t.tensor):
-        if tuple(_box(t.tensor)[0][1:]) != tuple(shape[1:]):
+    if box is not None:
+        if tuple(box[0][1:]) != tuple(shape[1:]):
             return None
     elif world != 1:
         return None
     return local.detach().reshape(-1).view(torch.uint8)
 
 
-def _in_place_part(t: _Target, reader: HubReader, world: int) -> tuple[str, int, int, torch.Tensor] | None:
+def _in_place_part(t: _Target, reader: HubReader) -> tuple[str, int, int, torch.Tensor] | None:
     """(source, first row, end row, memory) of this rank's part of `t` where it is read straight into place."""
-    mem = _in_place(t, reader, world)
-    if mem is None:
+    if t.mem is None:
         return None
-    if _is_dtensor(t.tensor):
-        local, offset = _box(t.tensor)
-        return (t.source, offset[0], offset[0] + local[0], mem) if local else None
-    return t.source, 0, reader.spec(t.source)[1][0], mem
+    if t.box is not None:
+        local, offset = t.box
+        return (t.source, offset[0], offset[0] + local[0], t.mem) if local else None
+    return t.source, 0, t.shape[0], t.mem
 
 
 def _direct_bytes(t: _Target, reader: HubReader, world: int) -> int:
     """The bytes of `t` this rank reads into its staging buffer: its DTensor shard's rows, or, alone, all of it
     (0-dimensional tensors and the DDP path's rows, which are gathered, are read into buffers of their own; what
     is read in place needs none)."""
-    dtype, shape = reader.spec(t.source)
-    if not shape or _in_place(t, reader, world) is not None:
+    shape = t.shape
+    if not shape or t.mem is not None:
         return 0
     row = reader.entry(t.source).nbytes // shape[0] if shape[0] else 0
-    if _is_dtensor(t.tensor):
-        local, _ = _box(t.tensor)
+    if t.box is not None:
+        local, _ = t.box
         return local[0] * row if local else 0
     return shape[0] * row if world == 1 else 0
 
@@ -239,7 +250,7 @@ def _read_share(
     """This rank's value of `t`: its DTensor shard's rows, or the whole tensor (its rows read here, the
     rest gathered from the other ranks); None where it was read in place. A read that fails is added to
     `errors` (then zeros stand in) and the collectives still take place."""
-    dtype, shape = reader.spec(t.source)
+    dtype, shape = t.dtype, t.shape
 
     def attempt(read: Callable[[], Any], fallback: Callable[[], Any]) -> Any:
         if errors:
@@ -250,9 +261,9 @@ def _read_share(
             errors.append(e)
             return fallback()
 
-    mem = _in_place(t, reader, world)
-    if _is_dtensor(t.tensor):
-        local, offset = _box(t.tensor)
+    mem = t.mem
+    if t.box is not None:
+        local, offset = t.box
         if len(local) == 0:
             return attempt(lambda: reader.read(t.source), lambda: torch.zeros((), dtype=dtype))
         if mem is not None:
