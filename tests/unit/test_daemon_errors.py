@@ -117,9 +117,14 @@ def test_a_resume_choice_that_came_too_late_still_logs_what_it_quarantined(
         assert d.resume.prepare(attempt=1).resume_step is None  # left to the ranks' own load
         release.set()
         wait_for(lambda: (torn.parent / (torn.name + ".corrupt")).exists(), 10, "the late choice never quarantined")
-        wait_for(lambda: d.resume.refresh_metrics() or "checkpoint_quarantined" in events(logs), 10, "never logged")
-    told = [e for e in logs if e["event"] == "checkpoint_quarantined"]
-    assert [(e["attempt"], e["step"], e["late"]) for e in told] == [(1, 200, True)]
+
+        def told() -> bool:
+            d.resume.refresh_metrics()  # the loop's tick
+            return "checkpoint_quarantined" in events(logs)
+
+        wait_for(told, 10, "the late quarantine was never logged")
+    late = [e for e in logs if e["event"] == "checkpoint_quarantined"]
+    assert [(e["attempt"], e["step"], e["late"]) for e in late] == [(1, 200, True)]
 
 
 def test_a_store_read_for_the_metrics_that_fails_is_counted_and_not_raised(tmp_path: Path) -> None:
