@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ftsup.store import dcpmeta, layout
 from ftsup.store.retention import RetentionPolicy
 from ftsup.trainer.bench.scale_state import Job, rank_report, write_rank_files
-from ftsup.trainer.checkpoint import staging
+from ftsup.trainer.checkpoint import loadplan, staging
 from ftsup.trainer.checkpoint.commit import Committer, StagedSave
 from ftsup.trainer.checkpoint.reader import ShardReader
 
@@ -205,21 +205,23 @@ def _storage_items(metadata: Metadata, job: Job) -> list[tuple[Any, tuple[int, i
 
 def load_plan(path: Path, job: Job, to_world: int, sample: int = 3) -> Timed:
     """A resharded load plan from `job`'s checkpoint at `path` onto `to_world` ranks (`loading._load_from`'s
-    planning): rank 0 reads and checks the DCP metadata and broadcasts it; each loading rank builds its
-    `ShardReader` and DCP's `DefaultLoadPlanner` local plan. `sample` loading ranks are planned (spread over
-    the stages; every rank's part is alike), the slowest counted."""
+    planning): rank 0 reads and checks the DCP metadata and broadcasts it packed by tensor (`loadplan.pack`); each
+    loading rank builds its `ShardReader` over its own tensors' chunks and DCP's `DefaultLoadPlanner` local plan.
+    `sample` loading ranks are planned (spread over the stages; every rank's part is alike), the slowest counted."""
     target = Job(job.model, to_world, job.pp)
     t = Timed()
     t0 = time.perf_counter()
     manifest = layout.read_manifest(path)
     meta = dcpmeta.read(path, manifest)
-    sent = pickle.dumps((manifest, meta))
+    sent = pickle.dumps((manifest, loadplan.pack(meta)))
+    del meta
     t.coordinator_s = time.perf_counter() - t0
     for rank in _spread(to_world, sample):
         t0 = time.perf_counter()
         got_manifest, got_meta = pickle.loads(sent)
-        reader = ShardReader(path, got_manifest, got_meta, SimComm(to_world))  # type: ignore[arg-type]
-        _load_planner(target.rank_state(rank), reader.metadata, rank == 0).create_local_plan()
+        flat = target.rank_state(rank)
+        reader = ShardReader(path, got_manifest, got_meta, SimComm(to_world), names=flat)  # type: ignore[arg-type]
+        _load_planner(flat, reader.metadata, rank == 0).create_local_plan()
         t.ranks_after_s.append(time.perf_counter() - t0)
     return t
 
