@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ftsup.trainer.bench import scale_ops
-from ftsup.trainer.bench.scale_state import Job, Model
+from ftsup.trainer.bench.scale_state import Job, Model, SimShard
 from ftsup.trainer.checkpoint import saveplan, staging
 from ftsup.trainer.checkpoint.comm import LocalComm
 
@@ -94,3 +94,21 @@ def test_the_bench_s_first_save_plans_the_engine_s_compact_plan() -> None:
     planned = scale_ops.save_plan_first(job)
     dcp, ours = _both([job.rank_state(r) for r in range(8)])
     assert planned.plan0.meta_head == ours[0] == dcp[0]
+
+
+@pytest.mark.parametrize(("second", "valid"), [((0, 4), True), ((0, 3), False), ((1, 4), False)])
+def test_a_tensor_cut_along_a_shorter_dim_is_checked_as_dcp_checks_it(second: tuple[int, int], valid: bool) -> None:
+    shape = (16, 8)  # cut along dim 1, the shorter: the check sweeps the dim the chunks are cut along
+    sizes = (16 - second[0], 8 - second[1])
+    states = [{"w": SimShard(shape, torch.float32, (0, 0), (16, 4))},
+              {"w": SimShard(shape, torch.float32, second, sizes)}]  # fmt: skip
+    if valid:
+        dcp, ours = _both(states)
+        assert ours == dcp
+        return
+    planners_locals = [staging.plan_local(s, r == 0) for r, s in enumerate(states)]
+    with pytest.raises(ValueError, match="Failed to validate global plan") as dcp_error:
+        staging.plan_global(planners_locals[0][0], [local for _, local in planners_locals])
+    with pytest.raises(ValueError, match="Failed to validate global plan") as ours_error:
+        staging.compact_global([saveplan.local_items(s) for s in states])  # type: ignore[misc]
+    assert str(ours_error.value) == str(dcp_error.value)
