@@ -70,24 +70,32 @@ def _validate(meta: Any, manifest: layout.Manifest, itemsize: Callable[[str], in
             raise _Invalid(f"{where}.dtype is not a string")
         sizes_of[fqn] = itemsize(t["dtype"])
         size = _dims(t["size"], f"{where}.size", None)
+        ndim = len(size)
         for i, c in enumerate(_list(t["chunks"], f"{where}.chunks")):
-            c = _obj(c, f"{where}.chunks[{i}]", ("offsets", "sizes"))
-            offsets = _dims(c["offsets"], f"{where}.chunks[{i}].offsets", len(size))
-            lengths = _dims(c["sizes"], f"{where}.chunks[{i}].sizes", len(size))
+            # The well-formed chunk the engine writes takes the short way; anything else the full checks, which
+            # name what is wrong (as `layout.parse_manifest` does, `ftsup/store/DESIGN.md`).
+            offsets = lengths = None
+            if type(c) is dict and "offsets" in c and "sizes" in c:
+                offsets, lengths = _quick_dims(c["offsets"], ndim), _quick_dims(c["sizes"], ndim)
+            if offsets is None or lengths is None:
+                c = _obj(c, f"{where}.chunks[{i}]", ("offsets", "sizes"))
+                offsets = _dims(c["offsets"], f"{where}.chunks[{i}].offsets", ndim)
+                lengths = _dims(c["sizes"], f"{where}.chunks[{i}].sizes", ndim)
             if any(o + n > s for o, n, s in zip(offsets, lengths, size, strict=True)):
                 raise _Invalid(f"{where}.chunks[{i}] reaches past the tensor's size {list(size)}")
             if (fqn, offsets) in declared:
                 raise _Invalid(f"{where} declares the chunk at {list(offsets)} twice")
             declared[(fqn, offsets)] = lengths
     stored: set[tuple[str, tuple[int, ...]]] = set()
+    good_files: set[str] = set()
     for i, s in enumerate(_list(top["storage"], "storage")):
         where = f"storage[{i}]"
         s = _obj(s, where, ("fqn", "offsets", "sizes", "file", "crc_file", "byte_offset"))
         fqn = s["fqn"]
         if not isinstance(fqn, str) or fqn not in tensors:
             raise _Invalid(f"{where}.fqn {fqn!r:.80} is not a tensor of this checkpoint")
-        offsets = _dims(s["offsets"], f"{where}.offsets", None)
-        lengths = _dims(s["sizes"], f"{where}.sizes", None)
+        offsets = _quick_dims(s["offsets"], None) or _dims(s["offsets"], f"{where}.offsets", None)
+        lengths = _quick_dims(s["sizes"], None) or _dims(s["sizes"], f"{where}.sizes", None)
         if declared.get((fqn, offsets)) != lengths:
             raise _Invalid(f"{where} stores a chunk of {fqn!r:.80} its tensor does not declare")
         if (fqn, offsets) in stored:
@@ -98,8 +106,13 @@ def _validate(meta: Any, manifest: layout.Manifest, itemsize: Callable[[str], in
             nbytes *= n
         if "nbytes" in s and s["nbytes"] != nbytes:
             raise _Invalid(f"{where}.nbytes {s['nbytes']!r:.40} != {nbytes} for its sizes and dtype")
-        shard = _file(s["file"], f"{where}.file", manifest)
-        crc = _file(s["crc_file"], f"{where}.crc_file", manifest)
+        # A shard file is named by each of its chunks: its name is checked once (the first entry naming a bad one
+        # fails, as when every entry's was checked).
+        shard, crc = s["file"], s["crc_file"]
+        if type(shard) is not str or shard not in good_files:
+            good_files.add(_file(shard, f"{where}.file", manifest))
+        if type(crc) is not str or crc not in good_files:
+            good_files.add(_file(crc, f"{where}.crc_file", manifest))
         blocks = -(-manifest.files[shard].size // layout.CHECKSUM_BLOCK_BYTES)
         if manifest.files[crc].size != 4 * blocks:
             raise _Invalid(f"{where}.crc_file {crc} is not the block checksum list of {shard}")
@@ -186,6 +199,18 @@ def _dims(x: Any, where: str, ndim: int | None) -> tuple[int, ...]:
         if total > _MAX_ELEMENTS:
             raise _Invalid(f"{where} is impossibly large")
     return tuple(dims)
+
+
+def _quick_dims(x: Any, ndim: int | None) -> tuple[int, ...] | None:
+    """`x` as `_dims` returns it when it is a list of `ndim` (any when None; at most 2) small non-negative ints
+    (no product can reach `_MAX_ELEMENTS`), else None (or an empty tuple): `_dims` then names what is wrong, or
+    takes it."""
+    if type(x) is not list or len(x) > 2 or (ndim is not None and len(x) != ndim):
+        return None
+    for d in x:
+        if type(d) is not int or not 0 <= d < 1 << 31:
+            return None
+    return tuple(x)
 
 
 def _file(name: Any, where: str, manifest: layout.Manifest) -> str:

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ops[name].update(coordinator_s=median.coordinator_s, ranks_before_max_s=max(median.ranks_before_s, default=0.0),
                          ranks_after_max_s=max(median.ranks_after_s, default=0.0))  # fmt: skip
 
-    # The save plan: the engine's first (DCP's planner and the engine's layout), DCP's alone, and the cached one.
+    # The save plan: the engine's first (its compact plan and layout), DCP's planner alone, and the cached one.
     timed("save_plan_first", lambda: scale_ops.save_plan_first(job))
     planned = last.pop("save_plan_first")
     timed("dcp_save_plan", lambda: scale_ops.save_plan_first(job, dcp_only=True))

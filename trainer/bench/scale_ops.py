@@ -1,9 +1,9 @@
 """The torch side of `ftsup bench scale`: the engine's save plan, its commit metadata and its resharded
 load plan over N simulated ranks, and DCP's own planner and metadata on the same state (the peer rows).
 
-N ranks' work runs in this one process, through the product's functions: each rank's local plan
-(`staging.plan_local`), the coordinator's global plan (`staging.plan_global`), each rank's layout
-(`staging.plan_finish`), the commit (`commit.Committer._commit`), the load's `ShardReader` and DCP's
+N ranks' work runs in this one process, through the product's functions: each rank's compact local plan
+(`saveplan.local_items`), the coordinator's global plan (`staging.compact_global`), each rank's layout
+(`staging.compact_finish`), the commit (`commit.Committer._commit`), the load's `ShardReader` and DCP's
 `DefaultLoadPlanner`. What crosses ranks is pickled and unpickled as `torch.distributed`'s object
 collectives do. Ranks work in parallel in a real job, so an operation's time is its critical path: the
 slowest rank's part before the coordinator's, the coordinator's, the slowest rank's part after it
@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ftsup.store import dcpmeta, layout
 from ftsup.store.retention import RetentionPolicy
 from ftsup.trainer.bench.scale_state import Job, rank_report, write_rank_files
-from ftsup.trainer.checkpoint import staging
+from ftsup.trainer.checkpoint import loadplan, saveplan, staging
 from ftsup.trainer.checkpoint.commit import Committer, StagedSave
 from ftsup.trainer.checkpoint.reader import ShardReader
 
@@ -68,9 +68,11 @@ class Planned:
 
 
 def save_plan_first(job: Job, *, dcp_only: bool = False) -> Planned:
-    """The engine's first save plan (`staging.make_plan` on every rank); `dcp_only`: DCP's `DefaultSavePlanner`
-    alone (what `dcp.save` plans on every save without its plan cache: local plans, gather, global plan,
-    scatter), the peer row."""
+    """The engine's first save plan (`staging.make_plan` on every rank: the compact plan, `saveplan`); `dcp_only`:
+    DCP's `DefaultSavePlanner` alone (what `dcp.save` plans on every save without its plan cache: local plans,
+    gather, global plan, scatter), the peer row."""
+    if not dcp_only:
+        return _compact_plan_first(job)
     t = Timed()
     gathered: list[bytes] = []
     planner0 = None
@@ -85,29 +87,45 @@ def save_plan_first(job: Job, *, dcp_only: bool = False) -> Planned:
     t0 = time.perf_counter()
     plans: list[SavePlan] = [pickle.loads(b) for b in gathered]
     del gathered
-    metadata = None
-    meta_head = None
-    if dcp_only:
-        per_rank, metadata = planner0.create_global_plan(plans)
-    else:
-        per_rank, meta_head = staging.plan_global(planner0, plans)
+    per_rank, metadata = planner0.create_global_plan(plans)
     del plans
     scattered = [pickle.dumps(p) for p in per_rank]
     del per_rank
+    t.coordinator_s = time.perf_counter() - t0
+    for raw in scattered:
+        t0 = time.perf_counter()
+        planner0.finish_plan(pickle.loads(raw))
+        t.ranks_after_s.append(time.perf_counter() - t0)
+    return Planned(None, [], metadata, t)  # type: ignore[arg-type]
+
+
+def _compact_plan_first(job: Job) -> Planned:
+    """`staging.make_plan`'s compact path over N simulated ranks: items, gather, `compact_global`, scatter,
+    `compact_finish`."""
+    t = Timed()
+    gathered: list[bytes] = []
+    for rank in range(job.world_size):
+        t0 = time.perf_counter()
+        items = saveplan.local_items(job.rank_state(rank))
+        if items is None:
+            raise RuntimeError("the simulated state fell back to DCP's planner")
+        gathered.append(pickle.dumps(items))
+        t.ranks_before_s.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    chunks, head = staging.compact_global([pickle.loads(b) for b in gathered])
+    del gathered
+    scattered = [pickle.dumps((c,)) for c in chunks]
+    del chunks
     t.coordinator_s = time.perf_counter() - t0
     sizes: list[int] = []
     plan0 = None
     for rank, raw in enumerate(scattered):
         t0 = time.perf_counter()
-        mine = pickle.loads(raw)
-        if dcp_only:
-            planner0.finish_plan(mine)
-        else:
-            plan = staging.plan_finish(planner0, (), mine, meta_head if rank == 0 else None)
-            sizes.append(plan.layout.total_size)
-            plan0 = plan if rank == 0 else plan0
+        plan = staging.compact_finish((), pickle.loads(raw)[0], head if rank == 0 else None)
+        sizes.append(plan.layout.total_size)
+        plan0 = plan if rank == 0 else plan0
         t.ranks_after_s.append(time.perf_counter() - t0)
-    return Planned(plan0, sizes, metadata, t)  # type: ignore[arg-type]
+    return Planned(plan0, sizes, None, t)  # type: ignore[arg-type]
 
 
 def save_plan_cached(job: Job, planned: Planned) -> float:
@@ -205,21 +223,23 @@ def _storage_items(metadata: Metadata, job: Job) -> list[tuple[Any, tuple[int, i
 
 def load_plan(path: Path, job: Job, to_world: int, sample: int = 3) -> Timed:
     """A resharded load plan from `job`'s checkpoint at `path` onto `to_world` ranks (`loading._load_from`'s
-    planning): rank 0 reads and checks the DCP metadata and broadcasts it; each loading rank builds its
-    `ShardReader` and DCP's `DefaultLoadPlanner` local plan. `sample` loading ranks are planned (spread over
-    the stages; every rank's part is alike), the slowest counted."""
+    planning): rank 0 reads and checks the DCP metadata and broadcasts it packed by tensor (`loadplan.pack`); each
+    loading rank builds its `ShardReader` over its own tensors' chunks and DCP's `DefaultLoadPlanner` local plan.
+    `sample` loading ranks are planned (spread over the stages; every rank's part is alike), the slowest counted."""
     target = Job(job.model, to_world, job.pp)
     t = Timed()
     t0 = time.perf_counter()
     manifest = layout.read_manifest(path)
     meta = dcpmeta.read(path, manifest)
-    sent = pickle.dumps((manifest, meta))
+    sent = pickle.dumps((manifest, loadplan.pack(meta)))
+    del meta
     t.coordinator_s = time.perf_counter() - t0
     for rank in _spread(to_world, sample):
         t0 = time.perf_counter()
         got_manifest, got_meta = pickle.loads(sent)
-        reader = ShardReader(path, got_manifest, got_meta, SimComm(to_world))  # type: ignore[arg-type]
-        _load_planner(target.rank_state(rank), reader.metadata, rank == 0).create_local_plan()
+        flat = target.rank_state(rank)
+        reader = ShardReader(path, got_manifest, got_meta, SimComm(to_world), names=flat)  # type: ignore[arg-type]
+        _load_planner(flat, reader.metadata, rank == 0).create_local_plan()
         t.ranks_after_s.append(time.perf_counter() - t0)
     return t
 

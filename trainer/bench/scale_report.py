@@ -16,7 +16,7 @@ GIB = 2**30
 TARGET_RANKS = 16384
 
 OPS = (
-    ("save_plan_first", "dcp_save_plan", "save plan, first save (DCP's planner + the engine's layout)"),
+    ("save_plan_first", "dcp_save_plan", "save plan, first save (the compact plan + the engine's layout)"),
     ("save_plan_cached", "dcp_save_plan_cached", "save plan, cached (a later save)"),
     ("commit_metadata", "dcp_commit_metadata", "commit metadata (gather, dcp_metadata.json, manifest)"),
     ("manifest_parse", None, "manifest parse"),

@@ -2,13 +2,14 @@
 
 Rank 0 picks the checkpoint (fast verification, then the verified DCP metadata) and tells every
 rank. Names, shapes and dtypes are compared with the saved metadata before anything is read; a
-mismatch lists every differing key and loads nothing. DCP's `DefaultLoadPlanner` maps the saved
-chunks onto this rank's tensors (N ranks saved, M load) and our `ShardReader` reads and verifies
-only the byte ranges needed; every rank's reads verify before any byte is copied. Loading
-"latest", a checkpoint that turns out corrupt is quarantined (`step-N.corrupt`) and the next
-older one is tried (`choice`); one of a newer format is skipped, never renamed. Everything read
-from the store is checked before use: the DCP metadata's schema (`dcpmeta`), the rank state's
-JSON; a file that fails makes the checkpoint corrupt, never the load crash.
+mismatch lists every differing key and loads nothing. Rank 0 sends the checked metadata packed by
+tensor (`loadplan`); DCP's `DefaultLoadPlanner` maps the saved chunks of this rank's own tensors onto
+them (N ranks saved, M load) and our `ShardReader` reads and verifies only the byte ranges needed;
+every rank's reads verify before any byte is copied. Loading "latest", a checkpoint that turns out
+corrupt is quarantined (`step-N.corrupt`) and the next older one is tried (`choice`); one of a newer
+format is skipped, never renamed. Everything read from the store is checked before use: the DCP
+metadata's schema (`dcpmeta`), the rank state's JSON; a file that fails makes the checkpoint
+corrupt, never the load crash.
 
 Not here: the reader's byte ranges and verified reads (`reader`, `shardio`), saving.
 """
@@ -39,7 +40,7 @@ from ftsup.store.errors import (
     DurableTierError,
     NoCheckpointError,
 )
-from ftsup.trainer.checkpoint import codec
+from ftsup.trainer.checkpoint import codec, loadplan
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
 from ftsup.trainer.checkpoint.durableread import DurableSource, LazyTier, pick_from
 from ftsup.trainer.checkpoint.noderead import NodeRead, NodeSource
@@ -159,7 +160,8 @@ def _choose(
                 return {"error": str(e), "rejected": []}
             _passed_over(choice.give_up(info.path, info.step, str(e)), given_up)
             continue
-        return {"step": info.step, "path": info.path, "manifest": manifest.to_json(), "meta": meta}
+        # Packed by tensor: each rank unpacks only its own tensors' chunks (`loadplan`).
+        return {"step": info.step, "path": info.path, "manifest": manifest.to_json(), "meta": loadplan.pack(meta)}
 
 
 def _durable_latest(
@@ -201,7 +203,7 @@ def _durable_chosen(tier: LazyTier, pick: tiers.DurablePick, given_up: list[choi
         _passed_over(choice.Passed(pick.info.path, pick.step, choice.SKIPPED, str(e)), given_up)
         return {"error": str(e), "rejected": []}
     return {"tier": tiers.DURABLE, "step": pick.step, "path": pick.info.path, "raw": pick.raw,
-            "manifest": pick.manifest.to_json(), "meta": meta}  # fmt: skip
+            "manifest": pick.manifest.to_json(), "meta": loadplan.pack(meta)}  # fmt: skip
 
 
 def _passed_over(p: choice.Passed, given_up: list[choice.Passed]) -> None:
@@ -267,7 +269,7 @@ def _load_from(
         )
     if agreed == 1:
         raise corrupt or CheckpointCorruptError(f"{path}: another rank found a corrupt file", path=str(path))
-    reader = ShardReader(path, manifest, meta, comm, source)
+    reader = ShardReader(path, manifest, meta, comm, source, names=flat)
     try:
         with warnings.catch_warnings():
             # A single process without torch.distributed is a supported mode, not a mistake.

@@ -9,7 +9,7 @@ caller's tensors, so a corrupt checkpoint leaves them untouched.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from ftsup.store import layout
 from ftsup.store.errors import CheckpointCorruptError, CheckpointError
-from ftsup.trainer.checkpoint import codec
+from ftsup.trainer.checkpoint import codec, loadplan
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
 from ftsup.trainer.checkpoint.shardio import VerifiedFile, read_files
 
@@ -57,33 +57,36 @@ class ShardReader(StorageReader):
 
     def __init__(
         self, path: Path | str, manifest: layout.Manifest, meta: Mapping[str, Any], comm: LocalComm | GroupComm,
-        source: FileSource | None = None,
+        source: FileSource | None = None, *, names: Iterable[str] | None = None,
     ) -> None:  # fmt: skip
+        """`meta`: the checked DCP metadata (`dcpmeta.read`), or rank 0's packing of it (`loadplan.pack`), of
+        which only the tensors `names` (all when None) are unpacked: this rank's, at thousands of ranks."""
         self.path = path
         self.manifest = manifest
         self.comm = comm
         self.source = source
         self.bytes_read = 0
+        if "chunks" in meta:
+            rows = loadplan.unpack(meta, meta["tensors"] if names is None else names)
+        else:
+            rows = loadplan.rows(meta)
         sd_meta: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-        for fqn, t in meta["tensors"].items():
-            dtype = codec.dtype_from_name(t["dtype"])
-            sd_meta[fqn] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=dtype),
-                size=torch.Size(t["size"]),
-                chunks=[ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])) for c in t["chunks"]],
-            )
         self.locs: dict[MetadataIndex, ChunkLocation] = {}
-        for s in meta["storage"]:
-            for name in (s["file"], s["crc_file"]):
-                layout.validate_relpath(name)
-                if name not in manifest.files:
-                    raise CheckpointCorruptError(f"{path}: metadata names {name}, absent from the manifest")
-            md = sd_meta[s["fqn"]]
-            if not isinstance(md, TensorStorageMetadata):
-                raise CheckpointCorruptError(f"{path}: {s['fqn']} is not a tensor entry")
-            dtype = md.properties.dtype
-            self.locs[MetadataIndex(s["fqn"], torch.Size(s["offsets"]))] = ChunkLocation(
-                s["file"], s["crc_file"], s["byte_offset"], tuple(s["sizes"]), dtype
+        for fqn, saved in rows.items():
+            t = meta["tensors"][fqn]
+            dtype = codec.dtype_from_name(t["dtype"])
+            chunks = []
+            for offsets, sizes, file, crc_file, byte_offset in saved:
+                for name in (file, crc_file):
+                    layout.validate_relpath(name)
+                    if name not in manifest.files:
+                        raise CheckpointCorruptError(f"{path}: metadata names {name}, absent from the manifest")
+                chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+                self.locs[MetadataIndex(fqn, torch.Size(offsets))] = ChunkLocation(
+                    file, crc_file, byte_offset, tuple(sizes), dtype
+                )
+            sd_meta[fqn] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=dtype), size=torch.Size(t["size"]), chunks=chunks
             )
         self.metadata = Metadata(state_dict_metadata=sd_meta, storage_data=self.locs)
 

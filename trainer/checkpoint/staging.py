@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from ftsup.store import blocksum, layout
 from ftsup.store.errors import CheckpointError
-from ftsup.trainer.checkpoint import codec
+from ftsup.trainer.checkpoint import codec, saveplan
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
 from ftsup.trainer.checkpoint.shardio import ShardLayout, aligned_buffer, as_memoryview, build_layout
 
@@ -84,9 +84,23 @@ def signature(flat: dict[str, torch.Tensor]) -> tuple[Any, ...]:
 
 
 def make_plan(flat: dict[str, torch.Tensor], sig: tuple[Any, ...], comm: LocalComm | GroupComm) -> StagingPlan:
-    """Plan this save with DCP's planner (a collective on `comm`: every rank calls it): each rank's
-    local plan (`plan_local`), the coordinator's global one (`plan_global`), each rank's layout
-    (`plan_finish`)."""
+    """Plan this save (a collective on `comm`: every rank calls it): in compact form (`saveplan`: each rank's
+    items gathered, the coordinator's dedup, checks and layouts, each rank's chunks scattered), or, when any
+    rank's state holds what that form cannot say, with DCP's planner: each rank's local plan (`plan_local`), the
+    coordinator's global one (`plan_global`), each rank's layout (`plan_finish`)."""
+    gathered_items = comm.gather(saveplan.local_items(flat))
+    compact: list[Any] | None = None
+    head: bytes | None = None
+    if comm.rank == 0:
+        assert gathered_items is not None
+        if all(items is not None for items in gathered_items):
+            chunks, head = compact_global(gathered_items)
+            compact = [(c,) for c in chunks]  # a rank's chunks, boxed: None says "DCP's planner instead"
+        else:
+            compact = [None] * len(gathered_items)
+    mine_compact = comm.scatter(compact)
+    if mine_compact is not None:
+        return compact_finish(sig, mine_compact[0], head)
     planner, local = plan_local(flat, comm.rank == 0)
     gathered = comm.gather(local)
     per_rank: list[SavePlan] | None = None
@@ -95,6 +109,20 @@ def make_plan(flat: dict[str, torch.Tensor], sig: tuple[Any, ...], comm: LocalCo
         assert gathered is not None
         per_rank, meta_head = plan_global(planner, gathered)
     return plan_finish(planner, sig, comm.scatter(per_rank), meta_head)
+
+
+def compact_global(gathered: list[list[saveplan.Item]]) -> tuple[list[list[saveplan.Chunk]], bytes]:
+    """The coordinator's part of the compact plan: every rank's chunks and the checkpoint's DCP metadata (encoded,
+    see `StagingPlan.meta_head`), the same as `plan_global`'s for the same state."""
+    per_rank, tensors = saveplan.plan_global(gathered)
+    return per_rank, encode_head({"tensors": tensors, "storage": _storage(per_rank)})
+
+
+def compact_finish(sig: tuple[Any, ...], mine: list[saveplan.Chunk], meta_head: bytes | None) -> StagingPlan:
+    """One rank's part of the compact plan after the scatter: its shard file's layout."""
+    shard = build_layout(mine)
+    sources = [(s.fqn, s.offsets) for s in shard.slots]
+    return StagingPlan(sig, shard, sources, meta_head, sum(s.nbytes for s in shard.slots))
 
 
 def plan_local(flat: dict[str, Any], coordinator: bool) -> tuple[DefaultSavePlanner, SavePlan]:
@@ -207,6 +235,10 @@ def _metadata_to_json(metadata: Metadata, per_rank_chunks: list[list[Any]]) -> d
             "size": list(md.size),
             "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks],
         }
+    return {"tensors": tensors, "storage": _storage(per_rank_chunks)}
+
+
+def _storage(per_rank_chunks: list[list[Any]]) -> list[dict[str, Any]]:
     storage = []
     for rank, chunks in enumerate(per_rank_chunks):
         for slot in build_layout(chunks).slots:
@@ -215,4 +247,4 @@ def _metadata_to_json(metadata: Metadata, per_rank_chunks: list[list[Any]]) -> d
                 "file": layout.shard_name(rank), "crc_file": layout.crc_name(rank),
                 "byte_offset": slot.byte_offset, "nbytes": slot.nbytes,
             })  # fmt: skip
-    return {"tensors": tensors, "storage": storage}
+    return storage
