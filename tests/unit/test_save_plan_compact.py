@@ -49,6 +49,16 @@ def test_replicated_tensors_are_saved_once_by_the_rank_dcp_picks() -> None:
     assert len({tuple(sources) for _, _, sources, _ in ours[1]}) == 3
 
 
+def assert_refused_as_dcp_refuses(states: list[dict[str, Any]]) -> None:
+    """The compact plan's check refuses `states` with DCP's own error, word for word."""
+    planners_locals = [staging.plan_local(s, r == 0) for r, s in enumerate(states)]
+    with pytest.raises(ValueError, match="Failed to validate global plan") as dcp_error:
+        staging.plan_global(planners_locals[0][0], [local for _, local in planners_locals])
+    with pytest.raises(ValueError, match="Failed to validate global plan") as ours:
+        staging.compact_global([saveplan.local_items(s) for s in states])  # type: ignore[misc]
+    assert str(ours.value) == str(dcp_error.value)
+
+
 def test_an_overlapping_plan_fails_with_dcp_s_own_error() -> None:
     job = Job(Model(layers=1, hidden=8, ffn=8, vocab=8), 2, 1)
     states = [job.rank_state(0), job.rank_state(0)]
@@ -56,12 +66,7 @@ def test_an_overlapping_plan_fails_with_dcp_s_own_error() -> None:
     first = next(iter(states[1]))
     shard = states[1][first]
     states[1][first] = type(shard)(shard.shape, shard.dtype, (1, *shard.offsets[1:]), shard.sizes)
-    planners_locals = [staging.plan_local(s, r == 0) for r, s in enumerate(states)]
-    with pytest.raises(ValueError, match="Failed to validate global plan") as dcp_error:
-        staging.plan_global(planners_locals[0][0], [local for _, local in planners_locals])
-    with pytest.raises(ValueError, match="Failed to validate global plan") as ours:
-        staging.compact_global([saveplan.local_items(s) for s in states])  # type: ignore[misc]
-    assert str(ours.value) == str(dcp_error.value)
+    assert_refused_as_dcp_refuses(states)
 
 
 class _Tagged(torch.Tensor):
@@ -106,9 +111,4 @@ def test_a_tensor_cut_along_a_shorter_dim_is_checked_as_dcp_checks_it(second: tu
         dcp, ours = _both(states)
         assert ours == dcp
         return
-    planners_locals = [staging.plan_local(s, r == 0) for r, s in enumerate(states)]
-    with pytest.raises(ValueError, match="Failed to validate global plan") as dcp_error:
-        staging.plan_global(planners_locals[0][0], [local for _, local in planners_locals])
-    with pytest.raises(ValueError, match="Failed to validate global plan") as ours_error:
-        staging.compact_global([saveplan.local_items(s) for s in states])  # type: ignore[misc]
-    assert str(ours_error.value) == str(dcp_error.value)
+    assert_refused_as_dcp_refuses(states)
