@@ -103,8 +103,9 @@ class Resume:
 
 
 class _Request:
-    def __init__(self, at_most: int | None) -> None:
+    def __init__(self, at_most: int | None, tag: int) -> None:
         self.at_most = at_most
+        self.tag = tag  # the caller's, handed back with a late result
         self.done = threading.Event()
         self.result: Resume | None = None
         self.error: OSError | CheckpointError | None = None  # the store could not be read: the caller's to retry
@@ -124,7 +125,7 @@ class StoreScanner:
         self._stop = threading.Event()
         self._view = StoreView()
         self._requests: list[_Request] = []
-        self._late: list[Resume] = []  # choices made after their caller gave up on them (what they renamed)
+        self._late: list[tuple[int, Resume]] = []  # (tag, choice) made after its caller gave up on it
         self._cache: dict[str, tuple[tuple[Any, ...], layout.CheckpointInfo]] = {}
         self._thread = threading.Thread(target=self._run, name="ftsup-ckpt-scan", daemon=True)
 
@@ -159,7 +160,7 @@ class StoreScanner:
         with self._lock:
             return self._view
 
-    def choose(self, timeout_s: float, at_most: int | None = None) -> Resume:
+    def choose(self, timeout_s: float, at_most: int | None = None, tag: int = 0) -> Resume:
         """The resume choice (of a step at most `at_most`, abandoning the ones after it), made now on the scanner's
         thread (on the caller's before `start()`).
 
@@ -167,7 +168,7 @@ class StoreScanner:
         retries; the resume point must come from the store, not from its absence). Not `answered`
         if it failed otherwise (counted in the view's errors) or took longer than `timeout_s` (it is
         still made, and the next scan sees its outcome)."""
-        req = _Request(at_most)
+        req = _Request(at_most, tag)
         if not self._thread.is_alive():
             self._serve(req)
             timeout_s = 0.0
@@ -184,9 +185,9 @@ class StoreScanner:
         error = self.view().last_error if not req.given_up else f"nothing within {timeout_s:g}s"
         return Resume(choice.Choice(None), answered=False, error=error)
 
-    def take_late(self) -> list[Resume]:
-        """The choices made since the last call whose callers had stopped waiting for them (`choose`'s timeout):
-        what they quarantined, skipped or abandoned is still to be told."""
+    def take_late(self) -> list[tuple[int, Resume]]:
+        """The choices made since the last call whose callers had stopped waiting for them (`choose`'s timeout),
+        each with its `choose` call's `tag`: what they quarantined, skipped or abandoned is still to be told."""
         with self._lock:
             late, self._late = self._late, []
         return late
@@ -223,7 +224,7 @@ class StoreScanner:
         with self._lock:  # the caller takes the result, or has given up and `take_late()` hands it on
             if req.given_up:
                 if result is not None:
-                    self._late.append(result)
+                    self._late.append((req.tag, result))
             else:
                 req.result, req.error = result, error
             req.done.set()

@@ -49,7 +49,6 @@ class ResumeChoice:
         self.store = StoreScanner(cfg.checkpoint.dir, deep=cfg.checkpoint.verify_deep, recent=recent)  # all reads
         self._seen = (0, 0)  # (scans, errors) of the view last handed to the metrics
         self._newest: int | None = None  # the newest step seen, from the first scan on (checkpoint_found after it)
-        self._late_attempt = 0  # the attempt of the last choice that did not come in time
         node_local = not cfg.checkpoint.dir_shared and cfg.launch.max_nodes > 1  # the durable tier's newest commit
         self.store.with_durable_tier(durable_opener(cfg), durable_only=node_local)  # the choice reads the tier too
 
@@ -97,9 +96,7 @@ class ResumeChoice:
         return policy.LaunchReady(h.count, step, self._batch_divisor(meta), at_most=at_most, resume_samples=samples)
 
     def _choose_checkpoint(self, attempt: int, at_most: int | None) -> tuple[int | None, dict[str, Any]]:
-        resume = self.store.choose(CHOICE_TIMEOUT_S, at_most)  # made on the scanner's thread
-        if not resume.answered:
-            self._late_attempt = attempt
+        resume = self.store.choose(CHOICE_TIMEOUT_S, at_most, tag=attempt)  # made on the scanner's thread
         self._tell_passed(attempt, resume)
         if resume.durable_error is not None:  # the fast tier's choice alone
             self._emit("warning", "durable_choice_failed", attempt=attempt, reason=resume.durable_error)
@@ -141,8 +138,8 @@ class ResumeChoice:
     def refresh_metrics(self) -> None:
         """Hand the scanner's latest view to the metrics (no I/O here); a failed scan is an outage. A resume choice
         that came after its attempt stopped waiting (`CHOICE_TIMEOUT_S`) is logged now: what it renamed."""
-        for late in self.store.take_late():
-            self._tell_passed(self._late_attempt, late, late=True)
+        for attempt, late in self.store.take_late():
+            self._tell_passed(attempt, late, late=True)
         view = self.store.view()
         scans, errors = self._seen
         if (view.scans, view.errors) == (scans, errors):

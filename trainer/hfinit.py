@@ -113,7 +113,7 @@ def _load(
         _agree(errors, world, group, device, "matching the model's tensors")
         # Every rank takes part in every collective, whatever failed on it: the ranks agree only afterwards.
         take = _staging([_direct_bytes(t, reader, world) for t in targets])
-        parts = {id(t): p for t in targets if (p := _in_place_part(t, reader)) is not None}
+        parts = {id(t): p for t in targets if (p := _in_place_part(t)) is not None}
         if parts and not errors:  # what is read straight into place is read all at once, without collectives
             try:
                 reader.read_rows_into(list(parts.values()))
@@ -196,7 +196,7 @@ def _in_place(
     return local.detach().reshape(-1).view(torch.uint8)
 
 
-def _in_place_part(t: _Target, reader: HubReader) -> tuple[str, int, int, torch.Tensor] | None:
+def _in_place_part(t: _Target) -> tuple[str, int, int, torch.Tensor] | None:
     """(source, first row, end row, memory) of this rank's part of `t` where it is read straight into place."""
     if t.mem is None:
         return None

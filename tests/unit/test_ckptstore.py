@@ -204,13 +204,13 @@ def test_a_resume_choice_made_after_its_caller_gave_up_is_handed_on_with_what_it
     release = slow_choices(monkeypatch)  # a store slow to answer (a loaded mount), then answering
     s = StoreScanner(tmp_path / "ckpt", interval_s=0.05).start()
     try:
-        assert s.choose(timeout_s=0.2).answered is False
+        assert s.choose(timeout_s=0.2, tag=7).answered is False
         assert s.take_late() == []
         release.set()
         late = wait_for(lambda: s.take_late() or None, 10, "the late choice was never handed on")
     finally:
         release.set()
         s.close()
-    assert [(r.picked.info.step if r.picked.info else None) for r in late] == [100]
-    assert [(p.step, p.action) for p in late[0].picked.passed] == [(200, choice.QUARANTINED)]
+    assert [(tag, r.picked.info.step if r.picked.info else None) for tag, r in late] == [(7, 100)]
+    assert [(p.step, p.action) for p in late[0][1].picked.passed] == [(200, choice.QUARANTINED)]
     assert s.take_late() == []
