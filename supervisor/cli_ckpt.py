@@ -19,7 +19,7 @@ from typing import Any
 
 import structlog
 
-from ftsup.store import layout, pins
+from ftsup.store import layout, pins, saving
 from ftsup.store.errors import NoCheckpointError
 from ftsup.supervisor import cli_durable, logs
 from ftsup.supervisor.errors import UsageError
@@ -210,6 +210,8 @@ def _uncommitted_lines(root: Path) -> list[str]:
     for p in sorted(root.iterdir()):
         if layout.parse_partial_dirname(p.name) is not None:
             lines.append(f"not committed: {p.name} (a save in progress or torn by a crash)")
+        elif saving.parse_staging_name(p.name) is not None:
+            lines.append(f"not committed: {p.name} (a save starting, or one a crash cut short)")
         elif p.name.startswith("step-") and ".corrupt" in p.name:
             lines.append(f"quarantined: {p.name}")
         elif p.name.startswith("step-") and ".abandoned" in p.name:

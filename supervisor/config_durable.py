@@ -22,6 +22,8 @@ from ftsup.supervisor.config_values import Section, Where
 
 MAX_EVERY = 10**9
 MAX_PART_BYTES = 5 << 30  # S3's largest part
+DEFAULT_HOLD_S = 30.0
+MAX_HOLD_S = 3600.0
 _DEFAULT_OPTIONS = durable.DurableOptions()
 
 
@@ -49,6 +51,9 @@ class DurableConfig:
     """The size of an upload's parts in bytes (a multiple of 65536, at least 5 MiB)."""
     concurrency: int = _DEFAULT_OPTIONS.concurrency
     """Parts in flight at once."""
+    hold_while_saving_s: float = DEFAULT_HOLD_S
+    """While a save is in progress in this node's fast tier, an upload (but an emergency checkpoint's) waits, for at
+    most this many seconds per save: training saves get the disk and the CPU to themselves. 0: never waits."""
 
     @property
     def is_s3(self) -> bool:
@@ -87,6 +92,9 @@ def parse_durable(value: object, where: Where) -> DurableConfig | None:
         keep_last=sec.optional("keep_last", config_values.integer(1, MAX_EVERY)),
         part_bytes=sec.optional("part_bytes", config_values.integer(durable.MIN_PART_BYTES, MAX_PART_BYTES)),
         concurrency=sec.optional("concurrency", config_values.integer(1, 256)),
+        hold_while_saving_s=sec.optional(
+            "hold_while_saving_s", config_values.number(low=0.0, low_ok=True, high=MAX_HOLD_S)
+        ),
     )
     if config.part_bytes % layout.CHECKSUM_BLOCK_BYTES:
         block = layout.CHECKSUM_BLOCK_BYTES

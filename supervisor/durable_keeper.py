@@ -94,7 +94,7 @@ class DurableKeeper:
                 on_started=lambda step, path: self._todo.append(lambda: self._started(step, path)),
                 on_retry=lambda step, why, wait: self._todo.append(lambda: self._retry(step, why, wait)),
                 housekeeping=self._housekeeping, max_pending=max(self.tier_cfg.keep_last, 2), nice=UPLOAD_NICE,
-                node=self.node,
+                node=self.node, hold_s=self.tier_cfg.hold_while_saving_s,
                 on_waiting=lambda step, why, wait: self._todo.append(lambda: self._waiting(step, why, wait)),
             )  # fmt: skip
             try:
@@ -233,7 +233,7 @@ class DurableKeeper:
         self._known(o.step, self._wall())
         self._emit("info", "durable_committed", step=o.step, url=r.url, outcome=r.outcome, node=self.node,
                    files=r.files, bytes=r.bytes_total, bytes_sent=r.bytes_sent, parts_kept=r.parts_kept,
-                   attempts=o.attempts, duration_s=round(o.duration_s, 3),
+                   attempts=o.attempts, duration_s=round(o.duration_s, 3), held_s=round(o.held_s, 3),
                    throughput_bytes_per_s=round(rate) if rate is not None else None)  # fmt: skip
 
     def _known(self, step: int, when: float | None) -> None:

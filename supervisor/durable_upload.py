@@ -28,15 +28,18 @@ Not here: which checkpoints go durable, logging and metrics (the caller's), the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ftsup.store import durable, layout
 from ftsup.store.errors import CheckpointError, DurableTierError, DurableWaitError
+from ftsup.supervisor.save_hold import SaveHold
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,10 @@ class Outcome:
     report: durable.UploadReport | None = None
     error: str | None = None
     send_s: float = 0.0
-    """The duration of the try that went through (the tier's throughput is `report.bytes_sent / send_s`)."""
+    """The duration of the try that went through, less the time it was held (the tier's throughput is
+    `report.bytes_sent / send_s`)."""
+    held_s: float = 0.0
+    """The seconds that try waited for the node's saves (`save_hold`)."""
     skipped: bool = False
     """Not this node's to upload, by the pick every node agrees on (`DurableTier.follows`): nothing went wrong."""
 
@@ -126,6 +132,7 @@ class Uploader:
         node: str | None = None,
         on_waiting: Callable[[int, str, float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        hold_s: float = 0.0,
     ) -> None:
         if not 0 < backoff_initial_s <= backoff_max_s:
             raise ValueError("backoff_initial_s must be positive and at most backoff_max_s")
@@ -144,6 +151,9 @@ class Uploader:
         self._waits: dict[int, tuple[float, float]] = {}  # step waiting for other nodes -> (next try, its delay)
         self.nice = nice  # added to this thread's nice value (Linux: per thread, inherited by its upload threads)
         self.clock = clock
+        self.hold_s = hold_s  # > 0: a non-urgent upload waits up to this long while its fast tier is being written
+        self._holds: dict[Path, SaveHold] = {}  # the fast tier of the checkpoints uploaded -> its hold (this thread's)
+        self._urgent: set[int] = set()  # submitted urgent: never held
         self._preempt = False
         self._cond = threading.Condition()
         self._pending: dict[int, Path] = {}
@@ -173,6 +183,8 @@ class Uploader:
             if self._closing or step in self._durable or step == self._uploading or step in self._pending:
                 return False
             self._pending[step] = path
+            if urgent:
+                self._urgent.add(step)
             if not picked:
                 self._unpicked.add(step)
             if urgent and self._uploading is not None and step > self._uploading:
@@ -180,6 +192,7 @@ class Uploader:
             while self.max_pending is not None and len(self._pending) > self.max_pending:
                 oldest = min(self._pending)
                 dropped.append((oldest, self._pending.pop(oldest), oldest in self._unpicked))
+                self._urgent.discard(oldest)
                 self._unpicked.discard(oldest)
                 self._waits.pop(oldest, None)
                 self._quiet_at.pop(oldest, None)
@@ -234,6 +247,8 @@ class Uploader:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+        for hold in list(self._holds.values()):
+            hold.stop()
         self._thread.join(timeout_s)
 
     # ------------------------------------------------------------------ the thread
@@ -288,6 +303,7 @@ class Uploader:
             with self._cond:
                 self._uploading = None
                 if outcome is not None:
+                    self._urgent.discard(step)
                     self._waits.pop(step, None)
                     self._unpicked.discard(step)
                     self._announced.discard(step)
@@ -363,10 +379,12 @@ class Uploader:
                 if announce:
                     self._call(self.on_started, step, str(path))
                 leader = False
-                if self.node is None:
-                    report = self.tier.upload(path, on_part=self._check_closing)
-                else:
-                    report = self.tier.upload(path, on_part=self._check_closing, node=self.node)
+                hold, held = self._hold_for(step, path)
+                # Passed only where there is a hold: a tier written before pause hooks takes on_part and node only.
+                held_by: dict[str, Any] = {} if self.node is None else {"node": self.node}
+                if hold is not None:
+                    held_by["pause"] = functools.partial(hold.wait, give_up=self._giving_up)
+                report = self.tier.upload(path, on_part=self._check_closing, **held_by)
             except (_Stopped, _Preempted) as e:
                 if isinstance(e, _Preempted):
                     raise
@@ -391,8 +409,25 @@ class Uploader:
                 return Outcome(step, str(path), False, attempts, self.clock() - started, error=why)
             with self._cond:
                 self._last_error = None
-            sent = self.clock() - try_started
-            return Outcome(step, str(path), True, attempts, self.clock() - started, report=report, send_s=sent)
+            waited = 0.0 if hold is None else hold.held_s - held
+            sent = self.clock() - try_started - waited
+            return Outcome(step, str(path), True, attempts, self.clock() - started, report=report, send_s=sent,
+                           held_s=waited)  # fmt: skip
+
+    def _hold_for(self, step: int, path: Path) -> tuple[SaveHold | None, float]:
+        """The hold of the fast tier `path` lives in, and the seconds it held so far; (None, 0) for an urgent
+        checkpoint, or with no hold configured."""
+        with self._cond:
+            urgent = step in self._urgent
+        if self.hold_s <= 0 or urgent:
+            return None, 0.0
+        hold = self._holds.get(path.parent)
+        if hold is None:
+            hold = self._holds[path.parent] = SaveHold(path.parent, max_hold_s=self.hold_s, clock=self.clock)
+        return hold, hold.held_s
+
+    def _giving_up(self) -> bool:
+        return self._closing or self._preempt
 
     def _check_closing(self, rel: str, number: int) -> None:
         if self._closing:

@@ -44,6 +44,14 @@ _TOKEN = re.compile(r"^data-[0-9a-f]{24}$")
 
 PartHook = Callable[[str, int], None]
 """Called with (file, part number) after each part a backend sent (observability, and a test's fault point)."""
+PauseHook = Callable[[float], None]
+"""Called by an upload before it reads each part and between the pieces of each part it sends, with the longest it
+may wait there: `math.inf` before a part (the hook's own bound applies), BODY_PAUSE_S inside a request. It returns
+when the upload may go on, and may first block for a while (the supervisor's `save_hold`: while a save is in progress
+in the node's fast tier, so that the upload's disk, CPU and store traffic stay off the training's save)."""
+BODY_PAUSE_S = 5.0
+"""The longest an upload pauses inside one request's body: a store drops a request whose body stalls for long (S3
+after about 20 s without data), and the part would be sent again."""
 
 
 @dataclass(frozen=True)
@@ -240,8 +248,9 @@ class DurableTier(ABC):
 
     @abstractmethod
     def upload(
-        self, ckpt_dir: str | os.PathLike[str], *, on_part: PartHook | None = None, node: str | None = None
-    ) -> UploadReport:
+        self, ckpt_dir: str | os.PathLike[str], *, on_part: PartHook | None = None, node: str | None = None,
+        pause: PauseHook | None = None,
+    ) -> UploadReport:  # fmt: skip
         """Copy the committed local checkpoint `ckpt_dir` into the tier and commit it there; with `node`, only the
         part of a checkpoint that node holds, committed once every node's part is there (`ftsup.store.nodes`). Raises
         DurableTierError when the tier fails (call again: what arrived and verifies is kept),

@@ -14,6 +14,7 @@ Not here: the local commit of the engine (`ftsup.trainer.checkpoint.commit`), li
 from __future__ import annotations
 
 import errno
+import math
 import os
 import re
 import secrets
@@ -51,8 +52,9 @@ class FilesystemTier(durable.DurableTier):
     # ------------------------------------------------------------------ upload
 
     def upload(
-        self, ckpt_dir: str | os.PathLike[str], *, on_part: durable.PartHook | None = None, node: str | None = None
-    ) -> durable.UploadReport:
+        self, ckpt_dir: str | os.PathLike[str], *, on_part: durable.PartHook | None = None, node: str | None = None,
+        pause: durable.PauseHook | None = None,
+    ) -> durable.UploadReport:  # fmt: skip
         local = durable.read_local(ckpt_dir)
         if node is not None and local.manifest.nodes is not None and len(local.manifest.nodes) > 1:
             raise CheckpointError(
@@ -74,7 +76,7 @@ class FilesystemTier(durable.DurableTier):
                 if not stat.S_ISDIR(os.lstat(work).st_mode):
                     raise DurableTierError(f"{work}: is not a directory; an upload cannot use it") from None
             with ThreadPoolExecutor(self.options.concurrency, thread_name_prefix="ftsup-durable") as pool:
-                sent = list(pool.map(lambda item: self._copy(local, item[0], item[1], work, on_part),
+                sent = list(pool.map(lambda item: self._copy(local, item[0], item[1], work, on_part, pause),
                                      sorted(local.manifest.files.items())))  # fmt: skip
             _remove_leftovers(work)
             manifest_tmp = work / f".{layout.MANIFEST_NAME}.tmp-{secrets.token_hex(4)}"
@@ -110,7 +112,7 @@ class FilesystemTier(durable.DurableTier):
 
     def _copy(
         self, local: durable.LocalCheckpoint, rel: str, entry: layout.FileEntry, work: Path,
-        on_part: durable.PartHook | None,
+        on_part: durable.PartHook | None, pause: durable.PauseHook | None = None,
     ) -> tuple[int, bool]:  # fmt: skip
         """Copy one file into the upload folder, checked as it is read; (bytes written, whether it was there)."""
         algorithm = local.manifest.checksum_algorithm
@@ -129,7 +131,7 @@ class FilesystemTier(durable.DurableTier):
         try:
             out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
-                self._write_copy(src, out, local, rel, entry, crcs, on_part)
+                self._write_copy(src, out, local, rel, entry, crcs, on_part, pause)
             except BaseException:
                 os.close(out)
                 os.unlink(tmp)  # ours (O_EXCL): a copy cut short leaves nothing in the upload folder
@@ -146,10 +148,13 @@ class FilesystemTier(durable.DurableTier):
 
     def _write_copy(
         self, src: int, out: int, local: durable.LocalCheckpoint, rel: str, entry: layout.FileEntry,
-        crcs: list[int], on_part: durable.PartHook | None,
+        crcs: list[int], on_part: durable.PartHook | None, pause: durable.PauseHook | None = None,
     ) -> None:  # fmt: skip
-        """Copy `src` to `out` in chunks, appending each chunk's block checksums to `crcs`; fsync `out`."""
+        """Copy `src` to `out` in chunks, appending each chunk's block checksums to `crcs`; fsync `out`. `pause` is
+        called before each chunk is read."""
         for number, (offset, length) in enumerate(durable.part_plan(entry.size, durable.READ_CHUNK_BYTES), 1):
+            if pause is not None:
+                pause(math.inf)
             data = os.pread(src, length, offset)
             if len(data) != length:
                 raise CheckpointCorruptError(f"{local.path}/{rel}: shorter than its manifest records", file=rel)

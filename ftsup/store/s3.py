@@ -197,11 +197,12 @@ class S3Tier(durable.DurableTier):
     # ------------------------------------------------------------------ upload
 
     def upload(
-        self, ckpt_dir: str | os.PathLike[str], *, on_part: durable.PartHook | None = None, node: str | None = None
-    ) -> durable.UploadReport:
+        self, ckpt_dir: str | os.PathLike[str], *, on_part: durable.PartHook | None = None, node: str | None = None,
+        pause: durable.PauseHook | None = None,
+    ) -> durable.UploadReport:  # fmt: skip
         if node is not None:
-            return s3nodes.upload(self, ckpt_dir, node, on_part=on_part)
-        return s3upload.upload(self, ckpt_dir, on_part=on_part)
+            return s3nodes.upload(self, ckpt_dir, node, on_part=on_part, pause=pause)
+        return s3upload.upload(self, ckpt_dir, on_part=on_part, pause=pause)
 
     def follows(self, ckpt_dir: str | os.PathLike[str], node: str, picked: bool) -> str:
         return s3nodes.follows(self, ckpt_dir, node, picked)

@@ -41,14 +41,15 @@ def markers_folder(tier: S3Tier, step: int, token: str) -> str:
 
 
 def upload(
-    tier: S3Tier, ckpt_dir: str | os.PathLike[str], node: str, *, on_part: durable.PartHook | None = None
-) -> durable.UploadReport:
+    tier: S3Tier, ckpt_dir: str | os.PathLike[str], node: str, *, on_part: durable.PartHook | None = None,
+    pause: durable.PauseHook | None = None,
+) -> durable.UploadReport:  # fmt: skip
     """`S3Tier.upload` of node `node`'s copy of a checkpoint: its files, its marker, then the commit if every
     node's part is there. A checkpoint whose manifest records no nodes is uploaded whole (`s3upload.upload`)."""
     local = durable.read_local(ckpt_dir)
     manifest, step = local.manifest, local.manifest.step
     if manifest.nodes is None:
-        return s3upload.upload(tier, ckpt_dir, on_part=on_part)
+        return s3upload.upload(tier, ckpt_dir, on_part=on_part, pause=pause)
     if node not in manifest.nodes:
         raise CheckpointCorruptError(
             f"{local.path}: its manifest records nodes {sorted(manifest.nodes)}, not this node {node!r}",
@@ -71,7 +72,7 @@ def upload(
     except CheckpointError:
         marked = False  # not this node's marker (too big): written over below
     if not marked:  # not sent yet, or cut short
-        _send_files(tier, local, mine, report, on_part)
+        _send_files(tier, local, mine, report, on_part, pause)
         # Only this node writes this name, always the same bytes: one that is there otherwise is written over.
         tier.put(marker_key, marker)
     outcome = try_commit(tier, local)
@@ -144,7 +145,7 @@ def sweep(tier: S3Tier, step: int, nodes_of_job: set[str]) -> int:
 
 def _send_files(
     tier: S3Tier, local: durable.LocalCheckpoint, rels: list[str], report: dict[str, int],
-    on_part: durable.PartHook | None,
+    on_part: durable.PartHook | None, pause: durable.PauseHook | None = None,
 ) -> None:  # fmt: skip
     """The files `rels` of the local copy into the tier, as `s3upload.upload` sends a whole checkpoint's."""
     step, token = local.manifest.step, local.token
@@ -156,14 +157,14 @@ def _send_files(
     unfinished = s3list.uploads_under(tier, tier.key(layout.step_dirname(step), token) + "/")
     with ThreadPoolExecutor(tier.options.concurrency, thread_name_prefix="ftsup-s3") as pool:
         s3upload._all([pool.submit(s3upload._plan, tier, p, unfinished.get(p.key, [])) for p in plans])
-        retry = s3upload._send(tier, pool, local, plans, report, on_part)
+        retry = s3upload._send(tier, pool, local, plans, report, on_part, pause)
         for _ in range(s3upload.PASSES - 1):
             if not retry:
                 break
             for p in retry:
                 p.done_etag, p.upload_id, p.md5s, p.crcs, p.etags, p.have = None, None, {}, {}, {}, {}
                 s3upload._plan(tier, p, [], fresh=p.mismatched)
-            retry = s3upload._send(tier, pool, local, retry, report, on_part)
+            retry = s3upload._send(tier, pool, local, retry, report, on_part, pause)
     folder = tier.key(layout.step_dirname(step), token) + "/"
     sizes = s3list.object_sizes(tier, folder, len(local.manifest.files))
     for rel in rels:

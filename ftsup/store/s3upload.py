@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import math
 import os
 import threading
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -62,8 +63,9 @@ class _FilePlan:
 
 
 def upload(
-    tier: S3Tier, ckpt_dir: str | os.PathLike[str], *, on_part: durable.PartHook | None = None
-) -> durable.UploadReport:
+    tier: S3Tier, ckpt_dir: str | os.PathLike[str], *, on_part: durable.PartHook | None = None,
+    pause: durable.PauseHook | None = None,
+) -> durable.UploadReport:  # fmt: skip
     """`S3Tier.upload`: copy the committed local checkpoint `ckpt_dir` into `tier` and commit it there."""
     local = durable.read_local(ckpt_dir)
     step = local.manifest.step
@@ -81,7 +83,7 @@ def upload(
     unfinished = s3list.uploads_under(tier, tier.key(layout.step_dirname(step), token) + "/")
     with ThreadPoolExecutor(tier.options.concurrency, thread_name_prefix="ftsup-s3") as pool:
         _all([pool.submit(_plan, tier, p, unfinished.get(p.key, [])) for p in plans])
-        retry = _send(tier, pool, local, plans, report, on_part)
+        retry = _send(tier, pool, local, plans, report, on_part, pause)
         for _ in range(PASSES - 1):
             if not retry:
                 break
@@ -90,7 +92,7 @@ def upload(
                 p.done_etag, p.upload_id, p.md5s, p.crcs, p.etags, p.have = None, None, {}, {}, {}, {}
                 # An upload gone may have been completed by another writer of these bytes: looked up again.
                 _plan(tier, p, [], fresh=p.mismatched)
-            retry = _send(tier, pool, local, retry, report, on_part)
+            retry = _send(tier, pool, local, retry, report, on_part, pause)
     _check_objects(tier, step, token, local.manifest)
     try:
         tier.put(tier.manifest_key(step), local.manifest_raw, if_none_match=True)
@@ -145,10 +147,11 @@ def _send(
     plans: list[_FilePlan],
     report: dict[str, int],
     on_part: durable.PartHook | None,
+    pause: durable.PauseHook | None = None,
 ) -> list[_FilePlan]:
     """Send (or check) every part of `plans`, complete each file; the plans whose object must be written again."""
     futures = {
-        pool.submit(_part, tier, local, p, n, on_part): (p, n) for p in plans for n in range(1, len(p.parts) + 1)
+        pool.submit(_part, tier, local, p, n, on_part, pause): (p, n) for p in plans for n in range(1, len(p.parts) + 1)
     }
     left = {id(p): len(p.parts) for p in plans}
     gone: set[int] = set()
@@ -182,10 +185,14 @@ def _send(
 
 
 def _part(
-    tier: S3Tier, local: durable.LocalCheckpoint, plan: _FilePlan, number: int, on_part: durable.PartHook | None
-) -> tuple[int, str]:
+    tier: S3Tier, local: durable.LocalCheckpoint, plan: _FilePlan, number: int, on_part: durable.PartHook | None,
+    pause: durable.PauseHook | None = None,
+) -> tuple[int, str]:  # fmt: skip
     """Read part `number` of the local file, checksum it, send it unless the tier has it: (bytes sent, "sent",
-    "kept" or "checked": read for the check of an object that is there)."""
+    "kept" or "checked": read for the check of an object that is there). `pause` is called before the read and
+    between the pieces of the part's body as it is sent (`_PausingBody`)."""
+    if pause is not None:
+        pause(math.inf)
     offset, length = plan.parts[number - 1]
     data = _pread(local.path, plan.rel, offset, length)
     plan.crcs[number] = checksums.block_crcs(data, algorithm=local.manifest.checksum_algorithm)
@@ -201,7 +208,8 @@ def _part(
     else:
         sent = tier.call(
             "send a part of", plan.key, tier.client.upload_part, Bucket=tier.bucket, Key=plan.key,
-            UploadId=plan.upload_id, PartNumber=number, Body=data, ContentMD5=b64(md5.digest()),
+            UploadId=plan.upload_id, PartNumber=number, Body=data if pause is None else _PausingBody(data, pause),
+            ContentMD5=b64(md5.digest()),
         )  # fmt: skip
         etag = str(sent.get("ETag", "")).strip('"')
         if etag and len(etag) == 32 and etag != md5.hexdigest():
@@ -258,6 +266,40 @@ def _check_objects(tier: S3Tier, step: int, token: str, manifest: layout.Manifes
 
 
 # ------------------------------------------------------------------ helpers
+
+
+class _PausingBody:
+    """A part's bytes as a readable body that calls `pause` (for at most `durable.BODY_PAUSE_S`) before each piece it
+    hands out (`PIECE_BYTES`): an upload told to pause stops sending within a piece, instead of after the part.
+    Seekable and sized, so that the client knows its length and sends it again from the start when it retries."""
+
+    PIECE_BYTES = 1 << 20
+
+    def __init__(self, data: bytearray, pause: durable.PauseHook) -> None:
+        self._view = memoryview(data)
+        self._pause = pause
+        self._at = 0
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def read(self, size: int = -1) -> bytes:
+        if self._at >= len(self._view):
+            return b""
+        if self._at:  # the first piece follows the pause before the part's read
+            self._pause(durable.BODY_PAUSE_S)
+        end = len(self._view) if size is None or size < 0 else self._at + max(size, self.PIECE_BYTES)
+        piece = self._view[self._at : min(end, self._at + self.PIECE_BYTES, len(self._view))]
+        self._at += len(piece)
+        return piece.tobytes()
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._at, os.SEEK_END: len(self._view)}[whence]
+        self._at = min(max(0, base + offset), len(self._view))
+        return self._at
+
+    def tell(self) -> int:
+        return self._at
 
 
 def _all(futures: list[Future[Any]]) -> None:

@@ -27,6 +27,7 @@ from ftsup.store import durable
 from ftsup.store.errors import CheckpointError
 from ftsup.supervisor.durable_keeper import UPLOAD_NICE
 from ftsup.supervisor.durable_upload import Outcome, Uploader
+from ftsup.supervisor.save_hold import MAX_HOLD_S
 
 WAIT_S = 600.0  # the longest one upload may take before it is reported dropped
 
@@ -46,8 +47,9 @@ class _Watched(durable.DurableTier):
         self.first = threading.Event()
 
     def upload(
-        self, ckpt_dir: Any, *, on_part: durable.PartHook | None = None, node: str | None = None
-    ) -> durable.UploadReport:
+        self, ckpt_dir: Any, *, on_part: durable.PartHook | None = None, node: str | None = None,
+        pause: durable.PauseHook | None = None,
+    ) -> durable.UploadReport:  # fmt: skip
         def hook(rel: str, number: int) -> None:
             if not self.first.is_set():
                 self.first.set()
@@ -55,7 +57,7 @@ class _Watched(durable.DurableTier):
             if on_part is not None:
                 on_part(rel, number)
 
-        return self.inner.upload(ckpt_dir, on_part=hook, node=node)
+        return self.inner.upload(ckpt_dir, on_part=hook, node=node, pause=pause)
 
     def list_checkpoints(self, *, deep: bool = False) -> durable.DurableListing:
         return self.inner.list_checkpoints(deep=deep)
@@ -73,7 +75,7 @@ class _Watched(durable.DurableTier):
         return self.inner.delete(step)
 
 
-def _one(path: str, url: str, options: durable.DurableOptions) -> None:
+def _one(path: str, url: str, options: durable.DurableOptions, hold_s: float) -> None:
     done = threading.Event()
     outcomes: list[Outcome] = []
 
@@ -85,7 +87,8 @@ def _one(path: str, url: str, options: durable.DurableOptions) -> None:
     with durable.open_tier(url, options) as tier:
         watched = _Watched(tier)
         start = time.monotonic()
-        uploader = Uploader(watched, on_outcome=finished, nice=UPLOAD_NICE, backoff_initial_s=0.5, backoff_max_s=2.0)
+        uploader = Uploader(watched, on_outcome=finished, nice=UPLOAD_NICE, backoff_initial_s=0.5, backoff_max_s=2.0,
+                            hold_s=hold_s)  # fmt: skip
         try:
             uploader.submit(path)
             if not done.wait(WAIT_S):
@@ -109,7 +112,7 @@ def main() -> int:
             command = json.loads(line)
             options = durable.DurableOptions(part_bytes=int(command["part_bytes"]),
                                              concurrency=int(command["concurrency"]))  # fmt: skip
-            _one(str(command["upload"]), str(command["url"]), options)
+            _one(str(command["upload"]), str(command["url"]), options, float(command.get("hold_s", MAX_HOLD_S)))
         except Exception as e:  # noqa: BLE001 - reported to the rank that asked; the next command still runs
             _say(event="dropped", error=f"{type(e).__name__}: {e}")
             _say(event="clean")

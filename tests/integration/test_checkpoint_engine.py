@@ -388,3 +388,21 @@ def test_without_recycling_deleted_checkpoints_leave_nothing_behind(tmp_path):
         for step in (1, 2, 3):
             eng.save(step, {"app": state}, block=True)
     assert sorted(p.name for p in root.iterdir()) == ["step-000000003"]
+
+
+def test_a_save_says_it_is_in_progress_from_the_call_to_the_commit(tmp_path: Path) -> None:
+    """The leader's `step-N.staging` marker from the save call (seen at the `staged` hook, before the write), then the
+    `.partial`; none once committed; a stale marker of an older step (a crashed save's) goes with the next save."""
+    from ftsup.store import saving
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    saving.mark_staging(root, 1)  # left by a crashed save
+    seen: list[list[str]] = []
+    eng = CheckpointEngine(root, hook=lambda point, step: seen.append(sorted(saving.in_progress(root))))
+    try:
+        eng.save(3, {"app": make_state()}).wait()
+    finally:
+        eng.close()
+    assert "step-000000003.staging" in seen[0]
+    assert saving.in_progress(root) == []

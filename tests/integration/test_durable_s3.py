@@ -13,6 +13,7 @@ import pytest
 from ftsup.store import durable, layout
 from ftsup.store.errors import CheckpointCorruptError, DurableConflictError, DurableTierError, NoCheckpointError
 from tests.helpers import default_files, flip_byte, make_fake_checkpoint
+from tests.procs import wait_for
 from tests.s3fixtures import client, start_server, use_server
 from tests.s3server import SeaweedS3
 
@@ -267,3 +268,29 @@ def test_the_store_listens_and_connects_on_loopback_only(s3_server: SeaweedS3) -
     conns = psutil.Process(s3_server.proc.pid).net_connections(kind="inet")
     addresses = {c.laddr.ip for c in conns} | {c.raddr.ip for c in conns if c.raddr}
     assert conns and all(a.startswith("127.") for a in addresses), addresses
+
+
+def test_an_upload_held_inside_part_bodies_commits_the_same_bytes(bucket: str, tmp_path: Path) -> None:
+    """The pause hook is called before each part and between the pieces of each body (`_PausingBody`); a body held
+    mid-way, then let go, still sends every byte exactly once."""
+    local = make_fake_checkpoint(tmp_path / "fast", 7, big_files(3))
+    calls: list[float] = []
+    held = threading.Event()
+    go = threading.Event()
+
+    def pause(at_most_s: float) -> None:
+        calls.append(at_most_s)
+        if at_most_s == durable.BODY_PAUSE_S and not held.is_set():
+            held.set()
+            go.wait(at_most_s)  # one body stops here until the test lets it go
+
+    with durable.open_tier(f"s3://{bucket}/held", OPTIONS) as tier:
+        t = threading.Thread(target=lambda: tier.upload(local, pause=pause), daemon=True)
+        t.start()
+        wait_for(held.is_set, 60, "no pause inside a part's body")
+        go.set()
+        t.join(60)
+        restored = tier.download(7, tmp_path / "new-vm")
+    assert not t.is_alive()
+    assert tree(restored) == tree(local)
+    assert calls.count(float("inf")) >= 4  # one before each part: the big shard's four, and each small file's

@@ -31,9 +31,9 @@ def test_a_location_string_is_a_tier_with_every_default() -> None:
 
 def test_the_keys_of_a_mapping_replace_their_defaults() -> None:
     got = config({"url": "/shared/durable", "periodic_every": 0, "emergency": False, "keep_last": 5,
-                  "part_bytes": 8 << 20, "concurrency": 2}).checkpoint.durable  # fmt: skip
+                  "part_bytes": 8 << 20, "concurrency": 2, "hold_while_saving_s": 0}).checkpoint.durable  # fmt: skip
     assert got == DurableConfig(url="/shared/durable", periodic_every=0, emergency=False, keep_last=5,
-                                part_bytes=8 << 20, concurrency=2)  # fmt: skip
+                                part_bytes=8 << 20, concurrency=2, hold_while_saving_s=0.0)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -50,6 +50,10 @@ def test_the_keys_of_a_mapping_replace_their_defaults() -> None:
         ({"url": "s3://bucket/x", "part_bytes": 1 << 20}, "checkpoint.durable.part_bytes: must be at least 5242880"),
         ({"url": "s3://bucket/x", "concurrency": 0}, "checkpoint.durable.concurrency: must be at least 1"),
         ({"url": "s3://bucket/x", "keep_last": 0}, "checkpoint.durable.keep_last: must be at least 1"),
+        ({"url": "s3://bucket/x", "hold_while_saving_s": -1}, "checkpoint.durable.hold_while_saving_s: must be at "
+         "least 0 seconds"),
+        ({"url": "s3://bucket/x", "hold_while_saving_s": "30s"}, "checkpoint.durable.hold_while_saving_s: expected "
+         "a number of seconds"),
         ({"url": "s3://bucket/x", "endpoint_url": "localhost:9000"}, "checkpoint.durable.endpoint_url: "
          "'localhost:9000' is not an http(s) URL"),
         ({"url": "/shared/x", "endpoint_url": "http://127.0.0.1:9000"}, "checkpoint.durable.endpoint_url: an "

@@ -27,7 +27,7 @@ from typing import Any
 import structlog
 import torch
 
-from ftsup.store import checksums, choice, layout
+from ftsup.store import checksums, choice, layout, saving
 from ftsup.store.errors import CheckpointError, CheckpointSaveError
 from ftsup.store.retention import RetentionPolicy, apply_retention, claim_spare, remove_dir
 from ftsup.trainer.checkpoint import commit_nodes
@@ -166,6 +166,12 @@ class Committer:
             log_quietly(log.warning, "checkpoint_retention_failed", step=newest, reason=str(e))
 
     def _prepare_partial(self, step: int, partial: Path, final: Path) -> dict[str, Any]:
+        try:
+            return self._make_partial(step, partial, final)
+        finally:  # the partial directory (or the skip, or the failure) says the rest: the marker goes
+            saving.clear_staging(self.directory, step)
+
+    def _make_partial(self, step: int, partial: Path, final: Path) -> dict[str, Any]:
         try:
             existing = self._existing(step, final)
             if existing is not None:

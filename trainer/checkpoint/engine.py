@@ -43,7 +43,7 @@ from typing import Any
 import structlog
 import torch
 
-from ftsup.store import blocksum, layout
+from ftsup.store import blocksum, layout, saving
 from ftsup.store.errors import CheckpointError, CheckpointSaveError
 from ftsup.store.retention import RetentionPolicy
 from ftsup.trainer.checkpoint import codec, gcpause, loading, staging
@@ -289,10 +289,14 @@ class CheckpointEngine:
             self._buffers = [None] * len(self._buffers)
         plan = self._plan
         buf_index = self._free.get()  # bounds saves in flight and host memory
+        if self._committer.leader:  # the supervisor holds the durable upload while a save runs (`saving`)
+            saving.mark_staging(self.directory, step)
         try:
             buf, event, crcs = staging.stage(plan, flat, self._buffers[buf_index])
         except BaseException:
             self._free.put(buf_index)
+            if self._committer.leader:
+                saving.clear_staging(self.directory, step)
             raise
         self._buffers[buf_index] = buf
         stage_s = time.perf_counter() - t0

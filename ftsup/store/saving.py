@@ -1,0 +1,72 @@
+"""A fast tier's word for "a save is in progress here", for a reader that never imports torch (the supervisor's hold
+of the durable upload, `ftsup.supervisor.save_hold`).
+
+Two names in the checkpoint folder say it (`ftsup/store/DESIGN.md`, the commit protocol):
+
+    <root>/step-000001300.staging     an empty file: the leader rank is copying step 1300's state to host memory
+    <root>/step-000001300.partial/    its files are being written (renamed to step-000001300 at the commit)
+
+The engine's leader (rank 0, or each node's first rank in a node-local store) makes the marker when a save call
+starts, before the blocking copy, and removes it, with any older one, once the save's `.partial` directory is made
+(or the save is skipped or fails); a marker left by a crashed rank is removed by the next save. The marker is a
+hint, never part of a checkpoint: making or removing it never fails a save, nothing reads its content, and
+`ftsup ckpt` and retention ignore it. Only regular files of that name are removed: a link or a folder planted there
+is left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import stat
+
+from ftsup.store import layout
+
+_STAGING_RE = re.compile(r"^step-(\d{9,18})\.staging$")
+
+
+def staging_name(step: int) -> str:
+    return layout.step_dirname(step) + ".staging"
+
+
+def parse_staging_name(name: str) -> int | None:
+    m = _STAGING_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def mark_staging(root: str | os.PathLike[str], step: int) -> None:
+    """Say that step `step`'s save has started (best effort: a folder that cannot be written is left as it is)."""
+    with contextlib.suppress(OSError):
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        os.close(os.open(os.path.join(root, staging_name(step)), flags, 0o644))
+
+
+def clear_staging(root: str | os.PathLike[str], up_to: int) -> None:
+    """Remove the markers of step `up_to` and older (regular files only; best effort)."""
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for e in os.scandir(dir_fd):
+                s = parse_staging_name(e.name)
+                if s is None or s > up_to:
+                    continue
+                with contextlib.suppress(OSError):
+                    if stat.S_ISREG(os.lstat(e.name, dir_fd=dir_fd).st_mode):
+                        os.unlink(e.name, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def in_progress(root: str | os.PathLike[str]) -> list[str]:
+    """The names under `root` that say a save is in progress (markers and `.partial` directories); none where the
+    folder cannot be read."""
+    try:
+        with os.scandir(root) as entries:
+            return [
+                e.name
+                for e in entries
+                if layout.parse_partial_dirname(e.name) is not None or parse_staging_name(e.name) is not None
+            ]
+    except OSError:
+        return []
