@@ -247,7 +247,8 @@ class Uploader:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        for hold in list(self._holds.values()):
+            holds = list(self._holds.values())
+        for hold in holds:
             hold.stop()
         self._thread.join(timeout_s)
 
@@ -418,12 +419,11 @@ class Uploader:
         """The hold of the fast tier `path` lives in, and the seconds it held so far; (None, 0) for an urgent
         checkpoint, or with no hold configured."""
         with self._cond:
-            urgent = step in self._urgent
-        if self.hold_s <= 0 or urgent:
-            return None, 0.0
-        hold = self._holds.get(path.parent)
-        if hold is None:
-            hold = self._holds[path.parent] = SaveHold(path.parent, max_hold_s=self.hold_s, clock=self.clock)
+            if self.hold_s <= 0 or step in self._urgent:
+                return None, 0.0
+            hold = self._holds.get(path.parent)
+            if hold is None:
+                hold = self._holds[path.parent] = SaveHold(path.parent, max_hold_s=self.hold_s, clock=self.clock)
         return hold, hold.held_s
 
     def _giving_up(self) -> bool:

@@ -8,12 +8,13 @@ renames it; the supervisor reads that with no message from the ranks and no torc
 is a `SaveHold`: while such a name is in the fast tier it waits, polling every POLL_S, and returns once the save is
 committed (or torn and cleaned up). It never waits for ever: a name left by a crashed save (the next save removes
 it) holds uploads for at most `max_hold_s` from when this hold first saw it, and one call waits at most
-`max_hold_s` in all (saves back to back never starve the tier). `stop()` (the uploader closing, or an urgent
-checkpoint waiting) ends every wait at once. An emergency upload is never held (the uploader passes no hook).
+`max_hold_s` in all (saves back to back never starve the tier). `stop()` (the uploader closing) ends every wait
+at once, and a caller's `give_up` (an urgent checkpoint waiting) ends its own within POLL_S. An emergency upload is
+never held (the uploader passes no hook).
 
 The fast tier is read with one `os.scandir` of its folder per POLL_S at most (shared by the upload's threads); a
-folder that cannot be read holds nothing. `held_s` counts the seconds spent waiting, so that a measured upload
-throughput leaves them out.
+folder that cannot be read holds nothing. `held_s` counts the wall-clock seconds during which any call waited
+(the upload's threads held together count once), so that a measured upload throughput leaves them out.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ class SaveHold:
         self._first_seen: dict[str, float] = {}  # a .partial entry -> when this hold first saw it
         self._checked = float("-inf")
         self._writing = False
-        self.held_s = 0.0
+        self._waiting = 0  # calls waiting now (the upload's threads)
+        self._since = 0.0  # when the first of them began to wait
+        self._held_s = 0.0
 
     def writing(self) -> bool:
         """Whether a save is in progress in the fast tier now (a marker or `.partial` seen for under `max_hold_s`)."""
@@ -59,6 +62,12 @@ class SaveHold:
                 self._writing = any(now - t < self.max_hold_s for t in self._first_seen.values())
             return self._writing
 
+    @property
+    def held_s(self) -> float:
+        """The seconds during which at least one call was waiting (wall time: threads held together count once)."""
+        with self._lock:
+            return self._held_s + (self.clock() - self._since if self._waiting else 0.0)
+
     def __call__(self, at_most_s: float = math.inf) -> None:
         self.wait(at_most_s)
 
@@ -69,6 +78,10 @@ class SaveHold:
             return
         start = self.clock()
         limit = min(self.max_hold_s, at_most_s)
+        with self._lock:
+            if not self._waiting:
+                self._since = start
+            self._waiting += 1
         try:
             while self.writing() and self.clock() - start < limit:
                 if give_up is not None and give_up():
@@ -77,7 +90,9 @@ class SaveHold:
                     return
         finally:
             with self._lock:
-                self.held_s += self.clock() - start
+                self._waiting -= 1
+                if not self._waiting:
+                    self._held_s += self.clock() - self._since
 
     def stop(self) -> None:
         """End every wait now, and hold nothing from here on."""

@@ -5,6 +5,7 @@ committed, never held for ever by a torn one, never held when urgent."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,20 @@ def test_a_torn_partial_holds_for_at_most_max_hold_s_then_never_again(tmp_path: 
     assert (hold.writing(), hold.held_s) == (False, held)
     _saving(tmp_path, 6)  # a new save holds again
     wait_for(hold.writing, 10, "the new save was not seen")
+
+
+def test_threads_held_together_count_their_wall_time_once(tmp_path: Path) -> None:
+    partial = _saving(tmp_path, 5)
+    hold = SaveHold(tmp_path)
+    started = time.monotonic()
+    waiters = [_waiter(hold) for _ in range(4)]
+    wait_for(lambda: hold.writing() and all(t.is_alive() for t in waiters), 10, "the hold did not see the save")
+    waiters[0].join(0.3)
+    partial.rename(tmp_path / layout.step_dirname(5))
+    for t in waiters:
+        t.join(10)
+    elapsed = time.monotonic() - started
+    assert 0.3 <= hold.held_s <= elapsed  # four threads held together: their wall time, not four times it
 
 
 @pytest.mark.parametrize("how", ["give_up", "stop"])
