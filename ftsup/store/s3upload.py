@@ -27,6 +27,10 @@ if TYPE_CHECKING:
     from ftsup.store.s3 import S3Tier
 
 
+PIECE_BYTES = 256 << 10
+"""What an upload reads, hashes and sends of a part between two calls of its pause hook (a multiple of the checksum
+block): a hold that begins mid-part stops each thread within a piece (a quarter of a millisecond of MD5 here)."""
+
 PASSES = 3
 """Times a file is sent in one upload before its object is left to the next one (`_check_objects` then refuses the
 commit): an object there with other bytes, a multipart upload the store dropped meanwhile."""
@@ -189,14 +193,13 @@ def _part(
     pause: durable.PauseHook | None = None,
 ) -> tuple[int, str]:  # fmt: skip
     """Read part `number` of the local file, checksum it, send it unless the tier has it: (bytes sent, "sent",
-    "kept" or "checked": read for the check of an object that is there). `pause` is called before the read and
-    between the pieces of the part's body as it is sent (`_PausingBody`)."""
+    "kept" or "checked": read for the check of an object that is there). `pause` is called before the read, between
+    the pieces the part is read and hashed in (`_read_part`) and between the pieces of its body as it is sent
+    (`_PausingBody`)."""
     if pause is not None:
         pause(math.inf)
     offset, length = plan.parts[number - 1]
-    data = _pread(local.path, plan.rel, offset, length)
-    plan.crcs[number] = checksums.block_crcs(data, algorithm=local.manifest.checksum_algorithm)
-    md5 = hashlib.md5(data)
+    data, plan.crcs[number], md5 = _read_part(local, plan.rel, offset, length, pause)
     plan.md5s[number] = md5.digest()
     if plan.done_etag is not None:
         return 0, "checked"  # decided when the file's parts are all checked (`_finish`)
@@ -270,10 +273,8 @@ def _check_objects(tier: S3Tier, step: int, token: str, manifest: layout.Manifes
 
 class _PausingBody:
     """A part's bytes as a readable body that calls `pause` (for at most `durable.BODY_PAUSE_S`) before each piece it
-    hands out (`PIECE_BYTES`): an upload told to pause stops sending within a piece, instead of after the part.
+    hands out (PIECE_BYTES): an upload told to pause stops sending within a piece, instead of after the part.
     Seekable and sized, so that the client knows its length and sends it again from the start when it retries."""
-
-    PIECE_BYTES = 1 << 20
 
     def __init__(self, data: bytearray, pause: durable.PauseHook) -> None:
         self._view = memoryview(data)
@@ -288,8 +289,8 @@ class _PausingBody:
             return b""
         if self._at:  # the first piece follows the pause before the part's read
             self._pause(durable.BODY_PAUSE_S)
-        end = len(self._view) if size is None or size < 0 else self._at + max(size, self.PIECE_BYTES)
-        piece = self._view[self._at : min(end, self._at + self.PIECE_BYTES, len(self._view))]
+        end = len(self._view) if size is None or size < 0 else self._at + max(size, PIECE_BYTES)
+        piece = self._view[self._at : min(end, self._at + PIECE_BYTES, len(self._view))]
         self._at += len(piece)
         return piece.tobytes()
 
@@ -315,26 +316,43 @@ def _all(futures: list[Future[Any]]) -> None:
 _buffers = threading.local()
 
 
-def _pread(ckpt: os.PathLike[str] | str, rel: str, offset: int, length: int) -> bytearray:
-    """Bytes [offset, offset + length) of the local file, read into this thread's part buffer: a part is read, hashed
-    and sent before the thread reads the next, so one buffer of the part size serves every full part (no new 16 MiB
-    allocation, no page faults, per part); a part of another size gets a buffer of its own."""
+def _read_part(
+    local: durable.LocalCheckpoint, rel: str, offset: int, length: int, pause: durable.PauseHook | None
+) -> tuple[bytearray, list[int], Any]:
+    """Bytes [offset, offset + length) of the local file, their block checksums and their MD5 (a hashlib object),
+    read into this thread's part buffer: a part is read, hashed and sent before the thread reads the next, so one
+    buffer of the part size serves every full part (no new 16 MiB allocation, no page faults, per part); a part of
+    another size gets a buffer of its own.
+
+    It is read and hashed a piece (PIECE_BYTES) at a time, with `pause` called between the pieces: an upload told
+    to pause stops within a piece's read and hashing, not after the whole part's (a 16 MiB part's MD5 alone is tens
+    of milliseconds of CPU, on each of the upload's threads)."""
     buf = getattr(_buffers, "part", None)
     if buf is None or len(buf) != length:
         buf = bytearray(length)
         if length >= durable.MIN_PART_BYTES:
             _buffers.part = buf
-    path = safefile.resolve_inside(ckpt, rel)
+    path = safefile.resolve_inside(local.path, rel)
     fd = safefile.open_regular(path, str(path))
+    crcs: list[int] = []
+    md5 = hashlib.md5()
     try:
         with memoryview(buf) as view:
-            got = 0
-            while got < length:
-                n = os.preadv(fd, [view[got:]], offset + got)
-                if n <= 0:
-                    raise CheckpointCorruptError(f"{path}: shorter than its manifest records", path=str(ckpt), file=rel)
-                got += n
-        return buf
+            for start in range(0, length, PIECE_BYTES):
+                if start and pause is not None:
+                    pause(math.inf)  # no request is open yet: the hook's own bound applies
+                end = min(length, start + PIECE_BYTES)
+                got = start
+                while got < end:
+                    n = os.preadv(fd, [view[got:end]], offset + got)
+                    if n <= 0:
+                        raise CheckpointCorruptError(
+                            f"{path}: shorter than its manifest records", path=str(local.path), file=rel
+                        )
+                    got += n
+                checksums.block_crcs(view[start:end], crcs, algorithm=local.manifest.checksum_algorithm)
+                md5.update(view[start:end])
+        return buf, crcs, md5
     finally:
         os.close(fd)
 

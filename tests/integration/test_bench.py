@@ -174,6 +174,7 @@ def test_durable_stall_rows_measure_the_save_with_an_upload_running_beside_it_an
     assert got == dict.fromkeys(STALL_ROWS, True), rows
     uploading = rows[STALL_ROWS[0]]
     assert (uploading["upload_s"] > 0, uploading["upload_overlapped"] in ("0/1", "1/1")) == (True, True)
+    assert 0 <= uploading["upload_cpu_s"] < uploading["durable_s"] * 4, uploading  # the upload's CPU while it saved
     target = section["targets"]["durable_stall_vs_alone"]
     assert (target["target"], target["met"] == (target["value"] <= 1.1)) == ("<= 1.1", True)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ftsup.store import durable, layout
+from ftsup.store import durable, layout, s3upload
 from ftsup.store.errors import CheckpointCorruptError, DurableConflictError, DurableTierError, NoCheckpointError
 from tests.helpers import default_files, flip_byte, make_fake_checkpoint
 from tests.procs import wait_for
@@ -294,3 +294,31 @@ def test_an_upload_held_inside_part_bodies_commits_the_same_bytes(bucket: str, t
     assert not t.is_alive()
     assert tree(restored) == tree(local)
     assert calls.count(float("inf")) >= 4  # one before each part: the big shard's four, and each small file's
+
+
+def _thread_rchar() -> int:
+    with open("/proc/thread-self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def test_an_upload_reads_and_hashes_a_part_a_piece_at_a_time_between_pauses(bucket: str, tmp_path: Path) -> None:
+    """A hold that begins while a part is being read stops the upload within a piece, not after the whole part: no
+    thread reads more than one piece (and the small answers of the store) between two calls of the pause hook."""
+    local = make_fake_checkpoint(tmp_path / "fast", 8, big_files(4))
+    last: dict[int, int] = {}
+    most: list[int] = []
+
+    def pause(at_most_s: float) -> None:
+        now = _thread_rchar()
+        before = last.get(threading.get_ident())
+        if before is not None:
+            most.append(now - before)
+        last[threading.get_ident()] = now
+
+    with durable.open_tier(f"s3://{bucket}/pieces", OPTIONS) as tier:
+        tier.upload(local, pause=pause)
+        restored = tier.download(8, tmp_path / "new-vm")
+    assert tree(restored) == tree(local)
+    assert s3upload.PIECE_BYTES % layout.CHECKSUM_BLOCK_BYTES == 0  # a piece's block checksums are whole blocks
+    assert max(most) <= s3upload.PIECE_BYTES + (64 << 10), max(most)
+    assert len(most) >= 20  # the shard's four parts: a call before each and between their pieces, read and sent

@@ -4,6 +4,7 @@ committed, never held for ever by a torn one, never held when urgent."""
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from pathlib import Path
@@ -74,6 +75,28 @@ def test_threads_held_together_count_their_wall_time_once(tmp_path: Path) -> Non
         t.join(10)
     elapsed = time.monotonic() - started
     assert 0.3 <= hold.held_s <= elapsed  # four threads held together: their wall time, not four times it
+
+
+def test_threads_held_together_sleep_while_one_of_them_watches_the_fast_tier(tmp_path: Path) -> None:
+    """One waiter looks at the fast tier every POLL_S for all of them; the others wake when it sees the save end
+    (a look at the clock is a wake-up: the watcher makes dozens in half a second, the others a handful)."""
+    partial = _saving(tmp_path, 5)
+    looks: collections.Counter[int] = collections.Counter()
+
+    def clock() -> float:
+        looks[threading.get_ident()] += 1
+        return time.monotonic()
+
+    hold = SaveHold(tmp_path, clock=clock)
+    waiters = [_waiter(hold) for _ in range(4)]
+    wait_for(lambda: hold.writing() and all(t.is_alive() for t in waiters), 10, "the hold did not see the save")
+    waiters[0].join(0.5)
+    partial.rename(tmp_path / layout.step_dirname(5))
+    for t in waiters:
+        t.join(10)
+    assert not any(t.is_alive() for t in waiters)
+    per_thread = sorted(looks[t.ident or 0] for t in waiters)
+    assert per_thread[-1] >= 15 and max(per_thread[:-1]) <= 8, per_thread
 
 
 @pytest.mark.parametrize("how", ["give_up", "stop"])

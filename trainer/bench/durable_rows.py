@@ -149,6 +149,9 @@ def stall_rows(records: list[dict[str, Any]], world: int, group_status: str) -> 
             row["upload_overlapped"] = f"{sum(overlapped)}/{len(overlapped)}"
             row["upload_s"] = statistics.median(r["upload_s"] for recs in repeats.values() for r in recs
                                                 if "upload_s" in r)  # fmt: skip
+            cpu = [r["upload_cpu_s"] for recs in repeats.values() for r in recs if "upload_cpu_s" in r]
+            if cpu:
+                row["upload_cpu_s"] = statistics.median(cpu)
         rows.append(row)
     pairs = sorted(set(each.get(STALL_ROWS[0], {})) & set(each.get(STALL_ROWS[1], {})))
     ratios = [each[STALL_ROWS[0]][i] / each[STALL_ROWS[1]][i] for i in pairs if each[STALL_ROWS[1]][i] > 0]

@@ -10,7 +10,8 @@ started first, as the supervisor runs it: in a process of its own beside the ran
 into a prefix of the `--durable` tier of its own, and the save starts once the upload's first part is sent. The
 steps before and after are timed with no upload running, so the stall counts what the upload takes from training
 while the save is in flight. Each record says whether the upload was still running when the save was durable
-(`upload_overlapped`); what each upload wrote is deleted after it.
+(`upload_overlapped`) and the CPU seconds the upload process ran from the save call to the end of the steps that
+ran during it (`upload_cpu_s`: what the hold of the upload did not stop); what each upload wrote is deleted after it.
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ def durable_stall(ctx: Ctx) -> list[str]:
                     beside.upload(newest, f"{tag}/step-{step}")
                     beside.next("sending")
                 ctx.barrier()
+                upload_cpu = probes.process_cpu_s(beside.proc.pid) if beside is not None else None
                 start = time.perf_counter()
                 handle = eng.save(step, ctx.syn.state(), kind="periodic")
                 block = time.perf_counter() - start
@@ -140,6 +142,8 @@ def durable_stall(ctx: Ctx) -> list[str]:
                 durable_s = waiter.join(float(ctx.spec["save_timeout_s"]))
                 fields: dict[str, Any] = {}
                 if beside is not None and uploading:
+                    if upload_cpu is not None and (now := probes.process_cpu_s(beside.proc.pid)) is not None:
+                        fields["upload_cpu_s"] = now - upload_cpu
                     fields["upload_overlapped"] = beside.running()
                     fields["upload_s"] = beside.next("committed")["seconds"]
                     beside.next("clean")

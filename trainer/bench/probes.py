@@ -57,6 +57,23 @@ def trim_heap() -> bool:
         return False
 
 
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds all the threads of process `pid` have run, to the nanosecond (each thread's
+    /proc/PID/task/TID/schedstat; /proc/PID/stat counts in clock ticks of 10 ms); None when unreadable."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9
+
+
 def io_counters() -> dict[str, int]:
     """/proc/self/io (whole process, all threads); empty when unreadable."""
     out: dict[str, int] = {}
