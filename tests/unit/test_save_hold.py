@@ -63,23 +63,31 @@ def test_a_torn_partial_holds_for_at_most_max_hold_s_then_never_again(tmp_path: 
     wait_for(hold.writing, 10, "the new save was not seen")
 
 
+def _four_held_for(hold: SaveHold, partial: Path, seconds: float) -> list[threading.Thread]:
+    """Four waiters held by the save being written in `partial` for at least `seconds`, then its commit; the
+    waiters once they all ended."""
+    waiters = [_waiter(hold) for _ in range(4)]
+    wait_for(lambda: hold.writing() and all(t.is_alive() for t in waiters), 10, "the hold did not see the save")
+    waiters[0].join(seconds)
+    partial.rename(partial.parent / layout.step_dirname(5))
+    for t in waiters:
+        t.join(10)
+    assert not any(t.is_alive() for t in waiters)
+    return waiters
+
+
 def test_threads_held_together_count_their_wall_time_once(tmp_path: Path) -> None:
     partial = _saving(tmp_path, 5)
     hold = SaveHold(tmp_path)
     started = time.monotonic()
-    waiters = [_waiter(hold) for _ in range(4)]
-    wait_for(lambda: hold.writing() and all(t.is_alive() for t in waiters), 10, "the hold did not see the save")
-    waiters[0].join(0.3)
-    partial.rename(tmp_path / layout.step_dirname(5))
-    for t in waiters:
-        t.join(10)
+    _four_held_for(hold, partial, 0.3)
     elapsed = time.monotonic() - started
     assert 0.3 <= hold.held_s <= elapsed  # four threads held together: their wall time, not four times it
 
 
 def test_threads_held_together_sleep_while_one_of_them_watches_the_fast_tier(tmp_path: Path) -> None:
     """One waiter looks at the fast tier every POLL_S for all of them; the others wake when it sees the save end
-    (a look at the clock is a wake-up: the watcher makes dozens in half a second, the others a handful)."""
+    (a look at the clock is a wake-up: the watcher makes dozens in a second, the others a handful)."""
     partial = _saving(tmp_path, 5)
     looks: collections.Counter[int] = collections.Counter()
 
@@ -87,14 +95,7 @@ def test_threads_held_together_sleep_while_one_of_them_watches_the_fast_tier(tmp
         looks[threading.get_ident()] += 1
         return time.monotonic()
 
-    hold = SaveHold(tmp_path, clock=clock)
-    waiters = [_waiter(hold) for _ in range(4)]
-    wait_for(lambda: hold.writing() and all(t.is_alive() for t in waiters), 10, "the hold did not see the save")
-    waiters[0].join(0.5)
-    partial.rename(tmp_path / layout.step_dirname(5))
-    for t in waiters:
-        t.join(10)
-    assert not any(t.is_alive() for t in waiters)
+    waiters = _four_held_for(SaveHold(tmp_path, clock=clock), partial, 1.0)
     per_thread = sorted(looks[t.ident or 0] for t in waiters)
     assert per_thread[-1] >= 15 and max(per_thread[:-1]) <= 8, per_thread
 
