@@ -164,7 +164,11 @@ class S3Tier(durable.DurableTier):
             got = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}")
             body = got["Body"]
             try:
-                data = body.read(length + 1)
+                headers = got.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+                if got.get("ContentLength") == length and "transfer-encoding" not in headers:
+                    data = body.read()  # exactly its Content-Length, read in one piece as a plain GET reads it
+                else:  # a length the store does not say, or says wrong: never more than one byte past the range
+                    data = body.read(length + 1)
             finally:
                 body.close()
         except ClientError as e:

@@ -118,6 +118,31 @@ def test_a_range_answered_short_fails_the_download_and_commits_nothing(tmp_path:
     assert os.listdir(tmp_path / "new-vm") == []  # nothing committed, nothing left
 
 
+@pytest.mark.parametrize("says_length", [False, True])
+def test_a_range_answered_long_is_refused_after_at_most_one_byte_past_it(tmp_path: Path, says_length: bool) -> None:
+    """An answer to a ranged read with no length, or a length other than the range's, is read no further than one
+    byte past the range: 64 MiB sent for a file of a few bytes stop at the socket's buffers."""
+    local = make_fake_checkpoint(tmp_path / "fast", 1, default_files())
+    raw = (local / layout.MANIFEST_NAME).read_bytes()
+    sent = [0]
+    total = 64 << 20
+
+    def counted() -> Iterator[bytes]:
+        for piece in zeros(total):
+            sent[0] += len(piece)
+            yield piece
+
+    def answer(request: Request, n: int) -> Reply:
+        if request.key == MANIFEST_KEY:
+            return Reply(200, raw)
+        return Reply(206, counted(), {"Content-Length": str(total)} if says_length else {})
+
+    with serve(answer) as store, tier(store) as t:
+        with pytest.raises(CheckpointCorruptError, match="asked for"):
+            t.download(1, tmp_path / "new-vm")
+    assert sent[0] < total // 2, sent[0]
+
+
 def test_the_stores_error_message_reaches_the_user_escaped_and_cut_short(tmp_path: Path) -> None:
     said = "\u202egnissim\u202c " + "A" * 5000
 
