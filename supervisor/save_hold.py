@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ftsup.store import saving
 
-LOOK_S = 0.005  # the oldest look at the fast tier an upload goes on by (a scandir of a few names: ~15 us)
+LOOK_S = 0.01  # the oldest look at the fast tier an upload goes on by (one scandir of a few names for all threads)
 POLL_S = 0.05  # how often the watcher of a held upload looks again (the upload goes on at most this late)
 MAX_HOLD_S = 30.0
 _NAP_S = 1.0  # the longest a waiter that is not watching sleeps between looks at its own bound (a backstop)
