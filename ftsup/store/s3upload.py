@@ -200,26 +200,26 @@ def _part(
         pause(math.inf)
     offset, length = plan.parts[number - 1]
     data, plan.crcs[number], md5 = _read_part(local, plan.rel, offset, length, pause)
-    plan.md5s[number] = md5.digest()
+    plan.md5s[number] = md5
     if plan.done_etag is not None:
         return 0, "checked"  # decided when the file's parts are all checked (`_finish`)
     if plan.single:
-        tier.put(plan.key, data, metadata={"ftsup-checksum": plan.entry.checksum}, md5=md5.digest())
-    elif plan.have.get(number) == (md5.hexdigest(), length):
-        plan.etags[number] = md5.hexdigest()
+        tier.put(plan.key, data, metadata={"ftsup-checksum": plan.entry.checksum}, md5=md5)
+    elif plan.have.get(number) == (md5.hex(), length):
+        plan.etags[number] = md5.hex()
         return 0, "kept"
     else:
         sent = tier.call(
             "send a part of", plan.key, tier.client.upload_part, Bucket=tier.bucket, Key=plan.key,
             UploadId=plan.upload_id, PartNumber=number, Body=data if pause is None else _PausingBody(data, pause),
-            ContentMD5=b64(md5.digest()),
+            ContentMD5=b64(md5),
         )  # fmt: skip
         etag = str(sent.get("ETag", "")).strip('"')
-        if etag and len(etag) == 32 and etag != md5.hexdigest():
+        if etag and len(etag) == 32 and etag != md5.hex():
             raise DurableTierError(
-                f"s3://{tier.bucket}/{plan.key}: part {number} stored as {etag}, sent as {md5.hexdigest()}"
+                f"s3://{tier.bucket}/{plan.key}: part {number} stored as {etag}, sent as {md5.hex()}"
             )
-        plan.etags[number] = etag or md5.hexdigest()
+        plan.etags[number] = etag or md5.hex()
     if on_part is not None:
         on_part(plan.rel, number)
     return length, "sent"
@@ -318,8 +318,8 @@ _buffers = threading.local()
 
 def _read_part(
     local: durable.LocalCheckpoint, rel: str, offset: int, length: int, pause: durable.PauseHook | None
-) -> tuple[bytearray, list[int], Any]:
-    """Bytes [offset, offset + length) of the local file, their block checksums and their MD5 (a hashlib object),
+) -> tuple[bytearray, list[int], bytes]:
+    """Bytes [offset, offset + length) of the local file, their block checksums and their MD5 digest,
     read into this thread's part buffer: a part is read, hashed and sent before the thread reads the next, so one
     buffer of the part size serves every full part (no new 16 MiB allocation, no page faults, per part); a part of
     another size gets a buffer of its own.
@@ -352,7 +352,7 @@ def _read_part(
                     got += n
                 checksums.block_crcs(view[start:end], crcs, algorithm=local.manifest.checksum_algorithm)
                 md5.update(view[start:end])
-        return buf, crcs, md5
+        return buf, crcs, md5.digest()
     finally:
         os.close(fd)
 

@@ -58,8 +58,9 @@ def trim_heap() -> bool:
 
 
 def process_cpu_s(pid: int) -> float | None:
-    """CPU seconds all the threads of process `pid` have run, to the nanosecond (each thread's
-    /proc/PID/task/TID/schedstat; /proc/PID/stat counts in clock ticks of 10 ms); None when unreadable."""
+    """CPU seconds the threads process `pid` has now have run, to the nanosecond (each thread's
+    /proc/PID/task/TID/schedstat; /proc/PID/stat counts in clock ticks of 10 ms); a thread that ended is
+    not counted, so a difference of two readings covers the threads alive at both. None when unreadable."""
     total = 0
     try:
         tids = os.listdir(f"/proc/{pid}/task")
