@@ -7,11 +7,12 @@ reader, the CLI and the supervisor see what a real save produces, minus the tens
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ftsup.store import checksums, layout
+from ftsup.store import checksums, durable, layout
 
 
 def make_fake_checkpoint(
@@ -102,3 +103,31 @@ def slow_choices(monkeypatch: Any, wait_s: float = 30.0) -> Any:
 
     monkeypatch.setattr(choice, "choose", slow)
     return release
+
+
+def read_back_in_pieces(tier: durable.DurableTier, step: int) -> dict[str, list[tuple[int, bytes]]]:
+    """Every file of the committed checkpoint `step` of the durable tier `tier` read back by `read_files`: the
+    (offset, bytes) pieces its `write` was handed, per file in file order. Fails the test on any problem found."""
+    got: dict[str, list[tuple[int, bytes]]] = {}
+    lock = threading.Lock()
+
+    def write(rel: str, offset: int, data: bytes) -> None:
+        with lock:
+            got.setdefault(rel, []).append((offset, bytes(data)))
+
+    manifest, raw = tier.manifest(step)
+    assert tier.read_files(step, durable.data_token(raw), manifest, write) == []
+    return {rel: sorted(pieces) for rel, pieces in got.items()}
+
+
+def assert_whole_pieces(pieces: dict[str, list[tuple[int, bytes]]], files: Mapping[str, bytes]) -> None:
+    """`pieces` (read_back_in_pieces) hold exactly `files`, each piece READ_PIECE_BYTES but the last of its ranged
+    read (READ_CHUNK_BYTES), so that the block checksums of each piece are the file's."""
+    assert sorted(pieces) == sorted(rel for rel, data in files.items() if data)
+    for rel, data in files.items():
+        if not data:
+            continue
+        assert b"".join(piece for _, piece in pieces[rel]) == data, rel
+        for offset, piece in pieces[rel]:
+            range_end = min(len(data), (offset // durable.READ_CHUNK_BYTES + 1) * durable.READ_CHUNK_BYTES)
+            assert len(piece) == min(durable.READ_PIECE_BYTES, range_end - offset), (rel, offset, len(piece))

@@ -38,12 +38,17 @@ MIN_PART_BYTES = 5 * MIB
 """S3's smallest part (but the last)."""
 READ_CHUNK_BYTES = 16 * MIB
 """Ranged reads of a download or a deep check, a multiple of the checksum block."""
+READ_PIECE_BYTES = 1 * MIB
+"""What `read_pieces` hands over at a time: a multiple of the checksum block, small enough that the reader checksums
+(and writes) each piece while the CPU's cache still holds it, and that a 16 MiB answer needs no 16 MiB allocation."""
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _PREFIX_PART = re.compile(r"^[A-Za-z0-9!_.*'()=+,;:@ -]{1,200}$")
 _TOKEN = re.compile(r"^data-[0-9a-f]{24}$")
 
 PartHook = Callable[[str, int], None]
 """Called with (file, part number) after each part a backend sent (observability, and a test's fault point)."""
+PieceHook = Callable[[int, bytes], None]
+"""Called by `DurableTier.read_pieces` with (offset in the file, bytes) of each piece read, in file order."""
 PauseHook = Callable[[float], None]
 """Called by an upload before it reads each part and between the pieces of each part it sends, with the longest it
 may wait there: `math.inf` before a part (the hook's own bound applies), BODY_PAUSE_S inside a request. It returns
@@ -289,6 +294,11 @@ class DurableTier(ABC):
     def read_range(self, step: int, token: str, rel: str, offset: int, length: int) -> bytes:
         """`length` bytes at `offset` of file `rel` of the checkpoint whose data is `token`, exactly."""
 
+    def read_pieces(self, step: int, token: str, rel: str, offset: int, length: int, each: PieceHook) -> None:
+        """`read_range` handed over piece by piece as it arrives: `each(file_offset, data)` in file order, every
+        piece READ_PIECE_BYTES but the last. A backend that streams overrides this; here, the range as one piece."""
+        each(offset, self.read_range(step, token, rel, offset, length))
+
     @abstractmethod
     def delete(self, step: int) -> int:
         """Delete the committed checkpoint of `step` (its manifest first, then only the files it names); the
@@ -362,7 +372,8 @@ class DurableTier(ABC):
         self, step: int, token: str, manifest: layout.Manifest, write: Callable[[str, int, bytes], None] | None = None
     ) -> list[layout.Problem]:
         """Read every file of the checkpoint back in READ_CHUNK_BYTES ranges, `options.concurrency` at once, each
-        range handed to `write(rel, offset, data)` when given; the files that do not give their recorded checksum."""
+        range checksummed and handed to `write(rel, offset, data)` (when given) piece by piece as it arrives
+        (`read_pieces`); the files that do not give their recorded checksum."""
         algorithm = manifest.checksum_algorithm
         chunks = [
             (rel, off, min(READ_CHUNK_BYTES, entry.size - off))
@@ -375,14 +386,19 @@ class DurableTier(ABC):
         def one(rel: str, offset: int, length: int) -> None:
             if rel in broken:
                 return
+            blocks: list[int] = []
+
+            def piece(at: int, data: bytes) -> None:  # checksummed and written while the cache holds it
+                checksums.block_crcs(data, blocks, algorithm)
+                if write is not None:
+                    write(rel, at, data)
+
             try:
-                data = self.read_range(step, token, rel, offset, length)
+                self.read_pieces(step, token, rel, offset, length, piece)
             except CheckpointCorruptError as e:
                 broken.setdefault(rel, str(e).rpartition(f"/{rel}: ")[2] or str(e))
                 return
-            crcs[(rel, offset)] = checksums.block_crcs(data, algorithm=algorithm)
-            if write is not None:
-                write(rel, offset, data)
+            crcs[(rel, offset)] = blocks
 
         run_all([functools.partial(one, *chunk) for chunk in chunks], self.options.concurrency, "ftsup-durable-read")
         problems = []

@@ -155,7 +155,7 @@ class FilesystemTier(durable.DurableTier):
         for number, (offset, length) in enumerate(durable.part_plan(entry.size, durable.READ_CHUNK_BYTES), 1):
             if pause is not None:
                 pause(math.inf)
-            data = os.pread(src, length, offset)
+            data = safefile.pread_full(src, length, offset)
             if len(data) != length:
                 raise CheckpointCorruptError(f"{local.path}/{rel}: shorter than its manifest records", file=rel)
             checksums.block_crcs(data, crcs, local.manifest.checksum_algorithm)
@@ -180,16 +180,33 @@ class FilesystemTier(durable.DurableTier):
         return manifest, raw
 
     def read_range(self, step: int, token: str, rel: str, offset: int, length: int) -> bytes:
+        got: list[bytes] = []
+        self._pread(step, rel, offset, length, max(length, 1), lambda at, data: got.append(data))
+        return got[0] if len(got) == 1 else b"".join(got)
+
+    def read_pieces(self, step: int, token: str, rel: str, offset: int, length: int, each: durable.PieceHook) -> None:
+        self._pread(step, rel, offset, length, durable.READ_PIECE_BYTES, each)
+
+    def _pread(self, step: int, rel: str, offset: int, length: int, piece: int, each: durable.PieceHook) -> None:
+        """`length` bytes at `offset` of the regular file `rel`, handed to `each` in pieces of `piece` bytes."""
         ckpt = self.root / layout.step_dirname(step)
         path = safefile.resolve_inside(ckpt, rel)
         fd = safefile.open_regular(path, str(path))
         try:
-            data = os.pread(fd, length, offset)
+            done = 0
+            while True:
+                want = min(piece, length - done)
+                data = safefile.pread_full(fd, want, offset + done)  # whole pieces: block-aligned checksums
+                if len(data) != want:
+                    raise layout.CheckpointCorruptError(
+                        f"{path}: {done + len(data)} bytes at {offset}, asked for {length}", file=rel
+                    )
+                each(offset + done, data)
+                done += want
+                if done >= length:
+                    return
         finally:
             os.close(fd)
-        if len(data) != length:
-            raise layout.CheckpointCorruptError(f"{path}: {len(data)} bytes at {offset}, asked for {length}", file=rel)
-        return data
 
     def list_checkpoints(self, *, deep: bool = False) -> durable.DurableListing:
         found = layout.list_checkpoints(self.root, deep=deep)

@@ -156,19 +156,45 @@ class S3Tier(durable.DurableTier):
         return manifest, raw
 
     def read_range(self, step: int, token: str, rel: str, offset: int, length: int) -> bytes:
+        got: list[bytes] = []
+        self._stream(step, token, rel, offset, length, length, lambda at, data: got.append(data))
+        return got[0] if len(got) == 1 else b"".join(got)
+
+    def read_pieces(self, step: int, token: str, rel: str, offset: int, length: int, each: durable.PieceHook) -> None:
+        self._stream(step, token, rel, offset, length, durable.READ_PIECE_BYTES, each)
+
+    def _stream(
+        self, step: int, token: str, rel: str, offset: int, length: int, piece: int, each: durable.PieceHook
+    ) -> None:
+        """One ranged GET of `length` bytes at `offset`, handed to `each` in pieces of `piece` bytes (the last may be
+        shorter). Whatever length the answer says, it is read no further than one byte past the range."""
         key = self.data_key(step, token, rel)
         where = f"s3://{self.bucket}/{key}"
         if length == 0:
-            return b""
+            each(offset, b"")
+            return
         try:
             got = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}")
             body = got["Body"]
             try:
-                headers = got.get("ResponseMetadata", {}).get("HTTPHeaders", {})
-                if got.get("ContentLength") == length and "transfer-encoding" not in headers:
-                    data = body.read()  # exactly its Content-Length, read in one piece as a plain GET reads it
-                else:  # a length the store does not say, or says wrong: never more than one byte past the range
-                    data = body.read(length + 1)
+                done = 0
+                while done < length:
+                    want = min(piece, length - done)
+                    data = body.read(want)  # no copy: the socket's bytes, as a plain GET reads them
+                    while 0 < len(data) < want:  # a short read: the piece made whole (block-aligned checksums)
+                        more = body.read(want - len(data))
+                        if not more:
+                            break
+                        data += more
+                    if len(data) < want:
+                        raise CheckpointCorruptError(
+                            f"{where}: {done + len(data)} bytes at {offset}, asked for {length}", file=rel
+                        )
+                    each(offset + done, data)
+                    done += want
+                if body.read(1):
+                    raise CheckpointCorruptError(f"{where}: more than {length} bytes at {offset}, asked for {length}",
+                                                 file=rel)  # fmt: skip
             finally:
                 body.close()
         except ClientError as e:
@@ -177,9 +203,6 @@ class S3Tier(durable.DurableTier):
             raise s3_error(f"{where}: cannot read", e) from None
         except BotoCoreError as e:
             raise s3_error(f"{where}: cannot read", e) from None
-        if len(data) != length:
-            raise CheckpointCorruptError(f"{where}: {len(data)} bytes at {offset}, asked for {length}", file=rel)
-        return bytes(data)
 
     def list_checkpoints(self, *, deep: bool = False) -> durable.DurableListing:
         return s3list.listing(self, deep=deep)

@@ -102,6 +102,18 @@ def open_regular(path: str | os.PathLike[str], what: str, error: type[Checkpoint
     return fd
 
 
+def pread_full(fd: int, n: int, offset: int) -> bytes:
+    """`n` bytes at `offset` of `fd`, fewer only where the file ends: a read that comes back short before the end (a
+    network filesystem may answer so) is followed by reads of the rest."""
+    data = os.pread(fd, n, offset)
+    while 0 < len(data) < n:
+        more = os.pread(fd, n - len(data), offset + len(data))
+        if not more:
+            break
+        data += more
+    return data
+
+
 def read_regular(
     path: str | os.PathLike[str],
     what: str,

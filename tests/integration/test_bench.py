@@ -18,8 +18,8 @@ import psutil
 import pytest
 
 from ftsup.trainer.bench import launch
+from ftsup.trainer.bench.durable_rows import READ_PAIRS, STALL_ROWS
 from ftsup.trainer.bench.durable_rows import ROWS as DURABLE_ROWS
-from ftsup.trainer.bench.durable_rows import STALL_ROWS
 from ftsup.trainer.bench.report import CORE_FIELDS, ROW_NAMES
 from tests.s3fixtures import client
 from tests.s3server import SeaweedS3
@@ -160,6 +160,10 @@ def test_durable_rows_upload_and_restore_beside_plain_s3_and_leave_nothing_in_th
     assert all(rows[n]["seconds"] > 0 and rows[n]["bytes"] > 0 for n in DURABLE_ROWS)
     assert set(section["ratios"]) == {"durable_upload_vs_plain", "durable_restore_vs_plain", "durable_stall_vs_alone"}
     assert all(v > 0 for v in section["ratios"].values())
+    measured = {n: len(rows[n]["seconds_each"]) for n in DURABLE_ROWS}  # one round: the reads READ_PAIRS times
+    assert measured == {"durable_upload": 1, "s3_upload": 1, "durable_restore": READ_PAIRS, "s3_ranged_get": READ_PAIRS}
+    each = {n: len(section["targets"][n]["each"]) for n in ("durable_upload_vs_plain", "durable_restore_vs_plain")}
+    assert each == {"durable_upload_vs_plain": 1, "durable_restore_vs_plain": READ_PAIRS}
     assert bench["objects_left"] == 0
 
 

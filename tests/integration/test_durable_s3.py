@@ -12,7 +12,7 @@ import pytest
 
 from ftsup.store import durable, layout, s3upload
 from ftsup.store.errors import CheckpointCorruptError, DurableConflictError, DurableTierError, NoCheckpointError
-from tests.helpers import default_files, flip_byte, make_fake_checkpoint
+from tests.helpers import assert_whole_pieces, default_files, flip_byte, make_fake_checkpoint, read_back_in_pieces
 from tests.procs import wait_for
 from tests.s3fixtures import client, start_server, use_server
 from tests.s3server import SeaweedS3
@@ -54,6 +54,21 @@ def test_an_upload_commits_and_lists_and_verifies_deep_and_downloads_bitwise(buc
     assert listed.others == []
     assert tree(restored) == tree(local)
     assert layout.inspect_checkpoint(restored, deep=True).consistent
+
+
+def test_a_read_back_hands_over_each_ranged_get_in_whole_pieces_checked_as_they_arrive(
+    bucket: str, tmp_path: Path
+) -> None:
+    """Each 16 MiB ranged GET is checksummed and written a 1 MiB piece at a time (while the CPU's cache holds it),
+    never as a whole 16 MiB answer; the pieces are the file's, block-aligned, so the checksums still verify."""
+    files = default_files()
+    files["shard-00002.safetensors"] = bytes(range(256)) * ((durable.READ_CHUNK_BYTES + 3 * 2**20) // 256) + b"tail"
+    local = make_fake_checkpoint(tmp_path / "fast", 13, files)
+    with durable.open_tier(f"s3://{bucket}/run/pieces", OPTIONS) as tier:
+        tier.upload(local)
+        pieces = read_back_in_pieces(tier, 13)
+    assert_whole_pieces(pieces, files)
+    assert len(pieces["shard-00002.safetensors"]) == 16 + 4
 
 
 def test_the_same_checkpoint_uploaded_again_is_already_committed_and_sends_nothing(bucket: str, tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import pytest
 from ftsup.extras import MissingExtraError
 from ftsup.store import durable, layout
 from ftsup.store.errors import CheckpointCorruptError, CheckpointError, DurableConflictError, NoCheckpointError
-from tests.helpers import default_files, flip_byte, make_fake_checkpoint
+from tests.helpers import assert_whole_pieces, default_files, flip_byte, make_fake_checkpoint, read_back_in_pieces
 
 BLOCK = layout.CHECKSUM_BLOCK_BYTES
 OPTIONS = durable.DurableOptions(concurrency=2)
@@ -119,6 +119,24 @@ def test_a_filesystem_tier_commits_lists_and_downloads_bitwise(tmp_path: Path) -
     assert [(c.step, c.consistent) for c in listed.checkpoints] == [(12, True)]
     assert tree(restored) == tree(local)
     assert layout.inspect_checkpoint(tmp_path / "durable" / "step-000000012", deep=True).consistent
+
+
+def test_a_filesystem_tier_is_read_back_in_whole_pieces_even_when_its_reads_come_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shared filesystem may answer a read with fewer bytes than asked before the end of the file: each piece is
+    made whole before it is checksummed, so the block checksums still line up with the file's."""
+    files = default_files()
+    files["shard-00002.safetensors"] = bytes(range(256)) * ((durable.READ_CHUNK_BYTES + 2**20) // 256) + b"tail"
+    local = make_fake_checkpoint(tmp_path / "fast", 12, files)
+    real_pread = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, offset: real_pread(fd, min(n, 100_003), offset))
+    with durable.open_tier(str(tmp_path / "durable"), OPTIONS) as tier:
+        tier.upload(local)
+        pieces = read_back_in_pieces(tier, 12)
+        restored = tier.download(12, tmp_path / "new-vm")
+    assert_whole_pieces(pieces, files)
+    assert tree(restored) == tree(local)
 
 
 def test_a_filesystem_tier_refuses_a_second_commit_of_a_step_with_other_content(tmp_path: Path) -> None:

@@ -13,7 +13,9 @@ After one unmeasured round, each round, in an order alternating round by round:
   manifest's block checksums (what a resume from the tier reads);
 - `s3_ranged_get`: the same ranges as plain ranged GETs, the same concurrency, the bytes read and dropped.
 
-The ratios are medians over rounds of each round's plain seconds over ftsup's (1.0: as fast as the plain operation).
+The read rows run READ_PAIRS times a round, after the store's writes are flushed to disk (`os.sync`, so that the
+writeback of the upload just done lands in neither). The ratios are medians over pairs (an upload pair a round) of
+each pair's plain seconds over ftsup's (1.0: as fast as the plain operation).
 Beside them, from a group of ranks of their own (`durable_stall`), `ftsup_async_durable` and `ftsup_async_alone`:
 the training stall of ftsup's async save with the tier's upload of the previous checkpoint running beside the ranks
 as the supervisor runs it, and the same save with none; their ratio is the median over repeats of each repeat's
@@ -34,6 +36,9 @@ from typing import Any
 from ftsup.store import durable, layout
 
 ROWS = ("durable_upload", "s3_upload", "durable_restore", "s3_ranged_get")
+READ_PAIRS = 3
+"""Pairs of the read rows per round, their order alternating: a read takes a second where an upload takes several,
+so the restore's ratio gets three times the pairs for a few seconds more a round."""
 STALL_ROWS = ("ftsup_async_durable", "ftsup_async_alone")
 """Measured in the ranks (`durable_stall`): ftsup's async save with the tier's upload running beside it, and alone."""
 TARGETS = {"durable_upload_vs_plain": (">=", 0.9), "durable_restore_vs_plain": (">=", 0.9),
@@ -69,10 +74,12 @@ def run_rows(source: Path, url: str, *, rounds: int, options: durable.DurableOpt
                 order = [("durable_upload", functools.partial(tier.upload, source)), ("s3_upload", s3.upload)]
                 for name, fn in order if ftsup_first else order[::-1]:
                     seconds[name].append(_timed(fn))
+                os.sync()  # the store's writes on disk: their writeback is in none of the timed reads
                 restore = functools.partial(_restore, tier, local)
                 order = [("durable_restore", restore), ("s3_ranged_get", s3.ranged_get)]
-                for name, fn in order if ftsup_first else order[::-1]:
-                    seconds[name].append(_timed(fn))
+                for k in range(READ_PAIRS):
+                    for name, fn in order if (i + k) % 2 == 0 else order[::-1]:
+                        seconds[name].append(_timed(fn))
             finally:
                 s3.delete()
                 tier.delete(local.manifest.step)
@@ -81,7 +88,8 @@ def run_rows(source: Path, url: str, *, rounds: int, options: durable.DurableOpt
                 v.clear()
             continue
         for name, (plain, ours) in _PAIRS.items():
-            ratios[name].append(seconds[plain][-1] / seconds[ours][-1])
+            n = READ_PAIRS if ours == "durable_restore" else 1
+            ratios[name] += [a / b for a, b in zip(seconds[plain][-n:], seconds[ours][-n:], strict=True)]
     rows = [
         {
             "name": r,
