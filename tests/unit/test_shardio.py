@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftsup.store import checksums, layout
+from ftsup.store import checksums, durable, layout
 from ftsup.store.errors import CheckpointCorruptError
 from ftsup.trainer.checkpoint.shardio import PAGE, READ_PIECE, VerifiedFile, aligned_buffer, read_files, write_shard
 
@@ -223,3 +223,44 @@ def test_a_spare_that_is_not_a_plain_file_of_its_own_is_replaced_never_followed(
     assert outside.read_bytes() == b"not the checkpoint's"
     assert not path.is_symlink() and path.stat().st_nlink == 1
     assert path.read_bytes() == bytes([7]) * (3 * PAGE)
+
+
+def _fetched(data: bytes, handed: list[int], served: bytes | None = None) -> VerifiedFile:
+    """A VerifiedFile of `data` as a durable tier serves it (`served`: other bytes it serves instead): each ranged
+    read handed over in 1 MiB pieces (`DurableTier.read_pieces`' contract), each piece's offset kept in `handed`."""
+    crcs = checksums.block_crcs(data)
+    served = data if served is None else served
+
+    def fetch(offset: int, length: int, each) -> None:  # type: ignore[no-untyped-def]
+        for at in range(offset, offset + length, durable.READ_PIECE_BYTES):
+            handed.append(at)
+            each(at, served[at : min(at + durable.READ_PIECE_BYTES, offset + length)])
+
+    checksum = checksums.checksum_from_block_crcs(crcs)
+    return VerifiedFile.fetched(fetch, len(data), checksum, checksums.pack_block_crcs(crcs), "s.bin", "s3://b/s.bin")
+
+
+def test_a_fetched_file_is_verified_a_piece_at_a_time_as_each_piece_lands(tmp_path):
+    size = 2 * READ_PIECE + 3 * B + 11
+    data = random.Random(7).randbytes(size)
+    handed: list[int] = []
+    (((start, region),),) = read_files([(_fetched(data, handed), [(0, size)])], threads=2, piece=READ_PIECE)
+    assert (start, bytes(region.numpy())) == (0, data)
+    bad = 2 * durable.READ_PIECE_BYTES + 5  # in the third piece of the first ranged read
+    flipped = data[:bad] + bytes([data[bad] ^ 1]) + data[bad + 1 :]
+    handed.clear()
+    block = bad // B * B
+    with pytest.raises(CheckpointCorruptError, match=rf"s3://b/s.bin: checksum mismatch in bytes {block}..{block + B}"):
+        read_files([(_fetched(data, handed, flipped), [(0, size)])], threads=1, piece=READ_PIECE)
+    first = [at for at in handed if at < READ_PIECE]  # the first ranged read's pieces (the others run on)
+    assert first == [0, durable.READ_PIECE_BYTES, bad - 5]  # it stopped at the piece that did not verify
+
+
+def test_a_fetched_read_handed_fewer_bytes_than_asked_is_corrupt() -> None:
+    data = random.Random(8).randbytes(3 * B)
+    crcs = checksums.block_crcs(data)
+    vf = VerifiedFile.fetched(lambda offset, length, each: each(offset, data[offset : offset + B]), len(data),
+                              checksums.checksum_from_block_crcs(crcs), checksums.pack_block_crcs(crcs), "s.bin",
+                              "s3://b/s.bin")  # fmt: skip
+    with pytest.raises(CheckpointCorruptError, match=rf"s3://b/s.bin: {B} bytes at 0, asked for {3 * B}"):
+        vf.read_ranges([(0, 3 * B)])

@@ -2,10 +2,10 @@
 
 When the checkpoint a load chose is in the durable tier only (`ftsup.store.tiers`), every rank reads its share of
 it from there with the same reader as from the local store (`reader.ShardReader`, `shardio.read_files`): each
-request widened to the 64 KiB checksum blocks, read with ranged reads (`DurableTier.read_range`) straight into the
-load's buffer, every block verified by the block checksums of its sidecar (read whole, itself verified against the
-manifest) before any byte is copied into the caller's tensors. The per-rank state and the DCP metadata are read
-whole and verified the same way (`tiers.read_verified`).
+request widened to the 64 KiB checksum blocks, read with ranged reads (`DurableTier.read_pieces`) straight into the
+load's buffer a piece at a time, each piece verified by the block checksums of its sidecar (read whole, itself
+verified against the manifest) as it lands, before any byte is copied into the caller's tensors. The per-rank state
+and the DCP metadata are read whole and verified the same way (`tiers.read_verified`).
 
 Not here: the choice (`ftsup.store.tiers`), the reader (`reader`, `shardio`), the backends (`ftsup.store.durable`).
 """
@@ -72,7 +72,7 @@ class DurableSource:
         if crc is None or crc.size != 4 * blocks:
             raise CheckpointCorruptError(f"{shown}: its block checksums are missing or not one per block", file=rel)
         sidecar = tiers.read_verified(self.tier, self.pick, crc_rel, layout.SIDECAR_MAX_BYTES)
-        fetch = functools.partial(self.tier.read_range, self.pick.step, self.pick.token, rel)
+        fetch = functools.partial(self.tier.read_pieces, self.pick.step, self.pick.token, rel)
         return VerifiedFile.fetched(fetch, entry.size, entry.checksum, sidecar, rel, shown)
 
 

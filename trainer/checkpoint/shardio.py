@@ -258,9 +258,9 @@ def _write_all(fd: int, mv: memoryview, start: int, end: int) -> None:
 
 class VerifiedFile:
     """Ranged, checksum-verified reads from one shard file of a committed checkpoint: a local file, or one whose
-    bytes come from `fetch(offset, length)` (a durable tier's ranged reads, `VerifiedFile.fetched`)."""
+    bytes come from `fetch(offset, length, each)` (a durable tier's ranged reads, `VerifiedFile.fetched`)."""
 
-    fetch: Callable[[int, int], bytes] | None = None
+    fetch: Callable[[int, int, Callable[[int, bytes], None]], None] | None = None
     shown: str
     """The file as errors name it (its path in the checkpoint; a durable tier's object)."""
 
@@ -289,10 +289,13 @@ class VerifiedFile:
 
     @classmethod
     def fetched(
-        cls, fetch: Callable[[int, int], bytes], size: int, checksum: str, sidecar: bytes, rel: str, shown: str
-    ) -> VerifiedFile:
-        """Ranged reads by `fetch(offset, length)` (exactly `length` bytes), verified against the block checksums
-        `sidecar` holds (its bytes, checked here against the manifest's `checksum`); errors name `shown`."""
+        cls, fetch: Callable[[int, int, Callable[[int, bytes], None]], None], size: int, checksum: str, sidecar: bytes,
+        rel: str, shown: str,
+    ) -> VerifiedFile:  # fmt: skip
+        """Ranged reads by `fetch(offset, length, each)`, which hands the `length` bytes at `offset` to
+        `each(offset, data)` in file order, in pieces of whole checksum blocks (`DurableTier.read_pieces`), verified
+        against the block checksums `sidecar` holds (its bytes, checked here against the manifest's `checksum`);
+        errors name `shown`."""
         vf = cls.__new__(cls)
         vf.path, vf.rel, vf.shown, vf.size, vf.fetch = shown, rel, shown, size, fetch
         vf._sidecar(sidecar, checksum)
@@ -331,20 +334,38 @@ class VerifiedFile:
         in a page-aligned buffer at a multiple of READ_PIECE); the rest (a file's unaligned
         tail, or all of it where the filesystem refuses the alignment) goes through `fd`.
         """
-        B = CHECKSUM_BLOCK_BYTES
         if self.fetch is not None:
-            data = self.fetch(start, len(mv))
-            if len(data) != len(mv):
-                raise CheckpointCorruptError(f"{self.shown}: {len(data)} bytes at {start}, asked for {len(mv)}",
-                                             file=self.rel)  # fmt: skip
-            mv[:] = data
-        else:
-            pos = 0 if direct is None else _read_direct(direct, start, mv[: len(mv) // PAGE * PAGE])
-            while pos < len(mv):
-                n = os.preadv(fd, [mv[pos:]], start + pos)
-                if n <= 0:
-                    raise CheckpointCorruptError(f"{self.rel}: file ends early at byte {start + pos}", file=self.rel)
-                pos += n
+            self._fetch_piece(self.fetch, start, mv)
+            return
+        pos = 0 if direct is None else _read_direct(direct, start, mv[: len(mv) // PAGE * PAGE])
+        while pos < len(mv):
+            n = os.preadv(fd, [mv[pos:]], start + pos)
+            if n <= 0:
+                raise CheckpointCorruptError(f"{self.rel}: file ends early at byte {start + pos}", file=self.rel)
+            pos += n
+        self._verify(start, mv)
+
+    def _fetch_piece(self, fetch: Callable[[int, int, Callable[[int, bytes], None]], None], start: int,
+                     mv: memoryview) -> None:  # fmt: skip
+        """Fill `mv` from `fetch`, each piece it hands over copied into place and verified while the CPU's cache
+        still holds it (a second pass over the whole read would fetch it back from memory)."""
+        done = 0
+
+        def put(at: int, data: bytes) -> None:
+            nonlocal done
+            if at != start + done or done + len(data) > len(mv):
+                raise CheckpointCorruptError(f"{self.shown}: bytes at {at} handed over out of order", file=self.rel)
+            mv[done : done + len(data)] = data
+            self._verify(at, mv[done : done + len(data)])
+            done += len(data)
+
+        fetch(start, len(mv), put)
+        if done != len(mv):
+            raise CheckpointCorruptError(f"{self.shown}: {done} bytes at {start}, asked for {len(mv)}", file=self.rel)
+
+    def _verify(self, start: int, mv: memoryview) -> None:
+        """The blocks of `mv` (the file's bytes from `start`, a block boundary) against the sidecar's checksums."""
+        B = CHECKSUM_BLOCK_BYTES
         got = block_crcs(mv, algorithm=self.algorithm)
         want = self.crcs[start // B : start // B + len(got)]
         if got != want:
