@@ -29,11 +29,15 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
 
 
 def _node_reads(output: str) -> dict[int, tuple[int, int]]:
-    """rank -> (files read from its node's copy, files read from the durable tier), from the ranks' log."""
+    """rank -> (files read from its node's copy, files read from the durable tier), from the ranks' log. The ranks
+    share one pipe, so one rank's line may come with another's appended before its own newline: each event is read
+    from its name on, each field at its first mention (the event's own, which come before anything appended)."""
     found = {}
     for line in output.splitlines():
-        if "checkpoint_node_read" in line:
-            fields = {k: int(v) for k, v in re.findall(r'"?(rank|local_files|durable_files)"?[=:] ?(\d+)', line)}
+        for event in line.split("checkpoint_node_read")[1:]:
+            fields: dict[str, int] = {}
+            for k, v in re.findall(r'"?(rank|local_files|durable_files)"?[=:] ?(\d+)', event):
+                fields.setdefault(k, int(v))
             found[fields["rank"]] = (fields["local_files"], fields["durable_files"])
     return found
 
