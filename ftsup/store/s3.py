@@ -180,12 +180,8 @@ class S3Tier(durable.DurableTier):
                 done = 0
                 while done < length:
                     want = min(piece, length - done)
-                    data = body.read(want)  # no copy: the socket's bytes, as a plain GET reads them
-                    while 0 < len(data) < want:  # a short read: the piece made whole (block-aligned checksums)
-                        more = body.read(want - len(data))
-                        if not more:
-                            break
-                        data += more
+                    # whole pieces (a short read is completed): the block checksums stay aligned
+                    data = safefile.read_full(lambda count, _: body.read(count), want)
                     if len(data) < want:
                         raise CheckpointCorruptError(
                             f"{where}: {done + len(data)} bytes at {offset}, asked for {length}", file=rel

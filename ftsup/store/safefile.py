@@ -102,16 +102,21 @@ def open_regular(path: str | os.PathLike[str], what: str, error: type[Checkpoint
     return fd
 
 
-def pread_full(fd: int, n: int, offset: int) -> bytes:
-    """`n` bytes at `offset` of `fd`, fewer only where the file ends: a read that comes back short before the end (a
-    network filesystem may answer so) is followed by reads of the rest."""
-    data = os.pread(fd, n, offset)
+def read_full(read: Callable[[int, int], bytes], n: int) -> bytes:
+    """`n` bytes from `read(count, bytes_so_far)`, fewer only where its source ends: a read that comes back short
+    before the end (a network filesystem or a socket may answer so) is followed by reads of the rest."""
+    data = read(n, 0)
     while 0 < len(data) < n:
-        more = os.pread(fd, n - len(data), offset + len(data))
+        more = read(n - len(data), len(data))
         if not more:
             break
         data += more
     return data
+
+
+def pread_full(fd: int, n: int, offset: int) -> bytes:
+    """`n` bytes at `offset` of `fd`, fewer only where the file ends (`read_full`)."""
+    return read_full(lambda count, done: os.pread(fd, count, offset + done), n)
 
 
 def read_regular(
