@@ -34,8 +34,9 @@ pytestmark = pytest.mark.multiprocess
 RUN_ID = "probe-job"
 NODE_ID = "probe-node"
 
+# The count of polls is written whole (a rename): the test reads it while the next poll writes it.
 FLAPPING_WATCHER = r"""
-n=$(cat "$1" 2>/dev/null || echo 0); echo $((n + 1)) > "$1"
+n=$(cat "$1" 2>/dev/null || echo 0); echo $((n + 1)) > "$1.new" && mv "$1.new" "$1"
 if [ $((n % 2)) -eq 0 ]; then
   printf 'blind \342\230\203 "%s" {kind="x",source="%s"} %s\n' "$n" "$n" "$$" >&2; exit 1
 fi
