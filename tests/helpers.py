@@ -7,6 +7,7 @@ reader, the CLI and the supervisor see what a real save produces, minus the tens
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -131,3 +132,19 @@ def assert_whole_pieces(pieces: dict[str, list[tuple[int, bytes]]], files: Mappi
         for offset, piece in pieces[rel]:
             range_end = min(len(data), (offset // durable.READ_CHUNK_BYTES + 1) * durable.READ_CHUNK_BYTES)
             assert len(piece) == min(durable.READ_PIECE_BYTES, range_end - offset), (rel, offset, len(piece))
+
+
+def node_read_events(text: str) -> list[dict[str, Any]]:
+    """Every `checkpoint_node_read` event in the ranks' log output `text`: rank, files read from the node's own copy
+    and from the durable tier, the checkpoint's path. Ranks share one pipe, so one rank's line may come with another's
+    appended before its own newline: each event is read from its name on, each field at its first mention (the
+    event's own, which come before anything appended)."""
+    found = []
+    for line in text.splitlines():
+        for event in line.split("checkpoint_node_read")[1:]:
+            fields: dict[str, Any] = {}
+            for k, v in re.findall(r'"?(rank|local_files|durable_files)"?[=:] ?(\d+)', event):
+                fields.setdefault(k, int(v))
+            where = re.search(r'"?path"?[=:] ?"?([^",\s]+)', event)
+            found.append(fields | {"path": where.group(1) if where else ""})
+    return found

@@ -4,13 +4,13 @@ rank a node of its own (`trainer/checkpoint/commit_nodes.py`, `noderead.py`), th
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
 import pytest
 
 from ftsup.store import durable, layout, nodes, s3nodes
+from tests.helpers import node_read_events
 from tests.procs import torchrun
 
 pytestmark = pytest.mark.multiprocess
@@ -29,17 +29,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
 
 
 def _node_reads(output: str) -> dict[int, tuple[int, int]]:
-    """rank -> (files read from its node's copy, files read from the durable tier), from the ranks' log. The ranks
-    share one pipe, so one rank's line may come with another's appended before its own newline: each event is read
-    from its name on, each field at its first mention (the event's own, which come before anything appended)."""
-    found = {}
-    for line in output.splitlines():
-        for event in line.split("checkpoint_node_read")[1:]:
-            fields: dict[str, int] = {}
-            for k, v in re.findall(r'"?(rank|local_files|durable_files)"?[=:] ?(\d+)', event):
-                fields.setdefault(k, int(v))
-            found[fields["rank"]] = (fields["local_files"], fields["durable_files"])
-    return found
+    """rank -> (files read from its node's copy, files read from the durable tier), from the ranks' log."""
+    return {e["rank"]: (e["local_files"], e["durable_files"]) for e in node_read_events(output)}
 
 
 def _durable_copy(saved: tuple[Path, dict], tmp_path: Path, bucket: str, monkeypatch: pytest.MonkeyPatch) -> Path:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ftsup.store import durable
+from tests.helpers import node_read_events
 from tests.integration import test_multinode as multinode
 from tests.integration.test_multinode import STEPS, lines, start
 from tests.procs import free_port, kill_tree, wait_for
@@ -35,15 +36,8 @@ def events(tmp: Path, node: str, name: str) -> list[dict]:
 
 def node_reads(root: Path) -> list[dict]:
     """Every `checkpoint_node_read` a rank logged under `root`: its files read locally and from the store."""
-    found = []
-    for path in root.rglob("*"):
-        if path.is_file() and "ckpt" not in path.parts:
-            for line in path.read_text(errors="replace").splitlines():
-                if "checkpoint_node_read" in line:
-                    counts = dict(re.findall(r'"?(local_files|durable_files)"?[=:] ?(\d+)', line))
-                    where = re.search(r'"?path"?[=:] ?"?([^",\s]+)', line)
-                    found.append({k: int(v) for k, v in counts.items()} | {"path": where.group(1) if where else ""})
-    return found
+    return [e for path in root.rglob("*") if path.is_file() and "ckpt" not in path.parts
+            for e in node_read_events(path.read_text(errors="replace"))]  # fmt: skip
 
 
 def test_two_nodes_with_separate_fast_tiers_commit_once_per_step_and_a_wiped_node_rejoins_from_the_store(
