@@ -22,7 +22,7 @@ Subcommands (DESIGN.md, Contracts: their names, flags and JSON shapes change onl
 Exit statuses: 0 success; 1 the command ran and found a problem (verify: not consistent), or an
 internal error (its traceback on stderr, then one line); 2 usage errors, a bad config, a missing or
 unreadable file, directory or checkpoint, or any `CheckpointError`, reported as one line
-`ftsup: error: ...` on stderr. `ftsup run` has statuses of its own (README, `ftsup.supervisor.policy`):
+`ftsup: error: ...` on stderr. `ftsup run` has its own (docs/supervising.md, `ftsup.supervisor.policy`):
 2 only for what is refused before anything starts, 1 for any failure after that.
 
 This module never imports torch: `ftsup.store.layout` is stdlib-only. Nor does it

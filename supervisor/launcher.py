@@ -7,7 +7,7 @@
   rank's command: the training command behind the parent-death guard (`ftsup.guard`, run with
   `--no-python`).
 - `job_command` is the training command as it runs: a bare `python` or `python3` is the interpreter
-  ftsup itself runs under, not whichever one PATH finds first (README, The supervisor).
+  ftsup itself runs under, not whichever one PATH finds first (docs/supervising.md, The job config).
 - `start` runs torchrun behind the same guard, in a session of its own, without `preexec_fn`
   (the daemon has threads running): torchrun dies with the supervisor, and each rank with
   torchrun, from before their first import on. Every process of the attempt carries its

@@ -76,7 +76,7 @@ from ftsup.supervisor.policy_rules import (
     save_fits,
 )
 
-# Exit codes of `ftsup run` (documented in the README).
+# Exit codes of `ftsup run` (documented in docs/supervising.md, Exit statuses).
 EXIT_OK = 0
 EXIT_INTERNAL = 1
 EXIT_CONFIG = 2

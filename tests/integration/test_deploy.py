@@ -69,7 +69,7 @@ def test_the_unit_stops_the_supervisor_alone_and_its_exit_statuses_match_the_pol
         "KillMode": "mixed",
         "Restart": "on-failure",
         "SuccessExitStatus": f"{policy.EXIT_EVICTED} {policy.EXIT_STOPPED}",
-        "RestartPreventExitStatus": f"{policy.EXIT_CONFIG} 7",  # 7: an anomaly escalated (README)
+        "RestartPreventExitStatus": f"{policy.EXIT_CONFIG} 7",  # 7: an anomaly escalated (docs/incidents.md)
     }
 
 

@@ -1,11 +1,11 @@
-"""Every ```python snippet of the README runs, or, marked as a fragment, parses and imports only
-names that exist. Snippets are found by themselves: every fenced block whose info string is
-`python`, wherever it is and whoever added it.
+"""Every ```python snippet of the README and of the pages under docs/ runs, or, marked as a fragment,
+parses and imports only names that exist. Snippets are found by themselves: every fenced block whose
+info string is `python`, in any of those files, wherever it is and whoever added it.
 
 - A snippet runs alone in a fresh interpreter, in an empty working directory, with
   `FTSUP_CHECKPOINT_DIR` pointing into it and no supervisor (no other `FTSUP_*` variable), and
   must exit 0 within 180 s.
-- A snippet that cannot run alone (it continues a script the README does not show) is a fragment
+- A snippet that cannot run alone (it continues a script the page does not show) is a fragment
   when its first line begins with `# fragment` (the rest of that line may say what it needs, for
   example `# fragment: inside a training loop`). It must compile, and every name it imports from
   ftsup must exist: each `from ftsup... import NAME` names an attribute or submodule of its
@@ -31,38 +31,54 @@ FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTA
 FRAGMENT = "# fragment"
 
 
-def snippets() -> list[tuple[int, str]]:
-    text = (REPO / "README.md").read_text()
-    return [(text.count("\n", 0, m.start()) + 1, m.group(1)) for m in FENCE.finditer(text)]
+def pages() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+
+
+def snippets() -> list[tuple[str, str]]:
+    """(`PAGE:LINE`, code) for every ```python block of every page."""
+    found: list[tuple[str, str]] = []
+    for page in pages():
+        text = page.read_text()
+        where = page.relative_to(REPO).as_posix()
+        for m in FENCE.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            found.append((f"{where}:{line}", m.group(1)))
+    return found
 
 
 SNIPPETS = snippets()
-IDS = [f"line-{line}" for line, _ in SNIPPETS]
+IDS = [line for line, _ in SNIPPETS]
 
 
 def is_fragment(code: str) -> bool:
     return code.lstrip().startswith(FRAGMENT)
 
 
-def test_the_readme_has_python_snippets_that_run_alone():
+def test_the_docs_have_python_snippets_that_run_alone():
     assert [line for line, code in SNIPPETS if not is_fragment(code)] != []
+
+
+def test_the_snippets_are_found_in_the_readme_and_in_docs():
+    found = {line.split(":")[0] for line, _ in SNIPPETS}
+    assert ("README.md" in found, any(name.startswith("docs/") for name in found)) == (True, True)
 
 
 @pytest.mark.parametrize(("line", "code"), [s for s in SNIPPETS if not is_fragment(s[1])],
                          ids=[i for i, s in zip(IDS, SNIPPETS, strict=True) if not is_fragment(s[1])])  # fmt: skip
-def test_a_snippet_runs_alone(tmp_path: Path, line: int, code: str):
+def test_a_snippet_runs_alone(tmp_path: Path, line: str, code: str):
     (tmp_path / "snippet.py").write_text(code)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FTSUP_")}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", FTSUP_CHECKPOINT_DIR=str(tmp_path / "ckpt"))
     done = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=180)  # fmt: skip
-    assert done.returncode == 0, f"README.md line {line}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, f"{line}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
 
 
 @pytest.mark.parametrize(("line", "code"), [s for s in SNIPPETS if is_fragment(s[1])],
                          ids=[i for i, s in zip(IDS, SNIPPETS, strict=True) if is_fragment(s[1])])  # fmt: skip
-def test_a_fragment_parses_and_imports_only_names_that_exist(line: int, code: str):
-    tree = ast.parse(code, filename=f"README.md:{line}")
+def test_a_fragment_parses_and_imports_only_names_that_exist(line: str, code: str):
+    tree = ast.parse(code, filename=line)
     missing = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "ftsup":
@@ -74,4 +90,4 @@ def test_a_fragment_parses_and_imports_only_names_that_exist(line: int, code: st
             for alias in node.names:
                 if alias.name.split(".")[0] == "ftsup":
                     importlib.import_module(alias.name)
-    assert missing == [], f"README.md line {line} imports names that do not exist"
+    assert missing == [], f"{line} imports names that do not exist"

@@ -2,7 +2,7 @@
 follows them: the policy's settings are derived from a config (`settings_from`) with no default of their own, and
 deploy/examples/job.yaml, which documents every key with its default, agrees with the dataclasses (it shows every
 key of every section, and each value it sets is the default unless its line marks the value as an example); a
-default that the README or a deploy file quotes where it explains something is the dataclass's."""
+default that the README, a page of docs/ or a deploy file quotes where it explains something is the dataclass's."""
 
 from __future__ import annotations
 
@@ -114,7 +114,12 @@ def test_every_setting_of_the_policy_comes_from_the_config() -> None:
     assert settings_from(parse_config(raw, base_dir=Path("/"), hostname=HOST), nproc_max=7) == expected
 
 
-DOCS = [REPO / "README.md", REPO / "deploy" / "README.md", REPO / "deploy" / "systemd" / "ftsup@.service"]
+DOCS = [
+    REPO / "README.md",
+    *sorted((REPO / "docs").rglob("*.md")),
+    REPO / "deploy" / "README.md",
+    REPO / "deploy" / "systemd" / "ftsup@.service",
+]
 
 
 def defaults_quoted_in_the_docs() -> list[tuple[str, str, float]]:

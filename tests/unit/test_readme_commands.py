@@ -1,6 +1,6 @@
-"""The README's `ftsup run ... -- CMD` lines (its shell snippets of runs without a YAML file) are command lines that
-`ftsup config check` accepts with the same arguments, so that each would start; checked in an empty directory, with
-`python` found on PATH as this interpreter."""
+"""The `ftsup run ... -- CMD` lines of the README and docs/ (their shell snippets of runs without a YAML file) are
+command lines that `ftsup config check` accepts with the same arguments, so that each would start; checked in an empty
+directory, with `python` found on PATH as this interpreter."""
 
 from __future__ import annotations
 
@@ -14,16 +14,18 @@ import pytest
 
 from ftsup.supervisor.cli import main
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+REPO = Path(__file__).resolve().parents[2]
+README = REPO / "README.md"
+PAGES = [README, *sorted((REPO / "docs").rglob("*.md"))]
 
 
-def zero_line_runs() -> list[str]:
-    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
+def zero_line_runs(pages: list[Path] = PAGES) -> list[str]:
+    blocks = [block for page in pages for block in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S)]
     return [line for block in blocks for line in block.splitlines() if line.startswith("ftsup run ") and " -- " in line]
 
 
 def test_the_readme_shows_runs_without_a_yaml_file() -> None:
-    assert len(zero_line_runs()) >= 2
+    assert len(zero_line_runs([README])) >= 2
 
 
 @pytest.mark.parametrize("line", zero_line_runs())

@@ -1,4 +1,4 @@
-"""What the costs at thousands of ranks called for (README, Performance at scale): the save plan's DCP metadata
+"""What the costs at thousands of ranks called for (docs/benchmarks.md, at scale): the save plan's DCP metadata
 encoded once per plan, and a resume choice that parses the chosen manifest once."""
 
 from __future__ import annotations
