@@ -39,7 +39,7 @@ _EXPORTS = {
     "agree": "ftsup.trainer.runtime",
     "Session": "ftsup.trainer.session",
     "Agreement": "ftsup.trainer.runtime",
-    "FtsupCallback": "ftsup.trainer.hf_trainer",  # needs transformers
+    "FtsupCallback": "ftsup.trainer.hf.callback",  # needs transformers
 }
 __all__ = sorted(_EXPORTS)
 

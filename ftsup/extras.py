@@ -4,7 +4,7 @@
 script imports from ftsup (the checkpoint engine, the training state, ...) needs torch and numpy, which come with the
 `trainer` extra: `pip install 'ftsup[trainer]'` (torch installed first chooses its build, as the README shows).
 NVIDIA's ft_launcher, a contender of `ftsup bench goodput` and nothing else, comes with the `bench` extra; boto3, the
-S3 client of a durable tier on object storage (`ftsup.store.s3`), with the `durable` extra.
+S3 client of a durable tier on object storage (`ftsup.store.durable.s3`), with the `durable` extra.
 Where such code is asked for without them, the user reads `needs(...)`: what needed which module, in which Python,
 and the line that installs it; `MissingExtraError` carries it, never a bare "No module named 'torch'".
 

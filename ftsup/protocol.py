@@ -22,7 +22,7 @@
 
 Values and bytes only, stdlib only: no sockets, files, clocks or threads (`RuntimeEnv` reads
 this process's environment when given none). The channel's ends
-are `ftsup.supervisor.heartbeat` (the receiving socket, who may send) and `ftsup.trainer.runtime`
+are `ftsup.supervisor.run.heartbeat` (the receiving socket, who may send) and `ftsup.trainer.runtime`
 (the client, the control file's reader).
 """
 
@@ -245,9 +245,12 @@ class Beat:
     figures: tuple[tuple[str, float], ...] = ()  # a figure that was not finite at the rank is NaN
 
 
+DROP_REASONS = ("malformed", "version", "spoofed", "foreign", "refused")
+"""Why the supervisor drops a message: not a beat (the first two, `BadBeat`), or a beat it does not admit."""
+
+
 class BadBeat(ValueError):
-    """A message that is not a beat; `reason` says why (`malformed`, `version`, or the receiver's
-    own reasons: `ftsup.supervisor.heartbeat.DROP_REASONS`)."""
+    """A message that is not a beat; `reason` says why (one of `DROP_REASONS`)."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")

@@ -13,7 +13,7 @@ tearing down an interpreter holding torch takes. End of file before a message (t
 supervisor let it go) exits 0; a message it cannot read exits 2, and the supervisor starts the attempt cold.
 
 Stdlib only, importing nothing of ftsup before the message (the job's interpreter runs it by path: it may not have
-ftsup installed). The supervisor side is `ftsup.supervisor.warmagent`.
+ftsup installed). The supervisor side is `ftsup.supervisor.run.warmagent`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The tests' cloud metadata server is the fault tooling's (`ftsup.supervisor.faults.metadata_server`)."""
+"""The tests' cloud metadata server is the fault tooling's (`ftsup.tools.faults.metadata_server`)."""
 
-from ftsup.supervisor.faults.metadata_server import MetadataServer, MetadataState
+from ftsup.tools.faults.metadata_server import MetadataServer, MetadataState
 
 __all__ = ["MetadataServer", "MetadataState"]

@@ -7,8 +7,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from ftsup.supervisor.config import CheckpointConfig, JobConfig, JobSection, LaunchConfig, settings_from
-from ftsup.supervisor.policy_io import Settings
+from ftsup.supervisor.config.job import CheckpointConfig, JobConfig, JobSection, LaunchConfig
+from ftsup.supervisor.policy.events import Settings, settings_from
 
 DEFAULTS = JobConfig(
     job=JobSection(command=("true",), workdir=Path("job"), run_id="test", state_dir=Path("job/state")),

@@ -429,3 +429,10 @@ def runtime() -> RuntimeClient:
     if _client is None:
         _client = RuntimeClient(RuntimeEnv.from_environ())
     return _client
+
+
+def install(client: RuntimeClient) -> None:
+    """Make `client` the process's client, before the training script's first `runtime()` (an adapter that
+    forwards the beats elsewhere too, such as the goodput benchmark's ft_launcher rank)."""
+    global _client
+    _client = client

@@ -25,7 +25,7 @@ What it does, so that the loop does not:
   A checkpoint of another configuration is refused before anything is loaded, naming the key
   (`config=`, see `ftsup.trainer.modelconfig`). A fresh run
   (no checkpoint yet) given `init_from_hf=DIR` starts from a Hugging Face Hub-layout model's weights,
-  each rank reading only its share (`ftsup.trainer.hfinit`).
+  each rank reading only its share (`ftsup.trainer.hf.load`).
 - **Data.** `micro_batches()` yields this rank's micro-batches of the step from `dataset` in the
   world-size-independent order of a `GlobalBatchSchedule` (or, given only a `schedule`, the
   `MicroBatch` descriptions themselves). Gradients are synchronised only on the step's last
@@ -81,7 +81,7 @@ from ftsup.store.retention import RetentionPolicy
 from ftsup.trainer import rng
 from ftsup.trainer.checkpoint.engine import CheckpointEngine, LoadResult
 from ftsup.trainer.data import DataConfigError, GlobalBatchSchedule, MicroBatch, RankBatchSampler
-from ftsup.trainer.hfinit import HfInit
+from ftsup.trainer.hf.load import HfInit
 from ftsup.trainer.runtime import Agreement, RuntimeClient, runtime
 from ftsup.trainer.state import TrainingState
 from ftsup.trainer.stepguard import StepCheck
@@ -101,7 +101,7 @@ class Session:
     none, only emergency and final ones). `seed` (default 0, or the schedule's): the data order's
     and the dropout seeds'. `skip`: ranges (A, B) of global data positions never to serve (with
     those of `FTSUP_DATA_SKIPS` and of the resumed checkpoint). `init_from_hf`: a Hugging Face Hub-layout
-    model directory whose weights a fresh run starts from (`ftsup.trainer.hfinit`: each rank reads its
+    model directory whose weights a fresh run starts from (`ftsup.trainer.hf.load`: each rank reads its
     share); a resumed run takes its checkpoint's, and every checkpoint records where they came from.
     """
 

@@ -46,7 +46,7 @@ from ftsup.store.errors import CheckpointMismatchError, NoCheckpointError
 from ftsup.trainer import modelconfig, rng
 from ftsup.trainer.checkpoint.engine import CheckpointEngine, LoadResult, SaveHandle, SaveResult
 from ftsup.trainer.data import DataPositionError, GlobalBatchSchedule
-from ftsup.trainer.hfinit import HfInit, load_hf_model
+from ftsup.trainer.hf.load import HfInit, load_hf_model
 from ftsup.trainer.runtime import runtime
 from ftsup.trainer.stepguard import StepCheck, StepGuard
 
@@ -76,7 +76,7 @@ class TrainingState:
         self.step = 0
         self.samples = 0
         self.origin: dict[str, Any] | None = None
-        """Where the run's first weights came from (`ftsup.trainer.hfinit`: a Hugging Face model), recorded in
+        """Where the run's first weights came from (`ftsup.trainer.hf.load`: a Hugging Face model), recorded in
         every checkpoint's metadata (`init_from_hf`) and taken back up by a resume; None: its own initialisation."""
 
     def init_from_hf(
@@ -87,7 +87,7 @@ class TrainingState:
         convert: bool = False,
         group: Any = None,
     ) -> HfInit:
-        """The model's weights from a Hugging Face Hub-layout model directory (`ftsup.trainer.hfinit.load_hf_model`,
+        """The model's weights from a Hugging Face Hub-layout model directory (`ftsup.trainer.hf.load.load_hf_model`,
         collective: each rank reads its share), recorded as the run's `origin` in every checkpoint from now on."""
         result = load_hf_model(self.model, directory, rename=rename, convert=convert, group=group)
         self.origin = result.origin

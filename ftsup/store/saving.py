@@ -1,5 +1,5 @@
 """A fast tier's word for "a save is in progress here", for a reader that never imports torch (the supervisor's hold
-of the durable upload, `ftsup.supervisor.save_hold`).
+of the durable upload, `ftsup.supervisor.durable.hold`).
 
 Two names in the checkpoint folder say it (`ftsup/store/DESIGN.md`, the commit protocol):
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ftsup.supervisor.config import EvictionConfig
+from ftsup.supervisor.config.job import EvictionConfig
 from ftsup.supervisor.eviction.local import CommandWatcher, FileWatcher
 from ftsup.supervisor.eviction.providers import AwsWatcher, AzureWatcher, GcpWatcher
 from ftsup.supervisor.eviction.runner import Watcher

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ftsup.store.errors import CheckpointError
 from ftsup.trainer.examples.gpt import GPT
-from ftsup.trainer.hfinit import load_hf_model
+from ftsup.trainer.hf.load import load_hf_model
 
 SHAPE = {"seq_len": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from ftsup.supervisor.bench.eviction import CKPT_EVERY
+from ftsup.tools.bench.eviction import CKPT_EVERY
 from tests.procs import run
 
 pytestmark = pytest.mark.multiprocess
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.multiprocess
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp: Path = tmp_path_factory.mktemp("bench-eviction")
     out = tmp / "bench.json"
-    r = run([sys.executable, "-m", "ftsup.supervisor.bench.eviction", "--evictions", "1", "--dir", str(tmp / "w"),
+    r = run([sys.executable, "-m", "ftsup.tools.bench.eviction", "--evictions", "1", "--dir", str(tmp / "w"),
              "--json", str(out)], timeout=300)  # fmt: skip
     assert r.returncode == 0, r.output[-3000:]
     return {x["name"]: x for x in json.loads(out.read_text())["results"]}

@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 import pytest
 
-from ftsup.supervisor.bench.goodput.account import CAUSES
+from ftsup.tools.bench.goodput.account import CAUSES
 from tests.procs import kill_tree, run, wait_for
 
 MISSING = "ft_launcher is missing: nvidia-resiliency-ext is not installed (pip install -e '.[test]')"

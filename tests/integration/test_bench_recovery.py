@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from ftsup.supervisor.bench.recovery.common import aim
+from ftsup.tools.bench.recovery.common import aim
 from tests.procs import REPO, run
 
 pytestmark = pytest.mark.multiprocess
@@ -76,7 +76,7 @@ def test_ftsup_bench_recovery_does_not_import_torch_or_the_checkpoint_benchmark(
     )
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     loaded = set(json.loads(done.stdout.splitlines()[-1]))
-    assert {"torch", "ftsup.trainer.bench"} & loaded == set()
+    assert {"torch", "ftsup.tools.bench.checkpoint"} & loaded == set()
 
 
 @pytest.mark.parametrize(("at_least", "expected"), [(0, 13), (13, 13), (14, 18), (19, 23)])

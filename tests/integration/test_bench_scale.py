@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ftsup.trainer.bench import scale_report
+from ftsup.tools.bench.scale import report as scale_report
 
 OPS = [name for op, peer, _ in scale_report.OPS for name in (op, peer) if name]
 

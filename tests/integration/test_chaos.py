@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 import pytest
 
-from ftsup.supervisor.faults.plan import KINDS
+from ftsup.tools.faults.plan import KINDS
 from tests.procs import run
 
 pytestmark = pytest.mark.multiprocess

@@ -13,7 +13,7 @@ import torch
 
 from ftsup.store import blocksum, checksums, layout
 from ftsup.trainer.checkpoint import CheckpointEngine, NoCheckpointError, RetentionPolicy
-from ftsup.trainer.checkpoint.hf import export_hf
+from ftsup.trainer.hf.export import export_hf
 from tests.helpers import flip_byte
 
 REPO = Path(__file__).resolve().parents[2]

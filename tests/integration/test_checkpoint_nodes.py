@@ -1,5 +1,5 @@
 """The checkpoint engine where each node keeps its own checkpoint directory: real ranks (torchrun, gloo, CPU), each
-rank a node of its own (`trainer/checkpoint/commit_nodes.py`, `noderead.py`), the durable tier a real S3 store."""
+rank a node of its own (`trainer/checkpoint/commit.py`, `noderead.py`), the durable tier a real S3 store."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ftsup.store import durable, layout, nodes, s3nodes
+from ftsup.store import durable, layout, nodes
+from ftsup.store.durable import s3nodes
 from tests.helpers import node_read_events
 from tests.procs import torchrun
 

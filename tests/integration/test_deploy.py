@@ -1,7 +1,7 @@
 """The deploy files do what their comments promise, without a cluster or an init system.
 
 - `deploy/systemd/ftsup@.service` passes `systemd-analyze verify`, its exit-status lists match
-  `ftsup.supervisor.policy`, and `ftsup run` speaks the sd_notify protocol the unit relies on
+  `ftsup.supervisor.policy.machine`, and `ftsup run` speaks the sd_notify protocol the unit relies on
   (READY=1; on SIGTERM, EXTEND_TIMEOUT_USEC while it saves, then exit 5).
 - `deploy/slurm/ftsup.sbatch` runs against stand-ins for `srun` and `scontrol` (two fake
   nodes on this machine) and a stand-in supervisor: per-node configs, USR1 forwarding to each
@@ -25,8 +25,8 @@ import pytest
 import yaml
 
 from ftsup.store import layout
-from ftsup.supervisor import policy
-from ftsup.supervisor.config import load_config
+from ftsup.supervisor.config.job import load_config
+from ftsup.supervisor.policy import machine as policy
 from tests.procs import REPO, kill_tree, wait_for
 
 UNIT = REPO / "deploy" / "systemd" / "ftsup@.service"

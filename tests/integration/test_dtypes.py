@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ftsup.trainer.checkpoint import CheckpointEngine, CheckpointError, codec
-from ftsup.trainer.checkpoint.hf import export_hf
+from ftsup.trainer.hf.export import export_hf
 
 # Every dtype torch 2.13 and safetensors 0.8 both support, written out (not read from the table
 # under test, so that a dtype dropped from the table fails here).

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ftsup.store import durable, layout, s3list
+from ftsup.store import durable, layout
+from ftsup.store.durable import s3list
 from ftsup.store.errors import CheckpointCorruptError, DurableTierError
 from tests.helpers import default_files, make_fake_checkpoint
 from tests.hostile_s3 import HostileS3, Reply, Request, error, xml

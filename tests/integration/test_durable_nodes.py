@@ -1,5 +1,5 @@
 """Nodes that keep separate fast tiers, on a real S3 store (SeaweedFS on 127.0.0.1): each node sends its part of a
-checkpoint and marks it, and the commit is made once, when every node's part is there (`ftsup.store.s3nodes`)."""
+checkpoint and marks it, and the commit is made once, when every node's part is there (`durable.s3nodes`)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 
-from ftsup.store import checksums, durable, layout, nodes, s3nodes
-from ftsup.store.s3 import S3Tier
-from ftsup.supervisor.config import parse_config
-from ftsup.supervisor.durable_keeper import DurableKeeper
-from ftsup.supervisor.metrics import Metrics
+from ftsup.store import checksums, durable, layout, nodes
+from ftsup.store.durable import s3nodes
+from ftsup.store.durable.s3 import S3Tier
+from ftsup.supervisor.config.job import parse_config
+from ftsup.supervisor.durable.keeper import DurableKeeper
+from ftsup.supervisor.telemetry.metrics import Metrics
 from tests.procs import wait_for
 from tests.s3fixtures import client
 from tests.s3server import SeaweedS3

@@ -1,5 +1,5 @@
 """Nodes that keep separate fast tiers agree on what goes durable, and what a step that never committed left in
-the tier is cleaned up, on a real S3 store (SeaweedFS on 127.0.0.1): `ftsup.store.s3nodes.follows` and `sweep`,
+the tier is cleaned up, on a real S3 store (SeaweedFS on 127.0.0.1): `ftsup.store.durable.s3nodes.follows` and `sweep`,
 and the durable tier's retention pass (`ftsup/store/DESIGN.md`, Node-local fast tiers)."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from ftsup.store import durable, s3nodes
-from ftsup.store.s3 import S3Tier
+from ftsup.store import durable
+from ftsup.store.durable import s3nodes
+from ftsup.store.durable.s3 import S3Tier
 from tests.integration.test_durable_nodes import OPTIONS, node_a_keeper, node_copies
 from tests.procs import wait_for
 from tests.s3fixtures import client

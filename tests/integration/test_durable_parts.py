@@ -1,4 +1,4 @@
-"""How the durable tier sends a file's parts to the real S3 store (`ftsup.store.s3upload`, `S3Tier.put`): each with
+"""How the durable tier sends a file's parts to the real S3 store (`durable.s3upload`, `S3Tier.put`): each with
 the Content-MD5 the store checks, signed through that header rather than by a second hash of the payload, and every
 part read into the thread's part buffer arriving with its own bytes."""
 
@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError
 
-from ftsup.store import durable, s3upload
+from ftsup.store import durable
+from ftsup.store.durable import s3upload
 from tests.helpers import default_files, make_fake_checkpoint
 from tests.s3fixtures import client
 from tests.s3server import SeaweedS3

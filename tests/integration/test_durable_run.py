@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from ftsup.store import durable, layout
-from ftsup.supervisor.policy import EXIT_EVICTED
+from ftsup.supervisor.policy.machine import EXIT_EVICTED
 from tests.procs import REPO, kill_tree, wait_for
 from tests.s3fixtures import client, start_server, use_server
 

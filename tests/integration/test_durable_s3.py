@@ -10,7 +10,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ftsup.store import durable, layout, s3upload
+from ftsup.store import durable, layout
+from ftsup.store.durable import s3upload
 from ftsup.store.errors import CheckpointCorruptError, DurableConflictError, DurableTierError, NoCheckpointError
 from tests.helpers import assert_whole_pieces, default_files, flip_byte, make_fake_checkpoint, read_back_in_pieces
 from tests.procs import wait_for

@@ -1,4 +1,4 @@
-"""The durable tier's uploader (supervisor/durable_upload.py) on a real S3 store (SeaweedFS) that is down when the
+"""The durable tier's uploader (supervisor/durable/upload.py) on a real S3 store (SeaweedFS) that is down when the
 checkpoint comes: it is tried again with a backoff, nothing is listed meanwhile, and it commits once the store is
 back, resuming (ftsup/store/DESIGN.md, "Durable tier")."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ftsup.store import durable
-from ftsup.supervisor.durable_upload import Outcome, Uploader
+from ftsup.supervisor.durable.upload import Outcome, Uploader
 from tests.helpers import default_files, make_fake_checkpoint
 from tests.procs import wait_for
 from tests.s3fixtures import client, start_server, use_server

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from ftsup.store import layout
-from ftsup.supervisor.policy import EXIT_EVICTED
+from ftsup.supervisor.policy.machine import EXIT_EVICTED
 from tests.metadata_server import MetadataServer
 from tests.procs import REPO, kill_tree, run
 

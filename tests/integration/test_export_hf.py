@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from ftsup.trainer.checkpoint import CheckpointCorruptError, CheckpointEngine, CheckpointError
-from ftsup.trainer.checkpoint.hf import INDEX_NAME, export_hf
 from ftsup.trainer.checkpoint.stateful import ModelOptimState
+from ftsup.trainer.hf.export import INDEX_NAME, export_hf
 from tests.helpers import flip_byte
 from tests.procs import torchrun
 
@@ -66,7 +66,7 @@ def test_export_refuses_a_non_empty_output_directory(tmp_path):
 
 
 def test_ftsup_ckpt_export_hf_writes_the_index_and_says_what_it_did(tmp_path, capsys):
-    from ftsup.supervisor.cli import main
+    from ftsup.supervisor.cli.commands import main
 
     model = torch.nn.Linear(8, 8)
     with CheckpointEngine(tmp_path / "ckpt") as eng:
@@ -83,7 +83,7 @@ def test_export_of_a_training_state_with_a_transformers_config_loads_with_from_p
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
     from ftsup import GlobalBatchSchedule, TrainingState
-    from ftsup.supervisor.cli import main
+    from ftsup.supervisor.cli.commands import main
 
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)
@@ -103,7 +103,7 @@ def test_export_of_a_training_state_with_a_transformers_config_loads_with_from_p
 
 
 def test_export_without_a_config_in_the_checkpoint_takes_config_or_says_it_wrote_none(tmp_path, capsys):
-    from ftsup.supervisor.cli import main
+    from ftsup.supervisor.cli.commands import main
 
     model = torch.nn.Linear(4, 4)
     with CheckpointEngine(tmp_path / "ckpt") as eng:

@@ -16,10 +16,10 @@ from safetensors import safe_open
 
 from ftsup import GlobalBatchSchedule, TrainingState
 from ftsup.store import hublayout, layout
-from ftsup.supervisor.cli import main
+from ftsup.supervisor.cli.commands import main
 from ftsup.trainer.checkpoint import CheckpointCorruptError, CheckpointEngine, CheckpointError
-from ftsup.trainer.checkpoint.hf import export_hf
 from ftsup.trainer.examples.gpt import GPT
+from ftsup.trainer.hf.export import export_hf
 from tests.helpers import flip_byte
 from tests.hubfiles import overlap, past_end, rewrite_header, with_two_tensors
 from tests.procs import run
@@ -155,7 +155,7 @@ def test_a_sharded_bf16_export_loads_with_from_pretrained_in_bf16_with_the_model
 def test_a_trainer_checkpoint_is_resharded_and_converted_with_from_pretrained_giving_its_logits(tmp_path):
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-    from ftsup.trainer import hf_store
+    from ftsup.trainer.hf import store as hf_store
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)).eval()
@@ -278,7 +278,7 @@ def test_a_bad_shard_size_is_a_usage_error_that_says_why(tmp_path, capsys):
 def test_writing_holds_one_tensor_in_memory_at_a_time_whatever_the_shard_size(tmp_path):
     import weakref
 
-    from ftsup.trainer.checkpoint.hfwrite import OutTensor, write_model
+    from ftsup.trainer.hf.write import OutTensor, write_model
 
     alive, peak = [0], [0]
 
@@ -302,7 +302,7 @@ def test_writing_holds_one_tensor_in_memory_at_a_time_whatever_the_shard_size(tm
 def test_a_file_of_mixed_dtypes_is_byte_for_byte_what_safetensors_save_file_writes(tmp_path):
     from safetensors.torch import save_file
 
-    from ftsup.trainer.checkpoint.hfwrite import OutTensor, write_model
+    from ftsup.trainer.hf.write import OutTensor, write_model
 
     g = torch.Generator().manual_seed(0)
     tensors = {name: torch.randint(0, 256, (3, 8), dtype=torch.uint8, generator=g).view(dtype)
@@ -323,7 +323,7 @@ def trainer_store(tmp_path: Path, break_it) -> Path:
     verifies, over files that lie."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from ftsup.trainer import hf_store
+    from ftsup.trainer.hf import store as hf_store
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
@@ -370,7 +370,7 @@ def test_a_trainer_checkpoint_whose_weights_lie_names_the_file_and_the_tensor_an
 
 
 def test_chunks_of_whole_rows_that_tile_a_tensor_are_passed_on_in_row_order_and_nothing_else_is():
-    from ftsup.trainer.checkpoint.hf import _slabs
+    from ftsup.trainer.hf.export import _slabs
 
     size = (10, 4)
     assert _slabs([((6, 0), (4, 4)), ((0, 0), (6, 4))], size) == [1, 0]  # two ranks' rows, listed out of order

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ftsup.supervisor.goodput import CAUSES
+from ftsup.supervisor.policy.goodput import CAUSES
 from tests.integration.test_supervisor import events, ftsup, write_job
 from tests.procs import REPO, free_port, kill_tree, wait_for
 

@@ -1,4 +1,4 @@
-"""Starting from a Hugging Face model directory (`ftsup.trainer.hfinit.load_hf_model`, the reference trainer's
+"""Starting from a Hugging Face model directory (`ftsup.trainer.hf.load.load_hf_model`, the reference trainer's
 `--init-from-hf`): every tensor bitwise the file's on one rank and on two (DDP, FSDP2), each rank reading exactly
 its share; the reference trainer's first loss the same on one rank and two; a transformers model saved by
 `save_pretrained` in shards trains its first step from its own weights on one rank and on two (FSDP2), each rank
@@ -19,7 +19,7 @@ from huggingface_hub import save_torch_state_dict
 from ftsup.store import layout
 from ftsup.store.errors import ModelFileError
 from ftsup.trainer.examples.gpt import GPT
-from ftsup.trainer.hfinit import load_hf_model
+from ftsup.trainer.hf.load import load_hf_model
 from tests.hubfiles import overlap, past_end, rewrite_header, with_two_tensors
 from tests.procs import python, run, torchrun
 
@@ -300,8 +300,8 @@ def test_a_dtype_torch_lacks_names_the_file_and_the_tensor(tmp_path):
 
 def test_a_file_cut_short_under_a_batched_read_fails_it_naming_the_file(tmp_path, monkeypatch):
     from ftsup.store import hublayout
-    from ftsup.trainer.checkpoint import hubread
-    from ftsup.trainer.checkpoint.hubread import HubReader
+    from ftsup.trainer.hf import hubread
+    from ftsup.trainer.hf.hubread import HubReader
 
     torch.manual_seed(0)
     sd = {f"t{i}": torch.randn(256, 1024) for i in range(4)}  # 1 MiB each, one file

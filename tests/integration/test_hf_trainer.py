@@ -21,8 +21,8 @@ import pytest
 import yaml
 
 from ftsup.store import layout
-from ftsup.supervisor.faults import chaos
-from ftsup.supervisor.policy import EXIT_EVICTED
+from ftsup.supervisor.policy.machine import EXIT_EVICTED
+from ftsup.tools.faults import chaos
 from tests.procs import REPO, kill_tree, run, wait_for
 
 pytestmark = pytest.mark.multiprocess

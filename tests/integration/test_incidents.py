@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from ftsup.supervisor.policy import EXIT_ANOMALY
+from ftsup.supervisor.policy.machine import EXIT_ANOMALY
 from tests.integration.test_supervisor import events, ftsup, last_lines, write_job
 
 pytestmark = pytest.mark.multiprocess

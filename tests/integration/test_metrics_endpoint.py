@@ -22,11 +22,11 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from ftsup.supervisor.detectors import KINDS
-from ftsup.supervisor.goodput import CAUSES
-from ftsup.supervisor.heartbeat import DROP_REASONS
-from ftsup.supervisor.logs import EVENTS
-from ftsup.supervisor.metrics import DURABLE_OUTCOMES, FAILURE_KINDS, PHASES, STORAGE_PURPOSES, TRIGGERS
+from ftsup.protocol import DROP_REASONS
+from ftsup.supervisor.policy.detectors import KINDS
+from ftsup.supervisor.policy.goodput import CAUSES
+from ftsup.supervisor.telemetry.logs import EVENTS
+from ftsup.supervisor.telemetry.metrics import DURABLE_OUTCOMES, FAILURE_KINDS, PHASES, STORAGE_PURPOSES, TRIGGERS
 from tests.procs import BIN, REPO, free_port, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
-from ftsup.supervisor.metrics import Metrics
+from ftsup.supervisor.telemetry.metrics import Metrics
 from tests.integration.test_supervisor import events, write_job
 from tests.procs import REPO, free_port, kill_tree, run, wait_for
 

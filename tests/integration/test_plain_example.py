@@ -25,8 +25,8 @@ import pytest
 import yaml
 
 from ftsup.store import layout
-from ftsup.supervisor.faults import chaos
-from ftsup.supervisor.policy import EXIT_EVICTED
+from ftsup.supervisor.policy.machine import EXIT_EVICTED
+from ftsup.tools.faults import chaos
 from tests.procs import REPO, kill_tree, run
 
 pytestmark = pytest.mark.multiprocess

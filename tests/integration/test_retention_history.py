@@ -10,7 +10,7 @@ import torch
 
 from ftsup.protocol import KEEP_OLDER_THAN_STEPS_ENV
 from ftsup.store import layout, pins
-from ftsup.supervisor.cli import main
+from ftsup.supervisor.cli.commands import main
 from ftsup.trainer.checkpoint import CheckpointEngine, CheckpointError, RetentionPolicy
 from ftsup.trainer.checkpoint.stateful import ModelOptimState
 

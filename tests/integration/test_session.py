@@ -15,7 +15,7 @@ import yaml
 
 from ftsup.protocol import CHECKPOINT_DIR_ENV, CONTROL_FILE_ENV, HEARTBEAT_SOCKET_ENV, Request, encode_control
 from ftsup.store import layout
-from ftsup.supervisor.heartbeat import HeartbeatReceiver
+from ftsup.supervisor.run.heartbeat import HeartbeatReceiver
 from tests.procs import BIN, REPO, run
 
 pytestmark = pytest.mark.multiprocess

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from ftsup.protocol import DATA_SKIPS_ENV, HEARTBEAT_SOCKET_ENV
 from ftsup.store import layout
-from ftsup.supervisor.heartbeat import HeartbeatReceiver
+from ftsup.supervisor.run.heartbeat import HeartbeatReceiver
 from tests.procs import run
 
 pytestmark = pytest.mark.multiprocess

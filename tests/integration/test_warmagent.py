@@ -19,9 +19,10 @@ import psutil
 import pytest
 
 from ftsup import procs, warmrun
-from ftsup.supervisor import launcher, policy, warmagent, workers
-from ftsup.supervisor.config import parse_config
-from ftsup.supervisor.outages import Outages
+from ftsup.supervisor.config.job import parse_config
+from ftsup.supervisor.policy import machine as policy
+from ftsup.supervisor.run import launcher, warmagent, workers
+from ftsup.supervisor.run.outages import Outages
 from tests.procs import REPO, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -250,7 +251,7 @@ def test_an_interpreter_that_cannot_import_torchrun_says_so_in_the_attempts_log(
 
 def test_the_chaos_check_for_stale_processes_passes_over_a_parked_spare_and_flags_any_other(tmp_path):
     from ftsup.protocol import ATTEMPT_ENV, RUN_ID_ENV
-    from ftsup.supervisor.faults.inject import stale_processes
+    from ftsup.tools.faults.inject import stale_processes
 
     run_id = f"stale-{os.getpid()}"
     started = []

@@ -64,7 +64,12 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_the_wheel_holds_every_package_folder(wheel: dict[str, Any]) -> None:
     packages = {name for name in repository_files((".py",)) if name.endswith("/__init__.py")}
-    some = {"ftsup/__init__.py", "ftsup/supervisor/bench/__init__.py", "ftsup/trainer/checkpoint/__init__.py"}
+    some = {
+        "ftsup/__init__.py",
+        "ftsup/tools/bench/__init__.py",
+        "ftsup/supervisor/run/__init__.py",
+        "ftsup/trainer/checkpoint/__init__.py",
+    }
     assert (sorted(packages - wheel["names"]), some <= packages) == ([], True)
 
 
@@ -86,7 +91,7 @@ def test_installed_from_the_wheel_the_tooling_commands_parse_and_find_the_instal
     probe = (
         "import sys\n"
         "from ftsup.supervisor.cli import main\n"
-        "from ftsup.supervisor.faults.refjob import CODE_ROOT\n"
+        "from ftsup.tools.faults.refjob import CODE_ROOT\n"
         "import ftsup.supervisor.cli as cli\n"
         "print(cli.__file__, CODE_ROOT)\n"
         "for argv in (['bench', 'recovery', '--help'], ['bench', 'eviction', '--help'],\n"

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from ftsup.supervisor.faults import chaos
+from ftsup.tools.faults import chaos
 from tests.procs import REPO, kill_tree
 
 pytestmark = pytest.mark.multiprocess

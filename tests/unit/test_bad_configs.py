@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from ftsup.supervisor.cli import main
+from ftsup.supervisor.cli.commands import main
 from tests.procs import REPO
 
 
@@ -216,8 +216,8 @@ def expected_name(case: Case, config: Path) -> str:
 
 
 def test_the_good_config_passes_every_check(tmp_path: Path) -> None:
-    from ftsup.supervisor import preflight
-    from ftsup.supervisor.config import load_config
+    from ftsup.supervisor.config.job import load_config
+    from ftsup.supervisor.run import preflight
 
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(good(tmp_path)))
@@ -274,7 +274,7 @@ def test_a_bad_config_exits_2_with_one_line_from_a_real_ftsup_process(kind: str,
 
 
 def test_a_config_reached_through_a_symlink_is_read(tmp_path: Path) -> None:
-    from ftsup.supervisor.config import load_config
+    from ftsup.supervisor.config.job import load_config
 
     (tmp_path / "real.yaml").write_text(yaml.safe_dump(good(tmp_path)))
     (tmp_path / "job.yaml").symlink_to(tmp_path / "real.yaml")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ftsup.supervisor.bench import anomaly
-from ftsup.supervisor.faults.chaos import LogEvent
+from ftsup.tools.bench import anomaly
+from ftsup.tools.faults.chaos import LogEvent
 
 
 def ev(t: float, event: str, **fields: Any) -> LogEvent:

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from ftsup.supervisor.bench.goodput.account import CAUSES, Interruption, Line, Timeline, account
-from ftsup.supervisor.bench.goodput.contenders import NAMES, Contender, NvrxTimeouts, contenders
-from ftsup.supervisor.bench.goodput.report import checks, not_run, table
-from ftsup.supervisor.bench.goodput.schedule import DEFAULT_MIX, KINDS, parse_mix, plan
-from ftsup.supervisor.faults.refjob import TrainerJob
+from ftsup.tools.bench.goodput.account import CAUSES, Interruption, Line, Timeline, account
+from ftsup.tools.bench.goodput.contenders import NAMES, Contender, NvrxTimeouts, contenders
+from ftsup.tools.bench.goodput.report import checks, not_run, table
+from ftsup.tools.bench.goodput.schedule import DEFAULT_MIX, KINDS, parse_mix, plan
+from ftsup.tools.faults.refjob import TrainerJob
 
 MIX = parse_mix(DEFAULT_MIX)
 

@@ -1,10 +1,10 @@
-"""ftsup.trainer.bench.hf_report: the Hugging Face rows' figures and targets (pure, no processes)."""
+"""ftsup.tools.bench.checkpoint.hf_report: the Hugging Face rows' figures and targets (pure, no processes)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ftsup.trainer.bench import hf_report, report
+from ftsup.tools.bench.checkpoint import hf_report, report
 
 MIB = 2**20
 

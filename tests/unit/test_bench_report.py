@@ -1,4 +1,4 @@
-"""ftsup.trainer.bench.report: how rank records become benchmark rows (pure, no processes)."""
+"""ftsup.tools.bench.checkpoint.report: how rank records become benchmark rows (pure, no processes)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from ftsup.trainer.bench import report
+from ftsup.tools.bench.checkpoint import report
 
 
 def _rec(row: str, rank: int, repeat: Any, **fields: Any) -> dict[str, Any]:
@@ -119,7 +119,7 @@ def test_targets_compare_in_the_stated_direction() -> None:
 
 
 def test_extra_step_time_is_measured_against_the_mean_of_unloaded_steps_on_both_sides() -> None:
-    from ftsup.trainer.bench.probes import StepLog
+    from ftsup.tools.bench.checkpoint.probes import StepLog
 
     # Skewed unloaded steps (median 0.020, mean 0.025) and a drift: slower after the save.
     log = StepLog(before=[0.02, 0.02, 0.035], during=[0.03] * 10, after=[0.02, 0.02, 0.035])

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from ftsup.trainer.bench import scale_report
+from ftsup.tools.bench.scale import report as scale_report
 
 
 def _results(costs: dict[int, float], op: str = "resume_choice") -> list[dict[str, Any]]:

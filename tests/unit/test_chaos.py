@@ -1,4 +1,4 @@
-"""`ftsup.supervisor.faults.chaos` observers on files written by hand: no processes, no torch."""
+"""`ftsup.tools.faults.chaos` observers on files written by hand: no processes, no torch."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ftsup.supervisor.faults import chaos
+from ftsup.tools.faults import chaos
 
 
 def line(step: int, loss_hex: str = "0x1p+0") -> str:

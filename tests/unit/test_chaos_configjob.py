@@ -1,4 +1,4 @@
-"""`ftsup chaos --config`: a job of one's own run in the work directory (`ftsup.supervisor.faults.configjob`)."""
+"""`ftsup chaos --config`: a job of one's own run in the work directory (`ftsup.tools.faults.configjob`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import yaml
 
-from ftsup.supervisor.config import load_config, parse_config
-from ftsup.supervisor.faults.configjob import ConfigJob, sample_logs
+from ftsup.supervisor.config.job import load_config, parse_config
+from ftsup.tools.faults.configjob import ConfigJob, sample_logs
 
 
 def own_job(tmp_path: Path) -> ConfigJob:

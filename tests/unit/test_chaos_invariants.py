@@ -1,11 +1,11 @@
-"""The invariants of `ftsup chaos` (`ftsup.supervisor.faults.invariants`), over records and logs written here."""
+"""The invariants of `ftsup chaos` (`ftsup.tools.faults.invariants`), over records and logs written here."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from ftsup.supervisor.faults.invariants import (
+from ftsup.tools.faults.invariants import (
     by_kind,
     fault_violations,
     loss_log_check,

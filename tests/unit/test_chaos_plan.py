@@ -1,10 +1,10 @@
-"""The plan of `ftsup chaos` (`ftsup.supervisor.faults.plan`): seeded, every kind, forms that exist."""
+"""The plan of `ftsup chaos` (`ftsup.tools.faults.plan`): seeded, every kind, forms that exist."""
 
 from __future__ import annotations
 
 import pytest
 
-from ftsup.supervisor.faults.plan import COMMIT_POINTS, KINDS, RANK0_POINTS, make_plan, steps_needed
+from ftsup.tools.faults.plan import COMMIT_POINTS, KINDS, RANK0_POINTS, make_plan, steps_needed
 
 
 def test_the_same_seed_draws_the_same_plan():

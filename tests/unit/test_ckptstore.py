@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from ftsup.store import checksums, choice, layout
-from ftsup.supervisor import ckptstore
-from ftsup.supervisor.ckptstore import StoreScanner, StoreView
+from ftsup.supervisor.state import ckptstore
+from ftsup.supervisor.state.ckptstore import StoreScanner, StoreView
 from tests.helpers import default_files, make_fake_checkpoint, slow_choices, torn_newest
 from tests.procs import wait_for
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ftsup.store import durable
-from ftsup.supervisor.ckptstore import StoreScanner
+from ftsup.supervisor.state.ckptstore import StoreScanner
 from tests.helpers import default_files, make_fake_checkpoint
 
 

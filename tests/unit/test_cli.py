@@ -13,7 +13,7 @@ import pytest
 
 from ftsup.store import checksums, layout
 from ftsup.store.errors import CheckpointSaveError
-from ftsup.supervisor.cli import main
+from ftsup.supervisor.cli.commands import main
 from tests.helpers import default_files, flip_byte, make_fake_checkpoint
 
 
@@ -227,19 +227,19 @@ def test_help_exits_0_and_lists_the_commands(capsys: pytest.CaptureFixture[str])
 
 
 class FakeBench(types.ModuleType):
-    """Stands in for `ftsup.trainer.bench` (which needs torch) with the same two entry points."""
+    """Stands in for `ftsup.tools.bench.checkpoint` (which needs torch) with the same two entry points."""
 
     def __init__(self, result: int | Exception = 0) -> None:
-        super().__init__("ftsup.trainer.bench")
+        super().__init__("ftsup.tools.bench.checkpoint.command")
         self.result = result
         self.ran_with: list[argparse.Namespace] = []
         self.parsers_built = 0
 
-    def add_checkpoint_arguments(self, parser: argparse.ArgumentParser) -> None:
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         self.parsers_built += 1
         parser.add_argument("--size-mb", type=int, required=True)
 
-    def run_checkpoint(self, args: argparse.Namespace) -> int:
+    def run(self, args: argparse.Namespace) -> int:
         self.ran_with.append(args)
         if isinstance(self.result, Exception):
             raise self.result
@@ -250,7 +250,7 @@ def test_bench_checkpoint_delegates_parsing_and_running_to_trainer_bench(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake = FakeBench(result=0)
-    monkeypatch.setitem(sys.modules, "ftsup.trainer.bench", fake)
+    monkeypatch.setitem(sys.modules, "ftsup.tools.bench.checkpoint.command", fake)
     code, _, _ = run(capsys, "bench", "checkpoint", "--size-mb", "256")
     assert (code, [a.size_mb for a in fake.ran_with]) == (0, [256])
 
@@ -258,7 +258,7 @@ def test_bench_checkpoint_delegates_parsing_and_running_to_trainer_bench(
 def test_bench_checkpoint_exit_status_is_the_benchmarks(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setitem(sys.modules, "ftsup.trainer.bench", FakeBench(result=1))
+    monkeypatch.setitem(sys.modules, "ftsup.tools.bench.checkpoint.command", FakeBench(result=1))
     code, _, _ = run(capsys, "bench", "checkpoint", "--size-mb", "1")
     assert code == 1
 
@@ -267,7 +267,7 @@ def test_checkpoint_error_becomes_one_stderr_line_and_exit_2(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake = FakeBench(result=CheckpointSaveError("disk full while writing shard 3; free space"))
-    monkeypatch.setitem(sys.modules, "ftsup.trainer.bench", fake)
+    monkeypatch.setitem(sys.modules, "ftsup.tools.bench.checkpoint.command", fake)
     code, _, err = run(capsys, "bench", "checkpoint", "--size-mb", "1")
     assert (code, err) == (2, "ftsup: error: disk full while writing shard 3; free space\n")
 
@@ -275,7 +275,7 @@ def test_checkpoint_error_becomes_one_stderr_line_and_exit_2(
 def test_bench_without_trainer_bench_is_one_error_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setitem(sys.modules, "ftsup.trainer.bench", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "ftsup.tools.bench.checkpoint.command", None)  # makes the import fail
     code, _, err = run(capsys, "bench", "checkpoint", "--size-mb", "1")
     assert (code, err.startswith("ftsup: error: "), err.count("\n")) == (2, True, 1)
 
@@ -284,7 +284,7 @@ def test_ckpt_commands_do_not_load_the_benchmark(
     store: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake = FakeBench()
-    monkeypatch.setitem(sys.modules, "ftsup.trainer.bench", fake)
+    monkeypatch.setitem(sys.modules, "ftsup.tools.bench.checkpoint.command", fake)
     code, _, _ = run(capsys, "ckpt", "list", str(store))
     assert (code, fake.parsers_built) == (0, 0)
 
@@ -306,7 +306,7 @@ def test_bench_help_lists_every_benchmark_without_loading_the_checkpoint_one(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake = FakeBench()
-    monkeypatch.setitem(sys.modules, "ftsup.trainer.bench", fake)
+    monkeypatch.setitem(sys.modules, "ftsup.tools.bench.checkpoint.command", fake)
     code, out, _ = run(capsys, "bench", "--help")
     benchmarks = ["recovery", "eviction", "checkpoint", "scale", "anomaly", "goodput"]
     assert (code, listed(out), fake.parsers_built) == (0, benchmarks, 0)

@@ -11,7 +11,7 @@ import structlog
 from structlog.testing import capture_logs
 
 from ftsup.store import pins
-from ftsup.supervisor.cli import main
+from ftsup.supervisor.cli.commands import main
 from tests.helpers import default_files, make_fake_checkpoint
 from tests.unit.test_cli import run
 

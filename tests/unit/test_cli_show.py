@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from ftsup.store import hublayout, layout, stheader
-from ftsup.supervisor.cli import main
+from ftsup.supervisor.cli.commands import main
 from tests.helpers import make_fake_checkpoint
 from tests.unit.test_cli import run
 from tests.unit.test_hublayout import sharded

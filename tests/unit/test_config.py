@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from ftsup.supervisor.config import (
+from ftsup.supervisor.config.job import (
     CheckpointConfig,
     JobConfig,
     JobSection,

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from ftsup.supervisor import config_args
-from ftsup.supervisor.cli import build_parser
-from ftsup.supervisor.config import AnomalyConfig, parse_config
+from ftsup.supervisor.cli.commands import build_parser
+from ftsup.supervisor.config import args as config_args
+from ftsup.supervisor.config.job import AnomalyConfig, parse_config
 from ftsup.supervisor.errors import ConfigError
 
 

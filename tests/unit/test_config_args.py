@@ -1,4 +1,4 @@
-"""The job config from the command line (`ftsup.supervisor.config_args`), through the real CLI entry point in-process:
+"""The job config from the command line (`ftsup.supervisor.config.args`), through the real CLI entry point in-process:
 `ftsup config check` takes the same arguments as `ftsup run` and starts nothing.
 
 Each test runs in a directory of its own, which is where a config without a YAML file puts its state and checkpoints;
@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import yaml
 
-from ftsup.supervisor import config_args
-from ftsup.supervisor.cli import build_parser, main
-from ftsup.supervisor.config_args import Override
+from ftsup.supervisor.cli.commands import build_parser, main
+from ftsup.supervisor.config import args as config_args
+from ftsup.supervisor.config.args import Override
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Each config default is declared once, on the config's dataclasses (`ftsup.supervisor.config`), and the rest
+"""Each config default is declared once, on the config's dataclasses (`ftsup.supervisor.config.job`), and the rest
 follows them: the policy's settings are derived from a config (`settings_from`) with no default of their own, and
 deploy/examples/job.yaml, which documents every key with its default, agrees with the dataclasses (it shows every
 key of every section, and each value it sets is the default unless its line marks the value as an example); a
@@ -10,11 +10,12 @@ import dataclasses
 import re
 from pathlib import Path
 
-from ftsup.supervisor.config import (
+from ftsup.supervisor.config.job import (
     AnomalyConfig,
     CheckpointConfig,
     EvictionConfig,
     HeartbeatConfig,
+    HeartbeatMode,
     JobSection,
     LaunchConfig,
     LoggingConfig,
@@ -22,9 +23,8 @@ from ftsup.supervisor.config import (
     RestartConfig,
     load_config,
     parse_config,
-    settings_from,
 )
-from ftsup.supervisor.policy_io import HeartbeatMode, Settings
+from ftsup.supervisor.policy.events import Settings, settings_from
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "deploy" / "examples" / "job.yaml"

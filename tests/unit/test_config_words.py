@@ -9,9 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
-from ftsup.supervisor.config import JobConfig, load_config
+from ftsup.supervisor.config.job import HeartbeatMode, JobConfig, load_config
 from ftsup.supervisor.errors import ConfigError
-from ftsup.supervisor.policy_io import HeartbeatMode
 
 
 def load(tmp: Path, content: dict[str, Any] | str) -> JobConfig:

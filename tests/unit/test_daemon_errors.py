@@ -15,13 +15,15 @@ import structlog
 import yaml
 from structlog.testing import capture_logs
 
-from ftsup.supervisor import policy, resume, statedir
-from ftsup.supervisor.cli import main
-from ftsup.supervisor.config import load_config
-from ftsup.supervisor.daemon import Daemon
-from ftsup.supervisor.journal import JournalRecord
-from ftsup.supervisor.outages import RETRY_INITIAL_S
-from ftsup.supervisor.resume import ResumeChoice
+from ftsup.supervisor import statedir
+from ftsup.supervisor.cli.commands import main
+from ftsup.supervisor.config.job import load_config
+from ftsup.supervisor.policy import machine as policy
+from ftsup.supervisor.run import resume
+from ftsup.supervisor.run.daemon import Daemon
+from ftsup.supervisor.run.outages import RETRY_INITIAL_S
+from ftsup.supervisor.run.resume import ResumeChoice
+from ftsup.supervisor.state.journal import JournalRecord
 from tests.helpers import slow_choices, torn_newest
 from tests.procs import wait_for
 

@@ -19,9 +19,9 @@ import structlog
 import yaml
 
 from ftsup.supervisor import statedir
-from ftsup.supervisor.config import load_config
-from ftsup.supervisor.daemon import Daemon
+from ftsup.supervisor.config.job import load_config
 from ftsup.supervisor.errors import ConfigError
+from ftsup.supervisor.run.daemon import Daemon
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 

@@ -1,4 +1,4 @@
-"""The training-health detectors (`ftsup.supervisor.detectors`) over synthetic heartbeat streams and a recorded one:
+"""The training-health detectors (`policy.detectors`) over synthetic heartbeat streams and a recorded one:
 non-finite figures at once, spikes after their patience with their onset, stragglers, drift, and beats that come
 twice, late or not at all."""
 
@@ -12,9 +12,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from ftsup.protocol import Phase
-from ftsup.supervisor import detectors as D
-from ftsup.supervisor.config_anomaly import AnomalyConfig
-from ftsup.supervisor.policy_io import Heartbeat
+from ftsup.supervisor.config.anomaly import AnomalyConfig
+from ftsup.supervisor.policy import detectors as D
+from ftsup.supervisor.policy.events import Heartbeat
 
 CFG = AnomalyConfig()
 G = 12  # global batch

@@ -211,14 +211,14 @@ def test_an_upload_takes_only_a_committed_checkpoint_directory(tmp_path: Path) -
 
 def test_an_s3_tier_without_boto3_names_the_durable_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "boto3", None)  # what `import boto3` meets where it is not installed
-    monkeypatch.delitem(sys.modules, "ftsup.store.s3", raising=False)
-    monkeypatch.delattr(importlib.import_module("ftsup.store"), "s3", raising=False)
+    monkeypatch.delitem(sys.modules, "ftsup.store.durable.s3", raising=False)
+    monkeypatch.delattr(importlib.import_module("ftsup.store.durable"), "s3", raising=False)
     with pytest.raises(MissingExtraError, match=r"pip install 'ftsup\[durable\]'"):
         durable.open_tier("s3://bucket/prefix")
 
 
 def test_ftsup_ckpt_list_of_a_bad_s3_location_is_a_usage_error_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
-    from ftsup.supervisor.cli import main
+    from ftsup.supervisor.cli.commands import main
 
     assert main(["ckpt", "list", "s3://Bad_Bucket/run"]) == 2
     assert "not an S3 bucket name" in capsys.readouterr().err

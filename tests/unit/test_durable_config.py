@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from ftsup.protocol import DURABLE_TIER_ENV, NODE_LOCAL_ENV
-from ftsup.supervisor import config_args, launcher
-from ftsup.supervisor.config import JobConfig, parse_config
-from ftsup.supervisor.config_durable import DurableConfig
+from ftsup.supervisor.config import args as config_args
+from ftsup.supervisor.config.durable import DurableConfig
+from ftsup.supervisor.config.job import JobConfig, parse_config
 from ftsup.supervisor.errors import ConfigError
+from ftsup.supervisor.run import launcher
 
 
 def config(durable: object = None, *, given: bool = True) -> JobConfig:

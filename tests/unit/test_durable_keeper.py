@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from ftsup.store import layout
-from ftsup.supervisor import console
-from ftsup.supervisor.ckptstore import StoreScanner
-from ftsup.supervisor.config import JobConfig, parse_config
-from ftsup.supervisor.durable_keeper import DurableKeeper
-from ftsup.supervisor.metrics import Metrics
+from ftsup.supervisor.config.job import JobConfig, parse_config
+from ftsup.supervisor.durable.keeper import DurableKeeper
+from ftsup.supervisor.state.ckptstore import StoreScanner
+from ftsup.supervisor.telemetry import console
+from ftsup.supervisor.telemetry.metrics import Metrics
 from tests.helpers import default_files, make_fake_checkpoint
 
 

@@ -5,12 +5,13 @@ go. Pure functions, driven with values."""
 from __future__ import annotations
 
 from ftsup.store import layout
-from ftsup.supervisor import durable_policy
-from ftsup.supervisor.config_anomaly import AnomalyConfig
-from ftsup.supervisor.config_durable import DurableConfig
-from ftsup.supervisor.durable_policy import Picks, pick
-from ftsup.supervisor.policy_io import HeartbeatMode, Settings
-from ftsup.supervisor.policy_rules import save_fits
+from ftsup.supervisor.config.anomaly import AnomalyConfig
+from ftsup.supervisor.config.durable import DurableConfig
+from ftsup.supervisor.config.job import HeartbeatMode
+from ftsup.supervisor.durable import rules as durable_policy
+from ftsup.supervisor.durable.rules import Picks, pick
+from ftsup.supervisor.policy.events import Settings
+from ftsup.supervisor.policy.rules import save_fits
 
 MIB = 2**20
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from botocore.exceptions import ClientError
 
-from ftsup.store import durable, s3
+from ftsup.store import durable
+from ftsup.store.durable import s3
 from ftsup.store.errors import ManifestError
 
 

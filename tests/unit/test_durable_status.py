@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from ftsup.supervisor.cli import main
-from ftsup.supervisor.journal import Journal, JournalRecord
+from ftsup.supervisor.cli.commands import main
+from ftsup.supervisor.state.journal import Journal, JournalRecord
 
 
 def job(tmp: Path, durable: object) -> Path:

@@ -1,4 +1,4 @@
-"""The durable tier's uploader (supervisor/durable_upload.py) on a durable tier in tmp_path: a thread that uploads
+"""The durable tier's uploader (supervisor/durable/upload.py) on a durable tier in tmp_path: a thread that uploads
 what it is given, drops what cannot go, and stops when closed. Its retries of a store that is down: on a real S3
 store, tests/integration/test_durable_uploader.py."""
 
@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 
 from ftsup.store import durable, layout
-from ftsup.supervisor.durable_upload import Outcome, Uploader
+from ftsup.supervisor.durable.upload import Outcome, Uploader
 from tests.helpers import default_files, flip_byte, make_fake_checkpoint
 from tests.procs import wait_for
 

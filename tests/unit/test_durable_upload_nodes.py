@@ -1,5 +1,5 @@
 """The durable tier's uploader in a job whose nodes keep separate fast tiers: a checkpoint whose commit waits for
-the other nodes' parts waits again in the queue, and other checkpoints go meanwhile (supervisor/durable_upload.py)."""
+the other nodes' parts waits again in the queue, and other checkpoints go meanwhile (supervisor/durable/upload.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ftsup.store import durable, layout
 from ftsup.store.errors import DurableWaitError
-from ftsup.supervisor.durable_upload import Outcome, Uploader
+from ftsup.supervisor.durable.upload import Outcome, Uploader
 from tests.helpers import default_files, make_fake_checkpoint
 from tests.procs import wait_for
 

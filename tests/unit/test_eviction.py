@@ -8,11 +8,11 @@ import socket
 import pytest
 
 from ftsup.protocol import Phase
-from ftsup.supervisor import policy as P
 from ftsup.supervisor.eviction import notices
 from ftsup.supervisor.eviction.local import CommandWatcher, FileWatcher
 from ftsup.supervisor.eviction.providers import AwsWatcher, AzureWatcher, GcpWatcher, WatchError
 from ftsup.supervisor.eviction.runner import WatcherThreads
+from ftsup.supervisor.policy import machine as P
 from tests.metadata_server import MetadataServer
 from tests.settings import settings
 from tests.unit.test_policy import Driver

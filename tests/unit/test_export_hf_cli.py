@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from ftsup.supervisor.export_hf import progress_printer
+from ftsup.supervisor.cli.export_hf import progress_printer
 
 
 class Terminal(io.StringIO):

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from ftsup.protocol import Phase
-from ftsup.supervisor import console, failures
-from ftsup.supervisor import policy as P
+from ftsup.supervisor.policy import failures
+from ftsup.supervisor.policy import machine as P
+from ftsup.supervisor.telemetry import console
 from tests.settings import settings
 
 S = settings(nproc_max=2, startup_timeout_s=60, backoff_initial_s=1, max_restarts=5, window_s=1000,

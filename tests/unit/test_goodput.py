@@ -17,13 +17,13 @@ import yaml
 from structlog.testing import capture_logs
 
 from ftsup.protocol import Phase
-from ftsup.supervisor import goodput as G
-from ftsup.supervisor import policy as P
-from ftsup.supervisor.cli import main
-from ftsup.supervisor.config import load_config
-from ftsup.supervisor.daemon import Daemon
-from ftsup.supervisor.journal import Journal, JournalError, JournalRecord
-from ftsup.supervisor.metrics import Metrics
+from ftsup.supervisor.cli.commands import main
+from ftsup.supervisor.config.job import load_config
+from ftsup.supervisor.policy import goodput as G
+from ftsup.supervisor.policy import machine as P
+from ftsup.supervisor.run.daemon import Daemon
+from ftsup.supervisor.state.journal import Journal, JournalError, JournalRecord
+from ftsup.supervisor.telemetry.metrics import Metrics
 from tests.settings import settings
 
 S = settings(nproc_max=2, startup_timeout_s=60, save_timeout_s=100, min_timeout_s=2.0, backoff_initial_s=4,

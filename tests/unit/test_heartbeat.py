@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from ftsup.supervisor.heartbeat import Admission, HeartbeatReceiver
+from ftsup.supervisor.run.heartbeat import Admission, HeartbeatReceiver
 from tests.procs import kill_tree
 from tests.unit.test_protocol import raw
 

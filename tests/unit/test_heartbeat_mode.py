@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 
 from ftsup.protocol import Phase
-from ftsup.supervisor import policy as P
-from ftsup.supervisor.policy_io import HeartbeatMode
+from ftsup.supervisor.config.job import HeartbeatMode
+from ftsup.supervisor.policy import machine as P
 from tests.settings import settings
 
 STARTUP_S = 60.0
@@ -131,7 +131,7 @@ def test_attempts_without_heartbeats_that_ran_past_the_startup_timeout_count_as_
 
 
 def test_in_off_mode_the_heartbeat_timeout_metric_shows_none_in_force():
-    from ftsup.supervisor.metrics import Metrics
+    from ftsup.supervisor.telemetry.metrics import Metrics
 
     d, metrics = Driver(mode("off")), Metrics("job-1", "node-a", started_unix=0.0)
     attempt = d.launch()

@@ -1,4 +1,4 @@
-"""A Trainer's `checkpoint-N/` committed into the store (`ftsup.trainer.hf_store`), and the resume
+"""A Trainer's `checkpoint-N/` committed into the store (`ftsup.trainer.hf.store`), and the resume
 choice over it: only a committed, verified directory is ever resumed from."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from ftsup.store import layout
 from ftsup.store.errors import CheckpointSaveError
-from ftsup.trainer.hf_store import commit_hf_checkpoint, hf_checkpoint_dir, latest_hf_checkpoint
+from ftsup.trainer.hf.store import commit_hf_checkpoint, hf_checkpoint_dir, latest_hf_checkpoint
 from tests.helpers import flip_byte
 
 

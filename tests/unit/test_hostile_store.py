@@ -19,7 +19,7 @@ import pytest
 
 from ftsup.store import checksums, choice, layout, safefile
 from ftsup.store.errors import CheckpointCorruptError, ManifestError
-from ftsup.supervisor.cli import main
+from ftsup.supervisor.cli.commands import main
 from tests.helpers import default_files, make_fake_checkpoint, write_manifest_json
 
 T = TypeVar("T")

@@ -1,4 +1,4 @@
-"""Ranged reads of a Hub-layout model (`ftsup.trainer.checkpoint.hubread.HubReader`): tensors at any offset read
+"""Ranged reads of a Hub-layout model (`ftsup.trainer.hf.hubread.HubReader`): tensors at any offset read
 bitwise in pieces whatever piece boundary they cross, with O_DIRECT into the caller's memory and through the page
 cache; a piece that comes back short is an error naming the file and the tensor; the process's reading threads
 serve readers in several threads at once, are made anew in a forked child, and stop when released."""
@@ -15,9 +15,9 @@ from safetensors.torch import save_file
 
 from ftsup.store import hublayout
 from ftsup.store.errors import ModelFileError
-from ftsup.trainer.checkpoint import hubread
-from ftsup.trainer.checkpoint.hubread import HubReader
 from ftsup.trainer.checkpoint.shardio import PAGE
+from ftsup.trainer.hf import hubread
+from ftsup.trainer.hf.hubread import HubReader
 
 ODD_PIECE = 3 * PAGE + 5  # a piece that starts and ends inside pages, its boundaries nowhere near a tensor's
 

@@ -11,8 +11,8 @@ import pytest
 
 from ftsup.store import dcpmeta, dtypes, layout
 from ftsup.store.errors import CheckpointCorruptError
-from ftsup.trainer.bench import scale_ops
-from ftsup.trainer.bench.scale_state import Job, Model
+from ftsup.tools.bench.scale import ops as scale_ops
+from ftsup.tools.bench.scale.state import Job, Model
 from ftsup.trainer.checkpoint import loadplan
 from ftsup.trainer.checkpoint.reader import ShardReader
 

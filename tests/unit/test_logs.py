@@ -1,4 +1,4 @@
-"""Events are defined once, in ftsup.supervisor.logs.EVENTS: every event the supervisor emits is listed.
+"""Events are defined once, in ftsup.supervisor.telemetry.logs.EVENTS: every event the supervisor emits is listed.
 
 The events are captured as emitted (`structlog.testing.capture_logs()`): the policy is driven
 through its decisions with a fake clock and its log actions go through the daemon's `_execute`,
@@ -22,12 +22,12 @@ import yaml
 from structlog.testing import capture_logs
 
 from ftsup.protocol import Phase
-from ftsup.supervisor import policy as P
-from ftsup.supervisor.config import load_config
-from ftsup.supervisor.daemon import Daemon
+from ftsup.supervisor.config.job import load_config
 from ftsup.supervisor.eviction.notices import Blind, Seeing
 from ftsup.supervisor.eviction.requeue import requeue
-from ftsup.supervisor.logs import EVENTS
+from ftsup.supervisor.policy import machine as P
+from ftsup.supervisor.run.daemon import Daemon
+from ftsup.supervisor.telemetry.logs import EVENTS
 from tests.helpers import default_files, make_fake_checkpoint
 from tests.settings import settings
 
@@ -272,7 +272,7 @@ def test_event_names_are_snake_case_past_tense():
 
 
 def test_logging_after_the_daemon_closed_its_log_file_still_works(tmp_path, capsys):
-    from ftsup.supervisor import logs
+    from ftsup.supervisor.telemetry import logs
 
     old = structlog.get_config()
     try:

@@ -16,10 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ftsup.protocol import Phase
 from ftsup.store import layout
-from ftsup.supervisor import policy as P
-from ftsup.supervisor.config import ConfigError, load_config
-from ftsup.supervisor.daemon import Daemon
-from ftsup.supervisor.metrics import FAILURE_KINDS, Metrics, MetricsServer
+from ftsup.supervisor.config.job import ConfigError, load_config
+from ftsup.supervisor.policy import machine as P
+from ftsup.supervisor.run.daemon import Daemon
+from ftsup.supervisor.telemetry.metrics import FAILURE_KINDS, Metrics, MetricsServer
 from tests.settings import settings
 
 S = settings(nproc_max=2, startup_timeout_s=60, backoff_initial_s=1, backoff_max_s=8, max_restarts=5,

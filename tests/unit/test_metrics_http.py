@@ -20,10 +20,10 @@ import psutil
 import pytest
 import yaml
 
-from ftsup.supervisor.config import load_config
-from ftsup.supervisor.daemon import Daemon
-from ftsup.supervisor.metrics import Metrics, MetricsServer
-from ftsup.supervisor.metrics_http import MAX_CONNECTIONS
+from ftsup.supervisor.config.job import load_config
+from ftsup.supervisor.run.daemon import Daemon
+from ftsup.supervisor.telemetry.http import MAX_CONNECTIONS
+from ftsup.supervisor.telemetry.metrics import Metrics, MetricsServer
 
 WALL = 1_800_000_000.0
 

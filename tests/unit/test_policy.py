@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ftsup.protocol import Phase
-from ftsup.supervisor import policy as P
-from ftsup.supervisor.logs import EVENTS
+from ftsup.supervisor.policy import machine as P
+from ftsup.supervisor.telemetry.logs import EVENTS
 from tests.settings import settings
 
 S = settings(nproc_max=2, startup_timeout_s=60, save_timeout_s=100, min_timeout_s=2.0, backoff_initial_s=1,

@@ -9,9 +9,9 @@ import math
 from typing import Any
 
 from ftsup.protocol import Phase
-from ftsup.supervisor import policy as P
-from ftsup.supervisor.config_anomaly import AnomalyConfig
-from ftsup.supervisor.logs import EVENTS
+from ftsup.supervisor.config.anomaly import AnomalyConfig
+from ftsup.supervisor.policy import machine as P
+from ftsup.supervisor.telemetry.logs import EVENTS
 from tests.settings import settings
 from tests.unit.test_policy import Driver
 

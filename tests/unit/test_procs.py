@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from ftsup import guard, procs
-from ftsup.supervisor import launcher
+from ftsup.supervisor.run import launcher
 from tests.procs import kill_tree, wait_for
 
 MARK = procs.Mark("run-t", "node-t", 3)

@@ -2,8 +2,8 @@
 load no module of the benchmarks or of fault injection (the demo included), each checked in a new
 interpreter, as tests/unit/test_torch_free.py checks torch.
 
-The tooling is `ftsup.supervisor.bench`, `ftsup.supervisor.faults` and `ftsup.trainer.bench`;
-`ftsup.supervisor.cli` imports one of them only for the command that runs it.
+The tooling is `ftsup.tools` (benchmarks, fault injection, the demo); `ftsup.supervisor.cli` imports a module
+of it only for the command that runs it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import yaml
 from tests.helpers import default_files, make_fake_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
-TOOLING = ("ftsup.supervisor.bench", "ftsup.supervisor.faults", "ftsup.trainer.bench")
+TOOLING = ("ftsup.tools",)
 
 
 def tooling_loaded_after(code: str) -> list[str]:
@@ -71,4 +71,4 @@ def test_a_command_that_does_not_benchmark_or_inject_faults_imports_no_tooling(a
 
 
 def test_the_daemon_imports_no_tooling() -> None:
-    assert tooling_loaded_after("import ftsup.supervisor.daemon") == []
+    assert tooling_loaded_after("import ftsup.supervisor.run.daemon") == []

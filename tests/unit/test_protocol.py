@@ -17,6 +17,7 @@ from ftsup.protocol import (
     BEAT_VERSION,
     CONTROL_VERSION,
     DATA_SKIPS_ENV,
+    DROP_REASONS,
     ENV_NAMES,
     MAX_BEAT_BYTES,
     MAX_CONTROL_BYTES,
@@ -37,7 +38,6 @@ from ftsup.protocol import (
     parse_control,
     parse_data_skips,
 )
-from ftsup.supervisor.heartbeat import DROP_REASONS
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = {"v": BEAT_VERSION, "attempt": 1, "rank": 0, "local_rank": 0, "pid": 4242, "step": 7, "phase": "train",

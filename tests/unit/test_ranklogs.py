@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ftsup.supervisor import ranklogs
-from ftsup.supervisor.failures import MAX_LINE_CHARS, TAIL_LINES
+from ftsup.supervisor.policy.failures import MAX_LINE_CHARS, TAIL_LINES
+from ftsup.supervisor.run import ranklogs
 
 RANK_LINES = "[rank1]: out 0\n[rank1]: Traceback (most recent call last):\n[rank1]: ValueError: boom\n"
 

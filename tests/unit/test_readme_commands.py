@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ftsup.supervisor.cli import main
+from ftsup.supervisor.cli.commands import main
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"

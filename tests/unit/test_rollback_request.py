@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from ftsup.protocol import RollbackRequest, encode_rollback, parse_rollback
-from ftsup.supervisor import cli, policy
-from ftsup.supervisor.policy_anomaly import merge_skips
-from ftsup.supervisor.rollbacks import FILE_NAME, RollbackWatcher
+from ftsup.supervisor.cli import commands as cli
+from ftsup.supervisor.policy import machine as policy
+from ftsup.supervisor.policy.anomaly import merge_skips
+from ftsup.supervisor.state.rollbacks import FILE_NAME, RollbackWatcher
 from tests.helpers import default_files, make_fake_checkpoint
 
 REQ = RollbackRequest("0123abcd0123abcd", 40, ((480, 528),), "ops@node1 pid 7", "loss spike", 1_700_000_000.0)

@@ -15,11 +15,15 @@ import pytest
 from ftsup import protocol
 from ftsup.protocol import Phase
 from ftsup.store import choice, layout
-from ftsup.supervisor import cli, detectors, launcher, policy, policy_anomaly
-from ftsup.supervisor.ckptstore import StoreScanner
-from ftsup.supervisor.config import parse_config
-from ftsup.supervisor.journal import Journal, JournalError, JournalRecord
-from ftsup.supervisor.metrics import Metrics
+from ftsup.supervisor.cli import commands as cli
+from ftsup.supervisor.config.job import parse_config
+from ftsup.supervisor.policy import anomaly as policy_anomaly
+from ftsup.supervisor.policy import detectors
+from ftsup.supervisor.policy import machine as policy
+from ftsup.supervisor.run import launcher
+from ftsup.supervisor.state.ckptstore import StoreScanner
+from ftsup.supervisor.state.journal import Journal, JournalError, JournalRecord
+from ftsup.supervisor.telemetry.metrics import Metrics
 from tests.helpers import default_files, make_fake_checkpoint
 from tests.settings import DEFAULTS, settings
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ftsup.protocol import CONTROL_VERSION, MAX_FIGURES, NO_REQUEST, Request, RuntimeEnv, encode_control
-from ftsup.supervisor.heartbeat import HeartbeatReceiver
+from ftsup.supervisor.run.heartbeat import HeartbeatReceiver
 from ftsup.trainer.runtime import Agreement, ControlReader, RuntimeClient
 from tests.procs import wait_for
 

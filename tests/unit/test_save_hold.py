@@ -1,5 +1,5 @@
-"""The durable upload's hold while the node's fast tier is being written (supervisor/save_hold.py), and the
-uploader's use of it (supervisor/durable_upload.py): held while a `step-N.partial` is there, going on once it is
+"""The durable upload's hold while the node's fast tier is being written (supervisor/durable/hold.py), and the
+uploader's use of it (supervisor/durable/upload.py): held while a `step-N.partial` is there, going on once it is
 committed, never held for ever by a torn one, never held when urgent."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from ftsup.store import durable, layout
-from ftsup.supervisor.durable_upload import Outcome, Uploader
-from ftsup.supervisor.save_hold import SaveHold
+from ftsup.supervisor.durable.hold import SaveHold
+from ftsup.supervisor.durable.upload import Outcome, Uploader
 from tests.helpers import default_files, make_fake_checkpoint
 from tests.procs import wait_for
 

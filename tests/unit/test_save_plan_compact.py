@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from ftsup.trainer.bench import scale_ops
-from ftsup.trainer.bench.scale_state import Job, Model, SimShard
+from ftsup.tools.bench.scale import ops as scale_ops
+from ftsup.tools.bench.scale.state import Job, Model, SimShard
 from ftsup.trainer.checkpoint import saveplan, staging
 from ftsup.trainer.checkpoint.comm import LocalComm
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ftsup.store import layout
-from ftsup.supervisor.ckptstore import StoreScanner
+from ftsup.supervisor.state.ckptstore import StoreScanner
 from ftsup.trainer.checkpoint import staging
 from ftsup.trainer.checkpoint.comm import LocalComm
 

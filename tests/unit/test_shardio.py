@@ -149,7 +149,7 @@ def test_many_regions_of_several_files_are_each_page_aligned_and_read_around_the
 def test_without_o_direct_everything_is_read_through_the_cache(tmp_path, monkeypatch):
     from ftsup.trainer.checkpoint import shardio
 
-    monkeypatch.setattr(shardio, "_open_direct", lambda path, mode=os.O_WRONLY: None)  # as on a refusing fs
+    monkeypatch.setattr(shardio, "open_direct", lambda path, mode=os.O_WRONLY: None)  # as on a refusing fs
     size = READ_PIECE + 2 * B + 7
     data, vf = _shard(tmp_path, size)
     _evict(tmp_path / "shard.bin")
@@ -162,7 +162,7 @@ def test_an_o_direct_read_refused_with_einval_falls_back_to_the_cache(tmp_path, 
     from ftsup.trainer.checkpoint import shardio
 
     direct_fds: set[int] = set()
-    real_open, real_preadv = shardio._open_direct, os.preadv
+    real_open, real_preadv = shardio.open_direct, os.preadv
 
     def open_direct(path: str, mode: int = os.O_WRONLY) -> int | None:
         fd = real_open(path, mode)
@@ -175,7 +175,7 @@ def test_an_o_direct_read_refused_with_einval_falls_back_to_the_cache(tmp_path, 
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_preadv(fd, buffers, offset)
 
-    monkeypatch.setattr(shardio, "_open_direct", open_direct)
+    monkeypatch.setattr(shardio, "open_direct", open_direct)
     monkeypatch.setattr(os, "preadv", preadv)
     size = 2 * READ_PIECE + 5
     data, vf = _shard(tmp_path, size)

@@ -12,7 +12,7 @@ import pytest
 
 from ftsup.supervisor import statedir
 from ftsup.supervisor.errors import ConfigError, UsageError
-from ftsup.supervisor.journal import Journal, JournalError, JournalRecord
+from ftsup.supervisor.state.journal import Journal, JournalError, JournalRecord
 
 OTHER_UID = 65534  # nobody
 
@@ -196,7 +196,7 @@ def _read_error(path: Path) -> object:
 
 
 def parsed_state_dir(tmp_path: Path, config_path: Path, monkeypatch: pytest.MonkeyPatch, **env: str) -> Path:
-    from ftsup.supervisor.config import parse_config
+    from ftsup.supervisor.config.job import parse_config
 
     monkeypatch.delenv("STATE_DIRECTORY", raising=False)
     for k, v in env.items():

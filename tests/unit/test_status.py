@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from ftsup.protocol import Beat, Phase
-from ftsup.supervisor import rankstatus
-from ftsup.supervisor.cli import main
-from ftsup.supervisor.journal import Journal, JournalRecord
+from ftsup.supervisor.cli.commands import main
+from ftsup.supervisor.state import ranks as rankstatus
+from ftsup.supervisor.state.journal import Journal, JournalRecord
 from tests.helpers import default_files, make_fake_checkpoint
 
 

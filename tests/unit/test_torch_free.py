@@ -31,7 +31,7 @@ def test_importing_supervisor_and_the_checkpoint_store_does_not_import_torch() -
         "import supervisor, ftsup.supervisor.cli, ftsup.trainer.checkpoint, ftsup.store, ftsup.store.layout, "
         "ftsup.store.checksums, ftsup.store.blocksum, ftsup.store.retention, ftsup.store.safefile, "
         "ftsup.store.choice, ftsup.store.dcpmeta, ftsup.store.errors, ftsup.store.dtypes, ftsup.store.stheader, "
-        "ftsup.store.hublayout, ftsup.supervisor.cli_show"
+        "ftsup.store.hublayout, ftsup.supervisor.cli.show"
     )
     assert "torch" not in loaded
 
@@ -42,7 +42,7 @@ def test_ftsup_ckpt_verify_does_not_import_torch_or_the_benchmark(tmp_path: Path
         "from ftsup.supervisor.cli import main\n"
         f"assert main(['ckpt', 'verify', {str(tmp_path)!r}, '--deep', '--json']) == 0"
     )
-    assert {"torch", "ftsup.trainer.bench"} & loaded == set()
+    assert {"torch", "ftsup.tools.bench.checkpoint"} & loaded == set()
 
 
 def test_ftsup_ckpt_show_of_a_hugging_face_model_does_not_import_torch(tmp_path: Path) -> None:

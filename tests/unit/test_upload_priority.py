@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
 _CHILD = """
 import threading, sys
 from ftsup.store import durable
-from ftsup.supervisor.durable_upload import Uploader
+from ftsup.supervisor.durable.upload import Uploader
 started = threading.Event()
 with durable.open_tier(sys.argv[1]) as tier:
     with Uploader(tier, nice=10, housekeeping=lambda step: started.set()):

@@ -89,7 +89,7 @@ def _path_str(path: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in path) or "<root>"
 
 
-def _is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> bool:
     return type(t).__name__ == "DTensor"
 
 
@@ -171,7 +171,7 @@ def encode_inline(obj: Any) -> Any:
     """Skeleton with small tensors inlined (dtype, shape, base64 of the raw bytes)."""
 
     def inline(path: tuple[Any, ...], t: torch.Tensor) -> dict[str, Any]:
-        if _is_dtensor(t):
+        if is_dtensor(t):
             raise CheckpointError(f"rank_state at {_path_str(path)} holds a DTensor; pass it in `state`")
         name = dtype_name(t.dtype, f"rank_state at {_path_str(path)}")
         t = t.detach().cpu().contiguous()

@@ -37,7 +37,7 @@ def local_items(flat: dict[str, Any]) -> list[Item] | None:
     the compact form cannot say."""
     out: list[Item] = []
     for fqn, obj in flat.items():
-        if codec._is_dtensor(obj):
+        if codec.is_dtensor(obj):
             if obj.device_mesh.get_coordinate() is None:
                 continue  # not in this DTensor's mesh: nothing to write (as DCP's)
         if hasattr(obj, "__create_write_items__"):

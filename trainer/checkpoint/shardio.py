@@ -194,7 +194,7 @@ def _write_file(path: str, mv: memoryview, total: int, o_direct: bool, reuse: bo
             os.ftruncate(fd, total)  # every byte below is written; a longer old file is cut
         bulk = total // PAGE * PAGE if o_direct else 0
         if bulk:
-            dfd = _open_direct(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
+            dfd = open_direct(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
             if dfd is not None and not os.path.samestat(os.fstat(dfd), os.fstat(fd)):
                 os.close(dfd)  # the name was swapped meantime: write only through `fd`
                 dfd = None
@@ -231,7 +231,7 @@ def _open_recycled(path: str) -> int | None:
     return None
 
 
-def _open_direct(path: str, mode: int = os.O_WRONLY) -> int | None:
+def open_direct(path: str, mode: int = os.O_WRONLY) -> int | None:
     """`path` opened with O_DIRECT, or None where the filesystem (tmpfs before Linux 6.6) refuses it."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
@@ -447,7 +447,7 @@ def read_files(
                 raise CheckpointCorruptError(f"{vf.rel}: size {st.st_size} != recorded {vf.size}", file=vf.rel)
             if hasattr(os, "posix_fadvise"):  # read what we ask for, not a readahead window more
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            direct = _open_direct(vf.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            direct = open_direct(vf.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
             if direct is not None:
                 fds.append(direct)
                 if not os.path.samestat(os.fstat(direct), st):  # replaced meantime: read it all from `fd`

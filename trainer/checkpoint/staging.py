@@ -61,11 +61,11 @@ def encode_head(meta_json: dict[str, Any]) -> bytes:
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if codec._is_dtensor(t) else t  # type: ignore[attr-defined]
+    return t.to_local() if codec.is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 def _local_chunks(t: torch.Tensor) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    if codec._is_dtensor(t):
+    if codec.is_dtensor(t):
         return [(tuple(c.offsets), tuple(c.sizes)) for c in t.__create_chunk_list__()]  # type: ignore[attr-defined]
     return [((0,) * t.dim(), tuple(t.shape))]
 
@@ -77,7 +77,7 @@ def signature(flat: dict[str, torch.Tensor]) -> tuple[Any, ...]:
     rank), which are much cheaper to compare than the chunk lists are to compute on every save."""
     return tuple(
         (k, True, tuple(t.shape), t.dtype, t.device_mesh, tuple(t.placements), tuple(t.to_local().shape))  # type: ignore[attr-defined]
-        if codec._is_dtensor(t)
+        if codec.is_dtensor(t)
         else (k, False, tuple(t.shape), t.dtype)
         for k, t in flat.items()
     )

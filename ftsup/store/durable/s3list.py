@@ -1,0 +1,215 @@
+"""Listing, checking and deleting the checkpoints of a durable tier on object storage (`ftsup.store.durable.s3`).
+
+A step is a committed checkpoint of the tier if and only if `step-N/manifest.json` is there and parses; it is
+consistent when every file it names is there at its recorded size (fast, one listing of its data folder) and, deep,
+when every byte read back gives the recorded checksums. What a listing returns is hostile: names that are not
+`step-N` (or that hold characters S3 allows and ftsup never writes) are reported, escaped, never acted on; listings
+are capped in pages and names. Deleting removes the manifest first (the checkpoint stops existing at once), then only
+the objects the manifest names, then unfinished uploads of those names.
+
+Requests go through the tier's own wrappers (`S3Tier._call`), so that this module needs no S3 client of its own.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ftsup.store import layout
+from ftsup.store.durable import tier as durable
+from ftsup.store.errors import CheckpointError, NoCheckpointError
+
+if TYPE_CHECKING:
+    from ftsup.store.durable.s3 import S3Tier
+
+MAX_NAMES = 100_000
+"""Names under a tier's prefix that a listing reads (a run keeps a handful of checkpoints; retention deletes the
+rest): a store that answers with more is reported, not read for ever."""
+PAGE = 1000
+MAX_PAGES = 200
+"""Pages of one listing read: a store that answers "there is more" for ever (empty pages, the same token) is not
+followed for ever."""
+
+
+def _base(tier: S3Tier) -> str:
+    return f"{tier.location.prefix}/" if tier.location.prefix else ""
+
+
+def step_names(tier: S3Tier) -> tuple[list[int], list[str]]:
+    """(steps, others): the `step-N` folders under the tier's prefix, and every other name there, escaped."""
+    base = _base(tier)
+    steps: list[int] = []
+    others: list[str] = []
+    token: str | None = None
+    seen = 0
+    for _page in range(MAX_PAGES):
+        kwargs: dict[str, Any] = {"Bucket": tier.bucket, "Prefix": base, "Delimiter": "/", "MaxKeys": PAGE}
+        if token:
+            kwargs["ContinuationToken"] = token
+        got = tier.call("list", base or "/", tier.client.list_objects_v2, **kwargs)
+        for entry in got.get("CommonPrefixes", []) or []:
+            name = entry.get("Prefix") if isinstance(entry, dict) else None
+            seen += 1
+            if not isinstance(name, str) or not name.startswith(base) or not name.endswith("/"):
+                others.append(f"{durable.clean_name(str(name))} (a name outside the prefix asked for)")
+                continue
+            inner = name[len(base) : -1]
+            step = layout.parse_step_dirname(inner)
+            if step is None:
+                others.append(f"{durable.clean_name(inner)}/ (not a checkpoint name)")
+            else:
+                steps.append(step)
+        for obj in got.get("Contents", []) or []:
+            seen += 1
+            key = obj.get("Key") if isinstance(obj, dict) else None
+            inner = key[len(base) :] if isinstance(key, str) and key.startswith(base) else str(key)
+            others.append(f"{durable.clean_name(inner)} (an object beside the checkpoints)")
+        last, token = token, got.get("NextContinuationToken")
+        if not got.get("IsTruncated") or not isinstance(token, str) or not token:
+            break
+        if seen >= MAX_NAMES or token == last:
+            others.append(f"... more than {seen} names under {tier.url}; the rest were not listed")
+            break
+    else:
+        others.append(f"... more than {MAX_PAGES} pages of names under {tier.url}; the rest were not listed")
+    return sorted(set(steps)), others
+
+
+def object_sizes(tier: S3Tier, prefix: str, expected: int) -> dict[str, int]:
+    """Key -> size of the objects under `prefix`, reading at most `expected` names and a few pages more."""
+    sizes: dict[str, int] = {}
+    token: str | None = None
+    limit = expected + 2 * PAGE
+    for _page in range(MAX_PAGES):
+        if len(sizes) >= limit:
+            break
+        kwargs: dict[str, Any] = {"Bucket": tier.bucket, "Prefix": prefix, "MaxKeys": PAGE}
+        if token:
+            kwargs["ContinuationToken"] = token
+        got = tier.call("list", prefix, tier.client.list_objects_v2, **kwargs)
+        for obj in got.get("Contents", []) or []:
+            key, size = (obj.get("Key"), obj.get("Size")) if isinstance(obj, dict) else (None, None)
+            if isinstance(key, str) and key.startswith(prefix) and type(size) is int and size >= 0:
+                sizes[key] = size
+        last, token = token, got.get("NextContinuationToken")
+        if not got.get("IsTruncated") or not isinstance(token, str) or not token or token == last:
+            break
+    return sizes
+
+
+def uploads_under(tier: S3Tier, prefix: str) -> dict[str, list[str]]:
+    """Key -> ids of the unfinished multipart uploads under `prefix`, oldest first (at most MAX_NAMES read)."""
+    found: dict[str, list[tuple[str, str]]] = {}
+    markers: dict[str, str] = {}
+    seen = 0
+    for _page in range(MAX_PAGES):
+        if seen >= MAX_NAMES:
+            break
+        got = tier.call(
+            "list the uploads under", prefix, tier.client.list_multipart_uploads, Bucket=tier.bucket, Prefix=prefix,
+            MaxUploads=PAGE, **markers,
+        )  # fmt: skip
+        for up in got.get("Uploads", []) or []:
+            seen += 1
+            key, upload_id = (up.get("Key"), up.get("UploadId")) if isinstance(up, dict) else (None, None)
+            if isinstance(key, str) and key.startswith(prefix) and isinstance(upload_id, str) and upload_id:
+                found.setdefault(key, []).append((str(up.get("Initiated", "")), upload_id))
+        key_marker, id_marker = got.get("NextKeyMarker"), got.get("NextUploadIdMarker")
+        if not got.get("IsTruncated") or not isinstance(key_marker, str) or not key_marker:
+            break
+        nxt = {"KeyMarker": key_marker, "UploadIdMarker": id_marker if isinstance(id_marker, str) else ""}
+        if nxt == markers:
+            break
+        markers = nxt
+    return {key: [i for _, i in sorted(ups)] for key, ups in found.items()}
+
+
+def inspect(tier: S3Tier, step: int, *, deep: bool = False) -> layout.CheckpointInfo:
+    """The check of the committed checkpoint of `step` (NoCheckpointError when its manifest is not there)."""
+    path = tier.step_url(step)
+    try:
+        manifest, raw = tier.manifest(step)
+    except NoCheckpointError:
+        raise
+    except layout.CheckpointFormatError as e:
+        return layout.CheckpointInfo(step, path, False, problems=(layout.Problem(layout.MANIFEST_NAME, str(e), True),))
+    except layout.ManifestError as e:
+        return layout.CheckpointInfo(step, path, False, problems=(layout.Problem(layout.MANIFEST_NAME, str(e)),))
+    token = durable.data_token(raw)
+    folder = tier.key(layout.step_dirname(step), token) + "/"
+    sizes = object_sizes(tier, folder, len(manifest.files))
+    problems: list[layout.Problem] = []
+    for rel, entry in sorted(manifest.files.items()):
+        size = sizes.get(tier.data_key(step, token, rel))
+        if size is None:
+            problems.append(layout.Problem(rel, "missing"))
+        elif size != entry.size:
+            problems.append(layout.Problem(rel, f"size {size} != recorded {entry.size}"))
+        if len(problems) >= layout.MAX_PROBLEMS:
+            break
+    if deep and not problems:
+        problems = tier.read_files(step, token, manifest)
+    return layout.CheckpointInfo(
+        step=step,
+        path=path,
+        consistent=not problems,
+        kind=manifest.kind,
+        world_size=manifest.world_size,
+        created_unix=manifest.created_unix,
+        problems=tuple(problems),
+        tensor_bytes=manifest.tensor_bytes,
+    )
+
+
+def listing(tier: S3Tier, *, deep: bool = False) -> durable.DurableListing:
+    """Every committed checkpoint of the tier, oldest first, each checked; the other names found."""
+    steps, others = step_names(tier)
+    found = []
+    for step in steps:
+        try:
+            found.append(inspect(tier, step, deep=deep))
+        except NoCheckpointError:
+            others.append(f"{layout.step_dirname(step)}/ (no manifest: an upload not committed)")
+    return durable.DurableListing(found, others)
+
+
+def delete(tier: S3Tier, step: int) -> int:
+    """Delete the committed checkpoint of `step`: its manifest, then the objects it names, then unfinished uploads
+    of those names; the number of objects deleted. A manifest that does not parse deletes nothing (which objects
+    are the checkpoint's is unknown): a CheckpointError names it."""
+    try:
+        manifest, raw = tier.manifest(step)
+    except layout.ManifestError as e:
+        raise CheckpointError(f"{tier.step_url(step)}: not deleted: {e}") from None
+    mkey = tier.manifest_key(step)
+    tier.call("delete", mkey, tier.client.delete_object, Bucket=tier.bucket, Key=mkey)
+    return 1 + delete_files(tier, step, durable.data_token(raw), sorted(manifest.files))
+
+
+def delete_files(tier: S3Tier, step: int, token: str, rels: list[str]) -> int:
+    """Delete the objects `rels` of the data folder `token` of `step`, and unfinished uploads of those names; the
+    number of objects deleted. Only for a folder no committed manifest names (deleted first, or never committed)."""
+    keys = [tier.data_key(step, token, rel) for rel in rels]
+    where = f"{tier.step_url(step)}/{token}"
+    deleted = 0
+    for i in range(0, len(keys), PAGE):
+        batch = [{"Key": k} for k in keys[i : i + PAGE]]
+        got = tier.call(
+            "delete the files of", where, tier.client.delete_objects, Bucket=tier.bucket,
+            Delete={"Objects": batch, "Quiet": True},
+        )  # fmt: skip
+        errors = got.get("Errors", []) or []
+        if errors:
+            first = errors[0] if isinstance(errors[0], dict) else {}
+            raise CheckpointError(
+                f"{where}: {len(errors)} file(s) not deleted, e.g. "
+                f"{durable.clean_name(str(first.get('Key')))}: {durable.clean_name(str(first.get('Code')), 40)}"
+            )
+        deleted += len(batch)
+    named = set(keys)
+    for key, ids in uploads_under(tier, tier.key(layout.step_dirname(step), token) + "/").items():
+        for upload_id in ids if key in named else []:
+            tier.call(
+                "abort an upload of", key, tier.client.abort_multipart_upload, Bucket=tier.bucket, Key=key,
+                UploadId=upload_id,
+            )  # fmt: skip
+    return deleted

@@ -1,0 +1,179 @@
+"""The job config from the command line: `ftsup run` and `ftsup config check`, with or without a YAML file.
+
+Every key of the config (`ftsup.supervisor.config.job`) can be given as a flag, `--SECTION-KEY VALUE` (the key's
+underscores as dashes: `--heartbeat-mode off`, `--checkpoint-dir /data/ckpt`), or as `--set SECTION.KEY=VALUE`;
+torchrun's names stand for the keys a torchrun user knows (`TORCHRUN_NAMES`: `--nproc-per-node`, `--nnodes`,
+`--rdzv-endpoint`, `--rdzv-id`, `--max-restarts`). The training command follows `--`: `ftsup run -- python
+train.py ARGS`; one that starts with a Python script or a Python option (`train.py ARGS`, `-m pkg.mod`) runs under
+`python`, as torchrun runs it (`job.command` in a file is run as written).
+
+- Values are read as YAML by the file's own loader (`config_file.load_yaml`: `1:2` is a string, `[a, b]` a list,
+  `{A: "1"}` a mapping, `off` a word), then checked by the same rules as in a file: an error names the flag and
+  the key (`--set: heartbeat.timeout_s: must be above 0 seconds, got 0`), exit 2. A key given twice on the
+  command line is an error, as it is in a file.
+- With a file, the flags override its keys. Without one, the config is `IMPLIED` (`launch.nproc_per_node: 1`,
+  torchrun's default) with the flags on top, and the current directory stands where the file's directory would:
+  it is `job.workdir` and what relative paths resolve against, and its path gives the default `job.run_id`, so
+  that the same command started again from there is the same job. The state directory is then
+  `./.ftsup/<node>` and the checkpoint store `./.ftsup/checkpoints`, in a `.ftsup` that git ignores.
+
+`add_arguments(parser)` adds the flags; `load(config, overrides, command)` returns the `JobConfig`. It reads the
+config file and nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import inspect
+import os
+import textwrap
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from ftsup.supervisor.config import file as config_file
+from ftsup.supervisor.config import job as config
+from ftsup.supervisor.config.values import Where, check_keys, field_names
+from ftsup.supervisor.errors import ConfigError, UsageError
+
+IMPLIED: dict[str, dict[str, object]] = {"launch": {"nproc_per_node": 1}}
+"""What `ftsup run -- CMD` starts from without a config file, before the flags."""
+TORCHRUN_NAMES = {
+    "nproc-per-node": "launch.nproc_per_node",
+    "nnodes": "launch.nnodes",
+    "rdzv-endpoint": "launch.rdzv_endpoint",
+    "rdzv-id": "launch.rdzv_id",
+    "max-restarts": "restart.max_restarts",
+}
+COMMAND = "the command after --"
+SOURCE = "command line"
+
+
+@dataclass(frozen=True)
+class Override:
+    """One key given on the command line: `value` is YAML text (a flag's) or, for the command after `--`, the
+    argv itself; `origin` is how it was given ("--set", "--heartbeat-mode", `COMMAND`), for messages."""
+
+    key: str
+    value: str | list[str]
+    origin: str
+
+
+def sections() -> dict[str, type]:
+    """Each section's name and its dataclass, in the config's order."""
+    hints = typing.get_type_hints(config.JobConfig)
+    return {name: hints[name] for name in config.SECTIONS}
+
+
+def flag(key: str) -> str:
+    """The flag of "section.key": `--section-key`, underscores as dashes."""
+    return "--" + key.replace(".", "-").replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--set` and one flag per key, grouped by section; each collects into `overrides`, in the order given."""
+    parser.set_defaults(overrides=None)
+    parser.add_argument("--set", metavar="SECTION.KEY=VALUE", action=_Collect, dest="overrides",
+                        help="any key of the job config, its value as YAML: --set heartbeat.mode=off")  # fmt: skip
+    aliases = {key: name for name, key in TORCHRUN_NAMES.items()}
+    for section, cls in sections().items():
+        group = parser.add_argument_group(f"the {section} section (deploy/examples/job.yaml: every key, its default)")
+        docs = _first_sentences(cls)
+        for name in field_names(cls):
+            key = f"{section}.{name}"
+            names = [flag(key)] + ([f"--{aliases[key]}"] if key in aliases else [])
+            group.add_argument(*names, metavar="VALUE", action=_Collect, dest="overrides", const=key,
+                               help=docs.get(name, key).replace("%", "%%"))  # fmt: skip
+
+
+class _Collect(argparse.Action):
+    """Append an `Override` to `namespace.overrides`: the key is `const`, or for `--set` what precedes the `=`."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option: str | None = None) -> None:
+        text = str(values)
+        if self.const is not None:
+            key, origin = self.const, option or self.const
+        else:
+            key, sep, text = text.partition("=")
+            if not sep or key.count(".") != 1:
+                raise ConfigError(f"--set {values}: expected SECTION.KEY=VALUE, e.g. --set heartbeat.mode=off")
+            key, origin = key.strip(), "--set"
+        collected = list(getattr(namespace, self.dest) or [])
+        setattr(namespace, self.dest, [*collected, Override(key, text, origin)])
+
+
+def python_command(argv: Sequence[str]) -> list[str]:
+    """The command after `--` as it runs: under `python` when it starts with a script (`*.py`) or an option."""
+    first = argv[0]
+    return ["python", *argv] if first.endswith(".py") or first.startswith("-") else list(argv)
+
+
+def load(
+    path: Path | None,
+    overrides: Sequence[Override] | None,
+    command: Sequence[str] | None,
+    *,
+    hostname: str | None = None,
+) -> config.JobConfig:
+    """The config of the file at `path` (None: `IMPLIED` in the current directory) with `overrides` and the
+    `command` after `--` (None: no `--`) applied. Raises `ConfigError`, or `UsageError` for a missing command."""
+    given = list(overrides or ())
+    if command is not None:
+        if not command:
+            raise UsageError("nothing follows --; give the training command, e.g. ftsup run -- python train.py")
+        given.append(Override("job.command", python_command(command), COMMAND))
+    if path is None:
+        if not any(o.key == "job.command" for o in given):
+            raise UsageError("give the training command after --, e.g. ftsup run -- python train.py, "
+                             "or a job config (ftsup run --config JOB.yaml)")  # fmt: skip
+        raw: object = copy.deepcopy(IMPLIED)
+        source, base, config_path = SOURCE, Path(os.path.abspath(os.curdir)), None
+    else:
+        raw, source = config.read_document(path), os.fspath(path)
+        config_path = Path(os.path.abspath(path))
+        base = config_path.parent
+    origins = _apply(raw, given)
+    return config.parse_config(raw, source=source, base_dir=base, config_path=config_path, hostname=hostname,
+                               origins=origins)  # fmt: skip
+
+
+def _apply(raw: object, given: Sequence[Override]) -> dict[str, str]:
+    """Write each override into the document `raw` (in place) after checking its key; return where each key's
+    value came from. A section that is not a mapping is left as it is, for `parse_config` to name."""
+    kinds = sections()
+    origins: dict[str, str] = {}
+    for o in given:
+        section, _, name = o.key.partition(".")
+        where = Where(o.origin)
+        check_keys(where, {section: None}, config.SECTIONS, noun="section")
+        check_keys(where.child(section), {name: None}, field_names(kinds[section]), noun="key")
+        if o.key in origins:
+            where.child(o.key).fail(f"given twice on the command line (first by {origins[o.key]}); keep one")
+        origins[o.key] = o.origin
+        value = o.value if isinstance(o.value, list) else config_file.load_yaml(o.value, f"{o.origin} {o.key}")
+        current = raw.get(section) if isinstance(raw, dict) else None
+        if isinstance(raw, dict) and (current is None or isinstance(current, Mapping)):
+            raw[section] = {**(current or {}), name: value}
+    return origins
+
+
+def _first_sentences(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string under it in the class body), to its first full stop: the flags' help."""
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    except (OSError, TypeError, SyntaxError):  # no source installed: the flags go without help
+        return {}
+    if not isinstance(body, ast.ClassDef):
+        return {}
+    docs: dict[str, str] = {}
+    names = {f.name for f in fields(cls)}
+    for node, after in zip(body.body, body.body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id in names:
+            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                text = " ".join(str(after.value.value).split())
+                docs[node.target.id] = text.split(". ")[0].rstrip(".") + "."
+    return docs

@@ -1,0 +1,62 @@
+"""`eviction.signals`: the signal names a config may give as eviction notices, or one `ConfigError` naming the item.
+
+Names are canonical (`USR1` and `usr1` are stored as `SIGUSR1`, an alias such as `SIGIOT` as `SIGABRT`) and must
+exist on this system. Refused: signals that never reach a handler (SIGKILL, SIGSTOP) and those that arrive for
+reasons of their own (SIGCHLD with every child's exit, faults, the terminal, timers), which would be missed or be
+false evictions. A value parser of `ftsup.supervisor.config.values`' kind; no I/O.
+"""
+
+from __future__ import annotations
+
+import difflib
+import signal
+
+from ftsup.supervisor.config.values import Where, describe, is_number
+
+
+def signals(value: object, where: Where) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        where.fail(f"expected a list of signal names such as [SIGTERM, SIGUSR1], got {describe(value)}")
+    names: list[str] = []
+    for i, item in enumerate(value):
+        name = _signal_name(item, where.item(i))
+        if name not in names:
+            names.append(name)
+    return tuple(names)
+
+
+def _signal_name(value: object, where: Where) -> str:
+    if not isinstance(value, str) or not value.strip():
+        hint = "; use the name, since numbers differ between platforms" if is_number(value) else ""
+        where.fail(f"expected a signal name such as SIGUSR1, got {describe(value)}{hint}")
+    name = value.strip().upper()
+    name = name if name.startswith("SIG") else "SIG" + name
+    known = signal.Signals.__members__
+    if name not in known:
+        suggestion = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+        fix = f"did you mean {suggestion[0]!r}?" if suggestion else "`kill -l` lists them"
+        where.fail(f"{value!r} is not a signal on this system ({fix})")
+    canonical = known[name].name  # aliases such as SIGIOT become SIGABRT
+    if canonical in _NOT_NOTICES:
+        alias = f" ({value!r} is another name for it)" if canonical != name else ""
+        where.fail(f"{canonical}{alias} {_NOT_NOTICES[canonical]}, so it cannot serve as an eviction notice; use "
+                   "SIGTERM, SIGUSR1 or SIGUSR2")  # fmt: skip
+    return canonical
+
+
+_UNCATCHABLE = "cannot be caught"
+_FAULT = "is raised by the kernel or the process itself on a fault"
+_TERMINAL = "is sent by the terminal or job control"
+_TIMER = "is sent by timers"
+# Signals that either never reach a handler or arrive for reasons of their own (a supervisor gets SIGCHLD every
+# time one of its children exits): as eviction signals they would be missed or be false evictions.
+_NOT_NOTICES = {
+    "SIGKILL": _UNCATCHABLE, "SIGSTOP": _UNCATCHABLE,
+    "SIGCHLD": "is sent by the kernel every time a child process exits (torchrun is one)",
+    "SIGSEGV": _FAULT, "SIGBUS": _FAULT, "SIGFPE": _FAULT, "SIGILL": _FAULT, "SIGTRAP": _FAULT, "SIGSYS": _FAULT,
+    "SIGABRT": _FAULT, "SIGXFSZ": "is raised by the kernel when a write exceeds the file size limit",
+    "SIGPIPE": "is raised by the kernel on a write to a closed pipe or socket",
+    "SIGURG": "is sent by the kernel for socket events", "SIGIO": "is sent by the kernel for socket events",
+    "SIGCONT": _TERMINAL, "SIGTSTP": _TERMINAL, "SIGTTIN": _TERMINAL, "SIGTTOU": _TERMINAL, "SIGWINCH": _TERMINAL,
+    "SIGALRM": _TIMER, "SIGPROF": _TIMER, "SIGVTALRM": _TIMER,
+}  # fmt: skip

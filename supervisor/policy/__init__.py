@@ -1,0 +1,1 @@
+"""The supervisor's decisions: a pure state machine over events, its rules, training health, goodput."""

@@ -1,0 +1,488 @@
+"""The supervisor's decisions: a pure state machine `step(state, event, now) -> (state, actions)`.
+
+No I/O, no clock: the daemon feeds events with the time they happened and carries out the
+actions. Tests drive it with a fake clock and no processes.
+
+    (start) --PrepareLaunch--> preparing --LaunchReady--> running --failure--> stopping
+       ^                                                    |                    |
+       |                                            exit 0: Exit(0)     WorkersExited
+       +--------------------- backoff <--- restart allowed -+--------------------+
+                                 |
+                                 +--- crash loop / budget spent: Exit(3 / 4)
+
+An attempt fails when torchrun exits non-zero, when a rank stops sending heartbeats for the
+heartbeat timeout, when the job makes no step progress for the progress timeout, or when it
+has not reached its first training step within the startup timeout. Timeouts are phase-aware:
+a rank in `save` or `load` may be silent for `save_timeout_s`; one in `eval` beats from a thread
+and may stay there for `save_timeout_s`; in these no step progress is expected. Unless
+configured, the timeouts are learned from the step times the ranks measure on their own clocks
+(`Heartbeat.sent`; a step that spans a save, load or eval is not counted): max(min_timeout_s,
+multiplier x p99 step time). Silence is measured from when a beat was read, so a supervisor
+that was busy for a while finds its ranks alive once it reads their queued beats.
+
+Which of these detections apply is `heartbeat.mode` (`Settings.heartbeat_mode`): `required`, all of
+them from launch on; `auto`, all of them once the job's first heartbeat has arrived (`State.beating`),
+and before that crashes only, so that a script without a line of ftsup is never killed for its silence;
+`off`, crashes only; `auto` watches the ranks that beat (a script may beat from rank 0 alone),
+`required` every rank. The pure rules (timeouts, modes, progress, world size, backoff) are `policy_rules`.
+
+Training health (`policy_anomaly`): a non-finite figure or a confirmed spike in a training beat stops the attempt
+and relaunches it at once from a checkpoint before the anomaly's onset with a data skip, or escalates (exit 7);
+an operator's rollback request (`RollbackRequested`) does the same from the step it names.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+# The policy's vocabulary; callers use it as policy.X (policy.Heartbeat, policy.Launch, ...).
+from ftsup.protocol import LONG_PHASES, QUIET_PHASES, SLOW_PHASES, Phase
+from ftsup.supervisor.policy import anomaly as policy_anomaly
+from ftsup.supervisor.policy import failures
+from ftsup.supervisor.policy.events import (
+    AckEviction,
+    Action,
+    Event,
+    EvictionNoticed,
+    Exit,
+    Heartbeat,
+    HeartbeatMode,
+    Launch,
+    LaunchReady,
+    OperatorStop,
+    PrepareLaunch,
+    RankExited,
+    RequestSave,
+    RollbackRequested,
+    Settings,
+    Start,
+    StopWorkers,
+    SupervisorPhase,
+    Tick,
+    WorkersExited,
+    WorkersRestarted,
+    WorkersStarted,
+    log,
+)
+from ftsup.supervisor.policy.events import Log as Log  # not used here, only by callers
+from ftsup.supervisor.policy.events import RankFailure as RankFailure  # part of RankExited and WorkersExited
+from ftsup.supervisor.policy.rules import (
+    backoff_s,
+    choose_world_size,
+    hang_detection_on,
+    heartbeat_timeout,
+    made_progress,
+    progress_timeout,
+    save_fits,
+)
+
+# Exit codes of `ftsup run` (documented in docs/supervising.md, Exit statuses).
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_CONFIG = 2
+EXIT_CRASH_LOOP = 3
+EXIT_BUDGET = 4
+EXIT_EVICTED = 5
+EXIT_STOPPED = 6
+EXIT_ANOMALY = policy_anomaly.EXIT_ANOMALY  # 7: an anomaly escalated (policy_anomaly)
+
+ATTEMPT_PHASES = frozenset({SupervisorPhase.RUNNING, SupervisorPhase.STOPPING})  # an attempt's processes are up
+STEP_HISTORY = 200
+
+
+# ---------------------------------------------------------------------- state
+
+
+@dataclass(frozen=True)
+class RankView:
+    last_beat: float  # when its newest beat was read
+    step: int
+    phase: Phase
+    since: float = 0.0  # when it entered this phase
+    mark: tuple[int, float] | None = None  # (step, rank's clock) where the step being timed began
+
+
+@dataclass(frozen=True)
+class Attempt:
+    number: int
+    nproc: int
+    resume_step: int | None
+    launched_at: float
+    started: bool = False
+    ranks: tuple[tuple[int, RankView], ...] = ()
+    max_step: int = -1
+    progress_at: float = 0.0  # when max_step last grew (or launch)
+    best_before: int = -1  # the highest step any earlier attempt reached
+    log: str | None = None  # its log file, named in its failure events
+
+    def rank_map(self) -> dict[int, RankView]:
+        return dict(self.ranks)
+
+
+@dataclass(frozen=True)
+class Eviction:
+    source: str
+    deadline: float
+    noticed_at: float
+    save_seq: int | None  # None: no save was requested (no time for one)
+    committed_step: int | None = None
+
+
+@dataclass(frozen=True)
+class State:
+    phase: SupervisorPhase = SupervisorPhase.INIT
+    attempt_no: int = 0
+    attempt: Attempt | None = None
+    stop_reason: str | None = None
+    final: Exit | None = None  # set when the stop must end the daemon, not restart
+    restarts: tuple[float, ...] = ()  # times of restarts inside the window
+    failures_in_a_row: int = 0
+    no_progress_streak: int = 0
+    best_step: int = -1  # the highest step any attempt reached
+    resume_at: float = 0.0
+    step_times: tuple[float, ...] = ()  # carried across attempts for learned timeouts
+    last_failure: str | None = None  # the reason of the newest error logged (job_failed, worker_exited, ...)
+    last_launch: Launch | None = None  # the newest attempt launched (number, world size, resume step), kept after it
+    save_times: tuple[float, ...] = ()  # measured save durations (s), newest last
+    save_seq: int = 0  # the newest save request's number
+    eviction: Eviction | None = None
+    beating: bool = False  # a heartbeat has arrived in this supervisor's life: heartbeat.mode auto detects hangs
+    anomaly: policy_anomaly.AnomalyState = policy_anomaly.AnomalyState()  # training health, rollbacks, data skips
+
+
+# ---------------------------------------------------------------------- the machine
+
+
+def step(s: Settings, st: State, ev: Event, now: float) -> tuple[State, list[Action]]:
+    """One transition. Unknown or stale events leave the state unchanged."""
+    if st.phase == SupervisorPhase.DONE:
+        return st, []
+    if isinstance(ev, Start) and st.phase == SupervisorPhase.INIT:
+        return _prepare(st, now)
+    if isinstance(ev, OperatorStop):
+        return _operator_stop(st, ev, now)
+    if isinstance(ev, RollbackRequested):
+        return _rollback_requested(st, ev, now)
+    if isinstance(ev, LaunchReady) and st.phase == SupervisorPhase.PREPARING:
+        return _launch(s, st, ev, now)
+    att = st.attempt
+    if isinstance(ev, WorkersStarted) and att and ev.attempt == att.number:
+        return replace(st, attempt=replace(att, started=True, log=ev.log)), [
+            log("workers_launched", attempt=att.number, world_size=att.nproc, resume_step=att.resume_step, log=ev.log)
+        ]
+    if isinstance(ev, WorkersRestarted) and att and ev.attempt == att.number and st.phase == SupervisorPhase.RUNNING:
+        fresh = replace(st, attempt=replace(att, ranks=(), launched_at=now, progress_at=now))
+        if not ev.new_ranks:
+            return fresh, []
+        return fresh, [log("workers_restarted", attempt=att.number, world_size=att.nproc, step=att.max_step)]
+    if isinstance(ev, Heartbeat) and att and ev.attempt == att.number and st.phase in ATTEMPT_PHASES:
+        return _heartbeat_and_saves(s, st, att, ev, now)
+    if isinstance(ev, EvictionNoticed):
+        return _evict(s, st, ev, now)
+    if isinstance(ev, RankExited) and att and ev.attempt == att.number and st.phase == SupervisorPhase.RUNNING:
+        if ev.exitcode == 0 and not ev.signal:
+            return st, []  # a rank finishing cleanly is not a failure; torchrun's exit decides
+        reason, told = failures.rank_exited(ev)
+        return _fail(st, att, reason, now, "worker_exited", pid=ev.pid, **told)
+    if isinstance(ev, WorkersExited) and att and ev.attempt == att.number:
+        return _exited(s, st, att, ev, now)
+    if isinstance(ev, Tick):
+        return _tick(s, st, now)
+    return st, []
+
+
+def _prepare(st: State, now: float) -> tuple[State, list[Action]]:
+    n = st.attempt_no + 1
+    at_most = policy_anomaly.bound(st.anomaly)
+    return replace(st, phase=SupervisorPhase.PREPARING, attempt_no=n, attempt=None), [PrepareLaunch(n, at_most)]
+
+
+def _launch(s: Settings, st: State, ev: LaunchReady, now: float) -> tuple[State, list[Action]]:
+    if ev.at_most != (at_most := policy_anomaly.bound(st.anomaly)):  # a rollback was asked for since: choose again
+        return st, [PrepareLaunch(st.attempt_no, at_most)]
+    blind = s.nproc_max if st.last_launch is None else st.last_launch.nproc  # a blind probe keeps the last size
+    n, why = choose_world_size(s, blind if ev.healthy_slots is None else ev.healthy_slots, ev.batch_divisor)
+    if n is None:
+        return _give_up(st, [], Exit(EXIT_BUDGET, f"cannot launch: {why}"), "job_failed", attempt=st.attempt_no)
+    if st.anomaly.pending is not None:  # progress is measured from a rollback's step: the steps after it are new
+        st = replace(st, best_step=min(st.best_step, ev.resume_step or 0))
+    att = Attempt(st.attempt_no, n, ev.resume_step, launched_at=now, progress_at=now, best_before=st.best_step)
+    launch = Launch(st.attempt_no, n, ev.resume_step, st.anomaly.skips)
+    anomaly = policy_anomaly.launched(st.anomaly, ev.resume_step, ev.resume_samples)
+    return replace(st, phase=SupervisorPhase.RUNNING, attempt=att, last_launch=launch, anomaly=anomaly), [
+        log("world_size_chosen", attempt=st.attempt_no, world_size=n, reason=why, step=ev.resume_step),
+        launch,
+    ]
+
+
+def _heartbeat(st: State, att: Attempt, ev: Heartbeat, now: float) -> State:
+    ranks = att.rank_map()
+    prev = ranks.get(ev.local_rank)
+    sent = now if ev.sent is None else ev.sent
+    step_times = st.step_times
+    mark: tuple[int, float] | None = None
+    if ev.phase == Phase.TRAIN:
+        if prev is None or prev.phase != Phase.TRAIN or prev.mark is None:
+            mark = (ev.step, sent)  # (back) in train: time steps from here, not across a save or a load
+        elif ev.step > prev.mark[0]:
+            per_step = (sent - prev.mark[1]) / (ev.step - prev.mark[0])
+            if math.isfinite(per_step) and per_step > 0:
+                step_times = (*step_times, per_step)[-STEP_HISTORY:]
+            mark = (ev.step, sent)
+        else:
+            mark = prev.mark  # another beat within the same step
+    since = prev.since if prev is not None and prev.phase == ev.phase else now
+    ranks[ev.local_rank] = RankView(now, ev.step, ev.phase, since, mark)
+    att = replace(att, ranks=tuple(sorted(ranks.items())))
+    if ev.phase == Phase.TRAIN and ev.step > att.max_step:
+        att = replace(att, max_step=ev.step, progress_at=now)
+    elif ev.phase == Phase.TRAIN and prev is not None and prev.phase in LONG_PHASES:
+        att = replace(att, progress_at=max(att.progress_at, now))  # time in a long phase is not a stall
+    return replace(st, attempt=att, step_times=step_times, best_step=max(st.best_step, att.max_step))
+
+
+def _heartbeat_and_saves(s: Settings, st: State, att: Attempt, ev: Heartbeat, now: float) -> tuple[State, list[Action]]:
+    actions: list[Action] = []
+    if st.phase == SupervisorPhase.RUNNING:
+        st = replace(_heartbeat(st, att, ev, now), beating=True)
+        if st.attempt is not None and att.max_step < 0 <= st.attempt.max_step:
+            actions.append(log("first_step_reached", attempt=att.number, step=st.attempt.max_step,
+                               duration_s=round(now - att.launched_at, 3)))  # fmt: skip
+        if ev.phase == Phase.TRAIN and st.final is None:  # an eviction's save or a stop goes first
+            anomaly, logs, stop = policy_anomaly.on_beat(s.anomaly, st.anomaly, ev, att.number, now)
+            st = replace(st, anomaly=anomaly)
+            actions += logs
+            if stop is not None:  # the attempt ends here (its beats after this are not for this function)
+                return replace(st, phase=SupervisorPhase.STOPPING, stop_reason=stop.reason, final=stop.exit,
+                               last_failure=stop.reason), [*actions, StopWorkers(att.number, stop.reason)]  # fmt: skip
+    save_s = ev.figure("save_s")
+    if save_s is not None and not (math.isfinite(save_s) and save_s >= 0):
+        save_s = None  # a figure that was not a number at the rank
+    if save_s is not None and ev.local_rank == 0:
+        st = replace(st, save_times=(*st.save_times, save_s)[-20:])
+    saved = ev.figure("saved_step")
+    if saved is not None and not (math.isfinite(saved) and saved >= 0):
+        saved = None
+    ej = st.eviction
+    if saved is not None and ej is not None and ej.committed_step is None and ev.local_rank == 0:
+        st = replace(st, eviction=replace(ej, committed_step=int(saved)))
+        actions += [
+            log(
+                "checkpoint_committed",
+                attempt=att.number,
+                step=int(saved),
+                kind="emergency",
+                duration_s=round(save_s or 0.0, 3),
+                reason=f"eviction: {ej.source}",
+            ),  # fmt: skip
+            AckEviction(ej.source),
+        ]
+    return st, actions
+
+
+def _evict(s: Settings, st: State, ev: EvictionNoticed, now: float) -> tuple[State, list[Action]]:
+    att = st.attempt
+    notice = log("eviction_noticed", "warning", reason=f"{ev.source}: {ev.detail}", source=ev.source,
+                 deadline_in_s=round(ev.deadline - now, 3), attempt=st.attempt_no)  # fmt: skip
+    if ev.advisory:
+        if st.phase != SupervisorPhase.RUNNING or att is None:
+            return st, [notice]
+        seq = st.save_seq + 1
+        return replace(st, save_seq=seq), [
+            notice,
+            log("save_requested", attempt=att.number, reason=f"{ev.source}: {ev.detail}", stop=False),
+            RequestSave(seq, False, f"{ev.source}: {ev.detail}", ev.deadline),
+        ]
+    if st.eviction is not None:
+        return st, []  # one eviction at a time; later notices of it change nothing
+    if att is not None and st.phase == SupervisorPhase.RUNNING and {r.phase for _, r in att.ranks} == {Phase.DONE}:
+        # Training is over and its final checkpoint committed: let the job succeed, not be evicted.
+        return st, [notice]
+    exit_ = Exit(EXIT_EVICTED, f"evicted: {ev.source}: {ev.detail}")
+    if st.phase == SupervisorPhase.STOPPING:
+        return replace(st, final=exit_, eviction=Eviction(ev.source, ev.deadline, now, None)), [notice]
+    if st.phase != SupervisorPhase.RUNNING or att is None or att.max_step < 0:
+        # Nothing trained in this attempt since its checkpoint: nothing to save.
+        base = replace(st, final=exit_, eviction=Eviction(ev.source, ev.deadline, now, None))
+        if st.phase == SupervisorPhase.RUNNING and att is not None:
+            return replace(base, phase=SupervisorPhase.STOPPING, stop_reason=exit_.reason), [
+                notice,
+                log("save_skipped", attempt=att.number, reason="no training step since the last checkpoint"),
+                StopWorkers(att.number, exit_.reason),
+            ]
+        return replace(base, phase=SupervisorPhase.DONE), [notice, exit_]
+    fits, why = save_fits(s, st.step_times, st.save_times, now, ev.deadline, ev.state_bytes, ev.upload_s)
+    if not fits:
+        return replace(
+            st,
+            phase=SupervisorPhase.STOPPING,
+            stop_reason=exit_.reason,
+            final=exit_,
+            eviction=Eviction(ev.source, ev.deadline, now, None),
+        ), [  # fmt: skip
+            notice,
+            log(
+                "save_skipped",
+                "warning",
+                attempt=att.number,
+                step=att.max_step,
+                reason=f"an emergency save would not finish before the deadline: {why}; "
+                "the last committed checkpoint stays the resume point",
+            ),  # fmt: skip
+            AckEviction(ev.source),
+            # Leave before the deadline: the grace to SIGKILL must end inside it.
+            StopWorkers(att.number, exit_.reason, grace_s=max(0.5, ev.deadline - now - s.stop_margin_s)),
+        ]
+    seq = st.save_seq + 1
+    return replace(st, save_seq=seq, final=exit_, eviction=Eviction(ev.source, ev.deadline, now, seq)), [
+        notice,
+        log("save_requested", attempt=att.number, step=att.max_step, reason=f"{ev.source}: {why}", stop=True),
+        RequestSave(seq, True, f"{ev.source}: {ev.detail}", ev.deadline),
+    ]
+
+
+def _fail(st: State, att: Attempt, reason: str, now: float, event: str, **fields: object) -> tuple[State, list[Action]]:
+    if st.phase != SupervisorPhase.RUNNING:
+        return st, []
+    told = {"log": att.log} | fields
+    return replace(st, phase=SupervisorPhase.STOPPING, stop_reason=reason, last_failure=reason), [
+        log(event, "error", attempt=att.number, world_size=att.nproc, reason=reason, step=att.max_step, **told),
+        StopWorkers(att.number, reason),
+    ]
+
+
+def _operator_stop(st: State, ev: OperatorStop, now: float) -> tuple[State, list[Action]]:
+    exit_ = Exit(EXIT_STOPPED, f"stopped: {ev.reason}")
+    if st.phase == SupervisorPhase.RUNNING and st.attempt:
+        return replace(st, phase=SupervisorPhase.STOPPING, stop_reason=exit_.reason, final=exit_), [
+            log("stop_requested", attempt=st.attempt.number, reason=ev.reason),
+            StopWorkers(st.attempt.number, exit_.reason),
+        ]
+    if st.phase == SupervisorPhase.STOPPING:
+        return replace(st, final=exit_), []
+    return replace(st, phase=SupervisorPhase.DONE, final=exit_), [log("job_stopped", reason=ev.reason), exit_]
+
+
+def _rollback_requested(st: State, ev: RollbackRequested, now: float) -> tuple[State, list[Action]]:
+    """An operator's rollback: stop the attempt (if one runs); the next launch resumes from step `to_step` or
+    before. A job that is ending leaves the request to the next `ftsup run` (it is not served)."""
+    if st.phase == SupervisorPhase.DONE or st.final is not None:
+        return st, []
+    att = st.attempt if st.phase == SupervisorPhase.RUNNING else None
+    anomaly, actions = policy_anomaly.operator(st.anomaly, ev, st.attempt_no)
+    st = replace(st, anomaly=anomaly)
+    if att is None or anomaly.pending is None:
+        return st, list(actions)
+    why = anomaly.pending.reason
+    return replace(st, phase=SupervisorPhase.STOPPING, stop_reason=why), [*actions, StopWorkers(att.number, why)]
+
+
+def _tick(s: Settings, st: State, now: float) -> tuple[State, list[Action]]:
+    if st.phase == SupervisorPhase.BACKOFF and (now >= st.resume_at or st.anomaly.pending is not None):
+        return _prepare(st, now)
+    att = st.attempt
+    if st.phase != SupervisorPhase.RUNNING or att is None:
+        return st, []
+    ej = st.eviction
+    if ej is not None:
+        # Saving for an eviction: the usual timeouts are off (a save is long, the ranks then
+        # exit on their own); what counts is leaving before the deadline.
+        if now >= ej.deadline - s.stop_margin_s:
+            why = "the eviction deadline is here"
+            if ej.committed_step is None:
+                why += " before the save committed"
+            return replace(st, phase=SupervisorPhase.STOPPING, stop_reason=why), [
+                log("stop_requested", "warning", attempt=att.number, reason=why),
+                StopWorkers(att.number, why, grace_s=max(0.2, ej.deadline - now - 0.2)),
+            ]
+        return st, []
+    if not hang_detection_on(s, st.beating):
+        return st, []  # heartbeat.mode: crashes only (torchrun's exit, a rank gone)
+    ranks = att.rank_map()
+    long = any(r.phase in LONG_PHASES for r in ranks.values())
+    training = [r for r in ranks.values() if r.phase == Phase.TRAIN]
+    if not training:  # still starting up (or loading: that has its own, longer timeout)
+        if now - att.launched_at > s.startup_timeout_s and not long:
+            return _fail(st, att, f"no training step within startup_timeout_s={s.startup_timeout_s:g}", now,
+                         "startup_timed_out")  # fmt: skip
+    hb = heartbeat_timeout(s, st.step_times)
+    for rank, view in sorted(ranks.items()):
+        silent = now - view.last_beat
+        limit = s.save_timeout_s if view.phase in SLOW_PHASES or (view.phase == Phase.EVAL and hb is None) else hb
+        if view.phase in (*LONG_PHASES, Phase.TRAIN) and limit is not None and silent > limit:
+            where = "" if view.phase == Phase.TRAIN else f" in phase {view.phase}"
+            return _fail(st, att, f"rank {rank} silent for {silent:.1f}s{where} (timeout {limit:.1f}s)", now,
+                         "heartbeat_timed_out", rank=rank, timeout_s=round(limit, 3))  # fmt: skip
+        if view.phase == Phase.EVAL and now - view.since > s.save_timeout_s:  # beating, yet stuck in eval
+            return _fail(st, att, f"rank {rank} in phase eval for {now - view.since:.1f}s (timeout "
+                         f"{s.save_timeout_s:g}s)", now, "progress_timed_out", rank=rank,
+                         timeout_s=s.save_timeout_s)  # fmt: skip
+    every_rank = s.heartbeat_mode == HeartbeatMode.REQUIRED  # auto watches the ranks that beat, such as rank 0 alone
+    if every_rank and training and len(ranks) < att.nproc and hb is not None and now - att.progress_at > hb:
+        missing = sorted(set(range(att.nproc)) - set(ranks))
+        return _fail(st, att, f"local ranks {missing} never sent a heartbeat", now, "heartbeat_timed_out")
+    pt = progress_timeout(s, st.step_times)
+    if pt is not None and training and not long and not any(r.phase in QUIET_PHASES for r in ranks.values()):
+        if now - att.progress_at > pt:
+            return _fail(st, att, f"no step progress for {now - att.progress_at:.1f}s (timeout {pt:.1f}s)", now,
+                         "progress_timed_out", timeout_s=round(pt, 3))  # fmt: skip
+    return st, []
+
+
+def _exited(s: Settings, st: State, att: Attempt, ev: WorkersExited, now: float) -> tuple[State, list[Action]]:
+    if st.final is not None:
+        return replace(st, phase=SupervisorPhase.DONE, attempt=None), [
+            log("job_stopped", attempt=att.number, reason=st.final.reason),
+            st.final,
+        ]
+    if st.anomaly.pending is not None:  # a rollback: relaunched at once; the rollback budget bounds how often
+        return _prepare(replace(st, stop_reason=None), now)
+    if st.phase == SupervisorPhase.RUNNING and ev.exitcode == 0:
+        exit_ = Exit(EXIT_OK, "training command exited 0")
+        return replace(st, phase=SupervisorPhase.DONE, attempt=None, final=exit_), [
+            log("job_succeeded", attempt=att.number, world_size=att.nproc, step=att.max_step),
+            exit_,
+        ]
+    running = st.phase == SupervisorPhase.RUNNING
+    reason = failures.exited_reason(ev) if running else st.stop_reason or "stopped"
+    told = failures.exited_fields(ev, att.log) if running else {"log": att.log}  # the cause, for every line below
+    actions: list[Action] = [log("worker_exited", "error", attempt=att.number, reason=reason, step=att.max_step,
+                                 **told)] if running else []  # fmt: skip
+    # Progress means reaching a step no earlier attempt reached (policy_rules.made_progress): a job
+    # that dies at the same step every time is a crash loop, however often it restarts.
+    progressed = made_progress(s, max_step=att.max_step, best_before=att.best_before, resume_step=att.resume_step,
+                               detecting=hang_detection_on(s, st.beating), ran_s=now - att.launched_at)  # fmt: skip
+    streak = 0 if progressed else st.no_progress_streak + 1
+    in_a_row = 1 if progressed else st.failures_in_a_row + 1
+    restarts = tuple(t for t in st.restarts if now - t < s.window_s)
+    cannot_start = failures.startup_failure(ev) if running and not progressed else None  # no restart fixes it
+    if streak >= s.max_attempts_without_progress or cannot_start:
+        exit_ = Exit(EXIT_CRASH_LOOP, failures.crash_loop_reason(streak, reason, cannot_start))
+        return _give_up(st, actions, exit_, "crash_loop_detected", attempt=att.number, step=att.max_step, **told)
+    if len(restarts) >= s.max_restarts:
+        exit_ = Exit(EXIT_BUDGET, f"restart budget spent: {len(restarts)} restarts within {s.window_s:g}s ({reason})")
+        return _give_up(st, actions, exit_, "restart_budget_exhausted", attempt=att.number, **told)
+    wait = backoff_s(s, in_a_row)
+    return replace(
+        st, phase=SupervisorPhase.BACKOFF, attempt=None, stop_reason=None, restarts=(*restarts, now),
+        failures_in_a_row=in_a_row, no_progress_streak=streak, resume_at=now + wait, last_failure=reason,
+    ), [*actions, log("restart_scheduled", attempt=att.number, reason=reason, duration_s=round(wait, 3))]  # fmt: skip
+
+
+def _give_up(st: State, actions: list[Action], exit_: Exit, event: str, **fields: object) -> tuple[State, list[Action]]:
+    """End the job after `actions`: the exit's reason is the event's and the journal's `last_failure`."""
+    done = replace(st, phase=SupervisorPhase.DONE, attempt=None, final=exit_, last_failure=exit_.reason)
+    return done, [*actions, log(event, "error", reason=exit_.reason, **fields), exit_]
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Convenience holder: the settings and current state, advanced by `feed`."""
+
+    settings: Settings
+    state: State = field(default_factory=State)
+
+    def feed(self, ev: Event, now: float) -> tuple[Machine, list[Action]]:
+        st, actions = step(self.settings, self.state, ev, now)
+        return replace(self, state=st), actions

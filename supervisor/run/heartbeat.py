@@ -1,0 +1,237 @@
+"""The supervisor end of the heartbeat channel: a UNIX `SOCK_SEQPACKET` socket in a private directory.
+
+Ranks connect and send one JSON message per beat (the schema is `ftsup.protocol`'s: `encode_beat`,
+`parse_beat`). `HeartbeatReceiver.drain()` returns the valid beats waiting, never blocking;
+everything else is dropped and counted by reason (`DROP_REASONS`), and the connection it came on
+is closed:
+
+- `malformed`: not a beat of this schema (too long, nested, not JSON, a field missing, of the
+  wrong type or out of range, an unknown phase, a bad figure). `parse_beat` checks the size and
+  the nesting before it parses anything, so no message can cost more than a few microseconds;
+- `version`: a beat of another protocol version (a trainer and a supervisor of different ftsup
+  releases);
+- `spoofed`: the pid the beat claims is not the sender's, as the kernel reports it
+  (`SCM_CREDENTIALS`, asked for with `SO_PASSCRED`), or the sender runs as another user;
+- `foreign`: the sender is not a process the caller admits (the daemon admits the processes of
+  its running attempt, `Admission`), checked when it connects and for every beat;
+- `refused`: a connection beyond `max_connections`.
+
+Each connection has a queue of its own, so a process that floods the socket fills only its own
+queue; each drain accepts at most `accept_budget` connections and reads at most
+`per_connection` messages from each, so a flood costs the supervisor a bounded amount of work
+per drain, however fast it comes. The directory is created 0700 and the socket 0600, so only
+this user's processes can connect. This module decides nothing about the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import socket
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import psutil
+
+from ftsup.protocol import DROP_REASONS, MAX_BEAT_BYTES, BadBeat, Beat, parse_beat
+
+"""Why a message or a connection was dropped: the `reason` label of `ftsup_heartbeats_dropped_total`."""
+
+MAX_CONNECTIONS = 256  # far above the ranks of one node; each connection holds one descriptor
+ACCEPT_BUDGET = 64  # new connections accepted per drain (also the listen backlog)
+PER_CONNECTION = 32  # messages read per connection per drain: several seconds of a rank's beats
+
+_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
+_ANCILLARY = socket.CMSG_SPACE(_UCRED.size)
+
+
+def sender(ancillary: list[tuple[int, int, bytes]]) -> tuple[int, int] | None:
+    """(pid, uid) of a message's sender from its SCM_CREDENTIALS, or None when it has none."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _UCRED.size:
+            pid, uid, _gid = _UCRED.unpack_from(data)
+            return pid, uid
+    return None
+
+
+def _admit_all(pid: int) -> bool:
+    return True
+
+
+class _Attempt(Protocol):
+    number: int
+    started_at: float  # Unix time
+    known_pids: set[int]
+
+    @property
+    def pid(self) -> int: ...
+
+
+class Admission:
+    """Which senders may beat: the processes of the running attempt, that is descendants of its
+    torchrun (started after it), or ranks already seen. One verdict per pid and attempt, so a
+    sender costs one walk up its parents, however many beats it sends."""
+
+    MAX_STRANGERS = 4096
+
+    def __init__(self) -> None:
+        self._attempt = 0
+        self._members: set[int] = set()
+        self._strangers: set[int] = set()
+
+    def admits(self, attempt: _Attempt | None, pid: int) -> bool:
+        if attempt is None:  # between attempts: the last beats of the last attempt's ranks are still read
+            return pid in self._members
+        if attempt.number != self._attempt:
+            self._attempt, self._members, self._strangers = attempt.number, set(), set()
+        if pid in self._members:
+            return True
+        if pid in self._strangers:
+            return False
+        ok = pid in attempt.known_pids or _descends(pid, attempt)
+        if not ok and len(self._strangers) >= self.MAX_STRANGERS:
+            self._strangers.clear()
+        (self._members if ok else self._strangers).add(pid)
+        return ok
+
+
+def _descends(pid: int, attempt: _Attempt) -> bool:
+    """Whether `pid` is a live descendant of the attempt's torchrun, started after it."""
+    try:
+        proc = psutil.Process(pid)
+        return proc.create_time() >= attempt.started_at - 1 and any(p.pid == attempt.pid for p in proc.parents())
+    except psutil.Error:
+        return False
+
+
+class HeartbeatReceiver:
+    """The listening socket and its connections; `drain()` once a tick, `close()` at the end."""
+
+    def __init__(
+        self, runtime_dir: str | os.PathLike[str], *, counter: Any = None, max_connections: int = MAX_CONNECTIONS,
+        accept_budget: int = ACCEPT_BUDGET, per_connection: int = PER_CONNECTION,
+    ) -> None:  # fmt: skip
+        """`counter`: a prometheus Counter with a `reason` label, counted with every drop."""
+        self.dir = Path(runtime_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+        self.path = self.dir / "heartbeat.sock"
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        self.max_connections, self.accept_budget, self.per_connection = max_connections, accept_budget, per_connection
+        self.uid = os.geteuid()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        try:
+            # Set before any connection exists: accepted connections inherit it, so every message
+            # arrives with its sender's credentials.
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            self.sock.bind(str(self.path))
+            os.chmod(self.path, 0o600)
+            self.sock.listen(accept_budget)
+        except BaseException:
+            self.sock.close()
+            raise
+        self._conns: dict[int, socket.socket] = {}  # by file descriptor
+        self._counter = counter
+        self.dropped: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)  # since start
+        self._unlogged: dict[str, int] = {}
+        self._logged_at = -math.inf
+
+    @property
+    def connections(self) -> int:
+        return len(self._conns)
+
+    def drain(self, admit: Callable[[int], bool] = _admit_all) -> list[Beat]:
+        """The valid beats waiting from admitted senders, oldest first per connection; never blocks."""
+        self._accept(admit)
+        beats: list[Beat] = []
+        for fd, conn in list(self._conns.items()):
+            for _ in range(self.per_connection):
+                try:
+                    raw, ancillary, flags, _ = conn.recvmsg(MAX_BEAT_BYTES + 1, _ANCILLARY, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    break
+                except OSError:  # reset by the peer
+                    self._close(fd)
+                    break
+                if not raw and not ancillary:  # the peer closed its end
+                    self._close(fd)
+                    break
+                try:
+                    beats.append(self._check(raw, ancillary, flags, admit))
+                except BadBeat as e:
+                    self._drop(e.reason)
+                    self._close(fd)  # a peer that sent one bad message gets no more reads
+                    break
+        return beats
+
+    def drops_to_log(self, now: float, every_s: float) -> dict[str, Any] | None:
+        """The fields of a `heartbeats_dropped` event when there were drops since the last one and
+        the last one is `every_s` old (a flood makes one line every `every_s`, not one per message)."""
+        if not self._unlogged or now - self._logged_at < every_s:
+            return None
+        drops, self._unlogged, self._logged_at = self._unlogged, {}, now
+        return {"dropped": drops, "reason": ", ".join(f"{n} {r}" for r, n in sorted(drops.items()))}
+
+    def _check(self, raw: bytes, ancillary: list[tuple[int, int, bytes]], flags: int, admit: Callable[[int], bool]
+               ) -> Beat:  # fmt: skip
+        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            raise BadBeat("malformed", f"more than {MAX_BEAT_BYTES} bytes")
+        beat = parse_beat(raw)
+        who = sender(ancillary)
+        if who is None or who[1] != self.uid or who[0] != beat.pid:
+            raise BadBeat("spoofed", f"claims pid {beat.pid}, sent by {who}")
+        if not admit(beat.pid):
+            raise BadBeat("foreign", f"pid {beat.pid} is not admitted")
+        return beat
+
+    def _accept(self, admit: Callable[[int], bool]) -> None:
+        for _ in range(self.accept_budget):
+            try:
+                conn, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # out of descriptors, or a connection aborted before we took it
+                self._drop("refused")
+                return
+            conn.setblocking(False)
+            if len(self._conns) >= self.max_connections:
+                conn.close()
+                self._drop("refused")
+                continue
+            pid, uid, _gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            if uid != self.uid:
+                conn.close()
+                self._drop("spoofed")
+            elif not admit(pid):
+                conn.close()
+                self._drop("foreign")
+            else:
+                self._conns[conn.fileno()] = conn
+
+    def _drop(self, reason: str) -> None:
+        self.dropped[reason] += 1
+        self._unlogged[reason] = self._unlogged.get(reason, 0) + 1
+        if self._counter is not None:
+            self._counter.labels(reason).inc()
+
+    def _close(self, fd: int) -> None:
+        conn = self._conns.pop(fd, None)
+        if conn is not None:
+            conn.close()
+
+    def close(self) -> None:
+        for fd in list(self._conns):
+            self._close(fd)
+        self.sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    def __enter__(self) -> HeartbeatReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

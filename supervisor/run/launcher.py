@@ -1,0 +1,230 @@
+"""Start one attempt under torchrun, and stop it so that nothing of it survives.
+
+- `torchrun_argv` builds the command (pure): `--max-restarts=0` (restarts are the
+  supervisor's decision), `--nnodes`, `--nproc-per-node`, c10d rendezvous (or `--standalone`
+  for one node without an endpoint), `--log-dir` and `--tee=3` (each rank's output in files of its
+  own as well as, prefixed `[rankN]: `, in the attempt's log: `ranklogs` reads them back), then each
+  rank's command: the training command behind the parent-death guard (`ftsup.guard`, run with
+  `--no-python`).
+- `job_command` is the training command as it runs: a bare `python` or `python3` is the interpreter
+  ftsup itself runs under, not whichever one PATH finds first (docs/supervising.md, The job config).
+- `start` runs torchrun behind the same guard, in a session of its own, without `preexec_fn`
+  (the daemon has threads running): torchrun dies with the supervisor, and each rank with
+  torchrun, from before their first import on. Every process of the attempt carries its
+  `procs.Mark` in its environment. Output goes to a per-attempt log file.
+- `RunningAttempt.stop` stops the attempt's processes: torchrun's process tree (torchrun starts
+  ranks in sessions of their own, so a signal to its process group would not reach them) and
+  any process of the attempt's mark left to a reaper; `procs.stop` is the sequence. On one node, torchrun
+  left alone gets SIGKILL at once.
+
+- `spec_from` and `rank_env` derive the spec and the ranks' environment (the `FTSUP_*` channel
+  variables) from the job config.
+
+Not here: when to start or stop (policy).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from ftsup import guard, procs, protocol
+from ftsup.supervisor import statedir
+from ftsup.supervisor.config.job import JobConfig
+from ftsup.supervisor.policy.anomaly import merge_skips
+from ftsup.supervisor.run import ranklogs
+
+pid_alive = procs.pid_alive
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    command: tuple[str, ...]  # the training command, e.g. (python, -m, ftsup.trainer.examples.gpt, ...)
+    nproc: int
+    nnodes: str = "1"  # "N" or "MIN:MAX"
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "ftsup"
+    rdzv_conf: str | None = None
+    extra_args: tuple[str, ...] = ()
+    python: str | None = None  # interpreter that runs torchrun (default: the command's python, else ftsup's)
+    log_dir: str | None = None  # torchrun's --log-dir: each rank's own output files
+
+
+def spec_from(cfg: JobConfig, nproc: int, log_dir: Path | None = None) -> LaunchSpec:
+    ln = cfg.launch
+    return LaunchSpec(command=job_command(cfg.job.command), nproc=nproc, nnodes=ln.nnodes,
+                      rdzv_endpoint=ln.rdzv_endpoint, rdzv_id=ln.rdzv_id, extra_args=tuple(ln.torchrun_args),
+                      log_dir=None if log_dir is None else str(log_dir))  # fmt: skip
+
+
+def bare_pythons() -> frozenset[str]:
+    """The names that mean this interpreter in `job.command[0]`: `python`, `python3`, `python3.N` of its version."""
+    return frozenset({"python", f"python{sys.version_info[0]}", "python{}.{}".format(*sys.version_info[:2])})
+
+
+def job_command(command: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """`job.command` as the ranks run it: a bare `python`/`python3` becomes the interpreter ftsup runs under
+    (`sys.executable`), so that `ftsup` started from a virtual environment that was never activated runs the job
+    with that environment's torch, as torchrun runs its ranks with its own interpreter. A path is kept as given."""
+    cmd = tuple(command)
+    if cmd and cmd[0] in bare_pythons() and sys.executable:
+        return (sys.executable, *cmd[1:])
+    return cmd
+
+
+def rank_env(
+    cfg: JobConfig, runtime_dir: Path, resume_step: int | None, base: Mapping[str, str],
+    skips: tuple[tuple[int, int], ...] = (),
+) -> dict[str, str]:  # fmt: skip
+    """`base` (the supervisor's environment), `job.env`, then the channel to this supervisor; the attempt's mark
+    (FTSUP_RUN_ID, FTSUP_NODE_ID, FTSUP_ATTEMPT) is added by `start`. The data skips in force (`skips`, and any
+    that `base` or `job.env` give) are FTSUP_DATA_SKIPS; with the detectors on, FTSUP_KEEP_OLDER_THAN_STEPS keeps
+    the history a rollback needs (unless `job.env` sets it)."""
+    channel = protocol.channel_env(
+        heartbeat_socket=str(runtime_dir / "heartbeat.sock"), interval_s=cfg.heartbeat.interval_s,
+        control_file=str(runtime_dir / "control.json"), checkpoint_dir=str(cfg.checkpoint.dir), resume_step=resume_step,
+    )  # fmt: skip
+    # A rank that dies of SIGSEGV, SIGBUS, SIGFPE or SIGABRT prints its Python stack first (unless the environment
+    # says otherwise); torchrun prefixes each rank's lines so that `ranklogs` can tell them from its own.
+    prefix = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": ranklogs.PREFIX_TEMPLATE}
+    window = cfg.anomaly.detection_window_steps
+    history = {protocol.KEEP_OLDER_THAN_STEPS_ENV: str(window)} if cfg.anomaly.enabled else {}
+    env = {"PYTHONFAULTHANDLER": "1", **base, **prefix, **history, **cfg.job.env, **channel, "PYTHONUNBUFFERED": "1"}
+    env.update(durable_env(cfg))
+    if skips:
+        try:  # a skip is never forgotten: the ones given from outside stay, unless they are not skips at all
+            env[protocol.DATA_SKIPS_ENV] = protocol.encode_data_skips(
+                merge_skips(protocol.parse_data_skips(env.get(protocol.DATA_SKIPS_ENV, "")), skips)
+            )
+        except ValueError:  # not ranges, or too many together: the supervisor's (the rank refuses a bad value)
+            env[protocol.DATA_SKIPS_ENV] = protocol.encode_data_skips(skips)
+    return env
+
+
+def durable_env(cfg: JobConfig) -> dict[str, str]:
+    """The durable tier as the ranks see it: its location (`DURABLE_TIER_ENV`), whether each node keeps its own
+    checkpoint dir (`NODE_LOCAL_ENV`), and the endpoint the config gives (`AWS_ENDPOINT_URL_S3`, over one from
+    outside). Without a tier: nothing (a store of one node is its own either way)."""
+    tier = cfg.checkpoint.durable
+    if tier is None:
+        return {}
+    env = {protocol.DURABLE_TIER_ENV: tier.url}
+    if not cfg.checkpoint.dir_shared:
+        env[protocol.NODE_LOCAL_ENV] = "1"
+    if tier.endpoint_url is not None:
+        env["AWS_ENDPOINT_URL_S3"] = tier.endpoint_url
+    return env
+
+
+def _is_python(exe: str) -> bool:
+    return Path(exe).name.startswith("python")
+
+
+def torchrun_argv(spec: LaunchSpec) -> list[str]:
+    """The full argv: `<python> -m torch.distributed.run <torchrun options> --no-python <guard> <command>`."""
+    cmd = list(spec.command)
+    python = spec.python or (cmd[0] if cmd and _is_python(cmd[0]) else sys.executable)
+    argv = [python, "-m", "torch.distributed.run", f"--nnodes={spec.nnodes}", f"--nproc-per-node={spec.nproc}",
+            "--max-restarts=0", "--monitor-interval=0.1"]  # fmt: skip
+    if spec.log_dir:
+        argv += [f"--log-dir={spec.log_dir}", "--tee=3"]
+    if spec.rdzv_endpoint:
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={spec.rdzv_endpoint}", f"--rdzv-id={spec.rdzv_id}"]
+        if spec.rdzv_conf:
+            argv.append(f"--rdzv-conf={spec.rdzv_conf}")
+    else:
+        argv.append("--standalone")
+    argv += list(spec.extra_args)
+    # Each rank execs the guard, which arms its parent-death signal and checks that torchrun is
+    # still its parent before exec'ing the command: a rank can never outlive torchrun, even
+    # when torchrun dies while the rank is still importing torch.
+    return [*argv, "--no-python", *guard.command(cmd)]
+
+
+@dataclass
+class RunningAttempt:
+    number: int
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    started_at: float  # wall clock, just before torchrun was started
+    mark: procs.Mark
+    known_pids: set[int] = field(default_factory=set)  # pids claimed in heartbeats: never signalled as such
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def rank_pids(self) -> frozenset[int]:
+        """torchrun's direct children: the rank processes of the current worker group."""
+        try:
+            return frozenset(c.pid for c in psutil.Process(self.proc.pid).children() if procs.alive(c))
+        except psutil.NoSuchProcess:
+            return frozenset()
+
+    def tree(self) -> list[psutil.Process]:
+        """Every live process of this attempt: torchrun and its descendants (we started them),
+        and the processes that carry the attempt's mark (a rank left to a reaper)."""
+        root: list[int] = [] if self.proc.poll() is not None else [self.proc.pid]
+        found = {p.pid: p for p in procs.descendants(root)}
+        for p in procs.find(self.mark, since=self.started_at):
+            found.setdefault(p.pid, p)
+        return list(found.values())
+
+    def stop(self, grace_s: float, *, clock: Callable[[], float] = time.monotonic, one_node: bool = False) -> list[int]:
+        """Stop every process of the attempt (`procs.stop`); return the pids that survived.
+
+        `one_node`: torchrun has no peer to take leave of (a single-node job), so once it is the attempt's last
+        process it gets SIGKILL instead of the rest of the grace: its own shutdown (it stops ranks that are gone
+        already, then a half-second's exit of an interpreter that holds torch) is no one's."""
+
+        def found() -> list[psutil.Process]:
+            tree = self.tree()
+            if one_node and [p.pid for p in tree] == [self.proc.pid]:
+                procs.signal_all(tree, signal.SIGKILL)
+            return tree
+
+        left = procs.stop(found, grace_s, clock=clock, reap=self.proc.poll)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        return left
+
+
+def start(
+    number: int,
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    cwd: str | os.PathLike[str],
+    log_path: Path,
+    mark: procs.Mark,
+    ignore_signals: tuple[int, ...] = (),
+) -> RunningAttempt:
+    """Start torchrun (`argv`) behind the parent-death guard, in a session of its own.
+
+    Notice signals (`ignore_signals`) are the supervisor's. Slurm delivers a step's signals to
+    every process in it, and SIGUSR1's default action would kill torchrun and the ranks before
+    they could save; the guard sets them to SIG_IGN before exec, which survives exec, so the
+    whole tree ignores them.
+    """
+    wrapped, guard_env = guard.wrap(argv, ignore=ignore_signals)
+    full_env = {**env, **mark.environ(), **guard_env}
+    started_at = time.time()
+    with statedir.open_append(log_path) as out:
+        proc = subprocess.Popen(
+            wrapped, env=full_env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    return RunningAttempt(number, proc, log_path, started_at, mark)

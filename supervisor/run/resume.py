@@ -1,0 +1,168 @@
+"""Where the next attempt resumes and on how many slots: the health probe, the checkpoint store's choice, the
+batch the world size must divide.
+
+`ResumeChoice.prepare_or_retry(attempt, at_most)` carries out the policy's `PrepareLaunch`: it probes the slots'
+health (`health`; a blind probe is said so, and the policy keeps the last world size), has the store scanner
+(`ckptstore.StoreScanner`, on its own thread once `running()`) choose the latest consistent checkpoint (of a step
+at most `at_most`, for a rollback, which abandons the ones after it), logs what was chosen, quarantined, skipped
+or abandoned, and posts `LaunchReady`. While the store cannot be read that is an
+outage: the launch waits and is retried, since the resume point must come from the store, not from its absence.
+Each tick `refresh_metrics()` hands the scanner's latest view to the metrics (a failed scan is an outage) and
+logs `checkpoint_found` for a newer checkpoint than any seen before (the ranks committed one), and
+`latest()` is the newest checkpoint as last scanned; neither waits on the store.
+
+Which world size to launch with, given the slots and the divisor, is the policy's decision, not this module's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ftsup.store import choice, durable, layout
+from ftsup.store.errors import CheckpointError
+from ftsup.supervisor.config.job import JobConfig
+from ftsup.supervisor.policy import machine as policy
+from ftsup.supervisor.run import health
+from ftsup.supervisor.run.outages import Outages
+from ftsup.supervisor.state.ckptstore import Resume, StoreScanner
+from ftsup.supervisor.telemetry.metrics import Metrics
+
+_STORE_ERRORS = (OSError, CheckpointError)  # what reading the store raises while it is unreadable or mid-change
+CHOICE_TIMEOUT_S = 60.0  # the resume choice waits this long for the store, then leaves it to the ranks
+RECENT_FOR_DURABLE = 16  # the newest checkpoints each scan checks for the durable tier (`durable_policy.pick`)
+
+
+class ResumeChoice:
+    def __init__(
+        self, cfg: JobConfig, *, emit: Callable[..., None], post: Callable[[policy.Event], None], outages: Outages,
+        metrics: Metrics,
+    ) -> None:  # fmt: skip
+        """`emit(level, event, **fields)` logs an event, `post(event)` queues one for the policy."""
+        self.cfg = cfg
+        self._emit = emit
+        self._post = post
+        self._outages = outages
+        self._metrics = metrics
+        recent = RECENT_FOR_DURABLE if cfg.checkpoint.durable is not None else 0  # what may go durable
+        self.store = StoreScanner(cfg.checkpoint.dir, deep=cfg.checkpoint.verify_deep, recent=recent)  # all reads
+        self._seen = (0, 0)  # (scans, errors) of the view last handed to the metrics
+        self._newest: int | None = None  # the newest step seen, from the first scan on (checkpoint_found after it)
+        node_local = not cfg.checkpoint.dir_shared and cfg.launch.max_nodes > 1  # the durable tier's newest commit
+        self.store.with_durable_tier(durable_opener(cfg), durable_only=node_local)  # the choice reads the tier too
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[ResumeChoice]:
+        """The scanner's thread, from here on; before, it scans and chooses on the caller's thread."""
+        self.store.start()
+        try:
+            yield self
+        finally:
+            self.store.close()
+
+    def nproc_max(self) -> int:
+        """Local slots at most: `launch.nproc_per_node`, with "auto" resolved by the health probe."""
+        n = self.cfg.launch.nproc_per_node
+        if n != "auto":
+            return int(n)
+        return health.probe(None, "auto").count or 1
+
+    def latest(self) -> layout.CheckpointInfo | None:
+        return self.store.view().latest  # as last scanned: never a wait on the store
+
+    def latest_bytes(self) -> int | None:
+        latest = self.latest()
+        return latest.tensor_bytes if latest else None
+
+    def prepare_or_retry(self, attempt: int, at_most: int | None = None) -> None:
+        # While the store cannot be read, wait: the resume point must come from the store, not from its absence.
+        again = ("prepare", lambda: self.prepare_or_retry(attempt, at_most))
+        ready = self._outages.guard("checkpoint_dir", self.cfg.checkpoint.dir, lambda: self.prepare(attempt, at_most),
+                                    errors=_STORE_ERRORS, retry=again)  # fmt: skip
+        if ready is not None:
+            self._post(ready)
+
+    def prepare(self, attempt: int, at_most: int | None = None) -> policy.LaunchReady:
+        h = health.probe(self.cfg.launch.health_command, self.cfg.launch.nproc_per_node)
+        if h.count is None:
+            # A blind probe must not look healthy: the policy keeps the last known world size.
+            self._emit("warning", "health_probe_failed", attempt=attempt, reason=h.detail, source=h.source)
+        else:
+            self._emit("info", "health_probed", attempt=attempt, source=h.source, slots=list(h.slots or ()))
+        step, meta = self._choose_checkpoint(attempt, at_most)
+        samples = meta.get("samples")
+        samples = samples if type(samples) is int and samples >= 0 else None  # the checkpoint's data position
+        return policy.LaunchReady(h.count, step, self._batch_divisor(meta), at_most=at_most, resume_samples=samples)
+
+    def _choose_checkpoint(self, attempt: int, at_most: int | None) -> tuple[int | None, dict[str, Any]]:
+        resume = self.store.choose(CHOICE_TIMEOUT_S, at_most, tag=attempt)  # made on the scanner's thread
+        self._tell_passed(attempt, resume)
+        if resume.durable_error is not None:  # the fast tier's choice alone
+            self._emit("warning", "durable_choice_failed", attempt=attempt, reason=resume.durable_error)
+        info = resume.picked.info
+        if info is None and not resume.answered and at_most is not None:
+            # The ranks' own load picks, but never past the rollback's bound (FTSUP_RESUME_STEP is an upper bound).
+            self._emit("warning", "checkpoint_chosen", attempt=attempt, step=at_most, reason=resume.why_no_checkpoint)
+            return at_most, {}
+        if info is None:
+            self._emit("info" if resume.quiet else "warning", "checkpoint_chosen", attempt=attempt, step=None,
+                       reason=resume.why_no_checkpoint)  # fmt: skip
+            return None, {}
+        self._emit("info", "checkpoint_chosen", attempt=attempt, step=info.step, kind=info.kind, tier=resume.tier,
+                   path=info.path)  # fmt: skip
+        return info.step, resume.metadata
+
+    def _tell_passed(self, attempt: int, resume: Resume, **late: Any) -> None:
+        """Log what a choice quarantined, skipped or abandoned on its way (`late`: fields of a choice made after
+        its attempt stopped waiting for it)."""
+        for p in resume.picked.passed:
+            if p.action == choice.QUARANTINED:
+                self._emit("error", "checkpoint_quarantined", attempt=attempt, step=p.step, reason=p.reason,
+                           path=p.moved_to, **late)  # fmt: skip
+            else:
+                self._emit("warning", "checkpoint_skipped", attempt=attempt, step=p.step, reason=p.reason, path=p.path,
+                           **late)  # fmt: skip
+        for p in resume.abandoned:
+            level = "warning" if p.action == choice.ABANDONED else "error"  # one not renamed stays a resume point
+            self._emit(level, "checkpoint_abandoned", attempt=attempt, step=p.step, reason=p.reason, path=p.path,
+                       moved_to=p.moved_to, **late)  # fmt: skip
+
+    def _batch_divisor(self, meta: dict[str, Any]) -> int | None:
+        g = self.cfg.launch.global_batch or meta.get("global_batch")
+        b = self.cfg.launch.micro_batch or meta.get("micro_batch")
+        if isinstance(g, int) and g > 0:
+            return g // b if isinstance(b, int) and b > 0 and g % b == 0 else g
+        return None
+
+    def refresh_metrics(self) -> None:
+        """Hand the scanner's latest view to the metrics (no I/O here); a failed scan is an outage. A resume choice
+        that came after its attempt stopped waiting (`CHOICE_TIMEOUT_S`) is logged now: what it renamed."""
+        for attempt, late in self.store.take_late():
+            self._tell_passed(attempt, late, late=True)
+        view = self.store.view()
+        scans, errors = self._seen
+        if (view.scans, view.errors) == (scans, errors):
+            return
+        self._seen = (view.scans, view.errors)
+        for _ in range(view.errors - errors):
+            self._outages.failed(
+                "checkpoint_dir", self.cfg.checkpoint.dir, view.last_exception or OSError(view.last_error)
+            )
+        if view.scans - scans > view.errors - errors:  # a scan since then went through
+            self._outages.ok("checkpoint_dir")
+            step = view.latest.step if view.latest else -1
+            if self._newest is not None and step > self._newest and view.latest:
+                self._emit("info", "checkpoint_found", step=step, kind=view.latest.kind)
+            self._newest = step if self._newest is None else max(self._newest, step)
+        self._metrics.checkpoint(view.latest, view.committed)
+
+
+def durable_opener(cfg: JobConfig) -> Callable[[], durable.DurableTier] | None:
+    """An opener of the durable tier `checkpoint.durable` names (None without one): the resume choice opens it for
+    each choice, on the store scanner's thread."""
+    spec = cfg.checkpoint.durable
+    if spec is None:
+        return None
+    return functools.partial(durable.open_tier, spec.url, spec.options())

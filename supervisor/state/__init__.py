@@ -1,0 +1,1 @@
+"""What the supervisor keeps and reads back: the journal, the ranks as last heard, rollback requests, store scans."""

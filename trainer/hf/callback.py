@@ -1,0 +1,354 @@
+"""`FtsupCallback`: a Hugging Face `transformers.Trainer` under ftsup, with one callback and one line to resume.
+
+    from ftsup import FtsupCallback
+    ftsup_cb = FtsupCallback()                       # the store: FTSUP_CHECKPOINT_DIR, else args.output_dir
+    trainer = Trainer(model, args, train_dataset=train, eval_dataset=val, callbacks=[ftsup_cb])
+    trainer.train(resume_from_checkpoint=ftsup_cb.latest_checkpoint())
+
+What it does, through the Trainer's public callback events and checkpoint interface only:
+
+- **Heartbeats** (`ftsup.trainer.runtime`): one per optimizer step (`on_step_end`), with the logged
+  loss (`on_log`). Work between steps that is not a step gets a phase, so that it is never taken
+  for a hang: when `on_step_end` leaves `control.should_evaluate` set (and `should_log`, when
+  logging is not every step: a pause of every step is part of the learned step time) the rank is
+  in phase `eval` until `on_evaluate` (beating from a thread every `heartbeat.interval_s`, up to
+  `heartbeat.save_timeout_s`); while the Trainer saves it is in phase `save`. An evaluation the
+  callback was not told of (`trainer.evaluate()` from other code) enters `eval` at its first
+  `on_prediction_step`. A rank that stops (SIGSTOP, a deadlock in a collective) stops beating,
+  thread and all, and is caught by the heartbeat timeout; one stuck in eval, by the phase's timeout.
+- **Requests**: every step, all ranks agree on the supervisor's newest save/stop request (`agree`,
+  one tiny all-reduce); a save request sets `control.should_save` (an evaluation due at that step
+  is skipped: the deadline is for the save), a stop also `control.should_training_stop`, and
+  `on_train_end` then ends the process with `SystemExit(0)` (`exit_on_stop=False` returns from
+  `train()` instead; `stopped` says why), so the code after `train()` never takes an evicted run
+  for a finished one. A run resumed from its last step ends the same way at `on_train_begin`
+  (the Trainer would otherwise take one step past `max_steps` when that ends inside an epoch).
+- **Commits**: the Trainer's `checkpoint-N/` becomes the store's `step-N/` by the store's commit
+  protocol (`ftsup.trainer.hf.store`: renamed into `step-N.partial/`, every file fsynced and
+  checksummed into a manifest, renamed), once every rank has written its files; retention keeps
+  `keep_last`. A failed commit is logged and training goes on from the previous checkpoint; the
+  Trainer's `save_total_limit` has nothing left to rotate.
+- **Resume**: `latest_checkpoint()` is the newest deep-verified `step-N/` (of at most the step the
+  supervisor chose, `FTSUP_RESUME_STEP`), or None; a torn directory is never one, a corrupt one
+  is quarantined and the next older one taken.
+
+Exact: on the same world size, a resumed run's losses are bitwise the uninterrupted run's, with
+deterministic kernels and `dataloader_num_workers=0`: the Trainer restores each rank's RNG
+states and the optimizer, scheduler and step, and its sampler's order depends only on the seed
+and the epoch. Not exact: with `dataloader_num_workers > 0` the sample order is still exact,
+but the workers' random seeds are drawn anew by a resumed run (randomness inside the dataset's
+`__getitem__`, such as augmentation, differs); another world size changes the per-rank batches
+and the data order (the Trainer has no resharding of the data position), so resume on another
+world size only approximately continues the run. Refused, with a message, at `Trainer(...)`:
+`save_only_model=True` (no optimizer or RNG state to resume from), `load_best_model_at_end=True`
+(the best checkpoint moved into the store) and `enable_jit_checkpoint=True` (the supervisor owns
+SIGTERM and asks for the save itself).
+
+Only where transformers is installed: `from ftsup import FtsupCallback` imports this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+
+try:
+    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+except ModuleNotFoundError as e:  # `from ftsup import FtsupCallback` without the libraries it is for
+    raise ModuleNotFoundError(
+        f"ftsup.FtsupCallback needs {e.name!r} (pip install 'transformers>=5,<6' accelerate)", name=e.name
+    ) from None
+
+from ftsup.protocol import Phase
+from ftsup.store.errors import CheckpointSaveError
+from ftsup.store.retention import RetentionPolicy
+from ftsup.trainer.hf import store as hf_store
+from ftsup.trainer.runtime import RuntimeClient, agree, runtime
+
+log = structlog.get_logger("ftsup.trainer")
+
+_EVAL, _LOG, _SAVE = "eval", "log", "save"  # what the Trainer does after on_step_end, in this order
+
+
+class FtsupCallback(TrainerCallback):
+    """Heartbeats, eval-aware phases, the supervisor's save and stop requests, committed and verified
+    checkpoints, exact resume (the module docstring says what each means)."""
+
+    def __init__(
+        self,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        *,
+        keep_last: int = 3,
+        keep_every: int | None = None,
+        config: Any = None,
+        exit_on_stop: bool = True,
+        client: RuntimeClient | None = None,
+    ) -> None:
+        """`checkpoint_dir`: the store (default: `FTSUP_CHECKPOINT_DIR`, which `ftsup run` exports
+        as `checkpoint.dir`, else the Trainer's `output_dir`); keep it on the filesystem of
+        `output_dir`, so that a commit is a rename and not a copy. `config`: the model config
+        saved in each checkpoint's metadata for `ftsup ckpt export-hf` (a `PretrainedConfig` or a
+        JSON-able mapping; default: the model's own `config`)."""
+        # At least the history a rollback past an anomaly needs (FTSUP_KEEP_OLDER_THAN_STEPS).
+        self.retention = RetentionPolicy(keep_last=keep_last, keep_every=keep_every).with_environment(os.environ)
+        self.exit_on_stop = exit_on_stop
+        self.rt = client if client is not None else runtime()
+        self._dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self._config = _plain_config(config) if config is not None else None
+        self.stopped = False
+        """Training was stopped by the supervisor (an eviction): the run is not finished."""
+        self.resumed_step: int | None = None
+        self._args: TrainingArguments | None = None
+        self._group: Any = None  # a gloo group for the few CPU collectives of a save
+        self._handled = 0  # the newest request served
+        self._emergency = False
+        self._pending: set[str] = set()
+        self._phase = Phase.TRAIN
+        self._phase_cm = contextlib.ExitStack()
+        self._save_t0 = 0.0
+        self._load_t0 = 0.0
+
+    # ------------------------------------------------------------------ set-up and resume
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        if self._dir is not None:
+            return self._dir
+        if self.rt.env.checkpoint_dir:
+            return Path(self.rt.env.checkpoint_dir)
+        if self._args is None:
+            raise RuntimeError("FtsupCallback: pass it to Trainer(callbacks=[...]) first, or give it checkpoint_dir")
+        return Path(str(self._args.output_dir))
+
+    def latest_checkpoint(self) -> str | None:
+        """The checkpoint to pass as `trainer.train(resume_from_checkpoint=...)`: the newest
+        deep-verified one of at most the supervisor's resume step; None for a fresh start."""
+        rank0 = self.rt.env.rank == 0
+        self._load_t0 = time.monotonic()
+        info, passed = hf_store.latest_hf_checkpoint(
+            self.checkpoint_dir, at_most=self.rt.env.resume_step, quarantine=rank0
+        )
+        if rank0:
+            for p in passed:
+                log.warning(f"checkpoint_{p.action}", step=p.step, path=p.path, reason=p.reason)
+            if info is None and passed:
+                log.warning(
+                    "training_started_from_scratch", step=0, unusable=len(passed), reason="; ".join(map(str, passed))
+                )
+        if info is None:
+            return None
+        self.resumed_step = info.step
+        self.rt.beat(info.step, Phase.LOAD)  # the Trainer loads it next: silent up to save_timeout_s
+        return info.path
+
+    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        refused = [
+            (args.save_only_model, "save_only_model=True saves no optimizer or RNG state to resume from"),
+            (args.load_best_model_at_end, "load_best_model_at_end=True: the best checkpoint moves into the store"),
+            (getattr(args, "enable_jit_checkpoint", False),
+             "enable_jit_checkpoint=True: the supervisor owns SIGTERM and asks for the save itself"),
+        ]  # fmt: skip
+        for bad, why in refused:
+            if bad:
+                raise ValueError(f"FtsupCallback cannot work with {why}; turn it off")
+        self._args = args
+        # train() opens with a full collection (accelerate's free_memory): with transformers imported
+        # it walks some 360,000 objects, 0.26 s of every relaunch here. What exists by now
+        # (modules, the model, the Trainer) lives as long as the process: out of the collector's
+        # way, so that its collections walk only what training allocates.
+        gc.freeze()
+        model_config = getattr(kwargs.get("model"), "config", None)
+        if self._config is None and model_config is not None:
+            self._config = _plain_config(model_config)
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and self._group is None:
+            self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        if self.resumed_step is not None:  # chosen, verified, loaded and set up by the Trainer
+            log.info("checkpoint_loaded", step=self.resumed_step, duration_s=round(time.monotonic() - self._load_t0, 4))
+        if self.resumed_step is not None and state.global_step >= state.max_steps and self.exit_on_stop:
+            # Resumed from its last step, the Trainer would still take one more when max_steps ends
+            # inside an epoch: the run is over, and an attempt after its final save only has to end.
+            self.rt.beat(state.global_step, Phase.DONE)
+            raise SystemExit(0)
+        self.rt.beat(state.global_step, Phase.TRAIN)
+
+    # ------------------------------------------------------------------ every step
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        step = state.global_step
+        self._pending.clear()
+        self._set_phase(Phase.TRAIN, step)  # a phase whose closing event never came ends here
+        self.rt.beat(step, Phase.TRAIN)
+        request = agree(self.rt.control.poll(), args.device)  # every rank, every step
+        if request.seq > self._handled:
+            self._handled = request.seq
+            self._emergency = True
+            control.should_save = True
+            control.should_evaluate = False  # the deadline is for the save
+            if request.stop:
+                control.should_training_stop = True
+                self.stopped = True
+        self._plan(args, state, control)
+
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        self._pending.clear()
+        self._plan(args, state, control)  # epoch strategies log, evaluate and save after this event
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        logs = kw.get("logs") or {}
+        loss = logs.get("loss")
+        if isinstance(loss, (int, float)):
+            self.rt.beat(state.global_step, None, loss=float(loss))
+        if _LOG in self._pending:
+            self._pending.discard(_LOG)
+            self._next_phase(state.global_step)
+
+    def on_prediction_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:  # fmt: skip
+        if self._phase == Phase.TRAIN:  # an evaluation no step announced
+            self._pending.add(_EVAL)
+            self._next_phase(state.global_step)
+
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        self._pending.discard(_EVAL)
+        self._next_phase(state.global_step)
+
+    # ------------------------------------------------------------------ saves
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        step = state.global_step
+        kind = "emergency" if self._emergency else "final" if step >= state.max_steps else "periodic"
+        self._emergency = False
+        self._all(True)  # every rank's files are written
+        error: str | None = None
+        committed = None
+        if args.process_index == 0:
+            try:
+                committed = hf_store.commit_hf_checkpoint(
+                    hf_store.hf_checkpoint_dir(str(args.output_dir), step), self.checkpoint_dir, step, kind=kind,
+                    world_size=args.world_size, metadata=self._metadata(args, state),
+                )  # fmt: skip
+            except CheckpointSaveError as e:
+                error = str(e)
+        ok = self._all(error is None)
+        save_s = time.monotonic() - self._save_t0
+        if args.process_index == 0:
+            if committed is not None and not committed.skipped:
+                log.info("checkpoint_committed", step=step, kind=kind, world_size=args.world_size,
+                         duration_s=round(save_s, 4), path=committed.path)  # fmt: skip
+                problem = hf_store.retain(self.checkpoint_dir, self.retention, step)
+                if problem is not None:
+                    log.warning("checkpoint_retention_failed", step=step, reason=problem)
+            elif not ok:
+                event = "emergency_save_failed" if kind == "emergency" else "checkpoint_save_failed"
+                log.error(event, step=step, kind=kind, reason=error or "another rank failed")
+        if ok:
+            figures: dict[str, float] = {"save_s": save_s}
+            if kind == "emergency":
+                figures["saved_step"] = step  # the supervisor's cue that the eviction's save is in
+            self.rt.beat(step, None, **figures)
+        self._pending.discard(_SAVE)
+        self._next_phase(step)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        self._set_phase(Phase.TRAIN, state.global_step)
+        self.rt.beat(state.global_step, Phase.DONE)
+        if self.stopped and self.exit_on_stop:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            raise SystemExit(0)  # asked to stop: the checkpoint is in, the run is not finished
+
+    # ------------------------------------------------------------------ helpers
+
+    def _metadata(self, args: TrainingArguments, state: TrainerState) -> dict[str, Any]:
+        return {
+            "config": self._config or {},
+            "world_size": args.world_size,
+            "max_steps": state.max_steps,
+            "epoch": state.epoch,
+            "seed": args.seed,
+            "global_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
+        }
+
+    def _plan(self, args: TrainingArguments, state: TrainerState, control: TrainerControl) -> None:
+        """What the Trainer does next, from the flags the callbacks left (every rank has the same)."""
+        if control.should_evaluate:
+            self._pending.add(_EVAL)
+        if control.should_log and _sparse_logging(args, state):
+            self._pending.add(_LOG)
+        if control.should_save:
+            self._pending.add(_SAVE)
+            self._clear_stale(args, state.global_step)
+        self._next_phase(state.global_step)
+
+    def _next_phase(self, step: int) -> None:
+        """The phase of what the Trainer does next: eval (logging, evaluation), then save, then train."""
+        if _EVAL in self._pending or _LOG in self._pending:
+            self._set_phase(Phase.EVAL, step)
+        elif _SAVE in self._pending:
+            if self._phase != Phase.SAVE:
+                self._save_t0 = time.monotonic()
+            self._set_phase(Phase.SAVE, step)
+        else:
+            self._set_phase(Phase.TRAIN, step)
+
+    def _set_phase(self, phase: Phase, step: int) -> None:
+        if phase == self._phase:
+            return
+        self._phase_cm.close()  # leaves the previous phase (back to train)
+        self._phase_cm = contextlib.ExitStack()
+        self._phase = phase
+        if phase != Phase.TRAIN:
+            self._phase_cm.enter_context(self.rt.phase(phase, step))
+
+    def _clear_stale(self, args: TrainingArguments, step: int) -> None:
+        """Rank 0 removes a `checkpoint-N/` that a torn save of this step left (committed ones are in
+        the store), so that none of its files joins this save's; then no rank writes before it is gone."""
+        if args.process_index == 0:
+            stale = hf_store.hf_checkpoint_dir(str(args.output_dir), step)
+            with contextlib.suppress(FileNotFoundError):
+                if stale.is_symlink() or not stale.is_dir():
+                    stale.unlink()
+                else:
+                    shutil.rmtree(stale)
+        self._all(True)
+
+    def _all(self, ok: bool) -> bool:
+        """Whether `ok` holds on every rank (an all-reduce on a gloo group; also a barrier)."""
+        if self._group is None:
+            return ok
+        flag = torch.tensor([int(ok)], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(flag.item())
+
+
+def _sparse_logging(args: TrainingArguments, state: TrainerState) -> bool:
+    """Logging that is not every step: its pause is a phase, not part of the step time."""
+    return args.logging_strategy != "steps" or state.logging_steps != 1
+
+
+def _plain_config(config: Any) -> dict[str, Any]:
+    """A model config as config.json holds it: plain JSON (int keys become strings, tuples lists)."""
+    if hasattr(config, "to_json_string"):
+        plain = json.loads(config.to_json_string(use_diff=False))
+    elif isinstance(config, Mapping):
+        plain = json.loads(json.dumps(dict(config), default=str))
+    else:
+        raise TypeError(
+            f"FtsupCallback(config=...) must be a PretrainedConfig or a mapping, not {type(config).__name__}"
+        )
+    return plain

@@ -1,0 +1,202 @@
+"""Hugging Face Trainer checkpoints in ftsup's store: committed by the store's protocol, chosen as its own are.
+
+The Trainer writes `<output_dir>/checkpoint-N/` (weights, optimizer, scheduler, every rank's RNG
+state, `trainer_state.json`) with no commit of its own: a process killed in the middle leaves a
+directory that looks whole and is not. `commit_hf_checkpoint` (rank 0, once every rank's files are
+written) makes it a checkpoint of the store (DESIGN.md, The commit protocol): the directory is
+renamed to `<store>/step-N.partial/`, every file is fsynced and checksummed into `manifest.json`
+(metadata `"format": "hf-trainer"`, with the model's config), and the directory is renamed to
+`step-N/`. Until that last rename it is not a checkpoint: `latest_hf_checkpoint` chooses with
+`ftsup.store.choice`, deep-verified, so a torn or corrupt directory is never resumed from (a
+corrupt one is quarantined, as the supervisor and the engine do).
+
+Stdlib and `ftsup.store` only: no torch, no transformers. Not here: the callback that calls these
+(`ftsup.trainer.hf.callback`), the export (`ftsup.trainer.hf.export`).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import stat
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ftsup.store import blocksum, checksums, choice, hublayout, layout, safefile
+from ftsup.store.errors import CheckpointError, CheckpointSaveError
+from ftsup.store.retention import RetentionPolicy, apply_retention, remove_dir
+
+FORMAT = hublayout.TRAINER_FORMAT
+"""The manifest metadata's `format` of a committed Trainer checkpoint."""
+HF_PREFIX = "checkpoint-"  # transformers' PREFIX_CHECKPOINT_DIR
+MAX_FILES = 100_000  # a Trainer checkpoint holds a dozen files (a few hundred with sharded FSDP state)
+
+
+def hf_checkpoint_dir(output_dir: str | os.PathLike[str], step: int) -> Path:
+    """Where the Trainer writes the checkpoint of `step`."""
+    return Path(output_dir) / f"{HF_PREFIX}{step}"
+
+
+@dataclass(frozen=True)
+class Committed:
+    step: int
+    path: str
+    files: int
+    bytes: int
+    skipped: bool = False  # the step was committed already: the Trainer's copy was dropped
+
+
+def commit_hf_checkpoint(
+    src: str | os.PathLike[str],
+    root: str | os.PathLike[str],
+    step: int,
+    *,
+    kind: str,
+    world_size: int,
+    metadata: Mapping[str, Any],
+) -> Committed:
+    """Commit the Trainer's checkpoint directory `src` as `<root>/step-N` (rank 0 only).
+
+    A committed step is never written over: `src` is then removed and the result says `skipped`.
+    An inconsistent `step-N` is quarantined first. Raises CheckpointSaveError naming what failed;
+    then no `step-N` exists for this save and the previous checkpoint is the latest.
+    """
+    src, root = Path(src), Path(root)
+    final = root / layout.step_dirname(step)
+    partial = root / layout.partial_dirname(step)
+    try:
+        st = os.lstat(src)
+    except OSError as e:
+        raise CheckpointSaveError(f"step {step}: the Trainer's checkpoint {src} is not there ({e.strerror})") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointSaveError(f"step {step}: {src} is not a directory (a link or a file); it is not committed")
+    root.mkdir(parents=True, exist_ok=True)
+    if _committed_already(final, step):
+        shutil.rmtree(src)
+        return Committed(step, str(final), 0, 0, skipped=True)
+    _clear_partials(root, step)
+    try:
+        try:
+            os.rename(src, partial)  # the store and output_dir on one filesystem: the usual case, free
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                raise
+            shutil.copytree(src, partial, symlinks=True)  # another filesystem: a copy, then the Trainer's goes
+            shutil.rmtree(src)
+        files = _sync_and_checksum(partial)
+        total = sum(f.size for f in files.values())
+        manifest = layout.Manifest(
+            step=step, world_size=world_size, kind=kind, created_unix=time.time(), files=files,
+            tensor_bytes=total, metadata={**metadata, "step": step, "format": FORMAT},
+        )  # fmt: skip
+        raw = json.dumps(manifest.to_json(), indent=1).encode()
+        layout.parse_manifest(raw, f"{partial}/{layout.MANIFEST_NAME}")  # what a reader will check, checked now
+        layout.write_file_durable(partial / layout.MANIFEST_NAME, raw)
+        layout.fsync_dir(partial)
+        os.rename(partial, final)
+        layout.fsync_dir(root)
+    except (OSError, CheckpointError) as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointSaveError(f"step {step}: cannot commit {src} into {root}: {e}") from None
+    return Committed(step, str(final), len(files), total)
+
+
+def retain(root: str | os.PathLike[str], policy: RetentionPolicy, newest: int) -> str | None:
+    """Apply `policy` after the commit of `newest` (never deleting it); the error, if any, as text:
+    a failed deletion must not fail a committed save (the next commit tries again)."""
+    try:
+        apply_retention(root, policy, protect={newest})
+    except (OSError, CheckpointError) as e:
+        return str(e)
+    return None
+
+
+def latest_hf_checkpoint(
+    root: str | os.PathLike[str], *, at_most: int | None = None, quarantine: bool = True
+) -> tuple[layout.CheckpointInfo | None, tuple[choice.Passed, ...]]:
+    """The newest deep-verified checkpoint under `root` (of a step of at most `at_most`) and what was
+    passed over; (None, ...) for a fresh start. Raises CheckpointError when the newest consistent one
+    is not a Trainer checkpoint (another trainer's store)."""
+    picked = choice.choose(root, deep=True, at_most=at_most, quarantine=quarantine)
+    if picked.info is not None:
+        meta = layout.read_manifest(picked.info.path).metadata
+        if meta.get("format") != FORMAT:
+            raise CheckpointError(
+                f"{picked.info.path} was not written by a Trainer under ftsup (metadata format "
+                f"{meta.get('format')!r:.40}, not {FORMAT!r}); give the Trainer a checkpoint directory of its own"
+            )
+    return picked.info, picked.passed
+
+
+# ---------------------------------------------------------------------- the protocol's parts
+
+
+def _committed_already(final: Path, step: int) -> bool:
+    """True when `step-N` is a consistent checkpoint; an inconsistent one is quarantined (raises
+    CheckpointSaveError when it cannot be, or is not a directory, or of an unknown format)."""
+    try:
+        st = os.lstat(final)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointSaveError(f"{final} exists and is not a directory (a link or a file); remove it to save")
+    info = layout.inspect_checkpoint(final)
+    if info.consistent:
+        return True
+    reason = "; ".join(map(str, info.problems))
+    if info.unknown_format:
+        raise CheckpointSaveError(f"{final} is of a format this ftsup does not read; it is kept ({reason})")
+    passed = choice.give_up(final, step, reason)
+    if passed.action != choice.QUARANTINED:
+        raise CheckpointSaveError(f"{final} is not consistent and could not be quarantined: {passed.reason}")
+    return False
+
+
+def _clear_partials(root: Path, step: int) -> None:
+    """Remove torn `.partial` directories of this or older steps (saves commit in order)."""
+    dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for e in os.scandir(dir_fd):
+            s = layout.parse_partial_dirname(e.name)
+            if s is not None and s <= step:
+                remove_dir(dir_fd, e.name)  # a real directory only: a planted link is left
+    finally:
+        os.close(dir_fd)
+
+
+def _sync_and_checksum(top: Path) -> dict[str, layout.FileEntry]:
+    """Every file under `top`: fsynced (the Trainer does not), sized and checksummed. Anything but
+    regular files and directories (a link, a FIFO) fails the commit: a checkpoint holds files."""
+    files: dict[str, layout.FileEntry] = {}
+    for dirpath, dirnames, filenames in os.walk(top):
+        here = Path(dirpath)
+        for name in (*dirnames, *filenames):
+            mode = os.lstat(here / name).st_mode
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                raise CheckpointError(f"{here / name} is neither a file nor a directory; a checkpoint holds files only")
+        for name in filenames:
+            rel = (here / name).relative_to(top).as_posix()
+            if rel == layout.MANIFEST_NAME:
+                raise CheckpointError(f"{top} holds a {layout.MANIFEST_NAME} already; it is not a Trainer checkpoint")
+            safefile.validate_relpath(rel)
+            if len(files) >= MAX_FILES:
+                raise CheckpointError(f"{top} holds more than {MAX_FILES} files")
+            files[rel] = _entry(here / name)
+        layout.fsync_dir(here)
+    if not files:
+        raise CheckpointError(f"{top} is empty")
+    return files
+
+
+def _entry(path: Path) -> layout.FileEntry:
+    fd = safefile.open_regular(path, str(path), CheckpointError)
+    with open(fd, "rb", buffering=0) as f:
+        os.fsync(f.fileno())
+        crcs = checksums.stream_block_crcs(f)
+        size = os.fstat(f.fileno()).st_size
+    return layout.FileEntry(size, checksums.checksum_from_block_crcs(crcs, blocksum.CURRENT))
