@@ -29,7 +29,7 @@ from typing import Any
 from ftsup.protocol import MAX_DATA_SKIPS, DataSkips
 from ftsup.supervisor.config.anomaly import AnomalyConfig
 from ftsup.supervisor.policy import detectors
-from ftsup.supervisor.policy.events import Exit, Heartbeat, Log, RollbackRequested, log
+from ftsup.supervisor.policy.events import Exit, Heartbeat, Log, RollbackRequested, WriteJournal, log
 
 EXIT_ANOMALY = 7
 MAX_SERVED = 64  # request ids remembered: a request is served once, and a file holds one request at a time
@@ -109,14 +109,16 @@ def launched(an: AnomalyState, resume_step: int | None, resume_samples: int | No
                    incident=incident)  # fmt: skip
 
 
-def on_beat(cfg: AnomalyConfig, an: AnomalyState, ev: Heartbeat, attempt: int, now: float) -> tuple[
-    AnomalyState, list[Log], Stop | None
-]:  # fmt: skip
+def on_beat(
+    cfg: AnomalyConfig, an: AnomalyState, ev: Heartbeat, attempt: int, now: float
+) -> tuple[AnomalyState, list[Log | WriteJournal], Stop | None]:
     if not cfg.enabled:
         return an, [], None
     health, found = detectors.observe(cfg, an.health, ev)
     an = replace(an, health=health)
-    logs: list[Log] = []
+    logs: list[Log | WriteJournal] = []
+    if any(isinstance(f, detectors.Straggler | detectors.Recovered) for f in found):
+        logs.append(WriteJournal())  # `ftsup status` lists the stragglers from the journal
     for f in found:
         if isinstance(f, detectors.Straggler):
             logs.append(log("straggler_detected", "warning", attempt=attempt, rank=f.rank, local_rank=f.local_rank,

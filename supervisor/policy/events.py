@@ -268,7 +268,23 @@ def log(event: str, level: str = "info", **fields: object) -> Log:
     return Log(event, level, tuple(sorted(fields.items())))
 
 
-Action = PrepareLaunch | Launch | StopWorkers | RequestSave | AckEviction | Exit | Log
+@dataclass(frozen=True)
+class CheckpointCommitted:
+    """The ranks reported a checkpoint committed that no store scan has seen yet (an eviction's emergency save):
+    the durable tier may take it now."""
+
+    step: int
+    kind: str
+
+
+@dataclass(frozen=True)
+class WriteJournal:
+    """Write the journal now: what `ftsup status` reads from it changed (a straggler found or gone)."""
+
+
+Action = (
+    PrepareLaunch | Launch | StopWorkers | RequestSave | AckEviction | Exit | Log | CheckpointCommitted | WriteJournal
+)
 
 
 def settings_from(cfg: JobConfig, nproc_max: int) -> Settings:

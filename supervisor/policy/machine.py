@@ -38,16 +38,17 @@ from dataclasses import dataclass, field, replace
 
 # The policy's vocabulary; callers use it as policy.X (policy.Heartbeat, policy.Launch, ...).
 from ftsup.protocol import LONG_PHASES, QUIET_PHASES, SLOW_PHASES, Phase
+from ftsup.supervisor.config.job import HeartbeatMode
 from ftsup.supervisor.policy import anomaly as policy_anomaly
 from ftsup.supervisor.policy import failures
 from ftsup.supervisor.policy.events import (
     AckEviction,
     Action,
+    CheckpointCommitted,
     Event,
     EvictionNoticed,
     Exit,
     Heartbeat,
-    HeartbeatMode,
     Launch,
     LaunchReady,
     OperatorStop,
@@ -275,7 +276,8 @@ def _heartbeat_and_saves(s: Settings, st: State, att: Attempt, ev: Heartbeat, no
                 kind="emergency",
                 duration_s=round(save_s or 0.0, 3),
                 reason=f"eviction: {ej.source}",
-            ),  # fmt: skip
+            ),
+            CheckpointCommitted(int(saved), "emergency"),
             AckEviction(ej.source),
         ]
     return st, actions

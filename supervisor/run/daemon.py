@@ -45,7 +45,7 @@ from ftsup.supervisor.eviction.requeue import requeue
 from ftsup.supervisor.policy import goodput
 from ftsup.supervisor.policy import machine as policy
 from ftsup.supervisor.policy.anomaly import AnomalyState
-from ftsup.supervisor.policy.events import settings_from
+from ftsup.supervisor.policy.events import CheckpointCommitted, WriteJournal, settings_from
 from ftsup.supervisor.run import systemd
 from ftsup.supervisor.run.journaling import JournalKeeper, exit_status
 from ftsup.supervisor.run.outages import Outages
@@ -193,11 +193,11 @@ class Daemon:
         for action in actions:
             if isinstance(action, policy.Log):
                 self._emit(action.level, action.event, **action.as_dict())
-                if action.event == "checkpoint_committed" and self.durable is not None:
-                    fields = action.as_dict()
-                    self.durable.saved(int(str(fields["step"])), str(fields.get("kind")))
-                if action.event in ("straggler_detected", "straggler_recovered"):
-                    self.journal.write("running")  # for `ftsup status`
+            elif isinstance(action, CheckpointCommitted):
+                if self.durable is not None:
+                    self.durable.saved(action.step, action.kind)
+            elif isinstance(action, WriteJournal):
+                self.journal.write("running")
             elif isinstance(action, policy.PrepareLaunch):
                 self.resume.prepare_or_retry(action.attempt, action.at_most)
             elif isinstance(action, policy.Launch):

@@ -13,6 +13,7 @@ from ftsup.supervisor.eviction.local import CommandWatcher, FileWatcher
 from ftsup.supervisor.eviction.providers import AwsWatcher, AzureWatcher, GcpWatcher, WatchError
 from ftsup.supervisor.eviction.runner import WatcherThreads
 from ftsup.supervisor.policy import machine as P
+from ftsup.supervisor.policy.events import CheckpointCommitted
 from tests.metadata_server import MetadataServer
 from tests.settings import settings
 from tests.unit.test_policy import Driver
@@ -155,6 +156,13 @@ def test_commit_is_acknowledged_then_the_clean_exit_is_an_eviction():
     assert P.AckEviction("azure") in acts
     acts = d.feed(P.WorkersExited(1, 0))
     assert [a.code for a in acts if isinstance(a, P.Exit)] == [P.EXIT_EVICTED]
+
+
+def test_an_emergency_commit_is_handed_to_the_durable_tier_as_a_value():
+    d = running_driver()
+    d.feed(P.EvictionNoticed("azure", d.now + 30, "Preempt"))
+    acts = d.feed(P.Heartbeat(1, 0, 11, Phase.TRAIN, figures=(("saved_step", 11.0), ("save_s", 0.4))))
+    assert [a for a in acts if isinstance(a, CheckpointCommitted)] == [CheckpointCommitted(11, "emergency")]
 
 
 def test_ranks_still_running_at_the_deadline_are_stopped():

@@ -11,6 +11,7 @@ from typing import Any
 from ftsup.protocol import Phase
 from ftsup.supervisor.config.anomaly import AnomalyConfig
 from ftsup.supervisor.policy import machine as P
+from ftsup.supervisor.policy.events import WriteJournal
 from ftsup.supervisor.telemetry.logs import EVENTS
 from tests.settings import settings
 from tests.unit.test_policy import Driver
@@ -326,6 +327,7 @@ def test_a_straggler_is_reported_and_the_attempt_goes_on():
             fig = (("loss", 2.0), ("samples", float(s * G)), ("step_s", t))
             d.feed(P.Heartbeat(att.number, r, s, Phase.TRAIN, rank=r, figures=fig, sent=d.now))
     assert ([a["rank"] for a in d.logged("straggler_detected")], d.st.phase) == ([1], "running")
+    assert sum(isinstance(a, WriteJournal) for a in d.actions) == 1  # `ftsup status` reads stragglers from it
 
 
 def test_every_event_these_rules_log_is_listed():
