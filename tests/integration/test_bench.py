@@ -46,7 +46,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory, s3_server: SeaweedS3) -> dic
     out = work / "out.json"
     client(s3_server).create_bucket(Bucket="bench-durable")
     argv = [
-        sys.executable, "-m", "ftsup.tools.bench.checkpoint", "checkpoint",
+        sys.executable, "-m", "ftsup.tools.bench", "checkpoint",
         "--size-mb", "16", "--ranks", "2", "--repeats", "1", "--rss-saves", "3",
         "--process-timeout-s", "40", "--dir", str(work / "d"), "--json", str(out),
         "--durable", "s3://bench-durable/runs", "--durable-part-mib", "5",
@@ -210,7 +210,7 @@ def test_a_process_mode_run_past_its_timeout_is_reported_hung_and_leaves_nothing
     tmp_path: Path, s3_server: SeaweedS3
 ) -> None:
     others = [n for n in ROW_NAMES if n != "dcp_async_process"]
-    argv = [sys.executable, "-m", "ftsup.tools.bench.checkpoint", "checkpoint", "--size-mb", "4",
+    argv = [sys.executable, "-m", "ftsup.tools.bench", "checkpoint", "--size-mb", "4",
             "--dir", str(tmp_path / "d"), "--json", str(tmp_path / "out.json"),
             "--process-timeout-s", "1", "--skip", *others]  # fmt: skip
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -31,7 +31,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("bench-hf")
     out = work / "out.json"
     others = [n for n in ROW_NAMES if n not in hf_report.ROW_NAMES]
-    argv = [sys.executable, "-m", "ftsup.tools.bench.checkpoint", "checkpoint", "--size-mb", "8", "--ranks", "2",
+    argv = [sys.executable, "-m", "ftsup.tools.bench", "checkpoint", "--size-mb", "8", "--ranks", "2",
             "--repeats", "1", "--hf-max-shard-size", "200KB", "--dir", str(work / "d"), "--json", str(out),
             "--skip", *others]  # fmt: skip
     proc = subprocess.Popen(argv, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
