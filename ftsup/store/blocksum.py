@@ -1,22 +1,7 @@
-"""Block checksums: one checksum per 64 KiB block, and a file checksum over the blocks' checksums.
+"""Block checksums: a CRC per 64 KiB block and a file checksum over the blocks' checksums, stdlib only.
 
-Two algorithms, named as manifests name them:
-
-- ``crc32cx64k`` (written by this version): CRC-32C (Castagnoli) of each block; the file
-  checksum is the CRC-32C of the block checksums packed as little-endian uint32. Computed by
-  the C extension `_blocksum` (the x86-64 SSE4.2 instruction, three blocks at a time, without
-  the GIL; a portable C table elsewhere). Without the extension, e.g. a source checkout that
-  was never built, `crc32c_python` gives the same answers, very slowly and holding the GIL;
-  `implementation()` says which one is in use, so that the engine can warn.
-- ``crc32x64k`` (written by earlier versions): the same with zlib's CRC-32. Still verified, so
-  that older checkpoints stay loadable; never written.
-
-`StreamingBlocks` computes the same block checksums while a file is being assembled in memory,
-piece by piece, and can fuse them into the copy that assembles it (the checkpoint engine's
-staging copy), so that the bytes are read once instead of twice.
-
-This module is stdlib-only (the supervisor verifies checkpoints without torch). It knows
-nothing of files or manifests; `layout` does.
+``crc32cx64k`` (CRC-32C, the C extension `_blocksum` or a pure-Python fallback) is written, ``crc32x64k`` (zlib)
+still verified; `StreamingBlocks` fuses them into a copy (ftsup/store/DESIGN.md, File format).
 """
 
 from __future__ import annotations
@@ -85,7 +70,7 @@ def crc32c_python(data: Data, crc: int = 0) -> int:
     """CRC-32C of `data` continuing from `crc` (like zlib.crc32), in pure Python.
 
     The reference the C extension is tested against, and the fallback where it is not built:
-    correct, but two orders of magnitude slower, and it holds the GIL.
+    correct, but far slower, and it holds the GIL.
     """
     t0, t1, t2, t3, t4, t5, t6, t7 = _T
     mv = memoryview(data).cast("B")
@@ -93,10 +78,9 @@ def crc32c_python(data: Data, crc: int = 0) -> int:
     n8 = len(mv) // 8 * 8
     for lo, hi in struct.iter_unpack("<II", mv[:n8]):
         lo ^= c
-        c = (
-            t7[lo & 0xFF] ^ t6[(lo >> 8) & 0xFF] ^ t5[(lo >> 16) & 0xFF] ^ t4[lo >> 24]
-            ^ t3[hi & 0xFF] ^ t2[(hi >> 8) & 0xFF] ^ t1[(hi >> 16) & 0xFF] ^ t0[hi >> 24]
-        )  # fmt: skip
+        low = t7[lo & 0xFF] ^ t6[(lo >> 8) & 0xFF] ^ t5[(lo >> 16) & 0xFF] ^ t4[lo >> 24]
+        high = t3[hi & 0xFF] ^ t2[(hi >> 8) & 0xFF] ^ t1[(hi >> 16) & 0xFF] ^ t0[hi >> 24]
+        c = low ^ high
     for b in mv[n8:]:
         c = t0[(c ^ b) & 0xFF] ^ (c >> 8)
     return c ^ 0xFFFFFFFF

@@ -1,13 +1,6 @@
-"""Recorded checksums: what manifests and `.crc32` sidecars hold, of bytes, files and block lists.
+"""Recorded checksums (``crc32cx64k:1a2b3c4d``) of bytes, files and block lists, and the `.crc32` sidecar format.
 
-A recorded checksum is a string that names its algorithm, ``<algorithm>:<8 hex digits>``
-(``crc32cx64k:1a2b3c4d``), so that checkpoints written by earlier versions still verify. A
-file's checksum is computed over its 64 KiB block checksums (`blocksum`), which the sidecar
-`shard-RRRRR.crc32` stores as little-endian uint32: a loader verifies exactly the blocks it
-reads, and the sidecar verifies itself against the manifest.
-
-Stdlib-only, like `layout` (the supervisor verifies checkpoints without torch). Not here: the
-algorithms themselves (`blocksum`), where files live and what a manifest contains (`layout`).
+Not here: the algorithms (`blocksum`), where files live and what a manifest holds (`layout`).
 """
 
 from __future__ import annotations

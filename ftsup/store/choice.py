@@ -1,16 +1,7 @@
-"""Choosing the checkpoint to resume from: the newest consistent one, and what was passed over.
+"""Choosing the checkpoint to resume from: the newest consistent one, and each one passed over with why.
 
-One definition for the supervisor (which picks the resume step before a launch) and the loader
-(which picks what it loads): newest first, a checkpoint that fails the check is quarantined
-(`step-N.corrupt`, kept as evidence) and the next older one is tried; one of a format this ftsup
-does not read (a newer ftsup's, next to this one) is skipped and never renamed; one that cannot
-be renamed (another user's directory in a sticky store) is skipped too. Every checkpoint passed
-over is returned with the reason, so that callers log it and a fresh start is never silent.
-
-A rollback abandons the checkpoints after the step it resumes from (`abandon`): they are renamed out of the
-`step-N` namespace, kept for the operator, never deleted.
-
-Stdlib-only, like `layout`. Not here: the checks themselves (`layout`), loading (`ftsup.trainer.checkpoint.loading`).
+One definition for the supervisor and the loader; a rollback's `abandon` too (ftsup/store/DESIGN.md, The resume
+choice).
 """
 
 from __future__ import annotations

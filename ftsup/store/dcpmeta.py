@@ -1,16 +1,6 @@
-"""The schema of `dcp_metadata.json`, checked before anything is loaded from it.
+"""The schema of `dcp_metadata.json`, checked before any byte offset in it reaches a reader.
 
-The file passed its checksum, which says only that it is what rank 0 wrote, or what whoever can
-write the store wrote with a matching checksum. Before the loader hands its byte offsets to the
-reader and DCP's planner, every field is checked here: types, ranges, each chunk inside its
-tensor, each stored chunk declared by its tensor and stored once, its bytes (offset + length)
-inside the file whose size the manifest records, the checksum sidecar of the size its shard
-needs, and a skeleton made only of the node kinds `codec` writes, naming only stored tensors. A
-file that fails is a corrupt checkpoint (the loader quarantines it and tries the next older one),
-never a `StopIteration` or `KeyError` halfway through a load.
-
-Stdlib-only: element sizes come from the torch-free dtype table (`dtypes`), so that `ftsup ckpt show`
-lists a checkpoint's tensors without torch.
+A file that fails is a corrupt checkpoint (ftsup/store/DESIGN.md, A hostile store). Stdlib only.
 """
 
 from __future__ import annotations

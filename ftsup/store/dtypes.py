@@ -1,15 +1,6 @@
-"""The dtypes a checkpoint and a safetensors file hold, by name, torch-free.
+"""The dtypes a checkpoint (`CHECKPOINT`) and a safetensors file (`SAFETENSORS_BITS`) hold, by name, torch-free.
 
-Two tables, each written once (STYLE.md, One definition of each thing):
-
-- `CHECKPOINT`: every dtype a checkpoint can hold, under the name `dcp_metadata.json` records (torch's
-  name without `torch.`), with its element size and its safetensors name. The engine binds each to its
-  torch dtype (`ftsup.trainer.checkpoint.codec.DTYPES`); the supervisor's `ftsup ckpt show` reads sizes
-  from it without torch.
-- `SAFETENSORS_BITS`: every dtype of the safetensors format, with its bits per value, as the format
-  defines them; what a header read as hostile input may name (`stheader`).
-
-Not here: torch dtypes (`codec`), what a header holds (`stheader`).
+The engine binds the checkpoint's names to torch dtypes (`ftsup.trainer.checkpoint.codec.DTYPES`).
 """
 
 from __future__ import annotations
@@ -19,10 +10,29 @@ from dataclasses import dataclass
 from ftsup.store.errors import CheckpointError
 
 SAFETENSORS_BITS: dict[str, int] = {
-    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
-    "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
-    "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
-}  # fmt: skip
+    "BOOL": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "F8_E8M0": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
+}
 """Bits per value of each safetensors dtype, in the order the format lists them (its writer lays a file's
 tensors out by that order, the last first). Sub-byte dtypes (F4, F6_*) pack values into bytes: a tensor's
 byte size is its values times its bits over 8, which must come out whole."""
@@ -49,14 +59,28 @@ def _d(name: str, itemsize: int, st: str | None, packed: int = 1) -> CheckpointD
 
 
 CHECKPOINT: tuple[CheckpointDType, ...] = (
-    _d("float64", 8, "F64"), _d("float32", 4, "F32"), _d("float16", 2, "F16"), _d("bfloat16", 2, "BF16"),
-    _d("int64", 8, "I64"), _d("int32", 4, "I32"), _d("int16", 2, "I16"), _d("int8", 1, "I8"),
-    _d("uint64", 8, "U64"), _d("uint32", 4, "U32"), _d("uint16", 2, "U16"), _d("uint8", 1, "U8"),
-    _d("bool", 1, "BOOL"), _d("complex64", 8, "C64"), _d("complex128", 16, None),
-    _d("float8_e4m3fn", 1, "F8_E4M3"), _d("float8_e4m3fnuz", 1, "F8_E4M3FNUZ"),
-    _d("float8_e5m2", 1, "F8_E5M2"), _d("float8_e5m2fnuz", 1, "F8_E5M2FNUZ"),
-    _d("float8_e8m0fnu", 1, "F8_E8M0"), _d("float4_e2m1fn_x2", 1, "F4", packed=2),
-)  # fmt: skip
+    _d("float64", 8, "F64"),
+    _d("float32", 4, "F32"),
+    _d("float16", 2, "F16"),
+    _d("bfloat16", 2, "BF16"),
+    _d("int64", 8, "I64"),
+    _d("int32", 4, "I32"),
+    _d("int16", 2, "I16"),
+    _d("int8", 1, "I8"),
+    _d("uint64", 8, "U64"),
+    _d("uint32", 4, "U32"),
+    _d("uint16", 2, "U16"),
+    _d("uint8", 1, "U8"),
+    _d("bool", 1, "BOOL"),
+    _d("complex64", 8, "C64"),
+    _d("complex128", 16, None),
+    _d("float8_e4m3fn", 1, "F8_E4M3"),
+    _d("float8_e4m3fnuz", 1, "F8_E4M3FNUZ"),
+    _d("float8_e5m2", 1, "F8_E5M2"),
+    _d("float8_e5m2fnuz", 1, "F8_E5M2FNUZ"),
+    _d("float8_e8m0fnu", 1, "F8_E8M0"),
+    _d("float4_e2m1fn_x2", 1, "F4", packed=2),
+)
 """The one dtype table of the project: what save, load, the shard headers and the Hugging Face export
 use. Every dtype torch and safetensors both have is here (and complex128, which only the checkpoint
 holds); any other dtype (sub-byte ints, quantized, bits) is refused by name."""

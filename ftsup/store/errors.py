@@ -1,8 +1,4 @@
-"""The exception tree of the checkpoint store and engine (torch-free).
-
-Every error a user can meet carries a message that says what is wrong and what to do;
-callers catch `CheckpointError` to handle them all.
-"""
+"""The exception tree of the checkpoint store and engine (torch-free); callers catch `CheckpointError`."""
 
 from __future__ import annotations
 

@@ -1,20 +1,7 @@
-"""The Hugging Face Hub's layout of a model's weights: names, sizes, the shard split, the index, and a
-model directory read as hostile input.
+"""The Hugging Face Hub's layout of a model's weights: shard sizes, the split, names, the index, and a model
+directory read header by header as hostile input.
 
-The Hub's own tools (`huggingface_hub.save_torch_state_dict`, which transformers' `save_pretrained`
-follows) write a model as one `model.safetensors` or, when it exceeds `max_shard_size`, as
-`model-0000k-of-0000n.safetensors` and `model.safetensors.index.json`
-(`{"metadata": {"total_size": N}, "weight_map": {tensor: file}}`, JSON indented by 2). Here:
-
-- `parse_size`: `max_shard_size` as those tools spell it (`5GB`, `500MB`, `2GiB`, an int of bytes);
-- `plan_shards`: their split, tensor by tensor in the model's order (`split_state_dict_into_shards_factory`);
-- `shard_names`, `index_bytes`: their file names and index;
-- `read`: a model directory (either form) read header by header, never a tensor's byte: every file
-  named exists and is a valid safetensors file (`stheader`), the index and the headers agree (each
-  tensor in exactly the file the index names), and errors name the file and the tensor.
-
-Stdlib-only: `ftsup ckpt show` reads a Hub-layout directory with it, the engine's export writes one and
-its import reads one. Not here: tensor bytes (the engine's `hf`), the safetensors header (`stheader`).
+Stdlib only (ftsup/store/DESIGN.md, Hugging Face files). Not here: the safetensors header (`stheader`).
 """
 
 from __future__ import annotations
@@ -58,8 +45,10 @@ def parse_size(text: str) -> int:
         raise ValueError(f"not a size: {text!r} (a number of bytes, or with a unit: 5GB, 500MB, 2GiB)")
     number, unit = m.group(1), m.group(2)
     if unit and unit.upper() in _DECIMAL and unit.endswith("b"):
-        raise ValueError(f"{text!r} is ambiguous: transformers reads {unit} as bits and huggingface_hub as bytes; "
-                         f"write {unit[:-1].upper()}B")  # fmt: skip
+        raise ValueError(
+            f"{text!r} is ambiguous: transformers reads {unit} as bits and huggingface_hub as bytes; "
+            f"write {unit[:-1].upper()}B"
+        )
     if unit and unit.upper() not in _DECIMAL and unit.upper() not in _BINARY:
         raise ValueError(f"not a size: {text!r} (units: KB, MB, GB, TB, KiB, MiB, GiB, TiB; digits alone are bytes)")
     if not unit and not number.isdigit():
@@ -144,8 +133,13 @@ def read(path: str | os.PathLike[str], *, follow_links: bool = True) -> HubModel
     if not os.path.lexists(root / INDEX_NAME):
         raise ModelFileError(f"{root}: holds neither {SINGLE_NAME} nor {INDEX_NAME}; not a Hugging Face model")
     what = str(root / INDEX_NAME)
-    index = safefile.read_json(_target(root, INDEX_NAME, follow_links), what, INDEX_MAX_BYTES,
-                               max_values=INDEX_MAX_BYTES // 8, error=ModelFileError)  # fmt: skip
+    index = safefile.read_json(
+        _target(root, INDEX_NAME, follow_links),
+        what,
+        INDEX_MAX_BYTES,
+        max_values=INDEX_MAX_BYTES // 8,
+        error=ModelFileError,
+    )
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
         raise ModelFileError(f"{what}: not a JSON object with a weight_map object")
     meta = index.get("metadata", {})
@@ -161,8 +155,10 @@ def read(path: str | os.PathLike[str], *, follow_links: bool = True) -> HubModel
         raise ModelFileError(f"{what}: names {len(first)} files, more than {MAX_FILES}")
     for file, name in first.items():
         if not _safe_name(file):
-            raise ModelFileError(f"{what}: names the file {file!r:.200} (for tensor {name!r:.200}), which is not a "
-                                 "relative path of a .safetensors file inside the directory")  # fmt: skip
+            raise ModelFileError(
+                f"{what}: names the file {file!r:.200} (for tensor {name!r:.200}), which is not a "
+                "relative path of a .safetensors file inside the directory"
+            )
         if not os.path.lexists(root / file):
             raise ModelFileError(f"{what}: names {file} (for tensor {name!r:.200}), which is missing")
     headers = {file: _header(root, file, follow_links) for file in first}
@@ -183,8 +179,13 @@ def read_config(path: str | os.PathLike[str], *, follow_links: bool = True) -> d
     if not os.path.lexists(root / CONFIG_NAME):
         return None
     what = str(root / CONFIG_NAME)
-    config = safefile.read_json(_target(root, CONFIG_NAME, follow_links), what, CONFIG_MAX_BYTES,
-                                max_values=CONFIG_MAX_BYTES // 8, error=ModelFileError)  # fmt: skip
+    config = safefile.read_json(
+        _target(root, CONFIG_NAME, follow_links),
+        what,
+        CONFIG_MAX_BYTES,
+        max_values=CONFIG_MAX_BYTES // 8,
+        error=ModelFileError,
+    )
     if not isinstance(config, dict):
         raise ModelFileError(f"{what}: a model config is a JSON object, not {type(config).__name__}")
     return config

@@ -1,20 +1,7 @@
-"""The checkpoint store on disk: names, manifests, verification, quarantine.
+"""The checkpoint store on disk: names, manifests, verification, quarantine; stdlib only.
 
-Stdlib only, like the rest of `ftsup.store`: the supervisor imports it to pick the resume point,
-and `ftsup ckpt` uses it to list and verify. It never writes tensor data; it knows the commit
-protocol's names and the manifest format (`ftsup/store/DESIGN.md`):
-
-    <root>/step-000001200/            committed (renamed into place after every rank finished)
-    <root>/step-000001200/manifest.json
-    <root>/step-000001300.partial/    in progress or torn: never loaded
-    <root>/step-000001100.corrupt/    quarantined after it failed to load
-
-Checksums (computed by `blocksum`, recorded as strings by `checksums`) are ``crc32cx64k``: the
-file is cut into 64 KiB blocks, each block gets a CRC-32C, and the file checksum is the CRC-32C
-of those block checksums (little-endian uint32). The block list lets a loader verify exactly the
-byte ranges it reads, without reading whole files. Checkpoints written by earlier versions
-(``crc32x64k``, zlib's CRC-32) still verify: each checksum string names its algorithm, and so
-does the manifest. Which checkpoints to keep, and deleting the others, is `retention`'s.
+It knows the commit protocol's names and the manifest format, never tensor data (ftsup/store/DESIGN.md, File
+format). Which checkpoints to keep is `retention`'s.
 """
 
 from __future__ import annotations

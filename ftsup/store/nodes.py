@@ -1,21 +1,7 @@
 """Checkpoints of a job whose nodes each keep their own fast tier (`checkpoint.dir_shared: false`).
 
-Every rank writes its files into its own node's `step-N.partial/`; rank 0 gathers every file's size and checksum, as
-in a shared store, and the manifest also records which node holds which ranks' files (`"nodes": {"<node id>":
-[ranks]}`, an optional field: a manifest without it reads as before). Every node's first local rank commits the same
-manifest bytes into its own directory, beside a small `node.json` naming the node the directory belongs to, so a
-check of that directory checks the files of its node only and never calls the others' missing (`ftsup/store/
-DESIGN.md`, "Durable tier", Node-local fast tiers).
-
-Which files a node holds follows from the names: a rank's files (`shard-NNNNN.*`, `rank-NNNNN.json`) are held by the
-node of that rank; a file that names no rank (`dcp_metadata.json`) is written by every node and sent to the durable
-tier by the node of rank 0. In the durable tier each node sends its own files and then writes a marker object,
-`step-N/nodes-<hex>/<id>.json` beside the data folder `data-<hex>` (the files it verified there); the commit is
-made once every node's marker is there, by whichever node finds that first, with the conditional write that lets
-only one commit.
-
-Here: the node field and the node file (parsed as hostile input), which files a node holds, the markers, the commit
-rule. Stdlib only; everything read is hostile.
+The manifest's `nodes` field and a node's `node.json` (parsed as hostile input), which files a node holds, the
+durable tier's node markers and commit rule (ftsup/store/DESIGN.md, Node-local fast tiers). Stdlib only.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
-"""Pins: checkpoints an operator marked to be kept, and the record of who pinned what and why.
+"""Pins: checkpoints an operator marked to be kept, and the journal of who pinned what and why.
 
-A pin is a file `<store>/pins/step_NNNNNNNNNN.json` holding `{"v": 1, "step", "who", "reason",
-"pinned_unix"}`, created with `O_EXCL | O_NOFOLLOW` (mode 0644); retention never deletes a pinned
-checkpoint (`retention.apply_retention` reads the pins first). Every pin and unpin is also
-appended to `<store>/pins/journal.jsonl` (one JSON object per line, never rewritten), so that who
-pinned what and why is kept after the pin itself is gone.
-
-Anyone who can write the store can plant anything in `pins/`, so everything read from it is
-hostile input: the directory must be a real one (never a link), each pin file a regular file of
-at most `MAX_PIN_BYTES` with a strict schema, and at most `MAX_PINS` of them. A file named as a pin
-that does not parse still keeps its checkpoint (its name says which) and is reported as a
-problem; a `pins` that cannot be read at all makes `PinSet.readable` false, and retention then
-deletes no checkpoint. A bad pin never lets its checkpoint go and never crashes a reader.
-
-Stdlib-only, like the rest of `ftsup.store`. Not here: logging the pins (`ftsup ckpt pin`, in the
-supervisor's command line, logs `checkpoint_pinned`), which checkpoints retention keeps otherwise
-(`retention`).
+Everything in `pins/` is read as hostile input; a bad pin never lets its checkpoint go (ftsup/store/DESIGN.md,
+Retention: what is kept). Stdlib only.
 """
 
 from __future__ import annotations
@@ -65,8 +51,13 @@ class Pin:
     pinned_unix: float
 
     def to_json(self) -> dict[str, Any]:
-        return {"v": PIN_VERSION, "step": self.step, "who": self.who, "reason": self.reason,
-                "pinned_unix": self.pinned_unix}  # fmt: skip
+        return {
+            "v": PIN_VERSION,
+            "step": self.step,
+            "who": self.who,
+            "reason": self.reason,
+            "pinned_unix": self.pinned_unix,
+        }
 
 
 @dataclass(frozen=True)
@@ -339,8 +330,14 @@ def _read_at(dir_fd: int, name: str) -> bytes:
 
 def _journal(pins_fd: int, action: str, record: Pin, pinned: Pin | None = None) -> None:
     """Append one line to the journal (a regular file of ours, never through a link)."""
-    entry: dict[str, Any] = {"v": PIN_VERSION, "action": action, "step": record.step, "who": record.who,
-                             "reason": record.reason, "unix": record.pinned_unix}  # fmt: skip
+    entry: dict[str, Any] = {
+        "v": PIN_VERSION,
+        "action": action,
+        "step": record.step,
+        "who": record.who,
+        "reason": record.reason,
+        "unix": record.pinned_unix,
+    }
     if pinned is not None:
         entry["pinned"] = pinned.to_json()
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC

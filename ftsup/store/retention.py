@@ -1,17 +1,7 @@
-"""Retention: which committed checkpoints to keep, and deleting the rest without ever tearing one.
+"""Retention: which committed checkpoints to keep, deleting the rest without ever tearing one, and the
+`.recycle` pool of shard files for the next saves to write over.
 
-`RetentionPolicy` keeps the last K consistent checkpoints and, optionally, every N-th step and the
-history a rollback needs (the newest checkpoint at least `keep_older_than_steps` older than the
-latest); the newest consistent checkpoint is always kept (and the one just committed is
-protected), and so is every pinned one (`pins`: an operator's `ftsup ckpt pin`).
-Inconsistent checkpoints are never deleted here: loading quarantines them and operators decide.
-A deletion renames the directory out of the `step-N` namespace first, so a crash mid-delete
-never leaves a half-deleted directory that looks committed. Stale `.partial` directories (of
-steps older than the running one) and interrupted deletions are cleaned up as well. Anyone who
-can write a shared store can plant links and files in it: nothing here follows a link or acts
-on what it did not create.
-
-Stdlib-only (the supervisor applies retention too). Not here: listing and verifying (`layout`).
+Stdlib only (ftsup/store/DESIGN.md, Retention: what is kept). Not here: listing and verifying (`layout`).
 """
 
 from __future__ import annotations
@@ -188,12 +178,10 @@ RECYCLE_DIRNAME = ".recycle"
 
 Writing over a file's existing blocks costs a filesystem less than a new file (no block
 allocation, no unwritten-extent conversion in the journal; on a thinly provisioned or
-discard-mounted disk, no allocation by the host either). Measured here with O_DIRECT: 512 MiB
-written over a spare in a median 0.16 s against 0.31 s into a new file (reading either back
-took the same 0.23 s), and the benchmark's blocking 1 GiB save on two ranks was durable in
-0.36-0.41 s against 0.58-0.61 s. The pool holds what retention would have deleted
-a moment earlier, so it never raises the peak disk usage of a run (a save in flight plus the
-checkpoints kept); between saves it holds one checkpoint's shards more than `keep_last`.
+discard-mounted disk, no allocation by the host either; ftsup/store/DESIGN.md, Retention and the
+`.recycle` pool). The pool holds what retention would have deleted a moment earlier, so it never
+raises the peak disk usage of a run (a save in flight plus the checkpoints kept); between saves it
+holds one checkpoint's shards more than `keep_last`.
 
 The pool is used only when it is a real directory owned by this user (created by `apply_retention`);
 a symlink or anything else named `.recycle` turns recycling off and is left alone. In it, only

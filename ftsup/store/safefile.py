@@ -1,18 +1,6 @@
-"""Reading files from the checkpoint store as hostile input: no links, no special files, no blow-ups.
+"""Reading files from the checkpoint store as hostile input: no links, no special files, capped sizes and JSON.
 
-Anyone who can write the store can put a FIFO where a manifest belongs (an open for reading
-would block for ever), a device (`/dev/zero` is read until memory runs out), a symlink to a
-file elsewhere, a sparse file of a terabyte, or JSON nested thousands deep (the decoder recurses
-once per level and dies with a RecursionError). Every file ftsup reads from a store comes through
-here: opened without following a final symlink and without blocking (`O_NOFOLLOW | O_NONBLOCK`),
-accepted only as a regular file (`fstat`), read only up to a cap, and, for JSON, checked for
-nesting depth and number of values before `json.loads` sees it.
-
-Paths that a manifest or the DCP metadata names are checked here too: relative, no `..`, and
-not leaving the checkpoint through a symlink.
-
-Stdlib-only, like `layout` (the supervisor reads manifests through it). Not here: what the files
-mean (`layout`, `dcpmeta`), checksums (`checksums`).
+Paths a manifest names are checked here too (ftsup/store/DESIGN.md, A hostile store). Stdlib only.
 """
 
 from __future__ import annotations
@@ -204,9 +192,12 @@ def _refuse_constant(name: str) -> Any:
 
 def _kind(mode: int) -> str:
     for test, name in (
-        (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
-    ):  # fmt: skip
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return name
     return "not a regular file"

@@ -1,17 +1,5 @@
-"""A fast tier's word for "a save is in progress here", for a reader that never imports torch (the supervisor's hold
-of the durable upload, `ftsup.supervisor.durable.hold`).
-
-Two names in the checkpoint folder say it (`ftsup/store/DESIGN.md`, the commit protocol):
-
-    <root>/step-000001300.staging     an empty file: the leader rank is copying step 1300's state to host memory
-    <root>/step-000001300.partial/    its files are being written (renamed to step-000001300 at the commit)
-
-The engine's leader (rank 0, or each node's first rank in a node-local store) makes the marker when a save call
-starts, before the blocking copy, and removes it, with any older one, once the save's `.partial` directory is made
-(or the save is skipped or fails); a marker left by a crashed rank is removed by the next save. The marker is a
-hint, never part of a checkpoint: making or removing it never fails a save, nothing reads its content, and
-`ftsup ckpt` and retention ignore it. Only regular files of that name are removed: a link or a folder planted there
-is left alone.
+"""A fast tier's word for "a save is in progress here" (`step-N.staging`, then `step-N.partial/`), for readers that
+never import torch (ftsup/store/DESIGN.md, The commit protocol).
 """
 
 from __future__ import annotations

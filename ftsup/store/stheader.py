@@ -1,23 +1,7 @@
-"""Safetensors headers: read from a file as hostile input (never a tensor's byte), and written.
+"""Safetensors headers: read from a file as hostile input (never a tensor's byte), and written as safetensors'
+writer writes them.
 
-A safetensors file is an 8-byte little-endian header length N, N bytes of a JSON object
-(`__metadata__`: strings to strings; every other key a tensor: `dtype`, `shape` and `data_offsets`,
-its [begin, end) bytes counted from the end of the header), then the tensors' bytes. `read` reads
-the 8 + N bytes and nothing after them, and accepts only what safetensors' own reader accepts, so
-that a file it passes opens in safetensors too; each refusal names the file and, where there is
-one, the tensor:
-
-- N at most `HEADER_MAX_BYTES` (safetensors' own limit), and the header inside the file;
-- a JSON object (it starts with `{`; no key twice; nesting and size checked before it is parsed);
-- each tensor: a dtype of the format (`dtypes.SAFETENSORS_BITS`), a shape of integers >= 0, offsets
-  that hold exactly its bytes (values times bits, in whole bytes);
-- the tensors' bytes tile the data: from 0 to the end of the file, no hole, no overlap.
-
-`encode` writes a header as safetensors' writer does: compact JSON, `__metadata__` first, then the
-tensors in the order their bytes follow, spaces up to a multiple of 8 bytes.
-
-Stdlib-only: `ftsup ckpt show` (the supervisor) reads headers with it, the engine's Hugging Face
-export writes them and its import reads them. Not here: which files make a model (`hublayout`).
+Stdlib only (ftsup/store/DESIGN.md, Hugging Face files). Not here: which files make a model (`hublayout`).
 """
 
 from __future__ import annotations
@@ -173,8 +157,9 @@ def _entry(
     if want is None:
         raise error(f"{where}: {elements} values of {dtype} are not a whole number of bytes")
     if end - begin != want:
-        raise error(f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes; {dtype} of shape {shape} "
-                    f"takes {want}")  # fmt: skip
+        raise error(
+            f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes; {dtype} of shape {shape} takes {want}"
+        )
     if end > data_bytes:
         raise error(f"{where}: its bytes [{begin}, {end}) run past the end of the file ({data_bytes} data bytes)")
     return TensorEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
@@ -186,14 +171,18 @@ def _check_tiling(
     pos, prev = data_start, None
     for t in sorted(tensors.values(), key=lambda t: (t.start, t.end, t.name)):
         if t.start < pos and prev is not None:  # prev: only a tensor before can be overlapped
-            raise error(f"{what}: tensor {t.name!r:.200} overlaps tensor {prev.name!r:.200} (bytes "
-                        f"{t.start - data_start}..{pos - data_start})")  # fmt: skip
+            raise error(
+                f"{what}: tensor {t.name!r:.200} overlaps tensor {prev.name!r:.200} (bytes "
+                f"{t.start - data_start}..{pos - data_start})"
+            )
         if t.start > pos:
             raise error(f"{what}: tensor {t.name!r:.200} leaves a hole of {t.start - pos} bytes before it")
         pos, prev = t.end, t
     if pos != file_size:
-        raise error(f"{what}: {file_size - pos} bytes after the last tensor's end (the header accounts for "
-                    f"{pos - data_start} data bytes, the file has {file_size - data_start})")  # fmt: skip
+        raise error(
+            f"{what}: {file_size - pos} bytes after the last tensor's end (the header accounts for "
+            f"{pos - data_start} data bytes, the file has {file_size - data_start})"
+        )
 
 
 def _pread(fd: int, n: int, offset: int, what: str, error: type[CheckpointError]) -> bytes:

@@ -1,28 +1,7 @@
-"""Choosing the checkpoint to resume from across the fast tier and the durable one, and reading a durable one's
-small files verified.
+"""Choosing the checkpoint to resume from across the fast tier and the durable one, and reading a durable
+checkpoint's small files verified.
 
-The fast tier's choice is `choice.choose` (newest consistent, the broken ones quarantined or skipped). With a
-durable tier (`durable.DurableTier`), the choice is the newest consistent checkpoint of either tier, of a step of at
-most `at_most`:
-
-- a durable checkpoint is looked at only when it is newer than the fast tier's choice: a complete local copy is
-  preferred over a durable copy of the same step (it is read from a local disk, and it is the one this node wrote);
-- a local copy that fails its check was passed over by the fast tier's choice (quarantined), so the durable copy of
-  that step, if it verifies, is newer than what the fast tier has left and is chosen;
-- a durable checkpoint is chosen only when its manifest parses (its step its key's) and every file it names is
-  there at its recorded size (`DurableTier.inspect`; deep: every checksum too); one that is not is passed over
-  (SKIPPED: a tier is never renamed into, and another node may be writing it), with the reason, and the next older
-  one is looked at. A step listed but gone when it is looked at (retention deleted it meanwhile) is no checkpoint;
-- a durable checkpoint of a newer step than the fast tier's choice but created before it is from a timeline this
-  run has left (a rollback renamed its local copies out of the `step-N` namespace, `choice.abandon`; the tier still
-  holds the ones it uploaded): passed over, so that a run never resumes the timeline it was rolled back from.
-
-Errors of the tier itself (`DurableTierError`: the store down, credentials refused) are raised: the caller decides
-(the supervisor goes on with the fast tier's choice alone, after a bounded wait; a rank's load too). One definition
-for the supervisor, which chooses the resume step, and for the ranks' load, which may read from the tier.
-
-Stdlib only, like the rest of `ftsup.store` (an `s3://` tier's backend needs boto3, imported by `durable.open_tier`).
-Not here: the checks (`layout`, the backends), reading tensors (the engine's).
+One definition for the supervisor and the ranks' load (ftsup/store/DESIGN.md, Durable tier).
 """
 
 from __future__ import annotations
@@ -103,8 +82,7 @@ def choose_durable(
                 passed.append(choice.Passed(url, step, choice.SKIPPED, "; ".join(map(str, info.problems))))
                 continue
             if created_after is not None and info.created_unix is not None and info.created_unix < created_after:
-                why = (f"created before step {above} of the fast tier: from a timeline this run has left "
-                       "(a rollback)")  # fmt: skip
+                why = f"created before step {above} of the fast tier: from a timeline this run has left (a rollback)"
                 passed.append(choice.Passed(url, step, choice.SKIPPED, why))
                 continue
             manifest, raw = tier.manifest(step)
