@@ -1,14 +1,5 @@
-"""The durable tier on a shared filesystem: a checkpoint store of the local layout, written by copying.
-
-The tier is a checkpoint directory like `checkpoint.dir` (`step-N/` committed, read by `layout` as any store is), so
-`ftsup ckpt` and the resume choice read it as they read the fast tier. An upload copies a committed local checkpoint
-into `.step-N.upload-<data token>/` under it (each file to a new name, checked against the manifest's block checksums
-as it is read, fsynced, then renamed into place), writes the manifest last, and renames the folder to `step-N`: the
-rename fails onto a committed `step-N`, so two writers never both commit a step. An upload that stopped resumes: a
-file already in the upload folder at its recorded size and checksum is kept. Deleting renames `step-N` out of the
-checkpoint namespace first, then removes it (`retention.remove_dir`: no link followed).
-
-Not here: the local commit of the engine (`ftsup.trainer.checkpoint.commit`), listing rules (`layout`).
+"""The durable tier on a shared filesystem: a checkpoint store of the local layout, written by copying and
+committed by a rename (ftsup/store/DESIGN.md, Durable tier).
 """
 
 from __future__ import annotations
@@ -53,9 +44,13 @@ class FilesystemTier(durable.DurableTier):
     # ------------------------------------------------------------------ upload
 
     def upload(
-        self, ckpt_dir: str | os.PathLike[str], *, on_part: durable.PartHook | None = None, node: str | None = None,
+        self,
+        ckpt_dir: str | os.PathLike[str],
+        *,
+        on_part: durable.PartHook | None = None,
+        node: str | None = None,
         pause: durable.PauseHook | None = None,
-    ) -> durable.UploadReport:  # fmt: skip
+    ) -> durable.UploadReport:
         local = durable.read_local(ckpt_dir)
         if node is not None and local.manifest.nodes is not None and len(local.manifest.nodes) > 1:
             raise CheckpointError(
@@ -77,8 +72,8 @@ class FilesystemTier(durable.DurableTier):
                 if not stat.S_ISDIR(os.lstat(work).st_mode):
                     raise DurableTierError(f"{work}: is not a directory; an upload cannot use it") from None
             with ThreadPoolExecutor(self.options.concurrency, thread_name_prefix="ftsup-durable") as pool:
-                sent = list(pool.map(lambda item: self._copy(local, item[0], item[1], work, on_part, pause),
-                                     sorted(local.manifest.files.items())))  # fmt: skip
+                files = sorted(local.manifest.files.items())
+                sent = list(pool.map(lambda item: self._copy(local, item[0], item[1], work, on_part, pause), files))
             _remove_leftovers(work)
             manifest_tmp = work / f".{layout.MANIFEST_NAME}.tmp-{secrets.token_hex(4)}"
             layout.write_file_durable(manifest_tmp, local.manifest_raw)
@@ -95,9 +90,15 @@ class FilesystemTier(durable.DurableTier):
         layout.fsync_dir(self.root)
         kept = sum(1 for _, was_there in sent if was_there)
         return durable.UploadReport(
-            step, self.step_url(step), "committed", len(sent), total, bytes_sent=sum(n for n, _ in sent),
-            parts_sent=len(sent) - kept, parts_kept=kept,
-        )  # fmt: skip
+            step,
+            self.step_url(step),
+            "committed",
+            len(sent),
+            total,
+            bytes_sent=sum(n for n, _ in sent),
+            parts_sent=len(sent) - kept,
+            parts_kept=kept,
+        )
 
     def _same_or_conflict(self, step: int, ours: bytes, already: durable.UploadReport) -> durable.UploadReport:
         try:
@@ -112,9 +113,14 @@ class FilesystemTier(durable.DurableTier):
         return already
 
     def _copy(
-        self, local: durable.LocalCheckpoint, rel: str, entry: layout.FileEntry, work: Path,
-        on_part: durable.PartHook | None, pause: durable.PauseHook | None = None,
-    ) -> tuple[int, bool]:  # fmt: skip
+        self,
+        local: durable.LocalCheckpoint,
+        rel: str,
+        entry: layout.FileEntry,
+        work: Path,
+        on_part: durable.PartHook | None,
+        pause: durable.PauseHook | None = None,
+    ) -> tuple[int, bool]:
         """Copy one file into the upload folder, checked as it is read; (bytes written, whether it was there)."""
         algorithm = local.manifest.checksum_algorithm
         dest = work / rel
@@ -148,9 +154,16 @@ class FilesystemTier(durable.DurableTier):
         return entry.size, False
 
     def _write_copy(
-        self, src: int, out: int, local: durable.LocalCheckpoint, rel: str, entry: layout.FileEntry,
-        crcs: list[int], on_part: durable.PartHook | None, pause: durable.PauseHook | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        src: int,
+        out: int,
+        local: durable.LocalCheckpoint,
+        rel: str,
+        entry: layout.FileEntry,
+        crcs: list[int],
+        on_part: durable.PartHook | None,
+        pause: durable.PauseHook | None = None,
+    ) -> None:
         """Copy `src` to `out` in chunks, appending each chunk's block checksums to `crcs`; fsync `out`. `pause` is
         called before each chunk is read."""
         for number, (offset, length) in enumerate(durable.part_plan(entry.size, durable.READ_CHUNK_BYTES), 1):

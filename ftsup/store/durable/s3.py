@@ -1,23 +1,7 @@
-"""The durable tier on object storage: any S3-compatible store, through boto3 (the `durable` extra).
+"""The durable tier on object storage, through boto3 (the `durable` extra): the client, the keys, the reads and the
+requests, every answer read as hostile (ftsup/store/DESIGN.md, Durable tier).
 
-The layout (`ftsup/store/DESIGN.md`, "Durable tier"), under `s3://BUCKET/PREFIX/`:
-
-    step-000001200/manifest.json                   the commit: the local manifest's bytes, written last, once
-    step-000001200/data-<24 hex>/shard-00000.safetensors   the files it names, under a folder named by its hash
-    ...
-
-A checkpoint exists in the tier if and only if its manifest object exists and verifies. Files go first, each in
-parallel parts (`DurableOptions.part_bytes`), each part's bytes checked against the manifest's block checksums as they
-are read and sent with Content-MD5 (the store refuses a part torn on the way); the manifest goes last with
-`If-None-Match: *`, so two writers never both commit a step. An upload that stopped (the store down, the process
-killed) resumes: a file whose object is there with the ETag of its parts' MD5s is kept, an unfinished multipart upload
-of it is continued with the parts whose MD5 and size match. Everything the store answers is hostile: listed names are
-validated, the manifest is read up to its cap, an object must hold exactly the bytes asked for.
-
-Credentials come only from the standard AWS chain (environment variables, `~/.aws/credentials`, `~/.aws/config`,
-a role); the endpoint from `DurableOptions.endpoint_url`, else from `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL`, which
-botocore reads. Here: the client, the keys, the reads and the requests (escaped errors). The upload:
-`ftsup.store.durable.s3upload`; listing, checking and deleting: `ftsup.store.durable.s3list`.
+The upload is `s3upload`'s; listing, checking and deleting `s3list`'s.
 """
 
 from __future__ import annotations
@@ -191,8 +175,9 @@ class S3Tier(durable.DurableTier):
                     each(offset + done, data)
                     done += want
                 if body.read(1):
-                    raise CheckpointCorruptError(f"{where}: more than {length} bytes at {offset}, asked for {length}",
-                                                 file=rel)  # fmt: skip
+                    raise CheckpointCorruptError(
+                        f"{where}: more than {length} bytes at {offset}, asked for {length}", file=rel
+                    )
             finally:
                 body.close()
         except ClientError as e:
@@ -222,9 +207,13 @@ class S3Tier(durable.DurableTier):
     # ------------------------------------------------------------------ upload
 
     def upload(
-        self, ckpt_dir: str | os.PathLike[str], *, on_part: durable.PartHook | None = None, node: str | None = None,
+        self,
+        ckpt_dir: str | os.PathLike[str],
+        *,
+        on_part: durable.PartHook | None = None,
+        node: str | None = None,
         pause: durable.PauseHook | None = None,
-    ) -> durable.UploadReport:  # fmt: skip
+    ) -> durable.UploadReport:
         if node is not None:
             return s3nodes.upload(self, ckpt_dir, node, on_part=on_part, pause=pause)
         return s3upload.upload(self, ckpt_dir, on_part=on_part, pause=pause)
@@ -256,9 +245,14 @@ class S3Tier(durable.DurableTier):
             raise s3_error(f"s3://{self.bucket}/{key}: cannot look up", e) from None
 
     def put(
-        self, key: str, data: bytes | bytearray, *, if_none_match: bool = False,
-        metadata: dict[str, str] | None = None, md5: bytes | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        key: str,
+        data: bytes | bytearray,
+        *,
+        if_none_match: bool = False,
+        metadata: dict[str, str] | None = None,
+        md5: bytes | None = None,
+    ) -> None:
         """Write `data` to `key` with its Content-MD5 (`md5`: its digest, when the caller has it already)."""
         kwargs: dict[str, Any] = {
             "Bucket": self.bucket,
@@ -285,9 +279,14 @@ class S3Tier(durable.DurableTier):
         marker = 0
         for _page in range(s3list.MAX_PAGES):
             got = self.call(
-                "list the parts of", key, self.client.list_parts, Bucket=self.bucket, Key=key, UploadId=upload_id,
+                "list the parts of",
+                key,
+                self.client.list_parts,
+                Bucket=self.bucket,
+                Key=key,
+                UploadId=upload_id,
                 PartNumberMarker=marker,
-            )  # fmt: skip
+            )
             for p in got.get("Parts", []) or []:
                 n, etag, size = p.get("PartNumber"), p.get("ETag"), p.get("Size")
                 if type(n) is int and 1 <= n <= durable.MAX_PARTS and isinstance(etag, str) and type(size) is int:

@@ -1,13 +1,6 @@
-"""Listing, checking and deleting the checkpoints of a durable tier on object storage (`ftsup.store.durable.s3`).
+"""Listing, checking and deleting the checkpoints of a durable tier on object storage, every listed name hostile.
 
-A step is a committed checkpoint of the tier if and only if `step-N/manifest.json` is there and parses; it is
-consistent when every file it names is there at its recorded size (fast, one listing of its data folder) and, deep,
-when every byte read back gives the recorded checksums. What a listing returns is hostile: names that are not
-`step-N` (or that hold characters S3 allows and ftsup never writes) are reported, escaped, never acted on; listings
-are capped in pages and names. Deleting removes the manifest first (the checkpoint stops existing at once), then only
-the objects the manifest names, then unfinished uploads of those names.
-
-Requests go through the tier's own wrappers (`S3Tier._call`), so that this module needs no S3 client of its own.
+Requests go through the tier's own wrappers (`S3Tier.call`); this module has no client of its own.
 """
 
 from __future__ import annotations
@@ -105,9 +98,14 @@ def uploads_under(tier: S3Tier, prefix: str) -> dict[str, list[str]]:
         if seen >= MAX_NAMES:
             break
         got = tier.call(
-            "list the uploads under", prefix, tier.client.list_multipart_uploads, Bucket=tier.bucket, Prefix=prefix,
-            MaxUploads=PAGE, **markers,
-        )  # fmt: skip
+            "list the uploads under",
+            prefix,
+            tier.client.list_multipart_uploads,
+            Bucket=tier.bucket,
+            Prefix=prefix,
+            MaxUploads=PAGE,
+            **markers,
+        )
         for up in got.get("Uploads", []) or []:
             seen += 1
             key, upload_id = (up.get("Key"), up.get("UploadId")) if isinstance(up, dict) else (None, None)
@@ -194,9 +192,12 @@ def delete_files(tier: S3Tier, step: int, token: str, rels: list[str]) -> int:
     for i in range(0, len(keys), PAGE):
         batch = [{"Key": k} for k in keys[i : i + PAGE]]
         got = tier.call(
-            "delete the files of", where, tier.client.delete_objects, Bucket=tier.bucket,
+            "delete the files of",
+            where,
+            tier.client.delete_objects,
+            Bucket=tier.bucket,
             Delete={"Objects": batch, "Quiet": True},
-        )  # fmt: skip
+        )
         errors = got.get("Errors", []) or []
         if errors:
             first = errors[0] if isinstance(errors[0], dict) else {}
@@ -209,7 +210,11 @@ def delete_files(tier: S3Tier, step: int, token: str, rels: list[str]) -> int:
     for key, ids in uploads_under(tier, tier.key(layout.step_dirname(step), token) + "/").items():
         for upload_id in ids if key in named else []:
             tier.call(
-                "abort an upload of", key, tier.client.abort_multipart_upload, Bucket=tier.bucket, Key=key,
+                "abort an upload of",
+                key,
+                tier.client.abort_multipart_upload,
+                Bucket=tier.bucket,
+                Key=key,
                 UploadId=upload_id,
-            )  # fmt: skip
+            )
     return deleted

@@ -1,16 +1,5 @@
-"""One node's part of a checkpoint of a job whose nodes keep separate fast tiers, on object storage.
-
-Each node's supervisor sends only the files its node holds (`nodes.sent_by`), under the same keys as any upload
-(the data folder named by the manifest's hash: every node of the step computes the same one, since every node
-commits the same manifest bytes), checked part by part exactly as `s3upload` does; then it writes a marker of its
-part, `step-N/nodes-<hex>/<node>.json` (the files it verified there; only that node writes that name, always with
-the same bytes, so one found otherwise is written over), and tries the commit:
-once every node the manifest names has its marker and one listing shows every file at its recorded size, the
-manifest goes with `If-None-Match: *`. The last node to finish commits; a refused write that finds the same bytes
-was another node's commit (the outcome is "already"). Until every marker is there the try raises `WaitingForNodes`
-(a DurableTierError: the uploader tries again with its backoff, and its status names what it waits for). Markers
-sit beside the data folder, never in the step's listing of checkpoints: a step without its manifest is no
-checkpoint (`ftsup/store/DESIGN.md`, "Durable tier").
+"""One node's part of a checkpoint whose nodes keep separate fast tiers, on object storage: its files, its marker,
+and the commit once every node's part is there (ftsup/store/DESIGN.md, Node-local fast tiers).
 """
 
 from __future__ import annotations
@@ -43,9 +32,13 @@ def markers_folder(tier: S3Tier, step: int, token: str) -> str:
 
 
 def upload(
-    tier: S3Tier, ckpt_dir: str | os.PathLike[str], node: str, *, on_part: durable.PartHook | None = None,
+    tier: S3Tier,
+    ckpt_dir: str | os.PathLike[str],
+    node: str,
+    *,
+    on_part: durable.PartHook | None = None,
     pause: durable.PauseHook | None = None,
-) -> durable.UploadReport:  # fmt: skip
+) -> durable.UploadReport:
     """`S3Tier.upload` of node `node`'s copy of a checkpoint: its files, its marker, then the commit if every
     node's part is there. A checkpoint whose manifest records no nodes is uploaded whole (`s3upload.upload`)."""
     local = durable.read_local(ckpt_dir)
@@ -110,8 +103,9 @@ def sweep(tier: S3Tier, step: int, nodes_of_job: set[str]) -> int:
     marker of a node of `nodes_of_job` names (in the data folder beside it), then those markers; never an object no
     such marker names. The number of objects deleted. Only for a step that can no longer commit (the caller's)."""
     base = tier.key(layout.step_dirname(step)) + "/"
-    got = tier.call("list", base, tier.client.list_objects_v2, Bucket=tier.bucket, Prefix=base, Delimiter="/",
-                    MaxKeys=s3list.PAGE)  # fmt: skip
+    got = tier.call(
+        "list", base, tier.client.list_objects_v2, Bucket=tier.bucket, Prefix=base, Delimiter="/", MaxKeys=s3list.PAGE
+    )
     folders = [e.get("Prefix") for e in got.get("CommonPrefixes", []) or [] if isinstance(e, dict)]
     found: dict[str, list[tuple[str, str]]] = {}  # data token -> (marker key, node)
     for folder in folders:
@@ -146,16 +140,24 @@ def sweep(tier: S3Tier, step: int, nodes_of_job: set[str]) -> int:
 
 
 def _send_files(
-    tier: S3Tier, local: durable.LocalCheckpoint, rels: list[str], report: dict[str, int],
-    on_part: durable.PartHook | None, pause: durable.PauseHook | None = None,
-) -> None:  # fmt: skip
+    tier: S3Tier,
+    local: durable.LocalCheckpoint,
+    rels: list[str],
+    report: dict[str, int],
+    on_part: durable.PartHook | None,
+    pause: durable.PauseHook | None = None,
+) -> None:
     """The files `rels` of the local copy into the tier, as `s3upload.upload` sends a whole checkpoint's."""
     step, token = local.manifest.step, local.token
     plans = [
-        s3upload.FilePlan(rel, local.manifest.files[rel], tier.data_key(step, token, rel),
-                           durable.part_plan(local.manifest.files[rel].size, tier.options.part_bytes))
+        s3upload.FilePlan(
+            rel,
+            local.manifest.files[rel],
+            tier.data_key(step, token, rel),
+            durable.part_plan(local.manifest.files[rel].size, tier.options.part_bytes),
+        )
         for rel in rels
-    ]  # fmt: skip
+    ]
     unfinished = s3list.uploads_under(tier, tier.key(layout.step_dirname(step), token) + "/")
     with ThreadPoolExecutor(tier.options.concurrency, thread_name_prefix="ftsup-s3") as pool:
         s3upload.wait_all([pool.submit(s3upload.plan_file, tier, p, unfinished.get(p.key, [])) for p in plans])
@@ -220,8 +222,13 @@ def delete_markers(tier: S3Tier, step: int, token: str, manifest: layout.Manifes
     folder = markers_folder(tier, step, token)
     keys = [{"Key": f"{folder}{node}.json"} for node in sorted(manifest.nodes)]
     for i in range(0, len(keys), s3list.PAGE):
-        tier.call("delete the node markers of", folder, tier.client.delete_objects, Bucket=tier.bucket,
-                  Delete={"Objects": keys[i : i + s3list.PAGE], "Quiet": True})  # fmt: skip
+        tier.call(
+            "delete the node markers of",
+            folder,
+            tier.client.delete_objects,
+            Bucket=tier.bucket,
+            Delete={"Objects": keys[i : i + s3list.PAGE], "Quiet": True},
+        )
     return len(keys)
 
 

@@ -1,11 +1,7 @@
-"""The upload of a committed local checkpoint into a durable tier on object storage (`ftsup.store.durable.s3`).
+"""The upload of a committed local checkpoint into a durable tier on object storage: verified, resumable multipart
+uploads, then the conditional commit (ftsup/store/DESIGN.md, Durable tier).
 
-Files first, each in parts read once from the local checkpoint: checked against the manifest's block checksums,
-sent with Content-MD5 (`DurableOptions.concurrency` parts in flight across all files), completed; one listing checks
-every file's size; then the manifest, with `If-None-Match: *`. Made again after an interruption it resumes: an
-object already there with the ETag of the parts' MD5s is kept, an unfinished multipart upload is continued with the
-parts whose size and MD5 match (ftsup/store/DESIGN.md, "Durable tier"). The requests are the tier's (`S3Tier.call`,
-`head`, `put`, `parts_of`); this module makes none of its own.
+The requests are the tier's (`S3Tier.call`, `head`, `put`, `parts_of`); this module makes none of its own.
 """
 
 from __future__ import annotations
@@ -69,9 +65,12 @@ class FilePlan:
 
 
 def upload(
-    tier: S3Tier, ckpt_dir: str | os.PathLike[str], *, on_part: durable.PartHook | None = None,
+    tier: S3Tier,
+    ckpt_dir: str | os.PathLike[str],
+    *,
+    on_part: durable.PartHook | None = None,
     pause: durable.PauseHook | None = None,
-) -> durable.UploadReport:  # fmt: skip
+) -> durable.UploadReport:
     """`S3Tier.upload`: copy the committed local checkpoint `ckpt_dir` into `tier` and commit it there."""
     local = durable.read_local(ckpt_dir)
     step = local.manifest.step
@@ -140,9 +139,13 @@ def plan_file(tier: S3Tier, plan: FilePlan, unfinished: list[str], fresh: bool =
         except UploadGone:  # dropped since it was listed: a new one
             plan.upload_id, plan.have = None, {}
     created = tier.call(
-        "start an upload of", plan.key, tier.client.create_multipart_upload, Bucket=tier.bucket, Key=plan.key,
+        "start an upload of",
+        plan.key,
+        tier.client.create_multipart_upload,
+        Bucket=tier.bucket,
+        Key=plan.key,
         Metadata={"ftsup-checksum": plan.entry.checksum},
-    )  # fmt: skip
+    )
     plan.upload_id = str(created["UploadId"])
 
 
@@ -191,9 +194,13 @@ def send_plans(
 
 
 def _part(
-    tier: S3Tier, local: durable.LocalCheckpoint, plan: FilePlan, number: int, on_part: durable.PartHook | None,
+    tier: S3Tier,
+    local: durable.LocalCheckpoint,
+    plan: FilePlan,
+    number: int,
+    on_part: durable.PartHook | None,
     pause: durable.PauseHook | None = None,
-) -> tuple[int, str]:  # fmt: skip
+) -> tuple[int, str]:
     """Read part `number` of the local file, checksum it, send it unless the tier has it: (bytes sent, "sent",
     "kept" or "checked": read for the check of an object that is there). `pause` is called before the read, between
     the pieces the part is read and hashed in (`_read_part`) and between the pieces of its body as it is sent
@@ -212,10 +219,16 @@ def _part(
         return 0, "kept"
     else:
         sent = tier.call(
-            "send a part of", plan.key, tier.client.upload_part, Bucket=tier.bucket, Key=plan.key,
-            UploadId=plan.upload_id, PartNumber=number, Body=data if pause is None else _PausingBody(data, pause),
+            "send a part of",
+            plan.key,
+            tier.client.upload_part,
+            Bucket=tier.bucket,
+            Key=plan.key,
+            UploadId=plan.upload_id,
+            PartNumber=number,
+            Body=data if pause is None else _PausingBody(data, pause),
             ContentMD5=b64(md5),
-        )  # fmt: skip
+        )
         etag = str(sent.get("ETag", "")).strip('"')
         if etag and len(etag) == 32 and etag != md5.hex():
             raise DurableTierError(
@@ -234,8 +247,14 @@ def _finish(tier: S3Tier, local: durable.LocalCheckpoint, plan: FilePlan) -> boo
     if why is not None:
         if plan.upload_id is not None:  # the parts of a bad copy are of no use to anyone
             with contextlib.suppress(DurableTierError):
-                tier.call("abort an upload of", plan.key, tier.client.abort_multipart_upload, Bucket=tier.bucket,
-                           Key=plan.key, UploadId=plan.upload_id)  # fmt: skip
+                tier.call(
+                    "abort an upload of",
+                    plan.key,
+                    tier.client.abort_multipart_upload,
+                    Bucket=tier.bucket,
+                    Key=plan.key,
+                    UploadId=plan.upload_id,
+                )
         raise CheckpointCorruptError(f"{local.path}/{plan.rel}: {why}", path=str(local.path), file=plan.rel)
     md5s = [plan.md5s[n] for n in sorted(plan.md5s)]
     expected = md5s[0].hex() if plan.single else durable.composite_etag(md5s)
@@ -247,9 +266,14 @@ def _finish(tier: S3Tier, local: durable.LocalCheckpoint, plan: FilePlan) -> boo
     parts = [{"PartNumber": n, "ETag": f'"{plan.etags[n]}"'} for n in sorted(plan.etags)]
     try:
         done = tier.call(
-            "complete the upload of", plan.key, tier.client.complete_multipart_upload, Bucket=tier.bucket,
-            Key=plan.key, UploadId=plan.upload_id, MultipartUpload={"Parts": parts},
-        )  # fmt: skip
+            "complete the upload of",
+            plan.key,
+            tier.client.complete_multipart_upload,
+            Bucket=tier.bucket,
+            Key=plan.key,
+            UploadId=plan.upload_id,
+            MultipartUpload={"Parts": parts},
+        )
     except UploadGone:
         return False
     etag = str(done.get("ETag", "")).strip('"')

@@ -1,18 +1,7 @@
-"""The durable tier: committed checkpoints copied off the machine, to object storage or a shared filesystem.
+"""The durable tier's contract: locations, options, the backend interface `DurableTier`, and what both backends
+share (the local checkpoint read for upload, the data token, part plans, streamed checks, the download).
 
-`checkpoint.dir` is the fast tier (node-local disk, or a shared directory); a durable tier holds copies of some of
-its committed checkpoints where a new machine finds them (`ftsup/store/DESIGN.md`, "Durable tier"). It is named by a
-location: `s3://BUCKET/PREFIX` (any S3-compatible store; `ftsup.store.durable.s3`, which needs the `durable` extra) or a
-path on a shared filesystem (`ftsup.store.durable.fs`, stdlib only). Both backends do the same few things behind
-`DurableTier`: upload one committed local checkpoint (resumable: what is already there and verifies is kept),
-commit it atomically (never over another writer's commit of the step), list the committed ones (never a partial
-one), check one (fast: every file there at its recorded size; deep: every checksum), download one into a local
-store (a committed local checkpoint again, by the local commit protocol), and delete one.
-
-Here: the locations, the options, the backend interface and what the backends share (the local checkpoint read for
-upload, the name of an upload's data, part plans, block checksums checked as bytes stream, the download). Not here:
-any S3 or filesystem call of a backend, when a checkpoint goes durable (the supervisor's), loading tensors (the
-engine's). Stdlib only, like the rest of `ftsup.store`; everything read from a tier is hostile input.
+Stdlib only; everything read from a tier is hostile (ftsup/store/DESIGN.md, Durable tier).
 """
 
 from __future__ import annotations
@@ -56,7 +45,7 @@ when the upload may go on, and may first block for a while (the supervisor's `sa
 in the node's fast tier, so that the upload's disk, CPU and store traffic stay off the training's save)."""
 BODY_PAUSE_S = 5.0
 """The longest an upload pauses inside one request's body: a store drops a request whose body stalls for long (S3
-after about 20 s without data), and the part would be sent again."""
+does; ftsup/store/DESIGN.md, Durable tier), and the part would be sent again."""
 
 
 @dataclass(frozen=True)
@@ -253,9 +242,13 @@ class DurableTier(ABC):
 
     @abstractmethod
     def upload(
-        self, ckpt_dir: str | os.PathLike[str], *, on_part: PartHook | None = None, node: str | None = None,
+        self,
+        ckpt_dir: str | os.PathLike[str],
+        *,
+        on_part: PartHook | None = None,
+        node: str | None = None,
         pause: PauseHook | None = None,
-    ) -> UploadReport:  # fmt: skip
+    ) -> UploadReport:
         """Copy the committed local checkpoint `ckpt_dir` into the tier and commit it there; with `node`, only the
         part of a checkpoint that node holds, committed once every node's part is there (`ftsup.store.nodes`). Raises
         DurableTierError when the tier fails (call again: what arrived and verifies is kept),
