@@ -1,13 +1,7 @@
 """`anomaly:` what the supervisor watches in the numbers the ranks report, and what it does about it.
 
-`AnomalyConfig` is the section (every key with its default, declared here once), `parse_anomaly` reads it
-(`config_values.Section`) or raises one `ConfigError` naming the key. The detectors that use it are
-`ftsup.supervisor.policy.detectors`, the rollback and escalation rules `ftsup.supervisor.policy.anomaly`. The defaults
-were chosen from the heartbeats of three default 300-step runs of the reference trainer under `ftsup run` (2 CPU
-ranks, seeds 0 to 2, on a loaded machine): past the warm-up its loss never rose above 1.07 x the median of the 50
-steps before it, its gradient norm never above 1.41 x, one rank's step time never above 1.81 x the other's, and
-the job's step time drifted up to 1.5 x its first window; each threshold leaves a margin above that. Part of
-`ftsup.supervisor.config.job`, which re-exports `AnomalyConfig`; no I/O.
+`AnomalyConfig` is the section, `parse_anomaly` reads it or raises one `ConfigError` naming the key; no I/O. How the
+defaults were chosen: docs/design/config.md, The anomaly defaults.
 """
 
 from __future__ import annotations

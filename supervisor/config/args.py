@@ -1,24 +1,7 @@
-"""The job config from the command line: `ftsup run` and `ftsup config check`, with or without a YAML file.
-
-Every key of the config (`ftsup.supervisor.config.job`) can be given as a flag, `--SECTION-KEY VALUE` (the key's
-underscores as dashes: `--heartbeat-mode off`, `--checkpoint-dir /data/ckpt`), or as `--set SECTION.KEY=VALUE`;
-torchrun's names stand for the keys a torchrun user knows (`TORCHRUN_NAMES`: `--nproc-per-node`, `--nnodes`,
-`--rdzv-endpoint`, `--rdzv-id`, `--max-restarts`). The training command follows `--`: `ftsup run -- python
-train.py ARGS`; one that starts with a Python script or a Python option (`train.py ARGS`, `-m pkg.mod`) runs under
-`python`, as torchrun runs it (`job.command` in a file is run as written).
-
-- Values are read as YAML by the file's own loader (`config_file.load_yaml`: `1:2` is a string, `[a, b]` a list,
-  `{A: "1"}` a mapping, `off` a word), then checked by the same rules as in a file: an error names the flag and
-  the key (`--set: heartbeat.timeout_s: must be above 0 seconds, got 0`), exit 2. A key given twice on the
-  command line is an error, as it is in a file.
-- With a file, the flags override its keys. Without one, the config is `IMPLIED` (`launch.nproc_per_node: 1`,
-  torchrun's default) with the flags on top, and the current directory stands where the file's directory would:
-  it is `job.workdir` and what relative paths resolve against, and its path gives the default `job.run_id`, so
-  that the same command started again from there is the same job. The state directory is then
-  `./.ftsup/<node>` and the checkpoint store `./.ftsup/checkpoints`, in a `.ftsup` that git ignores.
+"""The job config from the command line (`ftsup run`, `ftsup config check`): every key a flag, a YAML file or none.
 
 `add_arguments(parser)` adds the flags; `load(config, overrides, command)` returns the `JobConfig`. It reads the
-config file and nothing else.
+config file and nothing else (docs/design/config.md, Flags).
 """
 
 from __future__ import annotations
@@ -77,8 +60,13 @@ def flag(key: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`--set` and one flag per key, grouped by section; each collects into `overrides`, in the order given."""
     parser.set_defaults(overrides=None)
-    parser.add_argument("--set", metavar="SECTION.KEY=VALUE", action=_Collect, dest="overrides",
-                        help="any key of the job config, its value as YAML: --set heartbeat.mode=off")  # fmt: skip
+    parser.add_argument(
+        "--set",
+        metavar="SECTION.KEY=VALUE",
+        action=_Collect,
+        dest="overrides",
+        help="any key of the job config, its value as YAML: --set heartbeat.mode=off",
+    )
     aliases = {key: name for name, key in TORCHRUN_NAMES.items()}
     for section, cls in sections().items():
         group = parser.add_argument_group(f"the {section} section (deploy/examples/job.yaml: every key, its default)")
@@ -86,8 +74,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         for name in field_names(cls):
             key = f"{section}.{name}"
             names = [flag(key)] + ([f"--{aliases[key]}"] if key in aliases else [])
-            group.add_argument(*names, metavar="VALUE", action=_Collect, dest="overrides", const=key,
-                               help=docs.get(name, key).replace("%", "%%"))  # fmt: skip
+            group.add_argument(
+                *names,
+                metavar="VALUE",
+                action=_Collect,
+                dest="overrides",
+                const=key,
+                help=docs.get(name, key).replace("%", "%%"),
+            )
 
 
 class _Collect(argparse.Action):
@@ -128,8 +122,10 @@ def load(
         given.append(Override("job.command", python_command(command), COMMAND))
     if path is None:
         if not any(o.key == "job.command" for o in given):
-            raise UsageError("give the training command after --, e.g. ftsup run -- python train.py, "
-                             "or a job config (ftsup run --config JOB.yaml)")  # fmt: skip
+            raise UsageError(
+                "give the training command after --, e.g. ftsup run -- python train.py, "
+                "or a job config (ftsup run --config JOB.yaml)"
+            )
         raw: object = copy.deepcopy(IMPLIED)
         source, base, config_path = SOURCE, Path(os.path.abspath(os.curdir)), None
     else:
@@ -137,8 +133,9 @@ def load(
         config_path = Path(os.path.abspath(path))
         base = config_path.parent
     origins = _apply(raw, given)
-    return config.parse_config(raw, source=source, base_dir=base, config_path=config_path, hostname=hostname,
-                               origins=origins)  # fmt: skip
+    return config.parse_config(
+        raw, source=source, base_dir=base, config_path=config_path, hostname=hostname, origins=origins
+    )
 
 
 def _apply(raw: object, given: Sequence[Override]) -> dict[str, str]:

@@ -1,13 +1,7 @@
 """`checkpoint.durable:` the durable tier, where copies of some committed checkpoints outlive the machine.
 
-`DurableConfig` is the key's value (every field with its default, declared here once); `parse_durable` reads it
-(`config_values`) or raises one `ConfigError` naming the key. Absent or null: no durable tier, and nothing changes.
-A string is short for `{url: STRING}`. The location is `s3://BUCKET/PREFIX` (any S3-compatible store) or an
-absolute path on a shared filesystem, checked by `ftsup.store.durable.parse_location`, the same check the tier makes
-when it is opened. Credentials are never read from here: an S3 tier takes them from the standard AWS environment
-variables and files (`ftsup/store/DESIGN.md`, "Durable tier"). Whether boto3 is installed for an `s3://` tier is
-checked before the job starts (`preflight`), not here: this module does no I/O. Part of
-`ftsup.supervisor.config.job`, which re-exports `DurableConfig`.
+`DurableConfig` is the key's value, `parse_durable` reads it or raises one `ConfigError` naming the key; no I/O
+(docs/design/config.md, The durable tier's key).
 """
 
 from __future__ import annotations
@@ -61,8 +55,9 @@ class DurableConfig:
 
     def options(self) -> durable.DurableOptions:
         """The tier's options (`ftsup.store.durable.DurableOptions`)."""
-        return durable.DurableOptions(endpoint_url=self.endpoint_url, part_bytes=self.part_bytes,
-                                      concurrency=self.concurrency)  # fmt: skip
+        return durable.DurableOptions(
+            endpoint_url=self.endpoint_url, part_bytes=self.part_bytes, concurrency=self.concurrency
+        )
 
     def wants(self, kind: str | None) -> bool:
         """Whether a checkpoint of this kind can go durable at all (periodic ones: every Nth of them)."""
@@ -98,11 +93,17 @@ def parse_durable(value: object, where: Where) -> DurableConfig | None:
     )
     if config.part_bytes % layout.CHECKSUM_BLOCK_BYTES:
         block = layout.CHECKSUM_BLOCK_BYTES
-        sec.fail("part_bytes", f"{config.part_bytes} is not a multiple of {block} (the checksum block); write "
-                 f"{config.part_bytes // block * block or block}")  # fmt: skip
+        sec.fail(
+            "part_bytes",
+            f"{config.part_bytes} is not a multiple of {block} (the checksum block); write "
+            f"{config.part_bytes // block * block or block}",
+        )
     if config.endpoint_url is not None and not config.is_s3:
-        sec.fail("endpoint_url", f"an endpoint is for an s3:// tier, and url {config.url!r} is a filesystem path; "
-                 "remove endpoint_url or give an s3:// url")  # fmt: skip
+        sec.fail(
+            "endpoint_url",
+            f"an endpoint is for an s3:// tier, and url {config.url!r} is a filesystem path; "
+            "remove endpoint_url or give an s3:// url",
+        )
     return config
 
 

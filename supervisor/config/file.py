@@ -1,16 +1,6 @@
 """The job config file: read safely, parsed as YAML with bounds, or one `ConfigError` line naming the file.
 
-- `read_text(source, path)`: the file's text. It must be (or a symlink must lead to) a regular file of at most
-  `MAX_CONFIG_BYTES` in UTF-8: a FIFO would block the read, /dev/zero would never end it, a directory or a device
-  is a mistake. A symlink is followed: the operator names the config on the command line, and
-  /etc/ftsup/job.yaml pointing into a repository is a normal setup.
-- `load_yaml(text, source)`: PyYAML's SafeLoader minus base-60 integers (`1:2` is the string "1:2"), with YAML
-  1.2 floats (`1e3` is a number), an unquoted yes, no, on or off as a `config_values.Word` (a boolean to a boolean
-  key, the word as written to a key of strings: `mode: off`, `env: {COUNTRY: no}`), duplicate keys refused, and
-  the document's shape bounded before it is built: at most `MAX_YAML_DEPTH` levels and `MAX_YAML_ALIASES`
-  aliases, integers of at most 4000 digits.
-
-What the document means is `ftsup.supervisor.config.job` (sections) and `ftsup.supervisor.config.values` (values).
+`read_text` and `load_yaml`; what they refuse and why: docs/design/config.md, Reading the file.
 """
 
 from __future__ import annotations

@@ -1,30 +1,7 @@
 """The job config: a YAML file turned into frozen dataclasses, or one `ConfigError` line saying what to fix.
 
-`load_config(path)` reads a YAML file; `parse_config(mapping, ...)` validates a mapping that is already loaded.
-Both return a `JobConfig` with one section per YAML section (DESIGN.md, Contracts): `job`, `launch`,
-`checkpoint`, `heartbeat`, `restart`, `eviction`, `metrics`, `logging`, `anomaly`. `deploy/examples/job.yaml`
-shows every key.
-
-Rules (STYLE.md, Config):
-- unknown keys at any level, wrong types and impossible values are errors that name the key path and the fix,
-  with a "did you mean" when a valid key is close; a bad file never falls back to defaults;
-- every duration ends in `_s` and is in seconds (int or float in YAML, stored as float);
-- relative paths resolve against the config file's directory, never the current directory;
-- values are literal: no `${VAR}` or `~` expansion (both refused in paths); the only environment variable read is
-  systemd's `STATE_DIRECTORY`, for the default `job.state_dir`.
-
-YAML is read as PyYAML's YAML 1.1 with three traps removed: an unquoted `1:2` is the string "1:2" (not the base-60
-integer 62), so `nnodes: 1:2` means what it says; `1e3` is a number; `mode: off` is the word "off" (a boolean key
-still reads yes, no, on, off as YAML 1.1 does). A key given twice is an error, not "last wins".
-
-This module knows the sections: their keys, defaults and the rules between keys (the `launch:` section's are
-`config_launch`, the `anomaly:` section's `config_anomaly`, `checkpoint.durable`'s `config_durable`). How a single
-value is read and how its errors are worded (`Where`, `Section`, the parse functions) is `config_values`, reading
-the file `config_file`, the command line's flags `config_args`.
-
-This module decides nothing at runtime: `nproc_per_node: auto`, learned timeouts and `eviction.providers: [auto]`
-are kept as written for the daemon to resolve. Its only I/O is reading the file and, when `launch.node_id` is
-not set, asking for the hostname (`config_launch`).
+`load_config(path)` reads a file, `parse_config(mapping, ...)` checks a loaded one; both return a `JobConfig`, one
+section per YAML section (`deploy/examples/job.yaml` shows every key). Its rules: docs/design/config.md.
 """
 
 from __future__ import annotations
@@ -48,7 +25,7 @@ from ftsup.supervisor.config.values import Section, Where
 from ftsup.supervisor.errors import ConfigError
 
 SECTIONS = ("job", "launch", "checkpoint", "heartbeat", "restart", "eviction", "metrics", "logging", "anomaly")
-PROVIDERS = config_values.PROVIDERS  # eviction.providers, checked in config_values
+PROVIDERS = config_values.PROVIDERS  # eviction.providers, checked in `config.values`
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("json", "console")
 
@@ -96,7 +73,7 @@ class CheckpointConfig:
     verify_deep: bool = False
     """Check every checksum of the chosen checkpoint before each relaunch (slower; the fast check reads sizes only)."""
     durable: DurableConfig | None = None
-    """A durable tier (`s3://BUCKET/PREFIX` or a shared filesystem path, or a mapping: `config_durable`) that the
+    """A durable tier (`s3://BUCKET/PREFIX` or a shared filesystem path, or a mapping: `config.durable`) that the
     supervisor copies committed checkpoints to, off the training path. Null: none, and nothing changes."""
     dir_shared: bool = True
     """Whether every node sees the same `dir`. False: each node keeps its own (node-local disk); each node's
@@ -105,7 +82,7 @@ class CheckpointConfig:
 
 
 class HeartbeatMode(str, enum.Enum):
-    """Which detections apply (`heartbeat.mode`; `policy_rules.hang_detection_on`): crashes always; hangs, stalls
+    """Which detections apply (`heartbeat.mode`; `policy.rules.hang_detection_on`): crashes always; hangs, stalls
     and a slow start from launch on (`required`), once the job's first heartbeat arrived (`auto`) or never (`off`)."""
 
     OFF = "off"

@@ -1,10 +1,7 @@
 """`launch:` how torchrun is started on this node and which world sizes are acceptable: the section and its rules.
 
-`parse_launch` reads the section (`config_values.Section`) into a `LaunchConfig`, or raises one `ConfigError` naming
-the key: the world-size bounds must admit a world size, a job that may span nodes needs a rendezvous endpoint, and
-a global batch must be divisible at some allowed world size. `nproc_per_node: auto` is kept as written for the
-daemon to resolve. Its only I/O is asking for the hostname, the default `launch.node_id`. Part of
-`ftsup.supervisor.config.job`, which re-exports `LaunchConfig`.
+`parse_launch` reads the section into a `LaunchConfig` or raises one `ConfigError` naming the key
+(docs/design/config.md, Sections and the rules between keys).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """`eviction.signals`: the signal names a config may give as eviction notices, or one `ConfigError` naming the item.
 
-Names are canonical (`USR1` and `usr1` are stored as `SIGUSR1`, an alias such as `SIGIOT` as `SIGABRT`) and must
-exist on this system. Refused: signals that never reach a handler (SIGKILL, SIGSTOP) and those that arrive for
-reasons of their own (SIGCHLD with every child's exit, faults, the terminal, timers), which would be missed or be
-false evictions. A value parser of `ftsup.supervisor.config.values`' kind; no I/O.
+Names are stored canonical (`usr1` as `SIGUSR1`); which signals are refused, and why, is `_NOT_NOTICES`. No I/O.
 """
 
 from __future__ import annotations
@@ -39,8 +36,10 @@ def _signal_name(value: object, where: Where) -> str:
     canonical = known[name].name  # aliases such as SIGIOT become SIGABRT
     if canonical in _NOT_NOTICES:
         alias = f" ({value!r} is another name for it)" if canonical != name else ""
-        where.fail(f"{canonical}{alias} {_NOT_NOTICES[canonical]}, so it cannot serve as an eviction notice; use "
-                   "SIGTERM, SIGUSR1 or SIGUSR2")  # fmt: skip
+        where.fail(
+            f"{canonical}{alias} {_NOT_NOTICES[canonical]}, so it cannot serve as an eviction notice; use "
+            "SIGTERM, SIGUSR1 or SIGUSR2"
+        )
     return canonical
 
 
@@ -51,12 +50,12 @@ _TIMER = "is sent by timers"
 # Signals that either never reach a handler or arrive for reasons of their own (a supervisor gets SIGCHLD every
 # time one of its children exits): as eviction signals they would be missed or be false evictions.
 _NOT_NOTICES = {
-    "SIGKILL": _UNCATCHABLE, "SIGSTOP": _UNCATCHABLE,
+    **dict.fromkeys(["SIGKILL", "SIGSTOP"], _UNCATCHABLE),
     "SIGCHLD": "is sent by the kernel every time a child process exits (torchrun is one)",
-    "SIGSEGV": _FAULT, "SIGBUS": _FAULT, "SIGFPE": _FAULT, "SIGILL": _FAULT, "SIGTRAP": _FAULT, "SIGSYS": _FAULT,
-    "SIGABRT": _FAULT, "SIGXFSZ": "is raised by the kernel when a write exceeds the file size limit",
+    **dict.fromkeys(["SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS", "SIGABRT"], _FAULT),
+    "SIGXFSZ": "is raised by the kernel when a write exceeds the file size limit",
     "SIGPIPE": "is raised by the kernel on a write to a closed pipe or socket",
-    "SIGURG": "is sent by the kernel for socket events", "SIGIO": "is sent by the kernel for socket events",
-    "SIGCONT": _TERMINAL, "SIGTSTP": _TERMINAL, "SIGTTIN": _TERMINAL, "SIGTTOU": _TERMINAL, "SIGWINCH": _TERMINAL,
-    "SIGALRM": _TIMER, "SIGPROF": _TIMER, "SIGVTALRM": _TIMER,
-}  # fmt: skip
+    **dict.fromkeys(["SIGURG", "SIGIO"], "is sent by the kernel for socket events"),
+    **dict.fromkeys(["SIGCONT", "SIGTSTP", "SIGTTIN", "SIGTTOU", "SIGWINCH"], _TERMINAL),
+    **dict.fromkeys(["SIGALRM", "SIGPROF", "SIGVTALRM"], _TIMER),
+}

@@ -1,21 +1,7 @@
 """Config values: raw YAML values turned into typed values, or one `ConfigError` naming the key path and the fix.
 
-The building blocks of `ftsup.supervisor.config.job`:
-- `Where` is a key path inside a source (`job.yaml: restart.window_s`); `Where.fail` raises the one-line error;
-- `Section` is one YAML mapping, read into the fields of one dataclass: its keys are checked on construction
-  (unknown keys are errors, with a "did you mean" from `suggest`) and its values are read as `required`,
-  `optional` (null refused; left out, the default the dataclass declares) or `nullable`;
-- a parse function (`Parse[T]`) takes a raw value and its `Where` and returns a `T` or fails: `integer`,
-  `seconds`, `string`, `path`, `argv`, `host_port`, ... (`eviction.signals`: `config_signals`); messages show
-  the wrong value as YAML spells it (`describe`) and say how to write it instead; every value is bounded
-  (lengths, counts, magnitudes);
-- `plain_dataclass` turns a parsed config back into JSON- and YAML-ready values.
-
-Reading the file and its YAML is `ftsup.supervisor.config.file`.
-
-It does not assemble the sections: which keys a section has, their defaults and the rules between keys are
-`config.job`'s (a few messages name the key to use instead, such as for a torchrun flag that ftsup sets).
-It does no I/O: no file, no environment variable, no hostname is read here.
+The building blocks of `config.job`: `Where`, `Section`, the parse functions, `plain_dataclass`. No I/O
+(docs/design/config.md, Values).
 """
 
 from __future__ import annotations
@@ -104,8 +90,9 @@ class Section:
         check_keys(where, raw, keys, noun="key")
         self.where = where
         self._raw = raw
-        self._defaults = {f.name: f.default_factory() if f.default_factory is not MISSING else f.default
-                          for f in fields(cls)}  # fmt: skip
+        self._defaults = {
+            f.name: f.default_factory() if f.default_factory is not MISSING else f.default for f in fields(cls)
+        }
 
     def fail(self, key: str, message: str) -> NoReturn:
         self.where.child(key).fail(message)
@@ -179,8 +166,14 @@ def describe(value: object) -> str:
 
 def file_kind(mode: int) -> str:
     """What an `st_mode` is, as messages say it: "a file", "a directory", "a FIFO", ..."""
-    kinds = {stat.S_ISREG: "a file", stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket",
-             stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}  # fmt: skip
+    kinds = {
+        stat.S_ISREG: "a file",
+        stat.S_ISDIR: "a directory",
+        stat.S_ISFIFO: "a FIFO",
+        stat.S_ISSOCK: "a socket",
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+    }
     return next((name for test, name in kinds.items() if test(mode)), "a special file")
 
 
