@@ -1,23 +1,6 @@
-"""The policy's rules for training health: what a finding of the detectors leads to. Pure: no I/O, no clock.
+"""The policy's rules for training health: what a finding of the detectors leads to (a rollback, an escalation).
 
-`policy.step` calls these and applies what they return (a stop of the attempt, an exit):
-
-- `on_beat` folds a training heartbeat into the detectors (`detectors.observe`). A straggler or throughput drift
-  is logged and counted, never acted on. A non-finite figure or a confirmed spike of onset step O, detected on
-  step D, stops the attempt and decides a rollback (`Rollback`): resume from the newest consistent checkpoint
-  of a step at most O - 1 - `rollback_margin_steps`, with the data skip [the position before step O, the
-  position after step D + `skip_extra_steps` steps) added to the skips in force (positions from the `samples`
-  figures; the extra steps in global batches, from two consecutive figures).
-- Escalation instead of a loop: a rollback more than `max_rollbacks` within `rollback_window_s`, or the same
-  kind of anomaly again with its onset within `detection_window_steps` steps of the end of its last skip (the
-  skip did not help), stops the job with `EXIT_ANOMALY`, every checkpoint and the journal kept as they are.
-- `operator` serves an operator's rollback request (`ftsup rollback`): once per request id; resume from the
-  newest consistent checkpoint of a step at most `to_step`, with the request's skips. It counts towards no
-  budget.
-- `bound` is what the next resume choice must honour; `launched` starts the detectors' view of a new attempt.
-
-The state (`AnomalyState`) holds the skips in force and the request ids served (both journaled), the decided
-rollback until the next launch, and the last incident (for `ftsup status`).
+Pure: `machine.step` calls these and applies what they return (docs/design/policy.md, Training health).
 """
 
 from __future__ import annotations
@@ -72,9 +55,16 @@ class Incident:
     resumed_from: int | None = None  # the step the rollback's launch resumed from (0: from scratch), once launched
 
     def to_json(self) -> dict[str, object]:
-        return {"kind": self.kind, "step": self.step, "onset_step": self.onset_step, "value": self.value,
-                "rollback_to": self.rollback_to, "skips": [list(r) for r in self.skips], "reason": self.reason,
-                "resumed_from": self.resumed_from}  # fmt: skip
+        return {
+            "kind": self.kind,
+            "step": self.step,
+            "onset_step": self.onset_step,
+            "value": self.value,
+            "rollback_to": self.rollback_to,
+            "skips": [list(r) for r in self.skips],
+            "reason": self.reason,
+            "resumed_from": self.resumed_from,
+        }
 
 
 @dataclass(frozen=True)
@@ -105,8 +95,9 @@ def launched(an: AnomalyState, resume_step: int | None, resume_samples: int | No
     incident = an.incident
     if an.pending is not None and incident is not None:
         incident = replace(incident, resumed_from=resume_step or 0)
-    return replace(an, health=detectors.restart(an.health, resume_step, resume_samples), pending=None,
-                   incident=incident)  # fmt: skip
+    return replace(
+        an, health=detectors.restart(an.health, resume_step, resume_samples), pending=None, incident=incident
+    )
 
 
 def on_beat(
@@ -121,15 +112,34 @@ def on_beat(
         logs.append(WriteJournal())  # `ftsup status` lists the stragglers from the journal
     for f in found:
         if isinstance(f, detectors.Straggler):
-            logs.append(log("straggler_detected", "warning", attempt=attempt, rank=f.rank, local_rank=f.local_rank,
-                            ratio=f.ratio, steps=f.steps, step=ev.step))  # fmt: skip
+            logs.append(
+                log(
+                    "straggler_detected",
+                    "warning",
+                    attempt=attempt,
+                    rank=f.rank,
+                    local_rank=f.local_rank,
+                    ratio=f.ratio,
+                    steps=f.steps,
+                    step=ev.step,
+                )
+            )
         elif isinstance(f, detectors.Recovered):
             logs.append(log("straggler_recovered", attempt=attempt, rank=f.rank, local_rank=f.local_rank, step=ev.step))
         elif isinstance(f, detectors.Drift):
             event = "throughput_drift_recovered" if f.back else "throughput_drift_detected"
             times = {"median_s": round(f.median_s, 4), "baseline_s": round(f.baseline_s, 4)}
-            logs.append(log(event, "info" if f.back else "warning", attempt=attempt, ratio=f.ratio, steps=f.steps,
-                            step=ev.step, **times))  # fmt: skip
+            logs.append(
+                log(
+                    event,
+                    "info" if f.back else "warning",
+                    attempt=attempt,
+                    ratio=f.ratio,
+                    steps=f.steps,
+                    step=ev.step,
+                    **times,
+                )
+            )
     anomaly = next((f for f in found if isinstance(f, detectors.Anomaly)), None)
     if anomaly is None:
         return an, logs, None
@@ -145,13 +155,26 @@ def _told(a: detectors.Anomaly) -> str:
     return f"{what} (onset step {a.onset_step}): {a.figure} {a.value:.6g} above {a.threshold:.6g}"
 
 
-def _decide(cfg: AnomalyConfig, an: AnomalyState, a: detectors.Anomaly, attempt: int, now: float) -> tuple[
-    AnomalyState, list[Log], Stop | None
-]:  # fmt: skip
+def _decide(
+    cfg: AnomalyConfig, an: AnomalyState, a: detectors.Anomaly, attempt: int, now: float
+) -> tuple[AnomalyState, list[Log], Stop | None]:
     told = _told(a)
     value = a.value if a.value is not None and math.isfinite(a.value) else None
-    logs = [log("anomaly_detected", "error", attempt=attempt, kind=a.kind, step=a.step, onset_step=a.onset_step,
-                value=value, threshold=a.threshold, rank=a.rank, figure=a.figure, reason=told)]  # fmt: skip
+    logs = [
+        log(
+            "anomaly_detected",
+            "error",
+            attempt=attempt,
+            kind=a.kind,
+            step=a.step,
+            onset_step=a.onset_step,
+            value=value,
+            threshold=a.threshold,
+            rank=a.rank,
+            figure=a.figure,
+            reason=told,
+        )
+    ]
     rollbacks = tuple(t for t in an.rollbacks if now - t < cfg.rollback_window_s)
     reached = dict(an.skipped_to).get(a.kind)
     h = an.health
@@ -171,20 +194,35 @@ def _decide(cfg: AnomalyConfig, an: AnomalyState, a: detectors.Anomaly, attempt:
         why = f"{told}; a skip more would make {len(skips)} ranges, more than the {MAX_DATA_SKIPS} the ranks take"
     if why is not None:
         incident = Incident(a.kind, a.step, a.onset_step, value, None, (), why)
-        return replace(an, incident=incident, rollbacks=rollbacks), [
-            *logs, log("anomaly_escalated", "error", attempt=attempt, kind=a.kind, step=a.step, reason=why)
-        ], Stop(why, Exit(EXIT_ANOMALY, f"anomaly escalated: {why}"))  # fmt: skip
+        return (
+            replace(an, incident=incident, rollbacks=rollbacks),
+            [*logs, log("anomaly_escalated", "error", attempt=attempt, kind=a.kind, step=a.step, reason=why)],
+            Stop(why, Exit(EXIT_ANOMALY, f"anomaly escalated: {why}")),
+        )
     to, before = max(0, a.onset_step - 1 - cfg.rollback_margin_steps), an.skips
     reason = f"{told}; rolling back to step {to} or before" + (
         f", skipping data positions [{skip[0][0]}, {skip[0][1]})" if skip else " (no samples figure: no data skip)"
     )
     an = replace(
-        an, skips=skips, pending=Rollback(to, "auto", reason), rollbacks=(*rollbacks, now),
+        an,
+        skips=skips,
+        pending=Rollback(to, "auto", reason),
+        rollbacks=(*rollbacks, now),
         skipped_to=tuple(sorted({**dict(an.skipped_to), a.kind: a.step + cfg.skip_extra_steps}.items())),
         incident=Incident(a.kind, a.step, a.onset_step, value, to, skip, reason),
-    )  # fmt: skip
-    logs.append(log("rollback_started", "warning", attempt=attempt, to_step=to, skips=[list(r) for r in skip],
-                    reason=reason, who="supervisor", trigger="auto"))  # fmt: skip
+    )
+    logs.append(
+        log(
+            "rollback_started",
+            "warning",
+            attempt=attempt,
+            to_step=to,
+            skips=[list(r) for r in skip],
+            reason=reason,
+            who="supervisor",
+            trigger="auto",
+        )
+    )
     logs += _skipped(before, an.skips, skip, attempt)
     return an, logs, Stop(reason)
 
@@ -194,8 +232,15 @@ def _skipped(before: Skips, after: Skips, added: Skips, attempt: int | None) -> 
     if not added:
         return []
     samples = sum(b - a for a, b in after) - sum(b - a for a, b in before)
-    return [log("data_skipped", attempt=attempt, skips=[list(r) for r in after], added=[list(r) for r in added],
-                samples=samples)]  # fmt: skip
+    return [
+        log(
+            "data_skipped",
+            attempt=attempt,
+            skips=[list(r) for r in after],
+            added=[list(r) for r in added],
+            samples=samples,
+        )
+    ]
 
 
 def operator(an: AnomalyState, ev: RollbackRequested, attempt: int | None) -> tuple[AnomalyState, list[Log]]:
@@ -211,8 +256,14 @@ def operator(an: AnomalyState, ev: RollbackRequested, attempt: int | None) -> tu
         why = f"its skips would make {len(skips)} ranges in force, more than the {MAX_DATA_SKIPS} the ranks take"
         return replace(an, served=served), [requested, log("rollback_refused", "error", **fields, reason=why)]
     reason = f"operator rollback to step {ev.to_step} by {ev.who}" + (f": {ev.reason}" if ev.reason else "")
-    an = replace(an, skips=skips, served=served, pending=Rollback(ev.to_step, "operator", reason),
-                 incident=Incident("operator", None, None, None, ev.to_step, ev.skips, reason))  # fmt: skip
-    started = log("rollback_started", "warning", **fields, skips=[list(r) for r in ev.skips], reason=reason,
-                  trigger="operator")  # fmt: skip
+    an = replace(
+        an,
+        skips=skips,
+        served=served,
+        pending=Rollback(ev.to_step, "operator", reason),
+        incident=Incident("operator", None, None, None, ev.to_step, ev.skips, reason),
+    )
+    started = log(
+        "rollback_started", "warning", **fields, skips=[list(r) for r in ev.skips], reason=reason, trigger="operator"
+    )
     return an, [requested, started, *_skipped(before, skips, ev.skips, attempt)]

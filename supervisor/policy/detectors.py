@@ -1,29 +1,7 @@
 """Training-health detectors over the heartbeat stream: pure functions of frozen values, no I/O and no clock.
 
-`observe(cfg, health, beat)` folds one heartbeat's figures (`loss`, `grad_norm`, `step_s`, `samples`,
-`step_skipped`; DESIGN.md, The supervisor's decisions) into a `Health` and returns the new one with what it
-found; `restart(health, ...)` starts an attempt's view (resumed from a step: what came after it is forgotten).
-The detectors, each configured by `anomaly:` (`config_anomaly.AnomalyConfig`):
-
-- **non-finite**: a beat whose loss or gradient norm is not finite (NaN on the wire), or that says the rank-side
-  guard refused its update (`step_skipped`), is an `Anomaly` at once, on its own step (0 steps late);
-- **loss spike** and **gradient-norm spike**: a step's value (the mean loss over this node's ranks; the largest
-  gradient norm) above `factor` x the median of a trailing window of values judged normal is high; high on
-  `loss_patience_steps` steps in a row is an `Anomaly` whose onset is the first of them. High values never
-  enter the window, so a spike is judged against what came before it; steps up to `warmup_steps` only fill it;
-- **stragglers**: a rank whose own work in a step (`compute_s`, else `step_s`: in a synchronised job every
-  rank's step lasts as long as the slowest's, so only the work before it waits for a peer tells them apart),
-  on nearly every one of the last `straggler_patience_steps` steps (its 20th percentile) above `straggler_ratio`
-  x the other ranks' median is a `Straggler` (reported once, until its median is back under halfway:
-  `Recovered`); the first `SETTLE_STEPS` of an attempt are not timed;
-- **throughput drift**: the job's step time (the median over its ranks) over `loss_window_steps` steps, against
-  the same over its first such window: above `drift_ratio` x is `Drift` (reported once, until it falls back
-  halfway to the baseline).
-
-Beats are combined per step: a step is judged once every rank that reports has reported it (or some rank is
-`PENDING` steps past it: a lost beat holds nothing up for long); a duplicate beat, or one of a step already
-judged, adds nothing but its non-finite check. `position_before` and `global_batch` give what a rollback's data
-skip needs. What is done about a finding is `policy_anomaly`'s.
+`observe` folds one heartbeat's figures into a `Health`, `restart` starts an attempt's view; what each detector
+looks for: docs/design/policy.md, The detectors.
 """
 
 from __future__ import annotations
@@ -200,8 +178,9 @@ def observe(cfg: AnomalyConfig, h: Health, beat: Heartbeat) -> tuple[Health, lis
     pending = {s: dict(by) for s, by in h.pending}
     by_rank = pending.setdefault(beat.step, {})
     if beat.local_rank not in by_rank:  # the first beat of a step counts; a save's beat repeats the step
-        by_rank[beat.local_rank] = Figures(beat.rank, fig.get("loss"), fig.get("grad_norm"), fig.get("step_s"),
-                                           fig.get("compute_s"))  # fmt: skip
+        by_rank[beat.local_rank] = Figures(
+            beat.rank, fig.get("loss"), fig.get("grad_norm"), fig.get("step_s"), fig.get("compute_s")
+        )
     done = min(latest.values())
     # Ranks are read one queue after the other, so one may be several steps ahead of another within a read.
     done = max(done, max(latest.values()) - PENDING)
@@ -240,8 +219,9 @@ def _judge(cfg: AnomalyConfig, h: Health, step: int, by_rank: dict[int, Figures]
     times = {r: t for r, f in by_rank.items() if (t := _finite(f.step_s)) is not None and t >= 0}
     own = {r: t for r, f in by_rank.items() if (t := _finite(f.compute_s)) is not None and t >= 0}
     if times and step >= h.first_step + SETTLE_STEPS:
-        h, more = _time(cfg, h, step, own if len(own) == len(by_rank) else times, times,
-                        {r: f.rank for r, f in by_rank.items()})  # fmt: skip
+        h, more = _time(
+            cfg, h, step, own if len(own) == len(by_rank) else times, times, {r: f.rank for r, f in by_rank.items()}
+        )
         found += more
     return h, found
 

@@ -1,10 +1,6 @@
-"""What goes into and comes out of the supervisor's policy (`policy.step`): settings, events, actions.
+"""What goes into and comes out of the supervisor's policy (`machine.step`): settings, events, actions.
 
-The daemon turns what it observes (a heartbeat, torchrun's exit, an eviction notice, the
-clock) into frozen *events*, feeds them to the pure state machine in `policy`, and carries out
-the *actions* it returns (launch, stop, ask for a save, acknowledge an eviction, log, exit).
-`Settings` is the part of the job's config the policy decides with. Values only: no I/O, no
-clock, no decisions (those are `policy`'s).
+Values only: no I/O, no clock, no decisions (docs/design/policy.md, Events and actions).
 """
 
 from __future__ import annotations
@@ -56,7 +52,7 @@ class Settings:
     backoff_max_s: float
     max_attempts_without_progress: int
     save_margin_s: float  # safety margin when deciding whether an emergency save fits
-    anomaly: AnomalyConfig  # the training-health detectors, rollback and escalation (`policy_anomaly`)
+    anomaly: AnomalyConfig  # the training-health detectors, rollback and escalation (`policy.anomaly`)
     stop_margin_s: float = 1.0  # ranks still running this long before an eviction deadline are stopped
     assumed_save_bytes_per_s: float = 256 * 2**20  # until a save has been measured
 
@@ -291,12 +287,22 @@ def settings_from(cfg: JobConfig, nproc_max: int) -> Settings:
     """The policy's settings: this config, with `launch.nproc_per_node` resolved to `nproc_max`."""
     hb, rs, ln = cfg.heartbeat, cfg.restart, cfg.launch
     return Settings(
-        nproc_max=nproc_max, min_world_size=ln.min_world_size, max_world_size=ln.max_world_size,
-        nnodes_max=ln.max_nodes, heartbeat_mode=hb.mode, heartbeat_timeout_s=hb.timeout_s,
+        nproc_max=nproc_max,
+        min_world_size=ln.min_world_size,
+        max_world_size=ln.max_world_size,
+        nnodes_max=ln.max_nodes,
+        heartbeat_mode=hb.mode,
+        heartbeat_timeout_s=hb.timeout_s,
         progress_timeout_s=hb.progress_timeout_s,
-        startup_timeout_s=hb.startup_timeout_s, save_timeout_s=hb.save_timeout_s, min_timeout_s=hb.min_timeout_s,
-        step_time_multiplier=hb.step_time_multiplier, max_restarts=rs.max_restarts, window_s=rs.window_s,
-        backoff_initial_s=rs.backoff_initial_s, backoff_max_s=rs.backoff_max_s,
-        max_attempts_without_progress=rs.max_attempts_without_progress, save_margin_s=cfg.eviction.save_margin_s,
+        startup_timeout_s=hb.startup_timeout_s,
+        save_timeout_s=hb.save_timeout_s,
+        min_timeout_s=hb.min_timeout_s,
+        step_time_multiplier=hb.step_time_multiplier,
+        max_restarts=rs.max_restarts,
+        window_s=rs.window_s,
+        backoff_initial_s=rs.backoff_initial_s,
+        backoff_max_s=rs.backoff_max_s,
+        max_attempts_without_progress=rs.max_attempts_without_progress,
+        save_margin_s=cfg.eviction.save_margin_s,
         anomaly=cfg.anomaly,
-    )  # fmt: skip
+    )

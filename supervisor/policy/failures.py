@@ -1,11 +1,7 @@
 """How a failed attempt is told to the operator: which rank, its exit code or the signal by name, its last lines.
 
-The policy (`policy._exited`, a rank gone) and the console (`logs`) say why workers died from the values the
-daemon gathered (`policy_io.RankFailure`: what torchrun reported of each rank, with the last lines of that
-rank's own output, `ranklogs`). Everything here is pure: values in, text and log fields out. A line of output is
-the job's, so it is only ever quoted, cut to a bounded length, never interpreted beyond the two questions
-asked of it: which line ends the traceback (`exception_line`), and whether the command could not even start
-(`startup_error`: a module that cannot be imported, a script that is not there), which no restart can fix.
+Pure: values in, text and log fields out; a rank's output is only quoted, never acted on (docs/design/policy.md,
+Telling a failure).
 """
 
 from __future__ import annotations
@@ -22,8 +18,12 @@ TAIL_LINES = 200  # of a rank's output, read to find its traceback
 MAX_LINE_CHARS = 400
 MAX_DETAILED = 8  # failures listed one by one in an event (torchrun may report every rank of a large node)
 
-_HINTS = {"SIGKILL": "out of memory, or kill -9", "SIGSEGV": "a crash in native code", "SIGBUS": "a bad memory access",
-          "SIGABRT": "aborted by native code"}  # fmt: skip
+_HINTS = {
+    "SIGKILL": "out of memory, or kill -9",
+    "SIGSEGV": "a crash in native code",
+    "SIGBUS": "a bad memory access",
+    "SIGABRT": "aborted by native code",
+}
 _EXCEPTION = re.compile(r"[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)(?::|$)")
 _STARTUP = re.compile(
     r"(?:ModuleNotFoundError|ImportError): .*|No module named .*|can't open file .*|Error while finding module .*"
@@ -97,8 +97,10 @@ def culprits(failures: Sequence[RankFailure]) -> list[RankFailure]:
 
     def order(f: RankFailure) -> tuple[int, int]:
         stopped = f.exitcode == -signal.SIGTERM
-        return (0 if f.root else 1 if signal_name(f.exitcode) and not stopped else 2 if not stopped else 3,
-                f.rank if f.rank is not None else 1 << 30)  # fmt: skip
+        return (
+            0 if f.root else 1 if signal_name(f.exitcode) and not stopped else 2 if not stopped else 3,
+            f.rank if f.rank is not None else 1 << 30,
+        )
 
     return sorted(failures, key=order)
 
@@ -137,14 +139,21 @@ def fields(failures: Sequence[RankFailure], output: Sequence[str], log: str | No
         out["log"] = log
     if ranked:
         first = ranked[0]
-        out.update(rank=first.rank, exit_code=first.exitcode, signal=signal_name(first.exitcode),
-                   output=_bounded(first.output))  # fmt: skip
+        out.update(
+            rank=first.rank, exit_code=first.exitcode, signal=signal_name(first.exitcode), output=_bounded(first.output)
+        )
         if len(ranked) > 1:
             out["failures"] = [
-                {"rank": f.rank, "local_rank": f.local_rank, "pid": f.pid, "exit_code": f.exitcode,
-                 "signal": signal_name(f.exitcode), "last_line": exception_line(f.output)}
+                {
+                    "rank": f.rank,
+                    "local_rank": f.local_rank,
+                    "pid": f.pid,
+                    "exit_code": f.exitcode,
+                    "signal": signal_name(f.exitcode),
+                    "last_line": exception_line(f.output),
+                }
                 for f in ranked[:MAX_DETAILED]
-            ]  # fmt: skip
+            ]
     elif output:
         out["output"] = _bounded(output)
     return out

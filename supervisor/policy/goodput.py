@@ -1,32 +1,7 @@
-"""Goodput accounting: every second of a job's wall time, attributed exactly once, to productive training or to
-one cause of badput.
+"""Goodput accounting: every second of a job's wall time attributed exactly once, productive or to one cause.
 
-A pure accountant: `feed(acc, before, after, event, now)` takes the policy's state before and after each event
-(`policy.step`) and returns the new `Accounting`; it does no I/O and reads no clock. Time is kept on one clock
-(the policy's, `now`) up to a cursor: every second before the cursor is attributed, the time since it is the
-current *activity*'s and is attributed when the activity changes, a step completes or the attempt ends.
-
-- **productive**: a step completed for the first time in the job's life (above the high-water step).
-- **wasted_progress**: a step completed again (at or below the high-water step: after a rollback, or a resume
-  from a checkpoint older than the step reached), counted when the job reaches it again.
-- **startup**: preparing a launch, and from the launch to the start of the attempt's first step (the time
-  before its first training beat less that step's own `step_s`): rendezvous, imports, building the model.
-- **checkpoint_load**, **checkpoint_save**: a rank in phase `load` or `save` (the time a save blocks training);
-  a beat's `save_s` (the engine's measure of a save) beyond what the phase already counted is a save too.
-- **detection**: from the last sign of progress (a step, a phase change, a heartbeat outside training) to the
-  detection of a failure: the whole of it for a hang or a stall; for a crash, the partial step it cut short
-  (a crash while starting, loading or saving is that activity's time: a crash is detected at once).
-- **backoff**: the wait before a restart.
-- **eviction**: from an eviction notice to the stop (its emergency save and the stop included; steps trained
-  meanwhile stay productive), and the time stopped until the next supervisor starts.
-- **other**: stopping a failed or stopped attempt, a rank in `eval` or `done` (torchrun ending), and the time
-  between a supervisor's death and the next one's start.
-
-Across supervisor restarts and requeues the accounting is persisted in the journal (`snapshot`, `Saved`) and
-taken up again by the next supervisor (`resumed`), which attributes the time since the snapshot to `other`, or
-to `eviction` after an eviction. The time after a job ended by success or by an operator's stop is no one's (a
-new run of it goes on counting from where it ended). A script that sends no heartbeat is seen starting up for
-as long as it runs: ftsup sees training only through its steps.
+A pure accountant beside the policy (DESIGN.md, Goodput accounting); what each cause counts: docs/design/policy.md,
+Goodput causes.
 """
 
 from __future__ import annotations
@@ -63,8 +38,7 @@ TRAIN = "train"  # an activity, not a cause: its time is productive or wasted_pr
 ENDED = "ended"  # the job ended: no time accrues
 ACTIVITIES = (*CAUSES, TRAIN, ENDED)
 SAVED_VERSION = 1
-_EAGER = frozenset({SupervisorPhase.INIT, SupervisorPhase.PREPARING, SupervisorPhase.BACKOFF,
-                    SupervisorPhase.STOPPING})  # fmt: skip
+_EAGER = frozenset({SupervisorPhase.INIT, SupervisorPhase.PREPARING, SupervisorPhase.BACKOFF, SupervisorPhase.STOPPING})
 """Phases without ranks to fail: their time is attributed as it passes."""
 UNCOUNTED_AFTER = frozenset({"succeeded", "stopped"})
 """Journal statuses after which the time until the next start is not the job's."""
@@ -102,8 +76,12 @@ class Totals:
     def summary(self) -> dict[str, Any]:
         """The shape `ftsup status --json` shows (DESIGN.md, Contracts)."""
         badput = {c: round(s, 3) for c, s in self.badput_s().items()}
-        return {"productive_s": round(self.productive_s, 3), "badput_s": badput, "wall_s": round(self.wall_s, 3),
-                "ratio": round(self.ratio, 6)}  # fmt: skip
+        return {
+            "productive_s": round(self.productive_s, 3),
+            "badput_s": badput,
+            "wall_s": round(self.wall_s, 3),
+            "ratio": round(self.ratio, 6),
+        }
 
 
 @dataclass(frozen=True)
@@ -265,8 +243,9 @@ def _save_figure(acc: Accounting, before: State, ev: Event, now: float) -> Accou
     if extra <= 0:
         return acc
     cause = "eviction" if before.eviction is not None else "checkpoint_save"
-    return replace(acc, totals=acc.totals.add(cause, extra), cursor=acc.cursor + extra,
-                   save_since_step=acc.save_since_step + extra)  # fmt: skip
+    return replace(
+        acc, totals=acc.totals.add(cause, extra), cursor=acc.cursor + extra, save_since_step=acc.save_since_step + extra
+    )
 
 
 # ---------------------------------------------------------------------- across supervisors
@@ -284,17 +263,24 @@ class Saved:
     started_unix: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"v": SAVED_VERSION, "productive_s": self.totals.productive_s, "badput_s": self.totals.badput_s(),
-                "as_of_unix": self.as_of_unix, "high_water_step": self.high_water, "activity": self.activity,
-                "started_unix": self.started_unix}  # fmt: skip
+        return {
+            "v": SAVED_VERSION,
+            "productive_s": self.totals.productive_s,
+            "badput_s": self.totals.badput_s(),
+            "as_of_unix": self.as_of_unix,
+            "high_water_step": self.high_water,
+            "activity": self.activity,
+            "started_unix": self.started_unix,
+        }
 
     @classmethod
     def from_json(cls, raw: object) -> Saved:
         """Check every field (a journal is hostile input); ValueError naming the first bad one."""
         if not isinstance(raw, dict):
             raise ValueError("not a JSON object")
-        unknown = sorted(set(raw) - {"v", "productive_s", "badput_s", "as_of_unix", "high_water_step", "activity",
-                                     "started_unix"})  # fmt: skip
+        unknown = sorted(
+            set(raw) - {"v", "productive_s", "badput_s", "as_of_unix", "high_water_step", "activity", "started_unix"}
+        )
         if unknown:
             raise ValueError(f"unknown field {unknown[0]!r}")
         if raw.get("v") != SAVED_VERSION:

@@ -1,34 +1,7 @@
-"""The supervisor's decisions: a pure state machine `step(state, event, now) -> (state, actions)`.
+"""The supervisor's decisions: a pure state machine `step(settings, state, event, now) -> (state, actions)`.
 
-No I/O, no clock: the daemon feeds events with the time they happened and carries out the
-actions. Tests drive it with a fake clock and no processes.
-
-    (start) --PrepareLaunch--> preparing --LaunchReady--> running --failure--> stopping
-       ^                                                    |                    |
-       |                                            exit 0: Exit(0)     WorkersExited
-       +--------------------- backoff <--- restart allowed -+--------------------+
-                                 |
-                                 +--- crash loop / budget spent: Exit(3 / 4)
-
-An attempt fails when torchrun exits non-zero, when a rank stops sending heartbeats for the
-heartbeat timeout, when the job makes no step progress for the progress timeout, or when it
-has not reached its first training step within the startup timeout. Timeouts are phase-aware:
-a rank in `save` or `load` may be silent for `save_timeout_s`; one in `eval` beats from a thread
-and may stay there for `save_timeout_s`; in these no step progress is expected. Unless
-configured, the timeouts are learned from the step times the ranks measure on their own clocks
-(`Heartbeat.sent`; a step that spans a save, load or eval is not counted): max(min_timeout_s,
-multiplier x p99 step time). Silence is measured from when a beat was read, so a supervisor
-that was busy for a while finds its ranks alive once it reads their queued beats.
-
-Which of these detections apply is `heartbeat.mode` (`Settings.heartbeat_mode`): `required`, all of
-them from launch on; `auto`, all of them once the job's first heartbeat has arrived (`State.beating`),
-and before that crashes only, so that a script without a line of ftsup is never killed for its silence;
-`off`, crashes only; `auto` watches the ranks that beat (a script may beat from rank 0 alone),
-`required` every rank. The pure rules (timeouts, modes, progress, world size, backoff) are `policy_rules`.
-
-Training health (`policy_anomaly`): a non-finite figure or a confirmed spike in a training beat stops the attempt
-and relaunches it at once from a checkpoint before the anomaly's onset with a data skip, or escalates (exit 7);
-an operator's rollback request (`RollbackRequested`) does the same from the step it names.
+No I/O, no clock: the daemon feeds events with the time they happened and carries out the actions. The state
+machine is written down whole in docs/design/policy.md, "The state machine".
 """
 
 from __future__ import annotations
@@ -86,7 +59,7 @@ EXIT_CRASH_LOOP = 3
 EXIT_BUDGET = 4
 EXIT_EVICTED = 5
 EXIT_STOPPED = 6
-EXIT_ANOMALY = policy_anomaly.EXIT_ANOMALY  # 7: an anomaly escalated (policy_anomaly)
+EXIT_ANOMALY = policy_anomaly.EXIT_ANOMALY  # 7: an anomaly escalated (`policy.anomaly`)
 
 ATTEMPT_PHASES = frozenset({SupervisorPhase.RUNNING, SupervisorPhase.STOPPING})  # an attempt's processes are up
 STEP_HISTORY = 200
@@ -248,15 +221,20 @@ def _heartbeat_and_saves(s: Settings, st: State, att: Attempt, ev: Heartbeat, no
     if st.phase == SupervisorPhase.RUNNING:
         st = replace(_heartbeat(st, att, ev, now), beating=True)
         if st.attempt is not None and att.max_step < 0 <= st.attempt.max_step:
-            actions.append(log("first_step_reached", attempt=att.number, step=st.attempt.max_step,
-                               duration_s=round(now - att.launched_at, 3)))  # fmt: skip
+            took = round(now - att.launched_at, 3)
+            actions.append(log("first_step_reached", attempt=att.number, step=st.attempt.max_step, duration_s=took))
         if ev.phase == Phase.TRAIN and st.final is None:  # an eviction's save or a stop goes first
             anomaly, logs, stop = policy_anomaly.on_beat(s.anomaly, st.anomaly, ev, att.number, now)
             st = replace(st, anomaly=anomaly)
             actions += logs
             if stop is not None:  # the attempt ends here (its beats after this are not for this function)
-                return replace(st, phase=SupervisorPhase.STOPPING, stop_reason=stop.reason, final=stop.exit,
-                               last_failure=stop.reason), [*actions, StopWorkers(att.number, stop.reason)]  # fmt: skip
+                return replace(
+                    st,
+                    phase=SupervisorPhase.STOPPING,
+                    stop_reason=stop.reason,
+                    final=stop.exit,
+                    last_failure=stop.reason,
+                ), [*actions, StopWorkers(att.number, stop.reason)]
     save_s = ev.figure("save_s")
     if save_s is not None and not (math.isfinite(save_s) and save_s >= 0):
         save_s = None  # a figure that was not a number at the rank
@@ -285,8 +263,14 @@ def _heartbeat_and_saves(s: Settings, st: State, att: Attempt, ev: Heartbeat, no
 
 def _evict(s: Settings, st: State, ev: EvictionNoticed, now: float) -> tuple[State, list[Action]]:
     att = st.attempt
-    notice = log("eviction_noticed", "warning", reason=f"{ev.source}: {ev.detail}", source=ev.source,
-                 deadline_in_s=round(ev.deadline - now, 3), attempt=st.attempt_no)  # fmt: skip
+    notice = log(
+        "eviction_noticed",
+        "warning",
+        reason=f"{ev.source}: {ev.detail}",
+        source=ev.source,
+        deadline_in_s=round(ev.deadline - now, 3),
+        attempt=st.attempt_no,
+    )
     if ev.advisory:
         if st.phase != SupervisorPhase.RUNNING or att is None:
             return st, [notice]
@@ -322,7 +306,7 @@ def _evict(s: Settings, st: State, ev: EvictionNoticed, now: float) -> tuple[Sta
             stop_reason=exit_.reason,
             final=exit_,
             eviction=Eviction(ev.source, ev.deadline, now, None),
-        ), [  # fmt: skip
+        ), [
             notice,
             log(
                 "save_skipped",
@@ -331,7 +315,7 @@ def _evict(s: Settings, st: State, ev: EvictionNoticed, now: float) -> tuple[Sta
                 step=att.max_step,
                 reason=f"an emergency save would not finish before the deadline: {why}; "
                 "the last committed checkpoint stays the resume point",
-            ),  # fmt: skip
+            ),
             AckEviction(ev.source),
             # Leave before the deadline: the grace to SIGKILL must end inside it.
             StopWorkers(att.number, exit_.reason, grace_s=max(0.5, ev.deadline - now - s.stop_margin_s)),
@@ -406,20 +390,19 @@ def _tick(s: Settings, st: State, now: float) -> tuple[State, list[Action]]:
     training = [r for r in ranks.values() if r.phase == Phase.TRAIN]
     if not training:  # still starting up (or loading: that has its own, longer timeout)
         if now - att.launched_at > s.startup_timeout_s and not long:
-            return _fail(st, att, f"no training step within startup_timeout_s={s.startup_timeout_s:g}", now,
-                         "startup_timed_out")  # fmt: skip
+            why = f"no training step within startup_timeout_s={s.startup_timeout_s:g}"
+            return _fail(st, att, why, now, "startup_timed_out")
     hb = heartbeat_timeout(s, st.step_times)
     for rank, view in sorted(ranks.items()):
         silent = now - view.last_beat
         limit = s.save_timeout_s if view.phase in SLOW_PHASES or (view.phase == Phase.EVAL and hb is None) else hb
         if view.phase in (*LONG_PHASES, Phase.TRAIN) and limit is not None and silent > limit:
             where = "" if view.phase == Phase.TRAIN else f" in phase {view.phase}"
-            return _fail(st, att, f"rank {rank} silent for {silent:.1f}s{where} (timeout {limit:.1f}s)", now,
-                         "heartbeat_timed_out", rank=rank, timeout_s=round(limit, 3))  # fmt: skip
+            why = f"rank {rank} silent for {silent:.1f}s{where} (timeout {limit:.1f}s)"
+            return _fail(st, att, why, now, "heartbeat_timed_out", rank=rank, timeout_s=round(limit, 3))
         if view.phase == Phase.EVAL and now - view.since > s.save_timeout_s:  # beating, yet stuck in eval
-            return _fail(st, att, f"rank {rank} in phase eval for {now - view.since:.1f}s (timeout "
-                         f"{s.save_timeout_s:g}s)", now, "progress_timed_out", rank=rank,
-                         timeout_s=s.save_timeout_s)  # fmt: skip
+            why = f"rank {rank} in phase eval for {now - view.since:.1f}s (timeout {s.save_timeout_s:g}s)"
+            return _fail(st, att, why, now, "progress_timed_out", rank=rank, timeout_s=s.save_timeout_s)
     every_rank = s.heartbeat_mode == HeartbeatMode.REQUIRED  # auto watches the ranks that beat, such as rank 0 alone
     if every_rank and training and len(ranks) < att.nproc and hb is not None and now - att.progress_at > hb:
         missing = sorted(set(range(att.nproc)) - set(ranks))
@@ -427,8 +410,8 @@ def _tick(s: Settings, st: State, now: float) -> tuple[State, list[Action]]:
     pt = progress_timeout(s, st.step_times)
     if pt is not None and training and not long and not any(r.phase in QUIET_PHASES for r in ranks.values()):
         if now - att.progress_at > pt:
-            return _fail(st, att, f"no step progress for {now - att.progress_at:.1f}s (timeout {pt:.1f}s)", now,
-                         "progress_timed_out", timeout_s=round(pt, 3))  # fmt: skip
+            why = f"no step progress for {now - att.progress_at:.1f}s (timeout {pt:.1f}s)"
+            return _fail(st, att, why, now, "progress_timed_out", timeout_s=round(pt, 3))
     return st, []
 
 
@@ -449,12 +432,19 @@ def _exited(s: Settings, st: State, att: Attempt, ev: WorkersExited, now: float)
     running = st.phase == SupervisorPhase.RUNNING
     reason = failures.exited_reason(ev) if running else st.stop_reason or "stopped"
     told = failures.exited_fields(ev, att.log) if running else {"log": att.log}  # the cause, for every line below
-    actions: list[Action] = [log("worker_exited", "error", attempt=att.number, reason=reason, step=att.max_step,
-                                 **told)] if running else []  # fmt: skip
-    # Progress means reaching a step no earlier attempt reached (policy_rules.made_progress): a job
+    actions: list[Action] = (
+        [log("worker_exited", "error", attempt=att.number, reason=reason, step=att.max_step, **told)] if running else []
+    )
+    # Progress means reaching a step no earlier attempt reached (`rules.made_progress`): a job
     # that dies at the same step every time is a crash loop, however often it restarts.
-    progressed = made_progress(s, max_step=att.max_step, best_before=att.best_before, resume_step=att.resume_step,
-                               detecting=hang_detection_on(s, st.beating), ran_s=now - att.launched_at)  # fmt: skip
+    progressed = made_progress(
+        s,
+        max_step=att.max_step,
+        best_before=att.best_before,
+        resume_step=att.resume_step,
+        detecting=hang_detection_on(s, st.beating),
+        ran_s=now - att.launched_at,
+    )
     streak = 0 if progressed else st.no_progress_streak + 1
     in_a_row = 1 if progressed else st.failures_in_a_row + 1
     restarts = tuple(t for t in st.restarts if now - t < s.window_s)
@@ -467,9 +457,16 @@ def _exited(s: Settings, st: State, att: Attempt, ev: WorkersExited, now: float)
         return _give_up(st, actions, exit_, "restart_budget_exhausted", attempt=att.number, **told)
     wait = backoff_s(s, in_a_row)
     return replace(
-        st, phase=SupervisorPhase.BACKOFF, attempt=None, stop_reason=None, restarts=(*restarts, now),
-        failures_in_a_row=in_a_row, no_progress_streak=streak, resume_at=now + wait, last_failure=reason,
-    ), [*actions, log("restart_scheduled", attempt=att.number, reason=reason, duration_s=round(wait, 3))]  # fmt: skip
+        st,
+        phase=SupervisorPhase.BACKOFF,
+        attempt=None,
+        stop_reason=None,
+        restarts=(*restarts, now),
+        failures_in_a_row=in_a_row,
+        no_progress_streak=streak,
+        resume_at=now + wait,
+        last_failure=reason,
+    ), [*actions, log("restart_scheduled", attempt=att.number, reason=reason, duration_s=round(wait, 3))]
 
 
 def _give_up(st: State, actions: list[Action], exit_: Exit, event: str, **fields: object) -> tuple[State, list[Action]]:

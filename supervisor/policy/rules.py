@@ -1,18 +1,5 @@
 """The policy's rules that need no state machine: timeouts, which detections apply, progress, world size, backoff,
-whether an emergency save fits.
-
-Pure functions of the settings (`policy_io.Settings`) and of what the policy has counted; `policy.step` applies
-them, and callers read them as `policy.X` (`policy.heartbeat_timeout`, ...). No I/O, no clock.
-
-- Learned timeouts: max(min_timeout_s, step_time_multiplier x p99 step time), unless configured.
-- Which detections apply (`heartbeat.mode`): `required`, every hang detection from launch on (a rank that sends no
-  first training step within `startup_timeout_s` has failed); `auto`, the same once the first heartbeat of the
-  job has arrived, and before that crashes only, so that a script without a line of ftsup is never killed for
-  its silence; `off`, crashes only (heartbeats still count for progress, metrics and saves).
-- Progress, the crash-loop breaker's measure: an attempt that reached a step no earlier attempt reached. An
-  attempt that sent no training step while no hang detection applied is judged by how long it ran: one that
-  ended within `startup_timeout_s` of its launch died starting up, one that ran longer is taken to have
-  trained (the restart budget bounds how often it is restarted).
+whether an emergency save fits. Pure functions; no I/O, no clock (docs/design/policy.md, The rules).
 """
 
 from __future__ import annotations
@@ -101,9 +88,14 @@ def save_estimate_s(s: Settings, save_times: Sequence[float], state_bytes: int |
 
 
 def save_fits(
-    s: Settings, step_times: Sequence[float], save_times: Sequence[float], now: float, deadline: float,
-    state_bytes: int | None, upload_s: float | None = None,
-) -> tuple[bool, str]:  # fmt: skip
+    s: Settings,
+    step_times: Sequence[float],
+    save_times: Sequence[float],
+    now: float,
+    deadline: float,
+    state_bytes: int | None,
+    upload_s: float | None = None,
+) -> tuple[bool, str]:
     """Whether an emergency save (a step, the save with half of it again, the margin) fits before `deadline`.
 
     With a durable tier (`upload_s`: the upload's expected time at the measured throughput) the save is done when
