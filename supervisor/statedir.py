@@ -1,22 +1,5 @@
-"""The supervisor's own directories and files, trusted only once checked.
-
-A state directory may sit in a shared job directory, where another user could have created it
-first and planted links in it. So:
-
-- `ensure_dir` creates what is missing (0700) and refuses, with a `ConfigError` naming the
-  setting, a directory that is a link, is not owned by this supervisor's user, is writable by
-  anyone else, or sits below a directory where someone else could swap it for theirs. A `.ftsup` directory
-  it creates gets a `.gitignore` of `*` (as pytest does for `.pytest_cache`), so a run from a
-  repository leaves nothing for git to show.
-- `open_append`, `write_atomic` and `read_private` never follow a link and require a regular
-  file of ours (temporaries are created with O_EXCL); `read_private` caps the size.
-- `InstanceLock` is the single-instance lock: an exclusive `flock` on `supervisor.lock` in the
-  state directory, held for the daemon's life; a second supervisor is refused, naming the pid.
-- `RuntimeDir`: where the heartbeat socket and the control file live (systemd's
-  `$RUNTIME_DIRECTORY`, else `<state_dir>/run`, else a private temporary directory when that
-  path is too long for a UNIX socket); only what this module created is removed.
-
-Stdlib only; nothing here starts or signals a process.
+"""The supervisor's own directories and files, trusted only once checked: the state directory, its lock, the runtime
+directory, and files opened without following links (docs/design/state.md, The state directory). Stdlib only.
 """
 
 from __future__ import annotations
@@ -75,11 +58,19 @@ def check_dir(path: Path, what: str) -> None:
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise _refuse(what, path, "is not a directory (a link or a file)", "remove it or choose another directory")
     if st.st_uid != os.geteuid():
-        raise _refuse(what, path, f"is owned by uid {st.st_uid}, not by this supervisor's uid {os.geteuid()}",
-                      "another user could have planted files in it: remove it or choose another directory")  # fmt: skip
+        raise _refuse(
+            what,
+            path,
+            f"is owned by uid {st.st_uid}, not by this supervisor's uid {os.geteuid()}",
+            "another user could have planted files in it: remove it or choose another directory",
+        )
     if st.st_mode & 0o022:
-        raise _refuse(what, path, f"is writable by others (mode {stat.S_IMODE(st.st_mode):o})",
-                      f"chmod go-w {path}, or choose another directory")  # fmt: skip
+        raise _refuse(
+            what,
+            path,
+            f"is writable by others (mode {stat.S_IMODE(st.st_mode):o})",
+            f"chmod go-w {path}, or choose another directory",
+        )
 
 
 def _check_ancestors(path: Path, what: str) -> None:
@@ -90,8 +81,12 @@ def _check_ancestors(path: Path, what: str) -> None:
     for parent in sorted(above, key=lambda d: len(d.parts)):
         st = os.stat(parent)
         if st.st_uid not in (0, os.geteuid()) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
-            raise _refuse(what, path, f"is below {parent}, which another user owns or can write",
-                          "put it where only you (or root) can write")  # fmt: skip
+            raise _refuse(
+                what,
+                path,
+                f"is below {parent}, which another user owns or can write",
+                "put it where only you (or root) can write",
+            )
 
 
 def ensure_dir(path: str | os.PathLike[str], what: str) -> Path:

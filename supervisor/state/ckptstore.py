@@ -1,32 +1,5 @@
-"""The checkpoint store as the daemon sees it, read on a thread of its own.
-
-Anyone who can write the store can make reading it slow (a manifest of 150,000 entries, a
-directory of thousands of planted checkpoints, a network filesystem that stalls), and the daemon's
-loop must never wait on that: a stalled loop is a hang it does not detect. So the store is read
-here, on one thread owned by the daemon (`start`, `close`), never by the loop:
-
-- every `interval_s`, a scan (fast checks) finds the newest consistent checkpoint and the number of committed
-  ones (the metrics, the eviction estimate, the journal), and with `recent` the newest that many checkpoints,
-  each checked (what goes to the durable tier). Each checkpoint's fast check is cached
-  by (directory, its inode and mtime, the manifest's inode, size, mtime and ctime), so a scan of an
-  unchanged store costs a `scandir` and two `lstat`s per checkpoint looked at, newest first until
-  a consistent one. (A file changed in place under an unchanged manifest shows at the next
-  change of the directory; the resume choice below never uses the cache.)
-- `choose()` asks for the resume choice (`ftsup.store.choice`: fresh checks, deep when
-  configured, quarantines) and waits for it, at most `timeout_s`; it goes before any scan. With
-  `at_most` (a rollback) it chooses among the steps up to that one and abandons the committed
-  checkpoints after the one chosen (`choice.abandon`: renamed, kept). With a durable tier
-  (`with_durable_tier`, an opener of it), the choice is across both tiers (`ftsup.store.tiers`), the tier's
-  part on a thread of its own for at most a timeout: a tier that fails or does not answer in time leaves the
-  fast tier's choice alone, and says why (`Resume.durable_error`).
-
-A manifest of CHILD_CHECK_BYTES or more is checked in a child process: the JSON decoder and the
-pre-checks hold the GIL for a whole file at a time (a 58 MiB manifest held it for 3 s here), time
-in which the loop would read no heartbeat.
-
-Results are handed over as immutable values under a lock held only for the swap, never across
-I/O. A scan or choice that raises is caught, counted and kept as `last_error` (the loop logs it as an outage);
-the thread goes on. Not here: what to do with the results (the daemon), the checks (`layout`).
+"""The checkpoint store as the daemon sees it, read on a thread of its own so that a slow or hostile store never
+stalls the loop: periodic scans and the resume choice (docs/design/state.md, The store scanner).
 """
 
 from __future__ import annotations
@@ -134,13 +107,17 @@ class StoreScanner:
     _durable_only = False
 
     def with_durable_tier(
-        self, opener: Callable[[], durable.DurableTier] | None, timeout_s: float = DURABLE_TIMEOUT_S,
-        *, durable_only: bool = False,
-    ) -> StoreScanner:  # fmt: skip
+        self,
+        opener: Callable[[], durable.DurableTier] | None,
+        timeout_s: float = DURABLE_TIMEOUT_S,
+        *,
+        durable_only: bool = False,
+    ) -> StoreScanner:
         """Make the resume choice across the fast tier and the durable tier `opener` opens (None: none), the tier's
-        part waited for at most `timeout_s` (see the module docstring); before `start()`. `durable_only` (the
-        nodes of the job keep separate fast tiers): the newest checkpoint committed in the durable tier, since a
-        local one cannot be known complete on the other nodes; the fast tier's choice only when the tier fails."""
+        part waited for at most `timeout_s` (docs/design/state.md, The store scanner); before `start()`.
+        `durable_only` (the nodes of the job keep separate fast tiers): the newest checkpoint committed in the durable
+        tier, since a local one cannot be known complete on the other nodes; the fast tier's choice only when the
+        tier fails."""
         self._durable, self._durable_timeout_s, self._durable_only = opener, timeout_s, durable_only
         return self
 
@@ -239,8 +216,9 @@ class StoreScanner:
     def _count_error(self, e: Exception) -> None:
         with self._lock:
             v = self._view
-            self._view = StoreView(v.latest, v.committed, v.scans + 1, v.errors + 1, f"{type(e).__name__}: {e}", e,
-                                   v.recent)  # fmt: skip
+            self._view = StoreView(
+                v.latest, v.committed, v.scans + 1, v.errors + 1, f"{type(e).__name__}: {e}", e, v.recent
+            )
 
     def _choose(self, at_most: int | None) -> Resume:
         fast = choice.choose(self._root, deep=self._deep, at_most=at_most)
@@ -311,8 +289,9 @@ class StoreScanner:
             del self._cache[name]
         with self._lock:
             v = self._view
-            self._view = StoreView(latest, len(dirs), v.scans + 1, v.errors, v.last_error, v.last_exception,
-                                   tuple(recent))  # fmt: skip
+            self._view = StoreView(
+                latest, len(dirs), v.scans + 1, v.errors, v.last_error, v.last_exception, tuple(recent)
+            )
 
     def _inspect(self, path: Path) -> layout.CheckpointInfo:
         key = _fingerprint(path)
@@ -330,21 +309,35 @@ def _inspect_in_child(path: Path) -> layout.CheckpointInfo:
     """`layout.inspect_checkpoint(path)`, run by a fresh interpreter (no preexec_fn: safe beside
     the daemon's threads); a child that fails makes the checkpoint one that could not be checked."""
     try:  # the same interpreter and environment import the same ftsup
-        done = subprocess.run([sys.executable, "-c", _CHILD, str(path)], capture_output=True, text=True,
-                              timeout=CHILD_TIMEOUT_S, check=False)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", _CHILD, str(path)],
+            capture_output=True,
+            text=True,
+            timeout=CHILD_TIMEOUT_S,
+            check=False,
+        )
         j = json.loads(done.stdout)
         unknown = bool(j["unknown_format"])
         problems = tuple(layout.Problem(None, str(p), unknown_format=unknown) for p in j["problems"])
         return layout.CheckpointInfo(
-            step=int(j["step"]), path=str(path), consistent=bool(j["consistent"]), kind=j["kind"],
-            world_size=j["world_size"], created_unix=j["created_unix"], problems=problems,
+            step=int(j["step"]),
+            path=str(path),
+            consistent=bool(j["consistent"]),
+            kind=j["kind"],
+            world_size=j["world_size"],
+            created_unix=j["created_unix"],
+            problems=problems,
             tensor_bytes=j["tensor_bytes"],
-        )  # fmt: skip
+        )
     except (OSError, subprocess.SubprocessError, ValueError, KeyError, TypeError) as e:
         step = layout.parse_step_dirname(path.name)
         why = f"could not be checked in a child process ({type(e).__name__}: {e})"
-        return layout.CheckpointInfo(step=-1 if step is None else step, path=str(path), consistent=False,
-                                     problems=(layout.Problem(layout.MANIFEST_NAME, why),))  # fmt: skip
+        return layout.CheckpointInfo(
+            step=-1 if step is None else step,
+            path=str(path),
+            consistent=False,
+            problems=(layout.Problem(layout.MANIFEST_NAME, why),),
+        )
 
 
 def _fingerprint(path: Path) -> tuple[Any, ...]:

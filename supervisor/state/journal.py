@@ -1,17 +1,5 @@
-"""The supervisor's journal: what it was doing, on disk, atomically, so a restarted supervisor
-(after `kill -9`, a node reboot, a systemd restart) can adopt or clean up what it left.
-
-One JSON file per node: run id, attempt number, world size, chosen step, pids of the running
-attempt (torchrun and its ranks), last failure, and the time it was written; the data skips in
-force and the operator rollback requests served (a restarted supervisor keeps both), the last
-incident and the ranks reported as stragglers (for `ftsup status`); the job's time accounting so far
-(`goodput`: a restarted or requeued supervisor goes on counting from it). It is replaced
-atomically (`statedir.write_atomic`: a new O_EXCL temporary, fsync, rename, fsync dir), so a
-reader sees the old or the new record, never half of one.
-
-A journal found on disk is input like any other: it is read without following links, capped
-in size and checked field by field (`JournalError` says what is wrong). Its pids are hints for
-a reader; the daemon signals none of them unless `ftsup.procs` verifies the process.
+"""The supervisor's journal: what it was doing, on disk, atomically, so that a restarted supervisor can adopt or
+clean up what it left. A journal read back is hostile input (docs/design/state.md, The journal).
 """
 
 from __future__ import annotations
@@ -55,7 +43,7 @@ class JournalRecord:
     extra: dict[str, Any] = field(default_factory=dict)
     skips: tuple[tuple[int, int], ...] = ()  # the data skips in force
     rollbacks_served: tuple[str, ...] = ()  # ids of the operator rollback requests served, newest last
-    incident: dict[str, Any] | None = None  # the last anomaly or operator rollback (`policy_anomaly.Incident`)
+    incident: dict[str, Any] | None = None  # the last anomaly or operator rollback (`policy.anomaly.Incident`)
     stragglers: tuple[int, ...] = ()  # global ranks reported as stragglers now
     goodput: dict[str, Any] | None = None  # the job's time accounting so far (`goodput.Saved`)
 

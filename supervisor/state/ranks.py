@@ -1,14 +1,5 @@
-"""The ranks as their supervisor last heard them, for `ftsup status`: `<state_dir>/ranks.json`.
-
-The daemon's side (`RankTable`, kept by `workers`): each rank's newest heartbeat of the running attempt (global
-and local rank, pid, step, phase, loss, the wall-clock time it was read), written atomically, not fsynced (a
-view that the next beats rebuild), at most once per `WRITE_EVERY_S` and only when it changed; a new attempt
-starts it empty. `ftsup status`'s side (`read`): the file is input like any other file of the state directory,
-read without following a link, capped in size and checked field by field (`RankStatusError` says what is wrong).
-
-{"format": 1, "attempt": 2, "written_unix": 1700000000.0,
- "ranks": [{"rank": 0, "local_rank": 0, "pid": 4242, "step": 17, "phase": "train", "loss": 3.2,
-            "beat_unix": 1700000000.0}]}
+"""The ranks as their supervisor last heard them, for `ftsup status`: `<state_dir>/ranks.json`, written by the
+daemon (`RankTable`) and read back as hostile input (`read`; docs/design/state.md, The ranks as last heard).
 """
 
 from __future__ import annotations
@@ -69,8 +60,9 @@ class RankTable:
     def heard(self, beat: Beat) -> None:
         loss = dict(beat.figures).get("loss")
         loss = float(loss) if loss is not None and math.isfinite(loss) else None
-        self._ranks[beat.local_rank] = RankStatus(beat.rank, beat.local_rank, beat.pid, beat.step, str(beat.phase),
-                                                  loss, round(self._wall(), 3))  # fmt: skip
+        self._ranks[beat.local_rank] = RankStatus(
+            beat.rank, beat.local_rank, beat.pid, beat.step, str(beat.phase), loss, round(self._wall(), 3)
+        )
         self._changed = True
 
     def flush(self, now: float) -> None:
@@ -78,8 +70,12 @@ class RankTable:
         if not self._changed or (self._written_at is not None and now - self._written_at < WRITE_EVERY_S):
             return
         self._changed, self._written_at = False, now
-        body = {"format": FORMAT, "attempt": self._attempt, "written_unix": round(self._wall(), 3),
-                "ranks": [asdict(r) for _, r in sorted(self._ranks.items())]}  # fmt: skip
+        body = {
+            "format": FORMAT,
+            "attempt": self._attempt,
+            "written_unix": round(self._wall(), 3),
+            "ranks": [asdict(r) for _, r in sorted(self._ranks.items())],
+        }
         data = json.dumps(body, sort_keys=True).encode()
         self._write(self.path, lambda: statedir.write_atomic(self.path, data, durable=False))
 
@@ -122,8 +118,9 @@ def _checked(raw: Any) -> tuple[int, float, list[RankStatus]]:
         number = isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss)
         if loss is not None and not number:
             raise RankStatusError(f"'loss' {str(loss)[:40]!r} is not a number")
-        out.append(RankStatus(_int(r, "rank"), _int(r, "local_rank"), _int(r, "pid"), _int(r, "step"), phase,
-                              None if loss is None else float(loss), _time(r, "beat_unix")))  # fmt: skip
+        rank, local_rank, pid, step = (_int(r, key) for key in ("rank", "local_rank", "pid", "step"))
+        loss = None if loss is None else float(loss)
+        out.append(RankStatus(rank, local_rank, pid, step, phase, loss, _time(r, "beat_unix")))
     return attempt, written, out
 
 

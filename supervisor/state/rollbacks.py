@@ -1,12 +1,5 @@
 """The operator's rollback requests as the daemon reads them: `<state_dir>/rollback.json`, written by
-`ftsup rollback` (`cli_rollback`), polled by the loop.
-
-`RollbackWatcher.poll()` looks at the file at most every `POLL_S` (one `lstat`); when it changed (or the first
-time), it reads it without following a link, as this user's regular file of at most
-`protocol.MAX_ROLLBACK_BYTES`, and turns the request it holds (`protocol.parse_rollback`) into the policy's
-`RollbackRequested`. A file that is not a request is logged once (`rollback_request_ignored`, until it changes)
-and never acted on; a missing file is no request. Which request is served, and only once per id, is the policy's
-decision (`policy_anomaly.operator`); this module never deletes or renames the file.
+`ftsup rollback` (`cli.rollback`), polled by the loop (docs/design/state.md, Rollback requests).
 """
 
 from __future__ import annotations
