@@ -1,24 +1,7 @@
-"""ftsup: a fault-tolerant training supervisor for PyTorch.
+"""ftsup: a fault-tolerant training supervisor for PyTorch (its packages: DESIGN.md, Layout).
 
-Everything ftsup ships is imported under this name:
-
-- `ftsup.supervisor`: `ftsup run` (the per-node daemon), `ftsup status`, `ftsup ckpt`; never imports torch.
-- `ftsup.trainer`: what a training script uses: the checkpoint engine, the resumable training
-  state, the data schedule and the runtime client (heartbeats, save and stop requests).
-- The shared core both sides import, which imports neither (stdlib only, no torch):
-  `ftsup.store` (the checkpoint store's format: layout, manifests, checksums, retention, the
-  resume choice), `ftsup.protocol` (what crosses the rank/supervisor boundary: environment,
-  phases, heartbeat and control-file schemas) and process handling (`ftsup.procs`, `ftsup.guard`).
-
-A training script needs only this module's names; each is imported on first use, so that
-`import ftsup` costs nothing and pulls in no torch:
-
-    from ftsup import Session                     # the training loop's bookkeeping in one object
-    from ftsup import CheckpointEngine, GlobalBatchSchedule, RankBatchSampler, TrainingState, agree, runtime
-
-`pip install ftsup` alone gives the supervisor and the `ftsup` command; the names that need torch and numpy come
-with the trainer extra (`pip install 'ftsup[trainer]'`), and asking for one without them raises
-`ftsup.extras.MissingExtraError`, which names the extra.
+The names a training script needs (`from ftsup import Session`, `CheckpointEngine`, ...) are imported on first
+use, so that `import ftsup` pulls in no torch; those that need torch come with `pip install 'ftsup[trainer]'`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""Which optional extra of the `ftsup` distribution provides which import, and the error that names it.
+"""Which optional extra of the `ftsup` distribution provides which import, and `MissingExtraError`, which names it.
 
-`pip install ftsup` alone installs the supervisor and the `ftsup` command, which never import torch. What a training
-script imports from ftsup (the checkpoint engine, the training state, ...) needs torch and numpy, which come with the
-`trainer` extra: `pip install 'ftsup[trainer]'` (torch installed first chooses its build, as the README shows).
-NVIDIA's ft_launcher, a contender of `ftsup bench goodput` and nothing else, comes with the `bench` extra; boto3, the
-S3 client of a durable tier on object storage (`ftsup.store.durable.s3`), with the `durable` extra.
-Where such code is asked for without them, the user reads `needs(...)`: what needed which module, in which Python,
-and the line that installs it; `MissingExtraError` carries it, never a bare "No module named 'torch'".
-
-Stdlib only; it imports nothing it names.
+`trainer` (torch, numpy), `durable` (boto3), `bench` (ft_launcher). Stdlib only; it imports nothing it names.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
-"""The parent-death guard: the one place that sets `PR_SET_PDEATHSIG` (Linux).
+"""The parent-death guard: the one place that sets `PR_SET_PDEATHSIG` (Linux), before exec (`wrap`) or in process.
 
-A guarded process gets SIGKILL when the thread that started it dies, so nothing of a job
-outlives the process that launched it. Two ways in:
-
-- **Before exec** (`wrap`): a process is started as `python -I -S guard.py CMD ARGS...`. The
-  guard arms the signal, then checks that its parent is still the process named in
-  `FTSUP_GUARD_PARENT` (a launcher that died before the guard was armed has left its child to a
-  reaper, which this check catches), sets the dispositions named in `FTSUP_GUARD_IGNORE` to
-  SIG_IGN, names itself in `FTSUP_GUARD_PARENT` for the next guard down, and execs CMD. The
-  signal and the ignored dispositions survive execve, so CMD is guarded from its first
-  instruction, before any heavy import, and `subprocess` needs no `preexec_fn` (which is unsafe
-  in a process with threads).
-- **In process** (`arm_in_process`): a process that was not started through the guard arms it
-  for itself, best effort (the parent it checks against is the one it sees first).
-
-Stdlib only, importing nothing of ftsup: the wrapper runs isolated (`-I -S`) under any
-interpreter. Not here: stopping processes (`ftsup.procs`).
+Stdlib only, importing nothing of ftsup: the wrapper runs isolated (`-I -S`) under any interpreter
+(docs/design/process-and-protocol.md, The parent-death guard). Not here: stopping processes (`ftsup.procs`).
 """
 
 from __future__ import annotations

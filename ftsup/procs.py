@@ -1,18 +1,7 @@
-"""Processes of an attempt: how they are recognised, and the one way they are stopped.
+"""Processes of an attempt: how they are recognised (`Mark`, `verify`, `find`), and the one way they are stopped.
 
-- `Mark`: the environment every process of an attempt inherits (`FTSUP_RUN_ID`, `FTSUP_NODE_ID`,
-  `FTSUP_ATTEMPT`), readable in `/proc/PID/environ` for this user's processes. It identifies
-  them even after their parent died (a rank left to a reaper by a SIGKILLed torchrun).
-- `verify` / `find`: a pid counts as a process of an attempt only when it is this user's, was
-  created within the attempt's lifetime and carries the attempt's mark. A pid merely claimed
-  (in a heartbeat, in a journal found on disk) is never signalled unless it passes.
-- `descendants`: a process and everything below it.
-- `stop`: SIGTERM (and SIGCONT, so that a stopped process can act on it) to everything found,
-  one grace deadline, SIGKILL to what is left, and a check that nothing is left.
-
-It waits by polling liveness and never calls `waitpid` itself: the statuses of our own
-children stay with their `subprocess.Popen` (pass its `poll` to reap them). Stdlib, psutil and
-`ftsup.protocol` only (no torch, nothing of the daemon or the trainer), so both sides use it.
+Stdlib, psutil and `ftsup.protocol` only, so both sides use it (docs/design/process-and-protocol.md, Processes of
+an attempt).
 """
 
 from __future__ import annotations

@@ -1,29 +1,7 @@
-"""What crosses the boundary between the ranks and their node's supervisor, defined once.
+"""What crosses the boundary between the ranks and their node's supervisor, defined once: the environment, phases,
+heartbeats, the control file, and an operator's rollback request.
 
-- **The environment** the supervisor exports to every rank (the `*_ENV` names): `channel_env`
-  writes the channel's part (heartbeat socket and interval, control file, checkpoint directory,
-  resume step), `ftsup.procs.Mark` the attempt's mark (run id, node id, attempt),
-  `encode_data_skips` the data skips in force (`DATA_SKIPS_ENV`: ranges of global data positions
-  never served, `check_data_skips` for the same ranges read from JSON), and
-  `RuntimeEnv.from_environ` reads all of it on the rank. The parent-death guard's two variables
-  are defined by `ftsup.guard`, whose exec wrapper runs isolated and imports nothing, and are
-  listed here with the others.
-- **Phases** (`Phase`): what a rank says it is doing (`init`, `load`, `train`, `eval`, `save`, `done`).
-- **Heartbeats**, rank to supervisor: one flat JSON object per message, `encode_beat` on the rank,
-  `parse_beat` on the supervisor, which checks size and nesting before it parses anything and
-  every field after; `"v"` must be `BEAT_VERSION`.
-- **The control file**, supervisor to ranks: `{"v": CONTROL_VERSION, "seq", "action": "save",
-  "stop", "reason", "deadline_unix"}`, written by `encode_control` and read by `parse_control`.
-  A file without `"v"`, or of another version (a supervisor of another ftsup release), is
-  refused (`ControlVersionError`), never acted on.
-- **An operator's rollback request**, `ftsup rollback` to the supervisor: `<state_dir>/rollback.json`,
-  `{"v": ROLLBACK_VERSION, "id", "to_step", "skips", "who", "reason", "requested_unix"}`, written by
-  `encode_rollback` and read by `parse_rollback` (capped, every field's type checked, no other key).
-
-Values and bytes only, stdlib only: no sockets, files, clocks or threads (`RuntimeEnv` reads
-this process's environment when given none). The channel's ends
-are `ftsup.supervisor.run.heartbeat` (the receiving socket, who may send) and `ftsup.trainer.runtime`
-(the client, the control file's reader).
+Values and bytes only, stdlib only (docs/design/process-and-protocol.md, The protocol).
 """
 
 from __future__ import annotations
@@ -35,7 +13,14 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from ftsup import dataskips
+from ftsup.dataskips import MAX_DATA_POSITION as MAX_DATA_POSITION
+from ftsup.dataskips import MAX_DATA_SKIPS as MAX_DATA_SKIPS
+from ftsup.dataskips import DataSkips as DataSkips
+from ftsup.dataskips import check_data_skips as check_data_skips
+from ftsup.dataskips import encode_data_skips as encode_data_skips
 from ftsup.guard import IGNORE_ENV as GUARD_IGNORE_ENV
 from ftsup.guard import PARENT_ENV as GUARD_PARENT_ENV
 
@@ -53,62 +38,30 @@ DATA_SKIPS_ENV = "FTSUP_DATA_SKIPS"  # A:B,C:D: ranges of global data positions 
 KEEP_OLDER_THAN_STEPS_ENV = "FTSUP_KEEP_OLDER_THAN_STEPS"  # the history a rollback needs, for the engine's retention
 DURABLE_TIER_ENV = "FTSUP_CHECKPOINT_DURABLE"  # the durable tier's location (s3://BUCKET/PREFIX or a path); empty: none
 NODE_LOCAL_ENV = "FTSUP_CHECKPOINT_NODE_LOCAL"  # "1": each node keeps its own checkpoint dir (`ftsup.store.nodes`)
-ENV_NAMES = (HEARTBEAT_SOCKET_ENV, HEARTBEAT_INTERVAL_ENV, CONTROL_FILE_ENV, CHECKPOINT_DIR_ENV, RESUME_STEP_ENV,
-             ATTEMPT_ENV, RUN_ID_ENV, NODE_ID_ENV, DATA_SKIPS_ENV, KEEP_OLDER_THAN_STEPS_ENV, DURABLE_TIER_ENV,
-             GUARD_PARENT_ENV, GUARD_IGNORE_ENV, NODE_LOCAL_ENV)  # fmt: skip
+ENV_NAMES = (
+    HEARTBEAT_SOCKET_ENV,
+    HEARTBEAT_INTERVAL_ENV,
+    CONTROL_FILE_ENV,
+    CHECKPOINT_DIR_ENV,
+    RESUME_STEP_ENV,
+    ATTEMPT_ENV,
+    RUN_ID_ENV,
+    NODE_ID_ENV,
+    DATA_SKIPS_ENV,
+    KEEP_OLDER_THAN_STEPS_ENV,
+    DURABLE_TIER_ENV,
+    GUARD_PARENT_ENV,
+    GUARD_IGNORE_ENV,
+    NODE_LOCAL_ENV,
+)
 """Every variable of ours a rank's environment holds."""
 
 DEFAULT_INTERVAL_S = 0.5  # a rank's beat interval in `eval` when the supervisor exports none
 
-MAX_DATA_SKIPS = 64
-MAX_DATA_POSITION = 2**53  # a data position travels exactly as a JSON number and as a heartbeat figure
-_MAX_DATA_SKIPS_CHARS = MAX_DATA_SKIPS * 34  # 64 ranges of two 16-digit positions, a colon and a comma each
-
-DataSkips = tuple[tuple[int, int], ...]
-"""Half-open ranges [A, B) of global data positions that a schedule never serves, sorted and not
-overlapping (two may touch), at most MAX_DATA_SKIPS of them."""
-
-
-def check_data_skips(value: object, what: str) -> DataSkips:
-    """`value` (pairs, as JSON reads them: lists of two integers) as DataSkips; ValueError naming
-    `what` when it is anything else: not integers, 0 <= A < B <= MAX_DATA_POSITION, unsorted or
-    overlapping, more than MAX_DATA_SKIPS ranges."""
-    if not isinstance(value, (list, tuple)):
-        raise ValueError(f"{what} must be a list of [A, B] ranges, not {value!r:.60}")
-    if len(value) > MAX_DATA_SKIPS:
-        raise ValueError(f"{what} holds {len(value)} ranges, more than {MAX_DATA_SKIPS}")
-    out: list[tuple[int, int]] = []
-    for item in value:
-        if not isinstance(item, (list, tuple)) or len(item) != 2 or any(type(x) is not int for x in item):
-            raise ValueError(f"{what}: {item!r:.60} is not a range [A, B] of two integers")
-        a, b = item
-        if not 0 <= a < b <= MAX_DATA_POSITION:
-            raise ValueError(f"{what}: range [{a}, {b}) is not 0 <= A < B <= {MAX_DATA_POSITION}")
-        if out and a < out[-1][1]:
-            raise ValueError(f"{what}: range [{a}, {b}) is out of order or overlaps [{out[-1][0]}, {out[-1][1]})")
-        out.append((a, b))
-    return tuple(out)
-
 
 def parse_data_skips(raw: str, name: str = DATA_SKIPS_ENV) -> DataSkips:
     """`A:B,C:D` (DATA_SKIPS_ENV's format; empty: none) as DataSkips; ValueError naming `name`."""
-    text = raw.strip()
-    if not text:
-        return ()
-    if len(text) > _MAX_DATA_SKIPS_CHARS:
-        raise ValueError(f"{name} is {len(text)} characters long, more than {MAX_DATA_SKIPS} ranges need")
-    pairs = []
-    for part in text.split(","):
-        a, sep, b = part.partition(":")
-        if not sep or not all(x.isascii() and x.isdigit() and len(x) <= 16 for x in (a, b)):
-            raise ValueError(f"{name}={text[:80]!r}: {part[:40]!r} is not a range A:B of two non-negative integers")
-        pairs.append((int(a), int(b)))
-    return check_data_skips(pairs, f"{name}={text[:80]!r}")
-
-
-def encode_data_skips(skips: DataSkips) -> str:
-    """DataSkips as DATA_SKIPS_ENV carries them (`parse_data_skips` reads them back)."""
-    return ",".join(f"{a}:{b}" for a, b in check_data_skips(skips, "data skips"))
+    return dataskips.parse_data_skips(raw, name)
 
 
 def channel_env(
@@ -274,13 +227,21 @@ def figure_value(value: object) -> float | int | None:
 
 
 def encode_beat(
-    *, attempt: int, rank: int, local_rank: int, pid: int, step: int, phase: Phase, t: float, mono: float,
+    *,
+    attempt: int,
+    rank: int,
+    local_rank: int,
+    pid: int,
+    step: int,
+    phase: Phase,
+    t: float,
+    mono: float,
     figures: Mapping[str, object] | None = None,
-) -> bytes:  # fmt: skip
+) -> bytes:
     """One heartbeat on the wire. Figures that cannot travel (a bad name, a value that is not a
     number, more than MAX_FIGURES) are left out; the beat itself always goes."""
-    msg: dict[str, object] = {"v": BEAT_VERSION, "attempt": attempt, "rank": rank, "local_rank": local_rank,
-                              "pid": pid, "step": step, "phase": phase.value, "t": t, "mono": mono}  # fmt: skip
+    base = (BEAT_VERSION, attempt, rank, local_rank, pid, step, phase.value, t, mono)
+    msg: dict[str, object] = dict(zip(BASE_FIELDS, base, strict=True))
     for name, raw in (figures or {}).items():
         if len(msg) - len(BASE_FIELDS) >= MAX_FIGURES:
             break
@@ -291,6 +252,13 @@ def encode_beat(
         except (ValueError, OverflowError):
             continue
     return json.dumps(msg, allow_nan=False, separators=(",", ":")).encode()
+
+
+def _strict_json(raw: bytes) -> Any:
+    """JSON with bounded integers, no NaN or Infinity, no key twice and at most _MAX_KEYS keys an object."""
+    return json.loads(
+        raw.decode("utf-8"), parse_int=_bounded_int, parse_constant=_no_constants, object_pairs_hook=_unique_keys
+    )
 
 
 def _no_constants(name: str) -> float:
@@ -344,8 +312,7 @@ def parse_beat(raw: bytes) -> Beat:
     if raw.count(b"{") != 1 or raw.count(b"}") != 1 or b"[" in raw:
         raise BadBeat("malformed", "not one flat JSON object")
     try:
-        m = json.loads(raw.decode("utf-8"), parse_int=_bounded_int, parse_constant=_no_constants,
-                       object_pairs_hook=_unique_keys)  # fmt: skip
+        m = _strict_json(raw)
     except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
         raise BadBeat("malformed", f"not JSON: {e}") from None
     if not isinstance(m, dict):
@@ -371,10 +338,16 @@ def parse_beat(raw: bytes) -> Beat:
     if len(figures) > MAX_FIGURES:
         raise BadBeat("malformed", f"{len(figures)} figures, more than {MAX_FIGURES}")
     return Beat(
-        attempt=_int_field(m, "attempt"), rank=_int_field(m, "rank"), local_rank=_int_field(m, "local_rank"),
-        pid=_int_field(m, "pid", low=1), step=_int_field(m, "step"), phase=Phase(phase),
-        sent_unix=_time_field(m, "t"), sent_mono=_time_field(m, "mono"), figures=tuple(sorted(figures)),
-    )  # fmt: skip
+        attempt=_int_field(m, "attempt"),
+        rank=_int_field(m, "rank"),
+        local_rank=_int_field(m, "local_rank"),
+        pid=_int_field(m, "pid", low=1),
+        step=_int_field(m, "step"),
+        phase=Phase(phase),
+        sent_unix=_time_field(m, "t"),
+        sent_mono=_time_field(m, "mono"),
+        figures=tuple(sorted(figures)),
+    )
 
 
 # ---------------------------------------------------------------------- the control file
@@ -408,8 +381,14 @@ class ControlVersionError(ValueError):
 
 
 def encode_control(request: Request) -> bytes:
-    body = {"v": CONTROL_VERSION, "seq": request.seq, "action": "save", "stop": request.stop,
-            "reason": request.reason[:MAX_REASON_CHARS], "deadline_unix": request.deadline_unix}  # fmt: skip
+    body = {
+        "v": CONTROL_VERSION,
+        "seq": request.seq,
+        "action": "save",
+        "stop": request.stop,
+        "reason": request.reason[:MAX_REASON_CHARS],
+        "deadline_unix": request.deadline_unix,
+    }
     return json.dumps(body, allow_nan=False).encode()
 
 
@@ -465,9 +444,15 @@ class RollbackRequest:
 
 
 def encode_rollback(r: RollbackRequest) -> bytes:
-    body = {"v": ROLLBACK_VERSION, "id": r.id, "to_step": r.to_step, "skips": [list(x) for x in r.skips],
-            "who": r.who[:MAX_WHO_CHARS], "reason": r.reason[:MAX_REASON_CHARS],
-            "requested_unix": r.requested_unix}  # fmt: skip
+    body = {
+        "v": ROLLBACK_VERSION,
+        "id": r.id,
+        "to_step": r.to_step,
+        "skips": [list(x) for x in r.skips],
+        "who": r.who[:MAX_WHO_CHARS],
+        "reason": r.reason[:MAX_REASON_CHARS],
+        "requested_unix": r.requested_unix,
+    }
     return json.dumps(body, allow_nan=False).encode()
 
 
@@ -477,8 +462,7 @@ def parse_rollback(raw: bytes) -> RollbackRequest:
     if len(raw) > MAX_ROLLBACK_BYTES:
         raise ValueError(f"{len(raw)} bytes, more than {MAX_ROLLBACK_BYTES}")
     try:
-        m = json.loads(raw.decode("utf-8"), parse_int=_bounded_int, parse_constant=_no_constants,
-                       object_pairs_hook=_unique_keys)  # fmt: skip
+        m = _strict_json(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ValueError(f"not JSON: {e}") from None
     if not isinstance(m, dict) or type(m.get("v")) is not int or m["v"] != ROLLBACK_VERSION:

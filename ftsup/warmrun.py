@@ -1,19 +1,7 @@
 """A parked launcher: an interpreter that has imported torchrun already and waits to be told what to run.
 
-Started as `python warmrun.py torch.distributed.run` (behind the parent-death guard, in a session of its own,
-standard input a Unix socket to the supervisor that started it): it imports the module named (the imports are
-what takes a second or more before `python -m torch.distributed.run` does anything), then waits for one message
-on standard input: an 8-byte big-endian length with an open file (SCM_RIGHTS), then that many bytes of JSON
-`{"argv": [...], "env": {...}, "cwd": "..."}`. On it, the file becomes standard output and error, standard input
-`/dev/null`, the environment is replaced by `env` (which names this process as the parent the ranks' guards check
-for), the working directory is `cwd`, and the module runs as
-`__main__` with `argv`, exactly as `python -m MODULE ARGV...` would run it, but for its exit (`finish`): threads
-joined and `atexit` run as the interpreter's exit does, then `os._exit`, without the half second or more that
-tearing down an interpreter holding torch takes. End of file before a message (the
-supervisor let it go) exits 0; a message it cannot read exits 2, and the supervisor starts the attempt cold.
-
-Stdlib only, importing nothing of ftsup before the message (the job's interpreter runs it by path: it may not have
-ftsup installed). The supervisor side is `ftsup.supervisor.run.warmagent`.
+Stdlib only, importing nothing of ftsup before the message: the job's interpreter runs it by path. The supervisor
+side is `ftsup.supervisor.run.warmagent` (docs/design/process-and-protocol.md, The spare launcher).
 """
 
 from __future__ import annotations
@@ -112,7 +100,7 @@ def main(args: list[str]) -> int:
 
 IMPORT_NICE = 19
 """How much lower the importing thread's priority is than the rest of the process's: the spare imports while the
-ranks it will replace train, and on a node with few cores its second of import must not slow one of them."""
+ranks it will replace train, and on a node with few cores its import must not slow one of them."""
 
 
 def _import_in_background(module: str) -> None:
@@ -158,8 +146,8 @@ def _run(module: str) -> int:
 
 def finish(status: int) -> None:
     """Exit with `status` as the interpreter would, without its teardown: threads joined and `atexit` run (logs
-    flushed, files closed), then `os._exit`. An interpreter that holds torch takes half a second or more to tear
-    down its modules; torchrun's exit is on every relaunch's path, and nothing in that teardown is anyone's."""
+    flushed, files closed), then `os._exit`. Tearing down the modules of an interpreter that holds torch is slow,
+    torchrun's exit is on every relaunch's path, and nothing in that teardown is anyone's."""
     shutdown = getattr(threading, "_shutdown", None)  # joins non-daemon threads, as the interpreter's exit does
     if shutdown is not None:
         shutdown()
