@@ -1,10 +1,7 @@
 """The supervisor's log events as a person at a terminal reads them: a short line per change of state.
 
-`line(event)` is the text `ftsup run` shows on stderr for one event (`logs.configure` decides when: on a
-terminal, or always with `logging.format: console`), or None for an event that changes nothing a person watches
-for (a health probe, a scan). The launch, the first step, each checkpoint, every failure with its cause (which
-rank, the exit code or the signal, the last lines of its output, the attempt's log), the relaunch and the end.
-The JSON lines in `<state_dir>/logs/supervisor.jsonl` stay the record; this is only their reading.
+`line(event)` is the text `ftsup run` shows on stderr for one event, or None; the JSON lines stay the record
+(docs/design/telemetry.md, The console).
 """
 
 from __future__ import annotations

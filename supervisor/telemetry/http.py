@@ -1,22 +1,6 @@
-"""The HTTP side of `/metrics`: a server that connections from the network cannot exhaust.
+"""The HTTP side of `/metrics`: one thread serving every connection, bounded so that the network cannot exhaust it.
 
-One thread and one selector serve every connection, so however many clients connect the
-supervisor runs one extra thread. What a client can hold is bounded:
-
-- at most `max_connections` open at once; a new connection beyond that closes the oldest one
-  still sending its request (an idle or slow client) from the address holding the most
-  connections, so a scraper that connects and asks at once is served even while others hold
-  connections open;
-- a request head of at most `max_request_bytes`, complete within `request_timeout_s` of the
-  connection (a client dribbling a byte a second is cut off, however steadily it sends);
-- `response_timeout_s` to take the answer (a client that stops reading is dropped), then a
-  second of lingering (its input read and dropped, so that closing does not reset the
-  connection before it has read the answer).
-
-Each connection carries one request (`Connection: close`). GET and HEAD of `/metrics` (or `/`)
-are answered with the exposition text, in the format the client's `Accept` asks for (as
-prometheus_client negotiates it) and gzip-compressed when `Accept-Encoding` allows. This module
-knows nothing of the metrics themselves: it serves what `render(accept)` returns.
+It serves what `render(accept)` returns and knows nothing of the metrics (docs/design/telemetry.md, The endpoint).
 """
 
 from __future__ import annotations
@@ -56,8 +40,9 @@ class _Conn:
     done: bool = False  # answered; waiting for the client to close
 
 
-def _response(status: str, body: bytes, ctype: str = "text/plain; charset=utf-8", *, head: bool = False,
-              gzipped: bool = False) -> bytes:  # fmt: skip
+def _response(
+    status: str, body: bytes, ctype: str = "text/plain; charset=utf-8", *, head: bool = False, gzipped: bool = False
+) -> bytes:
     lines = [f"HTTP/1.1 {status}", f"Content-Type: {ctype}", f"Content-Length: {len(body)}", "Connection: close"]
     if gzipped:
         lines.append("Content-Encoding: gzip")
@@ -73,18 +58,26 @@ class BoundedHTTPServer:
     port, an address this host does not have) are raised by the constructor. A `render` that
     raises is answered 500 and reported to `on_error` (the reason); the endpoint goes on."""
 
-    def __init__(self, host: str, port: int, render: Render, *, on_error: Callable[[str], None] = _ignore,
-                 max_connections: int = MAX_CONNECTIONS,
-                 max_request_bytes: int = MAX_REQUEST_BYTES, request_timeout_s: float = REQUEST_TIMEOUT_S,
-                 response_timeout_s: float = RESPONSE_TIMEOUT_S) -> None:  # fmt: skip
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        render: Render,
+        *,
+        on_error: Callable[[str], None] = _ignore,
+        max_connections: int = MAX_CONNECTIONS,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+        response_timeout_s: float = RESPONSE_TIMEOUT_S,
+    ) -> None:
         self._render = render
         self._on_error = on_error
         self.max_connections = max_connections
         self.max_request_bytes = max_request_bytes
         self.request_timeout_s = request_timeout_s
         self.response_timeout_s = response_timeout_s
-        family, kind, proto, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                                          flags=socket.AI_PASSIVE)[0]  # fmt: skip
+        found = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, addr = found[0]
         self._listener = socket.socket(family, kind, proto)
         try:
             # Lets a restarted supervisor bind over connections still in TIME_WAIT; Linux still

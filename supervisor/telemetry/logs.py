@@ -1,12 +1,7 @@
-"""Structured logs: one JSON object per line (`event`, `level`, `timestamp`, and the fixed keys
-`attempt`, `world_size`, `rank`, `step`, `reason`, `duration_s` where they apply).
+"""Structured logs: one JSON object per line, and the one list of event names (`EVENTS`).
 
-`configure()` is called once by `ftsup run`; everything else just uses `structlog.get_logger()`. The log file gets
-JSON; stderr gets JSON, or on a terminal (and always with `logging.format: console`) the short lines of
-`console`, one per change of state a person watches for.
-The event names are defined here, once, in `EVENTS` (snake_case, past tense): the policy's log
-actions and the daemon's own events use no others (tests/unit/test_logs.py captures what they
-emit), and `ftsup_events_total` counts each under its name.
+`configure()` is called once by `ftsup run`; everything else uses `structlog.get_logger()`
+(docs/design/telemetry.md, Logs).
 """
 
 from __future__ import annotations
@@ -22,26 +17,30 @@ import structlog
 from ftsup.supervisor import statedir
 from ftsup.supervisor.telemetry import console
 
-EVENTS = frozenset(
-    {
-        "checkpoint_pinned", "checkpoint_unpinned",  # by `ftsup ckpt pin|unpin`, not the daemon
-        "durable_choice_failed",  # the durable tier had no part in a resume choice (it failed or did not answer)
-        "supervisor_started", "journal_adopted", "leftovers_stopped", "health_probed",
-        "health_probe_failed", "checkpoint_chosen", "checkpoint_quarantined", "checkpoint_skipped", "world_size_chosen",
-        "workers_launched", "workers_restarted", "heartbeats_dropped", "journal_ignored",
-        "heartbeat_timed_out", "progress_timed_out", "startup_timed_out", "worker_exited", "workers_stopped",
-        "orphans_found", "restart_scheduled", "crash_loop_detected", "restart_budget_exhausted", "job_succeeded",
-        "job_failed", "job_stopped", "stop_requested", "eviction_noticed", "save_requested", "checkpoint_committed",
-        "save_skipped", "requeue_requested", "requeue_failed", "watcher_went_blind", "watcher_recovered",
-        "supervisor_exited", "metrics_scrape_failed", "storage_failed", "storage_recovered", "launch_failed",
-        "supervisor_crashed", "first_step_reached", "checkpoint_found",
-        "anomaly_detected", "anomaly_escalated", "rollback_started", "rollback_requested", "rollback_refused",
-        "rollback_request_ignored", "data_skipped", "checkpoint_abandoned", "straggler_detected", "straggler_recovered",
-        "throughput_drift_detected", "throughput_drift_recovered", "spare_agent_parked", "spare_agent_used",
-        "spare_agent_failed", "durable_upload_started", "durable_committed", "durable_upload_failed",
-        "durable_dropped", "durable_deleted", "durable_retention_failed", "durable_deadline_missed",
-    }
-)  # fmt: skip
+_EVENT_GROUPS = (
+    # the supervisor's own life: its start and end, the journal, storage, the metrics endpoint
+    "supervisor_started supervisor_exited supervisor_crashed journal_adopted journal_ignored leftovers_stopped",
+    "storage_failed storage_recovered metrics_scrape_failed",
+    # preparing and launching an attempt
+    "health_probed health_probe_failed checkpoint_found checkpoint_chosen checkpoint_quarantined checkpoint_skipped",
+    "checkpoint_abandoned world_size_chosen launch_failed spare_agent_parked spare_agent_used spare_agent_failed",
+    "durable_choice_failed",  # the durable tier had no part in a resume choice (it failed or did not answer)
+    # the running attempt, its failures and what follows them
+    "workers_launched workers_restarted first_step_reached heartbeats_dropped workers_stopped orphans_found",
+    "heartbeat_timed_out progress_timed_out startup_timed_out worker_exited stop_requested",
+    "restart_scheduled crash_loop_detected restart_budget_exhausted job_succeeded job_failed job_stopped",
+    # evictions and checkpoints
+    "eviction_noticed save_requested save_skipped checkpoint_committed requeue_requested requeue_failed",
+    "watcher_went_blind watcher_recovered",
+    "checkpoint_pinned checkpoint_unpinned",  # by `ftsup ckpt pin|unpin`, not the daemon
+    # training health
+    "anomaly_detected anomaly_escalated rollback_started rollback_requested rollback_refused rollback_request_ignored",
+    "data_skipped straggler_detected straggler_recovered throughput_drift_detected throughput_drift_recovered",
+    # the durable tier
+    "durable_upload_started durable_committed durable_upload_failed durable_dropped durable_deleted",
+    "durable_retention_failed durable_deadline_missed",
+)
+EVENTS = frozenset(name for group in _EVENT_GROUPS for name in group.split())
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 

@@ -1,28 +1,13 @@
-"""Prometheus metrics of one supervisor: every metric is defined here, once.
+"""Prometheus metrics of one supervisor: every metric is defined here, once, and fed by the daemon's loop.
 
-Names follow DESIGN.md, Contracts: prefixed `ftsup_`, base units (seconds, bytes), counters
-end in `_total`, timestamps are Unix seconds (`..._timestamp_seconds`), so that an alert says
-"older than" with `time() - metric`. Labels stay low in cardinality: event names, failure
-kinds, eviction sources, never free text.
-
-Three feeds, all called by the daemon's loop (one thread):
-- `event(name, fields)`: every log event the daemon emits (policy decisions and its own), so
-  a metric and the log line it belongs to can never disagree;
-- `state(st, now, wall)`: gauges read off the policy's state after each step of the loop;
-- `heartbeat(...)` and `checkpoint(info)`: figures the ranks report, and the newest
-  consistent checkpoint on disk;
-- `accounting(totals)`: the job's time accounting (`goodput`), each time the journal is written with it;
-- `durable(...)`: the durable tier's gauges (newest durable step and its time, what waits, the throughput).
-
-`MetricsServer` serves the registry on `metrics.listen` (`metrics_http`: one thread, bounded
-connections, request sizes and times; `close()` stops it). This module does not decide
-anything and never imports torch.
+Names as DESIGN.md, Contracts gives them; the feeds and the endpoint: docs/design/telemetry.md, Metrics.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping
+from functools import partial
 from importlib import metadata
 from typing import Any
 
@@ -82,112 +67,158 @@ class Metrics:
 
     def __init__(self, run_id: str, node_id: str, *, started_unix: float) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        info = Gauge("ftsup_supervisor_info", "Constant 1; labels name the job, the node and the ftsup version.",
-                     ["run_id", "node_id", "version"], registry=r)  # fmt: skip
+        counter, gauge = partial(Counter, registry=r), partial(Gauge, registry=r)
+        info = gauge(
+            "ftsup_supervisor_info",
+            "Constant 1; labels name the job, the node and the ftsup version.",
+            ["run_id", "node_id", "version"],
+        )
         info.labels(run_id, node_id, _version()).set(1)
-        Gauge("ftsup_supervisor_start_time_seconds", "When this supervisor started (Unix time).",
-              registry=r).set(started_unix)  # fmt: skip
+        gauge("ftsup_supervisor_start_time_seconds", "When this supervisor started (Unix time).").set(started_unix)
 
         # ---- counters, from log events
-        self.events = Counter("ftsup_events_total", "Log events emitted, by event name.", ["event"], registry=r)
-        self.attempts = Counter("ftsup_attempts_total", "Attempts launched (torchrun started).", registry=r)
-        self.restarts = Counter("ftsup_restarts_total", "Restarts scheduled after a failed attempt.", registry=r)
-        self.failures = Counter("ftsup_failures_total", "Attempts that failed, by kind: crash, hang, no_progress, "
-                                "startup.", ["kind"], registry=r)  # fmt: skip
-        self.evictions = Counter("ftsup_evictions_noticed_total", "Eviction notices, by source.", ["source"],
-                                 registry=r)  # fmt: skip
-        self.save_requests = Counter("ftsup_save_requests_total", "Saves the supervisor asked the ranks for; "
-                                     "stop=true: save, then stop (an eviction).", ["stop"], registry=r)  # fmt: skip
-        self.emergency = Counter("ftsup_emergency_checkpoints_total", "Emergency checkpoints committed before an "
-                                 "eviction deadline.", registry=r)  # fmt: skip
-        self.quarantined = Counter("ftsup_checkpoints_quarantined_total", "Checkpoints found corrupt and renamed "
-                                   "step-N.corrupt.", registry=r)  # fmt: skip
-        self.orphans = Counter("ftsup_orphans_found_total", "Processes of a stopped attempt that outlived the stop.",
-                               registry=r)  # fmt: skip
-        self.probe_failures = Counter("ftsup_health_probe_failures_total", "Slot health probes that failed (the "
-                                      "last known world size was kept).", registry=r)  # fmt: skip
-        self.steps_lost = Counter("ftsup_steps_lost_total", "Training steps done again after restarts: the best "
-                                  "step reached before each relaunch minus the step it resumed from.",
-                                  registry=r)  # fmt: skip
-        self.watcher_blind = Gauge("ftsup_watcher_blind", "1 while an eviction watcher cannot see its source "
-                                   "(its eviction state is unknown).", ["source"], registry=r)  # fmt: skip
-        self.healthy_slots = Gauge("ftsup_healthy_slots", "Healthy device slots at the last health probe.",
-                                   registry=r)  # fmt: skip
-        self.heartbeats_dropped = Counter("ftsup_heartbeats_dropped_total", "Heartbeat messages and connections "
-                                          "dropped, by reason: " + ", ".join(DROP_REASONS) + ".", ["reason"],
-                                          registry=r)  # fmt: skip
-        self.storage_errors = Counter("ftsup_storage_errors_total", "I/O errors the supervisor rode out (and retried), "
-                                      "by what failed: checkpoint_dir, journal, control_file, log_file, rank_status.",
-                                      ["purpose"], registry=r)  # fmt: skip
-        self.anomalies = Counter("ftsup_anomalies_total", "Training anomalies detected, by kind: "
-                                 + ", ".join(detectors.KINDS) + ".", ["kind"], registry=r)  # fmt: skip
-        self.rollbacks = Counter("ftsup_rollbacks_total", "Rollbacks started, by trigger: auto (an anomaly), "
-                                 "operator (ftsup rollback).", ["trigger"], registry=r)  # fmt: skip
-        self.skipped = Counter("ftsup_skipped_samples_total", "Data positions newly put under a skip (the ranks never "
-                               "train on them).", registry=r)  # fmt: skip
-        self.productive = Counter("ftsup_productive_seconds_total", "Seconds of the job's wall time that trained a "
-                                  "step for the first time, across attempts and supervisors (as journaled).",
-                                  registry=r)  # fmt: skip
-        self.badput = Counter("ftsup_badput_seconds_total", "Seconds of the job's wall time lost, by cause: "
-                              + ", ".join(goodput.CAUSES) + " (as journaled).", ["cause"], registry=r)  # fmt: skip
-        self.goodput_ratio = Gauge("ftsup_goodput_ratio", "Productive seconds over the job's wall time so far "
-                                   "(productive plus every cause of badput).", registry=r)  # fmt: skip
-        self.escalations = Counter("ftsup_anomaly_escalations_total", "Anomalies that stopped the job (exit 7): the "
-                                   "same again after its skip, or the rollback budget spent.", registry=r)  # fmt: skip
+        self.events = counter("ftsup_events_total", "Log events emitted, by event name.", ["event"])
+        self.attempts = counter("ftsup_attempts_total", "Attempts launched (torchrun started).")
+        self.restarts = counter("ftsup_restarts_total", "Restarts scheduled after a failed attempt.")
+        self.failures = counter(
+            "ftsup_failures_total", "Attempts that failed, by kind: crash, hang, no_progress, startup.", ["kind"]
+        )
+        self.evictions = counter("ftsup_evictions_noticed_total", "Eviction notices, by source.", ["source"])
+        self.save_requests = counter(
+            "ftsup_save_requests_total",
+            "Saves the supervisor asked the ranks for; stop=true: save, then stop (an eviction).",
+            ["stop"],
+        )
+        self.emergency = counter(
+            "ftsup_emergency_checkpoints_total", "Emergency checkpoints committed before an eviction deadline."
+        )
+        self.quarantined = counter(
+            "ftsup_checkpoints_quarantined_total", "Checkpoints found corrupt and renamed step-N.corrupt."
+        )
+        self.orphans = counter("ftsup_orphans_found_total", "Processes of a stopped attempt that outlived the stop.")
+        self.probe_failures = counter(
+            "ftsup_health_probe_failures_total", "Slot health probes that failed (the last known world size was kept)."
+        )
+        self.steps_lost = counter(
+            "ftsup_steps_lost_total",
+            "Training steps done again after restarts: the best "
+            "step reached before each relaunch minus the step it resumed from.",
+        )
+        self.watcher_blind = gauge(
+            "ftsup_watcher_blind",
+            "1 while an eviction watcher cannot see its source (its eviction state is unknown).",
+            ["source"],
+        )
+        self.healthy_slots = gauge("ftsup_healthy_slots", "Healthy device slots at the last health probe.")
+        self.heartbeats_dropped = counter(
+            "ftsup_heartbeats_dropped_total",
+            "Heartbeat messages and connections dropped, by reason: " + ", ".join(DROP_REASONS) + ".",
+            ["reason"],
+        )
+        self.storage_errors = counter(
+            "ftsup_storage_errors_total",
+            "I/O errors the supervisor rode out (and retried), "
+            "by what failed: checkpoint_dir, journal, control_file, log_file, rank_status.",
+            ["purpose"],
+        )
+        self.anomalies = counter(
+            "ftsup_anomalies_total",
+            "Training anomalies detected, by kind: " + ", ".join(detectors.KINDS) + ".",
+            ["kind"],
+        )
+        self.rollbacks = counter(
+            "ftsup_rollbacks_total",
+            "Rollbacks started, by trigger: auto (an anomaly), operator (ftsup rollback).",
+            ["trigger"],
+        )
+        self.skipped = counter(
+            "ftsup_skipped_samples_total", "Data positions newly put under a skip (the ranks never train on them)."
+        )
+        self.productive = counter(
+            "ftsup_productive_seconds_total",
+            "Seconds of the job's wall time that trained a "
+            "step for the first time, across attempts and supervisors (as journaled).",
+        )
+        self.badput = counter(
+            "ftsup_badput_seconds_total",
+            "Seconds of the job's wall time lost, by cause: " + ", ".join(goodput.CAUSES) + " (as journaled).",
+            ["cause"],
+        )
+        self.goodput_ratio = gauge(
+            "ftsup_goodput_ratio",
+            "Productive seconds over the job's wall time so far (productive plus every cause of badput).",
+        )
+        self.escalations = counter(
+            "ftsup_anomaly_escalations_total",
+            "Anomalies that stopped the job (exit 7): the same again after its skip, or the rollback budget spent.",
+        )
 
         # ---- gauges, from the policy's state
-        self.phase = Gauge("ftsup_phase", "1 for the supervisor's current phase.", ["phase"], registry=r)
-        self.attempt = Gauge("ftsup_attempt", "The current (or last) attempt number.", registry=r)
-        self.world_size = Gauge("ftsup_world_size", "Ranks on this node in the current attempt (0: none running).",
-                                registry=r)  # fmt: skip
-        self.ranks_reporting = Gauge("ftsup_ranks_reporting", "Ranks of the current attempt that sent heartbeats.",
-                                     registry=r)  # fmt: skip
-        self.step = Gauge("ftsup_step", "The highest optimizer step any rank reported (-1: none yet).", registry=r)
-        self.progress_ts = Gauge("ftsup_last_progress_timestamp_seconds", "When the step last advanced, or the "
-                                 "current attempt was launched (Unix time).", registry=r)  # fmt: skip
-        self.step_s = Gauge("ftsup_step_duration_seconds", "Median seconds per optimizer step, recent steps.",
-                            registry=r)  # fmt: skip
-        self.hb_timeout = Gauge("ftsup_heartbeat_timeout_seconds", "The heartbeat timeout in force while training "
-                                "(configured or learned from step times; NaN until steps are seen, and while "
-                                "heartbeat.mode detects no hangs).",
-                                registry=r)  # fmt: skip
-        self.restarts_window = Gauge("ftsup_restarts_in_window", "Restarts inside restart.window_s.", registry=r)
-        self.budget = Gauge("ftsup_restart_budget_remaining", "Restarts left before the budget is spent.",
-                            registry=r)  # fmt: skip
-        self.deadline = Gauge("ftsup_eviction_deadline_timestamp_seconds", "The pending eviction's deadline "
-                              "(Unix time); 0 when none is pending.", registry=r)  # fmt: skip
-        self.save_s = Gauge("ftsup_save_duration_seconds", "Duration of the last checkpoint save rank 0 reported.",
-                            registry=r)  # fmt: skip
-        self.loss = Gauge("ftsup_loss", "The training loss rank 0 last reported.", registry=r)
-        self.time_ratio = Gauge("ftsup_rank_step_time_ratio", "A rank's median step time (its own work, compute_s, "
-                                "where reported; recent steps) over the median of this node's ranks'.", ["rank"],
-                                registry=r)  # fmt: skip
-        self.stragglers = Gauge("ftsup_stragglers", "Ranks of this node reported as stragglers now.", registry=r)
+        self.phase = gauge("ftsup_phase", "1 for the supervisor's current phase.", ["phase"])
+        self.attempt = gauge("ftsup_attempt", "The current (or last) attempt number.")
+        self.world_size = gauge("ftsup_world_size", "Ranks on this node in the current attempt (0: none running).")
+        self.ranks_reporting = gauge("ftsup_ranks_reporting", "Ranks of the current attempt that sent heartbeats.")
+        self.step = gauge("ftsup_step", "The highest optimizer step any rank reported (-1: none yet).")
+        self.progress_ts = gauge(
+            "ftsup_last_progress_timestamp_seconds",
+            "When the step last advanced, or the current attempt was launched (Unix time).",
+        )
+        self.step_s = gauge("ftsup_step_duration_seconds", "Median seconds per optimizer step, recent steps.")
+        self.hb_timeout = gauge(
+            "ftsup_heartbeat_timeout_seconds",
+            "The heartbeat timeout in force while training "
+            "(configured or learned from step times; NaN until steps are seen, and while "
+            "heartbeat.mode detects no hangs).",
+        )
+        self.restarts_window = gauge("ftsup_restarts_in_window", "Restarts inside restart.window_s.")
+        self.budget = gauge("ftsup_restart_budget_remaining", "Restarts left before the budget is spent.")
+        self.deadline = gauge(
+            "ftsup_eviction_deadline_timestamp_seconds",
+            "The pending eviction's deadline (Unix time); 0 when none is pending.",
+        )
+        self.save_s = gauge("ftsup_save_duration_seconds", "Duration of the last checkpoint save rank 0 reported.")
+        self.loss = gauge("ftsup_loss", "The training loss rank 0 last reported.")
+        self.time_ratio = gauge(
+            "ftsup_rank_step_time_ratio",
+            "A rank's median step time (its own work, compute_s, "
+            "where reported; recent steps) over the median of this node's ranks'.",
+            ["rank"],
+        )
+        self.stragglers = gauge("ftsup_stragglers", "Ranks of this node reported as stragglers now.")
 
         # ---- gauges, from the checkpoint directory
-        self.ckpt_step = Gauge("ftsup_checkpoint_latest_step", "Step of the newest consistent checkpoint (-1: none).",
-                               registry=r)  # fmt: skip
-        self.ckpt_ts = Gauge("ftsup_checkpoint_latest_timestamp_seconds", "When the newest consistent checkpoint "
-                             "was created (Unix time; 0: none).", registry=r)  # fmt: skip
-        self.ckpt_bytes = Gauge("ftsup_checkpoint_latest_bytes", "Tensor bytes of the newest consistent checkpoint.",
-                                registry=r)  # fmt: skip
-        self.ckpt_count = Gauge("ftsup_checkpoints", "Committed checkpoints in the checkpoint directory.", registry=r)
+        self.ckpt_step = gauge("ftsup_checkpoint_latest_step", "Step of the newest consistent checkpoint (-1: none).")
+        self.ckpt_ts = gauge(
+            "ftsup_checkpoint_latest_timestamp_seconds",
+            "When the newest consistent checkpoint was created (Unix time; 0: none).",
+        )
+        self.ckpt_bytes = gauge("ftsup_checkpoint_latest_bytes", "Tensor bytes of the newest consistent checkpoint.")
+        self.ckpt_count = gauge("ftsup_checkpoints", "Committed checkpoints in the checkpoint directory.")
 
         # ---- the durable tier (checkpoint.durable), from its uploader
-        self.durable_uploads = Counter("ftsup_durable_uploads_total", "Uploads to the durable tier, by outcome: "
-                                       + ", ".join(DURABLE_OUTCOMES) + " (failed: a try, retried).", ["outcome"],
-                                       registry=r)  # fmt: skip
-        self.durable_bytes = Counter("ftsup_durable_uploaded_bytes_total", "Bytes sent to the durable tier (parts "
-                                     "already there not counted).", registry=r)  # fmt: skip
-        self.durable_step = Gauge("ftsup_durable_latest_step", "Step of the newest durable checkpoint known (-1: "
-                                  "none).", registry=r)  # fmt: skip
-        self.durable_ts = Gauge("ftsup_durable_latest_timestamp_seconds", "When the newest durable checkpoint was "
-                                "committed to the tier (Unix time; until one is, this supervisor's start).",
-                                registry=r)  # fmt: skip
-        self.durable_pending = Gauge("ftsup_durable_pending", "Checkpoints waiting for the durable tier or being "
-                                     "uploaded.", registry=r)  # fmt: skip
-        self.durable_rate = Gauge("ftsup_durable_upload_bytes_per_second", "Throughput of the last upload that "
-                                  "sent enough to measure it (NaN: none yet).", registry=r)  # fmt: skip
+        self.durable_uploads = counter(
+            "ftsup_durable_uploads_total",
+            "Uploads to the durable tier, by outcome: " + ", ".join(DURABLE_OUTCOMES) + " (failed: a try, retried).",
+            ["outcome"],
+        )
+        self.durable_bytes = counter(
+            "ftsup_durable_uploaded_bytes_total", "Bytes sent to the durable tier (parts already there not counted)."
+        )
+        self.durable_step = gauge(
+            "ftsup_durable_latest_step", "Step of the newest durable checkpoint known (-1: none)."
+        )
+        self.durable_ts = gauge(
+            "ftsup_durable_latest_timestamp_seconds",
+            "When the newest durable checkpoint was "
+            "committed to the tier (Unix time; until one is, this supervisor's start).",
+        )
+        self.durable_pending = gauge(
+            "ftsup_durable_pending", "Checkpoints waiting for the durable tier or being uploaded."
+        )
+        self.durable_rate = gauge(
+            "ftsup_durable_upload_bytes_per_second",
+            "Throughput of the last upload that sent enough to measure it (NaN: none yet).",
+        )
 
         for name in sorted(EVENTS):  # the event label's values: the listed events, from zero
             self.events.labels(name)
@@ -338,7 +369,7 @@ class Metrics:
         self.ckpt_bytes.set(latest.tensor_bytes or 0)
 
     def durable(self, *, newest_step: int | None, newest_unix: float, pending: int, rate: float | None) -> None:
-        """The durable tier's gauges, from its keeper (`durable_keeper`)."""
+        """The durable tier's gauges, from its keeper (`durable.keeper`)."""
         self.durable_step.set(-1 if newest_step is None else newest_step)
         self.durable_ts.set(newest_unix)
         self.durable_pending.set(pending)
@@ -351,7 +382,7 @@ class Metrics:
 
 class MetricsServer:
     """/metrics over HTTP on `listen` ("host:port"; port 0 picks a free one), until `close()`.
-    `limits` override metrics_http's bounds (max_connections, request_timeout_s, ...)."""
+    `limits` override `telemetry.http`'s bounds (max_connections, request_timeout_s, ...)."""
 
     def __init__(self, metrics: Metrics, listen: str, **limits: Any) -> None:
         host, port = split_host_port(listen)
