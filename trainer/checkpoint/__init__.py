@@ -1,9 +1,6 @@
-"""The shared checkpoint engine.
-
-The format it writes, and its error tree, are the torch-free checkpoint store's (`ftsup.store`,
-which the supervisor imports); this package re-exports the names a training script catches or
-configures (`CheckpointError` and its subclasses, `RetentionPolicy`). The engine itself
-(`CheckpointEngine`) needs torch and is imported only when first used.
+"""The shared checkpoint engine: `CheckpointEngine` (torch, imported on first use) and the names a training script
+catches or configures, re-exported from the torch-free store (`CheckpointError` and its subclasses,
+`RetentionPolicy`).
 """
 
 from __future__ import annotations

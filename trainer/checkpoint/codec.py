@@ -1,13 +1,7 @@
-"""Split a nested state dict into flat tensors (for DCP planning) and a JSON skeleton.
+"""Split a nested state dict into flat tensors (for DCP planning) and a typed JSON skeleton, never pickling; and the
+one dtype table bound to torch dtypes (`DTYPES`).
 
-Tensors (plain or DTensor) are lifted out under flat string keys; everything else must be
-JSON-expressible (None, bool, int, float, str, and dicts/lists/tuples of those) and is kept in
-a "skeleton" that records the exact container types, so that a tuple comes back a tuple and an
-int dict key comes back an int. Nothing is ever pickled: a value of any other type is an error
-that names its path.
-
-Per-rank state (`rank_state`, e.g. RNG streams) uses the same skeleton with small tensors
-inlined as base64, so it travels as one JSON file per rank.
+Per-rank state uses the same skeleton, small tensors inlined as base64 (trainer/checkpoint/DESIGN.md, Modules).
 """
 
 from __future__ import annotations

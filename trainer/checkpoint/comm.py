@@ -1,10 +1,5 @@
-"""The few collectives the checkpoint engine needs, on its own process group.
-
-The engine coordinates saves from a background thread. Sharing the training job's process
-group from a second thread would interleave collectives in a different order on different
-ranks, so the engine owns a separate gloo group (created once, collectively) and uses it from
-one thread at a time. `LocalComm` is the same interface for a single process without
-`torch.distributed`.
+"""The few collectives the checkpoint engine needs, on its own gloo group; `LocalComm` for a single process
+(trainer/checkpoint/DESIGN.md, "Its own process group").
 """
 
 from __future__ import annotations

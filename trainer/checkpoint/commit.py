@@ -1,13 +1,5 @@
-"""The writer side of a save: a staged buffer becomes a committed `step-N/` (DESIGN.md, The commit protocol).
-
-Runs in the engine's writer thread, one save at a time, in order. Every rank writes its shard,
-the shard's block checksums and its rank state into `step-N.partial/` and fsyncs them; rank 0
-gathers every rank's file sizes and checksums over the engine's own group, writes
-`dcp_metadata.json` and then `manifest.json`, fsyncs the directory, renames it to `step-N/`
-and fsyncs the parent. A failure on any rank is reported to every rank and the `.partial`
-directory is removed, so the previous checkpoint stays the latest consistent one. A rank whose
-staged copy holds a NaN or an infinity fails the save before writing it (`finite`). A committed
-step is never overwritten (saving it again is a no-op). Rank 0 then applies retention.
+"""The writer side of a save: a staged buffer becomes a committed `step-N/`, in a shared store or in each node's own,
+then retention (ftsup/store/DESIGN.md, The commit protocol).
 
 Not here: staging (`staging`), the queue and the futures the training loop waits on (`engine`).
 """
@@ -97,7 +89,7 @@ class Committer:
         check_finite: bool = True,
         node: str | None = None,
         leader: bool = False,
-    ):  # fmt: skip
+    ):
         self.directory = directory
         self.node = node  # each node keeps its own directory (`_write_nodes`); None: one store every rank shares
         self.leader = leader if node is not None else comm.rank == 0  # the rank that commits into this directory
@@ -149,9 +141,14 @@ class Committer:
         durable_s = time.perf_counter() - job.t0
         if self.rank == 0:
             log_quietly(
-                log.info, "checkpoint_committed", step=step, kind=job.kind, world_size=self.world_size,
-                duration_s=round(durable_s, 4), path=str(final),
-            )  # fmt: skip
+                log.info,
+                "checkpoint_committed",
+                step=step,
+                kind=job.kind,
+                world_size=self.world_size,
+                duration_s=round(durable_s, 4),
+                path=str(final),
+            )
         return SaveResult(step, str(final), job.kind, job.plan.tensor_bytes, job.stage_s, durable_s)
 
     def retain(self, newest: int) -> None:
@@ -222,8 +219,10 @@ class Committer:
                 job.cuda_event.synchronize()
             bad = first_nonfinite(job.plan, job.buf) if self.check_finite else None
             if bad is not None:
-                raise CheckpointSaveError(f"tensor {bad} holds a NaN or an infinity; a checkpoint is never "
-                                          "committed from a state that is not finite")  # fmt: skip
+                raise CheckpointSaveError(
+                    f"tensor {bad} holds a NaN or an infinity; a checkpoint is never "
+                    "committed from a state that is not finite"
+                )
             shard = layout.shard_name(self.rank)
             dest = partial / shard
             reuse = self.recycle and claim_spare(self.directory, dest)
@@ -243,9 +242,7 @@ class Committer:
             log_quietly(log.error, "checkpoint_write_failed", step=job.step, rank=self.rank, reason=msg)
             return {"ok": False, "error": msg}
 
-    def _commit(
-        self, job: StagedSave, partial: Path, final: Path, reports: list[dict[str, Any]]
-    ) -> dict[str, Any]:  # fmt: skip
+    def _commit(self, job: StagedSave, partial: Path, final: Path, reports: list[dict[str, Any]]) -> dict[str, Any]:
         errors = [r["error"] for r in reports if not r["ok"]]
         try:
             if errors:
@@ -258,9 +255,14 @@ class Committer:
             files[layout.DCP_META_NAME] = layout.FileEntry(len(raw), checksums.checksum_bytes(raw))
             self.hook("metadata_written", job.step)
             manifest = layout.Manifest(
-                step=job.step, world_size=self.world_size, kind=job.kind, created_unix=time.time(),
-                files=files, tensor_bytes=sum(r["tensor_bytes"] for r in reports), metadata=job.metadata,
-            )  # fmt: skip
+                step=job.step,
+                world_size=self.world_size,
+                kind=job.kind,
+                created_unix=time.time(),
+                files=files,
+                tensor_bytes=sum(r["tensor_bytes"] for r in reports),
+                metadata=job.metadata,
+            )
             layout.write_file_durable(partial / layout.MANIFEST_NAME, layout.manifest_bytes(manifest))
             layout.fsync_dir(partial)
             self.hook("manifest_written", job.step)
@@ -274,18 +276,8 @@ class Committer:
 
 
 # --------------------------------------------------------------------------- node-local stores
-# The commit of a save where each node keeps its own checkpoint directory (`checkpoint.dir_shared: false`).
-#
-# The same protocol as a shared store (`commit`, DESIGN.md "The commit protocol"), once per node: every node's first
-# local rank (its leader) prepares `step-N.partial/` in its own node's directory; every rank writes its files there;
-# rank 0 gathers every file's size and checksum and builds the one manifest, which also records which node holds which
-# ranks' files (`ftsup.store.nodes`); every leader writes `dcp_metadata.json`, its `node.json` and that manifest's
-# exact bytes into its partial directory and fsyncs it; once every leader has, each renames its own to `step-N/`.
-# So every node's supervisor sees the step committed in its own store, with the files of its node, and the manifest
-# bytes (whose hash names the checkpoint's data in the durable tier) are the same on every node. A failure before the
-# renames is reported to every rank and every partial directory is removed: the previous checkpoint stays the latest
-# consistent one on every node. A rename that fails on one node after others' (a disk gone) fails the save, naming
-# the node; the copies renamed elsewhere stay (never committed in the durable tier without that node's part).
+# The commit of a save where each node keeps its own checkpoint directory (`checkpoint.dir_shared: false`): the same
+# protocol, once per node (ftsup/store/DESIGN.md, Node-local fast tiers).
 
 
 def _write_nodes(c: Committer, job: StagedSave) -> SaveResult:
@@ -330,8 +322,16 @@ def _write_nodes(c: Committer, job: StagedSave) -> SaveResult:
         raise CheckpointSaveError(f"step {step}: {outcome['error']}; the previous checkpoint is intact")
     durable_s = time.perf_counter() - job.t0
     if c.rank == 0:
-        log_quietly(log.info, "checkpoint_committed", step=step, kind=job.kind, world_size=c.world_size,
-                    duration_s=round(durable_s, 4), path=str(final), nodes=len(staged.get("nodes", ())))  # fmt: skip
+        log_quietly(
+            log.info,
+            "checkpoint_committed",
+            step=step,
+            kind=job.kind,
+            world_size=c.world_size,
+            duration_s=round(durable_s, 4),
+            path=str(final),
+            nodes=len(staged.get("nodes", ())),
+        )
     return SaveResult(step, str(final), job.kind, job.plan.tensor_bytes, job.stage_s, durable_s)
 
 
@@ -363,10 +363,15 @@ def _build(c: Committer, job: StagedSave, reports: list[dict[str, Any]]) -> dict
         dcp = metadata_bytes(job.plan, job.skeleton)
         files[layout.DCP_META_NAME] = layout.FileEntry(len(dcp), checksums.checksum_bytes(dcp))
         manifest = layout.Manifest(
-            step=job.step, world_size=c.world_size, kind=job.kind, created_unix=time.time(), files=files,
-            tensor_bytes=sum(r["tensor_bytes"] for r in reports), metadata=job.metadata,
+            step=job.step,
+            world_size=c.world_size,
+            kind=job.kind,
+            created_unix=time.time(),
+            files=files,
+            tensor_bytes=sum(r["tensor_bytes"] for r in reports),
+            metadata=job.metadata,
             nodes={n: tuple(ranks) for n, ranks in sorted(by_node.items())},
-        )  # fmt: skip
+        )
         raw = layout.manifest_bytes(manifest)
         layout.parse_manifest(raw, f"the manifest of step {job.step}")  # node ids included: refused before any write
     except Exception as e:  # adapter boundary: reported to every rank

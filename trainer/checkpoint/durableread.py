@@ -1,13 +1,5 @@
-"""A load's reads from the durable tier: the tier opened on first use, and its files as `VerifiedFile`s.
-
-When the checkpoint a load chose is in the durable tier only (`ftsup.store.tiers`), every rank reads its share of
-it from there with the same reader as from the local store (`reader.ShardReader`, `shardio.read_files`): each
-request widened to the 64 KiB checksum blocks, read with ranged reads (`DurableTier.read_pieces`) straight into the
-load's buffer a piece at a time, each piece verified by the block checksums of its sidecar (read whole, itself
-verified against the manifest) as it lands, before any byte is copied into the caller's tensors. The per-rank state
-and the DCP metadata are read whole and verified the same way (`tiers.read_verified`).
-
-Not here: the choice (`ftsup.store.tiers`), the reader (`reader`, `shardio`), the backends (`ftsup.store.durable`).
+"""A load's reads from the durable tier: the tier opened on first use, and its files as `VerifiedFile`s read by
+ranged reads, each piece verified as it lands (trainer/checkpoint/DESIGN.md, "From the durable tier").
 """
 
 from __future__ import annotations

@@ -1,16 +1,5 @@
-"""The finiteness check of a staged save: no checkpoint is committed from a state holding NaN or inf.
-
-A checkpoint is what a rollback returns to: one that holds a non-finite floating tensor (weights
-or optimizer moments a NaN reached) would bring the anomaly back on every resume. So the writer
-thread scans the staged copy (the buffer laid out as the shard file, after a CUDA copy has
-landed) before it writes, and a rank that finds a non-finite value fails the save naming the
-tensor, which fails it on every rank (the commit protocol's gather): nothing is written, the
-previous checkpoint stays the latest.
-
-The scan is one `aminmax` per floating chunk (NaN propagates to both, an infinity shows as one),
-which reads the buffer once at memory speed and allocates nothing of the tensor's size; dtypes
-aminmax does not take (float8, complex) are converted a piece at a time. It runs in the writer
-thread, off the training loop's critical path. Not here: staging (`staging`), writing (`commit`).
+"""The finiteness check of a staged save: no checkpoint is committed from a state holding NaN or inf
+(trainer/checkpoint/DESIGN.md, "Finite states only").
 """
 
 from __future__ import annotations

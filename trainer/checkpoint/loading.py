@@ -1,15 +1,5 @@
-"""Loading: the latest consistent (or a given) checkpoint, into the caller's state, on any world size.
-
-Rank 0 picks the checkpoint (fast verification, then the verified DCP metadata) and tells every
-rank. Names, shapes and dtypes are compared with the saved metadata before anything is read; a
-mismatch lists every differing key and loads nothing. Rank 0 sends the checked metadata packed by
-tensor (`loadplan`); DCP's `DefaultLoadPlanner` maps the saved chunks of this rank's own tensors onto
-them (N ranks saved, M load) and our `ShardReader` reads and verifies only the byte ranges needed;
-every rank's reads verify before any byte is copied. Loading "latest", a checkpoint that turns out
-corrupt is quarantined (`step-N.corrupt`) and the next older one is tried (`choice`); one of a newer
-format is skipped, never renamed. Everything read from the store is checked before use: the DCP
-metadata's schema (`dcpmeta`), the rank state's JSON; a file that fails makes the checkpoint
-corrupt, never the load crash.
+"""Loading: the latest consistent (or a given) checkpoint, into the caller's state, on any world size; a corrupt one
+quarantined and the next older tried (trainer/checkpoint/DESIGN.md, Loading, Fallback).
 
 Not here: the reader's byte ranges and verified reads (`reader`, `shardio`), saving.
 """
@@ -132,8 +122,10 @@ def _choose(
             if not info.consistent:
                 if tier.usable:
                     return _durable_step(tier, step)
-                return {"error": f"checkpoint {info.path} is not consistent: {'; '.join(map(str, info.problems))}",
-                        "rejected": []}  # fmt: skip
+                return {
+                    "error": f"checkpoint {info.path} is not consistent: {'; '.join(map(str, info.problems))}",
+                    "rejected": [],
+                }
         else:
             # Failing the fast check here is skipped, not quarantined: the supervisor (or an
             # operator) decides that; one that fails while loading is quarantined below.
@@ -190,8 +182,10 @@ def _durable_step(tier: LazyTier, step: int) -> dict[str, Any]:
     try:
         pick = tiers.find_durable(tier.get(), step)
     except (CheckpointError, MissingExtraError, OSError) as e:
-        return {"error": f"step {step}: not consistent in the local store nor in the durable tier ({e})",
-                "rejected": []}  # fmt: skip
+        return {
+            "error": f"step {step}: not consistent in the local store nor in the durable tier ({e})",
+            "rejected": [],
+        }
     return _durable_chosen(tier, pick, [])
 
 
@@ -202,8 +196,14 @@ def _durable_chosen(tier: LazyTier, pick: tiers.DurablePick, given_up: list[choi
     except (CheckpointError, MissingExtraError, OSError) as e:
         _passed_over(choice.Passed(pick.info.path, pick.step, choice.SKIPPED, str(e)), given_up)
         return {"error": str(e), "rejected": []}
-    return {"tier": tiers.DURABLE, "step": pick.step, "path": pick.info.path, "raw": pick.raw,
-            "manifest": pick.manifest.to_json(), "meta": loadplan.pack(meta)}  # fmt: skip
+    return {
+        "tier": tiers.DURABLE,
+        "step": pick.step,
+        "path": pick.info.path,
+        "raw": pick.raw,
+        "manifest": pick.manifest.to_json(),
+        "meta": loadplan.pack(meta),
+    }
 
 
 def _passed_over(p: choice.Passed, given_up: list[choice.Passed]) -> None:
@@ -228,7 +228,7 @@ def _load_from(
     check: Callable[[Mapping[str, Any]], None] | None,
     tier: LazyTier | None = None,
     node: NodeRead | None = None,
-) -> LoadResult:  # fmt: skip
+) -> LoadResult:
     """Load the chosen checkpoint: from the local store, or (`tier`) from the durable tier; `node`: each file from
     this rank's node's copy where it holds it, else from the durable tier."""
     path: Path | str = Path(chosen["path"]) if tier is None else chosen["path"]
@@ -247,8 +247,9 @@ def _load_from(
         try:
             if node is not None:
                 durable_pick = DurableSource(tier.get(), pick_from(chosen)) if tier is not None else None
-                source = NodeSource(node.directory / layout.step_dirname(manifest.step), manifest, node.tier,
-                                    durable_pick)  # fmt: skip
+                source = NodeSource(
+                    node.directory / layout.step_dirname(manifest.step), manifest, node.tier, durable_pick
+                )
                 rank_state = _read_node_rank_state(source, comm.rank)
             elif tier is None:
                 rank_state = _read_own_rank_state(Path(path), manifest, comm.rank)
@@ -301,13 +302,26 @@ def _load_from(
     bytes_read = reader.bytes_read + (source.bytes_read if source is not None else 0)
     if isinstance(source, NodeSource):
         log.info("checkpoint_node_read", **source.report(comm.rank))
-    log.info("checkpoint_loaded", step=manifest.step, rank=comm.rank, duration_s=round(load_s, 4), path=str(path),
-             bytes_read=bytes_read, tier=tiers.FAST if tier is None else tiers.DURABLE)  # fmt: skip
-    return LoadResult(
-        step=manifest.step, path=str(path), kind=manifest.kind, saved_world_size=manifest.world_size,
-        metadata=manifest.metadata, rank_state=rank_state, bytes_read=bytes_read, load_s=load_s,
+    log.info(
+        "checkpoint_loaded",
+        step=manifest.step,
+        rank=comm.rank,
+        duration_s=round(load_s, 4),
+        path=str(path),
+        bytes_read=bytes_read,
         tier=tiers.FAST if tier is None else tiers.DURABLE,
-    )  # fmt: skip
+    )
+    return LoadResult(
+        step=manifest.step,
+        path=str(path),
+        kind=manifest.kind,
+        saved_world_size=manifest.world_size,
+        metadata=manifest.metadata,
+        rank_state=rank_state,
+        bytes_read=bytes_read,
+        load_s=load_s,
+        tier=tiers.FAST if tier is None else tiers.DURABLE,
+    )
 
 
 def _read_own_rank_state(path: Path, manifest: layout.Manifest, rank: int) -> Any:

@@ -1,12 +1,5 @@
-"""A load's plan at thousands of ranks: rank 0's checked DCP metadata packed by tensor, each rank's share of it.
-
-Rank 0 reads and checks `dcp_metadata.json` once (`dcpmeta`); `pack` turns the checked metadata into what every
-rank is sent: each tensor's name, dtype and size, the skeleton, and per tensor one packed blob of its saved
-chunks (offsets, sizes, file, checksum sidecar, byte offset), in the order the metadata lists them. A rank
-unpacks only the blobs of its own tensors (`unpack`), so its reader and DCP's load planner see those tensors'
-chunks and none of the others': at 16,384 ranks a rank's share is a few thousand of about 300,000 saved chunks
-(`trainer/checkpoint/DESIGN.md`, "Loading at thousands of ranks"). The chunks kept for a tensor are all of its
-saved chunks, in their order: DCP's planner maps them onto the rank's tensors exactly as over the whole metadata.
+"""A load's plan at thousands of ranks: rank 0's checked DCP metadata packed by tensor (`pack`), each rank's own
+tensors' chunks unpacked (`unpack`; trainer/checkpoint/DESIGN.md, "Loading at thousands of ranks").
 """
 
 from __future__ import annotations

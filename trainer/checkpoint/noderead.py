@@ -1,14 +1,5 @@
-"""A load's reads where each node keeps its own checkpoint directory (`checkpoint.dir_shared: false`).
-
-Rank 0 chooses the checkpoint for everyone (`loading`), as in a shared store; each rank then reads each file it
-needs from its own node's copy of that checkpoint when the copy holds it (the same manifest, the file there at its
-recorded size), and from the durable tier otherwise: a node that lost its fast tier (a new machine) reads its share
-from the store with ranged reads while the others read locally, and a rank whose share after a reshard is in files
-another node holds reads those from the store too. Every byte is verified the same way either way (the block
-checksums of the file's sidecar, before any copy).
-
-Not here: the choice (`loading`, `ftsup.store.tiers`), the reader (`reader`, `shardio`), the durable reads
-(`durableread`).
+"""A load's reads where each node keeps its own checkpoint directory: each file from the node's own copy when it
+holds it, from the durable tier otherwise (trainer/checkpoint/DESIGN.md, "From a node's own copy").
 """
 
 from __future__ import annotations
@@ -114,8 +105,13 @@ class NodeSource:
         return raw
 
     def report(self, rank: int) -> dict[str, Any]:
-        return {"rank": rank, "step": self.manifest.step, "local_files": self.local_files,
-                "durable_files": self.durable_files, "path": str(self.local)}  # fmt: skip
+        return {
+            "rank": rank,
+            "step": self.manifest.step,
+            "local_files": self.local_files,
+            "durable_files": self.durable_files,
+            "path": str(self.local),
+        }
 
 
 def _same_checkpoint(local: Path, manifest: layout.Manifest) -> bool:

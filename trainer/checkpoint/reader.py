@@ -1,10 +1,5 @@
-"""`ShardReader`: the DCP `StorageReader` under `CheckpointEngine.load`.
-
-DCP's `DefaultLoadPlanner` maps saved chunks onto the loading rank's tensors (any world size);
-this reader turns each request (a box inside a saved chunk) into the smallest contiguous byte
-range that covers it, widens it to the checksum blocks, merges neighbours, reads and verifies
-every block, and only when every rank's reads verified (one all-reduce) copies into the
-caller's tensors, so a corrupt checkpoint leaves them untouched.
+"""`ShardReader`: the DCP `StorageReader` under `CheckpointEngine.load`, every byte range verified before any copy
+into the caller's tensors (trainer/checkpoint/DESIGN.md, Loading).
 """
 
 from __future__ import annotations
@@ -56,9 +51,15 @@ class ShardReader(StorageReader):
     from there (a durable tier, `durableread`) instead of the directory `path`."""
 
     def __init__(
-        self, path: Path | str, manifest: layout.Manifest, meta: Mapping[str, Any], comm: LocalComm | GroupComm,
-        source: FileSource | None = None, *, names: Iterable[str] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        path: Path | str,
+        manifest: layout.Manifest,
+        meta: Mapping[str, Any],
+        comm: LocalComm | GroupComm,
+        source: FileSource | None = None,
+        *,
+        names: Iterable[str] | None = None,
+    ) -> None:
         """`meta`: the checked DCP metadata (`dcpmeta.read`), or rank 0's packing of it (`loadplan.pack`), of
         which only the tensors `names` (all when None) are unpacked: this rank's, at thousands of ranks."""
         self.path = path
@@ -153,12 +154,17 @@ class ShardReader(StorageReader):
                 vf = self.source.verified_file(file, crc_file)
             else:
                 vf = VerifiedFile(
-                    str(layout.resolve_inside(self.path, file)), entry.size, entry.checksum,
-                    str(layout.resolve_inside(self.path, crc_file)), file,
-                )  # fmt: skip
+                    str(layout.resolve_inside(self.path, file)),
+                    entry.size,
+                    entry.checksum,
+                    str(layout.resolve_inside(self.path, crc_file)),
+                    file,
+                )
             files.append((vf, [(s, e) for _, _, s, e, _ in reqs]))
-        got = read_files(files) if self.source is None else read_files(files, threads=self.source.threads,
-                                                                        piece=self.source.piece)  # fmt: skip
+        if self.source is None:
+            got = read_files(files)
+        else:
+            got = read_files(files, threads=self.source.threads, piece=self.source.piece)
         ready = []
         for (vf, _), regions, reqs in zip(files, got, by_file.values(), strict=True):
             self.bytes_read += vf.bytes_read

@@ -1,16 +1,5 @@
-"""The first save's plan in compact form: what DCP's `DefaultSavePlanner` decides, from plain tuples.
-
-Each rank's local plan is a list of `Item`s (fqn, shard or whole tensor, chunk offsets and sizes, dtype, the
-tensor's global size), made the way DCP's `create_default_local_save_plan` makes its write items. The
-coordinator (`plan_global`) runs DCP's dedup (`dedup_save_plans`: an item several ranks hold is kept by the one
-with the fewest bytes planned so far, in the same order, so the same rank), builds the metadata in the order of
-`create_default_global_save_plan` and checks it as `_validate_global_plan` does (each chunk inside its tensor, no
-two overlapping, the chunks' volume the tensor's); a tensor that fails is checked again by DCP's own function, so
-that the error is DCP's, word for word. What crosses ranks is tuples, not pickled `SavePlan`s of dataclasses; at
-thousands of ranks those are most of the planner's cost (`trainer/checkpoint/DESIGN.md`, "The plan at
-thousands of ranks"). A state holding anything the tuples cannot say (a ShardedTensor, a tensor subclass, a
-value that is not a tensor, a write item of another kind) is planned by DCP's planner instead (`local_items`
-returns None, and every rank falls back: `staging.make_plan`).
+"""The first save's plan in compact form: what DCP's `DefaultSavePlanner` decides, from plain tuples; a state the
+tuples cannot say falls back to DCP's planner (trainer/checkpoint/DESIGN.md, "The plan at thousands of ranks").
 """
 
 from __future__ import annotations
@@ -45,8 +34,8 @@ def local_items(flat: dict[str, Any]) -> list[Item] | None:
                 td = w.tensor_data
                 if w.type not in (WriteItemType.SHARD, WriteItemType.TENSOR) or td is None or td.chunk is None:
                     return None
-                out.append((fqn, w.type == WriteItemType.SHARD, tuple(td.chunk.offsets), tuple(td.chunk.sizes),
-                            td.properties.dtype, tuple(td.size)))  # fmt: skip
+                shard, chunk = w.type == WriteItemType.SHARD, td.chunk
+                out.append((fqn, shard, tuple(chunk.offsets), tuple(chunk.sizes), td.properties.dtype, tuple(td.size)))
         elif type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter:
             shape = tuple(obj.shape)
             out.append((fqn, False, (0,) * len(shape), shape, obj.dtype, shape))
@@ -104,8 +93,10 @@ def _dedup(gathered: list[list[Item]]) -> list[list[Item]]:
         planned[chosen] += nbytes[key] or 1
         for r in ranks - {chosen}:
             dropped[r].add(key)
-    return [[i for i in items if (i[0], i[2]) not in gone] if gone else items
-            for items, gone in zip(gathered, dropped, strict=True)]  # fmt: skip
+    return [
+        [i for i in items if (i[0], i[2]) not in gone] if gone else items
+        for items, gone in zip(gathered, dropped, strict=True)
+    ]
 
 
 def _valid(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]], several: bool) -> bool:
@@ -149,15 +140,20 @@ def _dtype(gathered: list[list[Item]], fqn: str) -> torch.dtype:
 
 
 def _dcp_errors(
-    fqn: str, t: dict[str, Any], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]], *, dtype_of: torch.dtype,
+    fqn: str,
+    t: dict[str, Any],
+    chunks: list[tuple[tuple[int, ...], tuple[int, ...]]],
+    *,
+    dtype_of: torch.dtype,
     ranks: int,
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     """DCP's own messages for a tensor that failed `_valid`."""
     from torch.distributed.checkpoint.default_planner import _validate_global_plan
     from torch.distributed.checkpoint.metadata import TensorProperties
 
     md = TensorStorageMetadata(
-        properties=TensorProperties(dtype=dtype_of), size=torch.Size(t["size"]),
+        properties=TensorProperties(dtype=dtype_of),
+        size=torch.Size(t["size"]),
         chunks=[ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks],
-    )  # fmt: skip
+    )
     return _validate_global_plan([None] * ranks, Metadata({fqn: md}))  # type: ignore[list-item]

@@ -1,16 +1,5 @@
-"""One rank's shard file: layout, fast durable write, verified ranged reads.
-
-A shard file is a valid safetensors file: an 8-byte little-endian header length, a JSON
-header (padded with spaces so that tensor data starts on a 4 KiB boundary), then the raw
-little-endian bytes of each chunk, packed without holes (largest element size first, so every
-chunk is naturally aligned). The whole file is built in one page-aligned host buffer (the
-staging buffer), so writing it is a few large sequential writes that can bypass the page cache
-with O_DIRECT; block checksums come from the staging copy (which computes them in the same
-pass, see blocksum.StreamingBlocks) or are computed from memory while the disk works.
-
-Reads go the other way: only the byte ranges a rank needs (widened to the 64 KiB checksum
-blocks that cover them), with O_DIRECT where the filesystem allows it, each block verified
-before any byte reaches the caller's tensors.
+"""One rank's shard file: its layout (a safetensors file), page-aligned buffers, the O_DIRECT write, and verified
+ranged reads (ftsup/store/DESIGN.md, File format; trainer/checkpoint/DESIGN.md, Writing, Loading).
 """
 
 from __future__ import annotations
@@ -44,9 +33,8 @@ PAGE = 4096
 WRITE_BLOCK = 64 * 1024 * 1024
 READ_PIECE = 4 * 1024 * 1024  # a multiple of the checksum block
 # Per rank. A reshard reads many regions smaller than a piece (FSDP2 rows: a rank's part of
-# each tensor), so the number of reads in flight, not their size, keeps the disk busy: in a
-# 2-to-3 reshard of 1 GiB here, 32 threads loaded in a median 0.74 s against 1.07 s with 8
-# (8 loads each, interleaved); 8 had measured 1.07 s against 1.17 s with 4.
+# each tensor), so the number of reads in flight, not their size, keeps the disk busy
+# (trainer/checkpoint/DESIGN.md, Loading).
 READ_THREADS = 32
 
 
@@ -119,9 +107,9 @@ _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not in Python's mmap module yet
 def aligned_buffer(nbytes: int, *, pin: bool = False, populate: bool = True) -> torch.Tensor:
     """A page-aligned uint8 CPU tensor of `nbytes` (pinned when asked, for CUDA staging).
 
-    Unpinned buffers are anonymous mappings asked for huge pages and populated up front: on a
-    VM, faulting in fresh 4 KiB pages one by one during the first copy costs about 2 s per GiB,
-    which is exactly the stall a reused staging buffer exists to avoid. `populate=False` leaves
+    Unpinned buffers are anonymous mappings asked for huge pages and populated up front: faulting
+    in fresh 4 KiB pages one by one during the first copy is slow on a VM, and exactly the stall a
+    reused staging buffer exists to avoid (trainer/checkpoint/DESIGN.md, Staging). `populate=False` leaves
     that to the first write (read buffers: the kernel faults them in inside `preadv`, in the
     reading threads, in parallel, instead of in one populate call up front).
     """
@@ -277,8 +265,9 @@ class VerifiedFile:
     def _sidecar(self, raw: bytes, checksum: str) -> None:
         blocks = -(-self.size // CHECKSUM_BLOCK_BYTES)
         if len(raw) != 4 * blocks:
-            raise CheckpointCorruptError(f"{self.shown}: {len(raw)} bytes of block checksums, not {4 * blocks}",
-                                         file=self.rel)  # fmt: skip
+            raise CheckpointCorruptError(
+                f"{self.shown}: {len(raw)} bytes of block checksums, not {4 * blocks}", file=self.rel
+            )
         self.bytes_read = len(raw)
         self.crcs = unpack_block_crcs(raw)
         # Checkpoints of earlier versions use another algorithm; the recorded checksum names it.
@@ -289,9 +278,14 @@ class VerifiedFile:
 
     @classmethod
     def fetched(
-        cls, fetch: Callable[[int, int, Callable[[int, bytes], None]], None], size: int, checksum: str, sidecar: bytes,
-        rel: str, shown: str,
-    ) -> VerifiedFile:  # fmt: skip
+        cls,
+        fetch: Callable[[int, int, Callable[[int, bytes], None]], None],
+        size: int,
+        checksum: str,
+        sidecar: bytes,
+        rel: str,
+        shown: str,
+    ) -> VerifiedFile:
         """Ranged reads by `fetch(offset, length, each)`, which hands the `length` bytes at `offset` to
         `each(offset, data)` in file order, in pieces of whole checksum blocks (`DurableTier.read_pieces`), verified
         against the block checksums `sidecar` holds (its bytes, checked here against the manifest's `checksum`);
@@ -345,8 +339,9 @@ class VerifiedFile:
             pos += n
         self._verify(start, mv)
 
-    def _fetch_piece(self, fetch: Callable[[int, int, Callable[[int, bytes], None]], None], start: int,
-                     mv: memoryview) -> None:  # fmt: skip
+    def _fetch_piece(
+        self, fetch: Callable[[int, int, Callable[[int, bytes], None]], None], start: int, mv: memoryview
+    ) -> None:
         """Fill `mv` from `fetch`, each piece it hands over copied into place and verified while the CPU's cache
         still holds it (a second pass over the whole read would fetch it back from memory)."""
         done = 0
@@ -392,33 +387,30 @@ def _read_direct(fd: int, start: int, mv: memoryview) -> int:
 
 
 def read_files(
-    requests: Sequence[tuple[VerifiedFile, Sequence[tuple[int, int]]]], *, threads: int = READ_THREADS,
-    piece: int = READ_PIECE, arena: torch.Tensor | None = None,
-) -> list[list[tuple[int, torch.Tensor]]]:  # fmt: skip
+    requests: Sequence[tuple[VerifiedFile, Sequence[tuple[int, int]]]],
+    *,
+    threads: int = READ_THREADS,
+    piece: int = READ_PIECE,
+    arena: torch.Tensor | None = None,
+) -> list[list[tuple[int, torch.Tensor]]]:
     """`read_ranges` of several files at once; for each file, its (region_start, region) pairs.
 
     The regions are views of one buffer, which lives as long as any of them: `arena` where the caller gives one
     large enough (an `aligned_buffer` reused from read to read, whose pages are faulted in once), else a new one.
     Every region is read in pieces of whole checksum blocks by READ_THREADS threads that serve all the files
-    together (each piece verified by the thread that read it). One read in flight per rank
-    leaves the disk idle between requests: measured here, three ranks reading at once, 0.65 GB/s
-    per rank with one in flight against 0.87 with four. Sharing the threads across files keeps a
-    rank whose share spans two files (the middle rank of a 2-to-3 reshard) as busy as the others.
-
-    Pieces are read with O_DIRECT (the regions are page-aligned and start on block boundaries;
-    only a file's unaligned tail goes through the page cache): a checkpoint is read once, so
-    caching it only costs the kernel a page-cache insert and a copy per page, CPU the ranks share.
-    A 2-to-3 reshard of 1 GiB here: median 0.76 of DCP's load time with O_DIRECT against 1.12
-    through the page cache (16 loads each, interleaved with DCP's in the same runs). Where the
-    filesystem refuses O_DIRECT, everything goes through the page cache.
+    together (each piece verified by the thread that read it): one read in flight per rank leaves the disk idle
+    between requests, and sharing the threads keeps a rank whose share spans two files as busy as the others.
+    Pieces are read with O_DIRECT where the filesystem allows it (only a file's unaligned tail goes through the
+    page cache): a checkpoint is read once, so caching it only costs CPU the ranks share
+    (trainer/checkpoint/DESIGN.md, Loading).
 
     A file read by `fetch` (a durable tier's) is read the same way, in pieces of `piece` bytes (a multiple of the
     checksum block) by `threads` threads (the tier's connections), each piece verified by its thread.
     """
     spans = [vf._spans(ranges) for vf, ranges in requests]
     # One buffer for every region, each at a page boundary: a reshard asks for hundreds of
-    # regions under 2 MiB, and a mapping of their own each would fault in 4 KiB pages (about
-    # 2 s per GiB here) where one mapping gets huge pages.
+    # regions under 2 MiB, and a mapping of their own each would fault in slow 4 KiB pages
+    # where one mapping gets huge pages.
     # Faulted in by the reading threads inside `preadv` (in the kernel, in parallel); a fetched file's bytes are
     # copied in holding the GIL, so its pages are faulted in up front, once, instead of under that copy.
     need = sum(round_up(e - s, PAGE) for file_spans in spans for s, e in file_spans)

@@ -1,9 +1,5 @@
-"""`ModelOptimState`: a model and its optimizer as one torch `Stateful`.
-
-It goes through `torch.distributed.checkpoint.state_dict`, so parameter names are FQNs
-(independent of DDP/FSDP wrapping), FSDP2 shards stay DTensors (so a checkpoint reshards on
-load), and a fresh optimizer gets its state materialised before loading (so its tensors exist
-to be loaded into). Works in a single process without a process group too.
+"""`ModelOptimState`: a model and its optimizer as one torch `Stateful`, through
+`torch.distributed.checkpoint.state_dict` (trainer/checkpoint/DESIGN.md, Modules).
 """
 
 from __future__ import annotations
