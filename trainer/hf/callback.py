@@ -1,50 +1,7 @@
 """`FtsupCallback`: a Hugging Face `transformers.Trainer` under ftsup, with one callback and one line to resume.
 
-    from ftsup import FtsupCallback
-    ftsup_cb = FtsupCallback()                       # the store: FTSUP_CHECKPOINT_DIR, else args.output_dir
-    trainer = Trainer(model, args, train_dataset=train, eval_dataset=val, callbacks=[ftsup_cb])
-    trainer.train(resume_from_checkpoint=ftsup_cb.latest_checkpoint())
-
-What it does, through the Trainer's public callback events and checkpoint interface only:
-
-- **Heartbeats** (`ftsup.trainer.runtime`): one per optimizer step (`on_step_end`), with the logged
-  loss (`on_log`). Work between steps that is not a step gets a phase, so that it is never taken
-  for a hang: when `on_step_end` leaves `control.should_evaluate` set (and `should_log`, when
-  logging is not every step: a pause of every step is part of the learned step time) the rank is
-  in phase `eval` until `on_evaluate` (beating from a thread every `heartbeat.interval_s`, up to
-  `heartbeat.save_timeout_s`); while the Trainer saves it is in phase `save`. An evaluation the
-  callback was not told of (`trainer.evaluate()` from other code) enters `eval` at its first
-  `on_prediction_step`. A rank that stops (SIGSTOP, a deadlock in a collective) stops beating,
-  thread and all, and is caught by the heartbeat timeout; one stuck in eval, by the phase's timeout.
-- **Requests**: every step, all ranks agree on the supervisor's newest save/stop request (`agree`,
-  one tiny all-reduce); a save request sets `control.should_save` (an evaluation due at that step
-  is skipped: the deadline is for the save), a stop also `control.should_training_stop`, and
-  `on_train_end` then ends the process with `SystemExit(0)` (`exit_on_stop=False` returns from
-  `train()` instead; `stopped` says why), so the code after `train()` never takes an evicted run
-  for a finished one. A run resumed from its last step ends the same way at `on_train_begin`
-  (the Trainer would otherwise take one step past `max_steps` when that ends inside an epoch).
-- **Commits**: the Trainer's `checkpoint-N/` becomes the store's `step-N/` by the store's commit
-  protocol (`ftsup.trainer.hf.store`: renamed into `step-N.partial/`, every file fsynced and
-  checksummed into a manifest, renamed), once every rank has written its files; retention keeps
-  `keep_last`. A failed commit is logged and training goes on from the previous checkpoint; the
-  Trainer's `save_total_limit` has nothing left to rotate.
-- **Resume**: `latest_checkpoint()` is the newest deep-verified `step-N/` (of at most the step the
-  supervisor chose, `FTSUP_RESUME_STEP`), or None; a torn directory is never one, a corrupt one
-  is quarantined and the next older one taken.
-
-Exact: on the same world size, a resumed run's losses are bitwise the uninterrupted run's, with
-deterministic kernels and `dataloader_num_workers=0`: the Trainer restores each rank's RNG
-states and the optimizer, scheduler and step, and its sampler's order depends only on the seed
-and the epoch. Not exact: with `dataloader_num_workers > 0` the sample order is still exact,
-but the workers' random seeds are drawn anew by a resumed run (randomness inside the dataset's
-`__getitem__`, such as augmentation, differs); another world size changes the per-rank batches
-and the data order (the Trainer has no resharding of the data position), so resume on another
-world size only approximately continues the run. Refused, with a message, at `Trainer(...)`:
-`save_only_model=True` (no optimizer or RNG state to resume from), `load_best_model_at_end=True`
-(the best checkpoint moved into the store) and `enable_jit_checkpoint=True` (the supervisor owns
-SIGTERM and asks for the save itself).
-
-Only where transformers is installed: `from ftsup import FtsupCallback` imports this module.
+Heartbeats and phases, the supervisor's requests, commits into the store and the resume choice, through the
+Trainer's public callback events only (docs/hf.md; trainer/checkpoint/DESIGN.md, The Trainer callback).
 """
 
 from __future__ import annotations
@@ -157,17 +114,19 @@ class FtsupCallback(TrainerCallback):
         refused = [
             (args.save_only_model, "save_only_model=True saves no optimizer or RNG state to resume from"),
             (args.load_best_model_at_end, "load_best_model_at_end=True: the best checkpoint moves into the store"),
-            (getattr(args, "enable_jit_checkpoint", False),
-             "enable_jit_checkpoint=True: the supervisor owns SIGTERM and asks for the save itself"),
-        ]  # fmt: skip
+            (
+                getattr(args, "enable_jit_checkpoint", False),
+                "enable_jit_checkpoint=True: the supervisor owns SIGTERM and asks for the save itself",
+            ),
+        ]
         for bad, why in refused:
             if bad:
                 raise ValueError(f"FtsupCallback cannot work with {why}; turn it off")
         self._args = args
-        # train() opens with a full collection (accelerate's free_memory): with transformers imported
-        # it walks some 360,000 objects, 0.26 s of every relaunch here. What exists by now
-        # (modules, the model, the Trainer) lives as long as the process: out of the collector's
-        # way, so that its collections walk only what training allocates.
+        # train() opens with a full collection (accelerate's free_memory), which with transformers imported walks
+        # every object of the process on every relaunch. What exists by now (modules, the model, the Trainer) lives
+        # as long as the process: out of the collector's way, so that its collections walk only what training
+        # allocates (trainer/checkpoint/DESIGN.md, The Trainer callback).
         gc.freeze()
         model_config = getattr(kwargs.get("model"), "config", None)
         if self._config is None and model_config is not None:
@@ -218,7 +177,7 @@ class FtsupCallback(TrainerCallback):
 
     def on_prediction_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
-    ) -> None:  # fmt: skip
+    ) -> None:
         if self._phase == Phase.TRAIN:  # an evaluation no step announced
             self._pending.add(_EVAL)
             self._next_phase(state.global_step)
@@ -239,17 +198,27 @@ class FtsupCallback(TrainerCallback):
         if args.process_index == 0:
             try:
                 committed = hf_store.commit_hf_checkpoint(
-                    hf_store.hf_checkpoint_dir(str(args.output_dir), step), self.checkpoint_dir, step, kind=kind,
-                    world_size=args.world_size, metadata=self._metadata(args, state),
-                )  # fmt: skip
+                    hf_store.hf_checkpoint_dir(str(args.output_dir), step),
+                    self.checkpoint_dir,
+                    step,
+                    kind=kind,
+                    world_size=args.world_size,
+                    metadata=self._metadata(args, state),
+                )
             except CheckpointSaveError as e:
                 error = str(e)
         ok = self._all(error is None)
         save_s = time.monotonic() - self._save_t0
         if args.process_index == 0:
             if committed is not None and not committed.skipped:
-                log.info("checkpoint_committed", step=step, kind=kind, world_size=args.world_size,
-                         duration_s=round(save_s, 4), path=committed.path)  # fmt: skip
+                log.info(
+                    "checkpoint_committed",
+                    step=step,
+                    kind=kind,
+                    world_size=args.world_size,
+                    duration_s=round(save_s, 4),
+                    path=committed.path,
+                )
                 problem = hf_store.retain(self.checkpoint_dir, self.retention, step)
                 if problem is not None:
                     log.warning("checkpoint_retention_failed", step=step, reason=problem)

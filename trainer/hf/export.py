@@ -1,35 +1,7 @@
-"""Export a checkpoint's model in the Hugging Face Hub's layout.
+"""`ftsup ckpt export-hf`: a checkpoint's model (an engine checkpoint's or a Trainer checkpoint's weights) in the
+Hugging Face Hub's layout, every byte verified as read, into a directory renamed into place when complete.
 
-    ftsup ckpt export-hf DIR [--step N] OUT [--max-shard-size 5GB] [--dtype bf16|fp16|fp32]
-
-writes what huggingface_hub's `save_torch_state_dict` writes for the model's state dict (`hfwrite`):
-`OUT/model.safetensors` or, past the shard size, `OUT/model-0000k-of-0000n.safetensors` and
-`OUT/model.safetensors.index.json`; and `OUT/config.json`, which `from_pretrained(OUT)` needs.
-
-Where the tensors come from:
-
-- an engine checkpoint: the keys under the state's `model` entry (for `TrainingState` that is
-  `train.model.`, for `ModelOptimState` `app.model.`), found automatically or given with `--prefix`, in
-  the order of the model's state dict; each made whole from its saved chunks, whatever world size
-  saved them (FSDP2's rows of dim 0 passed on in order, other layouts assembled), by ranged reads in
-  batches of `BATCH_BYTES`, in the order the files are written, verified block by block against the
-  manifest's checksums (a
-  corrupt tensor is never exported; what the export does not need, the optimizer's state, is not
-  read: `ftsup ckpt verify --deep` reads it all);
-- a checkpoint that `FtsupCallback` committed (metadata `format: hf-trainer`): the Trainer's
-  `save_pretrained` weights, found by their headers (`ftsup.store.hublayout`), each file's block
-  checksums computed and checked against the manifest first and every range read verified against
-  them (`hubread`); its `generation_config.json` is copied, checked against the manifest.
-
-`config.json` is `--config FILE` (which wins), the Trainer's own, or the model config the checkpoint's
-metadata holds (a `transformers` config names a `model_type`; `TrainingState(config=hf_config.to_dict())`
-saves one); without any, the weights are exported alone and the caller is told. `dtype` converts the
-plain floating tensors (`dtypes.CASTABLE`; the others are kept as saved), and the config's `dtype`
-(and `torch_dtype`, where it has one) says so.
-
-OUT appears only when complete: everything is written into a new directory beside it (made by
-`mkdtemp`, never one found there), fsynced and renamed onto OUT (absent, or an empty directory); on
-any error that directory is removed and OUT is as it was. Nothing is written through a link.
+Usage: docs/hf.md; how: trainer/checkpoint/DESIGN.md, Export.
 """
 
 from __future__ import annotations
@@ -102,10 +74,17 @@ def cast_target(dtype: torch.dtype | None, saved: torch.dtype) -> torch.dtype:
     return dtype if dtype is not None and codec.dtype_name(saved) in dtypes.CASTABLE else saved
 
 
-def export_hf(root: str | os.PathLike[str], step: int | None, out: str | os.PathLike[str], *,
-              prefix: str | None = None, max_shard_bytes: int = hublayout.DEFAULT_MAX_SHARD_BYTES,
-              config: Mapping[str, Any] | None = None, dtype: torch.dtype | None = None,
-              progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:  # fmt: skip
+def export_hf(
+    root: str | os.PathLike[str],
+    step: int | None,
+    out: str | os.PathLike[str],
+    *,
+    prefix: str | None = None,
+    max_shard_bytes: int = hublayout.DEFAULT_MAX_SHARD_BYTES,
+    config: Mapping[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
     """Write the model of checkpoint `step` (None: the latest consistent one) to `out`; returns the
     index, whose metadata adds the step and where `config.json` came from (`config`: "file",
     "checkpoint" or None). `progress(done, total)`: bytes written so far, after each tensor."""
@@ -124,7 +103,7 @@ def export_hf(root: str | os.PathLike[str], step: int | None, out: str | os.Path
     if trainer and prefix is not None:
         raise CheckpointError(f"{ckpt} is a Trainer checkpoint: its weights are its model's; --prefix does not apply")
     with ExitStack() as stack:
-        stack.enter_context(gcpause.paused())  # a full collection (0.1-0.2 s here) is a third of an export's time
+        stack.enter_context(gcpause.paused())  # a full collection is a large part of an export's time
         if trainer:
             tensors, saved_config = _trainer_tensors(ckpt, manifest, dtype, stack)
         else:
@@ -205,8 +184,9 @@ def _publish(tmp: Path, out: Path) -> None:
     try:
         os.rename(tmp, out)
     except OSError as e:
-        raise CheckpointError(f"{out}: cannot put the export there ({e.strerror or e}); it must be absent or an "
-                              "empty directory") from None  # fmt: skip
+        raise CheckpointError(
+            f"{out}: cannot put the export there ({e.strerror or e}); it must be absent or an empty directory"
+        ) from None
     layout.fsync_dir(out.parent)
 
 
@@ -234,8 +214,8 @@ class _Chunks:
         """A reused page-aligned buffer of at least `nbytes`, grown (to the largest asked for) when short."""
         buf: torch.Tensor | None = getattr(self, which)
         if buf is None or buf.numel() < nbytes:
-            # The arena at once as large as a batch (not grown batch by batch: each new page costs its fault, about
-            # 2 s per GiB here), left for the reading threads to fault in, in parallel, inside their reads.
+            # The arena at once as large as a batch (not grown batch by batch: each new page costs its fault), left
+            # for the reading threads to fault in, in parallel, inside their reads.
             floor = BATCH_BYTES if which == "_arena" else 0
             buf = aligned_buffer(max(nbytes, floor), populate=which != "_arena")
             setattr(self, which, buf)
@@ -245,8 +225,13 @@ class _Chunks:
         vf = self.files.get(rel)
         if vf is None:
             entry = self.manifest.files[rel]
-            vf = VerifiedFile(str(layout.resolve_inside(self.ckpt, rel)), entry.size, entry.checksum,
-                              str(layout.resolve_inside(self.ckpt, crc_rel)), rel)  # fmt: skip
+            vf = VerifiedFile(
+                str(layout.resolve_inside(self.ckpt, rel)),
+                entry.size,
+                entry.checksum,
+                str(layout.resolve_inside(self.ckpt, crc_rel)),
+                rel,
+            )
             self.files[rel] = vf
         return vf
 
@@ -279,8 +264,10 @@ class _Chunks:
                 batch.append(nxt)
                 need += n
         chunks = [(f, c) for f in batch for c in self._chunks(f)]
-        requests = [(self._file(c["file"], c["crc_file"]), [(c["byte_offset"], c["byte_offset"] + c["nbytes"])])
-                    for _, c in chunks]  # fmt: skip
+        requests = [
+            (self._file(c["file"], c["crc_file"]), [(c["byte_offset"], c["byte_offset"] + c["nbytes"])])
+            for _, c in chunks
+        ]
         regions = read_files(requests, arena=self._buffer("_arena", need)) if requests else []
         got: dict[str, list[tuple[Mapping[str, Any], torch.Tensor]]] = {f: [] for f in batch}
         for (f, c), ((base, region),) in zip(chunks, regions, strict=True):
@@ -349,8 +336,9 @@ def _engine_tensors(
     for k in names:
         t = meta["tensors"][k]
         saved = codec.dtype_from_name(t["dtype"], k)
-        out.append(OutTensor(k[len(prefix) :], cast_target(dtype, saved), tuple(t["size"]),
-                             functools.partial(chunks.read, k)))  # fmt: skip
+        out.append(
+            OutTensor(k[len(prefix) :], cast_target(dtype, saved), tuple(t["size"]), functools.partial(chunks.read, k))
+        )
     check(out)
     chunks.expect([prefix + t.name for _, group in plan(out, max_shard_bytes) for t in group])
     return out

@@ -1,26 +1,7 @@
-"""Tensors of a Hugging Face Hub-layout model, read by byte ranges (never a whole file).
+"""`HubReader`: the tensors of a Hugging Face Hub-layout model, whole or rows of dim 0, read by byte ranges over a
+few reading threads, verified where the caller has block checksums (trainer/checkpoint/DESIGN.md, Import).
 
-`HubReader` turns a `hublayout.HubModel` (its headers, read as hostile input) into torch tensors: each tensor's
-dtype and shape come from its header through the project's dtype table (a safetensors dtype torch lacks, such as
-F6_E2M3, is refused naming the file and the tensor) and its bytes from exactly its range of its file, or from a part
-of that range (`read_rows`: rows of the first dimension, what one rank's share of a tensor sharded on dim 0 needs).
-Where the caller has block checksums of a file (a Trainer checkpoint's weights, whose manifest records their
-checksums), the reads go through `shardio.VerifiedFile`, each block verified; a Hub directory has no checksums and
-is read as it is: a range of more than one piece (`PIECE_BYTES`) is read in pieces by `READ_THREADS` threads (one
-read in flight leaves a disk idle between requests; the checkpoint reader's `shardio.read_files` does the same), and
-`read_rows_into` reads many ranges at once, the pieces of all of them over those threads (a load's parts, one
-tensor's rows each, cut into pieces whatever tensor they belong to). A range read into the caller's memory (`out`)
-is read with O_DIRECT, each piece widened to whole pages into a buffer of its thread's and copied from there by
-numpy, the GIL released (the page cache's insert and copy cost more than the disk here, and a model is read once);
-elsewhere, and where the filesystem refuses O_DIRECT, through the page cache with readahead off
-(`POSIX_FADV_RANDOM`), so that the disk gives what is asked for and not a window more. The reading threads and
-their page-aligned buffers are the process's, made on the first read and kept for the next reader (`_shared`: with
-fresh ones for every reader, one rank's share of a 342 MiB model took 0.12 s here against 0.10); they hold a piece
-of memory each, and one more for the thread that reads a lone piece itself, 40 MiB from then on, until
-`release_reading_threads`; a forked child makes its own. `bytes_read` counts the tensors' bytes read (a piece read
-with O_DIRECT reads up to two pages more).
-
-Not here: the headers and the index (`ftsup.store.hublayout`), writing (`hfwrite`).
+Not here: the headers and the index (`ftsup.store.hublayout`), writing (`write`).
 """
 
 from __future__ import annotations
@@ -139,8 +120,9 @@ class HubReader:
         already), or None for a new buffer; a file with block checksums is read into buffers of its own."""
         dtype, shape = self.spec(name)
         if not shape or not 0 <= start <= stop <= shape[0]:
-            raise ModelFileError(f"{self.model.root}: rows {start}..{stop} of tensor {name!r:.200} of shape "
-                                 f"{list(shape)}")  # fmt: skip
+            raise ModelFileError(
+                f"{self.model.root}: rows {start}..{stop} of tensor {name!r:.200} of shape {list(shape)}"
+            )
         e = self.entry(name)
         row = e.nbytes // shape[0] if shape[0] else 0
         raw = self._read(name, e.start + start * row, (stop - start) * row, out)
@@ -154,8 +136,9 @@ class HubReader:
         for name, start, stop, out in parts:
             dtype, shape = self.spec(name)
             if not shape or not 0 <= start <= stop <= shape[0]:
-                raise ModelFileError(f"{self.model.root}: rows {start}..{stop} of tensor {name!r:.200} of shape "
-                                     f"{list(shape)}")  # fmt: skip
+                raise ModelFileError(
+                    f"{self.model.root}: rows {start}..{stop} of tensor {name!r:.200} of shape {list(shape)}"
+                )
             if self.model.weight_map[name] in self.verified:
                 self.read_rows(name, start, stop, out)
                 continue

@@ -1,33 +1,7 @@
-"""Start a run from a Hugging Face Hub-layout model: each rank reads only its share, by byte ranges.
+"""Start a run from a Hugging Face Hub-layout model (`load_hf_model`): every tensor matched before a byte is read,
+then each rank reads only its share, by byte ranges (docs/hf.md; trainer/checkpoint/DESIGN.md, Import).
 
-    load_hf_model(model, "/models/gpt2-sharded")       # a plain module, DDP or FSDP2, on any world size
-
-The directory is `model.safetensors`, or `model.safetensors.index.json` and its shards, read header by
-header as hostile input (`ftsup.store.hublayout`). Before any byte of a tensor is read, every tensor of
-the model's state dict is matched to one of the files' (through `rename`, where the names differ), with
-its shape and dtype (a different floating dtype is converted only with `convert=True`); a tensor of the
-model the files lack, one of the files the model lacks, or a shape that differs is an error naming the
-file and the tensor, and nothing is loaded. Tensors that share storage in the model (tied weights) need
-one of their names in the files.
-
-What each rank reads (`hubread.HubReader`, ranged reads, never a whole file):
-
-- a DTensor (FSDP2): the rows of dim 0 its local shard covers, and nothing else is exchanged;
-- a replicated tensor (a plain module on one rank, DDP on several): rank r reads rows [r*c, (r+1)*c) of
-  dim 0 (c = ceil(rows / world size)) and the ranks all-gather them as bytes over `group`; a tensor of
-  fewer rows than ranks, or 0-dimensional, is read by rank 0 and broadcast.
-
-A tensor on the CPU of the file's dtype whose part here is whole rows (FSDP2's shards, a plain module's tensors) is
-read straight into its own memory: no buffer to fault in, no copy (both took longer than the reads themselves here);
-all such parts are read in one call (`HubReader.read_rows_into`), their pieces over the reader's threads at once.
-What is converted, narrowed, gathered or moved to a device is read into one page-aligned buffer, faulted in at once,
-and copied only once every rank's reads finished and succeeded (one all-reduce). Bad input (the directory, a header,
-a name, a shape or a dtype) is found before the first byte is read and loads nothing; a read that fails midway (an
-I/O error, a file cut short since its header was read) fails on every rank, the tensors read into place until then
-overwritten. The result says what was read (`bytes_read`, this rank's) and where the weights came from (`origin`,
-which `TrainingState` records in every checkpoint of the run: the checkpoints that follow are ftsup's own).
-
-Not here: the headers (`ftsup.store.hublayout`), the ranged reads (`ftsup.trainer.hf.hubread`).
+Not here: the headers (`ftsup.store.hublayout`), the ranged reads (`hubread`).
 """
 
 from __future__ import annotations
@@ -83,7 +57,7 @@ def load_hf_model(
     when torch.distributed is initialised). Raises ModelFileError, on every rank, before anything is loaded."""
     root = Path(directory)
     module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    with gcpause.paused():  # a full collection on one rank (0.1-0.2 s here) stalls every rank at the next collective
+    with gcpause.paused():  # a full collection on one rank stalls every rank at the next collective
         return _load(module, root, rename, convert, group)
 
 
@@ -127,8 +101,12 @@ def _load(
             if value is not None:  # None: read in place
                 _local(t.tensor).copy_(value)
     files = {f: h.file_size for f, h in hub.headers.items()}
-    origin = {"dir": str(root.resolve()), "files": files, "tensors": len(targets),
-              "bytes": sum(hub.tensors[t.source].nbytes for t in targets)}  # fmt: skip
+    origin = {
+        "dir": str(root.resolve()),
+        "files": files,
+        "tensors": len(targets),
+        "bytes": sum(hub.tensors[t.source].nbytes for t in targets),
+    }
     return HfInit(origin, reader.bytes_read)
 
 
@@ -157,8 +135,10 @@ def _match(
         present = [k for k in keys if source_of(k) in hub.weight_map]
         if not present:
             key = keys[0]
-            raise ModelFileError(f"{hub.root}: the model has tensor {key!r} (as {source_of(key)!r} in the files), "
-                                 "which no file of the model holds")  # fmt: skip
+            raise ModelFileError(
+                f"{hub.root}: the model has tensor {key!r} (as {source_of(key)!r} in the files), "
+                "which no file of the model holds"
+            )
         key, source = present[0], source_of(present[0])
         t = state[key]
         dtype, shape = reader.spec(source)
@@ -166,22 +146,29 @@ def _match(
         if shape != tuple(t.shape):
             raise ModelFileError(f"{where} has shape {list(shape)}; the model's {key!r} is {list(t.shape)}")
         if dtype != t.dtype and not (convert and dtype.is_floating_point and t.dtype.is_floating_point):
-            raise ModelFileError(f"{where} is {codec.dtype_name(dtype)}; the model's {key!r} is "
-                                 f"{codec.dtype_name(t.dtype)} (convert=True converts floating dtypes)")  # fmt: skip
+            raise ModelFileError(
+                f"{where} is {codec.dtype_name(dtype)}; the model's {key!r} is "
+                f"{codec.dtype_name(t.dtype)} (convert=True converts floating dtypes)"
+            )
         box = _box(t) if codec.is_dtensor(t) else None
         targets.append(_Target(key, source, t, dtype, shape, box, _in_place(t, dtype, shape, box, world)))
         used.update(source_of(k) for k in present)
     extra = [name for name in hub.weight_map if name not in used]
     if extra:
-        raise ModelFileError(f"{hub.root / hub.weight_map[extra[0]]}: holds tensor {extra[0]!r}, which the model does "
-                             f"not have ({len(extra)} such tensors)")  # fmt: skip
+        raise ModelFileError(
+            f"{hub.root / hub.weight_map[extra[0]]}: holds tensor {extra[0]!r}, which the model does "
+            f"not have ({len(extra)} such tensors)"
+        )
     return targets
 
 
 def _in_place(
-    tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...],
-    box: tuple[tuple[int, ...], tuple[int, ...]] | None, world: int,
-) -> torch.Tensor | None:  # fmt: skip
+    tensor: torch.Tensor,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    box: tuple[tuple[int, ...], tuple[int, ...]] | None,
+    world: int,
+) -> torch.Tensor | None:
     """The bytes of this rank's part of `tensor` (a contiguous uint8 view of its memory) where they can be read
     straight into it: on the CPU, the file's dtype, whole rows of dim 0 (FSDP2), or the whole tensor alone; else
     None."""
@@ -244,9 +231,15 @@ def _box(dt: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def _read_share(
-    t: _Target, reader: HubReader, world: int, rank: int, group: Any, device: torch.device,
-    errors: list[BaseException], take: Callable[[int], torch.Tensor],
-) -> torch.Tensor | None:  # fmt: skip
+    t: _Target,
+    reader: HubReader,
+    world: int,
+    rank: int,
+    group: Any,
+    device: torch.device,
+    errors: list[BaseException],
+    take: Callable[[int], torch.Tensor],
+) -> torch.Tensor | None:
     """This rank's value of `t`: its DTensor shard's rows, or the whole tensor (its rows read here, the
     rest gathered from the other ranks); None where it was read in place. A read that fails is added to
     `errors` (then zeros stand in) and the collectives still take place."""

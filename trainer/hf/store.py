@@ -1,17 +1,7 @@
-"""Hugging Face Trainer checkpoints in ftsup's store: committed by the store's protocol, chosen as its own are.
+"""Hugging Face Trainer checkpoints in ftsup's store: committed by the store's protocol, chosen as its own are
+(trainer/checkpoint/DESIGN.md, Trainer checkpoints in the store).
 
-The Trainer writes `<output_dir>/checkpoint-N/` (weights, optimizer, scheduler, every rank's RNG
-state, `trainer_state.json`) with no commit of its own: a process killed in the middle leaves a
-directory that looks whole and is not. `commit_hf_checkpoint` (rank 0, once every rank's files are
-written) makes it a checkpoint of the store (DESIGN.md, The commit protocol): the directory is
-renamed to `<store>/step-N.partial/`, every file is fsynced and checksummed into `manifest.json`
-(metadata `"format": "hf-trainer"`, with the model's config), and the directory is renamed to
-`step-N/`. Until that last rename it is not a checkpoint: `latest_hf_checkpoint` chooses with
-`ftsup.store.choice`, deep-verified, so a torn or corrupt directory is never resumed from (a
-corrupt one is quarantined, as the supervisor and the engine do).
-
-Stdlib and `ftsup.store` only: no torch, no transformers. Not here: the callback that calls these
-(`ftsup.trainer.hf.callback`), the export (`ftsup.trainer.hf.export`).
+Stdlib and `ftsup.store` only: no torch, no transformers.
 """
 
 from __future__ import annotations
@@ -91,9 +81,14 @@ def commit_hf_checkpoint(
         files = _sync_and_checksum(partial)
         total = sum(f.size for f in files.values())
         manifest = layout.Manifest(
-            step=step, world_size=world_size, kind=kind, created_unix=time.time(), files=files,
-            tensor_bytes=total, metadata={**metadata, "step": step, "format": FORMAT},
-        )  # fmt: skip
+            step=step,
+            world_size=world_size,
+            kind=kind,
+            created_unix=time.time(),
+            files=files,
+            tensor_bytes=total,
+            metadata={**metadata, "step": step, "format": FORMAT},
+        )
         raw = json.dumps(manifest.to_json(), indent=1).encode()
         layout.parse_manifest(raw, f"{partial}/{layout.MANIFEST_NAME}")  # what a reader will check, checked now
         layout.write_file_durable(partial / layout.MANIFEST_NAME, raw)

@@ -1,21 +1,7 @@
-"""Writing a model in the Hugging Face Hub's layout, one tensor in memory at a time.
+"""Writing a model in the Hugging Face Hub's layout, one tensor in memory at a time, through page-aligned staging
+buffers written with O_DIRECT (trainer/checkpoint/DESIGN.md, Export).
 
-`write_model(out, tensors, max_shard_bytes)` writes what huggingface_hub's `save_torch_state_dict`
-writes for a state dict of those tensors in that order: `model.safetensors`, or past the shard size
-`model-0000k-of-0000n.safetensors` and `model.safetensors.index.json` (the split, the names and the
-index are `ftsup.store.hublayout`'s; each file's header and the order of its bytes `stheader`'s, as
-safetensors' writer lays them out). Each file's header is written first, from the tensors' dtypes
-and shapes; then each tensor is read (`OutTensor.read`), converted to the dtype it is written in,
-copied into the file's staging buffers and let go: whatever the shard size, one tensor is in memory
-(with the one it was converted from), besides the staging buffers.
-
-The bytes reach the disk through `_Sink`: a few page-aligned staging buffers of `STAGE_BYTES`, each
-written, once full, with O_DIRECT by a thread of the file's own while the next tensors are read into the
-next buffer (the reads and the writes overlap; no page cache, whose insert and copy per page cost more
-than the disk here). A filesystem that refuses O_DIRECT (tmpfs) is written through the page cache by the
-same thread. Files are created with O_EXCL | O_NOFOLLOW (never written through a link) and fsynced.
-
-Not here: where the tensors come from, the output directory and its rename (`hf`).
+Not here: where the tensors come from, the output directory and its rename (`export`).
 """
 
 from __future__ import annotations
@@ -142,11 +128,14 @@ def _write_file(
             got = t.read()
             pieces = [got] if isinstance(got, torch.Tensor) else list(got)
             if len(pieces) == 1 and tuple(pieces[0].shape) != t.shape:
-                raise CheckpointError(f"tensor {t.name!r} was read with shape {list(pieces[0].shape)}, "
-                                      f"not {list(t.shape)}")  # fmt: skip
+                raise CheckpointError(
+                    f"tensor {t.name!r} was read with shape {list(pieces[0].shape)}, not {list(t.shape)}"
+                )
             if sum(p.numel() for p in pieces) != math.prod(t.shape):
-                raise CheckpointError(f"tensor {t.name!r} was read with {sum(p.numel() for p in pieces)} elements, "
-                                      f"not {math.prod(t.shape)}")  # fmt: skip
+                raise CheckpointError(
+                    f"tensor {t.name!r} was read with {sum(p.numel() for p in pieces)} elements, "
+                    f"not {math.prod(t.shape)}"
+                )
             while pieces:  # each let go once staged
                 piece = pieces.pop(0)
                 if piece.dtype != t.dtype:
@@ -220,7 +209,7 @@ class _Sink:
                     raise self.error
             k = min(n - pos, self.cur.numel() - self.fill)
             # numpy's copy: one thread, the GIL released (torch's splits it over its intra-op threads, which on a
-            # busy machine wait for each other: 0.8 GB/s against 5-14 here)
+            # busy machine wait for each other: trainer/checkpoint/DESIGN.md, Export)
             numpy.copyto(self.cur[self.fill : self.fill + k].numpy(), data[pos : pos + k].numpy())
             self.fill += k
             pos += k
