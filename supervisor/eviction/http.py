@@ -25,8 +25,15 @@ class Response:
     headers: Mapping[str, str]
 
 
-def request(method: str, url: str, *, headers: Mapping[str, str] | None = None, body: bytes | None = None,
-            timeout_s: float = 2.0, max_bytes: int = 1 << 20) -> Response:  # fmt: skip
+def request(
+    method: str,
+    url: str,
+    *,
+    headers: Mapping[str, str] | None = None,
+    body: bytes | None = None,
+    timeout_s: float = 2.0,
+    max_bytes: int = 1 << 20,
+) -> Response:
     req = urllib.request.Request(url, data=body, method=method, headers=dict(headers or {}))
     try:
         with _OPENER.open(req, timeout=timeout_s) as resp:

@@ -1,9 +1,5 @@
-"""Local notice sources: a file that appears, or a command that prints a notice.
-
-The file may be empty (deadline: the default) or hold JSON `{"deadline_s": seconds from now}`
-or `{"deadline_unix": t}`. The command is run each poll; exit 0 with non-empty output is a
-notice (the output, if JSON, may carry the same keys); exit 0 with no output means none; any
-other exit status means the watcher cannot tell (blind).
+"""Local notice sources: a file that appears, or a command that prints a notice (docs/design/eviction.md, Local
+sources: the file's contents and the command's exit statuses).
 """
 
 from __future__ import annotations

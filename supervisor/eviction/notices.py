@@ -118,8 +118,8 @@ def azure_scheduled_events(status: int, body: bytes, now_unix: float, default_de
             deadline = parsedate_to_datetime(not_before).timestamp() if not_before else now_unix + default_deadline_s
         except (TypeError, ValueError):
             raise BadResponse(f"bad NotBefore {not_before!r}") from None
-        found.append(Notice("azure", deadline, f"{ev['EventType']} not before {not_before or 'now'}",
-                            ack_id=str(ev.get("EventId", ""))))  # fmt: skip
+        what = f"{ev['EventType']} not before {not_before or 'now'}"
+        found.append(Notice("azure", deadline, what, ack_id=str(ev.get("EventId", ""))))
     return min(found, key=lambda n: n.deadline_unix) if found else None
 
 

@@ -1,8 +1,6 @@
 """Cloud metadata watchers: AWS EC2 spot (IMDSv2), GCP preemption, Azure Scheduled Events.
 
-Each `poll(now_unix)` asks its endpoint once and returns a `Notice`, None (no eviction), or
-raises `WatchError` (blind). Base URLs default to the providers' documented addresses and are
-all replaced by `eviction.endpoint` when it is set (tests point it at 127.0.0.1).
+Each `poll(now_unix)` asks its endpoint once: a `Notice`, None (no eviction), or `WatchError` (blind).
 """
 
 from __future__ import annotations
@@ -39,14 +37,19 @@ class AwsWatcher:
 
     def _get(self, path: str) -> tuple[int, bytes]:
         if self._token is None or time.monotonic() > self._token_expires:
-            r = request("PUT", f"{self.base}/latest/api/token", timeout_s=self.timeout_s,
-                        headers={"X-aws-ec2-metadata-token-ttl-seconds": str(self.TOKEN_TTL_S)})  # fmt: skip
+            r = request(
+                "PUT",
+                f"{self.base}/latest/api/token",
+                timeout_s=self.timeout_s,
+                headers={"X-aws-ec2-metadata-token-ttl-seconds": str(self.TOKEN_TTL_S)},
+            )
             if r.status != 200 or not r.body:
                 raise WatchError(f"IMDSv2 token request answered HTTP {r.status}")
             self._token = r.body.decode().strip()
             self._token_expires = time.monotonic() + self.TOKEN_TTL_S / 2
-        r = request("GET", f"{self.base}{path}", headers={"X-aws-ec2-metadata-token": self._token},
-                    timeout_s=self.timeout_s)  # fmt: skip
+        r = request(
+            "GET", f"{self.base}{path}", headers={"X-aws-ec2-metadata-token": self._token}, timeout_s=self.timeout_s
+        )
         if r.status == 401:  # the token expired early: fetch a new one next time
             self._token = None
             raise WatchError("IMDSv2 token rejected (401)")
@@ -57,8 +60,8 @@ class AwsWatcher:
             notice = notices.aws_instance_action(*self._get("/latest/meta-data/spot/instance-action"), now_unix)
             if notice is not None:
                 return notice
-            return notices.aws_rebalance(*self._get("/latest/meta-data/events/recommendations/rebalance"), now_unix,
-                                         self.default_deadline_s)  # fmt: skip
+            status, body = self._get("/latest/meta-data/events/recommendations/rebalance")
+            return notices.aws_rebalance(status, body, now_unix, self.default_deadline_s)
         except (HttpError, BadResponse) as e:
             raise WatchError(str(e)) from None
 
@@ -86,8 +89,9 @@ class GcpWatcher:
             timeout = self.long_poll_s + self.timeout_s
         try:
             r = request("GET", url, headers={"Metadata-Flavor": "Google"}, timeout_s=timeout)
-            notice = notices.gcp_preempted(r.status, r.body, r.headers.get("metadata-flavor"), time.time(),
-                                           self.default_deadline_s)  # fmt: skip
+            notice = notices.gcp_preempted(
+                r.status, r.body, r.headers.get("metadata-flavor"), time.time(), self.default_deadline_s
+            )
         except (HttpError, BadResponse) as e:
             self._first = True
             raise WatchError(str(e)) from None
@@ -124,8 +128,13 @@ class AzureWatcher:
             return
         body = json.dumps({"StartRequests": [{"EventId": notice.ack_id}]}).encode()
         try:
-            r = request("POST", self.url, headers={"Metadata": "true", "Content-Type": "application/json"}, body=body,
-                        timeout_s=self.timeout_s)  # fmt: skip
+            r = request(
+                "POST",
+                self.url,
+                headers={"Metadata": "true", "Content-Type": "application/json"},
+                body=body,
+                timeout_s=self.timeout_s,
+            )
         except HttpError as e:
             raise WatchError(f"acknowledging {notice.ack_id}: {e}") from None
         if r.status not in (200, 204):

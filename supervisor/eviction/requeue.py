@@ -1,8 +1,6 @@
 """After an eviction's emergency save: ask the batch system to run the job again.
 
-`requeue(command, environ, emit)` runs `eviction.requeue_command`, or under Slurm (`SLURM_JOB_ID` set)
-`scontrol requeue $SLURM_JOB_ID`, and logs `requeue_requested`, then `requeue_failed` if it did not work. A
-failure is logged, never raised: the job is evicted either way, and its checkpoint is committed.
+A failure is logged, never raised: the job is evicted either way, and its checkpoint is committed.
 """
 
 from __future__ import annotations

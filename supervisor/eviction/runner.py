@@ -1,9 +1,5 @@
-"""Run watchers in daemon threads and hand what they see to the supervisor's loop.
-
-Each watcher is polled every `poll_interval_s` in its own thread (a slow or hanging endpoint
-blocks only its own watcher). Results go into a queue, and a byte on `wake` makes the daemon's
-select() return at once. A watcher reports a notice once, and blindness only on a change
-(blind -> seeing -> blind), so a dead endpoint is logged, not spammed.
+"""Run watchers in daemon threads and hand what they see to the supervisor's loop (docs/design/eviction.md, The
+threads).
 """
 
 from __future__ import annotations
@@ -30,16 +26,23 @@ class Watcher(Protocol):
 
 
 class WatcherThreads:
-    def __init__(self, watchers: Sequence[Watcher], poll_interval_s: float, wake: socket.socket | None = None,
-                 clock: Callable[[], float] = time.time):  # fmt: skip
+    def __init__(
+        self,
+        watchers: Sequence[Watcher],
+        poll_interval_s: float,
+        wake: socket.socket | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
         self.watchers = list(watchers)
         self.poll_interval_s = poll_interval_s
         self.reports: queue.Queue[Report] = queue.Queue()
         self._wake = wake
         self._clock = clock
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._loop, args=(w,), name=f"ftsup-watch-{w.name}", daemon=True)
-                         for w in self.watchers]  # fmt: skip
+        self._threads = [
+            threading.Thread(target=self._loop, args=(w,), name=f"ftsup-watch-{w.name}", daemon=True)
+            for w in self.watchers
+        ]
 
     def start(self) -> WatcherThreads:
         for t in self._threads:
