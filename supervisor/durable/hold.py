@@ -1,24 +1,5 @@
-"""Holding the durable tier's upload while the node's fast tier is being written: a training save in flight gets the
-disk, the CPU and the memory bandwidth to itself.
-
-A save in progress says so in the fast tier itself (`ftsup.store.saving`): its leader's `step-N.staging` marker
-from the save call's start (the blocking copy to host memory), then its `step-N.partial/` directory until the commit
-renames it; the supervisor reads that with no message from the ranks and no torch. An upload's pause hook
-(`ftsup.store.durable.PauseHook`, called before each part is read and between the pieces each part is read, hashed
-and sent in) is a `SaveHold`: while such a name is in the fast tier it waits, and returns once the save is committed
-(or torn and cleaned up). It never waits for ever: a name left by a crashed save (the next save removes it) holds
-uploads for at most `max_hold_s` from when this hold first saw it, and one call waits at most `max_hold_s` in all
-(saves back to back never starve the tier). `stop()` (the uploader closing) ends every wait at once, and a caller's
-`give_up` (an urgent checkpoint waiting) ends its own within POLL_S. An emergency upload is never held (the uploader
-passes no hook).
-
-While the upload runs, its threads share one `os.scandir` of the fast tier's folder per LOOK_S at most, so that a
-save is seen within LOOK_S of its start; a folder that cannot be read holds nothing. Of the threads held together
-one watches for all: it looks at the folder every POLL_S, asks every waiter's `give_up`, and wakes the others when the
-save ends (or leaves the watch to one of them), so that a hold costs the save one wake-up per POLL_S, not one per
-thread per poll (eight threads each polling every 20 ms took 25 ms of CPU a second from the save they were held
-for). `held_s` counts the wall-clock seconds during which any call waited (the upload's threads held together count
-once), so that a measured upload throughput leaves them out.
+"""Holding the durable tier's upload while the node's fast tier is being written, so that a training save in flight
+gets the disk, the CPU and the memory bandwidth to itself (docs/design/durable-uploads.md, Held while a save runs).
 """
 
 from __future__ import annotations
@@ -40,9 +21,12 @@ _NAP_S = 1.0  # the longest a waiter that is not watching sleeps between looks a
 
 class SaveHold:
     def __init__(
-        self, fast_tier: str | os.PathLike[str], *, max_hold_s: float = MAX_HOLD_S,
+        self,
+        fast_tier: str | os.PathLike[str],
+        *,
+        max_hold_s: float = MAX_HOLD_S,
         clock: Callable[[], float] = time.monotonic,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if max_hold_s < 0:
             raise ValueError("max_hold_s must be at least 0")
         self.fast_tier = Path(fast_tier)

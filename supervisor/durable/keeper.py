@@ -1,23 +1,5 @@
-"""The durable tier in the daemon: committed checkpoints of the fast tier handed to the uploader, its outcomes
-logged and counted, retention of the tier, and the wait an eviction makes for its checkpoint to be durable.
-
-`DurableKeeper.running()` opens the tier (`ftsup.store.durable.open_tier`) and starts its uploader
-(`durable_upload.Uploader`, a thread of its own); leaving it closes both (an upload cut short is kept in the tier
-and resumed by the next upload of that checkpoint). On the daemon's loop, never waiting on the tier:
-
-- `observe(view)`: each scan of the fast tier that went through (`ckptstore.StoreView.recent`) is handed to
-  `durable_policy.pick`, and what it picks is submitted; `saved(step, kind)` submits an eviction's checkpoint at
-  once, urgent (an older upload in progress waits);
-- `poll()`: what the uploader's thread reported (uploads started, tries failed, commits, drops, deletions) is
-  logged and counted here, on the loop's thread, through the daemon's `emit`; the gauges follow;
-- `wait_durable(step, timeout_s)` and `wait_idle(...)`: the only waits, made when the job ends (an eviction's exit
-  5 once its checkpoint is durable; a finished job once everything picked is, the final checkpoint last): they
-  poll as they wait, and say which checkpoint is the newest durable one when the time runs out.
-
-On the uploader's thread, after each commit, retention of the tier (`durable_policy.victims`: a listing, then each
-victim deleted through the tier's own delete, manifest first) and, at its start, one listing for the newest
-durable checkpoint already there. Any exception of the tier is an outcome that is logged, never the daemon's end.
-Not here: the uploads themselves (`durable_upload`, `ftsup.store.durable`), restoring from the tier.
+"""The durable tier in the daemon: committed checkpoints handed to the uploader, its outcomes logged and counted,
+the tier's retention, and the waits at the job's end (docs/design/durable-uploads.md, The keeper).
 """
 
 from __future__ import annotations
@@ -31,7 +13,7 @@ from typing import Any
 
 from ftsup.store import durable, layout, pins
 from ftsup.supervisor.config.job import JobConfig
-from ftsup.supervisor.durable import rules as durable_policy
+from ftsup.supervisor.durable import rules as durable_rules
 from ftsup.supervisor.durable.upload import Outcome, Uploader
 from ftsup.supervisor.state.ckptstore import StoreView
 from ftsup.supervisor.telemetry.metrics import Metrics
@@ -50,9 +32,14 @@ def _error_line(e: BaseException) -> str:
 
 class DurableKeeper:
     def __init__(
-        self, cfg: JobConfig, *, emit: Callable[..., None], metrics: Metrics,
-        clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
-    ) -> None:  # fmt: skip
+        self,
+        cfg: JobConfig,
+        *,
+        emit: Callable[..., None],
+        metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         if cfg.checkpoint.durable is None:
             raise ValueError("no checkpoint.durable in this config")
         self.cfg = cfg
@@ -62,7 +49,7 @@ class DurableKeeper:
         self._clock = clock
         self._wall = wall
         self._todo: collections.deque[Callable[[], None]] = collections.deque()  # from the uploader's thread
-        self._picks = durable_policy.Picks()
+        self._picks = durable_rules.Picks()
         self._seen = (0, 0)  # (scans, errors) of the store view last observed
         self._rates: list[float] = []  # measured upload throughputs, bytes per second, the newest last
         self.newest: int | None = None  # the newest durable step known (listed there, or committed by this one)
@@ -89,14 +76,19 @@ class DurableKeeper:
         self._tier = tier
         try:
             self.uploader = Uploader(
-                tier, backoff_initial_s=BACKOFF_INITIAL_S, backoff_max_s=BACKOFF_MAX_S,
+                tier,
+                backoff_initial_s=BACKOFF_INITIAL_S,
+                backoff_max_s=BACKOFF_MAX_S,
                 on_outcome=lambda o: self._todo.append(lambda: self._outcome(o)),
                 on_started=lambda step, path: self._todo.append(lambda: self._started(step, path)),
                 on_retry=lambda step, why, wait: self._todo.append(lambda: self._retry(step, why, wait)),
-                housekeeping=self._housekeeping, max_pending=max(self.tier_cfg.keep_last, 2), nice=UPLOAD_NICE,
-                node=self.node, hold_s=self.tier_cfg.hold_while_saving_s,
+                housekeeping=self._housekeeping,
+                max_pending=max(self.tier_cfg.keep_last, 2),
+                nice=UPLOAD_NICE,
+                node=self.node,
+                hold_s=self.tier_cfg.hold_while_saving_s,
                 on_waiting=lambda step, why, wait: self._todo.append(lambda: self._waiting(step, why, wait)),
-            )  # fmt: skip
+            )
             try:
                 yield self
             finally:
@@ -108,14 +100,14 @@ class DurableKeeper:
     # ------------------------------------------------------------------ on the daemon's loop
 
     def observe(self, view: StoreView) -> None:
-        """Submit what `durable_policy.pick` picks of the newest scan that went through."""
+        """Submit what `durable_rules.pick` picks of the newest scan that went through."""
         scans, errors = self._seen
         if (view.scans, view.errors) == (scans, errors):
             return
         self._seen = (view.scans, view.errors)
         if view.scans - scans <= view.errors - errors:
             return  # no scan went through since the last look
-        self._picks, chosen, others = durable_policy.candidates(self.tier_cfg, self._picks, view.recent)
+        self._picks, chosen, others = durable_rules.candidates(self.tier_cfg, self._picks, view.recent)
         for info in chosen:
             self.submit(Path(info.path))
         for info in others if self.node is not None else []:  # to follow rank 0's node's pick (`follows`)
@@ -141,8 +133,8 @@ class DurableKeeper:
         self._metrics.durable(newest_step=self.newest, newest_unix=self._newest_unix, pending=pending, rate=rate)
 
     def estimate_s(self, state_bytes: int | None) -> float | None:
-        """How long uploading a checkpoint of `state_bytes` is expected to take (`durable_policy`)."""
-        return durable_policy.upload_estimate_s(state_bytes, self._rates)
+        """How long uploading a checkpoint of `state_bytes` is expected to take (`durable_rules`)."""
+        return durable_rules.upload_estimate_s(state_bytes, self._rates)
 
     def wait_durable(self, step: int | None, timeout_s: float, why: str) -> bool:
         """Wait up to `timeout_s` for `step` to be durable (polling the uploader's reports meanwhile); when it is
@@ -200,8 +192,14 @@ class DurableKeeper:
         what = f"the checkpoint of step {step} is {detail}" if step is not None else detail
         if self._failing is not None and step is not None:
             what += f" (waiting for: {self._failing})"
-        self._emit("warning", "durable_deadline_missed", step=step, url=self.url, newest_durable_step=self.newest,
-                   reason=f"{why}: {what}; the newest durable checkpoint in {self.url} is {newest}")  # fmt: skip
+        self._emit(
+            "warning",
+            "durable_deadline_missed",
+            step=step,
+            url=self.url,
+            newest_durable_step=self.newest,
+            reason=f"{why}: {what}; the newest durable checkpoint in {self.url} is {newest}",
+        )
 
     def _started(self, step: int, path: str) -> None:
         self._emit("info", "durable_upload_started", step=step, url=self.url, path=path)
@@ -215,26 +213,52 @@ class DurableKeeper:
         self._failing = why
         if step not in self._parts:
             self._parts = {*sorted(self._parts)[-16:], step}
-            self._emit("info", "durable_part_uploaded", step=step, url=self.url, node=self.node, reason=why,
-                       retry_in_s=round(wait, 3))  # fmt: skip
+            self._emit(
+                "info",
+                "durable_part_uploaded",
+                step=step,
+                url=self.url,
+                node=self.node,
+                reason=why,
+                retry_in_s=round(wait, 3),
+            )
 
     def _outcome(self, o: Outcome) -> None:
         if o.skipped:
             return  # not this node's to upload, by the pick every node agrees on
         if not o.committed or o.report is None:
-            self._emit("error", "durable_dropped", step=o.step, url=self.url, path=o.path, attempts=o.attempts,
-                       reason=o.error or "not uploaded")  # fmt: skip
+            self._emit(
+                "error",
+                "durable_dropped",
+                step=o.step,
+                url=self.url,
+                path=o.path,
+                attempts=o.attempts,
+                reason=o.error or "not uploaded",
+            )
             return
         r = o.report
-        rate = durable_policy.measured_rate(r.bytes_sent, o.send_s)
+        rate = durable_rules.measured_rate(r.bytes_sent, o.send_s)
         if rate is not None:
-            self._rates = [*self._rates, rate][-durable_policy.RATE_HISTORY :]
+            self._rates = [*self._rates, rate][-durable_rules.RATE_HISTORY :]
         self._failing = None
         self._known(o.step, self._wall())
-        self._emit("info", "durable_committed", step=o.step, url=r.url, outcome=r.outcome, node=self.node,
-                   files=r.files, bytes=r.bytes_total, bytes_sent=r.bytes_sent, parts_kept=r.parts_kept,
-                   attempts=o.attempts, duration_s=round(o.duration_s, 3), held_s=round(o.held_s, 3),
-                   throughput_bytes_per_s=round(rate) if rate is not None else None)  # fmt: skip
+        self._emit(
+            "info",
+            "durable_committed",
+            step=o.step,
+            url=r.url,
+            outcome=r.outcome,
+            node=self.node,
+            files=r.files,
+            bytes=r.bytes_total,
+            bytes_sent=r.bytes_sent,
+            parts_kept=r.parts_kept,
+            attempts=o.attempts,
+            duration_s=round(o.duration_s, 3),
+            held_s=round(o.held_s, 3),
+            throughput_bytes_per_s=round(rate) if rate is not None else None,
+        )
 
     def _known(self, step: int, when: float | None) -> None:
         if self.newest is None or step > self.newest:
@@ -265,12 +289,20 @@ class DurableKeeper:
         pinned = pins.read_pins(self.cfg.checkpoint.dir)
         if not pinned.readable:
             why = "; ".join(str(p) for p in pinned.problems)
-            self._later("warning", "durable_retention_failed", step=committed,
-                        reason=f"the pins cannot be read ({why}): nothing is deleted")  # fmt: skip
+            self._later(
+                "warning",
+                "durable_retention_failed",
+                step=committed,
+                reason=f"the pins cannot be read ({why}): nothing is deleted",
+            )
             return
-        doomed = durable_policy.victims(((c.step, c.consistent) for c in listing.checkpoints),
-                                        keep_last=self.tier_cfg.keep_last, keep_older_than_steps=keep_older,
-                                        newest=self._own_newest, pinned=pinned.kept)  # fmt: skip
+        doomed = durable_rules.victims(
+            ((c.step, c.consistent) for c in listing.checkpoints),
+            keep_last=self.tier_cfg.keep_last,
+            keep_older_than_steps=keep_older,
+            newest=self._own_newest,
+            pinned=pinned.kept,
+        )
         for step in doomed:
             again = pins.read_pins(self.cfg.checkpoint.dir)  # an operator may pin one meanwhile
             if step in again.kept or not again.readable:
@@ -280,8 +312,14 @@ class DurableKeeper:
             except Exception as e:  # noqa: BLE001 - one failed deletion must not stop the uploads
                 self._later("warning", "durable_retention_failed", step=step, reason=_error_line(e))
                 continue
-            self._later("info", "durable_deleted", step=step, url=self.url, objects=removed,
-                        reason=f"durable retention (keep_last {self.tier_cfg.keep_last})")  # fmt: skip
+            self._later(
+                "info",
+                "durable_deleted",
+                step=step,
+                url=self.url,
+                objects=removed,
+                reason=f"durable retention (keep_last {self.tier_cfg.keep_last})",
+            )
         if self.node is not None and len(good) >= 2:
             self._sweep(tier, {c.step for c in listing.checkpoints}, good[-1].step, good[-2].step)
 
@@ -304,8 +342,14 @@ class DurableKeeper:
                 self._later("warning", "durable_retention_failed", step=step, reason=_error_line(e))
                 continue
             if removed:
-                self._later("info", "durable_deleted", step=step, url=self.url, objects=removed,
-                            reason=f"never committed, superseded by step {newest}")  # fmt: skip
+                self._later(
+                    "info",
+                    "durable_deleted",
+                    step=step,
+                    url=self.url,
+                    objects=removed,
+                    reason=f"never committed, superseded by step {newest}",
+                )
 
     def _later(self, level: str, event: str, **fields: Any) -> None:
         """An event for the loop's thread to log (logging and metrics are the loop's)."""

@@ -1,22 +1,6 @@
 """The durable tier's decisions: which committed checkpoints go durable, how long an upload is expected to take,
-which durable checkpoints retention lets go. Pure functions over values; no I/O, no clock.
-
-- *Which go* (`pick`): the supervisor sees the fast tier's newest committed checkpoints each time its store
-  scanner looks (`ckptstore.StoreView.recent`); of those newer than any seen before, every `periodic_every`th
-  periodic one (counted as this supervisor sees them), each emergency one and the final one go, as
-  `checkpoint.durable` says, by the manifest's kind. At the first look, the newest consistent checkpoint (the one
-  the next attempt resumes from) goes if its kind can go at all: a supervisor restarted after its predecessor
-  died makes the resume point durable (an upload of one already there sends nothing).
-- *How long* (`upload_estimate_s`): the checkpoint's bytes at the slowest of the recent measured throughputs of
-  this tier, or `FIRST_BYTES_PER_S` before any was measured (uploads that sent under `MIN_MEASURED_BYTES` are not
-  measurements).
-- *Retention* (`victims`): the tier keeps its newest `keep_last` consistent checkpoints, always the newest one, the
-  pinned steps (the fast tier's pins) and the history a rollback needs (the newest at least
-  `keep_older_than_steps` older than the latest, and every younger one), as the fast tier's retention does
-  (`ftsup.store.retention.retention_victims`); checkpoints newer than the newest this run made durable are not
-  of its timeline and are neither deleted nor counted; inconsistent ones are never deleted here.
-
-Not here: the uploads (`durable_upload`), carrying the decisions out (`durable_keeper`).
+which durable checkpoints retention lets go. Pure functions over values; no I/O, no clock
+(docs/design/durable-uploads.md, The rules).
 """
 
 from __future__ import annotations
@@ -28,9 +12,9 @@ from ftsup.store import layout, retention
 from ftsup.supervisor.config.durable import DurableConfig
 
 FIRST_BYTES_PER_S = 64 * 2**20
-"""The upload throughput assumed before one is measured: 64 MiB/s (about 0.5 Gbit/s), below what an upload of
-16 MiB parts, 8 at once, reaches to S3 from a cloud VM or to the tests' SeaweedFS on 127.0.0.1 (130-180 MB/s,
-`ftsup/store/DESIGN.md`), so that the first eviction's estimate errs long."""
+"""The upload throughput assumed before one is measured (64 MiB/s), below what an upload of 16 MiB parts, 8 at once,
+reaches to S3 from a cloud VM or to the tests' SeaweedFS on 127.0.0.1 (`ftsup/store/DESIGN.md`, "Durable tier"), so
+that the first eviction's estimate errs long."""
 MIN_MEASURED_BYTES = 4 * 2**20
 """An upload that sent less than this (everything was already there) measures latency, not throughput."""
 RATE_HISTORY = 5
@@ -102,9 +86,13 @@ def upload_estimate_s(state_bytes: int | None, rates: Sequence[float]) -> float 
 
 
 def victims(
-    listed: Iterable[tuple[int, bool]], *, keep_last: int, keep_older_than_steps: int, newest: int,
+    listed: Iterable[tuple[int, bool]],
+    *,
+    keep_last: int,
+    keep_older_than_steps: int,
+    newest: int,
     pinned: Iterable[int] = (),
-) -> list[int]:  # fmt: skip
+) -> list[int]:
     """The durable steps retention deletes, given the tier's committed steps and whether each is consistent, when
     `newest` is the newest this run made durable (uploads go newest first: one committed after it is older)."""
     policy = retention.RetentionPolicy(keep_last=keep_last, keep_older_than_steps=keep_older_than_steps)

@@ -1,28 +1,5 @@
-"""The durable tier's uploader: committed local checkpoints copied to a durable tier on a thread of its own.
-
-The node's supervisor, which never imports torch and outlives a crashed rank, hands it each committed checkpoint of the
-fast tier that should become durable (`submit`); the thread uploads them one at a time, the newest first (an emergency
-checkpoint must not wait behind older periodic ones; one submitted `urgent` stops an older upload in progress at its
-next part, which goes on later from where it stopped), through `ftsup.store.durable`. A tier that fails
-(`DurableTierError`: the store down, connections cut, credentials refused) is tried again after a backoff
-(`backoff_initial_s`, doubling up to `backoff_max_s`), and each try resumes the upload where the last one stopped: the
-training never waits on it. A checkpoint that cannot go (its local copy gone or not matching its manifest, the step
-committed there with other content, or any other exception: the thread never dies of one) is dropped and reported; so is
-the oldest waiting one past `max_pending`. In a job whose nodes keep separate fast tiers (`node`), an upload sends this
-node's part of a checkpoint; one whose commit waits for the other nodes' parts (`DurableWaitError`) waits again in the
-queue (tried after a backoff up to WAIT_MAX_S, `on_waiting` told what it waits for) while other checkpoints go
-meanwhile: two nodes each waiting for the other's part of another step never stall each other; one still waiting
-when a newer checkpoint becomes durable is dropped (superseded). There a checkpoint submitted not `picked` goes only
-where the tier's `follows` says so (the pick every node agrees on: the node of rank 0's), quietly skipped
-otherwise. Each outcome goes to
-`on_outcome`, each start of an upload to `on_started`, each failed try to `on_retry` (the caller logs and counts them;
-they run on this thread, or on the submitter's for a checkpoint dropped at once); `housekeeping(step)` runs on the
-thread after each commit, and `housekeeping(None)` once when it starts (the caller's retention and listing of the tier).
-`status()` says what is durable, pending and failing; `wait_durable` is for a caller that must know (an eviction's
-deadline); `close()` stops it at the next part and joins the thread (what was sent is kept for the next upload of that
-checkpoint).
-
-Not here: which checkpoints go durable, logging and metrics (the caller's), the store's protocol (`ftsup.store`).
+"""The durable tier's uploader: committed local checkpoints copied to a durable tier on a thread of its own, newest
+first, retried until they go, never in the training's way (docs/design/durable-uploads.md, The uploader).
 """
 
 from __future__ import annotations
@@ -57,7 +34,7 @@ class Outcome:
     """The duration of the try that went through, less the time it was held (the tier's throughput is
     `report.bytes_sent / send_s`)."""
     held_s: float = 0.0
-    """The seconds that try waited for the node's saves (`save_hold`)."""
+    """The seconds that try waited for the node's saves (`durable.hold`)."""
     skipped: bool = False
     """Not this node's to upload, by the pick every node agrees on (`DurableTier.follows`): nothing went wrong."""
 
@@ -218,7 +195,7 @@ class Uploader:
                         ),
                         reverse=True,
                     )
-                ),  # fmt: skip
+                ),
             )
 
     def wait_durable(self, step: int, timeout_s: float) -> bool:
@@ -339,7 +316,7 @@ class Uploader:
 
     def _stale(self, step: int) -> bool:
         """Older than the two newest steps made durable: a step another node's retention may sweep
-        (`durable_keeper`), so a node that has sent nothing of it yet sends nothing (under the lock)."""
+        (`durable.keeper`), so a node that has sent nothing of it yet sends nothing (under the lock)."""
         return step < (sorted(self._durable)[-2:-1] or [-1])[0]
 
     def _report(self, outcome: Outcome) -> None:
@@ -412,8 +389,9 @@ class Uploader:
                 self._last_error = None
             waited = 0.0 if hold is None else hold.held_s - held
             sent = self.clock() - try_started - waited
-            return Outcome(step, str(path), True, attempts, self.clock() - started, report=report, send_s=sent,
-                           held_s=waited)  # fmt: skip
+            return Outcome(
+                step, str(path), True, attempts, self.clock() - started, report=report, send_s=sent, held_s=waited
+            )
 
     def _hold_for(self, step: int, path: Path) -> tuple[SaveHold | None, float]:
         """The hold of the fast tier `path` lives in, and the seconds it held so far; (None, 0) for an urgent
