@@ -59,7 +59,7 @@ class StagedSave:
     metadata: dict[str, Any]
     t0: float
     stage_s: float
-    cuda_event: Any
+    copies: Any  # devcopy.Copies in flight from CUDA memory into `buf`, or None
     crcs: list[int] | None  # the shard's block checksums, when staging computed them
     future: Future[SaveResult] = field(default_factory=Future)
 
@@ -215,8 +215,8 @@ class Committer:
     def _write_rank_files(self, job: StagedSave, partial: Path) -> dict[str, Any]:
         files: dict[str, dict[str, Any]] = {}
         try:
-            if job.cuda_event is not None:
-                job.cuda_event.synchronize()
+            if job.copies is not None:
+                job.copies.landed()
             bad = first_nonfinite(job.plan, job.buf) if self.check_finite else None
             if bad is not None:
                 raise CheckpointSaveError(

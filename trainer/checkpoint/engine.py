@@ -6,8 +6,10 @@ What happens on `save(step, state)`:
    time a state of this structure is saved, DCP's `DefaultSavePlanner` plans who writes what;
    the plan is cached until the structure changes (`staging`).
 2. (caller's thread) This rank's chunks are copied into a reused, page-aligned host buffer
-   (pinned for CUDA) laid out as the shard file (`staging`). This copy is the only blocking
-   part; on CPU it computes the shard's block checksums in the same pass.
+   laid out as the shard file (`staging`). This copy is the only blocking part; on CPU it
+   computes the shard's block checksums in the same pass. On CUDA it is only launched, on a side
+   stream into page-locked memory (`devcopy`): the writer waits for it, and the training stream
+   does, on the device, at the next optimizer step (`fence`).
 3. (writer thread) The buffer is scanned for NaN and infinities (`finite`: a state that holds
    one is never committed), written as `step-N.partial/shard-RRRRR.safetensors` (O_DIRECT
    where possible), fsynced, and rank 0 commits the checkpoint (`commit`). Any failure removes
@@ -46,10 +48,11 @@ import torch
 from ftsup.store import blocksum, layout, saving
 from ftsup.store.errors import CheckpointError, CheckpointSaveError
 from ftsup.store.retention import RetentionPolicy
-from ftsup.trainer.checkpoint import codec, gcpause, loading, staging
+from ftsup.trainer.checkpoint import codec, devcopy, gcpause, loading, staging
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm, make_comm
 from ftsup.trainer.checkpoint.commit import Committer, Hook, SaveResult, StagedSave, log_quietly
 from ftsup.trainer.checkpoint.loading import LoadResult, read_rank_state
+from ftsup.trainer.checkpoint.shardio import aligned_buffer
 from ftsup.trainer.runtime import runtime
 
 __all__ = ["CheckpointEngine", "Hook", "LoadResult", "SaveHandle", "SaveResult", "read_rank_state"]
@@ -180,6 +183,9 @@ class CheckpointEngine:
             self.directory.mkdir(parents=True, exist_ok=True)
         self._plan: staging.StagingPlan | None = None
         self._buffers: list[torch.Tensor | None] = [None] * max_in_flight
+        self._host = devcopy.HostBuffers()  # CUDA state's page-locked buffers (none for CPU state)
+        self._side = devcopy.SideStreams()
+        self._fence = devcopy.UpdateFence()
         self._free: queue.Queue[int] = queue.Queue()
         for i in range(max_in_flight):
             self._free.put(i)
@@ -214,6 +220,8 @@ class CheckpointEngine:
             self._closed = True
             self._jobs.put(None)
             self._writer.join()
+            self._fence.close()
+            self._host.close()
 
     def __enter__(self) -> CheckpointEngine:
         return self
@@ -226,6 +234,13 @@ class CheckpointEngine:
         has raised yet, once."""
         self._drain()
         self._raise_failure()
+
+    def fence(self) -> None:
+        """Make the current CUDA stream wait for the copies of the saves in flight: a wait on the device, the host goes
+        on. Every torch optimizer's `step()` does this first by itself (so a save holds the state of its call);
+        call it before anything else writes the saved tensors in place, such as a forward that updates BatchNorm's
+        running statistics. A no-op without CUDA state."""
+        self._fence.fence()
 
     def _drain(self) -> None:
         with self._lock:
@@ -286,30 +301,55 @@ class CheckpointEngine:
         if self._plan is None or self._plan.signature != signature:
             self.wait()  # planning uses the engine's group: the writer must be idle
             self._plan = staging.make_plan(flat, signature, self._comm)
+            for old in self._buffers:
+                self._host.drop(old)
             self._buffers = [None] * len(self._buffers)
         plan = self._plan
+        cuda = staging.on_cuda(flat)
         buf_index = self._free.get()  # bounds saves in flight and host memory
         if self._committer.leader:  # the supervisor holds the durable upload while a save runs (`saving`)
             saving.mark_staging(self.directory, step)
         try:
-            buf, event, crcs = staging.stage(plan, flat, self._buffers[buf_index])
+            buf = self._buffer(buf_index, plan, cuda)
+            buf, copies, crcs = staging.stage(plan, flat, buf, self._side if cuda else None)
         except BaseException:
             self._free.put(buf_index)
             if self._committer.leader:
                 saving.clear_staging(self.directory, step)
             raise
-        self._buffers[buf_index] = buf
+        if copies is not None:
+            self._fence.arm(copies)
         stage_s = time.perf_counter() - t0
         self._hook("staged", step)
         job = StagedSave(
-            step, kind, buf, functools.partial(self._free.put, buf_index), plan, skeleton, rank_state_bytes, meta,
-            t0, stage_s, event, crcs,
+            step, kind, buf, functools.partial(self._release, buf_index, copies), plan, skeleton, rank_state_bytes,
+            meta, t0, stage_s, copies, crcs,
         )  # fmt: skip
         with self._lock:
             self._in_flight.append(job.future)
         self._jobs.put(job)
         handle = SaveHandle(job.future, self._reported)
         return handle.wait() if block else handle
+
+    def _buffer(self, index: int, plan: staging.StagingPlan, cuda: bool) -> torch.Tensor:
+        """Staging buffer `index` for `plan`: the one kept, or a new one (page-locked for CUDA state)."""
+        buf = self._buffers[index]
+        if buf is not None and (buf.numel() != plan.layout.total_size or cuda != self._host.holds(buf)):
+            plan.views.pop(buf.data_ptr(), None)
+            self._host.drop(buf)
+            buf = self._buffers[index] = None
+        buf = staging.host_buffer(plan, buf, self._host.allocate if cuda else aligned_buffer)
+        self._buffers[index] = buf
+        return buf
+
+    def _release(self, index: int, copies: devcopy.Copies | None) -> None:
+        """The writer is done with buffer `index`: once the copies into it have landed, the next save may use it."""
+        if copies is not None:
+            try:
+                copies.landed()  # landed already, unless the save ended before its shard was written
+            except Exception as e:  # adapter boundary (the CUDA runtime): the save's own error says more
+                log_quietly(log.error, "checkpoint_copy_failed", rank=self.rank, reason=str(e))
+        self._free.put(index)
 
     def _writer_loop(self) -> None:
         while True:

@@ -6,10 +6,10 @@ bytes; DTensor shards by their owners). The plan fixes the byte layout of each r
 file, so it is cached under a cheap signature of the state (names, global shapes, dtypes, how
 each tensor is split) until the structure changes.
 
-Staging: this rank's chunks are copied into a page-aligned host buffer (pinned for CUDA) that
+Staging: this rank's chunks are copied into a page-aligned host buffer (page-locked for CUDA) that
 already holds the file header, laid out exactly as the shard file. On CPU with hardware
 CRC-32C the copy computes the block checksums in the same pass (`blocksum.StreamingBlocks`);
-elsewhere the writer computes them from the buffer.
+elsewhere the writer computes them from the buffer. CUDA chunks are only launched (`devcopy`).
 
 Not here: the buffers' reuse and bounds (the engine owns them), writing and committing
 (`commit`), loading (`loading`).
@@ -17,8 +17,10 @@ Not here: the buffers' reuse and bounds (the engine owns them), writing and comm
 
 from __future__ import annotations
 
+import functools
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +32,7 @@ from ftsup.store import blocksum, layout
 from ftsup.store.errors import CheckpointError
 from ftsup.trainer.checkpoint import codec, saveplan
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
+from ftsup.trainer.checkpoint.devcopy import Copies, SideStreams
 from ftsup.trainer.checkpoint.shardio import ShardLayout, aligned_buffer, as_memoryview, build_layout
 
 
@@ -43,6 +46,9 @@ class StagingPlan:
     object without its closing brace (`metadata_bytes` adds a save's skeleton). Kept encoded, not as objects: at
     thousands of ranks it lists millions of chunks, which as Python objects take gigabytes and seconds to encode."""
     tensor_bytes: int
+    views: dict[int, list[torch.Tensor | None]] = field(default_factory=dict, repr=False, compare=False)
+    """Each buffer's slots as tensors of their dtype and shape (None for an empty slot), by the buffer's address:
+    made once per buffer, so that a save's copies are only the copies (the engine forgets a buffer it drops)."""
 
 
 def metadata_bytes(plan: StagingPlan, skeleton: Any) -> bytes:
@@ -149,48 +155,72 @@ def plan_finish(
     return StagingPlan(sig, shard, sources, meta_head, nbytes)
 
 
+def on_cuda(flat: dict[str, torch.Tensor]) -> bool:
+    """True when any of the state's (local) tensors is in CUDA memory."""
+    return any(local_tensor(t).is_cuda for t in flat.values())
+
+
+def host_buffer(plan: StagingPlan, buf: torch.Tensor | None, allocate: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """`buf` when it is of `plan`'s size; otherwise a new one from `allocate`, holding the file header."""
+    if buf is not None and buf.numel() == plan.layout.total_size:
+        return buf
+    buf = allocate(plan.layout.total_size)
+    buf[: plan.layout.data_start].copy_(torch.frombuffer(bytearray(plan.layout.header), dtype=torch.uint8))
+    return buf
+
+
+def _views(plan: StagingPlan, buf: torch.Tensor) -> list[torch.Tensor | None]:
+    views = plan.views.get(buf.data_ptr())
+    if views is None:
+        views = [
+            buf[s.byte_offset : s.byte_offset + s.nbytes].view(s.dtype).view(s.sizes) if s.nbytes else None
+            for s in plan.layout.slots
+        ]
+        plan.views[buf.data_ptr()] = views
+    return views
+
+
 @torch.no_grad()
 def stage(
-    plan: StagingPlan, flat: dict[str, torch.Tensor], buf: torch.Tensor | None
-) -> tuple[torch.Tensor, Any, list[int] | None]:
-    """Copy this rank's chunks into `buf` (allocated here when None or of another size):
-    (buffer, CUDA event, block CRCs).
+    plan: StagingPlan, flat: dict[str, torch.Tensor], buf: torch.Tensor | None, side: SideStreams | None = None
+) -> tuple[torch.Tensor, Copies | None, list[int] | None]:
+    """Copy this rank's chunks into `buf` (a new one from `host_buffer` when None or of another size): (the buffer,
+    the CUDA copies in flight, block CRCs).
 
-    On CPU with hardware CRC-32C the block checksums are computed by the copy itself (one
-    pass over the bytes, see blocksum.StreamingBlocks); otherwise they are None and the
-    writer thread computes them from the buffer.
+    CUDA chunks (`side` given) are launched on the side streams and not waited for (`devcopy`): the buffer holds
+    them once the copies have landed. On CPU with hardware CRC-32C the block checksums are computed by the copy
+    itself (one pass over the bytes, see blocksum.StreamingBlocks); otherwise they are None and the writer thread
+    computes them from the buffer.
     """
-    cuda = any(local_tensor(t).is_cuda for t in flat.values())
-    if buf is None or buf.numel() != plan.layout.total_size:
-        buf = aligned_buffer(plan.layout.total_size, pin=cuda)
-        buf[: plan.layout.data_start].copy_(torch.frombuffer(bytearray(plan.layout.header), dtype=torch.uint8))
+    buf = host_buffer(plan, buf, aligned_buffer if side is None else functools.partial(aligned_buffer, pin=True))
     sums = None
-    if not cuda and blocksum.fused_copy_available():
+    if side is None and blocksum.fused_copy_available():
         sums = blocksum.StreamingBlocks(plan.layout.total_size)
         mv = as_memoryview(buf)
         sums.update(mv[: plan.layout.data_start], 0)
-    for slot, (fqn, offsets) in zip(plan.layout.slots, plan.sources, strict=True):
+    device: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for slot, (fqn, offsets), dst in zip(plan.layout.slots, plan.sources, _views(plan, buf), strict=True):
         src = local_tensor(flat[fqn]).detach()
         if tuple(src.shape) != slot.sizes:
             # The signature matched, so this is a chunk narrower than the local tensor.
             src = _narrow(src, offsets, flat[fqn], slot.sizes)
-        if slot.nbytes == 0:
+        if dst is None:
+            continue
+        if side is not None and src.is_cuda:
+            device.append((dst, src))
+            continue
+        if sums is None:
+            dst.copy_(src)
             continue
         start, end = slot.byte_offset, slot.byte_offset + slot.nbytes
-        if sums is None:
-            buf[start:end].view(slot.dtype).view(slot.sizes).copy_(src, non_blocking=cuda)
-            continue
         raw = _raw_bytes(src, slot.dtype)
         if raw is not None:
             sums.copy(mv[start:end], raw, start)
         else:  # a layout only torch copies: copy, then checksum the copy
-            buf[start:end].view(slot.dtype).view(slot.sizes).copy_(src)
+            dst.copy_(src)
             sums.update(mv[start:end], start)
-    event = None
-    if cuda:
-        event = torch.cuda.Event()
-        event.record()
-    return buf, event, None if sums is None else sums.finish()
+    copies = side.launch(device) if side is not None and device else None
+    return buf, copies, None if sums is None else sums.finish()
 
 
 def _plan_chunks(plan: SavePlan) -> list[tuple[str, tuple[int, ...], tuple[int, ...], torch.dtype]]:
