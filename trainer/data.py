@@ -1,26 +1,6 @@
-"""World-size-independent data order and position.
+"""World-size-independent data order and position: `GlobalBatchSchedule` (skips included) and `RankBatchSampler`.
 
-The job sees one deterministic *global* order of samples: epoch e is a permutation of the
-dataset seeded from (seed, e), and global position p is sample `perm_{p // N}[p % N]`. The
-data position is one number, the count of global samples consumed by completed optimizer
-steps; it means the same thing on any world size.
-
-Optimizer step k (1-based) consumes global positions [(k-1)·G, k·G). That global batch is cut
-into G/B micro-batches of B samples in order, and micro-batch j goes to rank j mod W. Each rank
-accumulates gradients over its G/(B·W) micro-batches; the global batch and the sequence of
-global batches are therefore the same on every world size, and only the summation order of
-the gradient differs.
-
-Skips (`skips=`, half-open ranges [A, B) of global positions: the data a rollback steps past) are
-never served: step k consumes the next G positions that no skip holds, so the schedule is still
-the same on every world size, and a run told to skip from the start serves exactly the batches
-of a run that skipped later. The data position after step k (`position_after`) is one past the
-last position step k served; a skip that begins there is passed by the next step.
-
-Why not torchdata's StatefulDataLoader alone: its state is the per-rank iterator position,
-which means nothing on another world size, and it counts what the loader yielded (prefetched),
-not what training consumed. Here the position lives in the training state and the loader is
-rebuilt from it, so any DataLoader (num_workers > 0 included) resumes exactly.
+How and why: docs/design/trainer.md, The data order.
 """
 
 from __future__ import annotations

@@ -1,21 +1,5 @@
-"""The model configuration a checkpoint records, in the one form that always matches itself.
-
-A run's configuration (`TrainingState(config=...)`, `Session(config=...)`) is saved in the
-checkpoint's manifest and compared on resume, so that a checkpoint of another model is refused
-before any tensor moves. What a user passes is often not JSON as JSON reads it back: a
-`transformers` `PretrainedConfig` object, its `to_dict()` (whose `id2label` has int keys), tuples,
-dataclasses. `canonical` turns any of these into what `json.loads(json.dumps(...))` would give
-(string keys, lists, finite floats), once, when the run starts: the saved copy and this run's are
-then the same value whenever the configuration is the same, before and after a round trip
-through the store.
-
-`differences` compares two canonical configurations key by key, nested, and names every key
-that differs with both values. Keys that describe the software rather than the model
-(`SOFTWARE_KEYS`, and any key beginning with `_`, the convention `transformers` uses for
-bookkeeping such as `_name_or_path` or `_commit_hash`) are kept in the saved copy, for the
-record, but never compared: an upgrade of a library never refuses a resume.
-
-Not here: reading the manifest (`ftsup.store`), the rest of the metadata check (`state`).
+"""The model configuration a checkpoint records, in the one form that always matches itself (`canonical`), and the
+keys two of them differ in (`differences`; docs/design/trainer.md, The training state and its configuration).
 """
 
 from __future__ import annotations

@@ -1,15 +1,5 @@
-"""Capture and restore every random number stream a rank uses.
-
-Captured per rank: Python's `random`, NumPy's legacy global generator, torch's CPU generator
-and each CUDA device's generator. `capture()` returns a value the checkpoint engine stores as
-that rank's `rank_state` (JSON, with the byte tensors inlined); `restore()` puts it back.
-
-On a different world size there is no one right answer for the global streams: rank r of the
-new job restores rank r's streams when the old job had a rank r, and otherwise starts from
-streams derived from (seed, rank, step) (`reseed`). Randomness that shapes the math must
-therefore not come from these global streams if a run is to match across world sizes: the
-reference trainer seeds each micro-batch's generator from (seed, step, first global sample id)
-with `micro_batch_seed`, so dropout masks are the same on any world size.
+"""Capture and restore every random number stream a rank uses, and seeds derived for what must not depend on the
+world size (docs/design/trainer.md, Random streams).
 """
 
 from __future__ import annotations

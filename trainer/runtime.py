@@ -1,49 +1,7 @@
-"""The rank side of the supervisor channel: heartbeats out, save/stop requests in.
+"""The rank side of the supervisor channel: heartbeats out (`beat`, `phase`), save/stop requests in (`control`,
+`agree`, `Agreement`); `runtime()` is the process's client, a no-op without a supervisor.
 
-    from ftsup.trainer.runtime import runtime
-    rt = runtime()                         # reads the environment once; a no-op without a supervisor
-    with rt.phase("load", step=0): state.resume(engine)
-    for step in ...:
-        ...
-        rt.beat(step, "train", loss=loss)
-    with rt.phase("eval"):                 # long work without steps: beats every interval from a thread
-        evaluate(model)
-
-Heartbeats are small JSON messages on a UNIX `SOCK_SEQPACKET` socket whose path the supervisor
-exports (`FTSUP_HEARTBEAT_SOCKET`). Each rank has a connection of its own, so a process that
-floods the socket fills only its own queue, and the kernel tells the supervisor which process
-sent each message (`SCM_CREDENTIALS`): a beat's `pid` is checked, never trusted. Sending never
-blocks and never raises: a full queue, a missing supervisor or a value that cannot be sent drops
-the beat (counted in `dropped`). A rank never outlives its torchrun agent (torchrun starts ranks
-in sessions of their own, where signals to the agent's process group do not reach them):
-`ftsup run` starts each rank behind a parent-death guard armed before exec, and a rank started
-some other way arms it when the client is created.
-
-The wire format (`ftsup.protocol`: `encode_beat`, checked field by field by `parse_beat`):
-one flat JSON object `{"v": BEAT_VERSION, "attempt", "rank", "local_rank", "pid", "step",
-"phase", "t": wall clock, "mono": this machine's monotonic clock, figure: number|null, ...}`,
-at most `MAX_BEAT_BYTES`. Figures (`loss`, `save_s`, `saved_step`, ...) are named by
-`FIGURE_NAME`, at most `MAX_FIGURES` of them; a value that is not finite (a NaN loss) travels
-as null. `mono` times the ranks' steps on their own clock, so that a supervisor that was busy
-for a while does not mistake its own stall for slow steps.
-
-Phases: `init`, `load`, `train`, `eval`, `save`, `done`. In `save` and `load` a rank may stay
-silent up to `heartbeat.save_timeout_s`. In `eval` (work without optimizer steps, such as an
-evaluation) the client beats every `heartbeat.interval_s` (`FTSUP_HEARTBEAT_INTERVAL_S`) from a
-thread of its own, so the rank stays under the heartbeat timeout (a frozen or dead rank is
-still caught) while no step progress is expected, for up to `save_timeout_s`.
-
-Requests come the other way through a small JSON file the supervisor replaces atomically
-(`FTSUP_CONTROL_FILE`): `{"v": 1, "seq": n, "action": "save", "stop": bool, "reason": ...,
-"deadline_unix": ...}` (`ftsup.protocol.parse_control`). A rank checks it once per step with one
-`stat()`; a file without the version or of another one is refused with a warning and never acted
-on. Then all ranks agree on the request with one tiny all-reduce (MAX) on a CPU (gloo) group, so
-that a notice seen by one node's supervisor reaches every rank of the job at the same step:
-`Agreement` overlaps that all-reduce with the next step (the request is acted on one step later,
-and a GPU step never waits on the host for it), `agree` blocks.
-
-The environment the supervisor exports is read once, by `runtime()` (`ftsup.protocol.RuntimeEnv`).
-Not here: the schemas of the messages, the files and the environment (`ftsup.protocol`).
+Sending never blocks and never raises (docs/design/trainer.md, The runtime client; the schemas: `ftsup.protocol`).
 """
 
 from __future__ import annotations
@@ -86,9 +44,12 @@ class RuntimeClient:
     own). Thread-safe: the lock is held only around non-blocking socket calls."""
 
     def __init__(
-        self, env: RuntimeEnv, *, clock: Callable[[], float] = time.time,
+        self,
+        env: RuntimeEnv,
+        *,
+        clock: Callable[[], float] = time.time,
         mono: Callable[[], float] = time.monotonic,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.env = env
         self._clock = clock
         self._mono = mono
@@ -175,13 +136,9 @@ class RuntimeClient:
     def _send(self, figures: Mapping[str, object]) -> None:
         if not self.env.heartbeat_socket:
             return
-        e = self.env
-        payload = encode_beat(attempt=e.attempt, rank=e.rank, local_rank=e.local_rank, pid=os.getpid(),
-                              step=self._step, phase=self._phase, t=self._clock(), mono=self._mono(),
-                              figures=figures)  # fmt: skip
+        payload = self._encode(figures)
         if len(payload) > MAX_BEAT_BYTES:  # only figures can make it this long: send the beat without them
-            payload = encode_beat(attempt=e.attempt, rank=e.rank, local_rank=e.local_rank, pid=os.getpid(),
-                                  step=self._step, phase=self._phase, t=self._clock(), mono=self._mono())  # fmt: skip
+            payload = self._encode(None)
         with self._lock:
             for _ in range(2):  # a second try on a fresh connection when the supervisor closed ours
                 sock = self._connected()
@@ -197,6 +154,21 @@ class RuntimeClient:
                 self.sent += 1
                 return
             self.dropped += 1
+
+    def _encode(self, figures: Mapping[str, object] | None) -> bytes:
+        """This process's beat at its step and phase, stamped with both clocks now."""
+        e = self.env
+        return encode_beat(
+            attempt=e.attempt,
+            rank=e.rank,
+            local_rank=e.local_rank,
+            pid=os.getpid(),
+            step=self._step,
+            phase=self._phase,
+            t=self._clock(),
+            mono=self._mono(),
+            figures=figures,
+        )
 
     def _connected(self) -> socket.socket | None:
         """The connection of this process, opened if needed (caller holds the lock)."""
@@ -302,8 +274,11 @@ class ControlReader:
                 self._last = parse_control(raw)
             except ControlVersionError as e:  # a supervisor of another release: its request is not ours to guess
                 self.refused += 1
-                warnings.warn(f"ftsup.trainer.runtime: control file {self.path} refused, its request ignored: {e}",
-                              RuntimeWarning, stacklevel=2)  # fmt: skip
+                warnings.warn(
+                    f"ftsup.trainer.runtime: control file {self.path} refused, its request ignored: {e}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             except (OSError, ValueError):
                 self._sig = None  # a torn or odd file: read it again next step
         return self._last
@@ -368,8 +343,9 @@ class Agreement:
         self._mine = request
         if self._dist is not None:
             self._tensor = torch.tensor([request.seq, int(request.stop)], dtype=torch.int64)
-            self._work = self._dist.all_reduce(self._tensor, op=self._dist.ReduceOp.MAX, group=self._group,
-                                               async_op=True)  # fmt: skip
+            self._work = self._dist.all_reduce(
+                self._tensor, op=self._dist.ReduceOp.MAX, group=self._group, async_op=True
+            )
 
     def wait(self) -> Request:
         """The request the exchange in flight agreed on (NO_REQUEST when none is in flight)."""
@@ -393,10 +369,8 @@ def _agreed(mine: Request, seq: int, stop: int) -> Request:
     return Request(seq, bool(stop), "requested on another node", None)
 
 
-_cpu_group_of: tuple[Any, Any] = (
-    None,
-    None,
-)  # (the default group, the CPU group agree() and the step guard use with it)
+# (the default group, the CPU group agree() and the step guard use with it)
+_cpu_group_of: tuple[Any, Any] = (None, None)
 
 
 def cpu_group() -> Any:

@@ -1,34 +1,7 @@
-"""TrainingState: everything a run needs to continue exactly where it stopped.
+"""`TrainingState`: everything a run needs to continue exactly where it stopped, as one `Stateful`: model, optimizer,
+scheduler, scaler, step, data position and skips, the recorded configuration, and the step guard.
 
-One `Stateful` object holding the model, optimizer, LR scheduler, grad scaler (optional), the
-step, the data position (global samples consumed), the data skips in force and the configuration
-that must not change across a resume. RNG streams are per rank and travel as the checkpoint's
-`rank_state`.
-
-Data skips (ranges of global positions never served: `GlobalBatchSchedule(skips=...)`) are never
-forgotten: the state's schedule is the given one with the environment's skips added
-(`FTSUP_DATA_SKIPS`, which the supervisor sets after a rollback), every checkpoint records the
-skips in force (`data_skips` in its metadata), and a resume adds the checkpoint's. Serve the data
-from `state.schedule` after `resume`.
-
-The step guard (`state.guard`, `ftsup.trainer.stepguard`) refuses the update of a step whose loss or
-gradient norm is not finite: `state.clip_and_step(max_norm, loss)` does the whole update, and
-`state.step_guard(loss, grad_norm)` the check alone, before the loop's own `optimizer.step()`.
-
-The configuration (`config=`: a mapping, a `transformers` `PretrainedConfig` or its `to_dict()`, a
-dataclass) is recorded as JSON reads it back (`modelconfig.canonical`), so the same configuration
-always matches itself after a resume; keys that name software versions are never compared.
-
-    state = TrainingState(model, optimizer, scheduler, schedule=schedule, config=model_config)
-    if state.resume(engine) is None:      # latest consistent checkpoint, or a fresh start
-        state.init_from_hf("/models/base") # optional: a fresh start from a Hugging Face model's weights
-    ...
-    state.clip_and_step(1.0, loss)        # no update when the loss or the gradient norm is not finite
-    state.step += 1; state.samples = state.schedule.position_after(state.step)
-    state.save(engine)                    # async; kind="final"/"emergency" with block=True
-
-Model and optimizer go through `torch.distributed.checkpoint.state_dict`, so the same code
-serves a single process, DDP and FSDP2, and the checkpoint reshards to another world size.
+docs/adopting.md shows it in a loop; docs/design/trainer.md, The training state and its configuration.
 """
 
 from __future__ import annotations

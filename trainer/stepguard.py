@@ -1,38 +1,6 @@
-"""The rank-side guard: a step whose loss or gradient norm is not finite applies no update.
+"""The rank-side guard: a step whose loss or gradient norm is not finite applies no update, on every rank alike.
 
-    guard = StepGuard(optimizer, scheduler)           # TrainingState and Session make one
-    for step in ...:
-        ...backward...
-        check = guard.clip_and_step(model.parameters(), max_norm=1.0, loss=loss)
-        # or, in a loop that steps the optimizer itself (the update that follows a refusal is a no-op):
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        guard.check(loss, grad_norm)
-        optimizer.step(); scheduler.step(); optimizer.zero_grad()
-
-`check(loss, grad_norm)` decides, the same way on every rank, whether the step may be applied: it
-is refused when the loss of any rank or the total gradient norm is not finite (NaN or infinite).
-A refused step changes nothing that a checkpoint holds. Its gradients are dropped (set to None),
-so the `optimizer.step()` that follows skips every parameter: no update, no weight decay, no
-moment, no step count (every `torch.optim` optimizer skips a parameter without a gradient). The
-scheduler's and the optimizer's hyperparameters (`lr`, betas, momentum) are put back as they were
-before the step (`settle`, called by the next `check`, by `TrainingState.state_dict` and between
-a Session's steps), so that a `scheduler.step()` after a refusal leaves no trace either.
-
-With a GradScaler (torch.amp), an infinite gradient norm is the scaler's to handle: it skips that
-update and lowers its scale itself, and the guard neither refuses it nor reports the norm (an
-overflow is not an anomaly). A non-finite loss is still refused. Call `scaler.unscale_(optimizer)`
-before the norm is measured, as torch.amp's recipe for clipping does (`clip_and_step` does).
-
-The cost on a GPU: one host-device synchronisation per step, the one a loop that logs its loss
-pays anyway. Loss and norm are put into one small float64 tensor on the device; with more than one
-rank it is all-reduced (a sum: non-finite when any rank's is, and the same on every rank) on the
-training group, on the device, without waiting; then that tensor is copied to the host once. A
-loop that logs the figures the check returns (`StepCheck.loss`, `mean_loss`, `grad_norm`) needs no
-`.item()` of its own. `clip_grad_norm_` and `get_total_norm` themselves never synchronise.
-
-Every rank must call `check` (or `clip_and_step`) at the same point of every step: the sum is a
-collective on the default group (on a CPU gloo group when the values are on the host and the
-default group cannot reduce CPU tensors). Not here: what the supervisor does with the figures.
+How it refuses, and what it costs: docs/design/trainer.md, The step guard.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""A deterministic text corpus generated on the spot (no downloads), tokenised as bytes.
-
-Sentences are drawn from a small grammar with a seeded generator, so the text has structure a
-small language model can learn (its loss falls visibly within a few hundred steps) and is the
-same bytes on every machine and Python version.
-"""
+"""A deterministic text corpus generated on the spot (no downloads), tokenised as bytes: the same bytes everywhere."""
 
 from __future__ import annotations
 

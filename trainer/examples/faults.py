@@ -1,25 +1,6 @@
-"""The reference trainer's faults (`--fault`): processes that fail, and numbers that go wrong.
+"""The reference trainer's faults (`--fault`, `--fault-file`): processes that fail, and numbers that go wrong.
 
-Process faults, on rank `--fault-rank`, in attempt `--fault-attempt` only (so that a restart gets
-past them): `kill@STEP` (SIGKILL after step STEP), `kill-in-save@STEP` (SIGKILL in the background
-writer while step STEP's checkpoint is written), `exit@STEP` (exit status 3 after step STEP),
-`stop@STEP` (SIGSTOP after step STEP: a hang), `slow@RANK:FACTOR` (every micro-batch of rank RANK
-takes FACTOR times as long, from the first step on: a straggler that keeps beating, not a hang;
-its peers wait for it, so it shows in the `compute_s` figure, not in `step_s`).
-
-Process faults asked for from outside at a moment the asker picks (`--fault-file`, `Trigger`;
-chaos tooling: `ftsup chaos`): `exit` (exit status 3 before the next step) and `kill-in-commit`
-(SIGKILL at a point of this rank's next save: a shard written, or rank 0's DCP metadata or
-manifest written but the directory not yet renamed).
-
-Data faults are keyed to global data *positions*, the positions the schedule without skips serves
-at the steps named, and are there in every attempt, as bad data would be: a run that skips those
-positions (a rollback's data skip, `FTSUP_DATA_SKIPS`) never meets them, and one that does not
-meets them again. `nan@STEP[:RANK]`: a micro-batch of rank RANK (default `--fault-rank`) holding
-one of step STEP's positions has a NaN loss. `spike@STEP:LEN`: the samples at the positions of
-steps STEP..STEP+LEN-1 are random tokens (drawn from the run's seed and the position) and the loss
-of a micro-batch holding one is scaled by SPIKE_LOSS_SCALE, on every rank: the loss goes far up
-until they are skipped.
+Their flags: docs/adopting.md, The reference trainer; when each acts: docs/design/trainer.md, The examples.
 """
 
 from __future__ import annotations

@@ -1,44 +1,7 @@
 """The reference trainer: a small GPT-style language model that resumes exactly.
 
-    torchrun --nproc-per-node 2 -m ftsup.trainer.examples.gpt --steps 200 --ckpt-dir /ckpt --loss-log loss.jsonl
-    python -m ftsup.trainer.examples.gpt --steps 50 --ckpt-dir /ckpt          # one process, no torchrun
-
-It trains with AdamW, warmup + cosine LR, dropout and gradient accumulation on a corpus it
-generates itself, with DDP or FSDP2 (`--parallel`), on CPU/gloo or CUDA/NCCL (`--device`). Its
-loop is an `ftsup.Session`'s: it resumes from the latest consistent checkpoint in `--ckpt-dir`
-(or `FTSUP_RESUME_STEP`), saves every `--ckpt-every` steps and at the end, beats, and serves the
-supervisor's save and stop requests. It appends one JSON line per optimizer step to `--loss-log`
-(rank 0): `{"step", "loss", "loss_hex", "world_size", "samples"}`.
-
-Determinism (on by default): `torch.use_deterministic_algorithms(True)`, one intra-op thread
-per rank (`--threads`), every micro-batch's dropout seeded from (seed, step, first global
-sample id), and a loss reduced in float64. With these, a resumed run's losses are bitwise
-equal to an uninterrupted run's on the same world size, and equal within float reduction
-order on another world size.
-
-Each step's update goes through the Session's step guard (`clip_and_step`: clipping to
-`--clip-grad-norm`, or none, measuring the norm only): a step whose loss or gradient norm is not
-finite applies no update, its heartbeat says `step_skipped` and its loss-log line has
-`"step_skipped": true`. Data skips (`FTSUP_DATA_SKIPS`, or `--skip A:B,C:D` for a fresh run told to
-skip) are never served.
-
-`--fault` injects a failure for tests and demos (`ftsup.trainer.examples.faults`): on rank
-`--fault-rank`, `kill@STEP` (SIGKILL after step STEP), `kill-in-save@STEP` (SIGKILL in the
-background writer while step STEP's checkpoint is being written), `exit@STEP` (exit code 3 after
-step STEP), `stop@STEP` (SIGSTOP itself after step STEP: a hang); "after step STEP" is after its
-heartbeat, its periodic save and the supervisor's requests, when step STEP + 1 begins (so STEP <
---steps). `slow@RANK:FACTOR`: rank RANK's micro-batches take FACTOR times as long (a straggler).
-`--fault-file PATH`: a rank exits 3, or dies in its next commit, when the file asks it by pid
-(`faults.Trigger`: chaos tooling picks the moment from outside).
-Numbers that go wrong, keyed to the data positions of the steps named, in every attempt:
-`nan@STEP[:RANK]` (that rank's loss is NaN) and `spike@STEP:LEN` (poisoned samples that drive the
-loss far up until they are skipped).
-
-A periodic save that fails (a full or read-only store) is logged by the engine
-(`checkpoint_save_failed`) and training goes on; the previous checkpoint stays the resume point.
-An emergency save that fails is logged (`emergency_save_failed`); asked to stop, the trainer then
-stops (exit status 1) with the last committed checkpoint as the resume point. A final save that
-fails ends the run with exit status 1.
+`python -m ftsup.trainer.examples.gpt`, alone or under torchrun: its flags, loss log, determinism, faults and exit
+statuses are docs/adopting.md's (The reference trainer).
 """
 
 from __future__ import annotations
@@ -162,14 +125,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="block each periodic save this much longer (tests of long saves; no effect on the math)",
     )
     p.add_argument("--clip-grad-norm", type=float, help="clip the gradients to this norm (default: no clipping)")
-    p.add_argument("--init-from-hf", metavar="DIR", help="a fresh run starts from this Hugging Face model directory's "
-                   "weights (model.safetensors, or its index and shards; each rank reads its share)")  # fmt: skip
+    p.add_argument(
+        "--init-from-hf",
+        metavar="DIR",
+        help=(
+            "a fresh run starts from this Hugging Face model directory's weights "
+            "(model.safetensors, or its index and shards; each rank reads its share)"
+        ),
+    )
     p.add_argument("--skip", default="", help="A:B,C:D: global data positions never served (with FTSUP_DATA_SKIPS)")
-    p.add_argument("--fault", default="", help="kill@STEP, kill-in-save@STEP, exit@STEP, stop@STEP, "
-                   "nan@STEP[:RANK], spike@STEP:LEN or slow@RANK:FACTOR")  # fmt: skip
+    p.add_argument(
+        "--fault",
+        default="",
+        help="kill@STEP, kill-in-save@STEP, exit@STEP, stop@STEP, nan@STEP[:RANK], spike@STEP:LEN or slow@RANK:FACTOR",
+    )
     p.add_argument("--fault-rank", type=int, default=0)
-    p.add_argument("--fault-file", help="a JSON file through which chaos tooling asks one rank (by pid) to exit 3 "
-                   "or to die in its next commit (faults.Trigger)")  # fmt: skip
+    p.add_argument(
+        "--fault-file",
+        help=(
+            "a JSON file through which chaos tooling asks one rank (by pid) to exit 3 "
+            "or to die in its next commit (faults.Trigger)"
+        ),
+    )
     p.add_argument(
         "--fault-attempt",
         type=int,
@@ -226,9 +203,16 @@ def train(args: argparse.Namespace) -> int:
     trigger = faults.Trigger(args.fault_file)
     dataset = TokenWindows(generate(args.corpus_bytes), args.seq_len)
     config = {
-        "vocab": 256, "seq_len": args.seq_len, "n_layer": args.n_layer, "n_head": args.n_head,
-        "n_embd": args.n_embd, "dropout": args.dropout, "lr": args.lr, "warmup": args.warmup, "steps": args.steps,
-    }  # fmt: skip
+        "vocab": 256,
+        "seq_len": args.seq_len,
+        "n_layer": args.n_layer,
+        "n_head": args.n_head,
+        "n_embd": args.n_embd,
+        "dropout": args.dropout,
+        "lr": args.lr,
+        "warmup": args.warmup,
+        "steps": args.steps,
+    }
     torch.manual_seed(args.seed)  # the same initial weights on every rank and world size
     model: nn.Module = GPT(256, args.seq_len, args.n_layer, args.n_head, args.n_embd, args.dropout).to(device)
     model = _wrap(model, args, world, device)
@@ -242,9 +226,21 @@ def train(args: argparse.Namespace) -> int:
             time.sleep(args.save_delay_s)  # a periodic save that blocks this much longer, in phase save
 
     engine = CheckpointEngine(args.ckpt_dir, retention=RetentionPolicy(keep_last=args.keep_last), hook=hook)
-    session = Session(model, optimizer, scheduler, dataset, global_batch=args.global_batch, seed=args.seed,
-                      micro_batch=args.micro_batch, config=config, save_every=args.ckpt_every, engine=engine,
-                      num_workers=args.num_workers, skip=args.skip, init_from_hf=args.init_from_hf)  # fmt: skip
+    session = Session(
+        model,
+        optimizer,
+        scheduler,
+        dataset,
+        global_batch=args.global_batch,
+        seed=args.seed,
+        micro_batch=args.micro_batch,
+        config=config,
+        save_every=args.ckpt_every,
+        engine=engine,
+        num_workers=args.num_workers,
+        skip=args.skip,
+        init_from_hf=args.init_from_hf,
+    )
     loss_log = open(args.loss_log, "a") if args.loss_log and rank == 0 else None  # noqa: SIM115
     sample_log = open(args.sample_log.replace("{rank}", str(rank)), "a") if args.sample_log else None  # noqa: SIM115
     first = session.step + 1

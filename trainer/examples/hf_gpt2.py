@@ -1,21 +1,7 @@
 """A Hugging Face Trainer script under ftsup: a tiny GPT-2, one callback, one line to resume.
 
-    ftsup run --config job.yaml      # job.command: [python, -m, ftsup.trainer.examples.hf_gpt2, --steps, "40", ...]
-    torchrun --nproc-per-node 2 -m ftsup.trainer.examples.hf_gpt2 --steps 40 --output-dir out --loss-log loss.jsonl
-
-A `transformers` GPT-2 built from a config (no downloads) learns the corpus of
-`ftsup.trainer.examples.corpus` with the Trainer's AdamW, warmup + cosine LR, gradient clipping,
-dropout and a periodic evaluation, on CPU/gloo (or CUDA/NCCL). Everything ftsup adds is the two
-lines marked `# ftsup`; the checkpoints go to `FTSUP_CHECKPOINT_DIR` (or `--output-dir`), and
-`ftsup ckpt export-hf` turns one into a directory `from_pretrained` loads.
-
-Rank 0 appends one JSON line per optimizer step to `--loss-log`: `{"step", "loss", "loss_hex",
-"world_size"}`, the loss the Trainer logs (the mean over ranks). `--eval-pad-s` makes each
-evaluation last that much longer (a metric that is slow to compute), `--min-step-s` pads each
-step, for tests and demos that need time to act; neither changes the math. `--logits-out FILE`
-writes, at the end, the model's logits on a fixed input (for checking an export). `--no-ftsup`
-runs it as it would be written without ftsup (no callback; the Trainer resumes from the newest
-`checkpoint-N/` of `--output-dir` by itself), for supervision with zero changed lines.
+`python -m ftsup.trainer.examples.hf_gpt2`, alone or under torchrun: docs/hf.md, The full example; `--no-ftsup` runs
+it without its two `# ftsup` lines.
 """
 
 from __future__ import annotations
@@ -53,8 +39,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--loss-log")
     p.add_argument("--logits-out")
-    p.add_argument("--no-ftsup", action="store_true",
-                   help="the same script without its ftsup lines: no callback, the Trainer's own resume")  # fmt: skip
+    p.add_argument(
+        "--no-ftsup",
+        action="store_true",
+        help="the same script without its ftsup lines: no callback, the Trainer's own resume",
+    )
     return p.parse_args(argv)
 
 
@@ -105,29 +94,58 @@ def main(argv: list[str] | None = None) -> int:
     tokens = generate(a.corpus_bytes)
     cut = len(tokens) * 9 // 10
     train, val = Windows(tokens[:cut], a.seq_len), Windows(tokens[cut:][: a.seq_len * 16], a.seq_len)
-    config = GPT2Config(vocab_size=256, n_positions=a.seq_len, n_embd=a.n_embd, n_layer=a.n_layer, n_head=4,
-                        resid_pdrop=a.dropout, embd_pdrop=a.dropout, attn_pdrop=a.dropout)  # fmt: skip
+    config = GPT2Config(
+        vocab_size=256,
+        n_positions=a.seq_len,
+        n_embd=a.n_embd,
+        n_layer=a.n_layer,
+        n_head=4,
+        resid_pdrop=a.dropout,
+        embd_pdrop=a.dropout,
+        attn_pdrop=a.dropout,
+    )
     torch.manual_seed(a.seed)
     model = GPT2LMHeadModel(config)
     backend = ("gloo" if a.device == "cpu" else "nccl") if "WORLD_SIZE" in os.environ else None  # torchrun's ranks
     args = TrainingArguments(
-        output_dir=a.output_dir, max_steps=a.steps, per_device_train_batch_size=a.batch,
-        gradient_accumulation_steps=a.accumulation, learning_rate=a.lr, warmup_steps=max(1, a.steps // 10),
-        lr_scheduler_type="cosine", weight_decay=0.1, max_grad_norm=1.0, seed=a.seed,
-        logging_steps=1, eval_strategy="steps", eval_steps=a.eval_every, per_device_eval_batch_size=8,
-        save_strategy="steps", save_steps=a.save_every, report_to="none", disable_tqdm=True,
-        use_cpu=a.device == "cpu", ddp_backend=backend, dataloader_num_workers=0,
+        output_dir=a.output_dir,
+        max_steps=a.steps,
+        per_device_train_batch_size=a.batch,
+        gradient_accumulation_steps=a.accumulation,
+        learning_rate=a.lr,
+        warmup_steps=max(1, a.steps // 10),
+        lr_scheduler_type="cosine",
+        weight_decay=0.1,
+        max_grad_norm=1.0,
+        seed=a.seed,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=a.eval_every,
+        per_device_eval_batch_size=8,
+        save_strategy="steps",
+        save_steps=a.save_every,
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=a.device == "cpu",
+        ddp_backend=backend,
+        dataloader_num_workers=0,
         ddp_find_unused_parameters=False,
-    )  # fmt: skip
+    )
     callbacks: list[TrainerCallback] = [LossLog()]
     if not a.no_ftsup:
         from ftsup import FtsupCallback
 
         ftsup_cb = FtsupCallback()  # ftsup
         callbacks.append(ftsup_cb)
-    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val, compute_metrics=metrics,
-                      preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
-                      callbacks=callbacks)  # fmt: skip
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=val,
+        compute_metrics=metrics,
+        preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
+        callbacks=callbacks,
+    )
     if a.no_ftsup:  # as a Trainer script is written without ftsup: from its newest checkpoint-N/, if any
         from transformers.trainer_utils import get_last_checkpoint
 

@@ -1,20 +1,7 @@
 """A plain PyTorch training script (`plain_baseline.py`), and the same adopted with ftsup (`plain.py`).
 
-    torchrun --nproc-per-node 2 -m ftsup.trainer.examples.plain_baseline --steps 40 --loss-log loss.jsonl
-    ftsup run --config job.yaml        # job.command: [python, -m, ftsup.trainer.examples.plain, ...]
-
-A tiny GPT-2 (`transformers`, built from a config: no downloads) trained with DDP on gloo, AdamW,
-cosine warmup, gradient clipping, dropout and gradient accumulation on text it generates, with
-a periodic evaluation on held-out text. Rank 0 appends one JSON line per optimizer step to
-`--loss-log`: `{"step", "loss", "loss_hex", "world_size", "samples", "grad_norm"}`, and prints one per
-evaluation. `--min-eval-s` pads each evaluation to at least that long (as a larger held-out set
-would; no effect on the math).
-
-The two files differ only in the lines that adopt `ftsup.Session` (the README shows the diff).
-The baseline neither resumes nor beats: killed, it starts again from step 1, with other dropout
-masks and another data order. The adopted one resumes from the latest checkpoint (under
-`ftsup run`, `checkpoint.dir`; alone, `FTSUP_CHECKPOINT_DIR`) bitwise, saves at every evaluation,
-tells the supervisor it is alive (through the evaluation too) and saves before an eviction.
+A tiny GPT-2 trained with DDP on gloo; the two files differ only in the lines that adopt `ftsup.Session`, which the
+README shows (docs/design/trainer.md, The examples).
 """
 
 from __future__ import annotations
@@ -86,8 +73,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial weights on every rank
-    config = GPT2Config(vocab_size=256, n_positions=args.seq_len, n_embd=64, n_layer=2, n_head=4, bos_token_id=0,
-                        eos_token_id=0)  # fmt: skip
+    config = GPT2Config(
+        vocab_size=256, n_positions=args.seq_len, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0
+    )
     model = DistributedDataParallel(GPT2LMHeadModel(config))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup, args.steps)
