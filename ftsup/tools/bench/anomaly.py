@@ -1,34 +1,8 @@
-"""`ftsup bench anomaly`: how fast the training-health detectors catch numbers that go wrong, what a
-rollback costs against a crash recovery, and whether a normal run raises any alarm.
+"""`ftsup bench anomaly`: how fast the training-health detectors catch a NaN or a loss spike, what a rollback costs
+against a crash's recovery, and whether a clean run raises any alarm.
 
-    ftsup bench anomaly [--json FILE] [--dir DIR] [--scenarios nan,spike,kill,slow,clean] [--repeats N]
-                        [--clean-runs N] [--clean-steps N] [--fault-step N] [--spike-len N] [--slow-factor F]
-
-Every run is the demo's job (`faults.refjob.TrainerJob`: the reference trainer on 2 CPU ranks, a
-checkpoint every 5 steps, steps padded to --min-step-s) under `ftsup run` with the default
-`anomaly:` thresholds; the faults are the reference trainer's own, in every attempt
-(`--fault-attempt -1`), so that only the data skip of a rollback gets a job past them:
-
-- `nan`: `--fault nan@STEP` (one rank's loss becomes NaN at STEP). delay_steps = the step of
-  `anomaly_detected` - STEP (target: 0).
-- `spike`: `--fault spike@STEP:LEN` (poisoned samples drive the loss up from STEP on). delay_steps as
-  for nan (target: at most `anomaly.loss_patience_steps`); onset_error = its `onset_step` - STEP.
-- `kill`: `--fault kill@STEP`: the crash recovery a rollback is compared with.
-- `slow`: `--fault slow@1:FACTOR` (rank 1 FACTOR x slower from the start; steps not padded, so that
-  the padding cannot hide it): reported_step = the step of its `straggler_detected` (target: at
-  most 20), and the job must finish without a failure event (a straggler, not a hang).
-- `clean`: --clean-runs runs of --clean-steps steps without a fault: every `anomaly_detected`,
-  `straggler_detected`, `throughput_drift_detected` or `rollback_started` is a false positive
-  (target: 0).
-
-rollback_s: `rollback_started` -> the relaunched attempt's `first_step_reached` (stop, launch, load
-of the older checkpoint, first step); recover_s: the crash's failure event (`worker_exited`) ->
-`first_step_reached`; load_s: the slowest rank's checkpoint load in that attempt. Target:
-rollback_s <= recover_s + load_s (medians). Every faulted job must also finish (exit 0). Prints a
-table and writes JSON (`--json`): `{"results": [rows], "checks": {...}, "environment": {...}}`.
-
-Modules it leans on: `faults.refjob` (the job, its supervisor) and `faults.chaos` (its logs read
-back). Reads figures from the supervisor's log only, as an operator would. Never imports torch.
+Each run is the reference trainer under `ftsup run` (`faults.refjob`), its figures read from the supervisor's log
+(`faults.chaos`); what each scenario and column measures: docs/benchmarks.md, "Anomalies and rollbacks".
 """
 
 from __future__ import annotations
@@ -87,8 +61,10 @@ def _positive(text: str) -> int:
 def incident(events: Sequence[chaos.LogEvent], fault_step: int) -> dict[str, Any]:
     """What followed a nan or spike fault at `fault_step`, from the supervisor's log: the first
     anomaly, the rollback after it and the relaunch's first step. Keys whose event never came are absent."""
-    out: dict[str, Any] = {"rollbacks": sum(e.event == "rollback_started" for e in events),
-                           "escalated": any(e.event == "anomaly_escalated" for e in events)}  # fmt: skip
+    out: dict[str, Any] = {
+        "rollbacks": sum(e.event == "rollback_started" for e in events),
+        "escalated": any(e.event == "anomaly_escalated" for e in events),
+    }
     found = chaos.first_event(events, ["anomaly_detected"], float("-inf"))
     if found is None:
         return out
@@ -104,8 +80,12 @@ def incident(events: Sequence[chaos.LogEvent], fault_step: int) -> dict[str, Any
     out.update(to_step=rolled.fields.get("to_step"), skips=rolled.fields.get("skips"))
     first = chaos.first_event(events, ["first_step_reached"], rolled.t)
     if first is not None:
-        out.update(rollback_s=_ms(first.t - rolled.t), detect_to_first_step_s=_ms(first.t - found.t),
-                   resumed_step=first.fields.get("step"), attempt=first.fields.get("attempt"))  # fmt: skip
+        out.update(
+            rollback_s=_ms(first.t - rolled.t),
+            detect_to_first_step_s=_ms(first.t - found.t),
+            resumed_step=first.fields.get("step"),
+            attempt=first.fields.get("attempt"),
+        )
     return out
 
 
@@ -117,8 +97,11 @@ def crash(events: Sequence[chaos.LogEvent]) -> dict[str, Any]:
     out: dict[str, Any] = {"detected_by": failure.event}
     first = chaos.first_event(events, ["first_step_reached"], failure.t)
     if first is not None:
-        out.update(recover_s=_ms(first.t - failure.t), resumed_step=first.fields.get("step"),
-                   attempt=first.fields.get("attempt"))  # fmt: skip
+        out.update(
+            recover_s=_ms(first.t - failure.t),
+            resumed_step=first.fields.get("step"),
+            attempt=first.fields.get("attempt"),
+        )
     return out
 
 
@@ -127,15 +110,19 @@ def straggler(events: Sequence[chaos.LogEvent]) -> dict[str, Any]:
     out: dict[str, Any] = {"failures": [e.event for e in events if e.event in chaos.FAILURE_EVENTS]}
     found = chaos.first_event(events, ["straggler_detected"], float("-inf"))
     if found is not None:
-        out.update(reported_step=found.fields.get("step"), rank=found.fields.get("rank"),
-                   ratio=found.fields.get("ratio"))  # fmt: skip
+        out.update(
+            reported_step=found.fields.get("step"), rank=found.fields.get("rank"), ratio=found.fields.get("ratio")
+        )
     return out
 
 
 def alarms(events: Sequence[chaos.LogEvent]) -> list[dict[str, Any]]:
     """Every alarm a clean run raised (each one a false positive)."""
-    return [{"event": e.event, **{k: e.fields.get(k) for k in ("kind", "step", "rank", "value", "threshold")}}
-            for e in events if e.event in ALARMS]  # fmt: skip
+    return [
+        {"event": e.event, **{k: e.fields.get(k) for k in ("kind", "step", "rank", "value", "threshold")}}
+        for e in events
+        if e.event in ALARMS
+    ]
 
 
 def summarize(name: str, runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -159,7 +146,7 @@ def summarize(name: str, runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def checks(rows: Sequence[dict[str, Any]], patience: int | None) -> dict[str, dict[str, Any]]:
-    """The issue's targets over the rows: each {"pass": bool | None (not measured), the figures}."""
+    """The targets over the rows: each {"pass": bool | None (not measured), the figures}."""
     by = {r["name"]: r for r in rows}
     out: dict[str, dict[str, Any]] = {}
 
@@ -177,18 +164,26 @@ def checks(rows: Sequence[dict[str, Any]], patience: int | None) -> dict[str, di
         out["spike_detected_within_patience"] = {"pass": ok, "max_delay_steps": late, "patience": patience}
     if "kill" in by and any(n in by for n in ("nan", "spike")):
         rollback = chaos.median([by[n].get("rollback_s") for n in ("nan", "spike") if n in by])
-        recover, load = by["kill"].get("recover_s"), chaos.median([by[n].get("load_s") for n in ("nan", "spike")
-                                                                   if n in by])  # fmt: skip
+        recover = by["kill"].get("recover_s")
+        load = chaos.median([by[n].get("load_s") for n in ("nan", "spike") if n in by])
         budget = None if recover is None else recover + (load or 0.0)
         ok = None if rollback is None or budget is None else rollback <= budget
-        out["rollback_within_crash_recovery_plus_load"] = {"pass": ok, "rollback_s": rollback, "recover_s": recover,
-                                                           "load_s": load}  # fmt: skip
+        out["rollback_within_crash_recovery_plus_load"] = {
+            "pass": ok,
+            "rollback_s": rollback,
+            "recover_s": recover,
+            "load_s": load,
+        }
     if "slow" in by:
         late = worst("slow", "reported_step")
         killed = sum(len(s.get("failures", [])) for s in by["slow"]["samples"])
         ok = late is not None and late <= STRAGGLER_WITHIN_STEPS and killed == 0
-        out["straggler_reported_and_not_killed"] = {"pass": ok, "max_reported_step": late, "failures": killed,
-                                                    "within_steps": STRAGGLER_WITHIN_STEPS}  # fmt: skip
+        out["straggler_reported_and_not_killed"] = {
+            "pass": ok,
+            "max_reported_step": late,
+            "failures": killed,
+            "within_steps": STRAGGLER_WITHIN_STEPS,
+        }
     if "clean" in by:
         fp = by["clean"]["false_positives"]
         out["no_false_positives"] = {"pass": fp == 0, "false_positives": fp, "runs": by["clean"]["runs"]}
@@ -202,18 +197,25 @@ def checks(rows: Sequence[dict[str, Any]], patience: int | None) -> dict[str, di
 
 def _fault_args(name: str, args: argparse.Namespace) -> list[str]:
     at = args.fault_step
-    fault = {"nan": f"nan@{at}:1", "spike": f"spike@{at}:{args.spike_len}", "kill": f"kill@{at}",
-             "slow": f"slow@1:{args.slow_factor:g}"}[name]  # fmt: skip
+    fault = {
+        "nan": f"nan@{at}:1",
+        "spike": f"spike@{at}:{args.spike_len}",
+        "kill": f"kill@{at}",
+        "slow": f"slow@1:{args.slow_factor:g}",
+    }[name]
     # nan and spike are keyed to data positions, in every attempt; kill only in the first, so the relaunch runs on.
     return ["--fault", fault, "--fault-rank", "1", "--fault-attempt", "1" if name == "kill" else "-1"]
 
 
 def _one_run(root: Path, name: str, i: int, args: argparse.Namespace) -> dict[str, Any]:
     clean = name == "clean"
-    job = refjob.TrainerJob(root / f"{name}-{i}", refjob.new_run_id(f"anomaly-{name}"),
-                            steps=args.clean_steps if clean else args.steps,
-                            min_step_s=0.0 if name == "slow" else args.min_step_s,
-                            extra_args=() if clean else tuple(_fault_args(name, args)))  # fmt: skip
+    job = refjob.TrainerJob(
+        root / f"{name}-{i}",
+        refjob.new_run_id(f"anomaly-{name}"),
+        steps=args.clean_steps if clean else args.steps,
+        min_step_s=0.0 if name == "slow" else args.min_step_s,
+        extra_args=() if clean else tuple(_fault_args(name, args)),
+    )
     job.write_config()
     proc = refjob.start_supervisor(job, "run")
     try:
@@ -254,8 +256,13 @@ def run(args: argparse.Namespace) -> int:
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="ftsup-bench-anomaly-"))
     root.mkdir(parents=True, exist_ok=True)
     print(f"ftsup bench anomaly in {root} (load average {_load()})", flush=True)
-    env: dict[str, Any] = {"cpus": os.cpu_count(), "loadavg_start": _load(), "dir": str(root),
-                           "min_step_s": args.min_step_s, "fault_step": args.fault_step}  # fmt: skip
+    env: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "loadavg_start": _load(),
+        "dir": str(root),
+        "min_step_s": args.min_step_s,
+        "fault_step": args.fault_step,
+    }
     rows = []
     for name in wanted:
         n = args.clean_runs if name == "clean" else args.repeats
@@ -272,8 +279,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def table(out: dict[str, Any]) -> str:
-    head = ("name", "runs", "delay_steps", "onset_error", "rollback_s", "recover_s", "load_s", "reported_step",
-            "false_positives", "note")  # fmt: skip
+    head = (
+        "name",
+        "runs",
+        "delay_steps",
+        "onset_error",
+        "rollback_s",
+        "recover_s",
+        "load_s",
+        "reported_step",
+        "false_positives",
+        "note",
+    )
     rows = [head] + [tuple(_fmt(r.get(k)) for k in head) for r in out["results"]]
     widths = [max(len(r[c]) for r in rows) for c in range(len(head) - 1)]
     lines = ["", *("  ".join(r[c].ljust(w) for c, w in enumerate(widths)) + "  " + r[-1] for r in rows), "", "checks:"]

@@ -1,17 +1,7 @@
-"""`ftsup bench eviction`: steps lost per eviction, ftsup's emergency save against periodic
-checkpoints only, on the same job in the same run.
+"""`ftsup bench eviction`: steps lost per eviction, ftsup's emergency save against periodic checkpoints only, on the
+same job in the same run, and ftsup's notice -> committed emergency checkpoint against the save time + 2 s.
 
-For each mode the reference trainer runs under `ftsup run`; at a random step (some of them
-right on a periodic checkpoint step, while its async save is being written) the supervisor
-gets SIGTERM, and the job is started again until N evictions have happened.
-
-- `ftsup`: SIGTERM is an eviction notice; the ranks agree on a step, save it, and stop.
-  lost_steps = last step trained before the notice - the step the rerun resumes from.
-- `periodic`: the same job with no eviction handling (SIGTERM just stops it), which is what a
-  job relying on its periodic checkpoints gets. Same measure.
-
-Also measured for ftsup: notice -> committed emergency checkpoint, against the blocking save
-time + 2 s. Prints a table and writes JSON (`--json`). Never imports torch.
+How the evictions are thrown and what is counted: docs/benchmarks.md, "Evictions: steps lost". Never imports torch.
 """
 
 from __future__ import annotations
@@ -47,20 +37,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _job(work: Path, mode: str, steps: int, min_step_s: float) -> Path:
+    command = [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", str(steps)]
+    command += ["--ckpt-every", str(CKPT_EVERY), "--n-layer", "2", "--n-embd", "128", "--seq-len", "64"]
+    command += ["--corpus-bytes", "400000", "--min-step-s", str(min_step_s), "--keep-last", "2"]
+    command += ["--loss-log", str(work / "loss.jsonl")]
     cfg = {
         "job": {
-            "command": [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", str(steps), "--ckpt-every",
-                        str(CKPT_EVERY), "--n-layer", "2", "--n-embd", "128", "--seq-len", "64",
-                        "--corpus-bytes", "400000", "--min-step-s", str(min_step_s), "--keep-last", "2",
-                        "--loss-log", str(work / "loss.jsonl")],
-            "workdir": str(CODE_ROOT), "state_dir": str(work / "state"), "env": {"PYTHONPATH": str(CODE_ROOT)},
+            "command": command,
+            "workdir": str(CODE_ROOT),
+            "state_dir": str(work / "state"),
+            "env": {"PYTHONPATH": str(CODE_ROOT)},
         },
         "launch": {"nproc_per_node": 2},
         "checkpoint": {"dir": str(work / "ckpt")},
         "restart": {"backoff_initial_s": 0.2, "stop_grace_s": 5},
-        "eviction": {"signals": ["SIGTERM"] if mode == "ftsup" else ["SIGUSR2"], "default_deadline_s": 30,
-                     "save_margin_s": 2},
-    }  # fmt: skip
+        "eviction": {
+            "signals": ["SIGTERM"] if mode == "ftsup" else ["SIGUSR2"],
+            "default_deadline_s": 30,
+            "save_margin_s": 2,
+        },
+    }
     path = work / "job.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -98,8 +94,12 @@ def _run_mode(work: Path, mode: str, n: int, rnd: random.Random, min_step_s: flo
     rows = []
     for i in range(n):
         start_lines = len(_lines(log))
-        proc = subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             deadline = time.monotonic() + 180
             first = None
@@ -130,9 +130,15 @@ def _run_mode(work: Path, mode: str, n: int, rnd: random.Random, min_step_s: flo
         latest = layout.latest_consistent(work / "ckpt")
         resume = latest.step if latest else 0
         trained = max(trained, _lines(log)[-1]["step"])  # steps finished between our read and the notice
-        row: dict[str, Any] = {"mode": mode, "eviction": i, "exit": code, "trained_step": trained,
-                               "resume_step": resume, "lost_steps": trained - resume,
-                               "during_periodic_save": i % 3 == 2}  # fmt: skip
+        row: dict[str, Any] = {
+            "mode": mode,
+            "eviction": i,
+            "exit": code,
+            "trained_step": trained,
+            "resume_step": resume,
+            "lost_steps": trained - resume,
+            "during_periodic_save": i % 3 == 2,
+        }
         if mode == "ftsup":
             commits = [e for e in _events(work) if e["event"] == "checkpoint_committed"]
             if commits and _unix(commits[-1]["timestamp"]) >= t_notice - 1:
@@ -151,9 +157,13 @@ def run(args: argparse.Namespace) -> int:
         rows = _run_mode(base / mode, mode, args.evictions, rnd, args.min_step_s)
         lost = [r["lost_steps"] for r in rows]
         summary: dict[str, Any] = {
-            "name": mode, "evictions": len(rows), "lost_steps_total": sum(lost), "lost_steps_max": max(lost),
-            "lost_steps_median": statistics.median(lost), "rows": rows,
-        }  # fmt: skip
+            "name": mode,
+            "evictions": len(rows),
+            "lost_steps_total": sum(lost),
+            "lost_steps_max": max(lost),
+            "lost_steps_median": statistics.median(lost),
+            "rows": rows,
+        }
         if mode == "ftsup":
             lat = [r for r in rows if "notice_to_commit_s" in r]
             if lat:
@@ -163,14 +173,18 @@ def run(args: argparse.Namespace) -> int:
                     r["notice_to_commit_s"] <= (r["save_s"] or 0) + 2 for r in lat
                 ) / len(lat)
         results.append(summary)
-    print(f"{'mode':10} {'evictions':>9} {'lost total':>10} {'lost max':>8} {'lost median':>11} "
-          f"{'notice->commit':>14} {'save_s':>7}")  # fmt: skip
+    print(
+        f"{'mode':10} {'evictions':>9} {'lost total':>10} {'lost max':>8} {'lost median':>11} "
+        f"{'notice->commit':>14} {'save_s':>7}"
+    )
     for r in results:
         ntc = r.get("notice_to_commit_s_median")
         sv = r.get("save_s_median")
-        print(f"{r['name']:10} {r['evictions']:>9} {r['lost_steps_total']:>10} {r['lost_steps_max']:>8} "
-              f"{r['lost_steps_median']:>11} {'-' if ntc is None else f'{ntc:.2f}s':>14} "
-              f"{'-' if sv is None else f'{sv:.2f}s':>7}")  # fmt: skip
+        print(
+            f"{r['name']:10} {r['evictions']:>9} {r['lost_steps_total']:>10} {r['lost_steps_max']:>8} "
+            f"{r['lost_steps_median']:>11} {'-' if ntc is None else f'{ntc:.2f}s':>14} "
+            f"{'-' if sv is None else f'{sv:.2f}s':>7}"
+        )
     ftsup = results[0]
     checks = {
         "ftsup_zero_steps_lost": ftsup["lost_steps_total"] == 0,

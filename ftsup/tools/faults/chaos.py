@@ -1,15 +1,7 @@
-"""Faults injected from outside a running job, as an operator or a chaos tool would, and what
-can be observed from outside: which processes are the ranks, how far the loss log got, which
-events the supervisor logged, and what is left running afterwards.
-
-Shared by `ftsup demo` and `ftsup bench recovery`. It reads only what any outsider can: the
-supervisor's journal (`<state_dir>/journal.json`, field `pids`), /proc through psutil (rank
-processes are told apart by the `RANK`/`LOCAL_RANK` torchrun puts in their environment), the
-loss log and the supervisor's JSON log. It never talks to the supervisor, never imports torch
-and decides nothing about the job.
-
-Times are wall-clock (`time.time()`) throughout, because the supervisor's log lines carry
-wall-clock timestamps and the measurements subtract one from the other.
+"""Faults injected from outside a running job, as an operator or a chaos tool would, and what can be observed from
+outside: the ranks (by the `RANK`/`LOCAL_RANK` torchrun sets), the supervisor's journal and JSON log, the loss log,
+what is left running. It never talks to the supervisor and decides nothing. Times are wall-clock (`time.time()`),
+as the supervisor's log lines are.
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
-"""`ftsup chaos`: a seeded plan of faults of every kind thrown at the reference trainer under `ftsup
-run`, at random moments, and the invariants checked fault by fault and job by job; a table and JSON.
-
-    ftsup chaos --faults N --seed S [--json FILE] [--dir DIR] [--kinds K,K,...] [--restart-s S]
-    ftsup chaos ... --config JOB.yaml --loss-log FILE [--sample-log PATTERN] [--ckpt-every K]
-
-Three jobs run one after another in DIR, each the reference trainer with the same flags (2 ranks,
-CPU, gloo; a checkpoint every 5 steps; every rank's sample ids logged):
-
-- `reference`: uninterrupted, what every loss and every sample is compared with;
-- `main`: one node, every fault of the plan but node loss (`inject`), its store on a size-limited
-  tmpfs when the plan holds a full disk (which needs root: without it, that kind is reported as
-  not run, and why);
-- `nodes`: two supervisors as two nodes of one rank each (`nodes`), the node losses.
-
-With `--config`, a job of one's own takes the reference trainer's place in the first two
-(`configjob`: what it needs, and the kinds that are then not run).
-
-The plan (`plan`) and the checks (`invariants`) are pure. Exit 0 when every invariant held, 1 when
-one did not or a job never got where it was waited for (both reported), 2 for a usage error.
-Nothing here imports torch: the jobs run as `ftsup run` subprocesses, as an operator starts them.
+"""`ftsup chaos`: a seeded plan of faults of every kind thrown at the reference trainer under `ftsup run` (or at a job
+of one's own, `configjob`), at random moments, and the invariants checked fault by fault and job by job. The plan
+(`plan`) and the checks (`invariants`) are pure; the jobs it runs: docs/chaos.md.
 """
 
 from __future__ import annotations
@@ -61,20 +43,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the results as one JSON object to FILE")
     p.add_argument("--dir", type=Path, metavar="DIR", help="work directory (default: a fresh temporary directory)")
     p.add_argument("--kinds", default=",".join(plan.KINDS), help="comma-separated fault kinds (default: all)")
-    p.add_argument("--restart-s", type=float, default=RESTART_S,
-                   help="a killed or evicted supervisor, and a lost node, start again this long after they went, "
-                   f"as systemd's RestartSec (default {RESTART_S:g})")  # fmt: skip
+    p.add_argument(
+        "--restart-s",
+        type=float,
+        default=RESTART_S,
+        help="a killed or evicted supervisor, and a lost node, start again this long after they went, "
+        f"as systemd's RestartSec (default {RESTART_S:g})",
+    )
     p.add_argument("--min-step-s", type=float, default=0.1, help="the reference trainer's step time (default 0.1)")
-    p.add_argument("--timeout-s", type=float, default=TIMEOUT_S,
-                   help=f"the longest wait for one thing of a job (default {TIMEOUT_S:g})")  # fmt: skip
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=TIMEOUT_S,
+        help=f"the longest wait for one thing of a job (default {TIMEOUT_S:g})",
+    )
     g = p.add_argument_group("a job of one's own instead of the reference trainer (ftsup.tools.faults.configjob)")
     g.add_argument("--config", type=Path, metavar="JOB.yaml", help="the job's config, as `ftsup run --config` takes it")
-    g.add_argument("--loss-log", type=Path, metavar="FILE", help="with --config (required): the file the job appends "
-                   "one JSON line per step to (step, loss, world_size; loss_hex for a bitwise comparison)")  # fmt: skip
-    g.add_argument("--sample-log", metavar="PATTERN", help="with --config: each rank's sample-id log, {rank} for the "
-                   "rank (step, rank, world_size, ids); without it samples are not checked")  # fmt: skip
-    g.add_argument("--ckpt-every", type=int, default=plan.CKPT_EVERY,
-                   help=f"with --config: its checkpoint interval in steps (default {plan.CKPT_EVERY})")  # fmt: skip
+    g.add_argument(
+        "--loss-log",
+        type=Path,
+        metavar="FILE",
+        help="with --config (required): the file the job appends "
+        "one JSON line per step to (step, loss, world_size; loss_hex for a bitwise comparison)",
+    )
+    g.add_argument(
+        "--sample-log",
+        metavar="PATTERN",
+        help="with --config: each rank's sample-id log, {rank} for the "
+        "rank (step, rank, world_size, ids); without it samples are not checked",
+    )
+    g.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=plan.CKPT_EVERY,
+        help=f"with --config: its checkpoint interval in steps (default {plan.CKPT_EVERY})",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -128,18 +131,30 @@ def _mount(stack: contextlib.ExitStack, where: Path, not_run: dict[str, str]) ->
 
 
 def _run(
-    args: argparse.Namespace, root: Path, faults: list[plan.Planned], kinds: tuple[str, ...], disk: Disk | None,
-    not_run: dict[str, str], own: dict[str, Any] | None,
-) -> int:  # fmt: skip
+    args: argparse.Namespace,
+    root: Path,
+    faults: list[plan.Planned],
+    kinds: tuple[str, ...],
+    disk: Disk | None,
+    not_run: dict[str, str],
+    own: dict[str, Any] | None,
+) -> int:
     thrown = [f for f in faults if f.kind not in not_run]
     main = [f for f in thrown if f.kind not in plan.NODE_KINDS]
     on_nodes = [f for f in thrown if f.kind in plan.NODE_KINDS]
     steps = max(plan.steps_needed(main, plan.CKPT_EVERY), plan.steps_needed(on_nodes, plan.CKPT_EVERY))
     what = f"{args.config} (its own steps)" if own is not None else f"the reference trainer, {steps} steps per job"
     print(f"ftsup chaos in {root}: {len(faults)} faults (seed {args.seed}) at {what}", flush=True)
-    result: dict[str, Any] = {"dir": str(root), "seed": args.seed, "faults_planned": len(faults), "steps": steps,
-                              "job": str(args.config) if own is not None else "reference trainer",
-                              "plan": [f.to_json() for f in faults], "not_run": not_run, "jobs": {}}  # fmt: skip
+    result: dict[str, Any] = {
+        "dir": str(root),
+        "seed": args.seed,
+        "faults_planned": len(faults),
+        "steps": steps,
+        "job": str(args.config) if own is not None else "reference trainer",
+        "plan": [f.to_json() for f in faults],
+        "not_run": not_run,
+        "jobs": {},
+    }
     t0 = time.monotonic()
     ref = _job(root / "reference", "chaos-ref", steps, args, own)
     result["jobs"]["reference"] = _run_reference(ref, args.timeout_s)
@@ -179,12 +194,21 @@ def _job(
     extra = ("--sample-log", str(root / "samples-{rank}.jsonl"), *kw.pop("extra_args", ()))
     if own is not None:
         nproc = own["launch"]["nproc_per_node"]
-        return ConfigJob(root, new_run_id(prefix), 0, ckpt_every=args.ckpt_every, min_step_s=args.min_step_s,
-                         nproc=nproc if isinstance(nproc, int) else 1, base_config=own,
-                         user_loss_log=args.loss_log.absolute(), **kw,
-                         sample_pattern=os.path.abspath(args.sample_log) if args.sample_log else None)  # fmt: skip
-    return TrainerJob(root, new_run_id(prefix), steps, ckpt_every=plan.CKPT_EVERY, min_step_s=args.min_step_s,
-                      extra_args=extra, **kw)  # fmt: skip
+        return ConfigJob(
+            root,
+            new_run_id(prefix),
+            0,
+            ckpt_every=args.ckpt_every,
+            min_step_s=args.min_step_s,
+            nproc=nproc if isinstance(nproc, int) else 1,
+            base_config=own,
+            user_loss_log=args.loss_log.absolute(),
+            **kw,
+            sample_pattern=os.path.abspath(args.sample_log) if args.sample_log else None,
+        )
+    return TrainerJob(
+        root, new_run_id(prefix), steps, ckpt_every=plan.CKPT_EVERY, min_step_s=args.min_step_s, extra_args=extra, **kw
+    )
 
 
 def _run_s(job: TrainerJob, timeout_s: float) -> float:
@@ -210,19 +234,37 @@ def _run_reference(ref: TrainerJob, timeout_s: float) -> dict[str, Any]:
 
 
 def _run_main(
-    root: Path, steps: int, faults: list[plan.Planned], args: argparse.Namespace, disk: Disk | None,
+    root: Path,
+    steps: int,
+    faults: list[plan.Planned],
+    args: argparse.Namespace,
+    disk: Disk | None,
     own: dict[str, Any] | None,
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:  # fmt: skip
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     print(f"[main] {len(faults)} faults on one node ...", flush=True)
     with MetadataServer() as server:
         sections = {
             "restart": {"max_restarts": len(faults) + 10},
-            "eviction": {"signals": list(plan.SIGNALS), "providers": list(plan.PROVIDERS), "endpoint": server.url,
-                         "poll_interval_s": 0.2, "default_deadline_s": 30, "save_margin_s": 2},
-        }  # fmt: skip
+            "eviction": {
+                "signals": list(plan.SIGNALS),
+                "providers": list(plan.PROVIDERS),
+                "endpoint": server.url,
+                "poll_interval_s": 0.2,
+                "default_deadline_s": 30,
+                "save_margin_s": 2,
+            },
+        }
         asks = ("--fault-file", str(root / "main" / "fault.json"))
-        job = _job(root / "main", "chaos-main", steps, args, own, sections=sections,
-                   store=disk.store if disk else None, extra_args=asks)  # fmt: skip
+        job = _job(
+            root / "main",
+            "chaos-main",
+            steps,
+            args,
+            own,
+            sections=sections,
+            store=disk.store if disk else None,
+            extra_args=asks,
+        )
         job.write_config()
         records: list[dict[str, Any]] = []
         out: dict[str, Any] = {"exit_code": None, "error": None}
@@ -262,8 +304,12 @@ def _run_nodes(
     got = nodes.run(job, faults, args.restart_s, args.timeout_s)
     for rec in got["faults"]:
         print(f"  {_fault_line(rec)}", flush=True)
-    out: dict[str, Any] = {"exit_code": max(got["exit_codes"].values(), default=None) if got["exit_codes"] else None,
-                           "exit_codes": got["exit_codes"], "error": got["error"], "left": got["left"]}  # fmt: skip
+    out: dict[str, Any] = {
+        "exit_code": max(got["exit_codes"].values(), default=None) if got["exit_codes"] else None,
+        "exit_codes": got["exit_codes"],
+        "error": got["error"],
+        "left": got["left"],
+    }
     if len(got["exit_codes"]) < len(nodes.NODES) or any(c != 0 for c in got["exit_codes"].values()):
         out["exit_code"] = next((c for c in got["exit_codes"].values() if c != 0), None)
     out.update(_job_checks(root / "reference", base.root, steps, out, [m for n in nodes.NODES for m in job.markers(n)]))
@@ -309,29 +355,42 @@ def _fault_line(r: dict[str, Any]) -> str:
     if r.get("error"):
         return f"{head}: ERROR {r['error']}"
     if r["kind"] == "straggler":
-        return (f"{head}: steps {r.get('step_s_before')} s -> {r.get('step_s_during')} s for {r.get('window_s')} s, "
-                f"{'RESTARTED' if r.get('restarted') else 'no restart'}")  # fmt: skip
+        return (
+            f"{head}: steps {r.get('step_s_before')} s -> {r.get('step_s_during')} s for {r.get('window_s')} s, "
+            f"{'RESTARTED' if r.get('restarted') else 'no restart'}"
+        )
     if r["kind"] == "disk-full":
-        return (f"{head}: {r.get('saves_failed')} failed save(s) logged, "
-                f"{'RESTARTED' if r.get('restarted') else 'no restart'}, step {r.get('committed_after')} "
-                f"committed {_s(r.get('recover_s'))} after the store filled")  # fmt: skip
+        return (
+            f"{head}: {r.get('saves_failed')} failed save(s) logged, "
+            f"{'RESTARTED' if r.get('restarted') else 'no restart'}, step {r.get('committed_after')} "
+            f"committed {_s(r.get('recover_s'))} after the store filled"
+        )
     detected = f"detected by {r['detected_by']} after {_s(r.get('detect_s'))}" if r.get("detected_by") else ""
-    return (f"{head}: {detected or 'no detection'}, resumed from step {r.get('loaded_step', '-')}, first step "
-            f"{_s(r.get('recover_s'))} after the fault, {_n(r.get('lost_steps'))} step(s) redone")  # fmt: skip
+    return (
+        f"{head}: {detected or 'no detection'}, resumed from step {r.get('loaded_step', '-')}, first step "
+        f"{_s(r.get('recover_s'))} after the fault, {_n(r.get('lost_steps'))} step(s) redone"
+    )
 
 
 def report(r: dict[str, Any]) -> str:
-    lines = ["", f"ftsup chaos: seed {r['seed']}, {r['faults_planned']} faults planned, {r['steps']} steps per job, "
-             f"{r.get('wall_s')} s, in {r['dir']}"]  # fmt: skip
-    lines.append(f"{'kind':<16} {'faults':>6} {'violations':>10} {'detect (median)':>16} {'recover (median)':>17} "
-                 f"{'redone (median/max)':>20}")  # fmt: skip
+    lines = [
+        "",
+        f"ftsup chaos: seed {r['seed']}, {r['faults_planned']} faults planned, {r['steps']} steps per job, "
+        f"{r.get('wall_s')} s, in {r['dir']}",
+    ]
+    lines.append(
+        f"{'kind':<16} {'faults':>6} {'violations':>10} {'detect (median)':>16} {'recover (median)':>17} "
+        f"{'redone (median/max)':>20}"
+    )
     for row in r.get("kinds", []):
         if row["kind"] in r["not_run"]:
             lines.append(f"{row['kind']:<16} {'not run':>6}: {r['not_run'][row['kind']]}")
             continue
         redone = f"{_n(row['steps_redone_median'])} / {_n(row['steps_redone_max'])}"
-        lines.append(f"{row['kind']:<16} {row['count']:>6} {row['violations']:>10} {_s(row['detect_s_median']):>16} "
-                     f"{_s(row['recover_s_median']):>17} {redone:>20}")  # fmt: skip
+        lines.append(
+            f"{row['kind']:<16} {row['count']:>6} {row['violations']:>10} {_s(row['detect_s_median']):>16} "
+            f"{_s(row['recover_s_median']):>17} {redone:>20}"
+        )
     total = sum(row["count"] for row in r.get("kinds", []))
     lines.append(f"{'all':<16} {total:>6} {len(r['violations']):>10}")
     for name, job in r["jobs"].items():

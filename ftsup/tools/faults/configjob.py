@@ -1,23 +1,6 @@
-"""`ftsup chaos --config JOB.yaml`: the faults thrown at a job of one's own instead of the reference trainer.
-
-The job's config is read and validated as `ftsup run` would (every default filled in, every relative
-path resolved against the file's directory) and runs twice under `ftsup run`: as the uninterrupted
-reference, and as the faulted job, each with a run id, a state directory (its logs in it) and a
-checkpoint store of its own in the work directory, the faulted one with the chaos run's restart
-budget and eviction settings on top. What the checks need of the job:
-
-- it stores its checkpoints with ftsup's engine in `checkpoint.dir` (`FTSUP_CHECKPOINT_DIR`), not
-  in a directory its command names;
-- `--loss-log FILE`: the file it appends one JSON line per optimizer step to, as the reference
-  trainer does (`step`, `loss`, `world_size`; `loss_hex`, `float.hex(loss)`, compares bitwise,
-  else `loss` as written); it must not exist before the run, and is moved into the work directory
-  after each run;
-- `--sample-log PATTERN` (optional; `{rank}` in it stands for the rank): each rank's sample ids,
-  one JSON line per step (`step`, `rank`, `world_size`, `ids`); without it samples are not checked;
-- `--ckpt-every K`: its periodic checkpoint interval in steps, at which some faults are aimed.
-
-The kinds that need the reference trainer itself are not run: `exit-rank` and `kill-in-commit`
-(its `--fault-file`) and `node-loss` (the two-node job is built from its flags).
+"""`ftsup chaos --config JOB.yaml`: the faults thrown at a job of one's own instead of the reference trainer. Its
+config is read and validated as `ftsup run` reads it, and the job runs twice (uninterrupted, then faulted), each run
+with a run id, a state directory and a store of its own; what the job must do for the checks: docs/chaos.md.
 """
 
 from __future__ import annotations

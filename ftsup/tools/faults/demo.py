@@ -1,19 +1,7 @@
-"""`ftsup demo`: the reference trainer under `ftsup run`, once uninterrupted and once with faults
-injected from outside, then a report and a bitwise comparison of the two loss logs.
-
-    ftsup demo [--dir DIR] [--steps N] [--json FILE]
-
-The faulted run gets, at chosen steps: SIGKILL of rank 1, SIGSTOP of rank 0 (a hang), and
-SIGKILL of the supervisor itself followed by a new `ftsup run` of the same config (which adopts
-the journal and resumes). The report says how each fault was detected (from the supervisor's
-JSON log) and how long the job took to log its first resumed step (from the loss log, timed by
-`chaos.LossLogTail`). The demo exits 0 only when both runs succeeded, every fault was detected
-and recovered from, the final loss logs (each step's last line) are bitwise equal (`loss_hex`)
-and no process of either job is left.
-
-The job and the reading of its logs are `refjob`'s (shared with `ftsup bench recovery`). Nothing
-here imports torch: the trainer and the supervisor run as subprocesses, the way an operator
-starts them.
+"""`ftsup demo`: the reference trainer under `ftsup run`, once uninterrupted and once with faults injected from
+outside (SIGKILL of a rank, SIGSTOP of another, SIGKILL of the supervisor and a new `ftsup run`), then a report
+and a bitwise comparison of the two loss logs. Exit 0 only when every fault was detected and recovered from, the
+logs are equal and nothing is left running. Nothing here imports torch.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""Throwing one planned fault (`plan.Planned`) at the one-node job of `ftsup chaos`, and what was
-seen right after it: the moment, how the supervisor detected it and when the job logged its first
-step again (from its logs, `refjob.fault_timeline`, read once the relaunch is seen), the
-checkpoint it resumed from (verified with every checksum there and then, before retention could
-delete it), processes of earlier attempts still alive, and the fields each kind needs checked.
-The checks themselves are `invariants`'.
-
-Every fault is thrown from outside, as an operator or a failing machine would: signals to ranks,
-to torchrun and to the supervisor, a notice by signal or from the metadata server the job's
-watchers poll, a full filesystem, a flipped byte in a file of the store. Two kinds need the
-reference trainer's help (`--fault-file`: a rank asked by pid to exit non-zero, or to die at a
-point of its next commit), since no signal makes a process exit with a status of its own.
-
-Not here: the plan, the two-node job (`nodes`), the report.
+"""Throwing one planned fault (`plan.Planned`) at the one-node job of `ftsup chaos`, from outside as an operator or a
+failing machine would, and what was seen right after it: detection, the first step again, the checkpoint it resumed
+from (verified there and then, before retention could delete it), processes of earlier attempts. The checks are
+`invariants`'; the two-node job's faults are `nodes`'.
 """
 
 from __future__ import annotations
@@ -75,9 +65,15 @@ def throw(t: Target, f: Planned) -> dict[str, Any]:
     """Aim `f` (its gap past the furthest step, then its fraction of a step), throw it, watch what followed."""
     _wait_step(t, t.best + f.gap_steps)
     time.sleep(f.delay_frac * t.job.min_step_s)  # where within the step it lands: the plan's draw
-    rec: dict[str, Any] = {"index": f.index, "kind": f.kind, "label": KINDS[f.kind], "variant": f.variant,
-                           "rank": f.rank, "at_step": t.tail.max_step(),
-                           "newest_before": _newest(t.job)}  # fmt: skip
+    rec: dict[str, Any] = {
+        "index": f.index,
+        "kind": f.kind,
+        "label": KINDS[f.kind],
+        "variant": f.variant,
+        "rank": f.rank,
+        "at_step": t.tail.max_step(),
+        "newest_before": _newest(t.job),
+    }
     rec.update(_THROW[f.kind](t, f, rec))
     rec["at_step"] = t.tail.max_step(before=rec["t_fault"])  # the last step logged when it landed
     t.best = max(t.best, t.tail.max_step())
@@ -140,8 +136,14 @@ def _flip_byte(t: Target, f: Planned, rec: dict[str, Any]) -> dict[str, Any]:
     landed = (layout.latest_consistent(t.job.ckpt_dir) or newest).step == newest.step
     seen = _recovered(t, chaos.send(target, signal.SIGKILL), rec, pid=target.pid)
     quarantined = sorted(p.name for p in t.job.ckpt_dir.glob(layout.step_dirname(newest.step) + ".corrupt*"))
-    return {**seen, "flipped_step": newest.step, "flipped_file": shard.name, "flipped_offset": offset,
-            "landed": landed, "quarantined": quarantined}  # fmt: skip
+    return {
+        **seen,
+        "flipped_step": newest.step,
+        "flipped_file": shard.name,
+        "flipped_offset": offset,
+        "landed": landed,
+        "quarantined": quarantined,
+    }
 
 
 def _straggler(t: Target, f: Planned, rec: dict[str, Any]) -> dict[str, Any]:
@@ -166,10 +168,17 @@ def _straggler(t: Target, f: Planned, rec: dict[str, Any]) -> dict[str, Any]:
     events = chaos.read_events(t.job.supervisor_log)
     failure = chaos.first_event(events, [*chaos.FAILURE_EVENTS, "workers_launched"], t0)
     flagged = chaos.first_event(events, ["straggler_detected"], t0)
-    return {"t_fault": t0, "pid": target.pid, "window_s": round(t1 - t0, 3), "steps_in_window": end - start,
-            "step_s_before": before, "step_s_during": round((t1 - t0) / max(1, end - start), 3),
-            "restarted": failure is not None, "failure": failure.event if failure else None,
-            "straggler_detected": flagged is not None}  # fmt: skip
+    return {
+        "t_fault": t0,
+        "pid": target.pid,
+        "window_s": round(t1 - t0, 3),
+        "steps_in_window": end - start,
+        "step_s_before": before,
+        "step_s_during": round((t1 - t0) / max(1, end - start), 3),
+        "restarted": failure is not None,
+        "failure": failure.event if failure else None,
+        "straggler_detected": flagged is not None,
+    }
 
 
 # --------------------------------------------------------------------------- supervisor faults
@@ -217,12 +226,19 @@ def _evicted(t: Target, t_fault: float, clear: Callable[[], None] | None = None)
     t.starts += 1
     line = wait_resumed(t.job, t.tail, t_restart, t.timeout_s)
     noticed = chaos.first_event(chaos.read_events(t.job.supervisor_log), ["eviction_noticed"], t_fault)
-    return {"t_fault": t_fault, "exit_code": code, "max_step_before": trained,
-            "saved_step": saved.step if saved else None, "saved_kind": saved.kind if saved else None,
-            "orphans": left, "detected_by": noticed.event if noticed else None,
-            "detect_s": round(noticed.t - t_fault, 3) if noticed else None,
-            "recover_s": round(line.t - t_fault, 3), "lost_steps": trained - (line.step - 1),
-            **_resumed_from(t, line.step)}  # fmt: skip
+    return {
+        "t_fault": t_fault,
+        "exit_code": code,
+        "max_step_before": trained,
+        "saved_step": saved.step if saved else None,
+        "saved_kind": saved.kind if saved else None,
+        "orphans": left,
+        "detected_by": noticed.event if noticed else None,
+        "detect_s": round(noticed.t - t_fault, 3) if noticed else None,
+        "recover_s": round(line.t - t_fault, 3),
+        "lost_steps": trained - (line.step - 1),
+        **_resumed_from(t, line.step),
+    }
 
 
 # --------------------------------------------------------------------------- storage
@@ -241,9 +257,11 @@ def _disk_full(t: Target, f: Planned, rec: dict[str, Any]) -> dict[str, Any]:
     t_fault, start = time.time(), t.tail.max_step()
     took = t.disk.fill()
     try:
-        chaos.poll_until(lambda: _save_failures(t.job, attempt) > failed_before
-                         or t.tail.max_step() >= start + DISK_FULL_STEPS * k, t.timeout_s,
-                         "a save on the full store")  # fmt: skip
+        chaos.poll_until(
+            lambda: _save_failures(t.job, attempt) > failed_before or t.tail.max_step() >= start + DISK_FULL_STEPS * k,
+            t.timeout_s,
+            "a save on the full store",
+        )
     finally:
         t.disk.release()
     t_release, at_release = time.time(), t.tail.max_step()  # within a poll of the failure logged, when it was
@@ -257,12 +275,21 @@ def _disk_full(t: Target, f: Planned, rec: dict[str, Any]) -> dict[str, Any]:
     t_after = time.time()
     events = chaos.read_events(t.job.supervisor_log)
     failure = chaos.first_event(events, [*chaos.FAILURE_EVENTS, "workers_launched"], t_fault)
-    return {"t_fault": t_fault, "filled_bytes": took, "full_s": round(t_release - t_fault, 3),
-            "saves_failed": failed, "landed": failed > 0, "steps_while_full": at_release - start,
-            "restarted": failure is not None, "failure": failure.event if failure else None,
-            "committed_after": after.step, "recover_s": round(t_after - t_fault, 3),
-            "detected_by": "checkpoint_save_failed" if failed else None,
-            "detect_s": round(t_release - t_fault, 3) if failed else None, "lost_steps": 0}  # fmt: skip
+    return {
+        "t_fault": t_fault,
+        "filled_bytes": took,
+        "full_s": round(t_release - t_fault, 3),
+        "saves_failed": failed,
+        "landed": failed > 0,
+        "steps_while_full": at_release - start,
+        "restarted": failure is not None,
+        "failure": failure.event if failure else None,
+        "committed_after": after.step,
+        "recover_s": round(t_after - t_fault, 3),
+        "detected_by": "checkpoint_save_failed" if failed else None,
+        "detect_s": round(t_release - t_fault, 3) if failed else None,
+        "lost_steps": 0,
+    }
 
 
 def _flip(path: Path, rng: random.Random) -> int:
@@ -301,8 +328,12 @@ def _resumed_from(t: Target, first_step: int) -> dict[str, Any]:
         except CheckpointError:
             consistent = False
     attempt = chaos.journal_attempt(t.job.state_dir)
-    return {"loaded_step": loaded, "loaded_consistent": consistent, "attempt_after": attempt,
-            "stale_processes": stale_processes(t.job.run_id, {None: attempt})}  # fmt: skip
+    return {
+        "loaded_step": loaded,
+        "loaded_consistent": consistent,
+        "attempt_after": attempt,
+        "stale_processes": stale_processes(t.job.run_id, {None: attempt}),
+    }
 
 
 def stale_processes(run_id: str, attempts: dict[str | None, int]) -> list[str]:

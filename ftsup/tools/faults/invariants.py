@@ -1,18 +1,6 @@
-"""The invariants `ftsup chaos` holds a run to, per fault and per job, as pure functions over what
-was recorded (`inject`, `nodes`) and what the jobs left (loss logs, sample logs): each returns the
-violations it found, as lines a person can act on; none is a pass.
-
-Per fault: it was detected (or, for a straggler and a full disk, the job went on without a restart);
-the job recovered; it resumed from a checkpoint no older than the newest one committed before the
-fault (no committed checkpoint lost; a checkpoint the fault corrupted excepted) that verified with
-every checksum when it was loaded (none loaded corrupt or torn); no process of an earlier attempt
-was alive once it resumed; and what the kind adds (an eviction saved the very step it was on and
-exited 5, a flipped checkpoint was quarantined, a restarted supervisor adopted its journal, ...).
-
-Per job: it completed (exit 0); each step's last loss-log line equals the uninterrupted run's,
-bitwise while the world size stayed that run's and within REL_TOL relative from the first step
-trained on another; each step was trained on exactly the uninterrupted run's samples, none skipped
-or repeated; nothing of it was left running.
+"""The invariants `ftsup chaos` holds a run to, per fault and per job, as pure functions over what was recorded
+(`inject`, `nodes`) and what the jobs left (loss logs, sample logs): each returns the violations it found, as lines
+a person can act on (docs/benchmarks.md, "Chaos: every kind of fault, and the invariants after each").
 """
 
 from __future__ import annotations
@@ -148,8 +136,13 @@ def loss_log_check(reference: Path, got: Path, steps: int) -> dict[str, Any]:
         violations.append(f"loss log: {len(unequal)} step(s) differ from the uninterrupted run: {unequal[:10]}")
     if extra:
         violations.append(f"loss log: steps beyond the run: {extra[:10]}")
-    return {"steps": steps, "bitwise_steps": (changed - 1) if changed is not None else steps,
-            "world_size_changed_at": changed, "max_rel_diff": worst, "violations": violations}  # fmt: skip
+    return {
+        "steps": steps,
+        "bitwise_steps": (changed - 1) if changed is not None else steps,
+        "world_size_changed_at": changed,
+        "max_rel_diff": worst,
+        "violations": violations,
+    }
 
 
 def sample_ids(loss_log: Path, sample_logs: Iterable[Path]) -> dict[int, list[int]]:
@@ -196,13 +189,17 @@ def by_kind(records: Sequence[dict[str, Any]], kinds: Iterable[str]) -> list[dic
     rows = []
     for kind in kinds:
         recs = [r for r in records if r["kind"] == kind]
-        rows.append({
-            "kind": kind, "count": len(recs), "violations": sum(len(r.get("violations", ())) for r in recs),
+        redone = [r["lost_steps"] for r in recs if r.get("lost_steps") is not None]
+        row = {
+            "kind": kind,
+            "count": len(recs),
+            "violations": sum(len(r.get("violations", ())) for r in recs),
             "detect_s_median": _median(r.get("detect_s") for r in recs),
             "recover_s_median": _median(r.get("recover_s") for r in recs),
             "steps_redone_median": _median(r.get("lost_steps") for r in recs),
-            "steps_redone_max": max((r["lost_steps"] for r in recs if r.get("lost_steps") is not None), default=None),
-        })  # fmt: skip
+            "steps_redone_max": max(redone, default=None),
+        }
+        rows.append(row)
     return rows
 
 

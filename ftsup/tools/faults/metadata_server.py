@@ -1,18 +1,5 @@
-"""A cloud metadata server on 127.0.0.1 speaking the documented protocols, for tests and for
-`ftsup chaos` (eviction notices through the metadata watchers).
-
-- AWS IMDSv2: `PUT /latest/api/token` (needs `X-aws-ec2-metadata-token-ttl-seconds`) returns a
-  token; `GET /latest/meta-data/spot/instance-action` and `.../events/recommendations/rebalance`
-  need `X-aws-ec2-metadata-token` (401 otherwise) and answer 404 until a notice is set.
-- GCP: `GET /computeMetadata/v1/instance/preempted` needs `Metadata-Flavor: Google` (403
-  otherwise), answers "TRUE"/"FALSE" with that header; `?wait_for_change=true` holds the request
-  until the value changes or `timeout_sec` passes.
-- Azure: `GET /metadata/scheduledevents?api-version=2020-07-01` needs `Metadata: true`; answers
-  the document `{"DocumentIncarnation", "Events": [...]}`; `POST` with `{"StartRequests":
-  [{"EventId"}]}` acknowledges (recorded in `acks`).
-
-`mode` switches the whole server to misbehave: "ok", "garbage" (200 with nonsense), "slow"
-(answers after `slow_s`), "error" (500).
+"""A cloud metadata server on 127.0.0.1 speaking the documented AWS (IMDSv2), GCP and Azure protocols, for tests and
+for `ftsup chaos` (eviction notices through the metadata watchers); `MetadataState.mode` makes it misbehave.
 """
 
 from __future__ import annotations
@@ -54,14 +41,35 @@ class MetadataState:
 
     def evict_azure(self, in_s: float = 30.0, event_id: str = "602d9444-d2cd-49c7-8624-8643e7171297") -> None:
         event = {
-            "EventId": event_id, "EventType": "Preempt", "ResourceType": "VirtualMachine", "Resources": ["vm-0"],
-            "EventStatus": "Scheduled", "NotBefore": formatdate(time.time() + in_s, usegmt=True),
-            "Description": "Spot eviction", "EventSource": "Platform", "DurationInSeconds": -1,
-        }  # fmt: skip
+            "EventId": event_id,
+            "EventType": "Preempt",
+            "ResourceType": "VirtualMachine",
+            "Resources": ["vm-0"],
+            "EventStatus": "Scheduled",
+            "NotBefore": formatdate(time.time() + in_s, usegmt=True),
+            "Description": "Spot eviction",
+            "EventSource": "Platform",
+            "DurationInSeconds": -1,
+        }
         self.set(azure_events=[event], azure_incarnation=self.azure_incarnation + 1)
 
 
 class _Handler(BaseHTTPRequestHandler):
+    """The documented protocols, answered from the server's `MetadataState`:
+
+    - AWS IMDSv2: `PUT /latest/api/token` (needs `X-aws-ec2-metadata-token-ttl-seconds`) returns a token;
+      `GET /latest/meta-data/spot/instance-action` and `.../events/recommendations/rebalance` need
+      `X-aws-ec2-metadata-token` (401 otherwise) and answer 404 until a notice is set.
+    - GCP: `GET /computeMetadata/v1/instance/preempted` needs `Metadata-Flavor: Google` (403 otherwise), answers
+      "TRUE"/"FALSE" with that header; `?wait_for_change=true` holds the request until the value changes or
+      `timeout_sec` passes.
+    - Azure: `GET /metadata/scheduledevents?api-version=2020-07-01` needs `Metadata: true`; answers the document
+      `{"DocumentIncarnation", "Events": [...]}`; `POST` with `{"StartRequests": [{"EventId"}]}` acknowledges
+      (recorded in `acks`).
+
+    The state's `mode` switches the whole server to misbehave: "ok", "garbage" (200 with nonsense), "slow" (answers
+    after `slow_s`), "error" (500)."""
+
     server: _Server
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet
@@ -109,8 +117,11 @@ class _Handler(BaseHTTPRequestHandler):
         if path.startswith("/latest/"):
             if self.headers.get("X-aws-ec2-metadata-token") not in st.tokens:
                 return self._send(401, "")
-            doc = {"/latest/meta-data/spot/instance-action": st.aws_action,
-                   "/latest/meta-data/events/recommendations/rebalance": st.aws_rebalance}.get(path)  # fmt: skip
+            docs = {
+                "/latest/meta-data/spot/instance-action": st.aws_action,
+                "/latest/meta-data/events/recommendations/rebalance": st.aws_rebalance,
+            }
+            doc = docs.get(path)
             return self._send(404, "Not Found") if doc is None else self._send(200, json.dumps(doc))
         if path == "/computeMetadata/v1/instance/preempted":
             if self.headers.get("Metadata-Flavor") != "Google":

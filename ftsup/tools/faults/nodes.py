@@ -1,14 +1,6 @@
-"""Node loss for `ftsup chaos`: the reference trainer as one job of two nodes on this machine, each a
-supervisor of its own with one rank (c10d rendezvous on 127.0.0.1, `launch.nnodes: "1:2"`, the
-setup of tests/integration/test_multinode.py), and one node lost at a time.
-
-A node is lost as a machine is: its supervisor SIGKILLed, its torchrun and rank following through
-the parent-death guard. The other node must notice (its rank's collective fails), relaunch alone
-at world size 1 from the newest checkpoint, and take the lost node back when it is started again
-(`restart_s` later, as a replaced machine's service manager would), at world size 2. Node B is
-the one lost: after its first loss node A hosts the rendezvous, and a survivor must host it.
-
-Not here: the checks (`invariants`), the one-node job's faults (`inject`).
+"""Node loss for `ftsup chaos`: the reference trainer as one job of two nodes on this machine, each a supervisor with
+one rank (c10d on 127.0.0.1, `launch.nnodes: "1:2"`), and node B lost as a machine is (its supervisor SIGKILLed,
+the rest following through the parent-death guard), then started again `restart_s` later (docs/chaos.md).
 """
 
 from __future__ import annotations
@@ -61,8 +53,9 @@ class NodeJob:
         for node in NODES:
             cfg = self.base.config()
             cfg["job"]["state_dir"] = str(self.state_dir(node))
-            cfg["launch"].update(nnodes="1:2", rdzv_endpoint=f"127.0.0.1:{self.port}", node_id=node,
-                                 torchrun_args=[RDZV_CONF])  # fmt: skip
+            cfg["launch"].update(
+                nnodes="1:2", rdzv_endpoint=f"127.0.0.1:{self.port}", node_id=node, torchrun_args=[RDZV_CONF]
+            )
             cfg.setdefault("restart", {}).update(backoff_initial_s=0.5, max_restarts=5 * losses + 10)
             self.base.root.mkdir(parents=True, exist_ok=True)
             self.config_path(node).write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -86,8 +79,14 @@ def run(job: NodeJob, faults: list[Planned], restart_s: float, timeout_s: float)
             for f in faults:
                 _wait_step(tail, best + f.gap_steps, procs, timeout_s)
                 time.sleep(f.delay_frac * job.base.min_step_s)  # where within the step it lands: the plan's draw
-                rec: dict[str, Any] = {"index": f.index, "kind": f.kind, "label": KINDS[f.kind], "node": NODES[1],
-                                       "at_step": tail.max_step(), "newest_before": _newest(job)}  # fmt: skip
+                rec: dict[str, Any] = {
+                    "index": f.index,
+                    "kind": f.kind,
+                    "label": KINDS[f.kind],
+                    "node": NODES[1],
+                    "at_step": tail.max_step(),
+                    "newest_before": _newest(job),
+                }
                 try:
                     rec.update(_lose_node(job, procs, tail, restart_s, timeout_s))
                 except chaos.ChaosError as e:
@@ -112,9 +111,12 @@ def run(job: NodeJob, faults: list[Planned], restart_s: float, timeout_s: float)
 
 
 def _lose_node(
-    job: NodeJob, procs: dict[str, subprocess.Popen[bytes] | None], tail: chaos.LossLogTail, restart_s: float,
+    job: NodeJob,
+    procs: dict[str, subprocess.Popen[bytes] | None],
+    tail: chaos.LossLogTail,
+    restart_s: float,
     timeout_s: float,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     lost = NODES[1]
     proc = procs[lost]
     if proc is None:
@@ -128,19 +130,34 @@ def _lose_node(
         orphans: list[str] = []
     except chaos.ChaosError:
         orphans = [chaos.describe(p) for p in chaos.matching_processes(job.markers(lost))]
-    alone = _wait_line(tail, lambda ln: ln.t > t_fault and ln.record.get("world_size") == 1, procs, timeout_s,
-                       "the surviving node training alone")  # fmt: skip
+    alone = _wait_line(
+        tail,
+        lambda ln: ln.t > t_fault and ln.record.get("world_size") == 1,
+        procs,
+        timeout_s,
+        "the surviving node training alone",
+    )
     resumed = {**_resumed(job, alone.step), **_timeline(job, t_fault)}
     time.sleep(max(0.0, t_fault + restart_s - time.time()))  # the replaced machine's boot, not a wait for an event
     t_back = time.time()
     procs[lost] = job.start(lost, f"back-{int(t_back)}")
-    rejoined = _wait_line(tail, lambda ln: ln.t > t_back and ln.record.get("world_size") == 2, procs, timeout_s,
-                          f"{lost} rejoining")  # fmt: skip
+    rejoined = _wait_line(
+        tail, lambda ln: ln.t > t_back and ln.record.get("world_size") == 2, procs, timeout_s, f"{lost} rejoining"
+    )
     stale = stale_processes(job.base.run_id, {n: chaos.journal_attempt(job.state_dir(n)) for n in NODES})
-    return {"t_fault": t_fault, "max_step_before": trained, "orphans": orphans, "first_step": alone.step,
-            "recover_s": round(alone.t - t_fault, 3), "lost_steps": trained - (alone.step - 1),
-            "world_size_after": 1, "rejoin_s": round(rejoined.t - t_back, 3), "rejoined_at_step": rejoined.step,
-            **resumed, "stale_processes": stale}  # fmt: skip
+    return {
+        "t_fault": t_fault,
+        "max_step_before": trained,
+        "orphans": orphans,
+        "first_step": alone.step,
+        "recover_s": round(alone.t - t_fault, 3),
+        "lost_steps": trained - (alone.step - 1),
+        "world_size_after": 1,
+        "rejoin_s": round(rejoined.t - t_back, 3),
+        "rejoined_at_step": rejoined.step,
+        **resumed,
+        "stale_processes": stale,
+    }
 
 
 def _resumed(job: NodeJob, first_step: int) -> dict[str, Any]:
@@ -160,8 +177,11 @@ def _timeline(job: NodeJob, t_fault: float) -> dict[str, Any]:
     failure = chaos.first_event(events, chaos.FAILURE_EVENTS, t_fault)
     if failure is None:
         return {}
-    return {"detected_by": failure.event, "reason": failure.fields.get("reason"),
-            "detect_s": round(failure.t - t_fault, 3)}  # fmt: skip
+    return {
+        "detected_by": failure.event,
+        "reason": failure.fields.get("reason"),
+        "detect_s": round(failure.t - t_fault, 3),
+    }
 
 
 def _newest(job: NodeJob) -> int | None:
@@ -176,9 +196,12 @@ def _wait_step(
 
 
 def _wait_line(
-    tail: chaos.LossLogTail, pred: Callable[[chaos.LossLine], bool], procs: dict[str, subprocess.Popen[bytes] | None],
-    timeout_s: float, what: str,
-) -> chaos.LossLine:  # fmt: skip
+    tail: chaos.LossLogTail,
+    pred: Callable[[chaos.LossLine], bool],
+    procs: dict[str, subprocess.Popen[bytes] | None],
+    timeout_s: float,
+    what: str,
+) -> chaos.LossLine:
     """The first loss line that satisfies `pred`; a ChaosError as soon as a node's supervisor has exited."""
 
     def seen() -> chaos.LossLine | None:

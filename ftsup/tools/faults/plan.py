@@ -1,15 +1,5 @@
-"""The plan of a chaos run (`ftsup chaos`): which faults, in which order, aimed at which moments, all
-drawn from one seed, so that the same seed throws the same faults at the same steps. Pure: no
-process, no file, no clock.
-
-A plan of N faults holds every kind at least once when N is at least the number of kinds (the
-rest drawn at random), in a shuffled order. Each fault is aimed `gap_steps` steps past the furthest
-step the job had reached when the previous one was over (so that every fault costs progress it can
-be measured against), then `delay_frac` of a step later, so that faults land anywhere in a step:
-in its compute, its collectives, its heartbeat or its save. Its `rank` and `variant` (the form of
-the fault: a signal, a metadata provider, a commit point) are drawn too.
-
-Not here: injecting them (`inject`, `nodes`), checking what followed (`invariants`).
+"""The plan of a chaos run (`ftsup chaos`): which faults, in which order, aimed at which moments, all drawn from one
+seed, so that the same seed throws the same faults at the same steps. Pure: no process, no file, no clock.
 """
 
 from __future__ import annotations
@@ -85,6 +75,11 @@ def make_plan(n: int, seed: int, kinds: tuple[str, ...] = tuple(KINDS), nproc: i
 
 def steps_needed(plan: list[Planned], ckpt_every: int) -> int:
     """Training steps a job must run so that every fault of `plan` lands before its end, with room left."""
-    extra = {"straggler": STRAGGLER_STEPS, "disk-full": (DISK_FULL_STEPS + 1) * ckpt_every,
-             "flip-byte": ckpt_every, "kill-in-commit": ckpt_every, "node-loss": 2 * ckpt_every}  # fmt: skip
+    extra = {
+        "straggler": STRAGGLER_STEPS,
+        "disk-full": (DISK_FULL_STEPS + 1) * ckpt_every,
+        "flip-byte": ckpt_every,
+        "kill-in-commit": ckpt_every,
+        "node-loss": 2 * ckpt_every,
+    }
     return 2 * ckpt_every + sum(f.gap_steps + extra.get(f.kind, 0) + 2 for f in plan) + 3 * ckpt_every

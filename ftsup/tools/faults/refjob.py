@@ -1,16 +1,7 @@
-"""The reference trainer as a supervised job, run and read from outside: what `ftsup demo` and
-`ftsup bench recovery` both drive.
-
-- `TrainerJob`: one small CPU job in a directory of its own (2 ranks, a 2-layer model, a
-  checkpoint every 5 steps, steps padded to `min_step_s` so that faults can be aimed): its
-  trainer flags, its YAML config, where its logs land, and the strings that mark its processes.
-- `start_supervisor` / `stop_supervisor` / `wait_exit`: `ftsup run --config` as a subprocess,
-  the way an operator starts it (`sys.executable -m ftsup.supervisor.cli`), so nothing here imports
-  torch.
-- `fault_timeline`: what the logs say followed a fault: the supervisor's failure event, its
-  relaunch, the first resumed step in the loss log and the checkpoint load, as one dict.
-
-Not here: choosing or injecting faults (`demo`, `chaos`, `ftsup.tools.bench.recovery`).
+"""The reference trainer as a supervised job, run and read from outside, for `ftsup demo` and the benchmarks:
+`TrainerJob` (one small CPU job in a directory of its own: flags, config, logs, process marks), `ftsup run` started
+and stopped as an operator would (`start_supervisor`, `stop_supervisor`, `wait_exit`), and what the logs say
+followed a fault (`fault_timeline`). Never imports torch.
 """
 
 from __future__ import annotations
@@ -82,11 +73,10 @@ class TrainerJob:
 
     def trainer_args(self) -> list[str]:
         """Arguments after `-m ftsup.trainer.examples.gpt`."""
-        return [
-            "--steps", str(self.steps), "--ckpt-every", str(self.ckpt_every), "--n-layer", "2", "--n-embd", "64",
-            "--seq-len", "32", "--corpus-bytes", "200000", "--min-step-s", str(self.min_step_s),
-            "--ckpt-dir", str(self.ckpt_dir), "--loss-log", str(self.loss_log), *self.extra_args,
-        ]  # fmt: skip
+        argv = ["--steps", str(self.steps), "--ckpt-every", str(self.ckpt_every)]
+        argv += ["--n-layer", "2", "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000"]
+        argv += ["--min-step-s", str(self.min_step_s), "--ckpt-dir", str(self.ckpt_dir)]
+        return [*argv, "--loss-log", str(self.loss_log), *self.extra_args]
 
     def config(self) -> dict[str, Any]:
         """The job's config as a mapping (`write_config` writes it)."""
@@ -129,8 +119,9 @@ def start_guarded(argv: list[str], *, env: dict[str, str], cwd: Path, out_path: 
     benchmark is killed, what it started goes too (a supervisor takes its job along)."""
     wrapped, guard_env = guard.wrap(argv)
     with open(out_path, "ab") as out:
-        return subprocess.Popen(wrapped, env={**env, **guard_env}, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+        return subprocess.Popen(
+            wrapped, env={**env, **guard_env}, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+        )
 
 
 def start_supervisor(job: TrainerJob, tag: str) -> subprocess.Popen[bytes]:

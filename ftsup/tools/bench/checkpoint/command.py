@@ -1,17 +1,8 @@
 """`ftsup bench checkpoint`: one run comparing ftsup's checkpoint engine with its peers.
 
-The parent (this module, torch-free) writes a spec per group of ranks and launches:
-
-1. the main group (R ranks): raw_write, memcpy, torch_save, dcp_save, dcp_async,
-   ftsup_async (+ RSS growth over N saves), ftsup_sync, ftsup_load_same;
-2. the reshard group (R' != R ranks): dcp_load_reshard and ftsup_load_reshard, interleaved,
-   reading the checkpoints the main group left;
-3. the Hugging Face group (R ranks, `hf_rows`): hf_export, hf_import and dcp_hf_import;
-4. the DCP process-mode group (R ranks), last and alone, under its own timeout: it has been
-   seen to hang, and then reports "hung" instead of stalling the benchmark.
-
-It then combines the ranks' records (`report`), prints a table and writes the JSON.
-Everything runs in a fresh folder under --dir, removed at the end unless --keep.
+This process (torch-free) writes a spec per group of ranks, launches the groups one after another, combines the
+ranks' records (`report`), prints a table and writes the JSON; the groups and what each row measures:
+docs/benchmarks.md, "The checkpoint engine against its peers".
 """
 
 from __future__ import annotations
@@ -31,14 +22,20 @@ from ftsup.tools.bench.checkpoint import durable_rows, hf_report, launch, report
 from ftsup.tools.bench.checkpoint.shape import shape_for
 
 MAIN_ROWS = (
-    "raw_write", "memcpy", "torch_save", "dcp_save", "dcp_async",
-    "ftsup_async", "ftsup_rss", "ftsup_sync", "ftsup_load_same",
-)  # fmt: skip
+    "raw_write",
+    "memcpy",
+    "torch_save",
+    "dcp_save",
+    "dcp_async",
+    "ftsup_async",
+    "ftsup_rss",
+    "ftsup_sync",
+    "ftsup_load_same",
+)
 RESHARD_ROWS = ("dcp_load_reshard", "ftsup_load_reshard")
 PROCESS_ROWS = ("dcp_async_process",)
 # Load rows need a checkpoint some save row wrote: load row -> save row.
-_SOURCES = {"ftsup_load_same": "ftsup_sync", "ftsup_load_reshard": "ftsup_sync",
-            "dcp_load_reshard": "dcp_save"}  # fmt: skip
+_SOURCES = {"ftsup_load_same": "ftsup_sync", "ftsup_load_reshard": "ftsup_sync", "dcp_load_reshard": "dcp_save"}
 # Statuses that mean "the benchmark itself went wrong" (exit code 1).
 _BAD = {"error", "failed", "timeout", "missing", "incomplete"}
 
@@ -326,8 +323,15 @@ def _run_groups(run: _Run, args: argparse.Namespace, reshard: int, skip: set[str
         **pinned,
     )
     hf_rows = [r for r in hf_report.ROW_NAMES if r not in skip]
-    run.launch("hf", args.ranks, ["hf"] if hf_rows else [], 180 + gib * args.repeats * 120, hf_rows=hf_rows,
-               hf_max_shard_bytes=args.hf_max_shard_bytes, **pinned)  # fmt: skip
+    run.launch(
+        "hf",
+        args.ranks,
+        ["hf"] if hf_rows else [],
+        180 + gib * args.repeats * 120,
+        hf_rows=hf_rows,
+        hf_max_shard_bytes=args.hf_max_shard_bytes,
+        **pinned,
+    )
     process_rows = [r for r in PROCESS_ROWS if r not in skip]
     run.launch("process", args.ranks, process_rows, args.process_timeout_s, **pinned)
 
@@ -365,11 +369,20 @@ def _durable_stall(run: _Run, args: argparse.Namespace) -> dict[str, Any]:
         return durable_rows.not_run("skipped", durable_rows.STALL_ROWS)
     gib = max(args.size_mb / 1024, 1 / 64)
     cfg = _config_from(run.records.get("main", []))
-    pinned = {"matmul_repeats": cfg.get("matmul_repeats"), **({"step_kind": cfg["step_kind"]} if cfg.get("step_kind")
-              else {})}  # fmt: skip
-    status = run.launch("durable", args.ranks, ["durable_stall"], 180 + gib * args.repeats * 120,
-                        durable_url=args.durable, durable_part_bytes=args.durable_part_mib << 20,
-                        durable_concurrency=args.durable_concurrency, **pinned)  # fmt: skip
+    pinned = {
+        "matmul_repeats": cfg.get("matmul_repeats"),
+        **({"step_kind": cfg["step_kind"]} if cfg.get("step_kind") else {}),
+    }
+    status = run.launch(
+        "durable",
+        args.ranks,
+        ["durable_stall"],
+        180 + gib * args.repeats * 120,
+        durable_url=args.durable,
+        durable_part_bytes=args.durable_part_mib << 20,
+        durable_concurrency=args.durable_concurrency,
+        **pinned,
+    )
     return durable_rows.stall_rows(run.records.get("durable", []), args.ranks, status)
 
 
@@ -394,8 +407,8 @@ def _assemble(
     """Rows in the order of `MAIN_ROWS`, `RESHARD_ROWS` and `PROCESS_ROWS`, ratios, targets, config and how each
     group ended."""
     groups = {"main": args.ranks, "reshard": reshard, "process": args.ranks, "hf": args.ranks}
-    phase_of = {r: p for p, rows in (("main", MAIN_ROWS), ("reshard", RESHARD_ROWS), ("process", PROCESS_ROWS),
-                                     ("hf", hf_report.ROW_NAMES)) for r in rows}  # fmt: skip
+    rows_of = {"main": MAIN_ROWS, "reshard": RESHARD_ROWS, "process": PROCESS_ROWS, "hf": hf_report.ROW_NAMES}
+    phase_of = {r: p for p, rows in rows_of.items() for r in rows}
     combined = {p: report.combine(run.records.get(p, [])) for p in groups}
 
     def status_of(name: str) -> str:
@@ -415,10 +428,9 @@ def _assemble(
         if name == "raw_write":
             status = status_of(name)
             sub = {
-                mode: report.result_row(f"raw_write.{mode}",
-                                        combined[phase].get(f"raw_write.{mode}"), status)
+                mode: report.result_row(f"raw_write.{mode}", combined[phase].get(f"raw_write.{mode}"), status)
                 for mode in ("buffered", "direct")
-            }  # fmt: skip
+            }
             rss = combined[phase].get("raw_write") or {}
             rows[name] = report.raw_write_row(sub["buffered"], sub["direct"], rss)
             rows[name]["status"] = status
@@ -426,9 +438,12 @@ def _assemble(
         c = combined[phase].get(name)
         if c is not None and name == "ftsup_async" and "ftsup_rss" in combined[phase]:
             rss = combined[phase]["ftsup_rss"]
-            c = {**c, "rss_growth_bytes": rss.get("rss_growth_bytes"),
-                 "rss_saves": rss.get("rss_saves"),
-                 "rss_status": status_of_rss(rss, args.ranks, run)}  # fmt: skip
+            c = {
+                **c,
+                "rss_growth_bytes": rss.get("rss_growth_bytes"),
+                "rss_saves": rss.get("rss_saves"),
+                "rss_status": status_of_rss(rss, args.ranks, run),
+            }
         rows[name] = report.result_row(name, c, status_of(name))
         if not_run.get(name):
             rows[name]["error"] = f"its checkpoint source ended {not_run[name]!r}"
@@ -466,6 +481,5 @@ def status_of_rss(rss: dict[str, Any], ranks: int, run: _Run) -> str:
 
 
 def _cache_dropped(run: _Run) -> bool | None:
-    seen = [r["cache_dropped"] for recs in run.records.values() for r in recs
-            if r.get("cache_dropped") is not None]  # fmt: skip
+    seen = [r["cache_dropped"] for recs in run.records.values() for r in recs if r.get("cache_dropped") is not None]
     return all(seen) if seen else None

@@ -1,27 +1,7 @@
 """The durable rows of `ftsup bench checkpoint`: upload to and restore from a durable tier on object storage, each
-side by side with the plain S3 operation on the same bytes, with the same client and the same concurrency.
-
-Torch-free; run in the benchmark's parent after the main group, on the newest checkpoint its ftsup rows committed.
-After one unmeasured round, each round, in an order alternating round by round:
-
-- `durable_upload`: `S3Tier.upload` of the checkpoint (every part's MD5 and block checksums, the listing check, the
-  conditional manifest), into a prefix of its own so that no round finds another's objects;
-- `s3_upload`: the same files sent as plain multipart uploads (`create_multipart_upload`, `upload_part`,
-  `complete_multipart_upload`; a file up to one part: one `put_object`), the same part size, the same number of
-  requests in flight across all files, no checksum;
-- `durable_restore`: `DurableTier.read_files`, every byte read back in ranged GETs and checked against the
-  manifest's block checksums (what a resume from the tier reads);
-- `s3_ranged_get`: the same ranges as plain ranged GETs, the same concurrency, the bytes read and dropped.
-
-The read rows run READ_PAIRS times a round, after the store's writes are flushed to disk (`os.sync`, so that the
-writeback of the upload just done lands in neither). The ratios are medians over pairs (an upload pair a round) of
-each pair's plain seconds over ftsup's (1.0: as fast as the plain operation).
-Beside them, from a group of ranks of their own (`durable_stall`), `ftsup_async_durable` and `ftsup_async_alone`:
-the training stall of ftsup's async save with the tier's upload of the previous checkpoint running beside the ranks
-as the supervisor runs it, and the same save with none; their ratio is the median over repeats of each repeat's
-stall with the upload over the stall without (`stall_rows`).
-The tier's location and credentials come as for a job: `s3://BUCKET/PREFIX`, the endpoint from `AWS_ENDPOINT_URL_S3`
-or `AWS_ENDPOINT_URL`, credentials from the standard AWS chain. What each round wrote is deleted after it.
+beside the plain S3 operation on the same bytes, with the same client and concurrency. Torch-free, run in the
+benchmark's parent on the newest checkpoint its ftsup rows committed; what each row and ratio measures:
+docs/benchmarks.md, "The durable tier against plain S3".
 """
 
 from __future__ import annotations
@@ -37,14 +17,19 @@ from ftsup.store import durable, layout
 
 ROWS = ("durable_upload", "s3_upload", "durable_restore", "s3_ranged_get")
 READ_PAIRS = 3
-"""Pairs of the read rows per round, their order alternating: a read takes a second where an upload takes several,
-so the restore's ratio gets three times the pairs for a few seconds more a round."""
+"""Pairs of the read rows per round, their order alternating: a read is much quicker than an upload, so the
+restore's ratio gets three times the pairs for little more time a round."""
 STALL_ROWS = ("ftsup_async_durable", "ftsup_async_alone")
 """Measured in the ranks (`durable_stall`): ftsup's async save with the tier's upload running beside it, and alone."""
-TARGETS = {"durable_upload_vs_plain": (">=", 0.9), "durable_restore_vs_plain": (">=", 0.9),
-           "durable_stall_vs_alone": ("<=", 1.1)}  # fmt: skip
-_PAIRS = {"durable_upload_vs_plain": ("s3_upload", "durable_upload"),
-          "durable_restore_vs_plain": ("s3_ranged_get", "durable_restore")}  # fmt: skip
+TARGETS = {
+    "durable_upload_vs_plain": (">=", 0.9),
+    "durable_restore_vs_plain": (">=", 0.9),
+    "durable_stall_vs_alone": ("<=", 1.1),
+}
+_PAIRS = {
+    "durable_upload_vs_plain": ("s3_upload", "durable_upload"),
+    "durable_restore_vs_plain": ("s3_ranged_get", "durable_restore"),
+}
 _STALL_FIELDS = ("stall_s", "block_s", "extra_step_s", "durable_s", "baseline_step_s")
 
 
@@ -103,9 +88,15 @@ def run_rows(source: Path, url: str, *, rounds: int, options: durable.DurableOpt
     ]
     values = {name: statistics.median(v) for name, v in ratios.items()}
     targets = {name: _target(name, values[name], ratios[name]) for name in _PAIRS}
-    config = {"url": location.url, "rounds": rounds, "part_bytes": options.part_bytes,
-              "concurrency": options.concurrency, "files": len(local.manifest.files), "bytes": nbytes,
-              "checkpoint": str(source)}  # fmt: skip
+    config = {
+        "url": location.url,
+        "rounds": rounds,
+        "part_bytes": options.part_bytes,
+        "concurrency": options.concurrency,
+        "files": len(local.manifest.files),
+        "bytes": nbytes,
+        "checkpoint": str(source),
+    }
     return {"rows": rows, "ratios": values, "targets": targets, "config": config}
 
 
@@ -142,11 +133,13 @@ def stall_rows(records: list[dict[str, Any]], world: int, group_status: str) -> 
         repeats = {i: recs for i, recs in sorted(by[name].items()) if len(recs) == world}
         if done < world or not repeats:
             status = group_status if group_status != "ok" else "incomplete"
-            rows.append({"name": name, "status": "error" if errors else status,
-                         "error": errors[0] if errors else f"the group ended {group_status!r}"})  # fmt: skip
+            error = errors[0] if errors else f"the group ended {group_status!r}"
+            rows.append({"name": name, "status": "error" if errors else status, "error": error})
             continue
-        per = {i: {f: max(r[f] for r in recs if r.get(f) is not None) for f in _STALL_FIELDS}
-               for i, recs in repeats.items()}  # fmt: skip
+        per = {
+            i: {f: max(r[f] for r in recs if r.get(f) is not None) for f in _STALL_FIELDS}
+            for i, recs in repeats.items()
+        }
         each[name] = {i: p["stall_s"] for i, p in per.items()}
         row: dict[str, Any] = {"name": name, "status": "ok", "repeats": len(per)}
         row.update({f: statistics.median(p[f] for p in per.values()) for f in _STALL_FIELDS})
@@ -155,8 +148,9 @@ def stall_rows(records: list[dict[str, Any]], world: int, group_status: str) -> 
         if name == STALL_ROWS[0]:
             overlapped = [r["upload_overlapped"] for recs in repeats.values() for r in recs if "upload_overlapped" in r]
             row["upload_overlapped"] = f"{sum(overlapped)}/{len(overlapped)}"
-            row["upload_s"] = statistics.median(r["upload_s"] for recs in repeats.values() for r in recs
-                                                if "upload_s" in r)  # fmt: skip
+            row["upload_s"] = statistics.median(
+                r["upload_s"] for recs in repeats.values() for r in recs if "upload_s" in r
+            )
             cpu = [r["upload_cpu_s"] for recs in repeats.values() for r in recs if "upload_cpu_s" in r]
             if cpu:
                 row["upload_cpu_s"] = statistics.median(cpu)
@@ -175,14 +169,18 @@ def table(section: dict[str, Any]) -> str:
     lines = [f"{'durable row':<20} {'status':<10} {'seconds':>8} {'MiB/s':>8}  each"]
     for r in section["rows"]:
         if r["status"] == "ok" and "stall_s" in r:
-            lines.append(f"{r['name']:<20} {r['status']:<10} {r['stall_s']:>8.3f} {'stall':>8}  "
-                         f"{' '.join(f'{s:.3f}' for s in r['stall_each'])}")  # fmt: skip
+            lines.append(
+                f"{r['name']:<20} {r['status']:<10} {r['stall_s']:>8.3f} {'stall':>8}  "
+                f"{' '.join(f'{s:.3f}' for s in r['stall_each'])}"
+            )
             continue
         if r["status"] != "ok":
             lines.append(f"{r['name']:<20} {r['status']:<10} {'-':>8} {'-':>8}  {r.get('error', '')}")
             continue
-        lines.append(f"{r['name']:<20} {r['status']:<10} {r['seconds']:>8.3f} {r['mib_per_s']:>8.1f}  "
-                     f"{' '.join(f'{s:.3f}' for s in r['seconds_each'])}")  # fmt: skip
+        lines.append(
+            f"{r['name']:<20} {r['status']:<10} {r['seconds']:>8.3f} {r['mib_per_s']:>8.1f}  "
+            f"{' '.join(f'{s:.3f}' for s in r['seconds_each'])}"
+        )
     return "\n".join(lines)
 
 
@@ -237,8 +235,9 @@ class _Plain:
         etags: dict[tuple[str, int], str] = {}
 
         def part(key: str, rel: str, upload_id: str, number: int, offset: int, length: int) -> None:
-            got = self.client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
-                                          Body=self._read(rel, offset, length))  # fmt: skip
+            got = self.client.upload_part(
+                Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=self._read(rel, offset, length)
+            )
             etags[(key, number)] = got["ETag"]
 
         for rel in sorted(self.local.manifest.files):
@@ -250,8 +249,9 @@ class _Plain:
         self._pool(jobs)
         for key, (upload_id, plan) in multipart.items():
             parts = [{"PartNumber": n, "ETag": etags[(key, n)]} for n in range(1, len(plan) + 1)]
-            self.client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id,
-                                                  MultipartUpload={"Parts": parts})  # fmt: skip
+            self.client.complete_multipart_upload(
+                Bucket=self.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
+            )
 
     def _put(self, key: str, rel: str, size: int) -> None:
         self.client.put_object(Bucket=self.bucket, Key=key, Body=self._read(rel, 0, size))

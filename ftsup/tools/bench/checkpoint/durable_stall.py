@@ -1,17 +1,6 @@
-"""The durable stall rows, run inside the ranks: the training stall of ftsup's async save while the durable tier
-uploads the previous checkpoint, beside the same save with no upload running.
-
-`ftsup_async_durable` and `ftsup_async_alone` are the `ftsup_async` row's measurement (`ftsup_rows`: the save call's
-block plus the extra time of the training steps that run until every rank's save is durable, against the mean of
-the steps with nothing in flight just before and just after), made on an engine of their own, in pairs whose order
-alternates repeat by repeat. For `ftsup_async_durable` rank 0 has the upload of the newest committed checkpoint
-started first, as the supervisor runs it: in a process of its own beside the ranks
-(`ftsup.tools.bench.checkpoint.upload_beside`: the tier's `Uploader` on its thread at the supervisor's upload priority),
-into a prefix of the `--durable` tier of its own, and the save starts once the upload's first part is sent. The
-steps before and after are timed with no upload running, so the stall counts what the upload takes from training
-while the save is in flight. Each record says whether the upload was still running when the save was durable
-(`upload_overlapped`) and the CPU seconds the upload process ran from the save call to the end of the steps that
-ran during it (`upload_cpu_s`: what the hold of the upload did not stop); what each upload wrote is deleted after it.
+"""The durable stall rows, run inside the ranks: the stall of ftsup's async save while the durable tier uploads the
+previous checkpoint beside the ranks as the supervisor runs it (`upload_beside`), and of the same save with none,
+in pairs whose order alternates (docs/benchmarks.md, "The durable tier against plain S3").
 """
 
 from __future__ import annotations
@@ -45,9 +34,13 @@ class _Beside:
         env = dict(os.environ)
         guarded, guard_env = guard.wrap([sys.executable, "-m", "ftsup.tools.bench.checkpoint.upload_beside"])
         self.proc = subprocess.Popen(  # dies with this rank; a session of its own, as the supervisor's
-            guarded, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**env, **guard_env}, text=True,
+            guarded,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**env, **guard_env},
+            text=True,
             start_new_session=True,
-        )  # fmt: skip
+        )
         self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -113,8 +106,12 @@ def durable_stall(ctx: Ctx) -> list[str]:
     from ftsup.trainer.checkpoint import RetentionPolicy
 
     root = ctx.run_dir / "durable_stall"
-    eng = engine_class()(root, max_in_flight=1, retention=RetentionPolicy(keep_last=KEEP_LAST),
-                         recycle=bool(ctx.spec.get("recycle", True)))  # fmt: skip
+    eng = engine_class()(
+        root,
+        max_in_flight=1,
+        retention=RetentionPolicy(keep_last=KEEP_LAST),
+        recycle=bool(ctx.spec.get("recycle", True)),
+    )
     total = total_bytes(ctx)
     beside = _Beside(ctx.spec) if ctx.rank == 0 else None
     tag = f"{str(url).rstrip('/')}/ftsup-bench-stall-{os.getpid()}-{time.strftime('%Y%m%d%H%M%S')}"
@@ -150,10 +147,17 @@ def durable_stall(ctx: Ctx) -> list[str]:
                 _settle(ctx, root)
                 log.after = ctx.trainer.time_steps(int(ctx.spec["baseline_steps"]))
                 ctx.rec.record(
-                    UPLOADING if uploading else ALONE, i, stall_s=block + log.extra_s, block_s=block,
-                    extra_step_s=log.extra_s, steps_during=len(log.during), baseline_step_s=log.baseline_s,
-                    durable_s=durable_s, bytes=total, **fields,
-                )  # fmt: skip
+                    UPLOADING if uploading else ALONE,
+                    i,
+                    stall_s=block + log.extra_s,
+                    block_s=block,
+                    extra_step_s=log.extra_s,
+                    steps_during=len(log.during),
+                    baseline_step_s=log.baseline_s,
+                    durable_s=durable_s,
+                    bytes=total,
+                    **fields,
+                )
                 ctx.barrier()
         eng.wait()
     finally:

@@ -1,11 +1,8 @@
-"""What the finiteness check of a save costs on the reference trainer's state (`finite`).
+"""What the finiteness check of a save costs on the reference trainer's state (`finite`), run by hand:
+`python -m ftsup.tools.bench.checkpoint.finite [--n-embd 256 --n-layer 4 --repeats 20 --threads 1]`.
 
-    python -m ftsup.tools.bench.checkpoint.finite [--n-embd 256 --n-layer 4 --repeats 20 --threads 1]
-
-Builds the reference trainer's model (`ftsup.trainer.examples.gpt`, its default size) and AdamW
-after one step, stages its state as a save does, and prints one JSON line: the state's bytes, the
-median time of the staging copy and of the scan of the staged buffer (`first_nonfinite`, which
-runs in the writer thread), and their ratio. One process, CPU.
+Stages the model's and AdamW's state after one step as a save does, on the CPU, and prints one JSON line: the
+state's bytes, the median times of the staging copy and of the scan of the staged buffer, and their ratio.
 """
 
 from __future__ import annotations
@@ -56,9 +53,14 @@ def main(argv: list[str] | None = None) -> int:
         stage_s.append(t1 - t0)
         scan_s.append(time.perf_counter() - t1)
     stage, scan = statistics.median(stage_s), statistics.median(scan_s)
-    row = {"tensor_bytes": plan.tensor_bytes, "stage_s": round(stage, 6), "finite_check_s": round(scan, 6),
-           "check_over_stage": round(scan / stage, 3), "gib_per_s": round(plan.tensor_bytes / scan / 2**30, 2),
-           "threads": a.threads}  # fmt: skip
+    row = {
+        "tensor_bytes": plan.tensor_bytes,
+        "stage_s": round(stage, 6),
+        "finite_check_s": round(scan, 6),
+        "check_over_stage": round(scan / stage, 3),
+        "gib_per_s": round(plan.tensor_bytes / scan / 2**30, 2),
+        "threads": a.threads,
+    }
     print(json.dumps(row))
     return 0
 

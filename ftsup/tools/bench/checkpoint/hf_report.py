@@ -1,19 +1,7 @@
 """The Hugging Face rows of `ftsup bench checkpoint`: their names, the figures they add and their targets.
 
-Pure (no torch, no I/O), like `report`, which takes these in: the rows are measured by `hf_rows` in a group of
-ranks of their own (`checkpoint`, phase `hf`).
-
-- `hf_export`: `ftsup ckpt export-hf` of the group's checkpoint (the synthetic model, in shards of
-  `--hf-max-shard-size`), in a child process of its own, cold cache; its bytes over its time, against a raw
-  sequential write of the same bytes by the same rank just before or after it (`raw_adjacent_s`); the child's
-  peak RSS (the kernel's, over the child's whole life, imports included) against the largest shard it wrote.
-- `hf_import`: those files loaded into the sharded model by `ftsup.trainer.hf.load.load_hf_model` on every rank;
-  `dcp_hf_import`, the peer: `torch.distributed.checkpoint.load` with torch's `HuggingFaceStorageReader` on the
-  same files, repeat by repeat in alternating order. Each rank's bytes read over its share (its local tensors'
-  bytes), the largest over the ranks: `rank_bytes_read_vs_share` (/proc/self/io read_bytes, cold cache: what
-  came from the disk, readahead included; a page two ranks need counts for the first) and
-  `rank_rchar_vs_share` (bytes passed to read calls; reads through a mapping, as torch's reader does, are not
-  counted there).
+Pure (no torch, no I/O), like `report`, which takes these in; the rows are measured by `hf_rows` in a group of
+ranks of their own. What each row measures: docs/benchmarks.md, "Hugging Face export and import".
 """
 
 from __future__ import annotations
@@ -27,8 +15,9 @@ ROW_NAMES = ("hf_export", "hf_import", "dcp_hf_import")
 IMPORT_ROWS = ("hf_import", "dcp_hf_import")
 
 # Figures of these rows that `report` combines across ranks by their maximum.
-MAX_FIELDS = frozenset({"largest_shard_bytes", "shards", "export_base_rss_bytes", "rank_bytes_read_vs_share",
-                        "rank_rchar_vs_share"})  # fmt: skip
+MAX_FIELDS = frozenset(
+    {"largest_shard_bytes", "shards", "export_base_rss_bytes", "rank_bytes_read_vs_share", "rank_rchar_vs_share"}
+)
 
 TARGETS = {
     "hf_export_throughput_vs_raw_write": (">=", 0.7),

@@ -1,19 +1,7 @@
-"""The Hugging Face rows, run inside the ranks of group `hf`: export to the Hub's layout, and import from it.
-
-One row function (`hf`) measures those of `hf_report.ROW_NAMES` the spec names (`hf_rows`), in order:
-
-1. a blocking ftsup save of the group's synthetic state (the sharded model and AdamW) and the checksum of the
-   full model, the reference every import must reproduce bitwise;
-2. `hf_export` (rank 0; the others wait): each repeat, the page cache dropped, the export in a child process
-   (`hf_child`: its peak RSS is that process's alone) and a raw sequential write of the
-   same bytes by this rank (the faster of buffered and O_DIRECT, fsynced), one first and then the other,
-   alternating, so that the disk's drift over the run falls on both alike. The last export stays for the imports
-   (it is also made, unmeasured, when only the import rows run);
-3. `hf_import` and `dcp_hf_import`, interleaved repeat by repeat in alternating order, each into the zeroed
-   model, cold cache, checked bitwise against the reference (`loads` does the same for the engine's loads).
-
-Not here: the names, figures and targets (`hf_report`), the export and import themselves (`ftsup.trainer.hf.export`,
-`ftsup.trainer.hf.load`).
+"""The Hugging Face rows, run inside the ranks of group `hf`: a blocking ftsup save of the synthetic state, its
+export to the Hub's layout (`hf_export`, beside a raw write of the same bytes) and the imports from it (`hf_import`,
+`dcp_hf_import`, interleaved), each checked bitwise against the saved state's checksum. Names, figures and
+targets: `hf_report`; the export and import themselves: `ftsup.trainer.hf`.
 """
 
 from __future__ import annotations
@@ -41,8 +29,12 @@ from ftsup.tools.bench.checkpoint.peer_rows import RAW_BLOCK, DirectIOUnsupporte
 def hf(ctx: Ctx) -> list[str]:
     wanted = list(ctx.spec["hf_rows"])
     if "dcp_hf_import" in wanted and not hasattr(dcp, "HuggingFaceStorageReader"):  # the same on every rank
-        ctx.rec.record("dcp_hf_import", None, status="not available",
-                       error=f"this torch ({torch.__version__}) has no HuggingFaceStorageReader")  # fmt: skip
+        ctx.rec.record(
+            "dcp_hf_import",
+            None,
+            status="not available",
+            error=f"this torch ({torch.__version__}) has no HuggingFaceStorageReader",
+        )
         wanted.remove("dcp_hf_import")
     root = ctx.run_dir / "hf"
     if ctx.rank == 0:
@@ -89,10 +81,17 @@ def _exports(ctx: Ctx, root: Path, measured: bool) -> Path:
                 if raw_s is None:
                     raw_s = _raw_write(root / "raw.bin", nbytes, buf)
                 if measured:
-                    figures = {k: got[k] for k in ("peak_rss_bytes", "largest_shard_bytes", "shards",
-                                                   "export_base_rss_bytes")}  # fmt: skip
-                    ctx.rec.record("hf_export", i, durable_s=got["export_s"], bytes=nbytes, raw_adjacent_s=raw_s,
-                                   cache_dropped=dropped, **figures)  # fmt: skip
+                    kept = ("peak_rss_bytes", "largest_shard_bytes", "shards", "export_base_rss_bytes")
+                    figures = {k: got[k] for k in kept}
+                    ctx.rec.record(
+                        "hf_export",
+                        i,
+                        durable_s=got["export_s"],
+                        bytes=nbytes,
+                        raw_adjacent_s=raw_s,
+                        cache_dropped=dropped,
+                        **figures,
+                    )
             ctx.barrier()
     finally:
         buf.close()
@@ -128,8 +127,9 @@ def _export_child(ctx: Ctx, ckpt: Path, out: Path, shard: int, result: Path) -> 
     guarded, guard_env = guard.wrap(command)
     log = ctx.run_dir / "hf" / "export.log"
     with open(log, "ab") as f:
-        proc = subprocess.Popen(guarded, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
-                                env={**os.environ, **guard_env})  # fmt: skip
+        proc = subprocess.Popen(
+            guarded, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **guard_env}
+        )
     try:
         code = proc.wait()
     except BaseException:
@@ -165,8 +165,9 @@ def _dcp_load(ctx: Ctx, out: Path) -> None:
 
 
 def _import_once(ctx: Ctx, name: str, load: Callable[[], Any], reference: str | None, repeat: int) -> None:
-    loads.measure_load(ctx, loads.LoadCase(name, reference, load), repeat, ctx.syn.model.state_dict,
-                       per_rank_ratios=True)  # fmt: skip
+    loads.measure_load(
+        ctx, loads.LoadCase(name, reference, load), repeat, ctx.syn.model.state_dict, per_rank_ratios=True
+    )
 
 
 ROWS: dict[str, RowFn] = {"hf": hf}

@@ -1,10 +1,7 @@
-"""Start a group of rank processes, wait for them under one deadline, and leave nothing behind.
-
-Each rank is `python -m ftsup.tools.bench.checkpoint.rank SPEC` in its own session (so that it and any
-process it starts, such as DCP's checkpoint daemon, share one process group we can signal),
-behind the parent-death guard (`ftsup.guard`) so that it dies with us. Shutdown is the one stop
-sequence (`ftsup.procs.stop`: SIGTERM, one grace period, then SIGKILL) applied to every process
-of each rank's process group. Torch-free: the parent process of a benchmark never imports torch.
+"""Start a group of rank processes, wait for them under one deadline, and leave nothing behind: each rank is
+`python -m ftsup.tools.bench.checkpoint.rank SPEC` behind the parent-death guard, in a session of its own so that
+what it starts (DCP's checkpoint daemon) is signalled with it, and is stopped by the one stop sequence
+(`ftsup.procs.stop`). Torch-free: the parent process of a benchmark never imports torch.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Load rows, run inside a rank: cold-cache loads into zeroed state, checked bitwise.
-
-`ftsup_load_same` loads on the world size that saved; `reshard_loads` runs
-`dcp_load_reshard` and `ftsup_load_reshard` on a different world size, interleaved repeat by
-repeat (alternating which goes first), because the disk's speed drifts over a run and two
-loads measured minutes apart would compare the disk more than the loaders.
+"""Load rows, run inside a rank: cold-cache loads into zeroed state, checked bitwise. `ftsup_load_same` loads on the
+world size that saved; `reshard_loads` runs `dcp_load_reshard` and `ftsup_load_reshard` on another, interleaved
+repeat by repeat in alternating order, so that the disk's drift over a run falls on both alike.
 """
 
 from __future__ import annotations
@@ -71,8 +68,10 @@ def measure_load(
     read, rchar = probes.io_delta(before, after, "read_bytes"), probes.io_delta(before, after, "rchar")
     ratios = {}
     if per_rank_ratios:
-        ratios = {"rank_bytes_read_vs_share": None if read is None or not share else read / share,
-                  "rank_rchar_vs_share": None if rchar is None or not share else rchar / share}  # fmt: skip
+        ratios = {
+            "rank_bytes_read_vs_share": None if read is None or not share else read / share,
+            "rank_rchar_vs_share": None if rchar is None or not share else rchar / share,
+        }
     ctx.rec.record(
         case.name,
         repeat,

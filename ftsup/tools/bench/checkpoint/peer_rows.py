@@ -1,9 +1,6 @@
-"""The reference rows, run inside a rank: the disk's and memory's limits, and the peers.
-
-`raw_write` and `memcpy` bound what any checkpointer can do on this machine; `torch_save`,
-`dcp_save`, `dcp_async` and `dcp_async_process` are what ftsup's saves are compared
-against (loads: `ftsup.tools.bench.checkpoint.loads`). Each writes under its own folder of the run
-directory.
+"""The reference rows, run inside a rank: `raw_write` and `memcpy` bound what any checkpointer can do on this
+machine; `torch_save`, `dcp_save`, `dcp_async` and `dcp_async_process` are the peers ftsup's saves are compared
+with (their loads: `loads`). Each writes under its own folder of the run directory.
 """
 
 from __future__ import annotations

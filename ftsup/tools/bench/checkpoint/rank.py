@@ -1,10 +1,7 @@
-"""One rank of a benchmark group: `python -m ftsup.tools.bench.checkpoint.rank SPEC.json`.
-
-Reads the group's spec (written by `ftsup.tools.bench.checkpoint.command`), initialises gloo from the
-environment the launcher set, builds the synthetic state, runs the rows the spec names in
-order, and appends one JSON line per measurement to its results file. A row that raises
-is recorded and ends the process with a non-zero code: its peers may be blocked in a
-collective, and the launcher stops them after a grace period.
+"""One rank of a benchmark group: `python -m ftsup.tools.bench.checkpoint.rank SPEC.json` runs the rows the group's
+spec names (`command` wrote it) on the synthetic state, over gloo, and appends one JSON line per measurement to its
+results file. A row that raises is recorded and ends the process with a non-zero code: its peers may be blocked in
+a collective, and the launcher stops them after a grace period.
 """
 
 from __future__ import annotations

@@ -33,11 +33,27 @@ ROW_NAMES = (
 )
 
 _MAX = {
-    "stall_s", "durable_s", "load_s", "block_s", "extra_step_s", "copy_s", "baseline_step_s",
-    "engine_stage_s", "engine_durable_s", "steps_during", "rss_growth_bytes", "rss_before",
-    "rss_after", "wall_s", "copy_plain_s", "copy_hugepage_s", "raw_adjacent_s", "peak_rss_bytes",
-    "peak_rss_increase_bytes", *hf_report.MAX_FIELDS,
-}  # fmt: skip
+    "stall_s",
+    "durable_s",
+    "load_s",
+    "block_s",
+    "extra_step_s",
+    "copy_s",
+    "baseline_step_s",
+    "engine_stage_s",
+    "engine_durable_s",
+    "steps_during",
+    "rss_growth_bytes",
+    "rss_before",
+    "rss_after",
+    "wall_s",
+    "copy_plain_s",
+    "copy_hugepage_s",
+    "raw_adjacent_s",
+    "peak_rss_bytes",
+    "peak_rss_increase_bytes",
+    *hf_report.MAX_FIELDS,
+}
 _SUM = {"bytes", "bytes_read", "rchar", "needed_bytes", "engine_bytes_read", "engine_tensor_bytes"}
 _ALL = {"exact", "perturbed", "cache_dropped"}
 _PASS = {"rss_saves"}
@@ -48,9 +64,16 @@ _PER_REPEAT = ("stall_s", "block_s", "extra_step_s", "durable_s", "load_s", "cop
 
 # Fields every result row has, null when not measured.
 CORE_FIELDS = (
-    "stall_s", "durable_s", "gib_per_s", "load_s", "bytes_read", "rchar", "exact",
-    "peak_rss_bytes", "peak_rss_increase_bytes",
-)  # fmt: skip
+    "stall_s",
+    "durable_s",
+    "gib_per_s",
+    "load_s",
+    "bytes_read",
+    "rchar",
+    "exact",
+    "peak_rss_bytes",
+    "peak_rss_increase_bytes",
+)
 
 
 def _combine_ranks(field: str, values: list[Any]) -> Any:

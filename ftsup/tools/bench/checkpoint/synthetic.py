@@ -1,12 +1,7 @@
-"""The benchmark's synthetic training state: an FSDP2-sharded model, AdamW, and what runs on it.
-
-Builds a stack of Linear layers sized so that parameters plus AdamW's two moment buffers
-add up to the requested number of MiB (parameters are one third), shards each layer on
-dim 0 with `fully_shard` over a CPU device mesh, and runs one real optimizer step so the
-optimizer state exists. Also provides the two kinds of "training step" used to measure
-stalls, and a checksum of the full (unsharded) state for exactness checks.
-
-Runs inside a rank process with `torch.distributed` initialised; does no I/O itself.
+"""The benchmark's synthetic training state, inside a rank with `torch.distributed` initialised: Linear layers
+sharded on dim 0 with `fully_shard` over a CPU mesh, sized so that parameters and AdamW's two moments add up to the
+requested MiB, after one real optimizer step; the two kinds of training step stalls are measured with; and a
+checksum of the full state for exactness checks. No I/O.
 """
 
 from __future__ import annotations

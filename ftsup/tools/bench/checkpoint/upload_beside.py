@@ -1,17 +1,6 @@
 """An upload to a durable tier beside a benchmark's ranks, run as the supervisor runs it: `python -m
-ftsup.tools.bench.checkpoint.upload_beside`, a process of its own (a session of its own, as the supervisor is to the
-ranks' torchrun), the tier's `durable_upload.Uploader` on its thread at `durable_keeper.UPLOAD_NICE`.
-
-For `ftsup bench checkpoint`'s durable stall rows (`durable_stall`), which start it from rank 0
-and talk to it by lines of JSON. On standard input, one command per line:
-
-    {"upload": "/path/step-000001003", "url": "s3://bucket/prefix", "part_bytes": 16777216, "concurrency": 8}
-
-opens the tier at `url` with those options, submits the committed checkpoint to a new uploader and answers, on
-standard output, `{"event": "sending"}` once its first part is sent, then `{"event": "committed", "seconds": S,
-"bytes": B}` (or `{"event": "dropped", "error": E}`); then the step is deleted from the tier again and
-`{"event": "clean"}` ends the command. End of input ends the process. Never imports torch; tooling, never imported
-by the product.
+ftsup.tools.bench.checkpoint.upload_beside`, in a session of its own, the tier's `Uploader` at `UPLOAD_NICE`,
+driven by rank 0 of the durable stall rows (`durable_stall`) with lines of JSON (`main`). Never imports torch.
 """
 
 from __future__ import annotations
@@ -47,9 +36,13 @@ class _Watched(durable.DurableTier):
         self.first = threading.Event()
 
     def upload(
-        self, ckpt_dir: Any, *, on_part: durable.PartHook | None = None, node: str | None = None,
+        self,
+        ckpt_dir: Any,
+        *,
+        on_part: durable.PartHook | None = None,
+        node: str | None = None,
         pause: durable.PauseHook | None = None,
-    ) -> durable.UploadReport:  # fmt: skip
+    ) -> durable.UploadReport:
         def hook(rel: str, number: int) -> None:
             if not self.first.is_set():
                 self.first.set()
@@ -87,8 +80,9 @@ def _one(path: str, url: str, options: durable.DurableOptions, hold_s: float) ->
     with durable.open_tier(url, options) as tier:
         watched = _Watched(tier)
         start = time.monotonic()
-        uploader = Uploader(watched, on_outcome=finished, nice=UPLOAD_NICE, backoff_initial_s=0.5, backoff_max_s=2.0,
-                            hold_s=hold_s)  # fmt: skip
+        uploader = Uploader(
+            watched, on_outcome=finished, nice=UPLOAD_NICE, backoff_initial_s=0.5, backoff_max_s=2.0, hold_s=hold_s
+        )
         try:
             uploader.submit(path)
             if not done.wait(WAIT_S):
@@ -105,13 +99,22 @@ def _one(path: str, url: str, options: durable.DurableOptions, hold_s: float) ->
 
 
 def main() -> int:
+    """One command per line of standard input, for example
+
+        {"upload": "/path/step-000001003", "url": "s3://bucket/prefix", "part_bytes": 16777216, "concurrency": 8}
+
+    opens the tier at `url` with those options, submits the committed checkpoint to a new uploader and answers, on
+    standard output, `{"event": "sending"}` once its first part is sent, then `{"event": "committed", "seconds": S,
+    "bytes": B}` (or `{"event": "dropped", "error": E}`); then the step is deleted from the tier again and
+    `{"event": "clean"}` ends the command. End of input ends the process."""
     for line in sys.stdin:
         if not line.strip():
             continue
         try:
             command = json.loads(line)
-            options = durable.DurableOptions(part_bytes=int(command["part_bytes"]),
-                                             concurrency=int(command["concurrency"]))  # fmt: skip
+            options = durable.DurableOptions(
+                part_bytes=int(command["part_bytes"]), concurrency=int(command["concurrency"])
+            )
             _one(str(command["upload"]), str(command["url"]), options, float(command.get("hold_s", MAX_HOLD_S)))
         except Exception as e:  # noqa: BLE001 - reported to the rank that asked; the next command still runs
             _say(event="dropped", error=f"{type(e).__name__}: {e}")

@@ -1,27 +1,7 @@
-"""`ftsup bench goodput`: the share of wall time that becomes training, under one seeded fault schedule, for
-ftsup, `torchrun --max-restarts=N` and NVIDIA's `ft_launcher` (default and tuned timeouts), side by side.
-
-    ftsup bench goodput [--json FILE] [--steps N] [--mean-interval-s S] [--mix kill=1,hang=1,evict=1] [--seed S]
-                        [--contenders ftsup,torchrun,nvrx-default,nvrx-tuned] [--hang-cap-s S] ...
-
-Each contender trains the same job (the reference trainer, 2 CPU ranks, `--steps` steps of at least
-`--min-step-s`, a periodic checkpoint every `--ckpt-every` steps) from scratch, one after the other, and meets the
-same faults at the same offsets from its first launch (`schedule`: a fault every `--mean-interval-s` on average,
-kinds drawn from `--mix`): a rank SIGKILLed, a rank SIGSTOPped (a hang), an eviction notice (SIGTERM to the
-launcher; at `--evict-deadline-s` the node is gone; the job is requeued at once). `drive` delivers them and
-watches from outside; `account` puts every second of the run in one bucket; `report` makes the rows.
-
-Goodput, alike for all: the time of each distinct step's first completion, summed from the loss log, over the
-wall time from the first launch to the job's end. Badput by cause as far as it can be told from outside:
-`startup`, `checkpoint_load`, `checkpoint_save`, `wasted_progress`, `detection`, `backoff`, `eviction`,
-`other` (`account` says which second goes where). A hang nothing reacts to within `--hang-cap-s` is ended as
-its collective timeout would end it (the stopped rank killed); the cap and the goodput the real timeout would
-have left are reported. A contender that cannot run here (ft_launcher not installed) is reported as not run,
-with the reason.
-
-Exit 0 when every contender that ran reached its end without a process left over and ftsup completed its job;
-the goodput targets (ftsup >= 0.85, >= 0.2 above torchrun, above both ft_launcher rows) are under "checks":
-they depend on the machine and its load. The process that runs this never imports torch.
+"""`ftsup bench goodput`: the share of wall time that becomes training, under one seeded fault schedule, for ftsup,
+`torchrun --max-restarts=N` and NVIDIA's `ft_launcher`, side by side (docs/benchmarks.md, "Goodput against torchrun
+and ft_launcher"). `schedule` draws the faults, `contenders` starts each launcher, `drive` delivers the faults and
+watches, `account` puts every second in one bucket, `report` makes the rows. Never imports torch.
 """
 
 from __future__ import annotations
@@ -41,7 +21,7 @@ from ftsup.tools.bench.goodput.account import account
 from ftsup.tools.bench.goodput.drive import Options, drive
 from ftsup.tools.faults.refjob import new_run_id
 
-DEFAULT_STEPS = 4800  # about 10 minutes of training here: some ten faults per contender at the default interval
+DEFAULT_STEPS = 4800  # at least 480 s of steps of 0.1 s: some ten faults per contender at the default interval
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -115,8 +95,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=tuned.heartbeat_s,
         help=f"nvrx-tuned: between two heartbeats, default {tuned.heartbeat_s:g}",
     )
-    p.add_argument("--nvrx-check-interval-s", type=_seconds, default=tuned.check_s,
-                   help=f"nvrx-tuned: how often its rank monitors check, default {tuned.check_s:g}")  # fmt: skip
+    p.add_argument(
+        "--nvrx-check-interval-s",
+        type=_seconds,
+        default=tuned.check_s,
+        help=f"nvrx-tuned: how often its rank monitors check, default {tuned.check_s:g}",
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -148,11 +132,13 @@ def _mix(text: str) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> int:
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
-    tuned = contenders_module.NvrxTimeouts(args.nvrx_initial_timeout_s, args.nvrx_heartbeat_timeout_s,
-                                           args.nvrx_check_interval_s)  # fmt: skip
+    tuned = contenders_module.NvrxTimeouts(
+        args.nvrx_initial_timeout_s, args.nvrx_heartbeat_timeout_s, args.nvrx_check_interval_s
+    )
     try:
-        chosen = contenders_module.contenders(names, max_restarts=args.max_restarts,
-                                              evict_deadline_s=args.evict_deadline_s, tuned=tuned)  # fmt: skip
+        chosen = contenders_module.contenders(
+            names, max_restarts=args.max_restarts, evict_deadline_s=args.evict_deadline_s, tuned=tuned
+        )
     except ValueError as e:
         raise UsageError(f"--contenders: {e}") from None
     if not chosen:
@@ -167,17 +153,23 @@ def run(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {
         "results": [],
         "schedule": {
-            "seed": args.seed, "mean_interval_s": args.mean_interval_s, "mix": args.mix, "hang_cap_s": args.hang_cap_s,
-            "evict_deadline_s": args.evict_deadline_s, "first": [vars_of(f) for f in faults[:20]],
+            "seed": args.seed,
+            "mean_interval_s": args.mean_interval_s,
+            "mix": args.mix,
+            "hang_cap_s": args.hang_cap_s,
+            "evict_deadline_s": args.evict_deadline_s,
+            "first": [vars_of(f) for f in faults[:20]],
             "max_faults": args.max_faults,
             "description": f"seed {args.seed}, one every {args.mean_interval_s:g} s on average, {mix}"
-                           + (f", the first {args.max_faults} only" if args.max_faults else ""),
+            + (f", the first {args.max_faults} only" if args.max_faults else ""),
         },
         "job": {"steps": args.steps, "ckpt_every": args.ckpt_every, "min_step_s": args.min_step_s, "nproc": nproc},
         "environment": {"cpus": os.cpu_count(), "loadavg_start": _load(), "dir": str(root)},
-    }  # fmt: skip
-    print(f"ftsup bench goodput in {root}: {args.steps} steps per job; faults {out['schedule']['description']}",
-          flush=True)  # fmt: skip
+    }
+    print(
+        f"ftsup bench goodput in {root}: {args.steps} steps per job; faults {out['schedule']['description']}",
+        flush=True,
+    )
     ok = True
     for c in chosen:
         reason = c.missing()
@@ -192,9 +184,12 @@ def run(args: argparse.Namespace) -> int:
         r = report.row(c.name, c.command, got, acc, args.hang_cap_s)
         r["loadavg_end"] = _load()
         out["results"].append(r)
-        print(f"{c.name}: goodput {acc.goodput if acc.goodput is None else round(acc.goodput, 3)}, "
-              f"{r['faults_survived']}/{r['faults_delivered']} faults survived, "
-              f"{'completed' if got.completed else 'not completed'} in {acc.wall_s:.0f} s", flush=True)  # fmt: skip
+        print(
+            f"{c.name}: goodput {acc.goodput if acc.goodput is None else round(acc.goodput, 3)}, "
+            f"{r['faults_survived']}/{r['faults_delivered']} faults survived, "
+            f"{'completed' if got.completed else 'not completed'} in {acc.wall_s:.0f} s",
+            flush=True,
+        )
         ok = ok and not got.orphans and (got.completed or c.name != "ftsup")
     out["checks"] = report.checks(out["results"])
     out["environment"]["loadavg_end"] = _load()

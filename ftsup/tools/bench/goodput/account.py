@@ -1,31 +1,7 @@
-"""Goodput as `ftsup bench goodput` measures it, from outside and alike for every contender: pure arithmetic.
-
-What it reads (a `Timeline`): the first launch and the job's end (wall clock); the trainer's loss log, one line
-per optimizer step with the time it was written (`Line`); and what the benchmark saw of each interruption from
-outside (`Interruption`): when its fault was delivered, when the launcher reacted (a rank of the faulted attempt
-other than the target gone, or the launcher itself exited), when new rank processes (or, after an eviction, a
-requeued launcher) started, and how long the resumed attempt's checkpoint load took.
-
-Every second from the first launch to the end is put in exactly one bucket, in time order, so that
-productive + the badput of every cause = wall (a telescoping sum: one cursor walks the timeline and each
-bucket takes the span up to its next mark):
-
-- productive: the time of each step's first completion, a step trained twice counting once. A step's time
-  is the gap since the line before it; for the first step of an attempt (no line of its own attempt before it),
-  the job's median clean step time. The gap after a periodic checkpoint's step is productive up to that
-  median, its excess `checkpoint_save` (the time the save blocked the loop).
-- `wasted_progress`: steps trained again (their gaps), and the part of a step in flight when its fault hit.
-- after a kill or a hang: `detection` (fault -> the launcher's reaction), `backoff` (-> new rank processes:
-  teardown, backoff, the launcher's own restart), `startup` (-> the resumed first step, less the load and that
-  step's own time) and `checkpoint_load`.
-- after an eviction notice: `eviction` (notice -> the launcher gone -> the requeued one started), then
-  `startup` and `checkpoint_load` as above. Steps logged after the notice, before the launcher stops (an
-  emergency save's step), are training like any other.
-- `startup`: first launch -> first step (less that step's time), or to the end when no step came; `other`: the
-  last step -> the end (the final save and the exit), and a restart no scheduled fault explains (up to its
-  new ranks).
-
-Goodput = productive / wall. Not here: running anything (`drive`), or tables (`report`).
+"""Goodput as `ftsup bench goodput` measures it, from outside and alike for every contender: pure arithmetic over a
+`Timeline` (the loss log's lines, each timed as it appeared, and each interruption as seen from outside). A cursor
+walks the timeline and puts every second in exactly one bucket, so that productive + badput = wall; which second
+goes where: docs/benchmarks.md, "Goodput against torchrun and ft_launcher".
 """
 
 from __future__ import annotations
@@ -34,8 +10,16 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-CAUSES = ("startup", "checkpoint_load", "checkpoint_save", "wasted_progress", "detection", "backoff", "eviction",
-          "other")  # fmt: skip
+CAUSES = (
+    "startup",
+    "checkpoint_load",
+    "checkpoint_save",
+    "wasted_progress",
+    "detection",
+    "backoff",
+    "eviction",
+    "other",
+)
 OTHER = "other"  # an Interruption's kind for a restart that no scheduled fault explains
 
 
@@ -83,10 +67,13 @@ class Account:
     def to_dict(self) -> dict[str, object]:
         return {
             "goodput": None if self.goodput is None else round(self.goodput, 4),
-            "productive_s": round(self.productive_s, 3), "wall_s": round(self.wall_s, 3),
-            "badput_s": {k: round(v, 3) for k, v in self.badput_s.items()}, "step_s": round(self.step_s, 4),
-            "steps": self.steps, "redone_steps": self.redone_steps,
-        }  # fmt: skip
+            "productive_s": round(self.productive_s, 3),
+            "wall_s": round(self.wall_s, 3),
+            "badput_s": {k: round(v, 3) for k, v in self.badput_s.items()},
+            "step_s": round(self.step_s, 4),
+            "steps": self.steps,
+            "redone_steps": self.redone_steps,
+        }
 
 
 class _Ledger:
@@ -143,9 +130,14 @@ def account(tl: Timeline) -> Account:
     wall = tl.end - tl.start
     productive = led.buckets.pop("productive")
     return Account(
-        productive_s=productive, badput_s=led.buckets, wall_s=wall, goodput=productive / wall if wall > 0 else None,
-        step_s=step_s, steps=len(seen), redone_steps=redone,
-    )  # fmt: skip
+        productive_s=productive,
+        badput_s=led.buckets,
+        wall_s=wall,
+        goodput=productive / wall if wall > 0 else None,
+        step_s=step_s,
+        steps=len(seen),
+        redone_steps=redone,
+    )
 
 
 def _effective_start(e: Interruption, lines: Sequence[Line]) -> float:

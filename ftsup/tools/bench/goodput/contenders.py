@@ -1,21 +1,7 @@
-"""The contenders of `ftsup bench goodput`: one job of the reference trainer, started three ways.
-
-- `ftsup`: `ftsup run --config JOB.yaml`, its defaults but for the restart budget (`restart.max_restarts`, the
-  same N as the others') and the eviction deadline (`eviction.default_deadline_s`, the one the benchmark
-  enforces). An eviction notice is SIGTERM to the supervisor (one of its default `eviction.signals`).
-- `torchrun`: `torchrun --standalone --max-restarts=N`; the trainer saves its periodic checkpoints (the same
-  `--ckpt-every` as under ftsup) and resumes from the newest by itself.
-- `nvrx-default`, `nvrx-tuned`: NVIDIA's `ft_launcher` (nvidia-resiliency-ext) with `--max-restarts=N`, each
-  rank the same trainer with ft_launcher's heartbeat API wired in (`ftsup.tools.bench.goodput.nvrx_rank`, run as its
-  module); first with its default timeouts (no `--ft-*` flag: 60 min to the first heartbeat, 45 min between
-  two, checked every 5 s), then with timeouts tuned to this job (`NvrxTimeouts`).
-
-Every launcher is started behind the parent-death guard (`refjob.start_guarded`), so nothing outlives the
-benchmark, with `TORCH_WORKAROUND` in its environment; each one's output (its ranks' included) lands in
-`<job root>/launcher-N.out`, one file per launch.
-An eviction under torchrun or ft_launcher is the same SIGTERM to the launcher, as a scheduler sends it.
-
-Not here: faults and observation (`drive`).
+"""The contenders of `ftsup bench goodput`: one job of the reference trainer started by `ftsup run`, by `torchrun
+--standalone --max-restarts=N` (the trainer resuming by itself) or by `ft_launcher` with its heartbeat API wired in
+(`nvrx_rank`), with its default or tuned timeouts. Each launcher runs behind the parent-death guard with
+`TORCH_WORKAROUND`, its output in `<job root>/launcher-N.out`; an eviction is SIGTERM to it.
 """
 
 from __future__ import annotations
@@ -45,19 +31,21 @@ TORCH_WORKAROUND = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 @dataclass(frozen=True)
 class NvrxTimeouts:
-    """ft_launcher's timeouts tuned to this job: the first heartbeat within `initial_s` of a rank's start (its
-    imports, rendezvous and checkpoint load take seconds here), then one every `heartbeat_s` (steps take about
-    0.1 s and its saves block for milliseconds; under load a step can stall for a second), checked every
-    `check_s` (the rank monitors' `workload_check_interval`)."""
+    """ft_launcher's timeouts tuned to this job: the first heartbeat within `initial_s` of a rank's start (room for
+    its imports, rendezvous and checkpoint load), then one every `heartbeat_s` (many steps' worth, with room for a
+    blocking save and for a step stalled under load), checked every `check_s` (the rank monitors'
+    `workload_check_interval`)."""
 
     initial_s: float = 60.0
     heartbeat_s: float = 3.0
     check_s: float = 1.0
 
     def flags(self) -> list[str]:
-        return [f"--ft-initial-rank-heartbeat-timeout={self.initial_s:g}",
-                f"--ft-rank-heartbeat-timeout={self.heartbeat_s:g}",
-                f"--ft-workload-check-interval={self.check_s:g}"]  # fmt: skip
+        return [
+            f"--ft-initial-rank-heartbeat-timeout={self.initial_s:g}",
+            f"--ft-rank-heartbeat-timeout={self.heartbeat_s:g}",
+            f"--ft-workload-check-interval={self.check_s:g}",
+        ]
 
 
 @dataclass(frozen=True)
@@ -93,19 +81,20 @@ class Contender:
     def job(self, root: Path, run_id: str, steps: int, ckpt_every: int, min_step_s: float) -> TrainerJob:
         sections: dict[str, dict[str, Any]] = {}
         if self.name == "ftsup":
-            sections = {"restart": {"max_restarts": self.max_restarts},
-                        "eviction": {"default_deadline_s": self.evict_deadline_s}}  # fmt: skip
+            sections = {
+                "restart": {"max_restarts": self.max_restarts},
+                "eviction": {"default_deadline_s": self.evict_deadline_s},
+            }
         return TrainerJob(root, run_id, steps, ckpt_every=ckpt_every, min_step_s=min_step_s, sections=sections)
 
     def argv(self, job: TrainerJob) -> list[str]:
         if self.name == "ftsup":
             return [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job.config_path)]
+        launch_flags = ["--standalone", f"--nproc-per-node={job.nproc}", f"--max-restarts={self.max_restarts}"]
         if self.name == "torchrun":
-            return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={job.nproc}",
-                    f"--max-restarts={self.max_restarts}", "-m", TRAINER, *job.trainer_args()]  # fmt: skip
+            return [sys.executable, "-m", "torch.distributed.run", *launch_flags, "-m", TRAINER, *job.trainer_args()]
         flags = self.nvrx.flags() if self.nvrx else []
-        return [sys.executable, "-m", NVRX_LAUNCHER, "--standalone", f"--nproc-per-node={job.nproc}",
-                f"--max-restarts={self.max_restarts}", *flags, "-m", NVRX_RANK, *job.trainer_args()]  # fmt: skip
+        return [sys.executable, "-m", NVRX_LAUNCHER, *launch_flags, *flags, "-m", NVRX_RANK, *job.trainer_args()]
 
     def start(self, job: TrainerJob, launch: int) -> subprocess.Popen[bytes]:
         """Launch `launch` (1 for the first; one more for each requeue after an eviction)."""
@@ -124,5 +113,6 @@ def contenders(names: list[str], *, max_restarts: int, evict_deadline_s: float, 
     unknown = sorted(set(names) - set(NAMES))
     if unknown:
         raise ValueError(f"unknown contender(s) {', '.join(unknown)}: the contenders are {', '.join(NAMES)}")
-    return [Contender(n, max_restarts, evict_deadline_s, tuned if n == "nvrx-tuned" else None)
-            for n in NAMES if n in names]  # fmt: skip
+    return [
+        Contender(n, max_restarts, evict_deadline_s, tuned if n == "nvrx-tuned" else None) for n in NAMES if n in names
+    ]

@@ -1,26 +1,6 @@
-"""One contender's run of `ftsup bench goodput`: its launcher started, the schedule's faults delivered, what
-follows each one seen from outside, and the run's `Timeline` for `account`.
-
-The loop polls every `POLL_S`: the launcher's exit, its rank processes (torchrun's children carrying RANK and
-LOCAL_RANK, found below the launcher: `faults.chaos.ranks_under`) and the loss log (`chaos.LossLogTail`, which
-timestamps each line as it appears). It delivers a fault when it is due and the job is training (every rank up,
-`SETTLE_STEPS` steps logged since the last launch or relaunch, no earlier fault still being recovered from); one
-due while the job starts or recovers waits for that (its `deferred_s`), and any others due by then are folded
-into it (`coalesced`: a job that is down is brought down once, so that faults never pile up behind a slow
-recovery, and none lands in the instant a job resumes, which the schedule's independent arrivals almost never
-do). Then it watches for:
-
-- the reaction: a rank of the faulted attempt other than the target gone, or the launcher exited (for an
-  eviction notice: the launcher exited; past `evict_deadline_s` the node is gone: its whole tree SIGKILLed);
-- the relaunch: new rank processes (after an eviction: the requeued launcher, started at once, as a
-  scheduler's requeue would);
-- recovery: the first loss line after the relaunch.
-
-A hang that no one has reacted to within `hang_cap_s` is ended as its collective timeout would end it, `cap_s`
-early: the stopped rank is SIGKILLed (the others would fail in their collective; the launcher then restarts
-them all), and the fault is marked `capped`. A restart no fault explains (ranks gone and new ones) is an
-interruption of kind `other`. A launcher exit that is not an eviction's ends the run: completed when it exited
-0 with every step logged; otherwise the fault in flight (or the exit itself) is what ended it. Whatever
+"""One contender's run of `ftsup bench goodput`: its launcher started, the schedule's faults delivered while the job
+trains, what follows each seen from outside (the reaction, the relaunch, the first step again), a hang nobody ends
+within `hang_cap_s` ended as its collective timeout would, and the run's `Timeline` for `account`. Whatever
 happens, everything the run started is SIGKILLed and reaped before `drive` returns.
 """
 
@@ -72,23 +52,30 @@ class _Pending:
     coalesced: list[Fault] = field(default_factory=list)
 
     def interruption(self, load_s: float | None) -> Interruption:
-        return Interruption(self.t, self.kind, self.reacted_t, self.relaunched_t,
-                            load_s if self.relaunched_t is not None else None)  # fmt: skip
+        return Interruption(
+            self.t, self.kind, self.reacted_t, self.relaunched_t, load_s if self.relaunched_t is not None else None
+        )
 
     def record(self, t0: float) -> dict[str, Any]:
         def since(x: float | None, base: float) -> float | None:
             return None if x is None else round(x - base, 3)
 
         return {
-            "index": self.fault.index if self.fault else None, "kind": self.kind,
-            "rank": self.target.rank if self.target else None, "due_s": since(self.due_t, t0),
-            "delivered_s": since(self.t, t0), "deferred_s": since(self.t, self.due_t) if self.due_t else None,
-            "detect_s": since(self.reacted_t, self.t), "relaunch_s": since(self.relaunched_t, self.t),
-            "recover_s": since(self.recovered_t, self.t), "capped": self.capped,
+            "index": self.fault.index if self.fault else None,
+            "kind": self.kind,
+            "rank": self.target.rank if self.target else None,
+            "due_s": since(self.due_t, t0),
+            "delivered_s": since(self.t, t0),
+            "deferred_s": since(self.t, self.due_t) if self.due_t else None,
+            "detect_s": since(self.reacted_t, self.t),
+            "relaunch_s": since(self.relaunched_t, self.t),
+            "recover_s": since(self.recovered_t, self.t),
+            "capped": self.capped,
             # steps logged before the fault and trained again (none when training went on past the notice)
             "lost_steps": None if self.first_step is None else max(0, self.max_step_before - (self.first_step - 1)),
-            "survived": self.recovered_t is not None, "coalesced": [f.index for f in self.coalesced],
-        }  # fmt: skip
+            "survived": self.recovered_t is not None,
+            "coalesced": [f.index for f in self.coalesced],
+        }
 
 
 @dataclass
@@ -126,8 +113,16 @@ def drive(contender: Contender, job: TrainerJob, faults: Sequence[Fault], opts: 
 
 
 class _Loop:
-    def __init__(self, contender: Contender, job: TrainerJob, faults: Sequence[Fault], opts: Options, t0: float,
-                 tail: chaos.LossLogTail, procs: list[subprocess.Popen[bytes]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        contender: Contender,
+        job: TrainerJob,
+        faults: Sequence[Fault],
+        opts: Options,
+        t0: float,
+        tail: chaos.LossLogTail,
+        procs: list[subprocess.Popen[bytes]],
+    ) -> None:
         self.contender, self.job, self.opts, self.t0, self.tail, self.procs = contender, job, opts, t0, tail, procs
         self.queue = collections.deque(faults)
         self.cur: _Pending | None = None
@@ -213,8 +208,15 @@ class _Loop:
         merged = []  # also due by now: a job that is down is brought down once
         while self.queue and now - self.t0 >= self.queue[0].at_s:
             merged.append(self.queue.popleft())
-        pending = _Pending(fault.kind, 0.0, fault=fault, due_t=self.t0 + fault.at_s, pids=frozenset(
-            r.pid for r in ranks.values()), max_step_before=self.tail.max_step(), coalesced=merged)  # fmt: skip
+        pending = _Pending(
+            fault.kind,
+            0.0,
+            fault=fault,
+            due_t=self.t0 + fault.at_s,
+            pids=frozenset(r.pid for r in ranks.values()),
+            max_step_before=self.tail.max_step(),
+            coalesced=merged,
+        )
         if fault.kind == "evict":
             pending.t = time.time()
             self.proc.send_signal(signal.SIGTERM)
@@ -237,22 +239,28 @@ class _Loop:
         completed = code == 0 and steps >= set(range(1, self.job.steps + 1))
         ended_by = None
         if not completed:
-            reason = (f"not finished within {self.opts.timeout_s:g} s" if code is None
-                      else f"the launcher exited {code}")  # fmt: skip
+            reason = f"not finished within {self.opts.timeout_s:g} s" if code is None else f"the launcher exited {code}"
             fault = self.cur.record(self.t0) if self.cur is not None else None
             ended_by = {"reason": reason, "t_s": round(now - self.t0, 3), "fault": fault}
         loads = [x for path in self.contender.rank_logs(self.job) for x in chaos.load_durations(_text(path))]
         load_s = chaos.median(loads)
         pending = [*self.done, *([self.cur] if self.cur is not None else [])]
         timeline = Timeline(
-            start=self.t0, end=now, lines=tuple(Line(ln.t, ln.step) for ln in lines),
-            interruptions=tuple(p.interruption(load_s) for p in pending), save_every=self.job.ckpt_every,
-        )  # fmt: skip
+            start=self.t0,
+            end=now,
+            lines=tuple(Line(ln.t, ln.step) for ln in lines),
+            interruptions=tuple(p.interruption(load_s) for p in pending),
+            save_every=self.job.ckpt_every,
+        )
         return Run(
-            timeline=timeline, completed=completed, exit_codes=self.codes, launches=len(self.procs),
-            faults=[p.record(self.t0) for p in pending if p.fault is not None], ended_by=ended_by,
+            timeline=timeline,
+            completed=completed,
+            exit_codes=self.codes,
+            launches=len(self.procs),
+            faults=[p.record(self.t0) for p in pending if p.fault is not None],
+            ended_by=ended_by,
             steps_logged=len(steps),
-        )  # fmt: skip
+        )
 
 
 def _signal(rank: chaos.RankProcess, sig: int) -> float | None:

@@ -1,22 +1,7 @@
-"""The reference trainer under NVIDIA's `ft_launcher`, with its heartbeat API wired in: a rank of `ftsup bench goodput`.
-
-    ft_launcher --standalone --nproc-per-node 2 --max-restarts N -m ftsup.tools.bench.goodput.nvrx_rank TRAINER-ARGS
-
-nvidia-resiliency-ext's heartbeat integration (its guide "Heartbeats API Integration" and its example
-`train_ddp_heartbeats_api.py`) asks three things of a training script: a `RankMonitorClient` on each rank,
-connected with `init_workload_monitoring()` before training; `send_heartbeat()` once per training step; and
-`shutdown_workload_monitoring()` at the end. The timeouts stay whatever `ft_launcher` was given (its defaults
-or its `--ft-*-timeout` flags); the optional steps of that guide (timeouts computed from observed intervals, the
-client's state kept in the checkpoint) are left out, so that the two rows of the benchmark differ only in the
-timeouts their command lines give.
-
-The per-step call rides the trainer's own per-step heartbeat: this process's ftsup runtime client (not under a
-supervisor here, so it sends nothing itself) is replaced, before the trainer asks for it, by one that also sends
-ft_launcher's heartbeat after each beat in phase `train` (one per optimizer step and one after each save, never
-during a load or a save, as that guide says). The trainer itself (`ftsup.trainer.examples.gpt`) is run
-unchanged, flags and all: the same model, data, checkpoints and loss log as under `ftsup run` and torchrun.
-
-Tooling, never imported by the product; it needs `nvidia-resiliency-ext` (`pip install 'ftsup[bench]'`).
+"""The reference trainer under NVIDIA's `ft_launcher`, with its heartbeat API wired in: a rank of `ftsup bench goodput`
+(`ft_launcher ... -m ftsup.tools.bench.goodput.nvrx_rank TRAINER-ARGS`). As nvidia-resiliency-ext's guide asks, a
+`RankMonitorClient` connects before training and sends one heartbeat per step, riding the trainer's own per-step
+beat; the trainer runs unchanged. Needs `nvidia-resiliency-ext` (`pip install 'ftsup[bench]'`).
 """
 
 from __future__ import annotations

@@ -14,8 +14,16 @@ from ftsup.tools.bench.goodput.drive import Run
 COLLECTIVE_TIMEOUT_S = 1800.0
 TARGET_GOODPUT = 0.85
 TARGET_MARGIN_OVER_TORCHRUN = 0.2
-SHORT = {"startup": "startup", "checkpoint_load": "load", "checkpoint_save": "save", "wasted_progress": "wasted",
-         "detection": "detect", "backoff": "backoff", "eviction": "evict", "other": "other"}  # fmt: skip
+SHORT = {
+    "startup": "startup",
+    "checkpoint_load": "load",
+    "checkpoint_save": "save",
+    "wasted_progress": "wasted",
+    "detection": "detect",
+    "backoff": "backoff",
+    "eviction": "evict",
+    "other": "other",
+}
 
 
 def row(name: str, command: str, run: Run, acc: Account, hang_cap_s: float) -> dict[str, Any]:
@@ -25,15 +33,24 @@ def row(name: str, command: str, run: Run, acc: Account, hang_cap_s: float) -> d
     # have added, with the same productive time (and no further faults in it: an estimate that flatters).
     longer = acc.wall_s + capped * max(0.0, COLLECTIVE_TIMEOUT_S - hang_cap_s)
     return {
-        "name": name, "command": command, **acc.to_dict(),
+        "name": name,
+        "command": command,
+        **acc.to_dict(),
         "goodput_at_collective_timeout": round(acc.productive_s / longer, 4) if capped and longer > 0 else None,
-        "completed": run.completed, "steps_logged": run.steps_logged, "exit_codes": run.exit_codes,
-        "launches": run.launches, "faults_delivered": len(run.faults),
-        "faults_survived": sum(1 for f in run.faults if f["survived"]), "capped_hangs": capped,
+        "completed": run.completed,
+        "steps_logged": run.steps_logged,
+        "exit_codes": run.exit_codes,
+        "launches": run.launches,
+        "faults_delivered": len(run.faults),
+        "faults_survived": sum(1 for f in run.faults if f["survived"]),
+        "capped_hangs": capped,
         "faults_coalesced": sum(len(f["coalesced"]) for f in run.faults),
-        "ended_by": run.ended_by, "orphans": len(run.orphans), "orphan_processes": run.orphans,
-        "faults": run.faults, "not_run": None,
-    }  # fmt: skip
+        "ended_by": run.ended_by,
+        "orphans": len(run.orphans),
+        "orphan_processes": run.orphans,
+        "faults": run.faults,
+        "not_run": None,
+    }
 
 
 def not_run(name: str, command: str, reason: str) -> dict[str, Any]:
@@ -46,9 +63,12 @@ def checks(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     by = {r["name"]: r.get("goodput") for r in rows}
     ftsup = by.get("ftsup")
     out: dict[str, dict[str, Any]] = {
-        "ftsup_goodput": {"goodput": ftsup, "target": TARGET_GOODPUT,
-                          "pass": None if ftsup is None else ftsup >= TARGET_GOODPUT},
-    }  # fmt: skip
+        "ftsup_goodput": {
+            "goodput": ftsup,
+            "target": TARGET_GOODPUT,
+            "pass": None if ftsup is None else ftsup >= TARGET_GOODPUT,
+        },
+    }
     torchrun = by.get("torchrun")
     out["ftsup_over_torchrun"] = {
         "margin": None if ftsup is None or torchrun is None else round(ftsup - torchrun, 4),
@@ -72,8 +92,16 @@ def _fmt(x: Any) -> str:
 
 def table(out: Mapping[str, Any]) -> str:
     """The results as a person reads them: one line per contender, then the schedule, the notes and checks."""
-    head = ["contender", "goodput", "productive_s", "wall_s", *(SHORT[c] for c in CAUSES), "faults", "capped",
-            "ended by"]  # fmt: skip
+    head = [
+        "contender",
+        "goodput",
+        "productive_s",
+        "wall_s",
+        *(SHORT[c] for c in CAUSES),
+        "faults",
+        "capped",
+        "ended by",
+    ]
     lines = [head]
     for r in out["results"]:
         if r.get("not_run"):
@@ -81,24 +109,39 @@ def table(out: Mapping[str, Any]) -> str:
             continue
         bad = r["badput_s"]
         ended = "-" if r["ended_by"] is None else _ended(r["ended_by"])
-        lines.append([r["name"], _fmt(r["goodput"]), f"{r['productive_s']:.1f}", f"{r['wall_s']:.1f}",
-                      *(f"{bad[c]:.1f}" for c in CAUSES), _faults(r),
-                      str(r["capped_hangs"]), ended])  # fmt: skip
+        lines.append(
+            [
+                r["name"],
+                _fmt(r["goodput"]),
+                f"{r['productive_s']:.1f}",
+                f"{r['wall_s']:.1f}",
+                *(f"{bad[c]:.1f}" for c in CAUSES),
+                _faults(r),
+                str(r["capped_hangs"]),
+                ended,
+            ]
+        )
     widths = [max(len(row[i]) for row in lines if len(row) > i) for i in range(len(head) - 1)]
-    text = ["", *("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip() + "  " + row[-1]
-                  for row in lines)]  # fmt: skip
+    text = [
+        "",
+        *("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip() + "  " + row[-1] for row in lines),
+    ]
     text.append("")
     for r in out["results"]:
         text.append(f"{r['name']}: {r['command']}")
     sched = out.get("schedule", {})
     text.append(f"faults: {sched.get('description', '-')}")
     text.append("faults: survived/delivered (+N: due while the job was already down, folded into the next)")
-    text.append(f"hangs capped at {sched.get('hang_cap_s')} s (a gloo collective's timeout is "
-                f"{COLLECTIVE_TIMEOUT_S:g} s): badput columns in seconds")  # fmt: skip
+    text.append(
+        f"hangs capped at {sched.get('hang_cap_s')} s (a gloo collective's timeout is "
+        f"{COLLECTIVE_TIMEOUT_S:g} s): badput columns in seconds"
+    )
     for r in out["results"]:
         if r.get("goodput_at_collective_timeout") is not None:
-            text.append(f"  {r['name']}: {r['capped_hangs']} hang(s) capped; waiting out the collective timeout "
-                        f"instead, its goodput would be about {r['goodput_at_collective_timeout']:.3f}")  # fmt: skip
+            text.append(
+                f"  {r['name']}: {r['capped_hangs']} hang(s) capped; waiting out the collective timeout "
+                f"instead, its goodput would be about {r['goodput_at_collective_timeout']:.3f}"
+            )
     text.append("checks:")
     for name, c in out.get("checks", {}).items():
         verdict = {True: "PASS", False: "FAIL", None: "not measured"}[c.get("pass")]

@@ -1,16 +1,8 @@
 """The seeded fault schedule of `ftsup bench goodput`: which fault, on which rank, how long after the first launch.
 
-Faults arrive as a Poisson process in wall time (independent exponential gaps of mean `mean_interval_s`, as
-hardware failures and preemptions are usually modelled), each of a kind drawn from `mix` by weight and aimed at a
-rank drawn uniformly. Every fault draws the same three numbers from one `random.Random(seed)`, so a seed gives
-one sequence whatever the horizon: a longer horizon only appends, and every contender meets the same faults at
-the same offsets from its own first launch for as long as it runs.
-
-Kinds: `kill` (SIGKILL of a rank), `hang` (SIGSTOP of a rank: alive, silent, holding its peers in a
-collective), `evict` (an eviction notice, SIGTERM to the launcher as a scheduler sends it, then the node is
-gone at the deadline and the job is requeued).
-
-Pure: no clock, no processes. Delivering the faults is `drive`'s.
+Faults arrive as a Poisson process in wall time, each of a kind drawn from `mix` by weight and aimed at a rank drawn
+uniformly; every fault draws the same three numbers from one `random.Random(seed)`, so that a longer horizon only
+appends. Pure: no clock, no processes.
 """
 
 from __future__ import annotations

@@ -1,40 +1,8 @@
 """`ftsup bench recovery`: from a fault to the first resumed training step, ftsup against plain torchrun.
 
-    ftsup bench recovery [--json FILE] [--cycles N] [--repeats N] [--hang-repeats N] [--peers ftsup,torchrun]
-
-The job is the demo's (`faults.refjob.TrainerJob`: the reference trainer, 2 CPU ranks, a checkpoint every
-5 steps, steps padded to --min-step-s). Faults come from outside (`faults.chaos`): "kill" is SIGKILL of
-rank 1, "hang" is SIGSTOP of rank 0. For each fault:
-
-- detect_s: fault -> the supervisor's failure event (`worker_exited`, `heartbeat_timed_out`, ...);
-  for torchrun, fault -> its new worker processes (its only observable reaction, teardown included);
-- recover_s: fault -> the first resumed step's line in the loss log (polled every 10 ms);
-- lost_steps: the highest step logged before the relaunch - the checkpoint step resumed from;
-- orphans: processes of the job left after the run.
-ftsup's recover_s is split with its own log events: detection (fault -> failure event), teardown
-(-> `restart_scheduled`), backoff (-> `workers_launched`: backoff, health probe, checkpoint
-choice), launch (-> first step, less the load) and load (`checkpoint_loaded duration_s` in the
-attempt log). Medians over the repeats.
-
-ftsup runs everything in one supervised job: the kill and hang repeats, more kills up to
---cycles fault cycles, then SIGKILL of the supervisor itself and a new `ftsup run` that finishes
-the job. torchrun (`--max-restarts=3`, the trainer resumes from its --ckpt-dir by itself) runs
-one job for the kill repeats and one for the hang; a wait for its recovery is capped at
---hang-wait-s, after which it is stopped with SIGTERM as an operator would. When plain torchrun
-cannot restart the job (with torch 2.13 and gloo its restarted workers, now and then, fail in
-`init_process_group` or never log a step), its kill is measured again with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, the
-workaround of pytorch/pytorch#135712, in a row of its own (`variant`).
-
-Every fault is aimed 3 steps past a checkpoint whose commit has been seen, so lost_steps measures
-the launcher, not a race with the asynchronous checkpoint writer.
-
-Modules: `common` (aiming faults, result rows), `ftsup` (the supervised job and the checks of
-its targets: hang detection, kill recovery, no orphans), `torchrun` (the plain torchrun peer);
-shared with the demo: `ftsup.tools.faults.refjob` (the job, its supervisor, its log
-timeline) and `ftsup.tools.faults.chaos` (faults and observations from outside).
-
-Not measured here: checkpoint throughput (`ftsup bench checkpoint`). The process that runs this
-never imports torch.
+`ftsup` runs the supervised job and checks its targets, `torchrun` the plain peer, `common` aims the faults and
+makes the rows; the job and the faults are `faults.refjob`'s and `faults.chaos`'s. What each column measures:
+docs/benchmarks.md, "Recovery from a fault". Never imports torch.
 """
 
 from __future__ import annotations
@@ -65,11 +33,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", type=Path, metavar="DIR", help="work directory (default: a fresh temporary directory)")
     p.add_argument("--repeats", type=_positive, default=3, help="kill faults measured (median), default 3")
     p.add_argument("--hang-repeats", type=_positive, default=1, help="hang faults measured, default 1")
-    p.add_argument("--cycles", type=_positive, default=20,
-                   help="fault cycles in ftsup's job before the orphan count (kills fill up), default 20")  # fmt: skip
+    p.add_argument(
+        "--cycles",
+        type=_positive,
+        default=20,
+        help="fault cycles in ftsup's job before the orphan count (kills fill up), default 20",
+    )
     p.add_argument("--peers", default=",".join(PEERS), help="comma-separated: ftsup, torchrun")
-    p.add_argument("--hang-wait-s", type=float, default=60.0,
-                   help="how long to wait for torchrun to recover from a fault, default 60")  # fmt: skip
+    p.add_argument(
+        "--hang-wait-s",
+        type=float,
+        default=60.0,
+        help="how long to wait for torchrun to recover from a fault, default 60",
+    )
     p.add_argument("--min-step-s", type=float, default=0.1, help="the trainer's minimum step time, default 0.1")
 
 

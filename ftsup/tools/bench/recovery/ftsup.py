@@ -1,9 +1,6 @@
-"""ftsup's side of `ftsup bench recovery`: one supervised job that takes every fault.
-
-The kill and hang repeats come first (they make the rows), then more kills up to --cycles fault
-cycles, an orphan count, SIGKILL of the supervisor itself, another orphan count, a new
-`ftsup run` that adopts the journal and finishes the job, and a last orphan count. The checks
-of the targets (hang detection, kill recovery, no orphans) are computed from the same job's logs.
+"""ftsup's side of `ftsup bench recovery`: one supervised job that takes every fault. The kill and hang repeats come
+first (they make the rows), then kills up to --cycles, SIGKILL of the supervisor itself and a new `ftsup run` that
+adopts the journal and finishes the job, with an orphan count after each; the targets are checked on its logs.
 """
 
 from __future__ import annotations
@@ -60,8 +57,11 @@ def bench_ftsup(root: Path, args: argparse.Namespace) -> dict[str, Any]:
                 line = wait_resumed(job, tail, t, 120)
                 records.append({"fault": kind, "t": t, "cycle": i + 1, "repeat": i < repeats})
                 best = tail.max_step()
-                print(f"  cycle {i + 1:>2}/{len(faults)} {kind:<4}: first resumed step {line.step} "
-                      f"{line.t - t:.2f} s after the fault", flush=True)  # fmt: skip
+                print(
+                    f"  cycle {i + 1:>2}/{len(faults)} {kind:<4}: first resumed step {line.step} "
+                    f"{line.t - t:.2f} s after the fault",
+                    flush=True,
+                )
             assert proc is not None
             supervisor_tree = {p.pid for p in chaos.tree([proc.pid])}
             left = chaos.matching_processes(job.markers, exclude=supervisor_tree)
@@ -69,13 +69,20 @@ def bench_ftsup(root: Path, args: argparse.Namespace) -> dict[str, Any]:
             wait_aimed(job, tail, aim(best + STEP_GAP, job.ckpt_every), 120)
             seen, proc = sigkill_supervisor_and_restart(job, proc, tail, 120)
             checks["orphans_after_supervisor_sigkill"] = {
-                "processes_of_the_job": seen["processes_of_the_job"], "gone_s": seen["job_gone_s"],
-                "orphans": len(seen["orphans"]), "processes": seen["orphans"], "pass": not seen["orphans"],
-                "journal_adopted": seen["journal_adopted"], "restart_to_first_step_s": seen["restart_to_first_step_s"],
-            }  # fmt: skip
-            print(f"  SIGKILL of the supervisor: the job's {seen['processes_of_the_job']} processes gone after "
-                  f"{seen['job_gone_s']} s, {len(seen['orphans'])} orphan(s); a new `ftsup run` logged step "
-                  f"{seen['first_step']} {seen['recover_s']} s after the kill", flush=True)  # fmt: skip
+                "processes_of_the_job": seen["processes_of_the_job"],
+                "gone_s": seen["job_gone_s"],
+                "orphans": len(seen["orphans"]),
+                "processes": seen["orphans"],
+                "pass": not seen["orphans"],
+                "journal_adopted": seen["journal_adopted"],
+                "restart_to_first_step_s": seen["restart_to_first_step_s"],
+            }
+            print(
+                f"  SIGKILL of the supervisor: the job's {seen['processes_of_the_job']} processes gone after "
+                f"{seen['job_gone_s']} s, {len(seen['orphans'])} orphan(s); a new `ftsup run` logged step "
+                f"{seen['first_step']} {seen['recover_s']} s after the kill",
+                flush=True,
+            )
             codes = [-signal.SIGKILL, wait_exit(proc, 300, "the supervised job")]
             per_fault = [{**r, **fault_timeline(job, tail, r["t"])} for r in records]
     finally:
@@ -116,28 +123,36 @@ def _checks(
         bound = None if q is None else max(3 * q, 2.0) + 1.0
         worst = max((f["detect_s"] for f in hangs if f.get("detect_s") is not None), default=None)
         checks["hang_detection"] = {
-            "detect_s": worst, "p99_step_s": rounded(q), "bound_s": rounded(bound),
-            "timeouts_s": [f.get("timeout_s") for f in hangs], "detected_by": [f.get("detected_by") for f in hangs],
+            "detect_s": worst,
+            "p99_step_s": rounded(q),
+            "bound_s": rounded(bound),
+            "timeouts_s": [f.get("timeout_s") for f in hangs],
+            "detected_by": [f.get("detected_by") for f in hangs],
             "pass": worst is not None and bound is not None and worst <= bound,
-        }  # fmt: skip
+        }
     kills = [f.get("recover_s") for f in per_fault if f["fault"] == "kill"]
     med = chaos.median(kills)
     checks["kill_to_first_resumed_step"] = {
-        "median_s": rounded(med), "target_s": KILL_TARGET_S, "faults": len(kills),
+        "median_s": rounded(med),
+        "target_s": KILL_TARGET_S,
+        "faults": len(kills),
         "max_s": max((k for k in kills if k is not None), default=None),
         "pass": med is not None and None not in kills and med <= KILL_TARGET_S,
-    }  # fmt: skip
+    }
     failures = [e for e in events if e.event in chaos.FAILURE_EVENTS]
     checks["no_unexpected_failure_events"] = {
-        "failure_events": len(failures), "faults_injected": len(per_fault),
+        "failure_events": len(failures),
+        "faults_injected": len(per_fault),
         "events": [f"{e.event}: {e.fields.get('reason')}" for e in failures][:50],
         "pass": len(failures) == len(per_fault),
-    }  # fmt: skip
+    }
     got = chaos.last_line_per_step(job.loss_log)
     checks["job_completed"] = {
-        "exit_codes": list(codes), "steps_logged": len(got), "steps": steps,
+        "exit_codes": list(codes),
+        "steps_logged": len(got),
+        "steps": steps,
         "pass": codes[-1] == 0 and sorted(got) == list(range(1, steps + 1)),
-    }  # fmt: skip
+    }
     return checks
 
 
@@ -159,14 +174,22 @@ def slow_save_check(root: Path, args: argparse.Namespace, ftsup: dict[str, Any])
     step_s = chaos.median(gaps) or args.min_step_s
     if not trainer_has_flag(SAVE_DELAY_FLAG):
         return {
-            "measured": False, "pass": None, "median_step_s": rounded(step_s),
+            "measured": False,
+            "pass": None,
+            "median_step_s": rounded(step_s),
             "note": f"the reference trainer has no {SAVE_DELAY_FLAG} knob (a periodic save that blocks the loop "
-                    "for that long, inside rt.phase('save')), so no save 20x longer than a step could be made; "
-                    "what was measured: no_unexpected_failure_events over the whole ftsup job",
-        }  # fmt: skip
+            "for that long, inside rt.phase('save')), so no save 20x longer than a step could be made; "
+            "what was measured: no_unexpected_failure_events over the whole ftsup job",
+        }
     delay = round(20 * step_s, 2)
-    job = TrainerJob(root, new_run_id("bench-slow-save"), 24, ckpt_every=10, min_step_s=args.min_step_s,
-                     extra_args=(SAVE_DELAY_FLAG, str(delay)))  # fmt: skip
+    job = TrainerJob(
+        root,
+        new_run_id("bench-slow-save"),
+        24,
+        ckpt_every=10,
+        min_step_s=args.min_step_s,
+        extra_args=(SAVE_DELAY_FLAG, str(delay)),
+    )
     job.write_config()
     print(f"slow save: {SAVE_DELAY_FLAG} {delay} (20 x the median step {step_s:.3f} s), default heartbeat", flush=True)
     proc = start_supervisor(job, "1")
@@ -178,6 +201,11 @@ def slow_save_check(root: Path, args: argparse.Namespace, ftsup: dict[str, Any])
     alarms = [f"{e.event}: {e.fields.get('reason')}" for e in evs if e.event in chaos.FAILURE_EVENTS]
     launches = sum(1 for e in evs if e.event == "workers_launched")
     return {
-        "measured": True, "save_delay_s": delay, "median_step_s": rounded(step_s), "exit_code": code,
-        "attempts": launches, "false_alarms": alarms, "pass": code == 0 and not alarms and launches == 1,
-    }  # fmt: skip
+        "measured": True,
+        "save_delay_s": delay,
+        "median_step_s": rounded(step_s),
+        "exit_code": code,
+        "attempts": launches,
+        "false_alarms": alarms,
+        "pass": code == 0 and not alarms and launches == 1,
+    }

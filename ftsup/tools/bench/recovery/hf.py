@@ -1,16 +1,7 @@
 """Kill -> first resumed step, the HF Trainer example against the reference trainer, run by hand:
-
-    python -m ftsup.tools.bench.recovery.hf [--repeats 3] [--dir DIR] [--json FILE]
-
-Each trainer runs `--repeats` short jobs under `ftsup run` (2 CPU ranks, the same small model
-size, steps padded to `--min-step-s`, a checkpoint every 5 steps, default heartbeat settings),
-one of each per round so that both see the same load, and each job takes one SIGKILL of rank 1,
-3 steps past a committed checkpoint. Per fault: the time from the kill to the first loss line of
-the relaunched attempt, split as `refjob.fault_timeline` does (detection, teardown, backoff,
-launch, load), medians over the repeats; and the ratio of the two medians (the target: HF at most
-1.5 x the reference). `startup` is where a rank's launch time
-goes before its first step: a new interpreter importing what each trainer imports (median of
-3), measured apart from the jobs. Never imports torch itself.
+`python -m ftsup.tools.bench.recovery.hf [--repeats 3] [--dir DIR] [--json FILE]`. Each trainer runs short jobs
+under `ftsup run`, one of each per round, each with rank 1 SIGKILLed once; the target: HF at most 1.5 x the
+reference (docs/benchmarks.md, "Recovery from a fault"). Never imports torch itself.
 """
 
 from __future__ import annotations
@@ -50,16 +41,21 @@ IMPORTS = {
 
 
 def write_hf_config(job: TrainerJob) -> None:
-    command = [sys.executable, "-m", "ftsup.trainer.examples.hf_gpt2", "--steps", str(job.steps), "--save-every",
-               str(job.ckpt_every), "--eval-every", str(10 * job.steps), "--min-step-s", str(job.min_step_s),
-               "--loss-log", str(job.loss_log)]  # fmt: skip
+    command = [sys.executable, "-m", "ftsup.trainer.examples.hf_gpt2", "--steps", str(job.steps)]
+    command += ["--save-every", str(job.ckpt_every), "--eval-every", str(10 * job.steps)]
+    command += ["--min-step-s", str(job.min_step_s), "--loss-log", str(job.loss_log)]
     cfg: dict[str, Any] = {
-        "job": {"command": command, "workdir": str(job.root), "state_dir": str(job.state_dir), "run_id": job.run_id,
-                "env": {"PYTHONPATH": child_env()["PYTHONPATH"], "OMP_NUM_THREADS": "1"}},
+        "job": {
+            "command": command,
+            "workdir": str(job.root),
+            "state_dir": str(job.state_dir),
+            "run_id": job.run_id,
+            "env": {"PYTHONPATH": child_env()["PYTHONPATH"], "OMP_NUM_THREADS": "1"},
+        },
         "launch": {"nproc_per_node": job.nproc},
         "checkpoint": {"dir": str(job.ckpt_dir)},
         "restart": {"max_restarts": 20},
-    }  # fmt: skip
+    }
     job.root.mkdir(parents=True, exist_ok=True)
     job.config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
 
@@ -114,8 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     startup = import_times()
     gpt, hf = rows
     ratio = rounded(hf["recover_s"] / gpt["recover_s"]) if gpt["recover_s"] and hf["recover_s"] else None
-    result = {"results": rows, "startup_s": startup, "ratio": ratio, "target_ratio": 1.5,
-              "pass": ratio is not None and ratio <= 1.5}  # fmt: skip
+    result = {
+        "results": rows,
+        "startup_s": startup,
+        "ratio": ratio,
+        "target_ratio": 1.5,
+        "pass": ratio is not None and ratio <= 1.5,
+    }
     for r in rows:
         print(f"{r['name']:>4}: kill -> first resumed step {r['recover_s']} s (median), split {r.get('split')}")
     print(f"imports in a new interpreter: {startup}")

@@ -1,14 +1,7 @@
-"""torchrun's side of `ftsup bench recovery`: the same job under plain `torchrun --max-restarts=3`.
-
-The trainer resumes from its --ckpt-dir by itself on each restart. torchrun's only observable
-reaction to a fault is a new set of worker processes, so detect_s is fault -> new worker pids
-(its teardown and re-rendezvous included). A wait for its recovery is capped at --hang-wait-s;
-then it is stopped with SIGTERM, as an operator would, and what is left is counted.
-
-With torch 2.13 and gloo, plain torchrun's restarted workers fail (Gloo connectFullMesh:
-Connection refused) or never log a step, now and then; when the kill row does not recover, it is
-measured again with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the workaround of
-pytorch/pytorch#135712: workers do not share torchrun's rendezvous TCPStore) in a row of its own.
+"""torchrun's side of `ftsup bench recovery`: the same job under plain `torchrun --max-restarts=3`, the trainer
+resuming from its --ckpt-dir by itself. Its only observable reaction to a fault is new worker processes; a wait for
+its recovery is capped at --hang-wait-s, then it is stopped with SIGTERM. A kill it does not recover from is
+measured again with the workaround of pytorch/pytorch#135712, in a row of its own.
 """
 
 from __future__ import annotations
@@ -55,8 +48,9 @@ def _with_load(scenario: Callable[..., dict[str, Any]], *args: Any) -> dict[str,
 
 def _start(job: TrainerJob, out: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     job.root.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={job.nproc}",
-            f"--max-restarts={MAX_RESTARTS}", "-m", "ftsup.trainer.examples.gpt", *job.trainer_args()]  # fmt: skip
+    launch_flags = ["--standalone", f"--nproc-per-node={job.nproc}", f"--max-restarts={MAX_RESTARTS}"]
+    argv = [sys.executable, "-m", "torch.distributed.run", *launch_flags, "-m", "ftsup.trainer.examples.gpt"]
+    argv += job.trainer_args()
     return start_guarded(argv, env=child_env(**env), cwd=job.root, out_path=out)
 
 
@@ -117,8 +111,11 @@ def _kill(root: Path, args: argparse.Namespace, env: dict[str, str]) -> dict[str
         )
         ended = f"exited {code}" if teardown_s is None else f"stopped with SIGTERM, exited {code} after {teardown_s} s"
         recovered = sum(1 for f in measured if f["recover_s"] is not None)
-        notes.insert(0, f"recovered from {recovered} of {len(measured)} kills, then no recovery: {how}; torchrun "
-                        f"{ended}" + ("" if env else f"; with {WORKAROUND_TEXT} see the next row"))  # fmt: skip
+        notes.insert(
+            0,
+            f"recovered from {recovered} of {len(measured)} kills, then no recovery: {how}; torchrun "
+            f"{ended}" + ("" if env else f"; with {WORKAROUND_TEXT} see the next row"),
+        )
     if repeats < args.repeats:
         notes.append(f"{repeats} repeats, not {args.repeats}: --max-restarts={MAX_RESTARTS} allows no more")
     out_row = {**row("torchrun", "kill", measured or [{"recover_s": None}], "; ".join(notes)), "orphans": len(left)}
@@ -142,10 +139,12 @@ def _recovery(
             line = tail.first_after(restarted)
             if line is not None:
                 return {
-                    "detect_s": rounded(restarted - t), "recover_s": rounded(line.t - t), "resume_step": line.step - 1,
+                    "detect_s": rounded(restarted - t),
+                    "recover_s": rounded(line.t - t),
+                    "resume_step": line.step - 1,
                     "lost_steps": tail.max_step(before=restarted) - (line.step - 1),
                     "split": {"detection_s": rounded(restarted - t), "launch_s": line.t - restarted, "load_s": None},
-                }  # fmt: skip
+                }
         time.sleep(chaos.POLL_S)
     return {"detect_s": rounded(restarted - t) if restarted else None, "recover_s": None, "lost_steps": None}
 
@@ -166,12 +165,17 @@ def _hang(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     finally:
         _stop(proc, job)
     if f.get("recover_s") is None:
-        note = (f"no recovery within {args.hang_wait_s:g} s: torchrun reacts only to exits, and the other rank waits "
-                "in a gloo collective (default timeout 30 min)")  # fmt: skip
+        note = (
+            f"no recovery within {args.hang_wait_s:g} s: torchrun reacts only to exits, and the other rank waits "
+            "in a gloo collective (default timeout 30 min)"
+        )
     else:
         note = "recovered"
-    note += (f"; after SIGTERM torchrun exited in {teardown_s} s" if teardown_s is not None
-             else f"; torchrun did not exit within {SIGTERM_WAIT_S:g} s of SIGTERM")  # fmt: skip
+    note += (
+        f"; after SIGTERM torchrun exited in {teardown_s} s"
+        if teardown_s is not None
+        else f"; torchrun did not exit within {SIGTERM_WAIT_S:g} s of SIGTERM"
+    )
     return {**row("torchrun", "hang", [f], note), "orphans": len(left), "teardown_after_sigterm_s": teardown_s}
 
 

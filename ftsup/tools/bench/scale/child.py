@@ -53,8 +53,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    model = Model(layers=args.layers, hidden=args.hidden, ffn=args.ffn, vocab=args.vocab, dtype=torch.bfloat16,
-                  optimizer=args.optimizer)  # fmt: skip
+    model = Model(
+        layers=args.layers,
+        hidden=args.hidden,
+        ffn=args.ffn,
+        vocab=args.vocab,
+        dtype=torch.bfloat16,
+        optimizer=args.optimizer,
+    )
     job = Job(model, args.ranks, args.pp)
     reps = args.repeats
     ops: dict[str, Any] = {}
@@ -72,8 +78,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         ops[name] = measure(one, reps, budget_s=args.budget)
         median = sorted(runs, key=lambda t: t.critical_s)[len(runs) // 2]  # the parts of the median run
-        ops[name].update(coordinator_s=median.coordinator_s, ranks_before_max_s=max(median.ranks_before_s, default=0.0),
-                         ranks_after_max_s=max(median.ranks_after_s, default=0.0))  # fmt: skip
+        ops[name].update(
+            coordinator_s=median.coordinator_s,
+            ranks_before_max_s=max(median.ranks_before_s, default=0.0),
+            ranks_after_max_s=max(median.ranks_after_s, default=0.0),
+        )
 
     # The save plan: the engine's first (its compact plan and layout), DCP's planner alone, and the cached one.
     timed("save_plan_first", lambda: scale_ops.save_plan_first(job))
@@ -102,9 +111,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     setup_s = time.perf_counter() - t0
     newest = layout.committed_dirs(root)[-1][1]
     store_json = args.dir / "store-ops.json"
-    cmd = [sys.executable, "-W", "ignore", "-m", "ftsup.tools.bench.scale.store", "--root", str(root),
-           "--repeats", str(reps), "--budget", str(args.budget), "--recent", str(args.recent),
-           "--out", str(store_json)]  # fmt: skip
+    cmd = [sys.executable, "-W", "ignore", "-m", "ftsup.tools.bench.scale.store", "--root", str(root)]
+    cmd += ["--repeats", str(reps), "--budget", str(args.budget), "--recent", str(args.recent)]
+    cmd += ["--out", str(store_json)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.store_timeout, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"the store's measurements failed ({done.returncode}): {done.stderr.strip()[-2000:]}")

@@ -1,17 +1,8 @@
 """`ftsup bench scale`: what a save, a commit, a resume choice and the supervisor cost at thousands of ranks, by
 simulation.
 
-For each world size N of --ranks, a process of its own (`scale_child`) simulates the metadata side of a job of
-N ranks with the product's code paths: a Llama-style model (`scale_state`: --layers, --hidden, --ffn, --vocab) in
---pp pipeline stages, each stage's tensors dim-0 sharded over its N/pp ranks as FSDP2 does; per-rank state files
-on disk (empty, sparse, at their real sizes: only metadata is measured; manifests and DCP metadata are real).
-It measures the engine's save plan (first and cached), its commit metadata, the manifest's parse and fast verify,
-the resume choice over --checkpoints checkpoints, `ftsup ckpt list`, the supervisor's refresh and a resharded
-load plan onto N/2 ranks, and DCP's own planner and metadata on the same state (`scale_ops`). This process only
-launches, collects and reports (`scale_report`): a table, the growth with N, the targets, and --json.
-
-Everything is written under a fresh folder of --dir (default: the system's temporary folder), removed at the end
-unless --keep.
+Each world size of --ranks runs in a process of its own (`child`) through the product's code paths; this one
+launches, collects and reports (`report`). What is measured: docs/benchmarks.md, "Performance at scale".
 """
 
 from __future__ import annotations
@@ -58,8 +49,12 @@ def _positive(kind: type) -> Any:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[0] if __doc__ else None
-    p.add_argument("--ranks", type=_ranks, default=list(DEFAULT_RANKS),
-                   help="world sizes to simulate, comma-separated (default 256,1024,4096,16384)")  # fmt: skip
+    p.add_argument(
+        "--ranks",
+        type=_ranks,
+        default=list(DEFAULT_RANKS),
+        help="world sizes to simulate, comma-separated (default 256,1024,4096,16384)",
+    )
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--dir", type=Path, default=None, help="folder to write under (default: a temporary one)")
     p.add_argument("--keep", action="store_true", help="keep what was written")
@@ -71,8 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", action="store_true", help="add AdamW's two moments per parameter (3x the tensors)")
     p.add_argument("--checkpoints", type=_positive(int), default=3, help="checkpoints in the store (default 3)")
     p.add_argument("--repeats", type=_positive(int), default=3, help="runs of each operation (default 3)")
-    p.add_argument("--budget", type=_positive(float), default=20.0,
-                   help="seconds after which an operation is not run again (default 20; at least one run)")  # fmt: skip
+    p.add_argument(
+        "--budget",
+        type=_positive(float),
+        default=20.0,
+        help="seconds after which an operation is not run again (default 20; at least one run)",
+    )
     p.add_argument("--timeout", type=_positive(float), default=1800.0, help="seconds per world size (default 1800)")
 
 
@@ -120,10 +119,10 @@ def _one(args: argparse.Namespace, n: int, work: Path) -> tuple[dict[str, Any], 
     """One world size in a child process (reaped: `subprocess.run` kills it at the timeout and waits)."""
     work.mkdir(parents=True)
     out = work / "result.json"
-    cmd = [sys.executable, "-W", "ignore", "-m", "ftsup.tools.bench.scale.child", "--ranks", str(n),
-           "--pp", str(args.pp), "--layers", str(args.layers), "--hidden", str(args.hidden), "--ffn", str(args.ffn),
-           "--vocab", str(args.vocab), "--checkpoints", str(args.checkpoints), "--repeats", str(args.repeats),
-           "--budget", str(args.budget), "--dir", str(work / "store"), "--out", str(out)]  # fmt: skip
+    cmd = [sys.executable, "-W", "ignore", "-m", "ftsup.tools.bench.scale.child", "--ranks", str(n)]
+    cmd += ["--pp", str(args.pp), "--layers", str(args.layers), "--hidden", str(args.hidden), "--ffn", str(args.ffn)]
+    cmd += ["--vocab", str(args.vocab), "--checkpoints", str(args.checkpoints), "--repeats", str(args.repeats)]
+    cmd += ["--budget", str(args.budget), "--dir", str(work / "store"), "--out", str(out)]
     if args.optimizer:
         cmd.append("--optimizer")
     try:

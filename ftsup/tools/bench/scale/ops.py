@@ -1,13 +1,7 @@
-"""The torch side of `ftsup bench scale`: the engine's save plan, its commit metadata and its resharded
-load plan over N simulated ranks, and DCP's own planner and metadata on the same state (the peer rows).
-
-N ranks' work runs in this one process, through the product's functions: each rank's compact local plan
-(`saveplan.local_items`), the coordinator's global plan (`staging.compact_global`), each rank's layout
-(`staging.compact_finish`), the commit (`commit.Committer._commit`), the load's `ShardReader` and DCP's
-`DefaultLoadPlanner`. What crosses ranks is pickled and unpickled as `torch.distributed`'s object
-collectives do. Ranks work in parallel in a real job, so an operation's time is its critical path: the
-slowest rank's part before the coordinator's, the coordinator's, the slowest rank's part after it
-(`Timed.critical_s`). Memory is this process's, and the coordinator holds the most.
+"""The torch side of `ftsup bench scale`: the engine's save plan, its commit metadata and its resharded load plan
+over N simulated ranks, and DCP's own planner and metadata on the same state (the peer rows), every rank's work in
+this one process through the product's functions. An operation's time is its critical path (`Timed.critical_s`);
+what crosses ranks is pickled as `torch.distributed`'s object collectives do.
 """
 
 from __future__ import annotations
@@ -142,8 +136,14 @@ def save_plan_cached(job: Job, planned: Planned) -> float:
 
 def committer(directory: Path, world_size: int) -> Committer:
     comm: Any = SimComm(world_size)
-    return Committer(directory, comm, o_direct=False, retention=RetentionPolicy(keep_last=1 << 30), recycle=False,
-                     hook=lambda point, step: None)  # fmt: skip
+    return Committer(
+        directory,
+        comm,
+        o_direct=False,
+        retention=RetentionPolicy(keep_last=1 << 30),
+        recycle=False,
+        hook=lambda point, step: None,
+    )
 
 
 def commit(directory: Path, job: Job, planned: Planned, step: int, *, files: bool = False) -> Timed:
@@ -164,8 +164,10 @@ def commit(directory: Path, job: Job, planned: Planned, step: int, *, files: boo
     del reports
     # Rank 0's skeleton (`codec.flatten`): its tensors by name, and the step.
     skeleton = {"d": [*([k, {"T": k}] for k in job.rank_state(0)), ["step", {"v": step}]]}
-    staged = StagedSave(step, "periodic", None, lambda: None, planned.plan0, skeleton, b"",  # type: ignore[arg-type]
-                        {"step": step}, 0.0, 0.0, None, None)  # fmt: skip
+    no_buffer: Any = None  # `_commit` never reads the staged buffer: the shards are written before it
+    staged = StagedSave(
+        step, "periodic", no_buffer, lambda: None, planned.plan0, skeleton, b"", {"step": step}, 0.0, 0.0, None, None
+    )
     final = directory / layout.step_dirname(step)
     t0 = time.perf_counter()
     outcome = committer(directory, job.world_size)._commit(staged, partial, final, [pickle.loads(b) for b in sent])

@@ -60,32 +60,54 @@ def targets(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     def put(name: str, value: float | None, limit: float, extrapolated: bool, unit: str = "s") -> None:
-        out[name] = {"value": value, "limit": limit, "unit": unit, "extrapolated": extrapolated,
-                     "met": value is not None and value <= limit}  # fmt: skip
+        out[name] = {
+            "value": value,
+            "limit": limit,
+            "unit": unit,
+            "extrapolated": extrapolated,
+            "met": value is not None and value <= limit,
+        }
 
     cached, e1 = at_target(results, "save_plan_cached")
     commit, e2 = at_target(results, "commit_metadata")
-    put("cached_save_plan_and_commit_metadata_s", None if cached is None or commit is None else cached + commit, 1.0,
-        e1 or e2)  # fmt: skip
+    put(
+        "cached_save_plan_and_commit_metadata_s",
+        None if cached is None or commit is None else cached + commit,
+        1.0,
+        e1 or e2,
+    )
     choice, e3 = at_target(results, "resume_choice")
     put("resume_choice_with_fast_verify_s", choice, 1.0, e3)
     refresh, e4 = at_target(results, "refresh_unchanged")
     put("refresh_no_new_checkpoint_s", refresh, 0.010, e4)
     worst = max(((growth(results, op) or 0.0, op) for op, _, _ in OPS), default=(0.0, ""))
-    out["linear_growth"] = {"worst_exponent": worst[0], "worst_op": worst[1], "limit": LINEAR_EXPONENT,
-                            "met": worst[0] <= LINEAR_EXPONENT}  # fmt: skip
-    mem = [(r["ops"][op].get("peak_rss_increase_bytes") or 0, op, r["ranks"]) for r in results
-           for op in r.get("ops", {})]  # fmt: skip
+    out["linear_growth"] = {
+        "worst_exponent": worst[0],
+        "worst_op": worst[1],
+        "limit": LINEAR_EXPONENT,
+        "met": worst[0] <= LINEAR_EXPONENT,
+    }
+    mem = [
+        (r["ops"][op].get("peak_rss_increase_bytes") or 0, op, r["ranks"]) for r in results for op in r.get("ops", {})
+    ]
     top = max(mem, default=(0, "", 0))
-    out["memory_per_op"] = {"worst_bytes": top[0], "worst_op": top[1], "at_ranks": top[2], "limit": GIB,
-                            "met": top[0] <= GIB}  # fmt: skip
+    out["memory_per_op"] = {
+        "worst_bytes": top[0],
+        "worst_op": top[1],
+        "at_ranks": top[2],
+        "limit": GIB,
+        "met": top[0] <= GIB,
+    }
     versus = {}
     for op, peer, _ in OPS:
         if peer is not None:
             mine, _e = at_target(results, op)
             theirs, _e = at_target(results, peer)
-            versus[op] = {"ftsup_s": mine, "dcp_s": theirs,
-                          "faster": mine is not None and theirs is not None and mine < theirs}  # fmt: skip
+            versus[op] = {
+                "ftsup_s": mine,
+                "dcp_s": theirs,
+                "faster": mine is not None and theirs is not None and mine < theirs,
+            }
     out["versus_dcp"] = versus
     return out
 
@@ -105,12 +127,12 @@ def table(results: Sequence[Mapping[str, Any]]) -> str:
             k = growth(results, name)
             lines.append(f"{text:<56}" + "".join(cells) + (f"{k:>8.2f}" if k is not None else f"{'-':>8}"))
     lines.append("")
-    lines.append(f"{'peak memory increase (MiB), largest op':<56}" + "".join(
-        f"{max((o.get('peak_rss_increase_bytes') or 0) for o in by[n]['ops'].values()) / MIB:>24.0f}"
-        for n in sizes))  # fmt: skip
+    largest = [max((o.get("peak_rss_increase_bytes") or 0) for o in by[n]["ops"].values()) for n in sizes]
+    lines.append(f"{'peak memory increase (MiB), largest op':<56}" + "".join(f"{b / MIB:>24.0f}" for b in largest))
     lines.append(f"{'manifest.json (KiB)':<56}" + "".join(f"{by[n]['manifest_bytes'] / 1024:>24.0f}" for n in sizes))
-    lines.append(f"{'dcp_metadata.json (KiB)':<56}" + "".join(f"{by[n]['dcp_metadata_bytes'] / 1024:>24.0f}"
-                                                             for n in sizes))  # fmt: skip
+    lines.append(
+        f"{'dcp_metadata.json (KiB)':<56}" + "".join(f"{by[n]['dcp_metadata_bytes'] / 1024:>24.0f}" for n in sizes)
+    )
     lines.append(f"{'saved chunks':<56}" + "".join(f"{by[n]['chunks']:>24}" for n in sizes))
     return "\n".join(lines)
 
@@ -126,18 +148,25 @@ def _fig(ms: float) -> str:
 
 def targets_text(t: Mapping[str, Any]) -> str:
     lines = []
-    for name in ("cached_save_plan_and_commit_metadata_s", "resume_choice_with_fast_verify_s",
-                 "refresh_no_new_checkpoint_s"):  # fmt: skip
+    for name in (
+        "cached_save_plan_and_commit_metadata_s",
+        "resume_choice_with_fast_verify_s",
+        "refresh_no_new_checkpoint_s",
+    ):
         v = t[name]
         value = "n/a" if v["value"] is None else f"{v['value'] * 1e3:.1f} ms"
         extra = f" (extrapolated to N={TARGET_RANKS})" if v["extrapolated"] else f" (at N={TARGET_RANKS})"
         lines.append(f"{name}: {value} <= {v['limit'] * 1e3:g} ms{extra}: {'met' if v['met'] else 'NOT met'}")
     g = t["linear_growth"]
-    lines.append(f"linear growth: worst exponent {g['worst_exponent']:.2f} ({g['worst_op']}) <= {g['limit']}: "
-                 f"{'met' if g['met'] else 'NOT met'}")  # fmt: skip
+    lines.append(
+        f"linear growth: worst exponent {g['worst_exponent']:.2f} ({g['worst_op']}) <= {g['limit']}: "
+        f"{'met' if g['met'] else 'NOT met'}"
+    )
     m = t["memory_per_op"]
-    lines.append(f"memory: worst {m['worst_bytes'] / MIB:.0f} MiB ({m['worst_op']} at N={m['at_ranks']}) <= 1024 MiB: "
-                 f"{'met' if m['met'] else 'NOT met'}")  # fmt: skip
+    lines.append(
+        f"memory: worst {m['worst_bytes'] / MIB:.0f} MiB ({m['worst_op']} at N={m['at_ranks']}) <= 1024 MiB: "
+        f"{'met' if m['met'] else 'NOT met'}"
+    )
     for op, v in t["versus_dcp"].items():
         lines.append(f"{op} vs DCP: {'faster' if v['faster'] else 'NOT faster'}")
     return "\n".join(lines)

@@ -1,14 +1,6 @@
-"""The synthetic job of `ftsup bench scale`: a model's tensors over N simulated ranks, and what each rank reports.
-
-The model is a Llama-style layer list (`model_tensors`): per layer four attention projections, three MLP
-projections and two norms, plus the embedding, the final norm and the output head. The ranks are split
-into `pp` pipeline stages, each holding a contiguous run of layers (the first stage the embedding too, the
-last the norm and the head); inside a stage every tensor is sharded along dim 0 over the stage's N/pp ranks
-the way FSDP2's `Shard(0)` cuts it (`torch.chunk`: ceil-sized pieces, the last ones shorter or empty).
-
-A rank's state is a dict of `SimShard`s: what DCP's planners ask of a DTensor (`__create_write_items__`,
-`__create_chunk_list__`, `size()`) for a shard no process holds, so that N ranks' planning runs in one
-process, through DCP's own planner code, without N processes or a process group.
+"""The synthetic job of `ftsup bench scale`: a Llama-style model's tensors (`model_tensors`) over N simulated ranks in
+`pp` pipeline stages, each stage's tensors dim-0 sharded over its ranks as FSDP2's `Shard(0)` cuts them, each
+rank's state as `SimShard`s, and what each rank reports.
 """
 
 from __future__ import annotations
@@ -39,10 +31,16 @@ def model_tensors(model: Model) -> list[tuple[int, str, tuple[int, ...]]]:
     """(layer, name, global shape) of every tensor; the embedding is layer -1, the head layer `layers`."""
     h, f = model.hidden, model.ffn
     per_layer: list[tuple[str, tuple[int, ...]]] = [
-        ("attn.q", (h, h)), ("attn.k", (h, h)), ("attn.v", (h, h)), ("attn.o", (h, h)),
-        ("mlp.gate", (f, h)), ("mlp.up", (f, h)), ("mlp.down", (h, f)),
-        ("norm_attn", (h,)), ("norm_mlp", (h,)),
-    ]  # fmt: skip
+        ("attn.q", (h, h)),
+        ("attn.k", (h, h)),
+        ("attn.v", (h, h)),
+        ("attn.o", (h, h)),
+        ("mlp.gate", (f, h)),
+        ("mlp.up", (f, h)),
+        ("mlp.down", (h, f)),
+        ("norm_attn", (h,)),
+        ("norm_mlp", (h,)),
+    ]
     params: list[tuple[int, str, tuple[int, ...]]] = [(-1, "embed", (model.vocab, h))]
     for i in range(model.layers):
         params += [(i, f"layers.{i}.{name}", shape) for name, shape in per_layer]
@@ -55,7 +53,9 @@ def model_tensors(model: Model) -> list[tuple[int, str, tuple[int, ...]]]:
 
 
 class SimShard:
-    """One rank's dim-0 shard of a tensor, as DCP's planners see a DTensor (see the module docstring)."""
+    """One rank's dim-0 shard of a tensor that no process holds, as DCP's planners see a DTensor: what they ask of
+    one (`__create_write_items__`, `__create_chunk_list__`, `size()`), so that N ranks' planning runs in one process,
+    through DCP's own planner code, without N processes or a process group."""
 
     __slots__ = ("dtype", "offsets", "shape", "sizes")
 
@@ -83,7 +83,8 @@ def dim0_shard(length: int, parts: int, index: int) -> tuple[int, int]:
 
 
 class Job:
-    """N simulated ranks of `model` in `pp` pipeline stages (N must be a multiple of `pp`)."""
+    """N simulated ranks of `model` in `pp` pipeline stages (N must be a multiple of `pp`), each stage a contiguous
+    run of layers (the first with the embedding, the last with the final norm and the head)."""
 
     def __init__(self, model: Model, world_size: int, pp: int):
         if world_size < 1 or pp < 1 or world_size % pp:

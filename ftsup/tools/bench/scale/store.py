@@ -1,13 +1,7 @@
-"""The store side of `ftsup bench scale`, torch-free: what reading a store of N-rank checkpoints costs.
-
-Each function runs one operation through the product's own code, on a store the benchmark wrote with
-the engine's commit (`ftsup.tools.bench.scale.ops`): the manifest's parse, the fast verify of the
-newest checkpoint, the supervisor's resume choice (`ckptstore.StoreScanner.choose`, as the daemon asks
-for it before a launch), `ftsup ckpt list`, and the supervisor's periodic refresh (`StoreScanner.scan`)
-after a new checkpoint and with none. Run as `python -m ftsup.tools.bench.scale.store` by the
-benchmark's process of a world size (`ftsup.tools.bench.scale.child`, which never imports the supervisor),
-it measures them all (`main`) with that process's clock (`ftsup.tools.bench.scale.measure`, torch-free) and
-writes them as JSON.
+"""The store side of `ftsup bench scale`, torch-free: what reading a store of N-rank checkpoints costs, through the
+product's own code (the manifest's parse, the fast verify, the supervisor's resume choice and refresh, `ftsup ckpt
+list`). Run as `python -m ftsup.tools.bench.scale.store` by `child`, which never imports the supervisor; writes its
+measurements as JSON.
 """
 
 from __future__ import annotations
