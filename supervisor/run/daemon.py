@@ -1,27 +1,7 @@
 """`ftsup run`: the long-running loop that feeds the policy events and carries out its actions.
 
-Each tick the loop waits (up to `TICK_S`) on its event sources (`sources`: signals, eviction watchers, the
-heartbeat channel), then feeds the policy (`policy.step`) what happened: the signals and notices, an operator's
-rollback request (`rollbacks`, read before the first launch too), the heartbeats read, what became of the running
-attempt (`workers`), a tick for timeouts. It carries out each action through
-the part that owns it: the resume choice (`resume`), the running attempt (`workers`), the journal
-(`journaling`), the watchers. Every event is logged and counted once (`_emit`). What the policy knows (the world
-size, the resume step, the last failure, ...) is read from its state, never copied. The job's time accounting
-(`goodput`) is fed the policy's state before and after each event, taken up from the journal at the start, and
-journaled (then exported) each time the journal is written: when its activity changes, and every quarter of a
-second while it moves on. It never imports torch.
-
-`run()` starts each resource on one `ExitStack` as soon as it exists: the state directory's single-instance
-lock, the runtime directory, the log file, the metrics endpoint, the event sources, the store scanner, the
-owner of the running attempt. A failure at any point releases exactly what was started, in reverse order, as
-the end of the run does. A state directory that is not safe, or one that another supervisor holds, is refused
-before anything starts. Then the node's journal is adopted: processes of an attempt that a previous supervisor
-left running (it was `kill -9`ed, the node's systemd restarted it) are found by their attempt's mark and
-stopped before anything new is launched, so two attempts never run at once. No pid is signalled only because a
-journal or a heartbeat names it (`ftsup.procs`).
-
-Once the loop runs, an I/O error of the store, journal or control file is an outage to ride out
-(`ftsup.supervisor.run.outages`), a failed launch a failed attempt, any other exception a bug (exit 1).
+It decides nothing the policy could decide and never imports torch; how a tick goes, how it starts and stops, and
+what an error means once it runs: docs/design/run-loop.md, The loop.
 """
 
 from __future__ import annotations
@@ -81,16 +61,38 @@ class Daemon:
         self.outages = Outages(self._emit, self.metrics.storage_error, clock)
         post, emit = self.pending.append, self._emit
         self.resume = ResumeChoice(cfg, emit=emit, post=post, outages=self.outages, metrics=self.metrics)
-        self.durable = (DurableKeeper(cfg, emit=emit, metrics=self.metrics, clock=clock)
-                        if cfg.checkpoint.durable is not None else None)  # fmt: skip
-        self.sources = EventSources(cfg, clock=clock, emit=emit, dropped=self.metrics.heartbeats_dropped,
-                                    state_bytes=self.resume.latest_bytes,
-                                    upload_s=self.durable.estimate_s if self.durable else None)  # fmt: skip
+        self.durable = (
+            DurableKeeper(cfg, emit=emit, metrics=self.metrics, clock=clock)
+            if cfg.checkpoint.durable is not None
+            else None
+        )
+        self.sources = EventSources(
+            cfg,
+            clock=clock,
+            emit=emit,
+            dropped=self.metrics.heartbeats_dropped,
+            state_bytes=self.resume.latest_bytes,
+            upload_s=self.durable.estimate_s if self.durable else None,
+        )
         self.settings: policy.Settings | None = None
-        self.journal = JournalKeeper(cfg, self.node_dir / "journal.json", self._journal_record, outages=self.outages,
-                                     emit=emit, written=self._journaled_goodput)  # fmt: skip
-        self.workers = Workers(cfg, self.log_dir, clock=clock, emit=emit, post=post, outages=self.outages,
-                               journal=self.journal.write, figures=self.metrics.heartbeat)  # fmt: skip
+        self.journal = JournalKeeper(
+            cfg,
+            self.node_dir / "journal.json",
+            self._journal_record,
+            outages=self.outages,
+            emit=emit,
+            written=self._journaled_goodput,
+        )
+        self.workers = Workers(
+            cfg,
+            self.log_dir,
+            clock=clock,
+            emit=emit,
+            post=post,
+            outages=self.outages,
+            journal=self.journal.write,
+            figures=self.metrics.heartbeat,
+        )
         self.rollbacks = RollbackWatcher(self.node_dir, clock=clock, emit=emit)
 
     def run(self) -> int:
@@ -100,8 +102,15 @@ class Daemon:
             self.code = policy.EXIT_INTERNAL  # from here on, the log ends with supervisor_exited
             try:
                 server = self.metrics_server.address if self.metrics_server else None
-                self._emit("info", "supervisor_started", run_id=self.cfg.job.run_id, node_id=self.cfg.launch.node_id,
-                           pid=os.getpid(), config=self.cfg.source, metrics=server)  # fmt: skip
+                self._emit(
+                    "info",
+                    "supervisor_started",
+                    run_id=self.cfg.job.run_id,
+                    node_id=self.cfg.launch.node_id,
+                    pid=os.getpid(),
+                    config=self.cfg.source,
+                    metrics=server,
+                )
                 adopted = self.journal.adopt()
                 systemd.notify("READY=1", f"STATUS=supervising {self.cfg.job.run_id}")
                 settings = self.settings = settings_from(self.cfg, self.resume.nproc_max())
@@ -144,8 +153,9 @@ class Daemon:
                 # status 1 is restarted by systemd, and the new supervisor adopts the journal.
                 what = "I/O error" if isinstance(e, OSError) else "internal error"  # an I/O error not ridden out
                 self.crash = f"{what}: {error_line(e)} (traceback in {self.log_dir / 'supervisor.jsonl'})"
-                self._emit("error", "supervisor_crashed", reason=f"{what}: {error_line(e)}",
-                           traceback=traceback.format_exc())  # fmt: skip
+                self._emit(
+                    "error", "supervisor_crashed", reason=f"{what}: {error_line(e)}", traceback=traceback.format_exc()
+                )
                 return self.code
 
     def _start(self, stack: contextlib.ExitStack) -> None:
@@ -260,16 +270,27 @@ class Daemon:
         if self.durable is not None:
             extra["durable"] = self.durable.status()
         if self.sources.noticed:
-            extra["eviction"] = [{"source": n.source, "deadline_unix": n.deadline_unix, "detail": n.detail}
-                                 for n in self.sources.noticed.values()]  # fmt: skip
+            extra["eviction"] = [
+                {"source": n.source, "deadline_unix": n.deadline_unix, "detail": n.detail}
+                for n in self.sources.noticed.values()
+            ]
         return JournalRecord(
-            run_id=self.cfg.job.run_id, node_id=self.cfg.launch.node_id, supervisor_pid=os.getpid(),
+            run_id=self.cfg.job.run_id,
+            node_id=self.cfg.launch.node_id,
+            supervisor_pid=os.getpid(),
             attempt=att.number if att else launched.attempt if launched else self.journal.adopted,
-            world_size=launched.nproc if launched else None, resume_step=launched.resume_step if launched else None,
+            world_size=launched.nproc if launched else None,
+            resume_step=launched.resume_step if launched else None,
             # Only processes of the attempt (its tree, its mark): a pid claimed in a heartbeat is not journaled.
             pids=tuple(sorted({p.pid for p in att.tree()})) if att else (),
-            attempt_started_unix=att.started_at if att else None, last_failure=st.last_failure, status=status,
-            updated_unix=time.time(), extra=extra, skips=st.anomaly.skips, rollbacks_served=st.anomaly.served,
+            attempt_started_unix=att.started_at if att else None,
+            last_failure=st.last_failure,
+            status=status,
+            updated_unix=time.time(),
+            extra=extra,
+            skips=st.anomaly.skips,
+            rollbacks_served=st.anomaly.served,
             incident=st.anomaly.incident.to_json() if st.anomaly.incident else None,
-            stragglers=st.anomaly.health.stragglers, goodput=accounted.to_json(),
-        )  # fmt: skip
+            stragglers=st.anomaly.health.stragglers,
+            goodput=accounted.to_json(),
+        )

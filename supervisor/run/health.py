@@ -1,10 +1,6 @@
-"""How many local slots (GPUs, or CPU ranks) are healthy right now.
-
-Sources, in order: the configured `launch.health_command` (an argv that prints the healthy
-slot ids, whitespace- or comma-separated); NVIDIA GPUs through `nvidia-smi` when it exists;
-otherwise the configured number of CPU slots. A probe that fails says so: it returns an
-`unknown` result, never a count it did not observe ("a blind watcher must not look healthy"),
-and the daemon then keeps the previous world size.
+"""How many local slots (GPUs, or CPU ranks) are healthy right now: the configured command, else `nvidia-smi`, else
+the configured count. A probe that fails says `unknown`, never a count it did not see (docs/design/run-loop.md,
+Slot health).
 """
 
 from __future__ import annotations

@@ -1,26 +1,7 @@
 """The supervisor end of the heartbeat channel: a UNIX `SOCK_SEQPACKET` socket in a private directory.
 
-Ranks connect and send one JSON message per beat (the schema is `ftsup.protocol`'s: `encode_beat`,
-`parse_beat`). `HeartbeatReceiver.drain()` returns the valid beats waiting, never blocking;
-everything else is dropped and counted by reason (`DROP_REASONS`), and the connection it came on
-is closed:
-
-- `malformed`: not a beat of this schema (too long, nested, not JSON, a field missing, of the
-  wrong type or out of range, an unknown phase, a bad figure). `parse_beat` checks the size and
-  the nesting before it parses anything, so no message can cost more than a few microseconds;
-- `version`: a beat of another protocol version (a trainer and a supervisor of different ftsup
-  releases);
-- `spoofed`: the pid the beat claims is not the sender's, as the kernel reports it
-  (`SCM_CREDENTIALS`, asked for with `SO_PASSCRED`), or the sender runs as another user;
-- `foreign`: the sender is not a process the caller admits (the daemon admits the processes of
-  its running attempt, `Admission`), checked when it connects and for every beat;
-- `refused`: a connection beyond `max_connections`.
-
-Each connection has a queue of its own, so a process that floods the socket fills only its own
-queue; each drain accepts at most `accept_budget` connections and reads at most
-`per_connection` messages from each, so a flood costs the supervisor a bounded amount of work
-per drain, however fast it comes. The directory is created 0700 and the socket 0600, so only
-this user's processes can connect. This module decides nothing about the job.
+`HeartbeatReceiver.drain()` returns the valid beats waiting, never blocking; everything else is dropped and counted
+by reason (docs/design/run-loop.md, The heartbeat channel). It decides nothing about the job.
 """
 
 from __future__ import annotations
@@ -111,9 +92,14 @@ class HeartbeatReceiver:
     """The listening socket and its connections; `drain()` once a tick, `close()` at the end."""
 
     def __init__(
-        self, runtime_dir: str | os.PathLike[str], *, counter: Any = None, max_connections: int = MAX_CONNECTIONS,
-        accept_budget: int = ACCEPT_BUDGET, per_connection: int = PER_CONNECTION,
-    ) -> None:  # fmt: skip
+        self,
+        runtime_dir: str | os.PathLike[str],
+        *,
+        counter: Any = None,
+        max_connections: int = MAX_CONNECTIONS,
+        accept_budget: int = ACCEPT_BUDGET,
+        per_connection: int = PER_CONNECTION,
+    ) -> None:
         """`counter`: a prometheus Counter with a `reason` label, counted with every drop."""
         self.dir = Path(runtime_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -176,8 +162,9 @@ class HeartbeatReceiver:
         drops, self._unlogged, self._logged_at = self._unlogged, {}, now
         return {"dropped": drops, "reason": ", ".join(f"{n} {r}" for r, n in sorted(drops.items()))}
 
-    def _check(self, raw: bytes, ancillary: list[tuple[int, int, bytes]], flags: int, admit: Callable[[int], bool]
-               ) -> Beat:  # fmt: skip
+    def _check(
+        self, raw: bytes, ancillary: list[tuple[int, int, bytes]], flags: int, admit: Callable[[int], bool]
+    ) -> Beat:
         if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
             raise BadBeat("malformed", f"more than {MAX_BEAT_BYTES} bytes")
         beat = parse_beat(raw)

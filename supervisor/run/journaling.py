@@ -1,15 +1,5 @@
-"""The daemon's journal keeping: the node's journal written as the loop goes, and adopted when it starts.
-
-`JournalKeeper.write(status)` writes the record that `snapshot(status)` makes of the daemon (the attempt, its
-processes, the world size, the last failure, the time accounting, ...; `write()` keeps the status last written);
-an I/O error is an outage (`outages`), retried with a fresh snapshot until a write goes through, a later write
-superseding it. `adopt()` reads the journal that a previous
-supervisor of this state directory left and stops what it left running, before anything new is launched; the
-attempt number it returns is where this supervisor's numbering goes on, and the record it keeps (`kept`, when it
-was this job's) the data skips in force and the rollback requests served. `exit_status(code)` is the status an
-exit code is journaled as.
-
-The record's format and its checks are `journal`'s; which processes belong to an attempt is `procs`'.
+"""The daemon's journal keeping: the node's journal written as the loop goes, and adopted when it starts
+(docs/design/run-loop.md, The journal kept). The record's format and checks are `state.journal`'s.
 """
 
 from __future__ import annotations
@@ -28,9 +18,15 @@ from ftsup.supervisor.state.journal import Journal, JournalError, JournalRecord
 
 class JournalKeeper:
     def __init__(
-        self, cfg: JobConfig, path: Path, snapshot: Callable[[str], JournalRecord], *, outages: Outages,
-        emit: Callable[..., None], written: Callable[[JournalRecord], None] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        cfg: JobConfig,
+        path: Path,
+        snapshot: Callable[[str], JournalRecord],
+        *,
+        outages: Outages,
+        emit: Callable[..., None],
+        written: Callable[[JournalRecord], None] | None = None,
+    ) -> None:
         """`written(record)`, when given, is called with each record once it is on disk."""
         self.cfg = cfg
         self._written = written
@@ -82,8 +78,15 @@ class JournalKeeper:
             return 0
         if rec is None:
             return 0
-        self._emit("info", "journal_adopted", attempt=rec.attempt, status=rec.status, world_size=rec.world_size,
-                   step=rec.resume_step, supervisor_pid=rec.supervisor_pid)  # fmt: skip
+        self._emit(
+            "info",
+            "journal_adopted",
+            attempt=rec.attempt,
+            status=rec.status,
+            world_size=rec.world_size,
+            step=rec.resume_step,
+            supervisor_pid=rec.supervisor_pid,
+        )
         mine = (rec.run_id, rec.node_id) == (self.cfg.job.run_id, self.cfg.launch.node_id)
         self.kept = rec if mine else None
         if mine and rec.attempt_started_unix is not None:
@@ -99,6 +102,5 @@ class JournalKeeper:
 
 def exit_status(code: int) -> str:
     """The journal's status for `ftsup run`'s exit status `code` (an escalated anomaly, 7, is "failed")."""
-    return {
-        policy.EXIT_OK: "succeeded", policy.EXIT_EVICTED: "evicted", policy.EXIT_STOPPED: "stopped",
-    }.get(code, "failed")  # fmt: skip
+    statuses = {policy.EXIT_OK: "succeeded", policy.EXIT_EVICTED: "evicted", policy.EXIT_STOPPED: "stopped"}
+    return statuses.get(code, "failed")

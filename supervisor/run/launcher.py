@@ -1,26 +1,7 @@
 """Start one attempt under torchrun, and stop it so that nothing of it survives.
 
-- `torchrun_argv` builds the command (pure): `--max-restarts=0` (restarts are the
-  supervisor's decision), `--nnodes`, `--nproc-per-node`, c10d rendezvous (or `--standalone`
-  for one node without an endpoint), `--log-dir` and `--tee=3` (each rank's output in files of its
-  own as well as, prefixed `[rankN]: `, in the attempt's log: `ranklogs` reads them back), then each
-  rank's command: the training command behind the parent-death guard (`ftsup.guard`, run with
-  `--no-python`).
-- `job_command` is the training command as it runs: a bare `python` or `python3` is the interpreter
-  ftsup itself runs under, not whichever one PATH finds first (docs/supervising.md, The job config).
-- `start` runs torchrun behind the same guard, in a session of its own, without `preexec_fn`
-  (the daemon has threads running): torchrun dies with the supervisor, and each rank with
-  torchrun, from before their first import on. Every process of the attempt carries its
-  `procs.Mark` in its environment. Output goes to a per-attempt log file.
-- `RunningAttempt.stop` stops the attempt's processes: torchrun's process tree (torchrun starts
-  ranks in sessions of their own, so a signal to its process group would not reach them) and
-  any process of the attempt's mark left to a reaper; `procs.stop` is the sequence. On one node, torchrun
-  left alone gets SIGKILL at once.
-
-- `spec_from` and `rank_env` derive the spec and the ranks' environment (the `FTSUP_*` channel
-  variables) from the job config.
-
-Not here: when to start or stop (policy).
+The command, the ranks' environment, the start behind the parent-death guard and the stop: docs/design/run-loop.md,
+Launching an attempt. When to start or stop is the policy's.
 """
 
 from __future__ import annotations
@@ -60,9 +41,15 @@ class LaunchSpec:
 
 def spec_from(cfg: JobConfig, nproc: int, log_dir: Path | None = None) -> LaunchSpec:
     ln = cfg.launch
-    return LaunchSpec(command=job_command(cfg.job.command), nproc=nproc, nnodes=ln.nnodes,
-                      rdzv_endpoint=ln.rdzv_endpoint, rdzv_id=ln.rdzv_id, extra_args=tuple(ln.torchrun_args),
-                      log_dir=None if log_dir is None else str(log_dir))  # fmt: skip
+    return LaunchSpec(
+        command=job_command(cfg.job.command),
+        nproc=nproc,
+        nnodes=ln.nnodes,
+        rdzv_endpoint=ln.rdzv_endpoint,
+        rdzv_id=ln.rdzv_id,
+        extra_args=tuple(ln.torchrun_args),
+        log_dir=None if log_dir is None else str(log_dir),
+    )
 
 
 def bare_pythons() -> frozenset[str]:
@@ -81,17 +68,23 @@ def job_command(command: tuple[str, ...] | list[str]) -> tuple[str, ...]:
 
 
 def rank_env(
-    cfg: JobConfig, runtime_dir: Path, resume_step: int | None, base: Mapping[str, str],
+    cfg: JobConfig,
+    runtime_dir: Path,
+    resume_step: int | None,
+    base: Mapping[str, str],
     skips: tuple[tuple[int, int], ...] = (),
-) -> dict[str, str]:  # fmt: skip
+) -> dict[str, str]:
     """`base` (the supervisor's environment), `job.env`, then the channel to this supervisor; the attempt's mark
     (FTSUP_RUN_ID, FTSUP_NODE_ID, FTSUP_ATTEMPT) is added by `start`. The data skips in force (`skips`, and any
     that `base` or `job.env` give) are FTSUP_DATA_SKIPS; with the detectors on, FTSUP_KEEP_OLDER_THAN_STEPS keeps
     the history a rollback needs (unless `job.env` sets it)."""
     channel = protocol.channel_env(
-        heartbeat_socket=str(runtime_dir / "heartbeat.sock"), interval_s=cfg.heartbeat.interval_s,
-        control_file=str(runtime_dir / "control.json"), checkpoint_dir=str(cfg.checkpoint.dir), resume_step=resume_step,
-    )  # fmt: skip
+        heartbeat_socket=str(runtime_dir / "heartbeat.sock"),
+        interval_s=cfg.heartbeat.interval_s,
+        control_file=str(runtime_dir / "control.json"),
+        checkpoint_dir=str(cfg.checkpoint.dir),
+        resume_step=resume_step,
+    )
     # A rank that dies of SIGSEGV, SIGBUS, SIGFPE or SIGABRT prints its Python stack first (unless the environment
     # says otherwise); torchrun prefixes each rank's lines so that `ranklogs` can tell them from its own.
     prefix = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": ranklogs.PREFIX_TEMPLATE}
@@ -132,8 +125,8 @@ def torchrun_argv(spec: LaunchSpec) -> list[str]:
     """The full argv: `<python> -m torch.distributed.run <torchrun options> --no-python <guard> <command>`."""
     cmd = list(spec.command)
     python = spec.python or (cmd[0] if cmd and _is_python(cmd[0]) else sys.executable)
-    argv = [python, "-m", "torch.distributed.run", f"--nnodes={spec.nnodes}", f"--nproc-per-node={spec.nproc}",
-            "--max-restarts=0", "--monitor-interval=0.1"]  # fmt: skip
+    argv = [python, "-m", "torch.distributed.run", f"--nnodes={spec.nnodes}", f"--nproc-per-node={spec.nproc}"]
+    argv += ["--max-restarts=0", "--monitor-interval=0.1"]
     if spec.log_dir:
         argv += [f"--log-dir={spec.log_dir}", "--tee=3"]
     if spec.rdzv_endpoint:
@@ -224,7 +217,12 @@ def start(
     started_at = time.time()
     with statedir.open_append(log_path) as out:
         proc = subprocess.Popen(
-            wrapped, env=full_env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            wrapped,
+            env=full_env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
     return RunningAttempt(number, proc, log_path, started_at, mark)

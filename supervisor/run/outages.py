@@ -1,17 +1,5 @@
-"""Storage outages the supervisor rides out, and the retries of what they made fail.
-
-The daemon's loop reads and writes a few things outside itself (the checkpoint store, the journal, the control
-file, its log file; `metrics.STORAGE_PURPOSES` names them). An I/O error of one of them is an outage to wait out,
-never a reason to end the job. `Outages` keeps what the daemon would otherwise repeat at every call site:
-
-- `failed(purpose, path, error)` counts every failure and logs `storage_failed` (the path, what it is for, the
-  error) for the first of a run of them, then one line per `LOG_EVERY_S` while they go on, so that an hour-long
-  outage is visible without flooding the log; `ok(purpose)` logs `storage_recovered` once it works again;
-- `retry(what, again)` runs `again()` from the loop after a delay (`RETRY_INITIAL_S`, doubling per failure up to
-  `RETRY_MAX_S`) until `done(what)`; a newer retry of `what` replaces the older one;
-- `guard(purpose, path, op, ...)` is the three together around one operation.
-
-It decides nothing about what to retry or what a failure means; it does no I/O itself.
+"""Storage outages the supervisor rides out, and the retries of what they made fail: logged once per run of
+failures, counted, retried with backoff; never a reason to end the job (docs/design/run-loop.md, Outages).
 """
 
 from __future__ import annotations
@@ -71,8 +59,9 @@ class Outages:
             return
         self._failing[purpose] = (now, 0)
         fields: dict[str, Any] = {"purpose": purpose, "path": str(path), "failures_since_last_line": since}
-        self._emit("warning", "storage_failed", reason=f"{STORAGE_PURPOSES[purpose]}: {error_line(error)}; retrying",
-                   **fields)  # fmt: skip
+        self._emit(
+            "warning", "storage_failed", reason=f"{STORAGE_PURPOSES[purpose]}: {error_line(error)}; retrying", **fields
+        )
 
     def ok(self, purpose: str) -> None:
         if self._failing.pop(purpose, None) is not None:

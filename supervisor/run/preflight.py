@@ -1,26 +1,5 @@
-"""Checks of a valid job config against this host, made by `ftsup run` before it starts anything.
-
-`ftsup.supervisor.config.job` judges a file on its own; what it names must also exist here, and a mistake found only
-after the first launch is found late (a misspelt program fails three attempts, then ends in a crash loop) or
-reads like a runtime failure (a `checkpoint.dir` that is a file was a raw errno line mid-run). `check(cfg)`
-raises one `ConfigError` naming the key for the first of:
-
-- `job.workdir` is not an existing directory this user can enter (it is never created: a typo there would
-  otherwise become a new directory tree, with the state directory inside it);
-- `checkpoint.dir`, `job.state_dir`, `logging.dir`: not a directory, or absent and not creatable (the nearest
-  existing ancestor is a file, or not writable); nothing is created here, the daemon and the ranks do that;
-- `checkpoint.durable`: an `s3://` tier without boto3 (`MissingExtraError` naming the `durable` extra), a tier on a
-  filesystem that is not a directory nor creatable (the store itself is not reached here: it may be down for a
-  while, which the uploader rides out);
-- `job.command[0]`, and the interpreter that runs torchrun when the command is not Python, does not resolve to
-  an executable file with PATH as the ranks will see it (the supervisor's environment with `job.env` applied),
-  relative paths resolving against `job.workdir` as they will for the ranks; a bare `python` or `python3` is the
-  interpreter ftsup runs under (`launcher.job_command`);
-- the interpreter that runs torchrun cannot find torch (in the ranks' environment and directory): the job would
-  fail at once on every attempt ("No module named torch"), so it is said before anything starts, in one line.
-
-It reads the filesystem and the environment given, and runs that interpreter once (`torch_importable`, which
-looks torch up without importing it); it changes nothing.
+"""Checks of a valid job config against this host, made by `ftsup run` before it starts anything: one `ConfigError`
+naming the key for the first mistake (docs/design/run-loop.md, Checks before start). It changes nothing.
 """
 
 from __future__ import annotations
@@ -85,8 +64,15 @@ def torch_importable(where: Where, interpreter: str, role: str, *, env: Mapping[
     exe = _resolved(interpreter, workdir=workdir, path=env.get("PATH", os.defpath))
     who = role if exe in role else f"{role} ({exe})"
     try:
-        done = subprocess.run([exe, "-c", _FIND_TORCH], env=dict(env), cwd=workdir, stdin=subprocess.DEVNULL,
-                              capture_output=True, timeout=PROBE_TIMEOUT_S, check=False)  # fmt: skip
+        done = subprocess.run(
+            [exe, "-c", _FIND_TORCH],
+            env=dict(env),
+            cwd=workdir,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=PROBE_TIMEOUT_S,
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         where.fail(f"{who} cannot be run to look for torch: {getattr(e, 'strerror', None) or e}")
     if done.returncode == 3:
@@ -96,8 +82,10 @@ def torch_importable(where: Where, interpreter: str, role: str, *, env: Mapping[
         where.fail(f"{who} cannot import torch, which torchrun and the ranks need: {fix}")
     if done.returncode != 0:
         said = done.stderr.decode(errors="replace").strip().splitlines()
-        where.fail(f"{who} failed to look for torch (exit status {done.returncode})"
-                   + (f": {_short(said[-1])}" if said else ""))  # fmt: skip
+        where.fail(
+            f"{who} failed to look for torch (exit status {done.returncode})"
+            + (f": {_short(said[-1])}" if said else "")
+        )
 
 
 def _resolved(name: str, *, workdir: Path, path: str) -> str:

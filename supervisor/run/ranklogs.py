@@ -1,20 +1,5 @@
 """What an attempt left in its logs, read back as hostile input: torchrun's report of the ranks that failed, and
-the last lines of each rank's own output.
-
-torchrun runs with `--log-dir <log dir>/attempt-NNNN --tee 3` (`launcher.torchrun_argv`): each rank's stdout and
-stderr go to `attempt-NNNN/<torchrun's run id>_<random>/attempt_<k>/<local rank>/{stdout,stderr}.log` and, each line
-prefixed with `[rankN]: `, to the attempt's log `attempt-NNNN.log`, where torchrun writes its own lines too. When
-ranks fail, torchrun's last lines there are its report (a `ChildFailedError`): each failed rank's global and local
-rank, exit code (negative: the signal that killed it) and pid, its "first observed failure" apart.
-
-- `tail(path)`: the last lines of a regular file, at most `TAIL_BYTES` read from its end;
-- `rank_output(ranks_dir, local_rank)`: the last lines of a rank's stderr (where a traceback goes), else its stdout;
-- `torchrun_report(attempt_log)`: the failures torchrun reported, and its own last lines;
-- `gather(attempt_log, ranks_dir)`: both, each failure with its rank's output.
-
-All of it is the job's output, and a rank can print anything: no file is opened through a link (nor a directory on
-the way to it, below the log directory), only regular files are read, sizes, counts and numbers are capped, and
-control characters are dropped. What is read is only ever told (`failures`), never acted on.
+the last lines of each rank's own output (docs/design/run-loop.md, What an attempt left in its logs).
 """
 
 from __future__ import annotations
@@ -23,6 +8,7 @@ import contextlib
 import os
 import re
 import stat
+from dataclasses import replace
 from pathlib import Path
 
 from ftsup.supervisor.policy.events import RankFailure
@@ -151,9 +137,7 @@ def gather(attempt_log: Path, ranks_dir: Path) -> tuple[tuple[RankFailure, ...],
     torchrun's own last lines."""
     found, own = torchrun_report(attempt_log)
     told = culprits(found)
-    with_output = [
-        RankFailure(f.rank, f.local_rank, f.pid, f.exitcode, tuple(rank_output(ranks_dir, f.local_rank)), f.root)
-        if i < MAX_DETAILED and f.local_rank is not None else f
-        for i, f in enumerate(told)
-    ]  # fmt: skip
-    return tuple(with_output), tuple(own)
+    for i, f in enumerate(told[:MAX_DETAILED]):
+        if f.local_rank is not None:
+            told[i] = replace(f, output=tuple(rank_output(ranks_dir, f.local_rank)))
+    return tuple(told), tuple(own)

@@ -1,17 +1,5 @@
 """Where the next attempt resumes and on how many slots: the health probe, the checkpoint store's choice, the
-batch the world size must divide.
-
-`ResumeChoice.prepare_or_retry(attempt, at_most)` carries out the policy's `PrepareLaunch`: it probes the slots'
-health (`health`; a blind probe is said so, and the policy keeps the last world size), has the store scanner
-(`ckptstore.StoreScanner`, on its own thread once `running()`) choose the latest consistent checkpoint (of a step
-at most `at_most`, for a rollback, which abandons the ones after it), logs what was chosen, quarantined, skipped
-or abandoned, and posts `LaunchReady`. While the store cannot be read that is an
-outage: the launch waits and is retried, since the resume point must come from the store, not from its absence.
-Each tick `refresh_metrics()` hands the scanner's latest view to the metrics (a failed scan is an outage) and
-logs `checkpoint_found` for a newer checkpoint than any seen before (the ranks committed one), and
-`latest()` is the newest checkpoint as last scanned; neither waits on the store.
-
-Which world size to launch with, given the slots and the divisor, is the policy's decision, not this module's.
+batch the world size must divide (docs/design/run-loop.md, Preparing a launch).
 """
 
 from __future__ import annotations
@@ -32,14 +20,19 @@ from ftsup.supervisor.telemetry.metrics import Metrics
 
 _STORE_ERRORS = (OSError, CheckpointError)  # what reading the store raises while it is unreadable or mid-change
 CHOICE_TIMEOUT_S = 60.0  # the resume choice waits this long for the store, then leaves it to the ranks
-RECENT_FOR_DURABLE = 16  # the newest checkpoints each scan checks for the durable tier (`durable_policy.pick`)
+RECENT_FOR_DURABLE = 16  # the newest checkpoints each scan checks for the durable tier (`durable.rules.pick`)
 
 
 class ResumeChoice:
     def __init__(
-        self, cfg: JobConfig, *, emit: Callable[..., None], post: Callable[[policy.Event], None], outages: Outages,
+        self,
+        cfg: JobConfig,
+        *,
+        emit: Callable[..., None],
+        post: Callable[[policy.Event], None],
+        outages: Outages,
         metrics: Metrics,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """`emit(level, event, **fields)` logs an event, `post(event)` queues one for the policy."""
         self.cfg = cfg
         self._emit = emit
@@ -79,8 +72,13 @@ class ResumeChoice:
     def prepare_or_retry(self, attempt: int, at_most: int | None = None) -> None:
         # While the store cannot be read, wait: the resume point must come from the store, not from its absence.
         again = ("prepare", lambda: self.prepare_or_retry(attempt, at_most))
-        ready = self._outages.guard("checkpoint_dir", self.cfg.checkpoint.dir, lambda: self.prepare(attempt, at_most),
-                                    errors=_STORE_ERRORS, retry=again)  # fmt: skip
+        ready = self._outages.guard(
+            "checkpoint_dir",
+            self.cfg.checkpoint.dir,
+            lambda: self.prepare(attempt, at_most),
+            errors=_STORE_ERRORS,
+            retry=again,
+        )
         if ready is not None:
             self._post(ready)
 
@@ -107,11 +105,23 @@ class ResumeChoice:
             self._emit("warning", "checkpoint_chosen", attempt=attempt, step=at_most, reason=resume.why_no_checkpoint)
             return at_most, {}
         if info is None:
-            self._emit("info" if resume.quiet else "warning", "checkpoint_chosen", attempt=attempt, step=None,
-                       reason=resume.why_no_checkpoint)  # fmt: skip
+            self._emit(
+                "info" if resume.quiet else "warning",
+                "checkpoint_chosen",
+                attempt=attempt,
+                step=None,
+                reason=resume.why_no_checkpoint,
+            )
             return None, {}
-        self._emit("info", "checkpoint_chosen", attempt=attempt, step=info.step, kind=info.kind, tier=resume.tier,
-                   path=info.path)  # fmt: skip
+        self._emit(
+            "info",
+            "checkpoint_chosen",
+            attempt=attempt,
+            step=info.step,
+            kind=info.kind,
+            tier=resume.tier,
+            path=info.path,
+        )
         return info.step, resume.metadata
 
     def _tell_passed(self, attempt: int, resume: Resume, **late: Any) -> None:
@@ -119,15 +129,31 @@ class ResumeChoice:
         its attempt stopped waiting for it)."""
         for p in resume.picked.passed:
             if p.action == choice.QUARANTINED:
-                self._emit("error", "checkpoint_quarantined", attempt=attempt, step=p.step, reason=p.reason,
-                           path=p.moved_to, **late)  # fmt: skip
+                self._emit(
+                    "error",
+                    "checkpoint_quarantined",
+                    attempt=attempt,
+                    step=p.step,
+                    reason=p.reason,
+                    path=p.moved_to,
+                    **late,
+                )
             else:
-                self._emit("warning", "checkpoint_skipped", attempt=attempt, step=p.step, reason=p.reason, path=p.path,
-                           **late)  # fmt: skip
+                self._emit(
+                    "warning", "checkpoint_skipped", attempt=attempt, step=p.step, reason=p.reason, path=p.path, **late
+                )
         for p in resume.abandoned:
             level = "warning" if p.action == choice.ABANDONED else "error"  # one not renamed stays a resume point
-            self._emit(level, "checkpoint_abandoned", attempt=attempt, step=p.step, reason=p.reason, path=p.path,
-                       moved_to=p.moved_to, **late)  # fmt: skip
+            self._emit(
+                level,
+                "checkpoint_abandoned",
+                attempt=attempt,
+                step=p.step,
+                reason=p.reason,
+                path=p.path,
+                moved_to=p.moved_to,
+                **late,
+            )
 
     def _batch_divisor(self, meta: dict[str, Any]) -> int | None:
         g = self.cfg.launch.global_batch or meta.get("global_batch")

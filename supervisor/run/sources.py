@@ -1,16 +1,5 @@
 """What wakes the daemon's loop and what it reads there each tick: signals, the eviction watchers, the heartbeat
-channel.
-
-`EventSources.running(runtime_dir)` starts them, in this order: the signal handlers and the wakeup socket
-(`wakeup`), one thread per eviction watcher (`eviction.runner`), the heartbeat socket in the runtime directory
-(`heartbeat`). Leaving it, or a failure while entering it, undoes exactly what was started, in reverse. Each tick
-the loop `wait`s on them for at most a tick, then takes `events()` (the signals caught and the watchers' reports,
-as the policy's events) and `beats(admit)` (the heartbeats read off the channel from the senders `admit` lets in).
-Beats are read once a tick, not on arrival: a flood costs one bounded drain a tick, not a busy loop.
-
-It decides nothing (the policy does) and knows nothing of the running attempt but the `admit` predicate. The
-notices it passed on are kept (`noticed`, by source): the journal lists them, and `ack` acknowledges one to its
-source once its save is done.
+channel (docs/design/run-loop.md, What wakes the loop). It decides nothing.
 """
 
 from __future__ import annotations
@@ -38,9 +27,15 @@ DROPS_LOG_EVERY_S = 10.0
 
 class EventSources:
     def __init__(
-        self, cfg: JobConfig, *, clock: Callable[[], float], emit: Callable[..., None], dropped: Any,
-        state_bytes: Callable[[], int | None], upload_s: Callable[[int | None], float | None] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        cfg: JobConfig,
+        *,
+        clock: Callable[[], float],
+        emit: Callable[..., None],
+        dropped: Any,
+        state_bytes: Callable[[], int | None],
+        upload_s: Callable[[int | None], float | None] | None = None,
+    ) -> None:
         """`emit(level, event, **fields)` logs an event; `dropped` counts dropped heartbeats by reason (a prometheus
         Counter); `state_bytes()` is the size of the latest checkpoint as last seen, to estimate a save;
         `upload_s(state_bytes)` the time its upload to the durable tier takes (None: no durable tier)."""

@@ -1,10 +1,6 @@
 """What wakes the daemon's loop: the signals it handles, its threads, and the sockets it reads.
 
-`Wakeup(signals, fds)` installs a handler for each of `signals` that only records the signal (it is acted on in
-the loop, never in the handler), points Python's signal wakeup fd at a socket pair whose write end (`writer`)
-the daemon's threads may also write to, and `wait(timeout)` returns once any of that or one of `fds` is ready,
-or the timeout passes. `close()` (or leaving it as a context) puts the previous handlers and wakeup fd back; a
-failure while it is set up undoes what was done.
+A signal handler only records the signal (it is acted on in the loop); `close()` puts the previous handlers back.
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """A spare torchrun agent, started while an attempt trains, so that the next attempt does not wait for its imports.
 
-`python -m torch.distributed.run` spends a second or more importing torch before it starts a rank: on every
-relaunch, that second is the job's. With `launch.warm_agent` on, the supervisor keeps one spare parked
-(`ftsup.warmrun`): an interpreter of the job's, imports done, behind the parent-death guard and in a session of its
-own, as `launcher.start` starts torchrun. `park` starts it for the *next* attempt (its `procs.Mark` is fixed at
-exec: the number must be known now, and the policy numbers attempts one after another); `Spare.go` hands it the
-attempt's torchrun options, environment, working directory and log file (opened here, never through a link, and
-passed as a descriptor) and returns the `RunningAttempt`, exactly what `launcher.start` returns for a cold start.
-Its `started_at` is when the spare was started: what `procs` and the journal take as the earliest creation time
-of the attempt's processes.
-
-A spare that cannot be used (another attempt number, another interpreter, dead, or the message not taken) is
-stopped and `go` returns None: the caller starts the attempt cold, so a spare can make a launch faster but never
-make one fail. A parked spare carries the next attempt's mark but is no process of any running attempt (it is in
-no attempt's tree, never journaled, never admitted to beat); `discard` stops it (it is ours: we started it).
+A spare can make a launch faster but never make one fail (docs/design/run-loop.md, The spare agent).
 """
 
 from __future__ import annotations
@@ -51,9 +38,15 @@ class Spare:
         return self.proc.poll() is None
 
     def go(
-        self, number: int, argv: Sequence[str], *, env: Mapping[str, str], cwd: str | os.PathLike[str], log_path: Path,
+        self,
+        number: int,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        cwd: str | os.PathLike[str],
+        log_path: Path,
         mark: procs.Mark,
-    ) -> launcher.RunningAttempt | None:  # fmt: skip
+    ) -> launcher.RunningAttempt | None:
         """Start attempt `number` (torchrun's `argv`, as `launcher.torchrun_argv` builds it) in this spare; None
         (and the spare stopped) when it cannot be: the caller then starts the attempt cold. Either way the spare is
         spent. Raises OSError only for the log file, as a cold start would."""
@@ -91,9 +84,15 @@ class Spare:
 
 
 def park(
-    number: int, python: str, *, env: Mapping[str, str], cwd: str | os.PathLike[str], mark: procs.Mark,
-    ignore_signals: tuple[int, ...] = (), log_path: Path | None = None,
-) -> Spare:  # fmt: skip
+    number: int,
+    python: str,
+    *,
+    env: Mapping[str, str],
+    cwd: str | os.PathLike[str],
+    mark: procs.Mark,
+    ignore_signals: tuple[int, ...] = (),
+    log_path: Path | None = None,
+) -> Spare:
     """Start a spare for attempt `number` under `python` (the interpreter torchrun runs under), behind the guard,
     in a session of its own, with `env` and the attempt's mark; its output before the message goes to `log_path`
     (opened never through a link; None: nowhere). Raises OSError when it cannot be started."""
@@ -104,9 +103,14 @@ def park(
         with contextlib.ExitStack() as stack:
             out = subprocess.DEVNULL if log_path is None else stack.enter_context(statedir.open_append(log_path))
             proc = subprocess.Popen(
-                wrapped, env={**env, **mark.environ(), **guard_env}, cwd=cwd, stdin=theirs.fileno(), stdout=out,
-                stderr=out, start_new_session=True,
-            )  # fmt: skip
+                wrapped,
+                env={**env, **mark.environ(), **guard_env},
+                cwd=cwd,
+                stdin=theirs.fileno(),
+                stdout=out,
+                stderr=out,
+                start_new_session=True,
+            )
     except OSError:
         ours.close()
         raise

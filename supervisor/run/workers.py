@@ -1,20 +1,7 @@
 """The running attempt as the daemon's loop sees it: launched, watched, asked to save, stopped and reaped.
 
-`Workers` carries out the policy's `Launch`, `StopWorkers` and `RequestSave`: a launch that cannot start (fork,
-exec, its log file) is a failed attempt; a control file that cannot be written is an outage, retried until a
-newer request replaces it. Each tick `watch()` says what became of the attempt: torchrun's exit (its ranks
-reaped, so that none outlives it), a rank that died while torchrun lives on, torchrun replacing its ranks.
-`beats()` turns the heartbeats read off the channel into the policy's events, noting which pids are this
-attempt's ranks; `admits(pid)` says which senders may beat at all (`heartbeat.Admission`). The journal is written
-whenever what a restarted supervisor would need to find the attempt's processes changes; the ranks as last heard
-(`rankstatus`, for `ftsup status`) at most once a second.
-
-A failure is told with what the attempt left in its logs (`ranklogs`): torchrun's report of each failed rank (its
-exit code or signal) and the last lines of that rank's own output. A rank seen dead while torchrun lives on is
-given `DEAD_RANK_GRACE_S` for torchrun to exit and report it, before it is reported without its exit status.
-
-`running(runtime_dir)` is its lifecycle: leaving it stops an attempt still running (an exception must not leave
-one behind). When to launch or stop, and what a beat means, are the policy's decisions, not this module's.
+When to launch or stop, and what a beat means, are the policy's decisions (docs/design/run-loop.md, The running
+attempt).
 """
 
 from __future__ import annotations
@@ -37,16 +24,23 @@ from ftsup.supervisor.run.outages import Outages
 from ftsup.supervisor.state import ranks as rankstatus
 
 _GONE = frozenset({-1})  # torchrun's ranks were seen and are gone
-DEAD_RANK_GRACE_S = 2.0  # torchrun reports a rank's death within ~0.3 s of it, once it has stopped the others
+DEAD_RANK_GRACE_S = 2.0  # room for torchrun to report a rank's death, which it does once it has stopped the others
 PARK_AFTER_S = 60.0  # with no training step heard (heartbeats off), a spare is parked this long after a launch
 
 
 class Workers:
     def __init__(
-        self, cfg: JobConfig, log_dir: Path, *, clock: Callable[[], float], emit: Callable[..., None],
-        post: Callable[[policy.Event], None], outages: Outages, journal: Callable[[str], None],
+        self,
+        cfg: JobConfig,
+        log_dir: Path,
+        *,
+        clock: Callable[[], float],
+        emit: Callable[..., None],
+        post: Callable[[policy.Event], None],
+        outages: Outages,
+        journal: Callable[[str], None],
         figures: Callable[[int, Mapping[str, float]], None],
-    ) -> None:  # fmt: skip
+    ) -> None:
         """`emit(level, event, **fields)` logs an event, `post(event)` queues one for the policy, `journal(status)`
         writes the journal, `figures(rank, figures)` hands a rank's reported figures to the metrics."""
         self.cfg = cfg
@@ -66,8 +60,10 @@ class Workers:
         self._rank_phase: dict[int, protocol.Phase] = {}  # pid -> last heartbeat phase, this attempt
         self._rank_of: dict[int, tuple[int, int]] = {}  # pid -> (rank, local rank), this attempt
         self._dead_at: dict[int, float] = {}  # pid -> when it was first seen dead
-        self._table = rankstatus.RankTable(Path(cfg.job.state_dir) / rankstatus.FILE_NAME,
-                                           write=lambda path, op: outages.guard("rank_status", path, op))  # fmt: skip
+        self._table = rankstatus.RankTable(
+            Path(cfg.job.state_dir) / rankstatus.FILE_NAME,
+            write=lambda path, op: outages.guard("rank_status", path, op),
+        )
 
     @contextlib.contextmanager
     def running(self, runtime_dir: Path) -> Iterator[Workers]:
@@ -98,8 +94,11 @@ class Workers:
                 self._rank_of[beat.pid] = (beat.rank, beat.local_rank)
                 self._table.heard(beat)
                 self._figures(beat.rank, dict(beat.figures))
-            events.append(policy.Heartbeat(beat.attempt, beat.local_rank, beat.step, beat.phase, beat.rank,
-                                           beat.figures, sent=beat.sent_mono))  # fmt: skip
+            events.append(
+                policy.Heartbeat(
+                    beat.attempt, beat.local_rank, beat.step, beat.phase, beat.rank, beat.figures, sent=beat.sent_mono
+                )
+            )
         if new_pids:
             self._journal("running")
         self._table.flush(self._clock())
@@ -182,8 +181,9 @@ class Workers:
         mark = procs.Mark(self.cfg.job.run_id, self.cfg.launch.node_id, action.attempt)
         argv = launcher.torchrun_argv(launcher.spec_from(self.cfg, action.nproc, ranklogs.ranks_dir(log_path)))
         spare, self._spare = self._spare, None
-        warm = spare.go(action.attempt, argv, env=env, cwd=self.cfg.job.workdir, log_path=log_path,
-                        mark=mark) if spare is not None else None  # fmt: skip
+        warm = None
+        if spare is not None:
+            warm = spare.go(action.attempt, argv, env=env, cwd=self.cfg.job.workdir, log_path=log_path, mark=mark)
         self.attempt = warm or self._start_cold(action.attempt, argv, env, log_path, mark)
         # The spare's environment at exec (what /proc shows of it) has no attempt's resume step or skips in it.
         self._launched = (self._clock(), argv[0], launcher.rank_env(self.cfg, self._runtime(), None, os.environ))
@@ -198,18 +198,19 @@ class Workers:
         """An attempt with no spare parked for it. With `launch.warm_agent` it starts in a spare too, parked and
         handed the attempt at once (the imports are waited for as a plain torchrun's would be; its exit is quick);
         plain torchrun (`launcher.start`) where that cannot be done."""
+        cwd, ignored = self.cfg.job.workdir, self._ignored()
         if self.cfg.launch.warm_agent:
             try:
-                spare = warmagent.park(number, argv[0], env=env, cwd=self.cfg.job.workdir, mark=mark,
-                                       ignore_signals=self._ignored(), log_path=log_path)  # fmt: skip
+                spare = warmagent.park(
+                    number, argv[0], env=env, cwd=cwd, mark=mark, ignore_signals=ignored, log_path=log_path
+                )
             except OSError as e:
                 self._emit("warning", "spare_agent_failed", attempt=number, reason=error_line(e))
             else:
-                att = spare.go(number, argv, env=env, cwd=self.cfg.job.workdir, log_path=log_path, mark=mark)
+                att = spare.go(number, argv, env=env, cwd=cwd, log_path=log_path, mark=mark)
                 if att is not None:
                     return att
-        return launcher.start(number, argv, env=env, cwd=self.cfg.job.workdir, log_path=log_path, mark=mark,
-                              ignore_signals=self._ignored())  # fmt: skip
+        return launcher.start(number, argv, env=env, cwd=cwd, log_path=log_path, mark=mark, ignore_signals=ignored)
 
     def _park_spare(self, att: launcher.RunningAttempt) -> None:
         """With `launch.warm_agent`, park a spare for the next attempt once this one trains (its ranks' imports
@@ -223,8 +224,9 @@ class Workers:
         self._launched = None  # one try per attempt
         mark = procs.Mark(self.cfg.job.run_id, self.cfg.launch.node_id, att.number + 1)
         try:
-            self._spare = warmagent.park(att.number + 1, python, env=env, cwd=self.cfg.job.workdir, mark=mark,
-                                         ignore_signals=self._ignored())  # fmt: skip
+            self._spare = warmagent.park(
+                att.number + 1, python, env=env, cwd=self.cfg.job.workdir, mark=mark, ignore_signals=self._ignored()
+            )
         except OSError as e:
             self._emit("warning", "spare_agent_failed", attempt=att.number + 1, reason=error_line(e))
             return
@@ -247,12 +249,13 @@ class Workers:
         t0 = self._clock()
         grace = self.cfg.restart.stop_grace_s
         one_node = self.cfg.launch.max_nodes == 1
-        survivors = att.stop(grace if action.grace_s is None else min(action.grace_s, grace), clock=self._clock,
-                             one_node=one_node)  # fmt: skip
+        if action.grace_s is not None:
+            grace = min(action.grace_s, grace)
+        survivors = att.stop(grace, clock=self._clock, one_node=one_node)
         if survivors:
             self._emit("error", "orphans_found", attempt=att.number, pids=survivors)
-        self._emit("info", "workers_stopped", attempt=att.number, reason=action.reason,
-                   duration_s=round(self._clock() - t0, 3))  # fmt: skip
+        took = round(self._clock() - t0, 3)
+        self._emit("info", "workers_stopped", attempt=att.number, reason=action.reason, duration_s=took)
         rc = att.poll()
         self.attempt = None
         self._journal("backoff")
