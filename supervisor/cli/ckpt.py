@@ -36,8 +36,14 @@ def cmd_list(args: argparse.Namespace) -> int:
     pinset = pins.read_pins(root)
     by_step = {p.step: p for p in pinset.pins}
     if args.json:
-        rows = [{**i.to_json(), "pinned": i.step in pinset.kept,
-                 "pin": by_step[i.step].to_json() if i.step in by_step else None} for i in infos]  # fmt: skip
+        rows = [
+            {
+                **i.to_json(),
+                "pinned": i.step in pinset.kept,
+                "pin": by_step[i.step].to_json() if i.step in by_step else None,
+            }
+            for i in infos
+        ]
         out: dict[str, Any] = {"checkpoints": rows}
         if pinset.problems:  # only then: a store without bad pins lists as it always did
             out["pin_problems"] = [str(p) for p in pinset.problems]
@@ -63,9 +69,9 @@ def add_commands(actions: Any, step_number: Callable[[str], int]) -> None:
             help=f"{verb} a checkpoint whatever the retention policy (who and why are journaled)",
             description=f"{name.capitalize()} the checkpoint of --step under DIR: retention never deletes a pinned "
             f"checkpoint. Written to DIR/{pins.PINS_DIRNAME}/ and appended, with who and why, to "
-            f"DIR/{pins.PINS_DIRNAME}/{pins.JOURNAL_NAME}." + (" The step must be a consistent checkpoint."
-                                                               if name == "pin" else ""),
-        )  # fmt: skip
+            f"DIR/{pins.PINS_DIRNAME}/{pins.JOURNAL_NAME}."
+            + (" The step must be a consistent checkpoint." if name == "pin" else ""),
+        )
         p.add_argument("dir", metavar="DIR", type=Path, help="the checkpoint directory")
         p.add_argument("--step", type=step_number, required=True, help=f"the step to {name}")
         p.add_argument("--reason", default="", type=_reason, help="why (recorded with the pin and in the journal)")
@@ -80,8 +86,10 @@ def cmd_pin(args: argparse.Namespace) -> int:
     if args.json:
         print_json(done.to_json())
     else:
-        print(f"pinned step {done.step} under {root}: retention keeps it until `ftsup ckpt unpin {root} --step "
-              f"{done.step}`")  # fmt: skip
+        print(
+            f"pinned step {done.step} under {root}: retention keeps it until `ftsup ckpt unpin {root} --step "
+            f"{done.step}`"
+        )
     return EXIT_OK
 
 
@@ -92,8 +100,8 @@ def cmd_unpin(args: argparse.Namespace) -> int:
     if args.json:
         print_json(old.to_json())
     else:
-        print(f"unpinned step {old.step} under {root} (pinned by {old.who}" + (f": {old.reason})" if old.reason
-                                                                               else ")"))  # fmt: skip
+        why = f": {old.reason}" if old.reason else ""
+        print(f"unpinned step {old.step} under {root} (pinned by {old.who}{why})")
     return EXIT_OK
 
 
@@ -119,10 +127,17 @@ def _pin_lines(pinset: pins.PinSet, steps: set[int]) -> list[str]:
 
 
 def print_verified(
-    path: str, name: str, step: int | None, manifest: layout.Manifest | None, consistent: bool,
-    problems: list[layout.Problem], args: argparse.Namespace, *, deep_means: str,
+    path: str,
+    name: str,
+    step: int | None,
+    manifest: layout.Manifest | None,
+    consistent: bool,
+    problems: list[layout.Problem],
+    args: argparse.Namespace,
+    *,
+    deep_means: str,
     described: layout.CheckpointInfo | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """What `ftsup ckpt verify` found of one checkpoint, as JSON (`--json`) or text; `described`, where given, is
     what kind, world size and creation time are read from (else the manifest)."""
     if args.json:
@@ -309,7 +324,15 @@ def _verify_tier(args: argparse.Namespace) -> int:
             manifest: layout.Manifest | None = tier.manifest(step)[0]
         except CheckpointError:
             manifest = None
-    print_verified(info.path, layout.step_dirname(step), step, manifest, info.consistent,
-                            list(info.problems), args, deep_means="checksums verified, every byte read back",
-                            described=info)  # fmt: skip
+    print_verified(
+        info.path,
+        layout.step_dirname(step),
+        step,
+        manifest,
+        info.consistent,
+        list(info.problems),
+        args,
+        deep_means="checksums verified, every byte read back",
+        described=info,
+    )
     return EXIT_OK if info.consistent else EXIT_PROBLEM

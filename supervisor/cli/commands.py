@@ -1,36 +1,7 @@
 """The `ftsup` command line: parse argv, run one subcommand, turn errors into exit statuses.
 
-Subcommands (DESIGN.md, Contracts: their names, flags and JSON shapes change only by adding):
-
-    ftsup run [--config JOB.yaml] [FLAGS] [-- CMD]     the supervisor; every config key a flag (`config_args`)
-    ftsup config check [JOB.yaml] [FLAGS] [-- CMD]     the config `ftsup run` would run, checked; nothing started
-    ftsup ckpt list DIR|s3://.. [--json] [--deep]      every committed checkpoint, oldest first (`cli_ckpt`)
-    ftsup ckpt verify DIR|s3://.. [--step N] [--deep] [--json]   one checkpoint (default: the newest)
-    ftsup ckpt show DIR [--step N] [--json]            a checkpoint or HF model: manifest, tensors (`cli_show`)
-    ftsup ckpt export-hf DIR [--step N] OUT ...        the model in the Hub's layout (`export_hf`; needs torch)
-    ftsup ckpt pin|unpin DIR --step N [--reason TEXT]  kept whatever the retention policy, journaled
-    ftsup rollback --config JOB.yaml --to-step N ...   an operator's rollback request (`cli_rollback`)
-    ftsup bench checkpoint ...                         delegated to `ftsup.tools.bench.checkpoint`
-    ftsup bench scale ...                              delegated to `ftsup.tools.bench.checkpoint` (`scale`)
-    ftsup bench recovery ...                           `ftsup.tools.bench.recovery` (torch-free)
-    ftsup bench eviction ...                           `ftsup.tools.bench.eviction` (torch-free)
-    ftsup bench anomaly ...                            `ftsup.tools.bench.anomaly` (torch-free)
-    ftsup bench goodput ...                            `ftsup.tools.bench.goodput` (torch-free)
-    ftsup demo [--dir DIR] [--steps N] [--json FILE]   `ftsup.tools.faults.demo`: faults injected, bitwise check
-    ftsup chaos --faults N --seed S [--json FILE] ...  `ftsup.tools.faults.chaosrun`: every fault kind, invariants
-
-Exit statuses: 0 success; 1 the command ran and found a problem (verify: not consistent), or an
-internal error (its traceback on stderr, then one line); 2 usage errors, a bad config, a missing or
-unreadable file, directory or checkpoint, or any `CheckpointError`, reported as one line
-`ftsup: error: ...` on stderr. `ftsup run` has its own (docs/supervising.md, `ftsup.supervisor.policy.machine`):
-2 only for what is refused before anything starts, 1 for any failure after that.
-
-This module never imports torch: `ftsup.store.layout` is stdlib-only. Nor does it
-import tooling (`ftsup.tools.bench`, `ftsup.tools.faults`, `ftsup.tools.bench.checkpoint`, which
-needs torch) for a command that does not run it: every command is registered with its one-line
-help, so `ftsup --help` lists them all, and only the asked-for one's parser is built, which is
-where a tooling command imports its module. It does not decide anything about checkpoints
-itself; it prints what `layout` finds.
+Every command, its flags and exit statuses: docs/cli.md. Torch-free; only the asked-for command's parser is built,
+so tooling is imported only by the command that runs it (DESIGN.md, Layout and the direction of dependencies).
 """
 
 from __future__ import annotations
@@ -136,7 +107,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         Command("bench", "benchmarks (checkpoint needs torch; see README)", _build_bench),
         DEMO.command(""),
         CHAOS.command(""),
-    ]  # fmt: skip
+    ]
     _add_commands(parser, commands, argv, dest="command", metavar="COMMAND")
     return parser
 
@@ -234,8 +205,10 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         return EXIT_OK
     tier = cfg.checkpoint.durable
     durable = f", durable tier {tier.url}" if tier is not None else ""
-    print(f"{cfg.source}: ok (run_id {cfg.job.run_id}, node {cfg.launch.node_id}, command {' '.join(cfg.job.command)}, "
-          f"state in {cfg.job.state_dir}, checkpoints in {cfg.checkpoint.dir}{durable})")  # fmt: skip
+    print(
+        f"{cfg.source}: ok (run_id {cfg.job.run_id}, node {cfg.launch.node_id}, command {' '.join(cfg.job.command)}, "
+        f"state in {cfg.job.state_dir}, checkpoints in {cfg.checkpoint.dir}{durable})"
+    )
     return EXIT_OK
 
 
@@ -350,20 +323,39 @@ class Tool:
 
 BENCHMARKS = (
     Tool("recovery", "fault -> first resumed step, ftsup vs torchrun --max-restarts=3", "ftsup.tools.bench.recovery"),
-    Tool("eviction", "steps lost per eviction: ftsup's emergency saves vs periodic checkpoints only",
-         "ftsup.tools.bench.eviction"),
+    Tool(
+        "eviction",
+        "steps lost per eviction: ftsup's emergency saves vs periodic checkpoints only",
+        "ftsup.tools.bench.eviction",
+    ),
     Tool("checkpoint", "checkpoint save/load throughput", "ftsup.tools.bench.checkpoint.command", trainer=True),
-    Tool("scale", "metadata costs (plan, commit, resume choice, refresh) at N simulated ranks",
-         "ftsup.tools.bench.scale.command", trainer=True),
-    Tool("anomaly", "nan/spike faults: detection delay, rollback vs crash recovery, false positives",
-         "ftsup.tools.bench.anomaly"),
-    Tool("goodput", "productive time / wall time under seeded faults: ftsup vs torchrun vs ft_launcher",
-         "ftsup.tools.bench.goodput"),
-)  # fmt: skip
-DEMO = Tool("demo", "the reference trainer under ftsup run, with faults injected; losses compared bitwise",
-            "ftsup.tools.faults.demo")  # fmt: skip
-CHAOS = Tool("chaos", "a seeded plan of faults of every kind at the reference trainer; invariants checked",
-             "ftsup.tools.faults.chaosrun")  # fmt: skip
+    Tool(
+        "scale",
+        "metadata costs (plan, commit, resume choice, refresh) at N simulated ranks",
+        "ftsup.tools.bench.scale.command",
+        trainer=True,
+    ),
+    Tool(
+        "anomaly",
+        "nan/spike faults: detection delay, rollback vs crash recovery, false positives",
+        "ftsup.tools.bench.anomaly",
+    ),
+    Tool(
+        "goodput",
+        "productive time / wall time under seeded faults: ftsup vs torchrun vs ft_launcher",
+        "ftsup.tools.bench.goodput",
+    ),
+)
+DEMO = Tool(
+    "demo",
+    "the reference trainer under ftsup run, with faults injected; losses compared bitwise",
+    "ftsup.tools.faults.demo",
+)
+CHAOS = Tool(
+    "chaos",
+    "a seeded plan of faults of every kind at the reference trainer; invariants checked",
+    "ftsup.tools.faults.chaosrun",
+)
 
 
 def _build_bench(bench: argparse.ArgumentParser, rest: Sequence[str]) -> None:

@@ -1,8 +1,5 @@
-"""`ftsup ckpt export-hf`: its flags and what it prints. Torch-free, like the rest of the CLI.
-
-The export itself (verified reads, safetensors shards, the Trainer's files, `config.json`) is
-`ftsup.trainer.hf.export`, which needs torch: `ftsup.supervisor.cli` imports it when the
-command runs and hands it to `run`.
+"""`ftsup ckpt export-hf`: its flags and what it prints. Torch-free, like the rest of the CLI: the export itself is
+`ftsup.trainer.hf.export`, which needs torch, imported by `cli.commands` when the command runs and handed to `run`.
 """
 
 from __future__ import annotations
@@ -35,11 +32,19 @@ def add_arguments(p: argparse.ArgumentParser, step: Any) -> None:
     p.add_argument("out", metavar="OUT", type=Path, help="the output directory")
     p.add_argument("--prefix", help="key prefix of the model's tensors (default: found automatically)")
     p.add_argument("--config", metavar="FILE", type=Path, help="the model's config.json (default: the checkpoint's)")
-    p.add_argument("--dtype", choices=sorted(dtypes.CAST_NAMES),
-                   help="the floating tensors (float64/32/16, bfloat16) in this dtype; others as saved")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        choices=sorted(dtypes.CAST_NAMES),
+        help="the floating tensors (float64/32/16, bfloat16) in this dtype; others as saved",
+    )
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--max-shard-size", metavar="SIZE", type=byte_size, dest="max_shard_bytes",
-                      help="largest file, as the Hub spells it: 5GB, 500MB, 2GiB or bytes (default 5GB)")  # fmt: skip
+    size.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        type=byte_size,
+        dest="max_shard_bytes",
+        help="largest file, as the Hub spells it: 5GB, 500MB, 2GiB or bytes (default 5GB)",
+    )
     size.add_argument("--max-shard-gb", type=float, help="largest file size in GB (the same, in GB)")
 
 
@@ -54,15 +59,28 @@ def run(args: argparse.Namespace, hf: Any, err: TextIO | None = None) -> int:
         raise UsageError("--max-shard-gb: a shard must hold at least 1 byte")
     config = hf.read_config_file(args.config) if args.config is not None else None
     dtype = None if args.dtype is None else hf.torch_dtype(dtypes.CAST_NAMES[args.dtype])
-    index = hf.export_hf(args.dir, args.step, args.out, prefix=args.prefix, max_shard_bytes=max_bytes, config=config,
-                         dtype=dtype, progress=progress_printer(err))  # fmt: skip
+    index = hf.export_hf(
+        args.dir,
+        args.step,
+        args.out,
+        prefix=args.prefix,
+        max_shard_bytes=max_bytes,
+        config=config,
+        dtype=dtype,
+        progress=progress_printer(err),
+    )
     files = sorted(set(index["weight_map"].values()))
     meta = index["metadata"]
-    print(f"exported step {meta['ftsup_step']}: {len(index['weight_map'])} tensors, "
-          f"{meta['total_size']} bytes in {len(files)} file(s) under {args.out}")  # fmt: skip
+    print(
+        f"exported step {meta['ftsup_step']}: {len(index['weight_map'])} tensors, "
+        f"{meta['total_size']} bytes in {len(files)} file(s) under {args.out}"
+    )
     if meta.get("config") is None:
-        print(f"ftsup: note: no config.json written (the checkpoint holds no transformers model config); pass "
-              f"--config FILE so that from_pretrained({str(args.out)!r}) can load it", file=err)  # fmt: skip
+        print(
+            f"ftsup: note: no config.json written (the checkpoint holds no transformers model config); pass "
+            f"--config FILE so that from_pretrained({str(args.out)!r}) can load it",
+            file=err,
+        )
     return 0
 
 

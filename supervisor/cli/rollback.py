@@ -1,13 +1,7 @@
 """`ftsup rollback --config JOB.yaml --to-step N [--skip-samples A:B] [--reason TEXT]`: an operator's rollback.
 
-It checks that step N is a consistent checkpoint of the job's store, then writes the request
-(`ftsup.protocol.RollbackRequest`: a fresh id, the step, the skips, who asks and why) to
-`<state_dir>/rollback.json`, atomically (a temporary file and a rename, mode 0600, never through a link). A running
-supervisor reads it within a second (`rollbacks`), stops the attempt and resumes from step N (or the newest
-consistent checkpoint before it) with the skips added to the data skips in force, once per request id, which
-it journals; with none running, the next `ftsup run` of the job starts from it. It runs as the job's user (the
-supervisor reads only its own user's file). Part of the `ftsup` command line (`cli` registers it; its exit
-statuses); torch-free.
+It checks that step N is a consistent checkpoint of the job's store, then writes the request to
+`<state_dir>/rollback.json` for the job's supervisor to serve (docs/cli.md, `ftsup rollback`). Torch-free.
 """
 
 from __future__ import annotations
@@ -41,8 +35,13 @@ def add_arguments(p: argparse.ArgumentParser, step_number: Callable[[str], int])
     p.description = DESCRIPTION
     p.add_argument("--config", required=True, type=Path, metavar="JOB.yaml", help="the job's YAML config")
     p.add_argument("--to-step", required=True, type=step_number, metavar="N", help="the checkpoint to resume from")
-    p.add_argument("--skip-samples", action="append", default=[], metavar="A:B",
-                   help="data positions [A, B) never to serve again (may be given more than once)")  # fmt: skip
+    p.add_argument(
+        "--skip-samples",
+        action="append",
+        default=[],
+        metavar="A:B",
+        help="data positions [A, B) never to serve again (may be given more than once)",
+    )
     p.add_argument("--reason", default="", help="why, for the logs and the journal")
     p.set_defaults(handler=cmd_rollback)
 
@@ -53,8 +52,10 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     info = layout.find_checkpoint(root, args.to_step)  # NoCheckpointError names the step and the store
     if not info.consistent:
         problems = "; ".join(map(str, info.problems[:3]))
-        raise UsageError(f"step {args.to_step} in {root} is not a consistent checkpoint ({problems}); "
-                         "`ftsup ckpt list` shows the ones there are")  # fmt: skip
+        raise UsageError(
+            f"step {args.to_step} in {root} is not a consistent checkpoint ({problems}); "
+            "`ftsup ckpt list` shows the ones there are"
+        )
     try:
         skips = merge_skips(*(protocol.parse_data_skips(s, "--skip-samples") for s in args.skip_samples))
         skips = protocol.check_data_skips(skips, "--skip-samples")
@@ -70,7 +71,10 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     except JournalError:
         alive = False
     skipping = f", skipping {protocol.encode_data_skips(skips)}" if skips else ""
-    then = ("the running supervisor serves it within a second (`ftsup status` shows it)" if alive
-            else "no supervisor runs this job now: the next `ftsup run` starts from it")  # fmt: skip
+    then = (
+        "the running supervisor serves it within a second (`ftsup status` shows it)"
+        if alive
+        else "no supervisor runs this job now: the next `ftsup run` starts from it"
+    )
     print(f"rollback to step {args.to_step}{skipping} requested (id {req.id}): {then}")
     return 0

@@ -1,19 +1,5 @@
-"""`ftsup ckpt show DIR [--step N] [--json]`: what one checkpoint, or one Hugging Face model directory,
-holds, read from manifests and headers only, never a tensor's byte.
-
-- A checkpoint store: the checkpoint of `--step` (default: the newest committed): its manifest (path,
-  step, the fast check and its problems, kind, world size, files and bytes), the data skips in force
-  when it was saved, its pin, the trainer's metadata and the model config it holds, and its tensors
-  (name, dtype, shape, bytes, the files that hold them) from `dcp_metadata.json` (checked against the
-  manifest and its schema, `ftsup.store.dcpmeta`) or, for a Trainer checkpoint, from the safetensors
-  headers of its weights. A checkpoint that fails the fast check is shown without its tensors.
-- A Hub-layout directory (`model.safetensors`, or `model.safetensors.index.json` and its shards): its
-  files, its tensors from their headers, the index's metadata and `config.json`
-  (`ftsup.store.hublayout`, which reads every file as hostile input: an error names the file and the
-  tensor, and the command exits 2).
-
-Dtypes and shapes are as the files record them: the checkpoint's names (`bfloat16`) for an engine
-checkpoint, safetensors' (`BF16`) for safetensors files. Torch-free.
+"""`ftsup ckpt show DIR [--step N] [--json]`: what one checkpoint, or one Hugging Face model directory, holds, read
+from manifests and headers only, never a tensor's byte (docs/cli.md, `ftsup ckpt show`). Torch-free.
 """
 
 from __future__ import annotations
@@ -55,8 +41,10 @@ def cmd_show(args: argparse.Namespace) -> int:
             raise UsageError(f"{root} is a Hugging Face model directory, not a checkpoint store: --step does not apply")
         return _show_hub(root, args.json)
     if args.step is None and not committed:
-        raise NoCheckpointError(f"no committed checkpoint under {root} (nor a Hugging Face model: no "
-                                f"{hublayout.SINGLE_NAME} or {hublayout.INDEX_NAME})")  # fmt: skip
+        raise NoCheckpointError(
+            f"no committed checkpoint under {root} (nor a Hugging Face model: no "
+            f"{hublayout.SINGLE_NAME} or {hublayout.INDEX_NAME})"
+        )
     if args.step is not None and args.step not in committed:
         raise NoCheckpointError(cli_ckpt.no_step_message(root, args.step))
     return _show_checkpoint(root, committed[max(committed) if args.step is None else args.step], args.json)
@@ -83,18 +71,24 @@ def _show_checkpoint(root: Path, path: Path, as_json: bool) -> int:
             raw = layout.read_verified(path, manifest, hublayout.CONFIG_NAME, hublayout.CONFIG_MAX_BYTES)
             config = safefile.loads(raw, f"{path}/{hublayout.CONFIG_NAME}")  # checked against the manifest
     shown = {
-        "path": str(path), "step": step, "consistent": consistent,
-        "problems": [str(p) for p in problems], "kind": manifest.kind if manifest else None,
+        "path": str(path),
+        "step": step,
+        "consistent": consistent,
+        "problems": [str(p) for p in problems],
+        "kind": manifest.kind if manifest else None,
         "world_size": manifest.world_size if manifest else None,
         "created_unix": manifest.created_unix if manifest else None,
         "files": len(manifest.files) if manifest else None,
         "bytes": sum(e.size for e in manifest.files.values()) if manifest else None,
-        "data_skips": meta.get("data_skips", []), "pinned": step in pinset.kept,
-        "pin": pin.to_json() if pin else None, "metadata": meta,
+        "data_skips": meta.get("data_skips", []),
+        "pinned": step in pinset.kept,
+        "pin": pin.to_json() if pin else None,
+        "metadata": meta,
         "format": None if manifest is None else "hf-trainer" if trainer else "ftsup",
-        "config": config, "tensors": tensors,
+        "config": config,
+        "tensors": tensors,
         "tensor_bytes": None if tensors is None else sum(t["bytes"] for t in tensors),
-    }  # fmt: skip
+    }
     if as_json:
         cli_ckpt.print_json(shown)
         return cli_ckpt.EXIT_OK
@@ -118,13 +112,20 @@ def _show_hub(root: Path, as_json: bool) -> int:
     model = hublayout.read(root)
     config = hublayout.read_config(root)
     tensors = _hub_rows(model)
-    files: list[dict[str, Any]] = [{"file": f, "bytes": h.file_size, "tensors": len(h.tensors)}
-                                   for f, h in model.headers.items()]  # fmt: skip
+    files: list[dict[str, Any]] = [
+        {"file": f, "bytes": h.file_size, "tensors": len(h.tensors)} for f, h in model.headers.items()
+    ]
     shown = {
-        "path": str(root), "layout": "hub", "sharded": model.index is not None, "files": files,
-        "bytes": sum(f["bytes"] for f in files), "index_metadata": model.index, "config": config,
-        "tensors": tensors, "tensor_bytes": sum(t["bytes"] for t in tensors),
-    }  # fmt: skip
+        "path": str(root),
+        "layout": "hub",
+        "sharded": model.index is not None,
+        "files": files,
+        "bytes": sum(f["bytes"] for f in files),
+        "index_metadata": model.index,
+        "config": config,
+        "tensors": tensors,
+        "tensor_bytes": sum(t["bytes"] for t in tensors),
+    }
     if as_json:
         cli_ckpt.print_json(shown)
         return cli_ckpt.EXIT_OK
@@ -154,14 +155,23 @@ def _engine_rows(meta: Mapping[str, Any]) -> list[dict[str, Any]]:
         n = dtypes.lookup(t["dtype"], fqn).itemsize
         for d in t["size"]:
             n *= d
-        rows.append({"name": fqn, "dtype": t["dtype"], "shape": list(t["size"]), "bytes": n,
-                     "files": sorted(files.get(fqn, []))})  # fmt: skip
+        rows.append(
+            {
+                "name": fqn,
+                "dtype": t["dtype"],
+                "shape": list(t["size"]),
+                "bytes": n,
+                "files": sorted(files.get(fqn, [])),
+            }
+        )
     return rows
 
 
 def _hub_rows(model: hublayout.HubModel) -> list[dict[str, Any]]:
-    return [{"name": name, "dtype": e.dtype, "shape": list(e.shape), "bytes": e.nbytes,
-             "files": [model.weight_map[name]]} for name, e in model.tensors.items()]  # fmt: skip
+    return [
+        {"name": name, "dtype": e.dtype, "shape": list(e.shape), "bytes": e.nbytes, "files": [model.weight_map[name]]}
+        for name, e in model.tensors.items()
+    ]
 
 
 def _print_tensors(tensors: Sequence[Mapping[str, Any]] | None, unread: str) -> None:
@@ -171,8 +181,10 @@ def _print_tensors(tensors: Sequence[Mapping[str, Any]] | None, unread: str) -> 
     total = sum(t["bytes"] for t in tensors)
     print(f"tensors: {len(tensors)}, {cli_ckpt.human_bytes(total)}")
     rows = [("NAME", "DTYPE", "SHAPE", "BYTES", "FILES")]
-    rows += [(t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", str(t["bytes"]), ",".join(t["files"]))
-             for t in tensors[:_TABLE_ROWS]]  # fmt: skip
+    rows += [
+        (t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", str(t["bytes"]), ",".join(t["files"]))
+        for t in tensors[:_TABLE_ROWS]
+    ]
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]) - 1)]
     for row in rows:
         print("  " + "  ".join([*(row[c].ljust(w) for c, w in enumerate(widths)), row[-1]]))

@@ -1,20 +1,7 @@
 """`ftsup status --config JOB.yaml [--json]`: what the supervisor of a job is doing, or did last.
 
-It reads, and changes nothing: the node's journal (`journal`: the attempt, its world size and resume step, the
-last failure), the ranks as the supervisor last heard them (`rankstatus`: step, phase, loss, heartbeat age), and
-the latest consistent checkpoint in the store. Whether a supervisor runs at all is not taken from the journal's
-word: its status must be one of a running supervisor and its pid a live process of this user created before the
-journal was last written (a pid reused by another process since is not it). Every file is hostile input; a ranks
-file that cannot be used is said so and skipped, a journal that cannot is an error (exit 2, one line).
-
-The JSON object keeps the keys it always had (`run_id`, `node_id`, `supervisor_running`, `journal`,
-`latest_checkpoint`, `checkpoint_dir`) and adds `supervisor_pid`, `metrics_url`, `ranks` (each with
-`heartbeat_age_s`), `ranks_problem`, and from the journal `last_incident` (the last anomaly or operator
-rollback: kind, step, onset, the step rolled back to, the skip it added), `stragglers`, `data_skips` and
-`goodput` (the job's time accounting as last journaled: `productive_s`, `badput_s` by cause, `wall_s`, `ratio`,
-`as_of_unix`, `since_unix`; null before the first record of it) and `durable` (with `checkpoint.durable`: `url`,
-`newest_step` and `newest_unix` of the newest durable checkpoint known, `pending` and `uploading` steps,
-`last_error` while the tier fails; null without a tier).
+It reads the journal, the ranks as last heard and the store, and changes nothing; every file is hostile input
+(docs/cli.md, `ftsup status`).
 """
 
 from __future__ import annotations
@@ -45,13 +32,18 @@ def supervisor_alive(rec: JournalRecord | None) -> bool:
         return False
     try:
         proc = psutil.Process(rec.supervisor_pid)
-        return (proc.uids().real == os.getuid() and proc.status() != psutil.STATUS_ZOMBIE
-                and proc.create_time() <= rec.updated_unix + 1.0)  # fmt: skip
+        return (
+            proc.uids().real == os.getuid()
+            and proc.status() != psutil.STATUS_ZOMBIE
+            and proc.create_time() <= rec.updated_unix + 1.0
+        )
     except (psutil.Error, OSError):
         return False
 
 
 def gather(state_dir: Path, checkpoint_dir: Path, now: float, durable_url: str | None = None) -> dict[str, Any]:
+    """The status as one JSON-ready object. A ranks file that cannot be used is said so (`ranks_problem`) and
+    skipped; a journal that cannot is an error (`JournalError`: exit 2, one line)."""
     rec = Journal(state_dir / "journal.json").read()
     alive = supervisor_alive(rec)
     latest = layout.latest_consistent(checkpoint_dir)
@@ -64,9 +56,19 @@ def gather(state_dir: Path, checkpoint_dir: Path, now: float, durable_url: str |
     if table is not None:
         attempt, _, heard = table
         for r in heard:
-            ranks.append({"attempt": attempt, "rank": r.rank, "local_rank": r.local_rank, "pid": r.pid, "step": r.step,
-                          "phase": r.phase, "loss": r.loss, "heartbeat_unix": r.beat_unix,
-                          "heartbeat_age_s": round(max(0.0, now - r.beat_unix), 3)})  # fmt: skip
+            ranks.append(
+                {
+                    "attempt": attempt,
+                    "rank": r.rank,
+                    "local_rank": r.local_rank,
+                    "pid": r.pid,
+                    "step": r.step,
+                    "phase": r.phase,
+                    "loss": r.loss,
+                    "heartbeat_unix": r.beat_unix,
+                    "heartbeat_age_s": round(max(0.0, now - r.beat_unix), 3),
+                }
+            )
     metrics = rec.extra.get("metrics") if rec is not None and alive else None
     return {
         "supervisor_running": alive,
@@ -125,8 +127,11 @@ def _goodput(rec: JournalRecord | None) -> dict[str, Any] | None:
 def cmd_status(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     tier = cfg.checkpoint.durable.url if cfg.checkpoint.durable is not None else None
-    out = {"run_id": cfg.job.run_id, "node_id": cfg.launch.node_id,
-           **gather(Path(cfg.job.state_dir), Path(cfg.checkpoint.dir), time.time(), tier)}  # fmt: skip
+    out = {
+        "run_id": cfg.job.run_id,
+        "node_id": cfg.launch.node_id,
+        **gather(Path(cfg.job.state_dir), Path(cfg.checkpoint.dir), time.time(), tier),
+    }
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -144,33 +149,41 @@ def text(out: dict[str, Any]) -> list[str]:
     elif rec["status"] in ENDED:
         lines = [head + f"not running (it ended: {rec['status']}, at {_utc(rec['updated_unix'])})"]
     else:
-        lines = [head + f"not running (pid {out['supervisor_pid']}, which last wrote the journal at "
-                 f"{_utc(rec['updated_unix'])}, is gone)"]  # fmt: skip
+        gone = f"pid {out['supervisor_pid']}, which last wrote the journal at {_utc(rec['updated_unix'])}, is gone"
+        lines = [head + f"not running ({gone})"]
     if rec is not None:
         start = "from scratch" if rec["resume_step"] is None else f"resumed from step {rec['resume_step']}"
-        lines.append(f"  {'status' if alive else 'last status'} {rec['status']}, attempt {rec['attempt']}, "
-                     f"world size {rec['world_size'] if rec['world_size'] is not None else '-'}, {start}")  # fmt: skip
+        lines.append(
+            f"  {'status' if alive else 'last status'} {rec['status']}, attempt {rec['attempt']}, "
+            f"world size {rec['world_size'] if rec['world_size'] is not None else '-'}, {start}"
+        )
         if rec["last_failure"]:
             lines.append(f"  last failure: {rec['last_failure']}")
     lines += _incident_lines(out)
     if (gp := out["goodput"]) is not None and gp["wall_s"] > 0:
         lost = sorted(((s, c) for c, s in gp["badput_s"].items() if s > 0), reverse=True)
         badput = ", ".join(f"{c} {_age(s)}" for s, c in lost) or "none"
-        lines.append(f"  goodput {gp['ratio']:.3f} over {_age(gp['wall_s'])} (as of {_utc(gp['as_of_unix'])}): "
-                     f"productive {_age(gp['productive_s'])}; badput {badput}")  # fmt: skip
+        lines.append(
+            f"  goodput {gp['ratio']:.3f} over {_age(gp['wall_s'])} (as of {_utc(gp['as_of_unix'])}): "
+            f"productive {_age(gp['productive_s'])}; badput {badput}"
+        )
     if out["ranks"]:
         lines.append("  ranks" + (" (as last heard; no supervisor hears them now)" if not alive else "") + ":")
         for r in out["ranks"]:
             loss = f", loss {r['loss']:.4g}" if r["loss"] is not None else ""
-            lines.append(f"    rank {r['rank']} (local {r['local_rank']}, pid {r['pid']}): step {r['step']}, "
-                         f"{r['phase']}{loss}, last heartbeat {_age(r['heartbeat_age_s'])} ago")  # fmt: skip
+            lines.append(
+                f"    rank {r['rank']} (local {r['local_rank']}, pid {r['pid']}): step {r['step']}, "
+                f"{r['phase']}{loss}, last heartbeat {_age(r['heartbeat_age_s'])} ago"
+            )
     elif out["ranks_problem"]:
         lines.append(f"  ranks: {out['ranks_problem']}")
     latest = out["latest_checkpoint"]
     where = out["checkpoint_dir"]
     if latest:
-        lines.append(f"  latest consistent checkpoint: step {latest['step']} ({latest.get('kind') or '?'}, "
-                     f"{_utc(latest.get('created_unix'))}) in {where}")  # fmt: skip
+        lines.append(
+            f"  latest consistent checkpoint: step {latest['step']} ({latest.get('kind') or '?'}, "
+            f"{_utc(latest.get('created_unix'))}) in {where}"
+        )
     else:
         lines.append(f"  latest consistent checkpoint: none in {where}")
     if (tier := out.get("durable")) is not None:
