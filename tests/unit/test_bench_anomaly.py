@@ -39,15 +39,25 @@ def test_a_run_without_an_anomaly_has_no_delay() -> None:
 
 
 def test_a_crash_is_timed_from_its_failure_event_to_the_next_first_step() -> None:
-    events = [ev(2.0, "first_step_reached", attempt=1, step=1), ev(9.0, "worker_exited", rank=1),
-              ev(12.25, "first_step_reached", attempt=2, step=36)]  # fmt: skip
-    assert anomaly.crash(events) == {"detected_by": "worker_exited", "recover_s": 3.25, "resumed_step": 36,
-                                     "attempt": 2}  # fmt: skip
+    events = [
+        ev(2.0, "first_step_reached", attempt=1, step=1),
+        ev(9.0, "worker_exited", rank=1),
+        ev(12.25, "first_step_reached", attempt=2, step=36),
+    ]
+    assert anomaly.crash(events) == {
+        "detected_by": "worker_exited",
+        "recover_s": 3.25,
+        "resumed_step": 36,
+        "attempt": 2,
+    }
 
 
 def test_every_alarm_of_a_clean_run_is_a_false_positive() -> None:
-    events = [ev(1.0, "first_step_reached", step=1), ev(5.0, "straggler_detected", rank=1),
-              ev(6.0, "anomaly_detected", kind="loss_spike", step=9)]  # fmt: skip
+    events = [
+        ev(1.0, "first_step_reached", step=1),
+        ev(5.0, "straggler_detected", rank=1),
+        ev(6.0, "anomaly_detected", kind="loss_spike", step=9),
+    ]
     assert [a["event"] for a in anomaly.alarms(events)] == ["straggler_detected", "anomaly_detected"]
 
 
@@ -108,8 +118,12 @@ def test_a_slowed_rank_is_read_as_its_first_report_and_every_failure() -> None:
         ev(2.0, "straggler_detected", rank=1, ratio=3.1, steps=10, step=30),
         ev(3.0, "heartbeat_timed_out"),
     ]
-    assert anomaly.straggler(events) == {"failures": ["heartbeat_timed_out"], "reported_step": 14, "rank": 1,
-                                         "ratio": 2.9}  # fmt: skip
+    assert anomaly.straggler(events) == {
+        "failures": ["heartbeat_timed_out"],
+        "reported_step": 14,
+        "rank": 1,
+        "ratio": 2.9,
+    }
 
 
 def test_one_alarm_in_a_clean_run_fails_no_false_positives() -> None:

@@ -36,8 +36,11 @@ def test_faults_are_in_order_within_the_horizon_and_numbered() -> None:
     faults = plan(1, 60, MIX, nproc=2, horizon_s=6000)
     times = [f.at_s for f in faults]
     assert (times == sorted(times), 0 < times[0], times[-1] <= 6000, [f.index for f in faults]) == (
-        True, True, True, list(range(len(faults))),
-    )  # fmt: skip
+        True,
+        True,
+        True,
+        list(range(len(faults))),
+    )
 
 
 def test_the_mean_interval_is_the_one_asked_for_over_a_long_horizon() -> None:
@@ -62,9 +65,14 @@ def test_a_kind_named_alone_weighs_one_and_the_others_zero() -> None:
 
 @pytest.mark.parametrize(
     ("text", "words"),
-    [("kill=1,oops=2", "'oops'"), ("kill=x", "'x'"), ("kill=-1", "finite number >= 0"), ("kill=0", "no kind"),
-     ("kill=inf", "finite")],
-)  # fmt: skip
+    [
+        ("kill=1,oops=2", "'oops'"),
+        ("kill=x", "'x'"),
+        ("kill=-1", "finite number >= 0"),
+        ("kill=0", "no kind"),
+        ("kill=inf", "finite"),
+    ],
+)
 def test_a_bad_mix_is_refused_naming_what_is_wrong(text: str, words: str) -> None:
     with pytest.raises(ValueError, match=words):
         parse_mix(text)
@@ -126,8 +134,11 @@ def test_an_eviction_counts_the_steps_before_the_stop_as_training_and_the_rest_a
     b = acc.badput_s
     # eviction: 7 (the last step before the exit) -> 8 -> 8.5; startup: 8.5 -> 11 less the load and step 8's 1 s
     assert (round(b["eviction"], 6), round(b["startup"], 6), b["checkpoint_load"], acc.productive_s) == (
-        1.5, 1.0, 0.5, 9.0,
-    )  # fmt: skip
+        1.5,
+        1.0,
+        0.5,
+        9.0,
+    )
 
 
 def test_every_second_is_attributed_exactly_once_whatever_the_marks() -> None:
@@ -145,8 +156,8 @@ def test_every_second_is_attributed_exactly_once_whatever_the_marks() -> None:
 
 def test_a_step_trained_twice_counts_once_toward_productive_time() -> None:
     once = account(Timeline(0.0, 6.0, tuple(steps(1, 5, 1.0, 1.0))))
-    twice = account(Timeline(0.0, 11.0, tuple(steps(1, 5, 1.0, 1.0) + steps(1, 5, 6.0, 1.0)),
-                             (Interruption(5.0, "kill", 5.0, 5.0),)))  # fmt: skip
+    trained_twice = tuple(steps(1, 5, 1.0, 1.0) + steps(1, 5, 6.0, 1.0))
+    twice = account(Timeline(0.0, 11.0, trained_twice, (Interruption(5.0, "kill", 5.0, 5.0),)))
     assert (once.productive_s, twice.productive_s, twice.steps, twice.redone_steps) == (5.0, 5.0, 5, 5)
 
 
@@ -181,8 +192,10 @@ def test_every_launcher_gets_the_same_restart_budget(tmp_path: Path) -> None:
 def test_only_the_tuned_ft_launcher_row_sets_timeouts(tmp_path: Path) -> None:
     *_, default, tuned = lineup()
     timeouts = [[a for a in c.argv(job(tmp_path)) if a.startswith("--ft-")] for c in (default, tuned)]
-    assert timeouts == [[], ["--ft-initial-rank-heartbeat-timeout=60", "--ft-rank-heartbeat-timeout=3",
-                             "--ft-workload-check-interval=1"]]  # fmt: skip
+    assert timeouts == [
+        [],
+        ["--ft-initial-rank-heartbeat-timeout=60", "--ft-rank-heartbeat-timeout=3", "--ft-workload-check-interval=1"],
+    ]
 
 
 def test_every_contender_runs_the_same_trainer_flags(tmp_path: Path) -> None:
@@ -194,8 +207,9 @@ def test_every_contender_runs_the_same_trainer_flags(tmp_path: Path) -> None:
 def test_an_ft_launcher_row_without_nvidia_resiliency_ext_says_why_it_cannot_run() -> None:
     reasons = [c.missing(lambda name: None) for c in lineup()]
     assert (reasons[:2], all("nvidia-resiliency-ext is not installed" in str(r) for r in reasons[2:])) == (
-        [None, None], True,
-    )  # fmt: skip
+        [None, None],
+        True,
+    )
 
 
 def test_an_unknown_contender_is_refused_naming_the_known_ones() -> None:
@@ -223,7 +237,10 @@ def test_a_target_whose_contender_did_not_run_is_not_measured() -> None:
 
 
 def test_the_table_shows_a_row_not_run_with_its_reason() -> None:
-    out = {"results": [not_run("nvrx-tuned", "ft_launcher ...", "nvidia-resiliency-ext is not installed")],
-           "schedule": {"hang_cap_s": 120.0}, "checks": {}}  # fmt: skip
+    out = {
+        "results": [not_run("nvrx-tuned", "ft_launcher ...", "nvidia-resiliency-ext is not installed")],
+        "schedule": {"hang_cap_s": 120.0},
+        "checks": {},
+    }
     line = next(ln for ln in table(out).splitlines() if ln.startswith("nvrx-tuned "))
     assert ("not run" in line, line.endswith("nvidia-resiliency-ext is not installed")) == (True, True)

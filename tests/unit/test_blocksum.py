@@ -103,11 +103,14 @@ def test_c_block_checksums_take_any_block_size_and_unaligned_buffers(ext: Module
     assert ext.crc32c_blocks(view, 1000) == blocksum.pack(expected)
 
 
-@pytest.mark.parametrize(("function", "args", "message"), [
-    ("crc32c_blocks", (b"abc", 0), "block_bytes must be positive"),
-    ("crc32c", (b"abc", -1), "unsigned 32-bit"),
-    ("crc32c", (b"abc", 2**32), "unsigned 32-bit"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("function", "args", "message"),
+    [
+        ("crc32c_blocks", (b"abc", 0), "block_bytes must be positive"),
+        ("crc32c", (b"abc", -1), "unsigned 32-bit"),
+        ("crc32c", (b"abc", 2**32), "unsigned 32-bit"),
+    ],
+)
 def test_c_extension_refuses_impossible_arguments(
     ext: ModuleType, function: str, args: tuple[object, ...], message: str
 ) -> None:
@@ -117,8 +120,11 @@ def test_c_extension_refuses_impossible_arguments(
 
 def test_block_checksums_cover_each_64k_block_and_a_short_tail() -> None:
     data = bytes(range(256)) * (BLOCK // 256) * 2 + b"tail"
-    expected = [blocksum.crc32c_python(data[:BLOCK]), blocksum.crc32c_python(data[BLOCK:-4]),
-                blocksum.crc32c_python(b"tail")]  # fmt: skip
+    expected = [
+        blocksum.crc32c_python(data[:BLOCK]),
+        blocksum.crc32c_python(data[BLOCK:-4]),
+        blocksum.crc32c_python(b"tail"),
+    ]
     assert blocksum.block_checksums(data) == expected
 
 
@@ -146,9 +152,13 @@ def test_recorded_checksums_verify_with_the_algorithm_they_name() -> None:
     data = os.urandom(BLOCK + 1)
     old = checksums.checksum_bytes(data, blocksum.CRC32_X64K)
     new = checksums.checksum_bytes(data)
-    assert (old.split(":")[0], new.split(":")[0], checksums.checksum_matches(data, old),
-            checksums.checksum_matches(data, new), checksums.checksum_matches(data + b"!", new)) == (
-        "crc32x64k", "crc32cx64k", True, True, False)  # fmt: skip
+    assert (
+        old.split(":")[0],
+        new.split(":")[0],
+        checksums.checksum_matches(data, old),
+        checksums.checksum_matches(data, new),
+        checksums.checksum_matches(data + b"!", new),
+    ) == ("crc32x64k", "crc32cx64k", True, True, False)
 
 
 def test_without_the_extension_checksums_are_the_same_and_say_python(tmp_path: Path) -> None:

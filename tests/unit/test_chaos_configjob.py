@@ -13,12 +13,16 @@ from ftsup.tools.faults.configjob import ConfigJob, sample_logs
 
 def own_job(tmp_path: Path) -> ConfigJob:
     (tmp_path / "job").mkdir()
-    cfg = {"job": {"command": [sys.executable, "-c", "pass"], "run_id": "mine", "state_dir": "state"},
-           "checkpoint": {"dir": "ckpt"}, "logging": {"dir": "logs"}}  # fmt: skip
+    cfg = {
+        "job": {"command": [sys.executable, "-c", "pass"], "run_id": "mine", "state_dir": "state"},
+        "checkpoint": {"dir": "ckpt"},
+        "logging": {"dir": "logs"},
+    }
     (tmp_path / "job" / "job.yaml").write_text(yaml.safe_dump(cfg))
     base = load_config(tmp_path / "job" / "job.yaml").to_dict()
-    return ConfigJob(tmp_path / "chaos" / "main", "chaos-main-1", 0, base_config=base,
-                     sections={"restart": {"max_restarts": 42}})  # fmt: skip
+    return ConfigJob(
+        tmp_path / "chaos" / "main", "chaos-main-1", 0, base_config=base, sections={"restart": {"max_restarts": 42}}
+    )
 
 
 def test_the_job_runs_with_the_chaos_runs_id_state_store_and_logs(tmp_path):
@@ -47,8 +51,9 @@ def test_a_sample_log_pattern_finds_each_ranks_file_and_nothing_else(tmp_path):
 def test_collect_moves_the_jobs_logs_into_its_directory(tmp_path):
     (tmp_path / "loss.jsonl").write_text("{}\n")
     (tmp_path / "s-1.jsonl").write_text("{}\n")
-    job = ConfigJob(tmp_path / "run", "r", 0, user_loss_log=tmp_path / "loss.jsonl",
-                    sample_pattern=str(tmp_path / "s-{rank}.jsonl"))  # fmt: skip
+    job = ConfigJob(
+        tmp_path / "run", "r", 0, user_loss_log=tmp_path / "loss.jsonl", sample_pattern=str(tmp_path / "s-{rank}.jsonl")
+    )
     job.root.mkdir()
     job.collect()
     assert sorted(p.name for p in job.root.iterdir()) == ["loss.jsonl", "samples-1.jsonl"]

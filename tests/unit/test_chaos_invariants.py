@@ -13,12 +13,34 @@ from ftsup.tools.faults.invariants import (
     samples_check,
 )
 
-KILL = {"index": 1, "kind": "kill-rank", "variant": "", "detected_by": "worker_exited", "detect_s": 0.1,
-        "recover_s": 6.0, "newest_before": 20, "loaded_step": 20, "loaded_consistent": True, "stale_processes": [],
-        "lost_steps": 3}  # fmt: skip
-EVICTION = {"index": 2, "kind": "evict-metadata", "variant": "azure", "detected_by": "eviction_noticed",
-            "recover_s": 9.0, "newest_before": 20, "loaded_step": 23, "loaded_consistent": True, "stale_processes": [],
-            "exit_code": 5, "lost_steps": 0, "orphans": [], "acknowledged": 1}  # fmt: skip
+KILL = {
+    "index": 1,
+    "kind": "kill-rank",
+    "variant": "",
+    "detected_by": "worker_exited",
+    "detect_s": 0.1,
+    "recover_s": 6.0,
+    "newest_before": 20,
+    "loaded_step": 20,
+    "loaded_consistent": True,
+    "stale_processes": [],
+    "lost_steps": 3,
+}
+EVICTION = {
+    "index": 2,
+    "kind": "evict-metadata",
+    "variant": "azure",
+    "detected_by": "eviction_noticed",
+    "recover_s": 9.0,
+    "newest_before": 20,
+    "loaded_step": 23,
+    "loaded_consistent": True,
+    "stale_processes": [],
+    "exit_code": 5,
+    "lost_steps": 0,
+    "orphans": [],
+    "acknowledged": 1,
+}
 
 
 def test_a_fault_detected_and_recovered_from_a_sound_checkpoint_violates_nothing():
@@ -62,8 +84,14 @@ def test_resuming_from_the_flipped_checkpoint_is_a_violation():
 
 
 def test_a_flipped_checkpoint_skipped_and_quarantined_violates_nothing():
-    flip = {**KILL, "kind": "flip-byte", "landed": True, "flipped_step": 25, "newest_before": 20,
-            "quarantined": ["step-000000025.corrupt"]}  # fmt: skip
+    flip = {
+        **KILL,
+        "kind": "flip-byte",
+        "landed": True,
+        "flipped_step": 25,
+        "newest_before": 20,
+        "quarantined": ["step-000000025.corrupt"],
+    }
     assert fault_violations(flip) == []
 
 

@@ -34,8 +34,11 @@ def test_a_kill_at_a_commit_point_of_rank_0_targets_rank_0():
 
 
 def test_each_variant_is_a_form_the_job_takes():
-    forms = {"evict-signal": {"SIGTERM", "SIGUSR1"}, "evict-metadata": {"aws", "gcp", "azure"},
-             "kill-in-commit": set(COMMIT_POINTS)}  # fmt: skip
+    forms = {
+        "evict-signal": {"SIGTERM", "SIGUSR1"},
+        "evict-metadata": {"aws", "gcp", "azure"},
+        "kill-in-commit": set(COMMIT_POINTS),
+    }
     drawn: dict[str, set[str]] = {}
     for f in make_plan(300, seed=1):
         drawn.setdefault(f.kind, set()).add(f.variant)

@@ -103,8 +103,11 @@ def test_a_hostile_store_is_scanned_without_a_failure_and_its_good_checkpoint_fo
     assert scanner.view().errors == 0
     resume = scanner.choose(timeout_s=30)
     assert resume.picked.info is not None and resume.picked.info.step == 50
-    assert [(p.step, p.action) for p in resume.picked.passed] == [(99, "quarantined"), (98, "quarantined"),
-                                                                    (97, "quarantined")]  # fmt: skip
+    assert [(p.step, p.action) for p in resume.picked.passed] == [
+        (99, "quarantined"),
+        (98, "quarantined"),
+        (97, "quarantined"),
+    ]
 
 
 def test_a_failing_store_is_counted_and_the_scanner_goes_on(tmp_path: Path, scanner: StoreScanner) -> None:

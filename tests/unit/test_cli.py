@@ -312,10 +312,16 @@ def test_bench_help_lists_every_benchmark_without_loading_the_checkpoint_one(
     assert (code, listed(out), fake.parsers_built) == (0, benchmarks, 0)
 
 
-@pytest.mark.parametrize(("argv", "flag"), [(["demo"], "--steps"), (["bench", "recovery"], "--hang-repeats"),
-                                            (["bench", "eviction"], "--evictions"),
-                                            (["bench", "anomaly"], "--clean-steps"),
-                                            (["bench", "goodput"], "--mean-interval-s")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["demo"], "--steps"),
+        (["bench", "recovery"], "--hang-repeats"),
+        (["bench", "eviction"], "--evictions"),
+        (["bench", "anomaly"], "--clean-steps"),
+        (["bench", "goodput"], "--mean-interval-s"),
+    ],
+)
 def test_a_tooling_command_asked_for_has_its_flags(
     argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

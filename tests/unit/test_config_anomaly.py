@@ -29,13 +29,20 @@ def test_keys_given_replace_their_defaults():
 
 @pytest.mark.parametrize(
     "key, value, says",
-    [("loss_spike_factor", 1, "above 1"), ("loss_spike_factor", "2x", "a number"),
-     ("loss_window_steps", 2, "at least 5"), ("loss_patience_steps", 0, "at least 1"),
-     ("warmup_steps", -1, "at least 0"),
-     ("straggler_ratio", 0.5, "above 1"), ("drift_ratio", float("inf"), "finite"),
-     ("max_rollbacks", 1.5, "whole number"), ("enabled", "yes please", "true"), ("rollback_window_s", 0, "above 0"),
-     ("loss_spike_factr", 2, "did you mean 'loss_spike_factor'")],
-)  # fmt: skip
+    [
+        ("loss_spike_factor", 1, "above 1"),
+        ("loss_spike_factor", "2x", "a number"),
+        ("loss_window_steps", 2, "at least 5"),
+        ("loss_patience_steps", 0, "at least 1"),
+        ("warmup_steps", -1, "at least 0"),
+        ("straggler_ratio", 0.5, "above 1"),
+        ("drift_ratio", float("inf"), "finite"),
+        ("max_rollbacks", 1.5, "whole number"),
+        ("enabled", "yes please", "true"),
+        ("rollback_window_s", 0, "above 0"),
+        ("loss_spike_factr", 2, "did you mean 'loss_spike_factor'"),
+    ],
+)
 def test_a_bad_value_is_refused_naming_its_key(key: str, value: object, says: str):
     with pytest.raises(ConfigError, match=rf"job.yaml: anomaly\.\w+: .*{says}"):
         anomaly(**{key: value})

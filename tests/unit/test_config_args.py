@@ -121,10 +121,14 @@ def test_every_key_of_the_config_has_a_flag_that_sets_it() -> None:
 
 @pytest.mark.parametrize(
     ("flag", "key"),
-    [("--nproc-per-node", "launch.nproc_per_node"), ("--nnodes", "launch.nnodes"),
-     ("--rdzv-endpoint", "launch.rdzv_endpoint"), ("--rdzv-id", "launch.rdzv_id"),
-     ("--max-restarts", "restart.max_restarts")],
-)  # fmt: skip
+    [
+        ("--nproc-per-node", "launch.nproc_per_node"),
+        ("--nnodes", "launch.nnodes"),
+        ("--rdzv-endpoint", "launch.rdzv_endpoint"),
+        ("--rdzv-id", "launch.rdzv_id"),
+        ("--max-restarts", "restart.max_restarts"),
+    ],
+)
 def test_torchruns_flag_names_set_their_keys(flag: str, key: str) -> None:
     assert build_parser(["run"]).parse_args(["run", flag, "2"]).overrides == [Override(key, "2", flag)]
 
@@ -147,9 +151,9 @@ def test_the_command_after_the_double_dash_replaces_the_files(capsys, in_tmp: Pa
 
 
 def test_values_are_read_as_yaml_by_the_files_rules(capsys) -> None:
-    cfg = config_of(capsys, "--set", "launch.nnodes=1:2", "--rdzv-endpoint", "n0:29400", "--set",
-                    "eviction.signals=[usr1]", "--checkpoint-dir", "/shared/ckpt", "--heartbeat-mode", "off",
-                    "--", "python", "t.py")  # fmt: skip
+    flags = ["--set", "launch.nnodes=1:2", "--rdzv-endpoint", "n0:29400", "--set", "eviction.signals=[usr1]"]
+    flags += ["--checkpoint-dir", "/shared/ckpt", "--heartbeat-mode", "off"]
+    cfg = config_of(capsys, *flags, "--", "python", "t.py")
     got = (cfg["launch"]["nnodes"], cfg["eviction"]["signals"], cfg["checkpoint"]["dir"], cfg["heartbeat"]["mode"])
     assert got == ("1:2", ["SIGUSR1"], "/shared/ckpt", "off")
 

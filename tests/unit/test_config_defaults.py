@@ -39,8 +39,14 @@ def test_the_example_file_parses() -> None:
 def test_the_example_file_shows_the_real_defaults() -> None:
     config = load_config(EXAMPLE, hostname=HOST)
     shown = (config.heartbeat, config.restart, config.eviction, config.metrics, config.logging, config.anomaly)
-    assert shown == (HeartbeatConfig(), RestartConfig(), EvictionConfig(), MetricsConfig(), LoggingConfig(),
-                     AnomalyConfig())  # fmt: skip
+    assert shown == (
+        HeartbeatConfig(),
+        RestartConfig(),
+        EvictionConfig(),
+        MetricsConfig(),
+        LoggingConfig(),
+        AnomalyConfig(),
+    )
 
 
 SECTIONS = {
@@ -98,19 +104,49 @@ def test_the_policy_declares_no_default_of_a_config_key() -> None:
 
 
 def test_every_setting_of_the_policy_comes_from_the_config() -> None:
-    raw = {"job": {"command": ["true"]}, "checkpoint": {"dir": "ckpt"},
-           "launch": {"nnodes": "1:3", "rdzv_endpoint": "node0:29400", "min_world_size": 2, "max_world_size": 5},
-           "heartbeat": {"mode": "required", "timeout_s": 41, "progress_timeout_s": 42, "startup_timeout_s": 43,
-                         "save_timeout_s": 44, "min_timeout_s": 45, "step_time_multiplier": 46},
-           "restart": {"max_restarts": 47, "window_s": 48, "backoff_initial_s": 49, "backoff_max_s": 50,
-                       "max_attempts_without_progress": 51},
-           "eviction": {"save_margin_s": 12}, "anomaly": {"loss_spike_factor": 3, "max_rollbacks": 52}}  # fmt: skip
-    expected = Settings(nproc_max=7, min_world_size=2, max_world_size=5, nnodes_max=3,
-                        heartbeat_mode=HeartbeatMode.REQUIRED, heartbeat_timeout_s=41.0,
-                        progress_timeout_s=42.0, startup_timeout_s=43.0, save_timeout_s=44.0, min_timeout_s=45.0,
-                        step_time_multiplier=46.0, max_restarts=47, window_s=48.0, backoff_initial_s=49.0,
-                        backoff_max_s=50.0, max_attempts_without_progress=51, save_margin_s=12.0,
-                        anomaly=AnomalyConfig(loss_spike_factor=3.0, max_rollbacks=52))  # fmt: skip
+    raw = {
+        "job": {"command": ["true"]},
+        "checkpoint": {"dir": "ckpt"},
+        "launch": {"nnodes": "1:3", "rdzv_endpoint": "node0:29400", "min_world_size": 2, "max_world_size": 5},
+        "heartbeat": {
+            "mode": "required",
+            "timeout_s": 41,
+            "progress_timeout_s": 42,
+            "startup_timeout_s": 43,
+            "save_timeout_s": 44,
+            "min_timeout_s": 45,
+            "step_time_multiplier": 46,
+        },
+        "restart": {
+            "max_restarts": 47,
+            "window_s": 48,
+            "backoff_initial_s": 49,
+            "backoff_max_s": 50,
+            "max_attempts_without_progress": 51,
+        },
+        "eviction": {"save_margin_s": 12},
+        "anomaly": {"loss_spike_factor": 3, "max_rollbacks": 52},
+    }
+    expected = Settings(
+        nproc_max=7,
+        min_world_size=2,
+        max_world_size=5,
+        nnodes_max=3,
+        heartbeat_mode=HeartbeatMode.REQUIRED,
+        heartbeat_timeout_s=41.0,
+        progress_timeout_s=42.0,
+        startup_timeout_s=43.0,
+        save_timeout_s=44.0,
+        min_timeout_s=45.0,
+        step_time_multiplier=46.0,
+        max_restarts=47,
+        window_s=48.0,
+        backoff_initial_s=49.0,
+        backoff_max_s=50.0,
+        max_attempts_without_progress=51,
+        save_margin_s=12.0,
+        anomaly=AnomalyConfig(loss_spike_factor=3.0, max_rollbacks=52),
+    )
     assert settings_from(parse_config(raw, base_dir=Path("/"), hostname=HOST), nproc_max=7) == expected
 
 

@@ -20,8 +20,15 @@ from ftsup.trainer.state import TrainingState
 
 
 def gpt2(**overrides: Any) -> GPT2Config:
-    settings: dict[str, Any] = {"vocab_size": 64, "n_positions": 16, "n_embd": 16, "n_layer": 1, "n_head": 2,
-                                "bos_token_id": 0, "eos_token_id": 0}  # fmt: skip
+    settings: dict[str, Any] = {
+        "vocab_size": 64,
+        "n_positions": 16,
+        "n_embd": 16,
+        "n_layer": 1,
+        "n_head": 2,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    }
     return GPT2Config(**settings | overrides)
 
 
@@ -89,5 +96,7 @@ def test_keys_that_json_would_merge_are_refused_when_the_run_starts():
 
 def test_a_canonical_config_is_what_json_reads_back():
     assert canonical({1: (2.5, None), None: float("nan"), "d": torch.float16}) == {
-        "1": [2.5, None], "null": "NaN", "d": "float16"
-    }  # fmt: skip
+        "1": [2.5, None],
+        "null": "NaN",
+        "d": "float16",
+    }

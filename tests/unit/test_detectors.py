@@ -27,9 +27,12 @@ def beat(step: int, local_rank: int = 0, **figures: float) -> Heartbeat:
 
 
 def stream(
-    losses: Sequence[float], nproc: int = 2, start: int = 1, grad: Sequence[float] | None = None,
+    losses: Sequence[float],
+    nproc: int = 2,
+    start: int = 1,
+    grad: Sequence[float] | None = None,
     step_s: Sequence[Sequence[float]] | None = None,
-) -> list[Heartbeat]:  # fmt: skip
+) -> list[Heartbeat]:
     """Every rank's beat of each step, rank by rank; `step_s[i][r]`: rank r's step time at step start + i."""
     out = []
     for i, loss in enumerate(losses):
@@ -152,8 +155,9 @@ def test_a_recorded_reference_run_raises_nothing_with_the_defaults():
 
 def test_the_recorded_reference_run_would_raise_with_tight_thresholds():
     # The test above can fail: the same stream against thresholds just above what it shows.
-    cfg = dataclasses.replace(CFG, grad_norm_spike_factor=1.2, straggler_ratio=1.1, loss_patience_steps=1,
-                              straggler_patience_steps=3)  # fmt: skip
+    cfg = dataclasses.replace(
+        CFG, grad_norm_spike_factor=1.2, straggler_ratio=1.1, loss_patience_steps=1, straggler_patience_steps=3
+    )
     kinds = {type(f).__name__ if not isinstance(f, D.Anomaly) else f.kind for f in run(recorded(), cfg)[1]}
     assert kinds >= {"grad_norm_spike", "Straggler"}
 
@@ -185,8 +189,12 @@ def test_a_step_whose_beat_from_one_rank_was_lost_is_judged_once_a_rank_is_pendi
 def test_a_rank_read_several_steps_ahead_of_another_is_still_compared_with_it():
     # The supervisor reads one rank's queue after the other: rank 1's beats of steps 1-4, then rank 0's.
     times = {0: 0.1, 1: 0.3}
-    beats = [beat(s, r, loss=2.0, step_s=times[r]) for first in range(1, 21, 4) for r in (1, 0)
-             for s in range(first, first + 4)]  # fmt: skip
+    beats = [
+        beat(s, r, loss=2.0, step_s=times[r])
+        for first in range(1, 21, 4)
+        for r in (1, 0)
+        for s in range(first, first + 4)
+    ]
     _, found = run(beats)
     assert [(f.rank, f.steps) for f in found if isinstance(f, D.Straggler)] == [(1, 10)]
 

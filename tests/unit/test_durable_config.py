@@ -31,10 +31,18 @@ def test_a_location_string_is_a_tier_with_every_default() -> None:
 
 
 def test_the_keys_of_a_mapping_replace_their_defaults() -> None:
-    got = config({"url": "/shared/durable", "periodic_every": 0, "emergency": False, "keep_last": 5,
-                  "part_bytes": 8 << 20, "concurrency": 2, "hold_while_saving_s": 0}).checkpoint.durable  # fmt: skip
-    assert got == DurableConfig(url="/shared/durable", periodic_every=0, emergency=False, keep_last=5,
-                                part_bytes=8 << 20, concurrency=2, hold_while_saving_s=0.0)  # fmt: skip
+    section = {"url": "/shared/durable", "periodic_every": 0, "emergency": False, "keep_last": 5}
+    section |= {"part_bytes": 8 << 20, "concurrency": 2, "hold_while_saving_s": 0}
+    got = config(section).checkpoint.durable
+    assert got == DurableConfig(
+        url="/shared/durable",
+        periodic_every=0,
+        emergency=False,
+        keep_last=5,
+        part_bytes=8 << 20,
+        concurrency=2,
+        hold_while_saving_s=0.0,
+    )
 
 
 @pytest.mark.parametrize(
@@ -46,24 +54,36 @@ def test_the_keys_of_a_mapping_replace_their_defaults() -> None:
         ("s3://bucket/a/../b", "checkpoint.durable.url: 's3://bucket/a/../b': prefix component '..'"),
         ("~/durable", "checkpoint.durable.url: '~/durable': neither '~' nor environment variables are expanded"),
         ({"periodic_every": 2}, "checkpoint.durable.url: required; give s3://BUCKET/PREFIX"),
-        ({"url": "s3://bucket/x", "part_bytes": 6_000_000}, "checkpoint.durable.part_bytes: 6000000 is not a "
-         "multiple of 65536"),
+        (
+            {"url": "s3://bucket/x", "part_bytes": 6_000_000},
+            "checkpoint.durable.part_bytes: 6000000 is not a multiple of 65536",
+        ),
         ({"url": "s3://bucket/x", "part_bytes": 1 << 20}, "checkpoint.durable.part_bytes: must be at least 5242880"),
         ({"url": "s3://bucket/x", "concurrency": 0}, "checkpoint.durable.concurrency: must be at least 1"),
         ({"url": "s3://bucket/x", "keep_last": 0}, "checkpoint.durable.keep_last: must be at least 1"),
-        ({"url": "s3://bucket/x", "hold_while_saving_s": -1}, "checkpoint.durable.hold_while_saving_s: must be at "
-         "least 0 seconds"),
-        ({"url": "s3://bucket/x", "hold_while_saving_s": "30s"}, "checkpoint.durable.hold_while_saving_s: expected "
-         "a number of seconds"),
-        ({"url": "s3://bucket/x", "endpoint_url": "localhost:9000"}, "checkpoint.durable.endpoint_url: "
-         "'localhost:9000' is not an http(s) URL"),
-        ({"url": "/shared/x", "endpoint_url": "http://127.0.0.1:9000"}, "checkpoint.durable.endpoint_url: an "
-         "endpoint is for an s3:// tier"),
-        ({"url": "s3://bucket/x", "aws_secret_access_key": "k"}, "checkpoint.durable.aws_secret_access_key: "
-         "unknown key"),
+        (
+            {"url": "s3://bucket/x", "hold_while_saving_s": -1},
+            "checkpoint.durable.hold_while_saving_s: must be at least 0 seconds",
+        ),
+        (
+            {"url": "s3://bucket/x", "hold_while_saving_s": "30s"},
+            "checkpoint.durable.hold_while_saving_s: expected a number of seconds",
+        ),
+        (
+            {"url": "s3://bucket/x", "endpoint_url": "localhost:9000"},
+            "checkpoint.durable.endpoint_url: 'localhost:9000' is not an http(s) URL",
+        ),
+        (
+            {"url": "/shared/x", "endpoint_url": "http://127.0.0.1:9000"},
+            "checkpoint.durable.endpoint_url: an endpoint is for an s3:// tier",
+        ),
+        (
+            {"url": "s3://bucket/x", "aws_secret_access_key": "k"},
+            "checkpoint.durable.aws_secret_access_key: unknown key",
+        ),
         (["s3://bucket/x"], "checkpoint.durable: expected a location such as s3://BUCKET/PREFIX or a mapping"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_durable_tier_is_refused_naming_the_key(durable: object, message: str) -> None:
     with pytest.raises(ConfigError) as e:
         config(durable)

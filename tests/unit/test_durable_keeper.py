@@ -18,8 +18,11 @@ from tests.helpers import default_files, make_fake_checkpoint
 
 
 def config(tmp: Path, **durable: object) -> JobConfig:
-    raw = {"job": {"command": ["true"]}, "checkpoint": {"dir": str(tmp / "ckpt"),
-           "durable": {"url": str(tmp / "durable"), **durable}}, "anomaly": {"detection_window_steps": 0}}  # fmt: skip
+    raw = {
+        "job": {"command": ["true"]},
+        "checkpoint": {"dir": str(tmp / "ckpt"), "durable": {"url": str(tmp / "durable"), **durable}},
+        "anomaly": {"detection_window_steps": 0},
+    }
     return parse_config(raw, source="job.yaml", base_dir=tmp, hostname="n")
 
 
@@ -54,8 +57,9 @@ def test_the_picked_checkpoints_become_durable_and_retention_keeps_the_newest(tm
     with keeper.running():
         for batch in ((), (5, 10), (15, 20, 21)):  # each a scan: the first of an empty fast tier
             for step in batch:
-                make_fake_checkpoint(tmp_path / "ckpt", step, default_files(step),
-                                     kind="emergency" if step == 21 else "periodic")  # fmt: skip
+                make_fake_checkpoint(
+                    tmp_path / "ckpt", step, default_files(step), kind="emergency" if step == 21 else "periodic"
+                )
             scanner.scan()
             keeper.observe(scanner.view())
             idle = keeper.wait_idle(30, "the test", batch[-1]) if batch else True

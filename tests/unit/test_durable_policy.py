@@ -59,11 +59,26 @@ def test_durable_retention_keeps_the_newest_pins_and_a_rollbacks_history_but_not
 
 
 def settings() -> Settings:
-    return Settings(nproc_max=1, min_world_size=1, max_world_size=None, nnodes_max=1,
-                    heartbeat_mode=HeartbeatMode.AUTO, heartbeat_timeout_s=None, progress_timeout_s=None,
-                    startup_timeout_s=300, save_timeout_s=900, min_timeout_s=2, step_time_multiplier=3,
-                    max_restarts=10, window_s=3600, backoff_initial_s=1, backoff_max_s=60,
-                    max_attempts_without_progress=3, save_margin_s=5, anomaly=AnomalyConfig())  # fmt: skip
+    return Settings(
+        nproc_max=1,
+        min_world_size=1,
+        max_world_size=None,
+        nnodes_max=1,
+        heartbeat_mode=HeartbeatMode.AUTO,
+        heartbeat_timeout_s=None,
+        progress_timeout_s=None,
+        startup_timeout_s=300,
+        save_timeout_s=900,
+        min_timeout_s=2,
+        step_time_multiplier=3,
+        max_restarts=10,
+        window_s=3600,
+        backoff_initial_s=1,
+        backoff_max_s=60,
+        max_attempts_without_progress=3,
+        save_margin_s=5,
+        anomaly=AnomalyConfig(),
+    )
 
 
 def test_an_eviction_estimate_counts_the_upload_and_still_saves_when_only_the_save_fits() -> None:

@@ -15,9 +15,15 @@ from ftsup.store.errors import ManifestError
 
 @pytest.fixture()
 def tier(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> s3.S3Tier:
-    for name, value in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1",
-                        "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": str(tmp_path / "none"),
-                        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none")}.items():  # fmt: skip
+    env = {
+        "AWS_ACCESS_KEY_ID": "k",
+        "AWS_SECRET_ACCESS_KEY": "s",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+    }
+    for name, value in env.items():
         monkeypatch.setenv(name, value)
     options = durable.DurableOptions(endpoint_url="http://127.0.0.1:9")
     made = durable.open_tier("s3://bucket/runs/a", options)
@@ -42,18 +48,27 @@ def test_a_store_that_is_not_aws_gets_the_bucket_in_the_path(tier: s3.S3Tier) ->
 
 @pytest.mark.parametrize(
     ("endpoint", "aws"),
-    [("https://s3.amazonaws.com", True), ("https://s3.eu-west-1.amazonaws.com", True),
-     ("http://127.0.0.1:8333", False), ("https://minio.internal:9000", False), ("https://amazonaws.com.evil", False)],
-)  # fmt: skip
+    [
+        ("https://s3.amazonaws.com", True),
+        ("https://s3.eu-west-1.amazonaws.com", True),
+        ("http://127.0.0.1:8333", False),
+        ("https://minio.internal:9000", False),
+        ("https://amazonaws.com.evil", False),
+    ],
+)
 def test_which_endpoints_are_aws(endpoint: str, aws: bool) -> None:
     assert s3._is_aws(endpoint) == aws
 
 
 @pytest.mark.parametrize(
     ("answer", "size"),
-    [({"ContentRange": "bytes 0-9/1234"}, 1234), ({"ContentLength": 77}, 77),
-     ({"ContentRange": "bytes 0-9/*", "ContentLength": 10}, None), ({"ContentRange": "bytes 0-9/" + "9" * 30}, None)],
-)  # fmt: skip
+    [
+        ({"ContentRange": "bytes 0-9/1234"}, 1234),
+        ({"ContentLength": 77}, 77),
+        ({"ContentRange": "bytes 0-9/*", "ContentLength": 10}, None),
+        ({"ContentRange": "bytes 0-9/" + "9" * 30}, None),
+    ],
+)
 def test_the_whole_size_a_ranged_answer_gives(answer: dict[str, object], size: int | None) -> None:
     assert s3._total_size(answer) == size
 

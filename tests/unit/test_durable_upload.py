@@ -119,7 +119,9 @@ def test_any_exception_of_an_upload_drops_that_checkpoint_only(tmp_path: Path) -
         up.submit(good)
         became = up.wait_durable(4, timeout_s=30)
     assert (became, [(o.step, o.committed, o.error) for o in outcomes]) == (
-        True, [(3, False, "RuntimeError: a bug on a hostile answer"), (4, True, None)])  # fmt: skip
+        True,
+        [(3, False, "RuntimeError: a bug on a hostile answer"), (4, True, None)],
+    )
 
 
 def test_past_max_pending_the_oldest_waiting_checkpoint_is_dropped(tmp_path: Path) -> None:

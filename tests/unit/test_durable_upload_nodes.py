@@ -152,6 +152,9 @@ def test_a_step_the_leader_never_picks_is_dropped_quietly_once_two_newer_ones_ar
         up.submit(ckpts[2])
         wait_for(lambda: len(outcomes) == 3, 30, "step 1 was never given up")
         status = up.status()
-    assert sorted((o.step, o.committed, o.skipped) for o in outcomes) == [(1, False, True), (2, True, False),
-                                                                         (3, True, False)]  # fmt: skip
+    assert sorted((o.step, o.committed, o.skipped) for o in outcomes) == [
+        (1, False, True),
+        (2, True, False),
+        (3, True, False),
+    ]
     assert status.pending == () and (1, "node-b") not in fake.tries

@@ -19,8 +19,9 @@ def test_progress_is_drawn_on_a_terminal_at_most_every_interval_and_at_the_end()
     for done, t in ((1, 0.0), (2, 0.5), (3, 1.0), (4, 1.2)):
         now[0] = t
         show(done * 10**9, 4 * 10**9)
-    assert stream.getvalue() == ("\rexporting: 1.00 of 4.00 GB (25%)\rexporting: 3.00 of 4.00 GB (75%)"
-                                 "\rexporting: 4.00 of 4.00 GB (100%)\n")  # fmt: skip
+    assert stream.getvalue() == (
+        "\rexporting: 1.00 of 4.00 GB (25%)\rexporting: 3.00 of 4.00 GB (75%)\rexporting: 4.00 of 4.00 GB (100%)\n"
+    )
 
 
 def test_no_progress_is_drawn_where_stderr_is_not_a_terminal() -> None:

@@ -11,8 +11,14 @@ from ftsup.supervisor.policy import machine as P
 from ftsup.supervisor.telemetry import console
 from tests.settings import settings
 
-S = settings(nproc_max=2, startup_timeout_s=60, backoff_initial_s=1, max_restarts=5, window_s=1000,
-             max_attempts_without_progress=3)  # fmt: skip
+S = settings(
+    nproc_max=2,
+    startup_timeout_s=60,
+    backoff_initial_s=1,
+    max_restarts=5,
+    window_s=1000,
+    max_attempts_without_progress=3,
+)
 LOG = "/state/logs/attempt-0001.log"
 TRACEBACK = (
     "err 2",
@@ -54,9 +60,8 @@ def exited(*failed: P.RankFailure, output: tuple[str, ...] = ()) -> P.WorkersExi
 
 
 def test_a_death_by_signal_is_named_from_a_negative_exit_code() -> None:
-    assert [failures.signal_name(c) for c in (-9, -11, -15, 1, 0, None, -200)] == [
-        "SIGKILL", "SIGSEGV", "SIGTERM", None, None, None, None,
-    ]  # fmt: skip
+    named = [failures.signal_name(c) for c in (-9, -11, -15, 1, 0, None, -200)]
+    assert named == ["SIGKILL", "SIGSEGV", "SIGTERM", None, None, None, None]
 
 
 def test_the_tracebacks_last_line_is_found_under_lines_printed_after_it() -> None:

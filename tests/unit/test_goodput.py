@@ -26,8 +26,9 @@ from ftsup.supervisor.state.journal import Journal, JournalError, JournalRecord
 from ftsup.supervisor.telemetry.metrics import Metrics
 from tests.settings import settings
 
-S = settings(nproc_max=2, startup_timeout_s=60, save_timeout_s=100, min_timeout_s=2.0, backoff_initial_s=4,
-             backoff_max_s=8, max_restarts=5, window_s=1000, max_attempts_without_progress=3)  # fmt: skip
+TIMEOUTS = {"startup_timeout_s": 60, "save_timeout_s": 100, "min_timeout_s": 2.0}
+RESTARTS = {"backoff_initial_s": 4, "backoff_max_s": 8, "max_restarts": 5, "window_s": 1000}
+S = settings(nproc_max=2, **TIMEOUTS, **RESTARTS, max_attempts_without_progress=3)
 WALL0 = 1_700_000_000.0  # the Unix time at the fake clock's 0
 
 
@@ -379,17 +380,19 @@ def test_the_journal_keeps_the_accounting_and_gives_it_back(tmp_path):
 
 def test_a_journal_with_a_bad_accounting_is_refused_naming_the_field(tmp_path):
     path = tmp_path / "journal.json"
-    Journal(path).write(JournalRecord(run_id="r", node_id="n", supervisor_pid=1,
-                                      goodput=a_saved().to_json() | {"productive_s": -5}))  # fmt: skip
+    bad = a_saved().to_json() | {"productive_s": -5}
+    Journal(path).write(JournalRecord(run_id="r", node_id="n", supervisor_pid=1, goodput=bad))
     with pytest.raises(JournalError, match="'goodput': 'productive_s' must be a number of seconds"):
         Journal(path).read()
 
 
 def test_status_json_shows_productive_badput_wall_and_ratio(tmp_path, capsys):
     config = status_job(tmp_path)
-    Journal(tmp_path / "state" / "journal.json").write(JournalRecord(
-        run_id="r", node_id="n", supervisor_pid=1, status="succeeded", updated_unix=WALL0 + 100,
-        goodput=a_saved().to_json()))  # fmt: skip
+    saved = a_saved().to_json()
+    ended = JournalRecord(
+        run_id="r", node_id="n", supervisor_pid=1, status="succeeded", updated_unix=WALL0 + 100, goodput=saved
+    )
+    Journal(tmp_path / "state" / "journal.json").write(ended)
     assert main(["status", "--config", str(config), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)["goodput"]
     assert (got["productive_s"], got["wall_s"], got["ratio"]) == (90.0, 100.0, 0.9)
@@ -412,8 +415,11 @@ def test_the_exported_counters_follow_the_accounting_and_never_go_back():
 def status_job(tmp: Path) -> Path:
     (tmp / "state").mkdir(mode=0o700)
     config = tmp / "job.yaml"
-    cfg = {"job": {"command": ["true"], "state_dir": str(tmp / "state"), "run_id": "r"}, "launch": {"node_id": "n"},
-           "checkpoint": {"dir": str(tmp / "ckpt")}}  # fmt: skip
+    cfg = {
+        "job": {"command": ["true"], "state_dir": str(tmp / "state"), "run_id": "r"},
+        "launch": {"node_id": "n"},
+        "checkpoint": {"dir": str(tmp / "ckpt")},
+    }
     config.write_text(yaml.safe_dump(cfg))
     return config
 
@@ -441,8 +447,11 @@ def test_ranks_done_before_torchrun_exits_are_other_until_the_exit():
 
 
 def a_daemon(tmp: Path) -> Daemon:
-    cfg = {"job": {"command": [sys.executable, "-c", "pass"], "workdir": str(tmp), "state_dir": str(tmp / "state")},
-           "launch": {"nproc_per_node": 1}, "checkpoint": {"dir": str(tmp / "ckpt")}}  # fmt: skip
+    cfg = {
+        "job": {"command": [sys.executable, "-c", "pass"], "workdir": str(tmp), "state_dir": str(tmp / "state")},
+        "launch": {"nproc_per_node": 1},
+        "checkpoint": {"dir": str(tmp / "ckpt")},
+    }
     (tmp / "job.yaml").write_text(yaml.safe_dump(cfg))
     (tmp / "state").mkdir(mode=0o700, exist_ok=True)
     return Daemon(load_config(tmp / "job.yaml", hostname="node-a"))
@@ -462,8 +471,10 @@ def restore_structlog() -> Iterator[None]:
 
 def test_a_restarted_supervisor_exports_the_journaled_accounting_before_its_first_scrape(tmp_path, restore_structlog):
     d = a_daemon(tmp_path)
-    left = JournalRecord(run_id=d.cfg.job.run_id, node_id=d.cfg.launch.node_id, supervisor_pid=1,
-                         status="running", goodput=a_saved().to_json())  # fmt: skip
+    run_id, node_id = d.cfg.job.run_id, d.cfg.launch.node_id
+    left = JournalRecord(
+        run_id=run_id, node_id=node_id, supervisor_pid=1, status="running", goodput=a_saved().to_json()
+    )
     d.journal.file.write(left)
     with contextlib.ExitStack() as stack:
         d._start(stack)  # the metrics endpoint is up from here on

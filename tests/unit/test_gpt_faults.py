@@ -15,15 +15,21 @@ from ftsup.trainer.examples.faults import SPIKE_LOSS_SCALE, Fault, Poison, Trigg
 
 @pytest.mark.parametrize(
     ("spec", "fault"),
-    [("kill@7", Fault("kill", 7, 1)), ("nan@4", Fault("nan", 4, 1)), ("nan@4:0", Fault("nan", 4, 0)),
-     ("spike@5:3", Fault("spike", 5, -1, 3)), ("slow@1:2.5", Fault("slow", 1, 1, factor=2.5))],
-)  # fmt: skip
+    [
+        ("kill@7", Fault("kill", 7, 1)),
+        ("nan@4", Fault("nan", 4, 1)),
+        ("nan@4:0", Fault("nan", 4, 0)),
+        ("spike@5:3", Fault("spike", 5, -1, 3)),
+        ("slow@1:2.5", Fault("slow", 1, 1, factor=2.5)),
+    ],
+)
 def test_each_form_of_fault_parses_to_what_it_names(spec, fault):
     assert parse(spec, 1, attempt=1, fault_attempt=1) == fault
 
 
-@pytest.mark.parametrize("spec", ["nan", "nan@", "nan@x", "spike@5", "spike@5:0", "slow@1", "slow@1:0.5",
-                                  "slow@1:nan", "kill@3:1", "boom@3"])  # fmt: skip
+@pytest.mark.parametrize(
+    "spec", ["nan", "nan@", "nan@x", "spike@5", "spike@5:0", "slow@1", "slow@1:0.5", "slow@1:nan", "kill@3:1", "boom@3"]
+)
 def test_a_fault_of_no_form_is_refused_naming_the_forms(spec):
     with pytest.raises(SystemExit, match="nan@STEP"):
         parse(spec, 0, attempt=1, fault_attempt=1)
@@ -37,8 +43,11 @@ def test_a_process_fault_is_in_its_attempt_only_and_a_data_fault_in_every_one():
 def test_a_nan_fault_poisons_the_positions_of_its_step_on_its_rank_only():
     fault = parse("nan@2:1", 0, attempt=1, fault_attempt=1)
     loss = torch.tensor(1.5)
-    hits = [(rank, math.isnan(float(Poison(fault, 12, 0, rank).loss(positions, loss))))
-            for rank in (0, 1) for positions in ((11, 12), (23, 24))]  # fmt: skip
+    hits = [
+        (rank, math.isnan(float(Poison(fault, 12, 0, rank).loss(positions, loss))))
+        for rank in (0, 1)
+        for positions in ((11, 12), (23, 24))
+    ]
     assert hits == [(0, False), (0, False), (1, True), (1, True)]
 
 
@@ -76,8 +85,16 @@ def test_a_kill_in_commit_is_armed_for_its_point_only(tmp_path):
     assert armed == ["", False, True]
 
 
-@pytest.mark.parametrize("content", [b"{not json", b"[1]", b'{"pid": "me", "kind": "exit"}', b" " * 5000,
-                                     b'{"kind": "kill-in-commit", "point": "anywhere"}'])  # fmt: skip
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"{not json",
+        b"[1]",
+        b'{"pid": "me", "kind": "exit"}',
+        b" " * 5000,
+        b'{"kind": "kill-in-commit", "point": "anywhere"}',
+    ],
+)
 def test_a_fault_file_of_no_schema_is_ignored(tmp_path, content):
     path = tmp_path / "fault.json"
     if content.startswith(b'{"kind"'):  # this pid, asking for a point that does not exist

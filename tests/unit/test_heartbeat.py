@@ -103,9 +103,12 @@ def test_drops_feed_the_counter_and_are_logged_at_most_once_per_interval(tmp_pat
             logged.append(r.drops_to_log(now, every_s=10.0))
     assert (registry.get_sample_value("ftsup_heartbeats_dropped_total", {"reason": "malformed"}), logged) == (
         3.0,
-        [{"dropped": {"malformed": 1}, "reason": "1 malformed"}, None,
-         {"dropped": {"malformed": 2}, "reason": "2 malformed"}],
-    )  # fmt: skip
+        [
+            {"dropped": {"malformed": 1}, "reason": "1 malformed"},
+            None,
+            {"dropped": {"malformed": 2}, "reason": "2 malformed"},
+        ],
+    )
 
 
 # ---------------------------------------------------------------------- admission
@@ -122,8 +125,11 @@ def test_admission_takes_descendants_of_the_attempt_and_no_one_else():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         admission = Admission()
-        got = (admission.admits(attempt, child.pid), admission.admits(attempt, os.getppid()),
-               Admission().admits(None, child.pid))  # fmt: skip
+        got = (
+            admission.admits(attempt, child.pid),
+            admission.admits(attempt, os.getppid()),
+            Admission().admits(None, child.pid),
+        )
     finally:
         kill_tree(child.pid)
         child.wait()

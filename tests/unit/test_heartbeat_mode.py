@@ -18,8 +18,15 @@ STARTUP_S = 60.0
 
 
 def mode(name: str, **overrides: object) -> P.Settings:
-    return settings(nproc_max=2, heartbeat_mode=HeartbeatMode(name), startup_timeout_s=STARTUP_S,
-                    backoff_initial_s=1, backoff_max_s=1, max_attempts_without_progress=3, **overrides)  # fmt: skip
+    return settings(
+        nproc_max=2,
+        heartbeat_mode=HeartbeatMode(name),
+        startup_timeout_s=STARTUP_S,
+        backoff_initial_s=1,
+        backoff_max_s=1,
+        max_attempts_without_progress=3,
+        **overrides,
+    )
 
 
 class Driver:

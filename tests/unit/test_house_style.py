@@ -56,8 +56,12 @@ def test_mypy_finds_no_type_errors(tmp_path: Path) -> None:
     search = os.pathsep.join([str(tree), str(REPO)])  # `tests` is found in the repository itself
     done = subprocess.run(
         [sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "mypy-cache"), "-p", "ftsup", "-p", "tests"],
-        cwd=REPO, env=dict(os.environ, MYPYPATH=search), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        env=dict(os.environ, MYPYPATH=search),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 

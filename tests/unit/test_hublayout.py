@@ -19,17 +19,28 @@ def test_a_decimal_size_is_what_huggingface_hub_reads(text: str) -> None:
     assert hublayout.parse_size(text) == parse_size_to_int(text)
 
 
-@pytest.mark.parametrize(("text", "size"), [("2GiB", 2 << 30), ("1MiB", 1 << 20), ("3kib", 3 << 10),
-                                            ("5000000000", 5 * 10**9), ("1TiB", 1 << 40)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("2GiB", 2 << 30), ("1MiB", 1 << 20), ("3kib", 3 << 10), ("5000000000", 5 * 10**9), ("1TiB", 1 << 40)],
+)
 def test_binary_units_and_plain_bytes_are_what_transformers_reads(text: str, size: int) -> None:
     assert hublayout.parse_size(text) == size
 
 
 @pytest.mark.parametrize(
     ("text", "says"),
-    [("5Gb", "ambiguous"), ("5gb", "ambiguous"), ("7B", "units: KB"), ("5 GBs", "units: KB"), ("1.5", "an integer"),
-     ("GB", "not a size"), ("-5GB", "not a size"), ("0GB", "at least 1 byte"), ("0.0000001KB", "at least 1 byte")],
-)  # fmt: skip
+    [
+        ("5Gb", "ambiguous"),
+        ("5gb", "ambiguous"),
+        ("7B", "units: KB"),
+        ("5 GBs", "units: KB"),
+        ("1.5", "an integer"),
+        ("GB", "not a size"),
+        ("-5GB", "not a size"),
+        ("0GB", "at least 1 byte"),
+        ("0.0000001KB", "at least 1 byte"),
+    ],
+)
 def test_a_size_the_hubs_tools_would_read_otherwise_or_not_at_all_is_refused(text: str, says: str) -> None:
     with pytest.raises(ValueError, match=says):
         hublayout.parse_size(text)
@@ -56,8 +67,11 @@ def test_the_shard_split_and_names_are_huggingface_hubs(seed: int) -> None:
 
 def test_the_index_is_what_save_torch_state_dict_writes() -> None:
     got = json.loads(hublayout.index_bytes({"b": "model-00001-of-00002.safetensors", "a": "x"}, 12))
-    assert (list(got), list(got["weight_map"]), got["metadata"]) == (["metadata", "weight_map"], ["b", "a"],
-                                                                     {"total_size": 12})  # fmt: skip
+    assert (list(got), list(got["weight_map"]), got["metadata"]) == (
+        ["metadata", "weight_map"],
+        ["b", "a"],
+        {"total_size": 12},
+    )
 
 
 # --------------------------------------------------------------------------- reading a directory
@@ -73,8 +87,14 @@ def sharded(root: Path) -> Path:
     root.mkdir()
     write_st(root / "model-00001-of-00002.safetensors", {"a": ("F32", [2, 3]), "b": ("BF16", [4])})
     write_st(root / "model-00002-of-00002.safetensors", {"c": ("I64", [1])})
-    index = {"metadata": {"total_size": 40}, "weight_map": {"a": "model-00001-of-00002.safetensors",
-             "b": "model-00001-of-00002.safetensors", "c": "model-00002-of-00002.safetensors"}}  # fmt: skip
+    index = {
+        "metadata": {"total_size": 40},
+        "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00001-of-00002.safetensors",
+            "c": "model-00002-of-00002.safetensors",
+        },
+    }
     (root / hublayout.INDEX_NAME).write_text(json.dumps(index))
     return root
 
@@ -83,11 +103,13 @@ def test_a_sharded_directory_reads_as_its_index_and_headers(tmp_path: Path) -> N
     model = hublayout.read(sharded(tmp_path / "m"))
     got = {n: (e.dtype, e.shape, e.nbytes, model.weight_map[n]) for n, e in model.tensors.items()}
     assert (got, model.index) == (
-        {"a": ("F32", (2, 3), 24, "model-00001-of-00002.safetensors"),
-         "b": ("BF16", (4,), 8, "model-00001-of-00002.safetensors"),
-         "c": ("I64", (1,), 8, "model-00002-of-00002.safetensors")},
+        {
+            "a": ("F32", (2, 3), 24, "model-00001-of-00002.safetensors"),
+            "b": ("BF16", (4,), 8, "model-00001-of-00002.safetensors"),
+            "c": ("I64", (1,), 8, "model-00002-of-00002.safetensors"),
+        },
         {"total_size": 40},
-    )  # fmt: skip
+    )
 
 
 def test_a_single_file_directory_is_its_one_header(tmp_path: Path) -> None:
@@ -106,8 +128,9 @@ def read_error(root: Path) -> str:
 def test_an_index_naming_a_missing_shard_names_the_index_the_file_and_a_tensor(tmp_path: Path) -> None:
     root = sharded(tmp_path / "m")
     (root / "model-00002-of-00002.safetensors").unlink()
-    assert read_error(root) == (f"{root / hublayout.INDEX_NAME}: names model-00002-of-00002.safetensors "
-                                "(for tensor 'c'), which is missing")  # fmt: skip
+    assert read_error(root) == (
+        f"{root / hublayout.INDEX_NAME}: names model-00002-of-00002.safetensors (for tensor 'c'), which is missing"
+    )
 
 
 def test_an_index_putting_a_tensor_in_a_shard_without_it_is_refused(tmp_path: Path) -> None:

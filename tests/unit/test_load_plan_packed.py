@@ -85,7 +85,7 @@ def test_a_packed_chunk_naming_a_file_outside_the_manifest_is_corrupt(tmp_path: 
         (lambda t, s: s.__setitem__("file", "../x"), r"storage\[0\]\.file"),
         (lambda t, s: s.__setitem__("crc_file", "no-such.crc32"), r"storage\[0\]\.crc_file 'no-such.crc32' is not a"),
     ],
-)  # fmt: skip
+)
 def test_the_metadata_check_names_what_is_wrong_in_a_chunk(tmp_path: Path, edit: Any, message: str) -> None:
     _, path = _saved(tmp_path, 4, 2)
     manifest = layout.read_manifest(path)

@@ -31,8 +31,15 @@ from ftsup.supervisor.telemetry.logs import EVENTS
 from tests.helpers import default_files, make_fake_checkpoint
 from tests.settings import settings
 
-S = settings(nproc_max=2, startup_timeout_s=60, backoff_initial_s=1, backoff_max_s=8, max_restarts=5,
-             window_s=1000, max_attempts_without_progress=3)  # fmt: skip
+S = settings(
+    nproc_max=2,
+    startup_timeout_s=60,
+    backoff_initial_s=1,
+    backoff_max_s=8,
+    max_restarts=5,
+    window_s=1000,
+    max_attempts_without_progress=3,
+)
 
 
 class Drive:
@@ -186,8 +193,11 @@ SCENARIOS: dict[str, tuple[Callable[[Drive], None], P.Settings]] = {
 
 
 def _daemon(tmp: Path, **sections: dict[str, Any]) -> Daemon:
-    cfg: dict[str, Any] = {"job": {"command": ["true"], "state_dir": str(tmp / "state")},
-                           "checkpoint": {"dir": str(tmp / "ckpt")}, "launch": {"nproc_per_node": 2}}  # fmt: skip
+    cfg: dict[str, Any] = {
+        "job": {"command": ["true"], "state_dir": str(tmp / "state")},
+        "checkpoint": {"dir": str(tmp / "ckpt")},
+        "launch": {"nproc_per_node": 2},
+    }
     for name, values in sections.items():
         cfg.setdefault(name, {}).update(values)
     (tmp / "job.yaml").write_text(yaml.safe_dump(cfg))
@@ -195,8 +205,11 @@ def _daemon(tmp: Path, **sections: dict[str, Any]) -> Daemon:
 
 
 def _daemons_own_events(tmp: Path) -> None:
-    daemon = _daemon(tmp, launch={"health_command": [sys.executable, "-c", "exit(1)"]},
-                     eviction={"requeue_command": [sys.executable, "-c", "exit(3)"]})  # fmt: skip
+    daemon = _daemon(
+        tmp,
+        launch={"health_command": [sys.executable, "-c", "exit(1)"]},
+        eviction={"requeue_command": [sys.executable, "-c", "exit(3)"]},
+    )
     daemon.sources.report(Blind("gcp", "connection refused"))
     daemon.sources.report(Seeing("gcp"))
     make_fake_checkpoint(tmp / "ckpt", 4, default_files(1))
@@ -243,15 +256,41 @@ def test_the_capture_sees_every_decision_of_the_policy_and_the_daemons_handlers(
     # Without this, the two tests above would pass on a capture that saw nothing.
     seen = {e["event"] for e in captured["policy"] + captured["daemon"]}
     expected = {
-        "world_size_chosen", "workers_launched", "workers_restarted", "job_succeeded", "worker_exited",
-        "restart_scheduled", "crash_loop_detected", "heartbeat_timed_out", "startup_timed_out",
-        "progress_timed_out", "restart_budget_exhausted", "eviction_noticed", "save_requested",
-        "checkpoint_committed", "save_skipped", "stop_requested", "job_stopped", "job_failed",
-        "watcher_went_blind", "watcher_recovered", "health_probe_failed", "health_probed",
-        "checkpoint_quarantined", "checkpoint_chosen", "requeue_requested", "requeue_failed",
-        "anomaly_detected", "rollback_started", "data_skipped", "anomaly_escalated", "rollback_requested",
-        "straggler_detected", "checkpoint_abandoned", "rollback_request_ignored",
-    }  # fmt: skip
+        "world_size_chosen",
+        "workers_launched",
+        "workers_restarted",
+        "job_succeeded",
+        "worker_exited",
+        "restart_scheduled",
+        "crash_loop_detected",
+        "heartbeat_timed_out",
+        "startup_timed_out",
+        "progress_timed_out",
+        "restart_budget_exhausted",
+        "eviction_noticed",
+        "save_requested",
+        "checkpoint_committed",
+        "save_skipped",
+        "stop_requested",
+        "job_stopped",
+        "job_failed",
+        "watcher_went_blind",
+        "watcher_recovered",
+        "health_probe_failed",
+        "health_probed",
+        "checkpoint_quarantined",
+        "checkpoint_chosen",
+        "requeue_requested",
+        "requeue_failed",
+        "anomaly_detected",
+        "rollback_started",
+        "data_skipped",
+        "anomaly_escalated",
+        "rollback_requested",
+        "straggler_detected",
+        "checkpoint_abandoned",
+        "rollback_request_ignored",
+    }
     assert expected - seen == set()
 
 

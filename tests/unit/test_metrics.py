@@ -22,8 +22,15 @@ from ftsup.supervisor.run.daemon import Daemon
 from ftsup.supervisor.telemetry.metrics import FAILURE_KINDS, Metrics, MetricsServer
 from tests.settings import settings
 
-S = settings(nproc_max=2, startup_timeout_s=60, backoff_initial_s=1, backoff_max_s=8, max_restarts=5,
-             window_s=1000, max_attempts_without_progress=3)  # fmt: skip
+S = settings(
+    nproc_max=2,
+    startup_timeout_s=60,
+    backoff_initial_s=1,
+    backoff_max_s=8,
+    max_restarts=5,
+    window_s=1000,
+    max_attempts_without_progress=3,
+)
 WALL = 1_800_000_000.0  # the Unix time at fake-clock 0
 
 

@@ -220,13 +220,19 @@ def test_close_ends_the_servers_thread_and_frees_its_port():
 
 
 def _listening(pid: int) -> set[tuple[str, int]]:
-    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections(kind="inet")
-            if c.status == psutil.CONN_LISTEN}  # fmt: skip
+    return {
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process(pid).net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    }
 
 
 def test_no_metrics_listen_opens_no_socket(tmp_path):
-    cfg = {"job": {"command": ["true"], "state_dir": str(tmp_path / "state")}, "checkpoint": {"dir": str(tmp_path)},
-           "metrics": {"listen": None}}  # fmt: skip
+    cfg = {
+        "job": {"command": ["true"], "state_dir": str(tmp_path / "state")},
+        "checkpoint": {"dir": str(tmp_path)},
+        "metrics": {"listen": None},
+    }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
     before = _listening(os.getpid())
     daemon = Daemon(load_config(tmp_path / "job.yaml"))

@@ -26,8 +26,9 @@ NODES = {"node-a": (0,), "node-b": (1,)}
 
 def manifest(node_map: Any = NODES) -> layout.Manifest:
     entries = {rel: layout.FileEntry(len(d), checksums.checksum_bytes(d)) for rel, d in FILES.items()}
-    return layout.Manifest(step=7, world_size=2, kind="periodic", created_unix=1.7e9, files=entries, tensor_bytes=150,
-                           nodes=node_map)  # fmt: skip
+    return layout.Manifest(
+        step=7, world_size=2, kind="periodic", created_unix=1.7e9, files=entries, tensor_bytes=150, nodes=node_map
+    )
 
 
 def raw(obj: dict[str, Any]) -> bytes:
@@ -84,8 +85,11 @@ def test_a_hostile_node_field_is_refused_naming_nodes(bad: Any) -> None:
 def test_each_node_holds_its_ranks_files_and_the_files_of_every_node() -> None:
     m = manifest()
     assert nodes.held_by(m.files, NODES, "node-b") == [
-        "dcp_metadata.json", "rank-00001.json", "shard-00001.crc32", "shard-00001.safetensors",
-    ]  # fmt: skip
+        "dcp_metadata.json",
+        "rank-00001.json",
+        "shard-00001.crc32",
+        "shard-00001.safetensors",
+    ]
     assert "dcp_metadata.json" in nodes.sent_by(m.files, NODES, "node-a")
     assert "dcp_metadata.json" not in nodes.sent_by(m.files, NODES, "node-b")
 

@@ -9,8 +9,17 @@ from ftsup.supervisor.policy import machine as P
 from ftsup.supervisor.telemetry.logs import EVENTS
 from tests.settings import settings
 
-S = settings(nproc_max=2, startup_timeout_s=60, save_timeout_s=100, min_timeout_s=2.0, backoff_initial_s=1,
-             backoff_max_s=8, max_restarts=5, window_s=1000, max_attempts_without_progress=3)  # fmt: skip
+S = settings(
+    nproc_max=2,
+    startup_timeout_s=60,
+    save_timeout_s=100,
+    min_timeout_s=2.0,
+    backoff_initial_s=1,
+    backoff_max_s=8,
+    max_restarts=5,
+    window_s=1000,
+    max_attempts_without_progress=3,
+)
 
 
 class Driver:

@@ -34,8 +34,8 @@ class Health(Driver):
             self.now += 0.5
             for r in range(2):
                 fig = {"loss": loss, "samples": s * G + offset, "step_s": 0.5, **figures}
-                self.feed(P.Heartbeat(att.number, r, s, Phase.TRAIN, rank=r, figures=tuple(sorted(fig.items())),
-                                      sent=self.now))  # fmt: skip
+                figs = tuple(sorted(fig.items()))
+                self.feed(P.Heartbeat(att.number, r, s, Phase.TRAIN, rank=r, figures=figs, sent=self.now))
 
     def relaunch(self, resume: int | None, samples: int | None = None) -> P.Launch:
         """The stopped attempt exits; the prepared launch resumes from `resume`."""
@@ -68,8 +68,12 @@ def test_a_nan_loss_stops_the_attempt_on_its_step():
     d.launch()
     nan_at(d, 31)
     assert ([a.reason for a in d.actions if isinstance(a, P.StopWorkers)], d.st.phase) == (
-        ["nonfinite at step 31 on rank 0: loss not finite; rolling back to step 30 or before, skipping data "
-         "positions [360, 372)"], "stopping")  # fmt: skip
+        [
+            "nonfinite at step 31 on rank 0: loss not finite; rolling back to step 30 or before, skipping data "
+            "positions [360, 372)"
+        ],
+        "stopping",
+    )
 
 
 def test_a_nan_rolls_back_to_a_checkpoint_before_its_step_with_a_skip_of_its_batch():
@@ -126,8 +130,11 @@ def test_a_rollback_logs_the_anomaly_the_rollback_and_the_skip():
     d = Health(S)
     d.launch()
     nan_at(d, 31)
-    told = (d.logged("anomaly_detected")[0]["kind"], d.logged("rollback_started")[0]["to_step"],
-            d.logged("data_skipped")[0]["samples"])  # fmt: skip
+    told = (
+        d.logged("anomaly_detected")[0]["kind"],
+        d.logged("rollback_started")[0]["to_step"],
+        d.logged("data_skipped")[0]["samples"],
+    )
     assert told == ("nonfinite", 30, 12)
 
 

@@ -138,8 +138,8 @@ def test_a_guarded_command_dies_with_the_process_that_started_it(started):
 def test_a_guarded_command_ignores_the_signals_it_was_asked_to(started):
     middle, child = guarded_sleeper_under(started)
     wait_for(lambda: cmdline(child) == ["sleep", "60"], 10, "the guard did not exec the command")
-    ignored = int(next(x for x in Path(f"/proc/{child}/status").read_text().splitlines() if x.startswith("SigIgn:"))
-                  .split()[1], 16)  # fmt: skip
+    status = Path(f"/proc/{child}/status").read_text().splitlines()
+    ignored = int(next(x for x in status if x.startswith("SigIgn:")).split()[1], 16)
     assert ignored & (1 << (signal.SIGUSR1 - 1))
 
 

@@ -40,8 +40,17 @@ from ftsup.protocol import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-BASE = {"v": BEAT_VERSION, "attempt": 1, "rank": 0, "local_rank": 0, "pid": 4242, "step": 7, "phase": "train",
-        "t": 1_700_000_000.5, "mono": 12.25}  # fmt: skip
+BASE = {
+    "v": BEAT_VERSION,
+    "attempt": 1,
+    "rank": 0,
+    "local_rank": 0,
+    "pid": 4242,
+    "step": 7,
+    "phase": "train",
+    "t": 1_700_000_000.5,
+    "mono": 12.25,
+}
 
 
 def raw(**fields: object) -> bytes:
@@ -59,8 +68,17 @@ def reason_of(message: bytes) -> str:
 
 
 def test_an_encoded_beat_parses_back_to_its_fields():
-    message = encode_beat(attempt=3, rank=5, local_rank=1, pid=99, step=12, phase=Phase.SAVE, t=1.5, mono=2.5,
-                          figures={"loss": 2.25, "saved_step": 12})  # fmt: skip
+    message = encode_beat(
+        attempt=3,
+        rank=5,
+        local_rank=1,
+        pid=99,
+        step=12,
+        phase=Phase.SAVE,
+        t=1.5,
+        mono=2.5,
+        figures={"loss": 2.25, "saved_step": 12},
+    )
     assert parse_beat(message) == Beat(3, 5, 1, 99, 12, Phase.SAVE, 1.5, 2.5, (("loss", 2.25), ("saved_step", 12.0)))
 
 
@@ -95,19 +113,37 @@ def test_a_boolean_is_not_an_integer():
     assert reason_of(raw(step=True)) == "malformed"
 
 
-@pytest.mark.parametrize(("field", "value"), [("pid", 0), ("pid", 2**22 + 1), ("step", -1), ("step", 10**13),
-                                              ("local_rank", 2**16 + 1), ("attempt", -3), ("mono", -1.0)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("pid", 0),
+        ("pid", 2**22 + 1),
+        ("step", -1),
+        ("step", 10**13),
+        ("local_rank", 2**16 + 1),
+        ("attempt", -3),
+        ("mono", -1.0),
+    ],
+)
 def test_integers_and_times_out_of_range_are_malformed(field, value):
     assert reason_of(raw(**{field: value})) == "malformed"
 
 
 def test_a_figure_that_was_not_finite_at_the_rank_arrives_as_nan():
-    (name, value), = parse_beat(raw(loss=None)).figures  # fmt: skip
+    ((name, value),) = parse_beat(raw(loss=None)).figures
     assert (name, value != value) == ("loss", True)
 
 
-@pytest.mark.parametrize("figures", [{"bad-name": 1.0}, {"x" * 65: 1.0}, {"loss": "high"}, {"loss": 1e999},
-                                     {f"f{i}": 1.0 for i in range(MAX_FIGURES + 1)}])  # fmt: skip
+@pytest.mark.parametrize(
+    "figures",
+    [
+        {"bad-name": 1.0},
+        {"x" * 65: 1.0},
+        {"loss": "high"},
+        {"loss": 1e999},
+        {f"f{i}": 1.0 for i in range(MAX_FIGURES + 1)},
+    ],
+)
 def test_figures_outside_the_schema_make_the_beat_malformed(figures):
     text = json.dumps({**BASE, **figures}).replace("Infinity", "1e999").encode()
     assert reason_of(text) == "malformed"
@@ -118,13 +154,38 @@ def test_a_key_given_twice_is_malformed():
 
 
 HOSTILE = [
-    b"", b"\x00" * 100, b"\xff\xfe{", b"null", b"[]", b"{}", b'"beat"', b"1e999", b"{" * 5000, b"[" * 60_000,
-    b'{"v": 2}', b'{"v": "2"}', b'{"v": 2.0}', b'{"v": NaN}', b'{"v": 2, "step": -Infinity}',
-    raw().replace(b'"t": 1700000000.5', b'"t": NaN'), raw().replace(b"12.25", b"1" + b"0" * 400),
-    raw(pid="4242"), raw(phase=None), raw(rank=[0]), raw(local_rank={"a": 1}), raw(attempt=2**31),
-    raw(loss={"nested": 1}), raw(**{"": 1.0}), raw(**{"ü": 1.0}), raw()[:-1], raw() + b"}", raw() + b" trailing",
-    raw().replace(b"train", b"tr\\u0000in"), raw().replace(b"train", b"\\ud800"), b'{"v": 2' + b", " * 2000 + b"}",
-]  # fmt: skip
+    b"",
+    b"\x00" * 100,
+    b"\xff\xfe{",
+    b"null",
+    b"[]",
+    b"{}",
+    b'"beat"',
+    b"1e999",
+    b"{" * 5000,
+    b"[" * 60_000,
+    b'{"v": 2}',
+    b'{"v": "2"}',
+    b'{"v": 2.0}',
+    b'{"v": NaN}',
+    b'{"v": 2, "step": -Infinity}',
+    raw().replace(b'"t": 1700000000.5', b'"t": NaN'),
+    raw().replace(b"12.25", b"1" + b"0" * 400),
+    raw(pid="4242"),
+    raw(phase=None),
+    raw(rank=[0]),
+    raw(local_rank={"a": 1}),
+    raw(attempt=2**31),
+    raw(loss={"nested": 1}),
+    raw(**{"": 1.0}),
+    raw(**{"ü": 1.0}),
+    raw()[:-1],
+    raw() + b"}",
+    raw() + b" trailing",
+    raw().replace(b"train", b"tr\\u0000in"),
+    raw().replace(b"train", b"\\ud800"),
+    b'{"v": 2' + b", " * 2000 + b"}",
+]
 
 
 def test_every_hostile_payload_and_thousands_of_mutations_give_badbeat_and_nothing_else():
@@ -158,9 +219,8 @@ def test_every_hostile_payload_and_thousands_of_mutations_give_badbeat_and_nothi
 
 
 def test_a_phase_is_its_wire_name_in_text_and_in_comparisons():
-    assert (str(Phase.EVAL), f"{Phase.SAVE}", Phase.TRAIN == "train", "done" in {Phase.DONE}) == (
-        "eval", "save", True, True,
-    )  # fmt: skip
+    shown = (str(Phase.EVAL), f"{Phase.SAVE}", Phase.TRAIN == "train", "done" in {Phase.DONE})
+    assert shown == ("eval", "save", True, True)
 
 
 # ---------------------------------------------------------------------- the control file
@@ -185,9 +245,19 @@ def test_a_control_file_of_another_version_is_refused(version):
 
 @pytest.mark.parametrize(
     "change",
-    [{"action": "delete"}, {"seq": -1}, {"seq": True}, {"seq": "5"}, {"seq": 10**30}, {"stop": "yes"},
-     {"reason": 5}, {"reason": "x" * (MAX_REASON_CHARS + 1)}, {"deadline_unix": "soon"}, {"deadline_unix": -1}],
-)  # fmt: skip
+    [
+        {"action": "delete"},
+        {"seq": -1},
+        {"seq": True},
+        {"seq": "5"},
+        {"seq": 10**30},
+        {"stop": "yes"},
+        {"reason": 5},
+        {"reason": "x" * (MAX_REASON_CHARS + 1)},
+        {"deadline_unix": "soon"},
+        {"deadline_unix": -1},
+    ],
+)
 def test_a_control_file_outside_the_schema_is_not_a_request(change):
     body = {**json.loads(encode_control(Request(3))), **change}
     with pytest.raises(ValueError) as e:
@@ -195,8 +265,19 @@ def test_a_control_file_outside_the_schema_is_not_a_request(change):
     assert not isinstance(e.value, ControlVersionError)
 
 
-@pytest.mark.parametrize("text", [b"", b"[]", b"null", b'{"v": 1, "seq": NaN}', b"\xff", b"{" * 10_000, b"[" * 8000,
-                                  b'{"v": 1, "seq": 1, "action": "save", "deadline_unix": Infinity}'])  # fmt: skip
+@pytest.mark.parametrize(
+    "text",
+    [
+        b"",
+        b"[]",
+        b"null",
+        b'{"v": 1, "seq": NaN}',
+        b"\xff",
+        b"{" * 10_000,
+        b"[" * 8000,
+        b'{"v": 1, "seq": 1, "action": "save", "deadline_unix": Infinity}',
+    ],
+)
 def test_garbage_in_the_control_file_is_not_a_request(text):
     with pytest.raises(ValueError):
         parse_control(text)
@@ -216,12 +297,24 @@ def test_the_longest_reason_is_cut_and_still_fits_the_cap():
 
 
 def test_the_channel_the_supervisor_exports_is_what_a_rank_reads():
-    env = channel_env(heartbeat_socket="/run/ftsup/j/heartbeat.sock", interval_s=0.25,
-                      control_file="/run/ftsup/j/control.json", checkpoint_dir="/ckpt", resume_step=1200)  # fmt: skip
+    env = channel_env(
+        heartbeat_socket="/run/ftsup/j/heartbeat.sock",
+        interval_s=0.25,
+        control_file="/run/ftsup/j/control.json",
+        checkpoint_dir="/ckpt",
+        resume_step=1200,
+    )
     got = RuntimeEnv.from_environ({**env, **procs.Mark("run-1", "node-0", 3).environ()})
-    assert got == RuntimeEnv(heartbeat_socket="/run/ftsup/j/heartbeat.sock", heartbeat_interval_s=0.25,
-                             control_file="/run/ftsup/j/control.json", checkpoint_dir="/ckpt", resume_step=1200,
-                             attempt=3, run_id="run-1", node_id="node-0")  # fmt: skip
+    assert got == RuntimeEnv(
+        heartbeat_socket="/run/ftsup/j/heartbeat.sock",
+        heartbeat_interval_s=0.25,
+        control_file="/run/ftsup/j/control.json",
+        checkpoint_dir="/ckpt",
+        resume_step=1200,
+        attempt=3,
+        run_id="run-1",
+        node_id="node-0",
+    )
 
 
 def test_no_resume_step_travels_as_empty_and_reads_as_none():
@@ -243,9 +336,26 @@ def test_no_data_skips_read_as_none():
 
 @pytest.mark.parametrize(
     "value",
-    ["3", "3:", ":3", "3:3", "5:3", "-1:3", "1:3,", "1:3,,4:5", "1 :3", "1:3;4:5", "4:6,1:3", "1:5,4:6", "0x1:3",
-     "\u0661:\u0663", "1:" + str(2**53 + 1), "1:" + "9" * 17, ",".join(f"{2 * i}:{2 * i + 1}" for i in range(65))],
-)  # fmt: skip
+    [
+        "3",
+        "3:",
+        ":3",
+        "3:3",
+        "5:3",
+        "-1:3",
+        "1:3,",
+        "1:3,,4:5",
+        "1 :3",
+        "1:3;4:5",
+        "4:6,1:3",
+        "1:5,4:6",
+        "0x1:3",
+        "\u0661:\u0663",
+        "1:" + str(2**53 + 1),
+        "1:" + "9" * 17,
+        ",".join(f"{2 * i}:{2 * i + 1}" for i in range(65)),
+    ],
+)
 def test_data_skips_that_are_not_sorted_ranges_of_positions_are_refused_naming_the_variable(value):
     with pytest.raises(ValueError, match=f"environment variable {DATA_SKIPS_ENV}"):
         RuntimeEnv.from_environ({DATA_SKIPS_ENV: value})
@@ -263,8 +373,11 @@ def test_data_skips_read_from_json_are_checked_as_strictly(value):
 
 
 def _string_constants(path: Path) -> list[str]:
-    return [n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant)
-            and isinstance(n.value, str)]  # fmt: skip
+    return [
+        n.value
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    ]
 
 
 def test_every_ftsup_variable_is_named_in_the_protocol_and_nowhere_else_in_the_product():

@@ -42,8 +42,9 @@ def test_torchrun_report_gives_each_failed_rank_its_exit_code_and_marks_the_firs
     log.write_text(RANK_LINES + torchs_report((1, 1, 4242, -9), (0, 0, 4241, -15)))
     found, _ = ranklogs.torchrun_report(log)
     assert sorted((f.rank, f.local_rank, f.pid, f.exitcode, f.root) for f in found) == [
-        (0, 0, 4241, -15, False), (1, 1, 4242, -9, True),
-    ]  # fmt: skip
+        (0, 0, 4241, -15, False),
+        (1, 1, 4242, -9, True),
+    ]
 
 
 @pytest.mark.parametrize("how", ["[rank0]: ", "[rank0]: progress 99%\r"])
@@ -59,8 +60,11 @@ def test_a_ranks_last_lines_come_from_its_stderr(tmp_path: Path) -> None:
     d = rank_dir(tmp_path / "attempt-0001", 1)
     (d / "stdout.log").write_text("out 0\n")
     (d / "stderr.log").write_text("err 0\nTraceback (most recent call last):\nValueError: boom\n")
-    assert ranklogs.rank_output(tmp_path / "attempt-0001", 1) == ["err 0", "Traceback (most recent call last):",
-                                                                  "ValueError: boom"]  # fmt: skip
+    assert ranklogs.rank_output(tmp_path / "attempt-0001", 1) == [
+        "err 0",
+        "Traceback (most recent call last):",
+        "ValueError: boom",
+    ]
 
 
 def test_the_newest_of_torchruns_attempts_is_read(tmp_path: Path) -> None:

@@ -295,8 +295,9 @@ def test_a_bad_history_is_refused_naming_the_field(value: Any) -> None:
 
 def test_the_environment_sets_a_floor_under_the_history() -> None:
     env = {KEEP_OLDER_THAN_STEPS_ENV: "50"}
-    got = [retention.RetentionPolicy(keep_older_than_steps=k).with_environment(env).keep_older_than_steps
-           for k in (0, 80)]  # fmt: skip
+    got = [
+        retention.RetentionPolicy(keep_older_than_steps=k).with_environment(env).keep_older_than_steps for k in (0, 80)
+    ]
     assert got == [50, 80]
 
 

@@ -38,12 +38,26 @@ def test_a_request_encodes_to_what_parses_back():
 def hostile() -> list[bytes]:
     good = json.loads(encode_rollback(REQ))
     variants: list[object] = [
-        {**good, "v": 2}, {**good, "v": True}, {**good, "extra": 1}, {k: v for k, v in good.items() if k != "who"},
-        {**good, "id": "ZZZZZZZZ"}, {**good, "id": "ab"}, {**good, "id": 1234}, {**good, "to_step": -1},
-        {**good, "to_step": "40"}, {**good, "to_step": 10**13}, {**good, "to_step": 4.0}, {**good, "skips": [[5, 1]]},
-        {**good, "skips": "480:528"}, {**good, "who": None}, {**good, "reason": "x" * 5000},
-        {**good, "reason": "a\nfake log line"}, {**good, "requested_unix": None}, [good], "rollback",
-    ]  # fmt: skip
+        {**good, "v": 2},
+        {**good, "v": True},
+        {**good, "extra": 1},
+        {k: v for k, v in good.items() if k != "who"},
+        {**good, "id": "ZZZZZZZZ"},
+        {**good, "id": "ab"},
+        {**good, "id": 1234},
+        {**good, "to_step": -1},
+        {**good, "to_step": "40"},
+        {**good, "to_step": 10**13},
+        {**good, "to_step": 4.0},
+        {**good, "skips": [[5, 1]]},
+        {**good, "skips": "480:528"},
+        {**good, "who": None},
+        {**good, "reason": "x" * 5000},
+        {**good, "reason": "a\nfake log line"},
+        {**good, "requested_unix": None},
+        [good],
+        "rollback",
+    ]
     raw = [json.dumps(v).encode() for v in variants]
     return [*raw, b"", b"\xff\xfe", b"[" * 100_000, b'{"v": 1, "v": 1}', b" " * 20_000, b'{"v": NaN}']
 
@@ -131,18 +145,25 @@ def job(tmp_path: Path) -> Path:
     for step in (20, 40):
         make_fake_checkpoint(tmp_path / "ckpt", step, default_files(step))
     cfg = tmp_path / "job.yaml"
-    raw = {"job": {"command": ["true"], "state_dir": str(tmp_path / "state")},
-           "checkpoint": {"dir": str(tmp_path / "ckpt")}}  # fmt: skip
+    raw = {
+        "job": {"command": ["true"], "state_dir": str(tmp_path / "state")},
+        "checkpoint": {"dir": str(tmp_path / "ckpt")},
+    }
     cfg.write_text(json.dumps(raw))
     return cfg
 
 
 def test_ftsup_rollback_writes_the_request_for_the_next_start(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
-    code = cli.main(["rollback", "--config", str(job(tmp_path)), "--to-step", "20", "--skip-samples", "240:288",
-                     "--reason", "bad shard"])  # fmt: skip
+    request = ["--to-step", "20", "--skip-samples", "240:288", "--reason", "bad shard"]
+    code = cli.main(["rollback", "--config", str(job(tmp_path)), *request])
     req = parse_rollback((tmp_path / "state" / FILE_NAME).read_bytes())
     assert (code, req.to_step, req.skips, req.reason, "next `ftsup run`" in capsys.readouterr().out) == (
-        0, 20, ((240, 288),), "bad shard", True)  # fmt: skip
+        0,
+        20,
+        ((240, 288),),
+        "bad shard",
+        True,
+    )
 
 
 def test_ftsup_rollback_writes_a_file_only_its_user_reads(tmp_path: Path):

@@ -46,7 +46,9 @@ def test_a_bounded_choice_abandons_the_checkpoints_after_the_one_chosen_and_keep
     StoreScanner(store(tmp_path, 20, 40, 60)).choose(5, at_most=45)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert (names, [s for s, _ in layout.committed_dirs(tmp_path)]) == (
-        ["step-000000020", "step-000000040", "step-000000060.abandoned"], [20, 40])  # fmt: skip
+        ["step-000000020", "step-000000040", "step-000000060.abandoned"],
+        [20, 40],
+    )
 
 
 def test_an_abandoned_checkpoint_keeps_every_file(tmp_path: Path):
@@ -70,7 +72,9 @@ def test_a_step_abandoned_twice_keeps_both(tmp_path: Path):
     store(tmp_path, 40)
     choice.abandon(tmp_path, 20, "second")
     assert sorted(p.name for p in tmp_path.iterdir() if "abandoned" in p.name) == [
-        "step-000000040.abandoned", "step-000000040.abandoned.1"]  # fmt: skip
+        "step-000000040.abandoned",
+        "step-000000040.abandoned.1",
+    ]
 
 
 def test_ftsup_ckpt_list_shows_an_abandoned_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
@@ -115,13 +119,21 @@ def test_with_the_detectors_off_retention_keeps_no_extra_history():
 
 # ---------------------------------------------------------------------- the journal, status, metrics
 
-INCIDENT = {"kind": "loss_spike", "step": 44, "onset_step": 41, "value": 9.0, "rollback_to": 40,
-            "skips": [[480, 528]], "reason": "loss spike at step 44", "resumed_from": 20}  # fmt: skip
+INCIDENT = {
+    "kind": "loss_spike",
+    "step": 44,
+    "onset_step": 41,
+    "value": 9.0,
+    "rollback_to": 40,
+    "skips": [[480, 528]],
+    "reason": "loss spike at step 44",
+    "resumed_from": 20,
+}
 
 
 def record(**fields: Any) -> JournalRecord:
-    return JournalRecord(**{"run_id": "r", "node_id": "n", "supervisor_pid": os.getpid(), "status": "running",
-                            "updated_unix": time.time(), **fields})  # fmt: skip
+    defaults: dict[str, Any] = {"run_id": "r", "node_id": "n", "supervisor_pid": os.getpid(), "status": "running"}
+    return JournalRecord(**{**defaults, "updated_unix": time.time(), **fields})
 
 
 def test_the_journal_keeps_skips_requests_served_the_incident_and_stragglers(tmp_path: Path):
@@ -130,9 +142,18 @@ def test_the_journal_keeps_skips_requests_served_the_incident_and_stragglers(tmp
     assert Journal(tmp_path / "journal.json").read() == rec
 
 
-@pytest.mark.parametrize("field, value", [("skips", [[5, 1]]), ("skips", "0:12"), ("rollbacks_served", [1]),
-                                          ("rollbacks_served", ["a"] * 65), ("incident", []),
-                                          ("incident", {"reason": "x" * 9000}), ("stragglers", [True])])  # fmt: skip
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("skips", [[5, 1]]),
+        ("skips", "0:12"),
+        ("rollbacks_served", [1]),
+        ("rollbacks_served", ["a"] * 65),
+        ("incident", []),
+        ("incident", {"reason": "x" * 9000}),
+        ("stragglers", [True]),
+    ],
+)
 def test_a_journal_with_a_bad_field_is_refused_naming_it(tmp_path: Path, field: str, value: object):
     raw = record().to_json() | {field: value}
     (tmp_path / "journal.json").write_text(json.dumps(raw))
@@ -144,8 +165,11 @@ def job(tmp: Path, rec: JournalRecord) -> Path:
     (tmp / "state").mkdir(mode=0o700)
     Journal(tmp / "state" / "journal.json").write(rec)
     cfg = tmp / "job.yaml"
-    cfg.write_text(json.dumps({"job": {"command": ["true"], "state_dir": str(tmp / "state"), "run_id": "r"},
-                               "checkpoint": {"dir": str(tmp / "ckpt")}}))  # fmt: skip
+    raw = {
+        "job": {"command": ["true"], "state_dir": str(tmp / "state"), "run_id": "r"},
+        "checkpoint": {"dir": str(tmp / "ckpt")},
+    }
+    cfg.write_text(json.dumps(raw))
     return cfg
 
 
@@ -181,10 +205,14 @@ def test_the_metrics_count_anomalies_rollbacks_skipped_samples_and_escalations()
     m.event("rollback_started", {"trigger": "operator"})
     m.event("data_skipped", {"samples": 48})
     m.event("anomaly_escalated", {"reason": "again"})
-    counted = (sample(m, "ftsup_anomalies_total", kind="loss_spike"),
-               sample(m, "ftsup_anomalies_total", kind="nonfinite"), sample(m, "ftsup_rollbacks_total", trigger="auto"),
-               sample(m, "ftsup_rollbacks_total", trigger="operator"), sample(m, "ftsup_skipped_samples_total"),
-               sample(m, "ftsup_anomaly_escalations_total"))  # fmt: skip
+    counted = (
+        sample(m, "ftsup_anomalies_total", kind="loss_spike"),
+        sample(m, "ftsup_anomalies_total", kind="nonfinite"),
+        sample(m, "ftsup_rollbacks_total", trigger="auto"),
+        sample(m, "ftsup_rollbacks_total", trigger="operator"),
+        sample(m, "ftsup_skipped_samples_total"),
+        sample(m, "ftsup_anomaly_escalations_total"),
+    )
     assert counted == (1.0, 0.0, 1.0, 1.0, 48.0, 1.0)
 
 

@@ -39,8 +39,13 @@ def test_the_compact_plan_of_sharded_tensors_is_dcp_s(world: int, pp: int) -> No
 
 def test_replicated_tensors_are_saved_once_by_the_rank_dcp_picks() -> None:
     torch.manual_seed(0)
-    shared = {"a": torch.randn(64, 8), "b": torch.randn(3, dtype=torch.bfloat16), "c": torch.randn(128),
-              "d": torch.randn(5, 5), "e": torch.tensor(3.0)}  # fmt: skip
+    shared = {
+        "a": torch.randn(64, 8),
+        "b": torch.randn(3, dtype=torch.bfloat16),
+        "c": torch.randn(128),
+        "d": torch.randn(5, 5),
+        "e": torch.tensor(3.0),
+    }
     states = [dict(shared, **{f"own{r}": torch.randn(r + 1, 2)}) for r in range(3)]
     dcp, ours = _both(states)
     assert ours == dcp
@@ -105,8 +110,10 @@ def test_the_bench_s_first_save_plans_the_engine_s_compact_plan() -> None:
 def test_a_tensor_cut_along_a_shorter_dim_is_checked_as_dcp_checks_it(second: tuple[int, int], valid: bool) -> None:
     shape = (16, 8)  # cut along dim 1, the shorter: the check sweeps the dim the chunks are cut along
     sizes = (16 - second[0], 8 - second[1])
-    states = [{"w": SimShard(shape, torch.float32, (0, 0), (16, 4))},
-              {"w": SimShard(shape, torch.float32, second, sizes)}]  # fmt: skip
+    states = [
+        {"w": SimShard(shape, torch.float32, (0, 0), (16, 4))},
+        {"w": SimShard(shape, torch.float32, second, sizes)},
+    ]
     if valid:
         dcp, ours = _both(states)
         assert ours == dcp

@@ -259,8 +259,13 @@ def test_a_fetched_file_is_verified_a_piece_at_a_time_as_each_piece_lands(tmp_pa
 def test_a_fetched_read_handed_fewer_bytes_than_asked_is_corrupt() -> None:
     data = random.Random(8).randbytes(3 * B)
     crcs = checksums.block_crcs(data)
-    vf = VerifiedFile.fetched(lambda offset, length, each: each(offset, data[offset : offset + B]), len(data),
-                              checksums.checksum_from_block_crcs(crcs), checksums.pack_block_crcs(crcs), "s.bin",
-                              "s3://b/s.bin")  # fmt: skip
+    vf = VerifiedFile.fetched(
+        lambda offset, length, each: each(offset, data[offset : offset + B]),
+        len(data),
+        checksums.checksum_from_block_crcs(crcs),
+        checksums.pack_block_crcs(crcs),
+        "s.bin",
+        "s3://b/s.bin",
+    )
     with pytest.raises(CheckpointCorruptError, match=rf"s3://b/s.bin: {B} bytes at 0, asked for {3 * B}"):
         vf.read_ranges([(0, 3 * B)])

@@ -119,7 +119,10 @@ def test_an_atomic_write_replaces_a_planted_link_instead_of_writing_through_it(t
     (tmp_path / "control.json").symlink_to(victim)
     statedir.write_atomic(tmp_path / "control.json", b"{}")
     assert (victim.read_text(), (tmp_path / "control.json").is_symlink(), (tmp_path / "control.json").read_text()) == (
-        "keep", False, "{}")  # fmt: skip
+        "keep",
+        False,
+        "{}",
+    )
 
 
 def test_a_second_instance_lock_is_refused_naming_the_holders_pid(tmp_path):
@@ -157,9 +160,17 @@ def record(**over: object) -> dict[str, object]:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("pids", ["11"]), ("pids", [True]), ("attempt", -1), ("attempt", "2"), ("status", "x"), ("run_id", 7),
-     ("updated_unix", float("inf")), ("extra", [])],
-)  # fmt: skip
+    [
+        ("pids", ["11"]),
+        ("pids", [True]),
+        ("attempt", -1),
+        ("attempt", "2"),
+        ("status", "x"),
+        ("run_id", 7),
+        ("updated_unix", float("inf")),
+        ("extra", []),
+    ],
+)
 def test_a_journal_with_a_bad_field_is_refused_naming_it(tmp_path, field, value):
     (tmp_path / "journal.json").write_text(json.dumps(record(**{field: value})))
     with pytest.raises(JournalError, match=repr(field)):

@@ -24,14 +24,23 @@ from tests.helpers import default_files, make_fake_checkpoint
 def job(tmp: Path) -> Path:
     (tmp / "state").mkdir(mode=0o700)
     config = tmp / "job.yaml"
-    config.write_text(yaml.safe_dump({"job": {"command": ["true"], "state_dir": str(tmp / "state"), "run_id": "r"},
-                                      "checkpoint": {"dir": str(tmp / "ckpt")}}))  # fmt: skip
+    raw = {
+        "job": {"command": ["true"], "state_dir": str(tmp / "state"), "run_id": "r"},
+        "checkpoint": {"dir": str(tmp / "ckpt")},
+    }
+    config.write_text(yaml.safe_dump(raw))
     return config
 
 
 def journal(tmp: Path, **fields: Any) -> None:
-    record: dict[str, Any] = {"run_id": "r", "node_id": "n", "supervisor_pid": os.getpid(), "status": "running",
-              "updated_unix": time.time(), "extra": {"metrics": "127.0.0.1:9400"}} | fields  # fmt: skip
+    record: dict[str, Any] = {
+        "run_id": "r",
+        "node_id": "n",
+        "supervisor_pid": os.getpid(),
+        "status": "running",
+        "updated_unix": time.time(),
+        "extra": {"metrics": "127.0.0.1:9400"},
+    } | fields
     Journal(tmp / "state" / "journal.json").write(JournalRecord(**record))
 
 
@@ -66,8 +75,9 @@ def test_a_pid_that_was_reused_after_the_journal_was_written_is_not_its_supervis
 def test_a_live_supervisor_shows_its_ranks_step_phase_loss_and_heartbeat_age(tmp_path, capsys) -> None:
     config = job(tmp_path)
     journal(tmp_path, attempt=2, world_size=2, resume_step=8)
-    table = rankstatus.RankTable(tmp_path / "state" / rankstatus.FILE_NAME, write=lambda path, op: op(),
-                                 wall=lambda: time.time() - 3)  # fmt: skip
+    table = rankstatus.RankTable(
+        tmp_path / "state" / rankstatus.FILE_NAME, write=lambda path, op: op(), wall=lambda: time.time() - 3
+    )
     table.started(2)
     for rank in range(2):
         table.heard(Beat(2, rank, rank, 4000 + rank, 17, Phase.TRAIN, 0.0, 0.0, (("loss", 3.25),)))
@@ -76,8 +86,10 @@ def test_a_live_supervisor_shows_its_ranks_step_phase_loss_and_heartbeat_age(tmp
     _, out = status(config, capsys, "--json")
     got = json.loads(out)
     assert (got["supervisor_running"], got["metrics_url"], got["latest_checkpoint"]["step"]) == (
-        True, "http://127.0.0.1:9400/metrics", 16,
-    )  # fmt: skip
+        True,
+        "http://127.0.0.1:9400/metrics",
+        16,
+    )
     heard = [(r["rank"], r["step"], r["phase"], r["loss"]) for r in got["ranks"]]
     assert heard == [(0, 17, "train", 3.25), (1, 17, "train", 3.25)]
     assert all(2.5 < r["heartbeat_age_s"] < 60 for r in got["ranks"])
@@ -109,7 +121,7 @@ RANK = {"rank": 0, "local_rank": 0, "pid": 1, "step": 1, "phase": "train", "loss
         "[" * 100_000,
     ],
     ids=["negative step", "not a phase", "too many ranks", "another format", "deep nesting"],
-)  # fmt: skip
+)
 def test_a_planted_ranks_file_is_ignored_saying_why(tmp_path, capsys, planted: object) -> None:
     config = job(tmp_path)
     journal(tmp_path)

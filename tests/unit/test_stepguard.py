@@ -85,8 +85,10 @@ def test_the_figures_of_a_refused_step_say_so_and_an_applied_ones_do_not():
     applied = guard.check(torch.tensor(2.5), torch.tensor(0.5)).figures()
     refused = guard.check(torch.tensor(math.nan), torch.tensor(0.5)).figures()
     assert (applied, math.isnan(refused.pop("loss")), refused) == (
-        {"loss": 2.5, "grad_norm": 0.5}, True, {"grad_norm": 0.5, "step_skipped": 1}
-    )  # fmt: skip
+        {"loss": 2.5, "grad_norm": 0.5},
+        True,
+        {"grad_norm": 0.5, "step_skipped": 1},
+    )
 
 
 def test_the_check_is_the_loss_and_norm_as_numbers_on_the_host():
@@ -113,8 +115,11 @@ def test_with_a_scaler_an_overflow_is_the_scalers_to_skip_and_no_anomaly():
     check = guard.clip_and_step(None, 1.0, loss=0.5)
     model_unchanged = all(torch.equal(before[0][k], v) for k, v in model.state_dict().items())
     assert (check.refused, check.figures(), model_unchanged, guard.scaler.get_scale()) == (
-        False, {"loss": 0.5}, True, 2.0**9
-    )  # fmt: skip
+        False,
+        {"loss": 0.5},
+        True,
+        2.0**9,
+    )
 
 
 def test_with_a_scaler_a_nan_loss_is_refused_and_the_scaler_closes_its_step():

@@ -90,7 +90,7 @@ def test_the_write_order_is_safetensors_by_dtype_then_name(tmp_path: Path) -> No
         "start",
         "array",
         "depth",
-    ],  # fmt: skip
+    ],
 )
 def test_a_bad_header_is_refused_naming_the_file_and_the_tensor(
     tmp_path: Path, header: object, data: bytes, says: str

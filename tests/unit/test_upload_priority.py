@@ -33,9 +33,12 @@ def _autogroup_after_start(tmp_path: Path, *, own_session: bool) -> str:
     """The child's /proc/self/autogroup once its uploader started: "/autogroup-123 nice 10", or empty where the
     process is scheduled by a cgroup's task group instead (a container's, a CI runner's)."""
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(tmp_path / "tier")], capture_output=True, text=True, timeout=60,
+        [sys.executable, "-c", _CHILD, str(tmp_path / "tier")],
+        capture_output=True,
+        text=True,
+        timeout=60,
         start_new_session=own_session,
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
