@@ -59,8 +59,7 @@ def kill_tree(pid: int) -> None:
 
 def run(argv: list[str], *, timeout: float = 120, env: dict[str, str] | None = None, cwd: Path = REPO) -> Finished:
     full_env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(env or {}))
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, cwd=cwd)  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, cwd=cwd)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -74,9 +73,8 @@ def run(argv: list[str], *, timeout: float = 120, env: dict[str, str] | None = N
 
 def torchrun(script: str, args: list[str], *, nproc: int, timeout: float = 120) -> Finished:
     """`torchrun --standalone` (a free rendezvous port on localhost) running tests/bin/<script>."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "--max-restarts=0", str(BIN / script), *args]  # fmt: skip
-    return run(argv, timeout=timeout)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return run([*launcher, "--max-restarts=0", str(BIN / script), *args], timeout=timeout)
 
 
 def python(script: str, args: list[str], *, timeout: float = 120) -> Finished:

@@ -53,9 +53,12 @@ def client(server: SeaweedS3) -> Any:
 
     env = server.env()
     return boto3.client(
-        "s3", endpoint_url=server.endpoint, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env["AWS_DEFAULT_REGION"],
-    )  # fmt: skip
+        "s3",
+        endpoint_url=server.endpoint,
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region_name=env["AWS_DEFAULT_REGION"],
+    )
 
 
 def use_server(monkeypatch: pytest.MonkeyPatch, server: SeaweedS3, tmp_path: Path) -> None:

@@ -110,22 +110,42 @@ class SeaweedS3:
     def _argv(self) -> list[str]:
         master, volume, filer, s3 = self.ports
         config = self.data_dir / "s3.json"
-        identity = {"name": "ftsup", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
-                    "actions": ["Admin", "Read", "Write", "List", "Tagging"]}  # fmt: skip
+        identity = {
+            "name": "ftsup",
+            "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }
         config.write_text(json.dumps({"identities": [identity]}))
         store = self.data_dir / "data"
         store.mkdir(parents=True, exist_ok=True)
         return [
-            self.binary, "server", f"-dir={store}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            f"-master.port={master}", f"-master.port.grpc={master + GRPC_OFFSET}",
-            f"-volume.port={volume}", f"-volume.port.grpc={volume + GRPC_OFFSET}",
-            f"-filer.port={filer}", f"-filer.port.grpc={filer + GRPC_OFFSET}",
-            "-filer", "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3 + GRPC_OFFSET}", f"-s3.config={config}",
-            "-s3.port.iceberg=0", "-s3.port.lance=0", "-s3.iam=false",
-            "-master.telemetry=false", "-master.resumeState=false", "-master.volumeSizeLimitMB=256",
-            f"-volume.max={MAX_VOLUMES}", "-volume.preStopSeconds=0",
-            f"-filer.localSocket={self.data_dir / 'filer.sock'}", f"-s3.localSocket={self.data_dir / 's3.sock'}",
-        ]  # fmt: skip
+            self.binary,
+            "server",
+            f"-dir={store}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-master.port={master}",
+            f"-master.port.grpc={master + GRPC_OFFSET}",
+            f"-volume.port={volume}",
+            f"-volume.port.grpc={volume + GRPC_OFFSET}",
+            f"-filer.port={filer}",
+            f"-filer.port.grpc={filer + GRPC_OFFSET}",
+            "-filer",
+            "-s3",
+            f"-s3.port={s3}",
+            f"-s3.port.grpc={s3 + GRPC_OFFSET}",
+            f"-s3.config={config}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-s3.iam=false",
+            "-master.telemetry=false",
+            "-master.resumeState=false",
+            "-master.volumeSizeLimitMB=256",
+            f"-volume.max={MAX_VOLUMES}",
+            "-volume.preStopSeconds=0",
+            f"-filer.localSocket={self.data_dir / 'filer.sock'}",
+            f"-s3.localSocket={self.data_dir / 's3.sock'}",
+        ]
 
     def start(self, timeout_s: float = 60.0) -> None:
         """Start the server and return once a signed ListBuckets on the S3 port succeeds (or fail at the deadline)."""
@@ -135,8 +155,15 @@ class SeaweedS3:
         try:
             # TMPDIR: SeaweedFS puts its gRPC sockets in the temporary directory; these stay in the data directory.
             env = dict(os.environ, TMPDIR=str(self.data_dir))
-            self.proc = subprocess.Popen(self._argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         cwd=self.data_dir, env=env, start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(
+                self._argv(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=self.data_dir,
+                env=env,
+                start_new_session=True,
+            )
         finally:
             log.close()
         deadline = time.monotonic() + timeout_s
@@ -165,8 +192,14 @@ class SeaweedS3:
                 return False
             return True
         quick = Config(retries={"max_attempts": 1}, connect_timeout=1, read_timeout=2)
-        client = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY,
-                              aws_secret_access_key=SECRET_KEY, region_name="us-east-1", config=quick)  # fmt: skip
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+            region_name="us-east-1",
+            config=quick,
+        )
         try:
             client.list_buckets()
         except Exception:  # noqa: BLE001 - not up yet, whatever the reason

@@ -95,8 +95,9 @@ def main(argv: list[str]) -> int:
             with rt.phase("eval"):
                 time.sleep(args.eval_s)
         if step == args.flood_at and rank == last and first:
-            flooder = subprocess.Popen([sys.executable, __file__, "flood", rt.env.heartbeat_socket or "",
-                                        str(args.flood_s), args.flood_out])  # fmt: skip
+            flooder = subprocess.Popen(
+                [sys.executable, __file__, "flood", rt.env.heartbeat_socket or "", str(args.flood_s), args.flood_out]
+            )
         if step == args.stop_at and rank == 0 and first:
             Path(args.stop_mark).write_text(str(time.time()))
             os.kill(os.getpid(), signal.SIGSTOP)

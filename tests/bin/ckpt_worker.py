@@ -29,9 +29,12 @@ from ftsup.trainer.checkpoint.stateful import ModelOptimState
 def build(parallel: str, seed: int, width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     layers = torch.nn.Sequential(
-        torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(),
+        torch.nn.Linear(16, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, width),
+        torch.nn.ReLU(),
         torch.nn.Linear(width, 4),
-    )  # fmt: skip
+    )
     if parallel == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -116,8 +119,13 @@ def main() -> int:
         for step in range(1, max(map(int, args.steps.split(","))) + 1):
             train_step(model, optim, step)
             if str(step) in args.steps.split(","):
-                ret = engine.save(step, {"app": state}, rank_state={"rank": rank, "step": step},
-                                  metadata={"global_batch": 8}, block=not args.async_)  # fmt: skip
+                ret = engine.save(
+                    step,
+                    {"app": state},
+                    rank_state={"rank": rank, "step": step},
+                    metadata={"global_batch": 8},
+                    block=not args.async_,
+                )
                 if args.async_:
                     before = digests(state)
                     for _ in range(args.train_during):  # training goes on during the write
@@ -131,8 +139,13 @@ def main() -> int:
         engine.wait()
     else:
         loaded = engine.load({"app": state}, step=args.step)
-        result.update(step=loaded.step, rank_state=loaded.rank_state, metadata=dict(loaded.metadata),
-                      digests=digests(state), saved_world_size=loaded.saved_world_size)  # fmt: skip
+        result.update(
+            step=loaded.step,
+            rank_state=loaded.rank_state,
+            metadata=dict(loaded.metadata),
+            digests=digests(state),
+            saved_world_size=loaded.saved_world_size,
+        )
         all_bytes = [loaded.bytes_read]
         if dist.is_initialized():
             all_bytes = [None] * dist.get_world_size()

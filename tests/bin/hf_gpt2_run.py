@@ -74,8 +74,17 @@ def main() -> None:
         fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     dataset = TokenWindows(generate(CORPUS_BYTES), SEQ_LEN)
-    session = Session(model, optimizer, None, dataset, global_batch=4, micro_batch=2, ckpt_dir=args.ckpt_dir,
-                      save_every=None, init_from_hf=args.hf)  # fmt: skip
+    session = Session(
+        model,
+        optimizer,
+        None,
+        dataset,
+        global_batch=4,
+        micro_batch=2,
+        ckpt_dir=args.ckpt_dir,
+        save_every=None,
+        init_from_hf=args.hf,
+    )
     assert session.hf_init is not None
     batches: list[list[int]] = []
     loss = None
@@ -91,9 +100,16 @@ def main() -> None:
     before = rchar()
     session.state.init_from_hf(args.hf)
     read = rchar() - before
-    result = {"loss": loss, "micro_batches": batches, "share": share(model), "bytes_read": session.hf_init.bytes_read,
-              "rchar": read, "header_bytes": hublayout.read(args.hf).header_bytes, "world_size": world,
-              "tensors": session.hf_init.origin["tensors"]}  # fmt: skip
+    result = {
+        "loss": loss,
+        "micro_batches": batches,
+        "share": share(model),
+        "bytes_read": session.hf_init.bytes_read,
+        "rchar": read,
+        "header_bytes": hublayout.read(args.hf).header_bytes,
+        "world_size": world,
+        "tensors": session.hf_init.origin["tensors"],
+    }
     with open(f"{args.out}.{rank}.json", "w") as f:
         json.dump(result, f)
     sys.stdout.flush()

@@ -56,8 +56,11 @@ def main() -> None:
     try:
         result = load_hf_model(model, args.hf)
         inner = cast(torch.nn.Module, model.module) if args.parallel == "ddp" else model
-        out = {"digests": {k: digest(v) for k, v in inner.state_dict().items()}, "bytes_read": result.bytes_read,
-               "origin": result.origin}  # fmt: skip
+        out = {
+            "digests": {k: digest(v) for k, v in inner.state_dict().items()},
+            "bytes_read": result.bytes_read,
+            "origin": result.origin,
+        }
     except CheckpointError as e:
         out = {"error": str(e)}
     with open(f"{args.out}.{rank}.json", "w") as f:

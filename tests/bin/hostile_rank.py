@@ -27,8 +27,17 @@ BURST = 40  # hostile messages between two real beats
 
 
 def hostile(i: int, attempt: int, pid: int) -> list[bytes]:
-    base = {"v": BEAT_VERSION, "attempt": attempt, "rank": 0, "local_rank": 0, "pid": pid, "step": 1,
-            "phase": "train", "t": time.time(), "mono": time.monotonic()}  # fmt: skip
+    base = {
+        "v": BEAT_VERSION,
+        "attempt": attempt,
+        "rank": 0,
+        "local_rank": 0,
+        "pid": pid,
+        "step": 1,
+        "phase": "train",
+        "t": time.time(),
+        "mono": time.monotonic(),
+    }
     odd: list[dict[str, object]] = [
         {**base, "rank": 10**6 + i, "local_rank": 10**6 + i},
         {**base, "rank": -1 - i, "local_rank": -1},

@@ -60,8 +60,9 @@ def main(argv: list[str]) -> int:
                 log.write(json.dumps({"step": step, "loss": loss.item(), "first_step": first}) + "\n")
             if step % args.ckpt_every == 0:
                 aside = ckpt.with_suffix(".tmp")
-                torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-                           aside)  # fmt: skip
+                torch.save(
+                    {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, aside
+                )
                 os.replace(aside, ckpt)
     dist.barrier()
     dist.destroy_process_group()

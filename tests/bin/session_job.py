@@ -51,8 +51,9 @@ def main() -> int:
     if dist.is_initialized():
         model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    session = Session(model, optimizer, None, data, global_batch=8, micro_batch=2, save_every=args.save_every,
-                      config={"width": 16})  # fmt: skip
+    session = Session(
+        model, optimizer, None, data, global_batch=8, micro_batch=2, save_every=args.save_every, config={"width": 16}
+    )
     hang = args.hang_in_eval and os.environ.get(ATTEMPT_ENV) == "1"
     with open(args.record.replace("{rank}", str(rank)), "a") as log:
         for step in session.steps(args.steps):

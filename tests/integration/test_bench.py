@@ -1,7 +1,7 @@
 """`ftsup bench checkpoint`, run small for real: every row reported, sane figures, no leftovers.
 
 One module-scoped run (16 MiB of state, 2 ranks, 3 for resharding, one repeat) serves every
-claim below; it takes about 55 s on 2 cores.
+claim below.
 """
 
 from __future__ import annotations
@@ -45,19 +45,26 @@ def bench(tmp_path_factory: pytest.TempPathFactory, s3_server: SeaweedS3) -> dic
     work = tmp_path_factory.mktemp("bench")
     out = work / "out.json"
     client(s3_server).create_bucket(Bucket="bench-durable")
-    argv = [
-        sys.executable, "-m", "ftsup.tools.bench", "checkpoint",
-        "--size-mb", "16", "--ranks", "2", "--repeats", "1", "--rss-saves", "3",
-        "--process-timeout-s", "40", "--dir", str(work / "d"), "--json", str(out),
-        "--durable", "s3://bench-durable/runs", "--durable-part-mib", "5",
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", AWS_CONFIG_FILE=str(work / "none"),
-               AWS_SHARED_CREDENTIALS_FILE=str(work / "none"), **s3_server.env())  # fmt: skip
+    argv = [sys.executable, "-m", "ftsup.tools.bench", "checkpoint", "--size-mb", "16", "--ranks", "2"]
+    argv += ["--repeats", "1", "--rss-saves", "3", "--process-timeout-s", "40", "--dir", str(work / "d")]
+    argv += ["--json", str(out), "--durable", "s3://bench-durable/runs", "--durable-part-mib", "5"]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        AWS_CONFIG_FILE=str(work / "none"),
+        AWS_SHARED_CREDENTIALS_FILE=str(work / "none"),
+        **s3_server.env(),
+    )
     env.pop("AWS_ENDPOINT_URL", None)
     proc = subprocess.Popen(
-        argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        argv,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
     try:
         output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -67,8 +74,14 @@ def bench(tmp_path_factory: pytest.TempPathFactory, s3_server: SeaweedS3) -> dic
     data = json.loads(out.read_text()) if out.exists() else None
     left = client(s3_server).list_objects_v2(Bucket="bench-durable").get("KeyCount", 0)
     assert s3_server.proc is not None
-    return {"rc": proc.returncode, "output": output, "data": data, "dir": work / "d", "objects_left": left,
-            "store_pid": s3_server.proc.pid}  # fmt: skip
+    return {
+        "rc": proc.returncode,
+        "output": output,
+        "data": data,
+        "dir": work / "d",
+        "objects_left": left,
+        "store_pid": s3_server.proc.pid,
+    }
 
 
 def _rows(bench: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -125,8 +138,9 @@ def test_async_rows_block_no_longer_than_they_take_to_be_durable(bench: dict[str
 def test_loads_are_exact_and_measure_the_bytes_they_read(bench: dict[str, Any]) -> None:
     # bytes_read may be 0 where the page cache cannot be dropped (it then serves DCP's reads).
     rows = _rows(bench)
-    got = {n: (rows[n]["exact"], _positive(rows[n]["load_s"]), isinstance(rows[n]["bytes_read"], int))
-           for n in LOAD_ROWS}  # fmt: skip
+    got = {
+        n: (rows[n]["exact"], _positive(rows[n]["load_s"]), isinstance(rows[n]["bytes_read"], int)) for n in LOAD_ROWS
+    }
     assert got == {n: (True, True, True) for n in LOAD_ROWS}
 
 
@@ -173,8 +187,13 @@ def test_durable_stall_rows_measure_the_save_with_an_upload_running_beside_it_an
     section = bench["data"]["durable"]
     rows = {r["name"]: r for r in section["rows"]}
     assert [(n, rows[n]["status"]) for n in STALL_ROWS] == [(n, "ok") for n in STALL_ROWS], rows
-    got = {n: all(rows[n][f] >= 0 for f in ("stall_s", "block_s", "extra_step_s")) and rows[n]["durable_s"] > 0
-           and rows[n]["block_s"] <= rows[n]["durable_s"] and rows[n]["repeats"] == 1 for n in STALL_ROWS}  # fmt: skip
+    got = {
+        n: all(rows[n][f] >= 0 for f in ("stall_s", "block_s", "extra_step_s"))
+        and rows[n]["durable_s"] > 0
+        and rows[n]["block_s"] <= rows[n]["durable_s"]
+        and rows[n]["repeats"] == 1
+        for n in STALL_ROWS
+    }
     assert got == dict.fromkeys(STALL_ROWS, True), rows
     uploading = rows[STALL_ROWS[0]]
     assert (uploading["upload_s"] > 0, uploading["upload_overlapped"] in ("0/1", "1/1")) == (True, True)
@@ -189,8 +208,10 @@ def test_run_folder_is_removed(bench: dict[str, Any]) -> None:
 
 def test_a_hanging_group_is_killed_with_its_children_at_the_deadline(tmp_path: Path, s3_server: SeaweedS3) -> None:
     # A "rank" that starts a child (like DCP's checkpoint daemon) and then hangs.
-    hang = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', " \
-           "'import time; time.sleep(600)']); time.sleep(600)"  # fmt: skip
+    hang = (
+        "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+        "'import time; time.sleep(600)']); time.sleep(600)"
+    )
     start = time.monotonic()
     outcome = launch.run_group(2, [sys.executable, "-c", hang], tmp_path, "hang", timeout_s=2.0)
     assert (outcome.status, outcome.leftover_pids, len(outcome.stopped_pids)) == ("timeout", (), 4)
@@ -210,9 +231,8 @@ def test_a_process_mode_run_past_its_timeout_is_reported_hung_and_leaves_nothing
     tmp_path: Path, s3_server: SeaweedS3
 ) -> None:
     others = [n for n in ROW_NAMES if n != "dcp_async_process"]
-    argv = [sys.executable, "-m", "ftsup.tools.bench", "checkpoint", "--size-mb", "4",
-            "--dir", str(tmp_path / "d"), "--json", str(tmp_path / "out.json"),
-            "--process-timeout-s", "1", "--skip", *others]  # fmt: skip
+    argv = [sys.executable, "-m", "ftsup.tools.bench", "checkpoint", "--size-mb", "4", "--dir", str(tmp_path / "d")]
+    argv += ["--json", str(tmp_path / "out.json"), "--process-timeout-s", "1", "--skip", *others]
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
     rows = {r["name"]: r for r in json.loads((tmp_path / "out.json").read_text())["results"]}
     row = rows["dcp_async_process"]

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.multiprocess
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp: Path = tmp_path_factory.mktemp("bench-eviction")
     out = tmp / "bench.json"
-    r = run([sys.executable, "-m", "ftsup.tools.bench.eviction", "--evictions", "1", "--dir", str(tmp / "w"),
-             "--json", str(out)], timeout=300)  # fmt: skip
+    argv = [sys.executable, "-m", "ftsup.tools.bench.eviction", "--evictions", "1", "--dir", str(tmp / "w")]
+    r = run([*argv, "--json", str(out)], timeout=300)
     assert r.returncode == 0, r.output[-3000:]
     return {x["name"]: x for x in json.loads(out.read_text())["results"]}
 

@@ -3,10 +3,9 @@ default and with tuned timeouts), over 320 steps and the first three faults of a
 every 15 s on average: a hang due at 3.8 s, an eviction at 22 s, a kill at 39 s, which 320 steps of at least
 0.1 s outlast under every contender), hangs capped at 8 s.
 
-One module-scoped run serves every claim; it takes three to five minutes on 2 cores. A fault that comes due while
-a contender is still recovering is folded into the next delivery (`coalesced`), so the claims about one fault's
-outcome are about the first one, which every contender meets on its own. Skipped, with the reason, where
-nvidia-resiliency-ext (ft_launcher) is not installed: `pip install -e '.[test]'` installs it.
+One module-scoped run serves every claim. A fault that comes due while a contender is still recovering is folded
+into the next delivery (`coalesced`), so the claims about one fault's outcome are about the first one, which every
+contender meets on its own. Skipped, with the reason, where nvidia-resiliency-ext (ft_launcher) is not installed.
 """
 
 from __future__ import annotations
@@ -40,9 +39,9 @@ NAMES = ["ftsup", "torchrun", "nvrx-default", "nvrx-tuned"]
 def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("bench-goodput")
     out = work / "out.json"
-    argv = [sys.executable, "-m", "ftsup.supervisor.cli", "bench", "goodput", "--steps", str(STEPS),
-            "--mean-interval-s", "15", "--seed", "1472", "--max-faults", "3", "--hang-cap-s", "8",
-            "--timeout-s", "200", "--dir", str(work / "d"), "--json", str(out)]  # fmt: skip
+    argv = [sys.executable, "-m", "ftsup.supervisor.cli", "bench", "goodput", "--steps", str(STEPS)]
+    argv += ["--mean-interval-s", "15", "--seed", "1472", "--max-faults", "3", "--hang-cap-s", "8"]
+    argv += ["--timeout-s", "200", "--dir", str(work / "d"), "--json", str(out)]
     done = run(argv, timeout=TIMEOUT_S)
     data = json.loads(out.read_text()) if out.exists() else None
     return {"rc": done.returncode, "output": done.output, "data": data}
@@ -65,8 +64,10 @@ def test_every_contender_ran_and_completed_its_job_leaving_no_process(bench: dic
 
 def test_every_second_of_each_run_is_productive_or_badput_of_one_of_the_shared_causes(bench: dict[str, Any]) -> None:
     for r in rows(bench).values():
-        assert (list(r["badput_s"]), math.isclose(r["productive_s"] + sum(r["badput_s"].values()), r["wall_s"],
-                                                  abs_tol=0.01)) == (list(CAUSES), True), r  # fmt: skip
+        assert (
+            list(r["badput_s"]),
+            math.isclose(r["productive_s"] + sum(r["badput_s"].values()), r["wall_s"], abs_tol=0.01),
+        ) == (list(CAUSES), True), r
 
 
 def test_every_contender_met_the_same_three_faults(bench: dict[str, Any]) -> None:
@@ -79,8 +80,12 @@ def test_the_first_hang_lasts_until_the_cap_under_torchrun_and_ft_launcher_s_def
 ) -> None:
     first = {n: r["faults"][0] for n, r in rows(bench).items()}
     got = {n: (f["kind"], f["capped"], f["survived"]) for n, f in first.items()}
-    want = {"ftsup": ("hang", False, True), "torchrun": ("hang", True, True), "nvrx-default": ("hang", True, True),
-            "nvrx-tuned": ("hang", False, True)}  # fmt: skip
+    want = {
+        "ftsup": ("hang", False, True),
+        "torchrun": ("hang", True, True),
+        "nvrx-default": ("hang", True, True),
+        "nvrx-tuned": ("hang", False, True),
+    }
     assert got == want, bench["output"]
 
 
@@ -97,8 +102,8 @@ def test_the_json_and_the_table_name_the_hang_cap(bench: dict[str, Any]) -> None
 
 def test_sigterm_to_the_benchmark_stops_the_job_it_started_and_leaves_nothing(tmp_path) -> None:
     work = tmp_path / "d"
-    argv = [sys.executable, "-m", "ftsup.supervisor.cli", "bench", "goodput", "--steps", "3000", "--contenders",
-            "torchrun", "--mean-interval-s", "600", "--dir", str(work)]  # fmt: skip
+    argv = [sys.executable, "-m", "ftsup.supervisor.cli", "bench", "goodput", "--steps", "3000"]
+    argv += ["--contenders", "torchrun", "--mean-interval-s", "600", "--dir", str(work)]
     bench = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for(lambda: (work / "torchrun" / "loss.jsonl").exists(), 120, "the job never logged a step")

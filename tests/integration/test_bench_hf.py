@@ -31,11 +31,17 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("bench-hf")
     out = work / "out.json"
     others = [n for n in ROW_NAMES if n not in hf_report.ROW_NAMES]
-    argv = [sys.executable, "-m", "ftsup.tools.bench", "checkpoint", "--size-mb", "8", "--ranks", "2",
-            "--repeats", "1", "--hf-max-shard-size", "200KB", "--dir", str(work / "d"), "--json", str(out),
-            "--skip", *others]  # fmt: skip
-    proc = subprocess.Popen(argv, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    argv = [sys.executable, "-m", "ftsup.tools.bench", "checkpoint", "--size-mb", "8", "--ranks", "2", "--repeats", "1"]
+    argv += ["--hf-max-shard-size", "200KB", "--dir", str(work / "d"), "--json", str(out), "--skip", *others]
+    proc = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -44,8 +50,13 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         pytest.fail(f"benchmark ran past {RUN_TIMEOUT_S}s:\n{output[-4000:]}")
     data = json.loads(out.read_text()) if out.exists() else None
     assert data is not None, output[-4000:]
-    return {"rc": proc.returncode, "output": output, "data": data, "dir": work / "d",
-            "rows": {r["name"]: r for r in data["results"]}}  # fmt: skip
+    return {
+        "rc": proc.returncode,
+        "output": output,
+        "data": data,
+        "dir": work / "d",
+        "rows": {r["name"]: r for r in data["results"]},
+    }
 
 
 def test_the_hf_rows_complete_and_the_others_are_skipped(bench: dict[str, Any]) -> None:
@@ -56,16 +67,28 @@ def test_the_hf_rows_complete_and_the_others_are_skipped(bench: dict[str, Any]) 
 
 def test_the_export_is_timed_against_a_raw_write_of_its_bytes_with_its_own_peak_rss(bench: dict[str, Any]) -> None:
     row = bench["rows"]["hf_export"]
-    got = {f: row[f] is not None and row[f] > 0 for f in ("gib_per_s", "raw_adjacent_gib_per_s", "bytes",
-                                                          "peak_rss_bytes", "largest_shard_bytes")}  # fmt: skip
-    assert (got, row["shards"] > 1, row["largest_shard_bytes"] <= 200_000 + 4096) == (dict.fromkeys(got, True), True,
-                                                                                      True)  # fmt: skip
+    got = {
+        f: row[f] is not None and row[f] > 0
+        for f in ("gib_per_s", "raw_adjacent_gib_per_s", "bytes", "peak_rss_bytes", "largest_shard_bytes")
+    }
+    assert (got, row["shards"] > 1, row["largest_shard_bytes"] <= 200_000 + 4096) == (
+        dict.fromkeys(got, True),
+        True,
+        True,
+    )
 
 
 def test_both_imports_are_exact_and_measure_each_ranks_bytes_against_its_share(bench: dict[str, Any]) -> None:
     rows = bench["rows"]
-    got = {n: (rows[n]["exact"], rows[n]["load_s"] > 0, isinstance(rows[n]["rank_rchar_vs_share"], float),
-               isinstance(rows[n]["bytes_read"], int)) for n in hf_report.IMPORT_ROWS}  # fmt: skip
+    got = {
+        n: (
+            rows[n]["exact"],
+            rows[n]["load_s"] > 0,
+            isinstance(rows[n]["rank_rchar_vs_share"], float),
+            isinstance(rows[n]["bytes_read"], int),
+        )
+        for n in hf_report.IMPORT_ROWS
+    }
     assert got == {n: (True, True, True, True) for n in hf_report.IMPORT_ROWS}
 
 

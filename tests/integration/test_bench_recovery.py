@@ -2,8 +2,8 @@
 then SIGKILL of the supervisor): the JSON has its documented shape, ftsup recovers from both
 faults, and no process is left at any of the three counts.
 
-One module-scoped run serves every claim; it takes about a minute on 2 cores. torchrun's rows
-are left out here: its hang row waits out --hang-wait-s by design.
+One module-scoped run serves every claim. torchrun's rows are left out here: its hang row waits
+out --hang-wait-s by design.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ SPLIT_KEYS = {"detection_s", "teardown_s", "backoff_s", "launch_s", "load_s"}
 def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("bench-recovery")
     out = work / "out.json"
-    argv = [sys.executable, "-m", "ftsup.supervisor.cli", "bench", "recovery", "--repeats", "1", "--hang-repeats", "1",
-            "--cycles", "2", "--peers", "ftsup", "--dir", str(work / "d"), "--json", str(out)]  # fmt: skip
+    argv = [sys.executable, "-m", "ftsup.supervisor.cli", "bench", "recovery", "--repeats", "1", "--hang-repeats", "1"]
+    argv += ["--cycles", "2", "--peers", "ftsup", "--dir", str(work / "d"), "--json", str(out)]
     done = run(argv, timeout=TIMEOUT_S)
     return {"rc": done.returncode, "output": done.output, "data": json.loads(out.read_text()) if out.exists() else None}
 
@@ -53,8 +53,9 @@ def test_ftsup_recovers_from_a_kill_and_a_hang_detected_by_their_own_events(benc
 
 def test_no_orphans_after_the_cycles_the_supervisor_sigkill_and_the_run(bench: dict[str, Any]) -> None:
     checks = bench["data"]["checks"]
-    counts = [checks[k]["orphans"] for k in ("orphans_after_cycles", "orphans_after_supervisor_sigkill",
-                                             "orphans_after_run")]  # fmt: skip
+    counts = [
+        checks[k]["orphans"] for k in ("orphans_after_cycles", "orphans_after_supervisor_sigkill", "orphans_after_run")
+    ]
     assert (counts, [r["orphans"] for r in bench["data"]["results"]]) == ([0, 0, 0], [0, 0]), bench["output"]
 
 

@@ -14,11 +14,9 @@ OPS = [name for op, peer, _ in scale_report.OPS for name in (op, peer) if name]
 
 def test_the_reduced_scale_run_measures_every_operation(tmp_path: Path) -> None:
     out = tmp_path / "scale.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "ftsup.supervisor.cli", "bench", "scale", "--ranks", "256", "--repeats", "1",
-         "--checkpoints", "2", "--timeout", "600", "--dir", str(tmp_path), "--json", str(out)],
-        capture_output=True, text=True, timeout=900, check=False,
-    )  # fmt: skip
+    argv = [sys.executable, "-m", "ftsup.supervisor.cli", "bench", "scale", "--ranks", "256", "--repeats", "1"]
+    argv += ["--checkpoints", "2", "--timeout", "600", "--dir", str(tmp_path), "--json", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text())
     (result,) = report["results"]

@@ -29,11 +29,15 @@ SEED = 1
 def chaos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("chaos")
     out = work / "chaos.json"
-    argv = [sys.executable, "-m", "ftsup.supervisor.cli", "chaos", "--faults", str(len(KINDS)), "--seed", str(SEED),
-            "--restart-s", "0.5", "--dir", str(work / "d"), "--json", str(out)]  # fmt: skip
+    argv = [sys.executable, "-m", "ftsup.supervisor.cli", "chaos", "--faults", str(len(KINDS)), "--seed", str(SEED)]
+    argv += ["--restart-s", "0.5", "--dir", str(work / "d"), "--json", str(out)]
     done = run(argv, timeout=TIMEOUT_S)
-    return {"rc": done.returncode, "output": done.output, "data": json.loads(out.read_text()) if out.exists() else None,
-            "dir": work / "d"}  # fmt: skip
+    return {
+        "rc": done.returncode,
+        "output": done.output,
+        "data": json.loads(out.read_text()) if out.exists() else None,
+        "dir": work / "d",
+    }
 
 
 def test_the_reduced_chaos_run_exits_0_and_says_every_invariant_held(chaos: dict[str, Any]) -> None:
@@ -58,8 +62,11 @@ def test_no_fault_violated_an_invariant(chaos: dict[str, Any]) -> None:
 
 def test_each_job_completed_with_the_uninterrupted_runs_losses_and_samples(chaos: dict[str, Any]) -> None:
     jobs = chaos["data"]["jobs"]
-    got = {name: (job["exit_code"], job["violations"], job["samples"]["samples"]) for name, job in jobs.items()
-           if name != "reference"}  # fmt: skip
+    got = {
+        name: (job["exit_code"], job["violations"], job["samples"]["samples"])
+        for name, job in jobs.items()
+        if name != "reference"
+    }
     samples = 12 * chaos["data"]["steps"]
     assert got == {"main": (0, [], samples), "nodes": (0, [], samples)}
 
@@ -76,12 +83,16 @@ def test_the_table_lists_every_kind_with_its_count(chaos: dict[str, Any]) -> Non
 
 def test_nothing_of_any_job_is_left_running(chaos: dict[str, Any]) -> None:
     me = os.getpid()
-    left = [p.pid for p in psutil.process_iter(["cmdline"], ad_value=None)
-            if p.pid != me and str(chaos["dir"]) in " ".join(p.info["cmdline"] or ())]  # fmt: skip
+    left = [
+        p.pid
+        for p in psutil.process_iter(["cmdline"], ad_value=None)
+        if p.pid != me and str(chaos["dir"]) in " ".join(p.info["cmdline"] or ())
+    ]
     assert left == []
 
 
 def test_the_chaos_command_refuses_an_unknown_kind_with_exit_2(tmp_path: Path) -> None:
-    done = run([sys.executable, "-m", "ftsup.supervisor.cli", "chaos", "--kinds", "meteor", "--dir", str(tmp_path)],
-               timeout=60)  # fmt: skip
+    done = run(
+        [sys.executable, "-m", "ftsup.supervisor.cli", "chaos", "--kinds", "meteor", "--dir", str(tmp_path)], timeout=60
+    )
     assert (done.returncode, "meteor" in done.output) == (2, True)

@@ -57,8 +57,11 @@ def test_a_crc32x64k_checkpoint_of_an_earlier_version_verifies_and_loads(tmp_pat
     state = {"w": torch.zeros(70_000)}
     with CheckpointEngine(tmp_path) as engine:
         loaded = engine.load(state)
-    assert (layout.check_checkpoint(ckpt, deep=True)[1], loaded.rank_state, torch.equal(state["w"],
-            torch.full((70_000,), 3.0))) == ([], {"r": 1}, True)  # fmt: skip
+    assert (
+        layout.check_checkpoint(ckpt, deep=True)[1],
+        loaded.rank_state,
+        torch.equal(state["w"], torch.full((70_000,), 3.0)),
+    ) == ([], {"r": 1}, True)
 
 
 def test_a_crc32x64k_checkpoint_of_an_earlier_version_exports_to_hugging_face(tmp_path: Path) -> None:

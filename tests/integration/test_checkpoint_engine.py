@@ -72,8 +72,14 @@ def engine(tmp_path):
 def test_blocking_save_then_load_restores_model_optimizer_and_rank_state(engine):
     state = make_state()
     want = snapshot(state)
-    res = engine.save(7, {"app": state}, kind="final", rank_state={"rng": torch.get_rng_state(), "t": (1, "a")},
-                      metadata={"samples": 56}, block=True)  # fmt: skip
+    res = engine.save(
+        7,
+        {"app": state},
+        kind="final",
+        rank_state={"rng": torch.get_rng_state(), "t": (1, "a")},
+        metadata={"samples": 56},
+        block=True,
+    )
     assert (res.step, res.kind, Path(res.path).name) == (7, "final", "step-000000007")
     rng = torch.get_rng_state()
     fresh = make_state(seed=1)
@@ -344,8 +350,10 @@ def test_fused_staging_writes_the_same_files_as_copy_then_checksum(tmp_path, mon
         with CheckpointEngine(tmp_path / f"fused-{fused}") as eng:
             res = eng.save(1, {"t": dict(tensors)}, block=True)
             assert (res.step, layout.check_checkpoint(res.path, deep=True)[1]) == (1, [])
-            back = {k: torch.zeros_like(v) if not v.is_conj() else torch.zeros_like(v.resolve_conj())
-                    for k, v in tensors.items()}  # fmt: skip
+            back = {
+                k: torch.zeros_like(v) if not v.is_conj() else torch.zeros_like(v.resolve_conj())
+                for k, v in tensors.items()
+            }
             eng.load({"t": back})
         for k, v in tensors.items():
             assert torch.equal(back[k], v.resolve_conj()), k

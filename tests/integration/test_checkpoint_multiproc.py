@@ -18,15 +18,17 @@ pytestmark = pytest.mark.multiprocess
 
 
 def _save(ckpt: Path, out: Path, *extra: str, nproc: int = 2, parallel: str = "fsdp") -> dict:
-    r = torchrun("ckpt_worker.py", ["save", "--dir", str(ckpt), "--parallel", parallel, "--out", str(out),
-                                    *extra], nproc=nproc)  # fmt: skip
+    r = torchrun(
+        "ckpt_worker.py", ["save", "--dir", str(ckpt), "--parallel", parallel, "--out", str(out), *extra], nproc=nproc
+    )
     assert r.returncode == 0, r.output[-4000:]
     return json.loads(out.read_text())
 
 
 def _load(ckpt: Path, out: Path, *extra: str, nproc: int, parallel: str = "fsdp") -> dict:
-    r = torchrun("ckpt_worker.py", ["load", "--dir", str(ckpt), "--parallel", parallel, "--out", str(out),
-                                    *extra], nproc=nproc)  # fmt: skip
+    r = torchrun(
+        "ckpt_worker.py", ["load", "--dir", str(ckpt), "--parallel", parallel, "--out", str(out), *extra], nproc=nproc
+    )
     assert r.returncode == 0, r.output[-4000:]
     return json.loads(out.read_text())
 
@@ -100,8 +102,8 @@ KILL_POINTS = [
 @pytest.mark.parametrize(("point", "rank"), KILL_POINTS)
 def test_sigkill_during_a_save_never_tears_the_latest_checkpoint(tmp_path, point, rank):
     ckpt = tmp_path / "ckpt"
-    r = torchrun("ckpt_worker.py", ["save", "--dir", str(ckpt), "--steps", "1,2", "--kill-at", f"{point}:2:{rank}",
-                                    "--out", str(tmp_path / "s.json")], nproc=2)  # fmt: skip
+    save = ["save", "--dir", str(ckpt), "--steps", "1,2", "--kill-at", f"{point}:2:{rank}"]
+    r = torchrun("ckpt_worker.py", [*save, "--out", str(tmp_path / "s.json")], nproc=2)
     assert r.returncode != 0
     latest = layout.latest_consistent(ckpt, deep=True)
     assert latest is not None

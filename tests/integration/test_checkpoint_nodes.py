@@ -87,8 +87,8 @@ def test_a_node_that_lost_its_fast_tier_reads_its_share_from_the_store_bitwise(
 
 def test_a_node_killed_after_staging_its_copy_leaves_the_step_committed_on_no_node(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    r = torchrun("ckpt_worker.py", ["save", "--dir", str(ckpt), "--steps", "1,2", "--node-local", "--kill-at",
-                                    "manifest_written:2:1", "--out", str(tmp_path / "s.json")], nproc=2)  # fmt: skip
+    save = ["save", "--dir", str(ckpt), "--steps", "1,2", "--node-local", "--kill-at", "manifest_written:2:1"]
+    r = torchrun("ckpt_worker.py", [*save, "--out", str(tmp_path / "s.json")], nproc=2)
     assert r.returncode != 0
     for node in ("node-0", "node-1"):
         assert [i.step for i in layout.list_checkpoints(ckpt / node, deep=True) if i.consistent] == [1], node

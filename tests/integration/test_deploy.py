@@ -56,8 +56,9 @@ def test_the_unit_passes_systemd_analyze_verify(tmp_path):
     # verify checks that ExecStart's program exists: point it at this checkout's ftsup.
     unit = tmp_path / UNIT.name
     unit.write_text(UNIT.read_text().replace("/opt/ftsup/.venv/bin/ftsup", str(ftsup)))
-    r = subprocess.run([tool, "verify", str(tmp_path / "ftsup@job.service")], capture_output=True, text=True,
-                       timeout=60, cwd=tmp_path)  # fmt: skip
+    r = subprocess.run(
+        [tool, "verify", str(tmp_path / "ftsup@job.service")], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
     assert (r.returncode, r.stdout + r.stderr) == (0, "")
 
 
@@ -76,16 +77,21 @@ def test_the_unit_stops_the_supervisor_alone_and_its_exit_statuses_match_the_pol
 def test_ftsup_run_sends_ready_then_extends_the_stop_timeout_on_sigterm_and_exits_5(tmp_path):
     """What Type=notify, KillMode=mixed and SuccessExitStatus=5 rely on, against a fake NOTIFY_SOCKET."""
     loss = tmp_path / "loss.jsonl"
+    command = [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", "200", "--ckpt-every", "100"]
+    command += ["--n-layer", "1", "--n-embd", "32", "--seq-len", "16", "--corpus-bytes", "50000"]
+    command += ["--min-step-s", "0.1", "--loss-log", str(loss)]
     cfg = {
-        "job": {"command": [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", "200", "--ckpt-every", "100",
-                            "--n-layer", "1", "--n-embd", "32", "--seq-len", "16", "--corpus-bytes", "50000",
-                            "--min-step-s", "0.1", "--loss-log", str(loss)],
-                "workdir": str(REPO), "state_dir": str(tmp_path / "state"), "env": {"PYTHONPATH": str(REPO)}},
+        "job": {
+            "command": command,
+            "workdir": str(REPO),
+            "state_dir": str(tmp_path / "state"),
+            "env": {"PYTHONPATH": str(REPO)},
+        },
         "launch": {"nproc_per_node": 1},
         "checkpoint": {"dir": str(tmp_path / "ckpt")},
         "restart": {"stop_grace_s": 3},
         "eviction": {"save_margin_s": 2},
-    }  # fmt: skip
+    }
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(cfg))
     sock_path = tmp_path / "notify.sock"
@@ -93,8 +99,12 @@ def test_ftsup_run_sends_ready_then_extends_the_stop_timeout_on_sigterm_and_exit
         sock.bind(str(sock_path))
         sock.settimeout(0.2)
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", NOTIFY_SOCKET=str(sock_path))
-        proc = subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         messages: list[str] = []
 
         def receive() -> None:
@@ -180,14 +190,27 @@ def fake_slurm(tmp: Path) -> dict[str, str]:
     fakes.mkdir()
     (tmp / "fake").mkdir()
     (tmp / "fake_supervisor.py").write_text(FAKE_SUPERVISOR)
-    for name, text in {"scontrol": FAKE_SCONTROL, "srun": FAKE_SRUN,
-                       "python": FAKE_PYTHON.format(python=sys.executable,
-                                                    fake_supervisor=tmp / "fake_supervisor.py")}.items():  # fmt: skip
+    scripts = {
+        "scontrol": FAKE_SCONTROL,
+        "srun": FAKE_SRUN,
+        "python": FAKE_PYTHON.format(python=sys.executable, fake_supervisor=tmp / "fake_supervisor.py"),
+    }
+    for name, text in scripts.items():
         (fakes / name).write_text(text)
         (fakes / name).chmod(0o755)
-    return dict(os.environ, PATH=f"{fakes}:{os.environ['PATH']}", PYTHONPATH=str(REPO), FAKE_DIR=str(tmp / "fake"),
-                FAKE_NODES="n1 n2", FAKE_EXIT="5", FTSUP_PYTHON=str(fakes / "python"), TMPDIR=str(tmp),
-                SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="n[1-2]", SLURM_JOB_NUM_NODES="2")  # fmt: skip
+    return dict(
+        os.environ,
+        PATH=f"{fakes}:{os.environ['PATH']}",
+        PYTHONPATH=str(REPO),
+        FAKE_DIR=str(tmp / "fake"),
+        FAKE_NODES="n1 n2",
+        FAKE_EXIT="5",
+        FTSUP_PYTHON=str(fakes / "python"),
+        TMPDIR=str(tmp),
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NODELIST="n[1-2]",
+        SLURM_JOB_NUM_NODES="2",
+    )
 
 
 def job_config(tmp: Path, **launch) -> Path:
@@ -207,8 +230,15 @@ def calls(tmp: Path) -> list[str]:
 
 
 def start_sbatch(tmp: Path, env: dict[str, str], *args: str) -> subprocess.Popen:
-    return subprocess.Popen(["bash", str(SBATCH), *args], env=env, cwd=tmp, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        ["bash", str(SBATCH), *args],
+        env=env,
+        cwd=tmp,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def test_usr1_to_the_batch_shell_reaches_every_node_supervisor_and_exit_5_requeues_once(tmp_path):

@@ -22,10 +22,27 @@ from ftsup.trainer.hf.export import export_hf
 # Every dtype torch 2.13 and safetensors 0.8 both support, written out (not read from the table
 # under test, so that a dtype dropped from the table fails here).
 BOTH = [
-    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16",
-    "uint8", "bool", "complex64", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
-    "float8_e8m0fnu", "float4_e2m1fn_x2",
-]  # fmt: skip
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint64",
+    "uint32",
+    "uint16",
+    "uint8",
+    "bool",
+    "complex64",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+]
 SHAPE = (3, 5)
 
 

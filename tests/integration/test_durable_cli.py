@@ -29,8 +29,9 @@ def test_ckpt_list_json_shows_the_committed_checkpoints_of_an_s3_tier(bucket: st
     rows = json.loads(out)["checkpoints"]
     assert status == 0
     assert [(r["step"], r["consistent"], r["path"]) for r in rows] == [
-        (10, True, f"s3://{bucket}/run/step-000000010"), (20, True, f"s3://{bucket}/run/step-000000020"),
-    ]  # fmt: skip
+        (10, True, f"s3://{bucket}/run/step-000000010"),
+        (20, True, f"s3://{bucket}/run/step-000000020"),
+    ]
 
 
 def test_ckpt_verify_deep_of_an_s3_tier_finds_a_flipped_byte_and_exits_1(

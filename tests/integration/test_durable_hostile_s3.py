@@ -21,9 +21,15 @@ MANIFEST_KEY = "run/step-000000001/manifest.json"
 
 @pytest.fixture(autouse=True)
 def credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for name, value in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1",
-                        "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": str(tmp_path / "none"),
-                        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none")}.items():  # fmt: skip
+    env = {
+        "AWS_ACCESS_KEY_ID": "k",
+        "AWS_SECRET_ACCESS_KEY": "s",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+    }
+    for name, value in env.items():
         monkeypatch.setenv(name, value)
     for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
@@ -38,8 +44,10 @@ def listing(prefixes: list[str], *, truncated: bool, token: str = "") -> Reply:
     common = "".join(f"<CommonPrefixes><Prefix>{p}</Prefix></CommonPrefixes>" for p in prefixes)
     more = f"<IsTruncated>{'true' if truncated else 'false'}</IsTruncated>"
     more += f"<NextContinuationToken>{token}</NextContinuationToken>" if token else ""
-    return xml(f"<ListBucketResult {NS}><Name>bucket</Name><Prefix>run/</Prefix><KeyCount>{len(prefixes)}</KeyCount>"
-               f"<MaxKeys>1000</MaxKeys><Delimiter>/</Delimiter>{more}{common}</ListBucketResult>")  # fmt: skip
+    return xml(
+        f"<ListBucketResult {NS}><Name>bucket</Name><Prefix>run/</Prefix><KeyCount>{len(prefixes)}</KeyCount>"
+        f"<MaxKeys>1000</MaxKeys><Delimiter>/</Delimiter>{more}{common}</ListBucketResult>"
+    )
 
 
 def serve(answer: Callable[[Request, int], Reply]) -> HostileS3:

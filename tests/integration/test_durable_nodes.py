@@ -36,8 +36,9 @@ def node_copies(root: Path, step: int = 4, kind: str = "periodic") -> dict[str, 
     """The copy of checkpoint `step` in each node's own fast tier: its node's files, its node file, one manifest."""
     data = files()
     entries = {rel: layout.FileEntry(len(d), checksums.checksum_bytes(d)) for rel, d in data.items()}
-    manifest = layout.Manifest(step=step, world_size=3, kind=kind, created_unix=1.7e9, files=entries,
-                               tensor_bytes=1, nodes=NODES)  # fmt: skip
+    manifest = layout.Manifest(
+        step=step, world_size=3, kind=kind, created_unix=1.7e9, files=entries, tensor_bytes=1, nodes=NODES
+    )
     raw = json.dumps(manifest.to_json()).encode()
     out = {}
     for node in NODES:
@@ -148,9 +149,15 @@ def test_a_nodes_own_marker_found_torn_is_written_again_and_the_step_commits(buc
 
 def node_a_keeper(fast: Path, bucket: str, tmp_path: Path) -> tuple[DurableKeeper, list[tuple[str, dict[str, Any]]]]:
     """Node-a's durable keeper of a two-node job with node-local fast tiers (`fast` its own), and what it emits."""
-    raw = {"job": {"command": ["true"]}, "checkpoint": {"dir": str(fast), "dir_shared": False,
-           "durable": {"url": f"s3://{bucket}/job", "part_bytes": 5 << 20}},
-           "launch": {"nnodes": 2, "rdzv_endpoint": "127.0.0.1:29400", "node_id": "node-a"}}  # fmt: skip
+    raw = {
+        "job": {"command": ["true"]},
+        "checkpoint": {
+            "dir": str(fast),
+            "dir_shared": False,
+            "durable": {"url": f"s3://{bucket}/job", "part_bytes": 5 << 20},
+        },
+        "launch": {"nnodes": 2, "rdzv_endpoint": "127.0.0.1:29400", "node_id": "node-a"},
+    }
     cfg = parse_config(raw, source="job.yaml", base_dir=tmp_path, hostname="n")
     seen: list[tuple[str, dict[str, Any]]] = []
     keeper = DurableKeeper(

@@ -76,8 +76,9 @@ def test_a_part_whose_bytes_are_not_its_content_md5_is_refused_by_the_store(buck
         md5 = hashlib.md5(sent).digest()
         sent[12345] ^= 1  # torn on the way: the bytes no longer match the signed header
         with pytest.raises(ClientError) as caught:
-            tier.client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=1, Body=sent,
-                                    ContentMD5=s3upload.b64(md5))  # fmt: skip
+            tier.client.upload_part(
+                Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=1, Body=sent, ContentMD5=s3upload.b64(md5)
+            )
         tier.client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
     assert caught.value.response["Error"]["Code"] in ("BadDigest", "InvalidDigest")
 

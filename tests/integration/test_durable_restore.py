@@ -104,8 +104,13 @@ def test_a_durable_tier_that_cannot_be_reached_leaves_the_local_stores_choice(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     closed = free_port()  # nothing listens there: every connection is refused
-    for name, value in {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{closed}", "AWS_ACCESS_KEY_ID": "k",
-                        "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1"}.items():  # fmt: skip
+    env = {
+        "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{closed}",
+        "AWS_ACCESS_KEY_ID": "k",
+        "AWS_SECRET_ACCESS_KEY": "s",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
@@ -122,8 +127,8 @@ def fsdp_in_the_tier(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, di
     """A 2-rank FSDP2 checkpoint (steps 1 and 2) in a local store, and what was saved."""
     base = tmp_path_factory.mktemp("fsdp")
     out = base / "save.json"
-    r = torchrun("ckpt_worker.py", ["save", "--dir", str(base / "ckpt"), "--parallel", "fsdp", "--width", "1024",
-                                    "--steps", "1,2", "--out", str(out)], nproc=2)  # fmt: skip
+    save = ["save", "--dir", str(base / "ckpt"), "--parallel", "fsdp", "--width", "1024", "--steps", "1,2"]
+    r = torchrun("ckpt_worker.py", [*save, "--out", str(out)], nproc=2)
     assert r.returncode == 0, r.output[-4000:]
     return base / "ckpt", json.loads(out.read_text())
 
@@ -137,8 +142,11 @@ def test_a_2_rank_save_loads_resharded_from_the_durable_tier_each_rank_reading_i
     assert upload_all(url, ckpt) == [1, 2]
     monkeypatch.setenv(DURABLE_TIER_ENV, url)
     out = tmp_path / "load.json"
-    r = torchrun("ckpt_worker.py", ["load", "--dir", str(tmp_path / "empty"), "--parallel", "fsdp", "--width", "1024",
-                                    "--out", str(out)], nproc=nproc)  # fmt: skip
+    r = torchrun(
+        "ckpt_worker.py",
+        ["load", "--dir", str(tmp_path / "empty"), "--parallel", "fsdp", "--width", "1024", "--out", str(out)],
+        nproc=nproc,
+    )
     assert r.returncode == 0, r.output[-4000:]
     loaded = json.loads(out.read_text())
     assert (loaded["step"], loaded["saved_world_size"], loaded["digests"]) == (2, 2, saved["digests_2"])
@@ -155,18 +163,22 @@ def test_a_2_rank_save_loads_resharded_from_the_durable_tier_each_rank_reading_i
 
 
 STEPS = 12
-TRAINER = ["-m", "ftsup.trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "3", "--keep-last", "10",
-           "--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--seq-len", "32",
-           "--corpus-bytes", "200000"]  # fmt: skip
+SMALL_MODEL = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--seq-len", "32", "--corpus-bytes", "200000"]
+TRAINER = ["-m", "ftsup.trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "3", "--keep-last", "10"]
+TRAINER += SMALL_MODEL
 
 
 def job(tmp: Path, name: str, env: dict[str, str]) -> Path:
     cfg = {
-        "job": {"command": [sys.executable, *TRAINER, "--loss-log", str(tmp / f"{name}.jsonl")], "workdir": str(REPO),
-                "state_dir": str(tmp / name / "state"), "env": {"PYTHONPATH": str(REPO), **env}},
+        "job": {
+            "command": [sys.executable, *TRAINER, "--loss-log", str(tmp / f"{name}.jsonl")],
+            "workdir": str(REPO),
+            "state_dir": str(tmp / name / "state"),
+            "env": {"PYTHONPATH": str(REPO), **env},
+        },
         "launch": {"nproc_per_node": 1},
         "checkpoint": {"dir": str(tmp / name / "ckpt")},
-    }  # fmt: skip
+    }
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -180,14 +192,13 @@ def test_ftsup_run_on_a_machine_whose_fast_tier_is_empty_resumes_from_the_durabl
     bucket: str, tmp_path: Path
 ) -> None:
     url = f"s3://{bucket}/gpt"
-    first = run([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job(tmp_path, "old-vm", {}))],
-                timeout=120)  # fmt: skip
+    ftsup_run = [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config"]
+    first = run([*ftsup_run, str(job(tmp_path, "old-vm", {}))], timeout=120)
     assert first.returncode == 0, first.output[-3000:]
     with durable.open_tier(url) as tier:
         tier.upload(tmp_path / "old-vm" / "ckpt" / layout.step_dirname(6))
     shutil.rmtree(tmp_path / "old-vm")  # the machine is gone, with its fast tier and its state directory
-    second = run([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config",
-                  str(job(tmp_path, "new-vm", {DURABLE_TIER_ENV: url}))], timeout=120)  # fmt: skip
+    second = run([*ftsup_run, str(job(tmp_path, "new-vm", {DURABLE_TIER_ENV: url}))], timeout=120)
     assert second.returncode == 0, second.output[-3000:]
     uninterrupted, resumed = losses(tmp_path / "old-vm.jsonl"), losses(tmp_path / "new-vm.jsonl")
     assert sorted(resumed) == list(range(7, STEPS + 1))

@@ -23,22 +23,26 @@ from tests.s3fixtures import client, start_server, use_server
 
 pytestmark = pytest.mark.multiprocess
 
-TRAINER = ["-m", "ftsup.trainer.examples.gpt", "--ckpt-every", "5", "--n-layer", "1", "--n-embd", "32",
-           "--seq-len", "16", "--corpus-bytes", "50000"]  # fmt: skip
+TRAINER = ["-m", "ftsup.trainer.examples.gpt", "--ckpt-every", "5"]
+TRAINER += ["--n-layer", "1", "--n-embd", "32", "--seq-len", "16", "--corpus-bytes", "50000"]
 
 
 def write_job(tmp: Path, durable_tier: object, *, steps: int, min_step_s: float, **sections: Any) -> Path:
-    command = [sys.executable, *TRAINER, "--steps", str(steps), "--min-step-s", str(min_step_s),
-               "--loss-log", str(tmp / "loss.jsonl")]  # fmt: skip
+    command = [sys.executable, *TRAINER, "--steps", str(steps), "--min-step-s", str(min_step_s)]
+    command += ["--loss-log", str(tmp / "loss.jsonl")]
     cfg = {
-        "job": {"command": command, "workdir": str(REPO), "state_dir": str(tmp / "state"),
-                "env": {"PYTHONPATH": str(REPO)}},
+        "job": {
+            "command": command,
+            "workdir": str(REPO),
+            "state_dir": str(tmp / "state"),
+            "env": {"PYTHONPATH": str(REPO)},
+        },
         "launch": {"nproc_per_node": 1, "warm_agent": False},
         "checkpoint": {"dir": str(tmp / "ckpt"), "durable": durable_tier},
         "restart": {"backoff_initial_s": 0.2, "stop_grace_s": 3},
         "eviction": {"default_deadline_s": 30, "save_margin_s": 2},
         **sections,
-    }  # fmt: skip
+    }
     path = tmp / "job.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -46,8 +50,12 @@ def write_job(tmp: Path, durable_tier: object, *, steps: int, min_step_s: float,
 
 def start(job: Path) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def events(tmp: Path) -> list[dict[str, Any]]:
@@ -157,5 +165,9 @@ def test_an_eviction_exits_5_only_once_its_emergency_checkpoint_is_durable(
     step = named(tmp_path, "checkpoint_committed")[-1]["step"]
     kind = layout.inspect_checkpoint(tmp_path / "ckpt" / layout.step_dirname(step)).kind
     order = [e["event"] for e in events(tmp_path) if e["event"] in ("durable_committed", "supervisor_exited")]
-    assert (waiting, code, got, order) == (True, EXIT_EVICTED, ([(step, kind, True)], []),
-                                           ["durable_committed", "supervisor_exited"])  # fmt: skip
+    assert (waiting, code, got, order) == (
+        True,
+        EXIT_EVICTED,
+        ([(step, kind, True)], []),
+        ["durable_committed", "supervisor_exited"],
+    )

@@ -208,15 +208,23 @@ def test_names_ftsup_never_writes_are_reported_and_never_listed_as_checkpoints(
     good = make_fake_checkpoint(tmp_path / "fast", 2, default_files())
     with durable.open_tier(f"s3://{bucket}/run", OPTIONS) as tier:
         tier.upload(good)
-        for key in ("run/step-12/manifest.json", "run/step-000000003\x01/manifest.json", "run/notes.txt",
-                    "run/step-0000000000000000000000004/manifest.json"):  # fmt: skip
+        for key in (
+            "run/step-12/manifest.json",
+            "run/step-000000003\x01/manifest.json",
+            "run/notes.txt",
+            "run/step-0000000000000000000000004/manifest.json",
+        ):
             s3.put_object(Bucket=bucket, Key=key, Body=(good / layout.MANIFEST_NAME).read_bytes())
         listed = tier.list_checkpoints()
     assert [c.step for c in listed.checkpoints] == [2]
-    assert sorted(listed.others) == sorted([
-        "notes.txt (an object beside the checkpoints)", "step-12/ (not a checkpoint name)",
-        "step-000000003\\x01/ (not a checkpoint name)", "step-0000000000000000000000004/ (not a checkpoint name)",
-    ])  # fmt: skip
+    assert sorted(listed.others) == sorted(
+        [
+            "notes.txt (an object beside the checkpoints)",
+            "step-12/ (not a checkpoint name)",
+            "step-000000003\\x01/ (not a checkpoint name)",
+            "step-0000000000000000000000004/ (not a checkpoint name)",
+        ]
+    )
 
 
 def test_a_manifest_of_another_step_or_naming_a_path_outside_is_not_consistent(
@@ -259,8 +267,9 @@ def test_delete_removes_the_manifest_and_only_the_objects_it_names(
     assert [k for k in keys(s3_server, bucket) if k.startswith("run/step-000000001/")] == [planted]
 
 
-def test_without_a_bucket_the_upload_fails_naming_it(s3_server: SeaweedS3, monkeypatch: pytest.MonkeyPatch,
-                                                     tmp_path: Path) -> None:  # fmt: skip
+def test_without_a_bucket_the_upload_fails_naming_it(
+    s3_server: SeaweedS3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     use_server(monkeypatch, s3_server, tmp_path)
     local = make_fake_checkpoint(tmp_path / "fast", 1, default_files())
     with durable.open_tier("s3://no-such-bucket/run", OPTIONS) as tier:

@@ -25,20 +25,25 @@ from tests.procs import REPO, kill_tree, run
 pytestmark = pytest.mark.multiprocess
 
 STEPS = 30
-TRAINER = ["-m", "ftsup.trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "5", "--n-layer", "2",
-           "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000", "--min-step-s", "0.12"]  # fmt: skip
+SMALL_MODEL = ["--n-layer", "2", "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000"]
+TRAINER = ["-m", "ftsup.trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "5", *SMALL_MODEL]
+TRAINER += ["--min-step-s", "0.12"]
 _rnd = random.Random(5)
 
 
 def write_job(tmp: Path, **eviction) -> Path:
     cfg = {
-        "job": {"command": [sys.executable, *TRAINER, "--loss-log", str(tmp / "loss.jsonl")], "workdir": str(REPO),
-                "state_dir": str(tmp / "state"), "env": {"PYTHONPATH": str(REPO)}},
+        "job": {
+            "command": [sys.executable, *TRAINER, "--loss-log", str(tmp / "loss.jsonl")],
+            "workdir": str(REPO),
+            "state_dir": str(tmp / "state"),
+            "env": {"PYTHONPATH": str(REPO)},
+        },
         "launch": {"nproc_per_node": 2},
         "checkpoint": {"dir": str(tmp / "ckpt")},
         "restart": {"backoff_initial_s": 0.2, "stop_grace_s": 3},
         "eviction": {"poll_interval_s": 0.1, "default_deadline_s": 30, "save_margin_s": 2, **eviction},
-    }  # fmt: skip
+    }
     path = tmp / "job.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -58,8 +63,12 @@ def events(tmp: Path) -> list[dict]:
 
 def start(job: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def wait_for_step(log: Path, step: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:

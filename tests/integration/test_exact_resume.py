@@ -29,10 +29,10 @@ KILL_STEPS = sorted(_rnd.sample(range(2, STEPS), 2))
 
 
 def gpt(ckpt: Path, log: Path, *extra: str, nproc: int = 2, parallel: str = "ddp", timeout: float = 240):
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "--max-restarts=0", "-m", "ftsup.trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "3",
-            "--keep-last", "10", "--parallel", parallel, "--ckpt-dir", str(ckpt), "--loss-log", str(log),
-            "--sample-log", str(log) + ".rank{rank}", *SMALL, *extra]  # fmt: skip
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    argv += ["--max-restarts=0", "-m", "ftsup.trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "3"]
+    argv += ["--keep-last", "10", "--parallel", parallel, "--ckpt-dir", str(ckpt), "--loss-log", str(log)]
+    argv += ["--sample-log", str(log) + ".rank{rank}", *SMALL, *extra]
     return run(argv, timeout=timeout)
 
 

@@ -32,15 +32,17 @@ def load_index(out: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.multiprocess
 def test_fsdp_checkpoint_of_2_ranks_exports_whole_tensors(tmp_path):
-    r = torchrun("ckpt_worker.py", ["save", "--dir", str(tmp_path / "ckpt"), "--parallel", "fsdp", "--steps", "2",
-                                    "--out", str(tmp_path / "save.json")], nproc=2)  # fmt: skip
+    save = ["save", "--dir", str(tmp_path / "ckpt"), "--parallel", "fsdp", "--steps", "2"]
+    r = torchrun("ckpt_worker.py", [*save, "--out", str(tmp_path / "save.json")], nproc=2)
     assert r.returncode == 0, r.output[-3000:]
     digests = json.loads((tmp_path / "save.json").read_text())["digests_2"]
     index = export_hf(tmp_path / "ckpt", 2, tmp_path / "hf", max_shard_bytes=40_000)
     tensors = load_index(tmp_path / "hf")
     assert len(set(index["weight_map"].values())) > 1  # really sharded
-    got = {f"model.{k}": hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-           for k, t in tensors.items()}  # fmt: skip
+    got = {
+        f"model.{k}": hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        for k, t in tensors.items()
+    }
     assert got == {k: v for k, v in digests.items() if k.startswith("model.")}
 
 
@@ -79,7 +81,7 @@ def test_ftsup_ckpt_export_hf_writes_the_index_and_says_what_it_did(tmp_path, ca
 
 def test_export_of_a_training_state_with_a_transformers_config_loads_with_from_pretrained_and_gives_its_logits(
     tmp_path,
-):  # fmt: skip
+):
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
     from ftsup import GlobalBatchSchedule, TrainingState

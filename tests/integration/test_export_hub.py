@@ -32,9 +32,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint of the reference trainer after 2 steps, one process (each tensor one whole chunk)."""
     root = tmp_path_factory.mktemp("reference") / "ckpt"
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()]
-    r = run([sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", "2", "--ckpt-every", "2",
-             "--global-batch", "4", "--micro-batch", "2", "--corpus-bytes", "65536", "--ckpt-dir", str(root),
-             *flags], timeout=180)  # fmt: skip
+    argv = [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", "2", "--ckpt-every", "2"]
+    argv += ["--global-batch", "4", "--micro-batch", "2", "--corpus-bytes", "65536", "--ckpt-dir", str(root), *flags]
+    r = run(argv, timeout=180)
     assert r.returncode == 0, r.output[-3000:]
     return root
 
@@ -43,8 +43,11 @@ def training_tensors(ckpt_root: Path) -> dict[str, torch.Tensor]:
     """The model's tensors as the engine saved them, read with safetensors from its own shard (`fqn@0,0`)."""
     path = ckpt_root / layout.step_dirname(2) / "shard-00000.safetensors"
     with safe_open(str(path), framework="pt") as f:
-        return {k.split("@")[0].removeprefix("train.model."): f.get_tensor(k) for k in f.keys()
-                if k.startswith("train.model.")}  # fmt: skip
+        return {
+            k.split("@")[0].removeprefix("train.model."): f.get_tensor(k)
+            for k in f.keys()
+            if k.startswith("train.model.")
+        }
 
 
 def as_bytes(t: torch.Tensor) -> bytes:
@@ -84,7 +87,10 @@ def test_every_exported_tensor_is_bitwise_the_training_one_and_the_names_follow_
     on_disk = json.loads((tmp_path / "hf" / hublayout.INDEX_NAME).read_text())
     assert files == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
     assert (list(on_disk), on_disk["weight_map"], on_disk["metadata"]) == (
-        ["metadata", "weight_map"], index["weight_map"], {"total_size": index["metadata"]["total_size"]})  # fmt: skip
+        ["metadata", "weight_map"],
+        index["weight_map"],
+        {"total_size": index["metadata"]["total_size"]},
+    )
     saved, got = training_tensors(reference), exported(tmp_path / "hf")
     assert {k: (t.dtype, as_bytes(t)) for k, t in got.items()} == {k: (t.dtype, as_bytes(t)) for k, t in saved.items()}
 
@@ -108,8 +114,16 @@ def test_the_export_loads_with_huggingface_hubs_loader_for_sharded_checkpoints(r
 
 
 def test_dtype_bf16_converts_the_floating_tensors_and_nothing_else(tmp_path):
-    state = {"app": {"model": {"w": torch.randn(4, 4, dtype=torch.float64), "h": torch.randn(3),
-                               "i": torch.arange(5), "f8": torch.randn(4).to(torch.float8_e4m3fn)}}}  # fmt: skip
+    state = {
+        "app": {
+            "model": {
+                "w": torch.randn(4, 4, dtype=torch.float64),
+                "h": torch.randn(3),
+                "i": torch.arange(5),
+                "f8": torch.randn(4).to(torch.float8_e4m3fn),
+            }
+        }
+    }
     with CheckpointEngine(tmp_path / "ckpt") as eng:
         eng.save(1, state, block=True)
     assert main(["ckpt", "export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--dtype", "bf16"]) == 0
@@ -118,8 +132,9 @@ def test_dtype_bf16_converts_the_floating_tensors_and_nothing_else(tmp_path):
     assert {k: (t.dtype, as_bytes(t)) for k, t in got.items()} == {
         "w": (torch.bfloat16, as_bytes(model["w"].to(torch.bfloat16))),
         "h": (torch.bfloat16, as_bytes(model["h"].to(torch.bfloat16))),
-        "i": (torch.int64, as_bytes(model["i"])), "f8": (torch.float8_e4m3fn, as_bytes(model["f8"])),
-    }  # fmt: skip
+        "i": (torch.int64, as_bytes(model["i"])),
+        "f8": (torch.float8_e4m3fn, as_bytes(model["f8"])),
+    }
 
 
 def gpt2_state(tmp_path: Path):
@@ -140,8 +155,8 @@ def test_a_sharded_bf16_export_loads_with_from_pretrained_in_bf16_with_the_model
     from transformers import AutoModelForCausalLM
 
     model = gpt2_state(tmp_path)
-    args = ["ckpt", "export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--dtype", "bf16", "--max-shard-size",
-            "30KB"]  # fmt: skip
+    args = ["ckpt", "export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--dtype", "bf16"]
+    args += ["--max-shard-size", "30KB"]
     assert main(args) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
     assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) > 1
@@ -160,10 +175,11 @@ def test_a_trainer_checkpoint_is_resharded_and_converted_with_from_pretrained_gi
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)).eval()
     model.save_pretrained(tmp_path / "checkpoint-3")  # what the Trainer writes into checkpoint-N/, weights first
-    hf_store.commit_hf_checkpoint(tmp_path / "checkpoint-3", tmp_path / "store", 3, kind="final", world_size=1,
-                                  metadata={"step": 3})  # fmt: skip
-    assert main(["ckpt", "export-hf", str(tmp_path / "store"), str(tmp_path / "hf"), "--max-shard-size", "30KB",
-                 "--dtype", "fp16"]) == 0  # fmt: skip
+    hf_store.commit_hf_checkpoint(
+        tmp_path / "checkpoint-3", tmp_path / "store", 3, kind="final", world_size=1, metadata={"step": 3}
+    )
+    args = ["ckpt", "export-hf", str(tmp_path / "store"), str(tmp_path / "hf"), "--max-shard-size", "30KB"]
+    assert main([*args, "--dtype", "fp16"]) == 0
     files = sorted(p.name for p in (tmp_path / "hf").iterdir())
     assert (hublayout.INDEX_NAME in files, "generation_config.json" in files) == (True, True)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -178,9 +194,9 @@ def trainer_example(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     """The HF Trainer example (`ftsup.trainer.examples.hf_gpt2`) trained 4 steps in one process, its checkpoint
     exported in shards of 100KB: the store, the export, and the logits the trained model gave."""
     tmp = tmp_path_factory.mktemp("trainer-example")
-    r = run([sys.executable, "-m", "ftsup.trainer.examples.hf_gpt2", "--steps", "4", "--save-every", "4",
-             "--eval-every", "100", "--output-dir", str(tmp / "store"), "--logits-out", str(tmp / "logits.pt")],
-            timeout=240)  # fmt: skip
+    argv = [sys.executable, "-m", "ftsup.trainer.examples.hf_gpt2", "--steps", "4", "--save-every", "4"]
+    argv += ["--eval-every", "100", "--output-dir", str(tmp / "store"), "--logits-out", str(tmp / "logits.pt")]
+    r = run(argv, timeout=240)
     assert r.returncode == 0, r.output[-3000:]
     assert main(["ckpt", "export-hf", str(tmp / "store"), str(tmp / "hf"), "--max-shard-size", "100KB"]) == 0
     return {"store": tmp / "store", "hf": tmp / "hf", "logits": tmp / "logits.pt"}
@@ -194,7 +210,7 @@ def trainer_weights(store: Path) -> dict[str, torch.Tensor]:
 
 def test_the_trainer_examples_export_in_shards_opens_in_safe_open_with_every_tensor_bitwise_the_trained_one(
     trainer_example,
-):  # fmt: skip
+):
     got, want = exported(trainer_example["hf"]), trainer_weights(trainer_example["store"])
     assert len(list(trainer_example["hf"].glob("model-*-of-*.safetensors"))) > 2
     assert {k: (t.dtype, as_bytes(t)) for k, t in got.items()} == {k: (t.dtype, as_bytes(t)) for k, t in want.items()}
@@ -259,14 +275,16 @@ def test_an_empty_out_directory_is_replaced_by_the_export(tmp_path):
     linear_checkpoint(tmp_path)
     (tmp_path / "hf").mkdir()
     export_hf(tmp_path / "ckpt", 1, tmp_path / "hf")
-    assert (sorted(p.name for p in (tmp_path / "hf").iterdir()), leftovers(tmp_path)) == ([hublayout.SINGLE_NAME],
-                                                                                          ["hf"])  # fmt: skip
+    assert (sorted(p.name for p in (tmp_path / "hf").iterdir()), leftovers(tmp_path)) == (
+        [hublayout.SINGLE_NAME],
+        ["hf"],
+    )
 
 
 def test_both_shard_size_flags_are_a_usage_error(tmp_path, capsys):
     linear_checkpoint(tmp_path)
-    code = main(["ckpt", "export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--max-shard-size", "5GB",
-                 "--max-shard-gb", "5"])  # fmt: skip
+    args = ["ckpt", "export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--max-shard-size", "5GB"]
+    code = main([*args, "--max-shard-gb", "5"])
     assert (code, "not allowed with argument" in capsys.readouterr().err, leftovers(tmp_path)) == (2, True, [])
 
 
@@ -305,15 +323,27 @@ def test_a_file_of_mixed_dtypes_is_byte_for_byte_what_safetensors_save_file_writ
     from ftsup.trainer.hf.write import OutTensor, write_model
 
     g = torch.Generator().manual_seed(0)
-    tensors = {name: torch.randint(0, 256, (3, 8), dtype=torch.uint8, generator=g).view(dtype)
-               for name, dtype in [("z.w", torch.float32), ("a.w", torch.int32), ("m", torch.bfloat16),
-                                   ("b", torch.float16), ("q", torch.float8_e4m3fn), ("c", torch.float64),
-                                   ("u", torch.uint16), ("k", torch.bool)]}  # fmt: skip
+    tensors = {
+        name: torch.randint(0, 256, (3, 8), dtype=torch.uint8, generator=g).view(dtype)
+        for name, dtype in [
+            ("z.w", torch.float32),
+            ("a.w", torch.int32),
+            ("m", torch.bfloat16),
+            ("b", torch.float16),
+            ("q", torch.float8_e4m3fn),
+            ("c", torch.float64),
+            ("u", torch.uint16),
+            ("k", torch.bool),
+        ]
+    }
     tensors["k"] = tensors["k"].view(torch.uint8) % 2 == 1
     save_file(tensors, tmp_path / "ref.safetensors", metadata={"format": "pt"})
     (tmp_path / "out").mkdir()
-    write_model(tmp_path / "out", [OutTensor(n, t.dtype, tuple(t.shape), lambda t=t: t) for n, t in tensors.items()],
-                max_shard_bytes=10**9)  # fmt: skip
+    write_model(
+        tmp_path / "out",
+        [OutTensor(n, t.dtype, tuple(t.shape), lambda t=t: t) for n, t in tensors.items()],
+        max_shard_bytes=10**9,
+    )
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
 
 
@@ -329,8 +359,9 @@ def trainer_store(tmp_path: Path, break_it) -> Path:
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
     model.save_pretrained(tmp_path / "checkpoint-3", max_shard_size="30KB")
     break_it(tmp_path / "checkpoint-3")
-    hf_store.commit_hf_checkpoint(tmp_path / "checkpoint-3", tmp_path / "store", 3, kind="final", world_size=1,
-                                  metadata={"step": 3})  # fmt: skip
+    hf_store.commit_hf_checkpoint(
+        tmp_path / "checkpoint-3", tmp_path / "store", 3, kind="final", world_size=1, metadata={"step": 3}
+    )
     return tmp_path / "store"
 
 
@@ -348,21 +379,30 @@ def unsupported_dtype(d: Path) -> None:
 @pytest.mark.parametrize(
     ("break_it", "says"),
     [
-        (lambda d: next(d.glob("model-00002-*.safetensors")).unlink(),
-         r"model\.safetensors\.index\.json: names model-00002-of-\d{5}\.safetensors \(for tensor '[^']+'\), which is "
-         "missing"),
-        (lambda d: rewrite_header(with_two_tensors(d), overlap),
-         r"model-\d{5}-of-\d{5}\.safetensors: tensor '[^']+' overlaps tensor '[^']+'"),
-        (lambda d: rewrite_header(with_two_tensors(d), past_end),
-         r"model-\d{5}-of-\d{5}\.safetensors: tensor '[^']+': its bytes \[\d+, \d+\) run past the end of the file"),
-        (unsupported_dtype, r"model-\d{5}-of-\d{5}\.safetensors: tensor 'transformer\.h\.0\.attn\.c_attn\.bias' has "
-                            "dtype F6_E2M3, which torch has no dtype for"),
+        (
+            lambda d: next(d.glob("model-00002-*.safetensors")).unlink(),
+            r"model\.safetensors\.index\.json: names model-00002-of-\d{5}\.safetensors "
+            r"\(for tensor '[^']+'\), which is missing",
+        ),
+        (
+            lambda d: rewrite_header(with_two_tensors(d), overlap),
+            r"model-\d{5}-of-\d{5}\.safetensors: tensor '[^']+' overlaps tensor '[^']+'",
+        ),
+        (
+            lambda d: rewrite_header(with_two_tensors(d), past_end),
+            r"model-\d{5}-of-\d{5}\.safetensors: tensor '[^']+': its bytes \[\d+, \d+\) run past the end of the file",
+        ),
+        (
+            unsupported_dtype,
+            r"model-\d{5}-of-\d{5}\.safetensors: tensor 'transformer\.h\.0\.attn\.c_attn\.bias' has "
+            "dtype F6_E2M3, which torch has no dtype for",
+        ),
     ],
     ids=["missing-shard", "overlapping-header", "header-past-the-end", "unsupported-dtype"],
-)  # fmt: skip
+)
 def test_a_trainer_checkpoint_whose_weights_lie_names_the_file_and_the_tensor_and_leaves_nothing_in_out(
     tmp_path, break_it, says
-):  # fmt: skip
+):
     store = trainer_store(tmp_path, break_it)
     with pytest.raises(CheckpointError, match=says):
         export_hf(store, None, tmp_path / "hf", max_shard_bytes=30_000)

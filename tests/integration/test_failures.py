@@ -21,12 +21,16 @@ pytestmark = pytest.mark.multiprocess
 
 def write_job(tmp: Path, *command: str, nproc: int = 2, **sections: Any) -> Path:
     cfg: dict[str, Any] = {
-        "job": {"command": list(command), "workdir": str(tmp), "state_dir": str(tmp / "state"),
-                "env": {"PYTHONPATH": str(REPO)}},
+        "job": {
+            "command": list(command),
+            "workdir": str(tmp),
+            "state_dir": str(tmp / "state"),
+            "env": {"PYTHONPATH": str(REPO)},
+        },
         "launch": {"nproc_per_node": nproc},
         "checkpoint": {"dir": str(tmp / "ckpt")},
         "restart": {"backoff_initial_s": 0.1, "stop_grace_s": 3, "max_attempts_without_progress": 1},
-    }  # fmt: skip
+    }
     for name, values in sections.items():
         cfg.setdefault(name, {}).update(values)
     path = tmp / "job.yaml"
@@ -56,14 +60,20 @@ def events(tmp: Path, name: str) -> list[dict[str, Any]]:
     ],
     ids=["exit 1 with a traceback", "SIGKILL", "SIGSEGV"],
 )
-def test_a_failed_rank_is_named_with_its_exit_code_or_signal_and_its_last_lines(tmp_path, mode, exit_code, signal,
-                                                                                 last_line) -> None:  # fmt: skip
+def test_a_failed_rank_is_named_with_its_exit_code_or_signal_and_its_last_lines(
+    tmp_path, mode, exit_code, signal, last_line
+) -> None:
     r = ftsup("run", "--config", str(failing(tmp_path, mode)))
     assert r.returncode == 3, r.output[-3000:]
     (ev,) = events(tmp_path, "worker_exited")
     log = tmp_path / "state" / "logs" / "attempt-0001.log"
-    assert (ev["rank"], ev["exit_code"], ev["signal"], ev["log"], log.is_file()) == (1, exit_code, signal, str(log),
-                                                                                     True)  # fmt: skip
+    assert (ev["rank"], ev["exit_code"], ev["signal"], ev["log"], log.is_file()) == (
+        1,
+        exit_code,
+        signal,
+        str(log),
+        True,
+    )
     assert ev["output"][-1].endswith(last_line), ev["output"]
     assert ev["reason"].startswith(f"rank 1 (pid {ev['failures'][0]['pid']}) ")
 
@@ -98,9 +108,16 @@ def test_the_journals_last_failure_is_the_crash_loops_cause(crash_loop) -> None:
 def test_the_console_shows_each_launch_failure_relaunch_and_the_end_in_short_lines(crash_loop) -> None:
     _, r = crash_loop
     lines = [line for line in r.output.splitlines() if line.startswith("ftsup: ")]
-    expected = ["supervising ", "attempt 1 launched: 2 rank(s), from scratch", "attempt 1 failed: rank 1 (pid ",
-                "relaunching in ", "attempt 2 launched", "attempt 2 failed: rank 1 (pid ", "giving up: crash loop",
-                "exit status 3"]  # fmt: skip
+    expected = [
+        "supervising ",
+        "attempt 1 launched: 2 rank(s), from scratch",
+        "attempt 1 failed: rank 1 (pid ",
+        "relaunching in ",
+        "attempt 2 launched",
+        "attempt 2 failed: rank 1 (pid ",
+        "giving up: crash loop",
+        "exit status 3",
+    ]
     assert len(lines) == len(expected) and all(
         line.startswith(f"ftsup: {e}") for line, e in zip(lines, expected, strict=True)
     )
@@ -154,11 +171,16 @@ def test_a_bare_python_is_the_interpreter_ftsup_runs_under_whatever_path_finds_f
 
 def test_status_shows_a_running_jobs_ranks_and_then_that_no_supervisor_runs(tmp_path) -> None:
     until = tmp_path / "until"
-    job = write_job(tmp_path, sys.executable, str(BIN / "beater.py"), "--steps", "1", "--step-s", "0.05", "--until",
-                    str(until))  # fmt: skip
+    job = write_job(
+        tmp_path, sys.executable, str(BIN / "beater.py"), "--steps", "1", "--step-s", "0.05", "--until", str(until)
+    )
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
 
         def heard() -> dict[str, Any] | None:

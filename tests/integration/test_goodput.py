@@ -48,10 +48,16 @@ def killed_run(tmp_path_factory) -> Iterator[tuple[Path, dict[str, Any], dict[st
     """The run, the last scrape its metrics endpoint answered, and `ftsup status --json` after it ended."""
     tmp = tmp_path_factory.mktemp("goodput")
     port = free_port()
-    job = write_job(tmp, "--fault", "kill@7", "--fault-rank", "1", "--min-step-s", "0.3",
-                    metrics={"listen": f"127.0.0.1:{port}"})  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    job = write_job(
+        tmp, "--fault", "kill@7", "--fault-rank", "1", "--min-step-s", "0.3", metrics={"listen": f"127.0.0.1:{port}"}
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         last: dict[str, Any] | None = None
 
@@ -110,8 +116,12 @@ def test_a_supervisor_restarted_after_sigkill_goes_on_counting_and_its_downtime_
     # Steps of at least 0.5 s leave seconds between the first checkpoint and the run's end, in which the
     # supervisor is killed; the ranks' parent-death guards take the attempt down with it.
     job = write_job(tmp_path, "--min-step-s", "0.5")
-    proc = subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_for(lambda: (tmp_path / "ckpt" / "step-000000004").is_dir(), 120, "no checkpoint of step 4")
         first = json.loads((tmp_path / "state" / "journal.json").read_text())["goodput"]

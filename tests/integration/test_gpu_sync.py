@@ -22,8 +22,17 @@ def test_a_guarded_step_on_a_gpu_synchronises_with_the_host_once(tmp_path):
     model = GPT(256, 32, 2, 4, 64, 0.1).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     dataset = TokenWindows(generate(1 << 16), 32)
-    session = Session(model, optimizer, None, dataset, global_batch=8, micro_batch=2, ckpt_dir=tmp_path,
-                      save_every=None, pin_memory=True)  # fmt: skip
+    session = Session(
+        model,
+        optimizer,
+        None,
+        dataset,
+        global_batch=8,
+        micro_batch=2,
+        ckpt_dir=tmp_path,
+        save_every=None,
+        pin_memory=True,
+    )
     waits = []
     for _ in session.steps(6):
         with warnings.catch_warnings(record=True) as caught:

@@ -38,21 +38,29 @@ class Job:
         self.tmp = tmp
         self.done = tmp / "done"  # the beaters step until this file exists (--until)
         cfg: dict = {
-            "job": {"command": [*BEATER, "--until", str(self.done), *beater_args], "workdir": str(REPO),
-                    "state_dir": str(tmp / "state"), "env": {"PYTHONPATH": str(REPO)}},
+            "job": {
+                "command": [*BEATER, "--until", str(self.done), *beater_args],
+                "workdir": str(REPO),
+                "state_dir": str(tmp / "state"),
+                "env": {"PYTHONPATH": str(REPO)},
+            },
             "launch": {"nproc_per_node": nproc},
             "checkpoint": {"dir": str(tmp / "ckpt")},
             "restart": {"backoff_initial_s": 0.2, "stop_grace_s": 3},
             "metrics": {"listen": "127.0.0.1:0"},
-        }  # fmt: skip
+        }
         for name, values in sections.items():
             cfg.setdefault(name, {}).update(values)
         (tmp / "job.yaml").write_text(yaml.safe_dump(cfg))
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
         with open(tmp / "stderr.log", "wb") as err:  # a file, not a pipe: nobody would drain a pipe
-            self.proc = subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config",
-                                          str(tmp / "job.yaml")], env=env, cwd=REPO, stdout=subprocess.DEVNULL,
-                                         stderr=err)  # fmt: skip
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(tmp / "job.yaml")],
+                env=env,
+                cwd=REPO,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
 
     @property
     def run_dir(self) -> Path:
@@ -68,8 +76,11 @@ class Job:
         (started,) = self.events("supervisor_started")
         with urllib.request.urlopen(f"http://{started['metrics']}/metrics", timeout=10) as r:
             text = r.read().decode()
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for fam in text_string_to_metric_families(text) for s in fam.samples}  # fmt: skip
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        }
 
     def metric(self, name: str, **labels: str) -> float:
         return self.metrics()[(name, tuple(sorted(labels.items())))]
@@ -78,8 +89,11 @@ class Job:
         return self.metric("ftsup_step") if self.events("supervisor_started") else -1
 
     def wait_for_step(self, step: float, timeout_s: float = 90) -> None:
-        wait_for(lambda: self.proc.poll() is None and self.step() >= step, timeout_s,
-                 lambda: f"step {step} not reached (rc {self.proc.poll()}): {self.tail()}")  # fmt: skip
+        wait_for(
+            lambda: self.proc.poll() is None and self.step() >= step,
+            timeout_s,
+            lambda: f"step {step} not reached (rc {self.proc.poll()}): {self.tail()}",
+        )
 
     def tail(self) -> str:
         return json.dumps([e["event"] for e in self.events()][-20:])
@@ -132,8 +146,9 @@ def timed_out(j: Job) -> list[str]:
 
 def flood(path: Path, seconds: float, out: Path) -> subprocess.Popen[bytes]:
     """A flood of malformed messages from a process outside the attempt (this test's child)."""
-    return subprocess.Popen([*BEATER, "flood", str(path), str(seconds), str(out)], env=dict(os.environ,
-                            PYTHONPATH=str(REPO)))  # fmt: skip
+    return subprocess.Popen(
+        [*BEATER, "flood", str(path), str(seconds), str(out)], env=dict(os.environ, PYTHONPATH=str(REPO))
+    )
 
 
 # ---------------------------------------------------------------------- floods
@@ -156,8 +171,9 @@ def test_a_flood_from_inside_and_outside_the_attempt_kills_no_healthy_attempt_an
 
 
 def test_a_rank_stopped_during_a_flood_is_caught_within_its_timeout_plus_1s(job, job_dir):
-    j = job("--steps", "60", "--flood-at", "5", "--flood-s", "3", "--stop-at", "12",
-            "--stop-mark", str(job_dir / "stopped"))  # fmt: skip
+    j = job(
+        "--steps", "60", "--flood-at", "5", "--flood-s", "3", "--stop-at", "12", "--stop-mark", str(job_dir / "stopped")
+    )
     assert j.finish(timeout_s=120) == 0, j.tail()
     (hang,) = j.events("heartbeat_timed_out")
     detected = datetime.fromisoformat(hang["timestamp"].replace("Z", "+00:00")).timestamp()
@@ -173,8 +189,17 @@ def test_a_beat_claiming_another_process_neither_reaches_the_journal_nor_gets_it
     j.wait_for_step(5)
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
-        beat = {"v": 2, "attempt": 1, "rank": 7, "local_rank": 7, "pid": victim.pid, "step": 3, "phase": "train",
-                "t": time.time(), "mono": time.monotonic()}  # fmt: skip
+        beat = {
+            "v": 2,
+            "attempt": 1,
+            "rank": 7,
+            "local_rank": 7,
+            "pid": victim.pid,
+            "step": 3,
+            "phase": "train",
+            "t": time.time(),
+            "mono": time.monotonic(),
+        }
         path = str(j.run_dir / "heartbeat.sock")
         for kind in (socket.SOCK_SEQPACKET, socket.SOCK_DGRAM):  # whichever the supervisor listens on
             with socket.socket(socket.AF_UNIX, kind) as s:
@@ -197,8 +222,12 @@ def _nobody_python() -> str | None:
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         return None
     for exe in (os.path.realpath(sys.executable), "/usr/bin/python3"):
-        probe = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", exe, "-I", "-c", "0"],
-                               capture_output=True, timeout=30, check=False)  # fmt: skip
+        probe = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", exe, "-I", "-c", "0"],
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
         if probe.returncode == 0:
             return exe
     return None
@@ -243,9 +272,9 @@ def test_another_local_user_can_neither_beat_nor_request_a_save_or_a_stop_nor_re
         pytest.skip("needs root, setpriv and a python that user 65534 can run")
     j = job("--steps", "1", nproc=1, eviction={"signals": ["SIGUSR1"]})
     j.wait_for_step(5)
-    probe = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-I", "-c",
-                            NOBODY_PROBE, str(j.run_dir), str(j.proc.pid)],
-                           capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    argv = [*as_nobody, python, "-I", "-c", NOBODY_PROBE, str(j.run_dir), str(j.proc.pid)]
+    probe = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True)
     got = json.loads(probe.stdout)
     j.wait_for_step(j.step() + 5)
     assert (j.finish(), j.events("save_requested"), j.events("stop_requested")) == (0, [], [])

@@ -36,8 +36,10 @@ def hub_model(path: Path, seed: int = 1, max_shard_size: str = "20KB") -> dict[s
 
 
 def digests(sd: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {k: hashlib.sha256(v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-            for k, v in sd.items()}  # fmt: skip
+    return {
+        k: hashlib.sha256(v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        for k, v in sd.items()
+    }
 
 
 def shares(sd: dict[str, torch.Tensor], world: int) -> list[int]:
@@ -63,15 +65,21 @@ def test_one_process_loads_every_tensor_bitwise_reading_each_byte_once(tmp_path)
     result = load_hf_model(model, tmp_path / "hf")
     assert digests(model.state_dict()) == digests(sd)
     assert (result.bytes_read, result.origin["tensors"], result.origin["dir"]) == (
-        sum(t.nbytes for t in sd.values()), len(sd), str((tmp_path / "hf").resolve()))  # fmt: skip
+        sum(t.nbytes for t in sd.values()),
+        len(sd),
+        str((tmp_path / "hf").resolve()),
+    )
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_load_every_tensor_bitwise_each_reading_exactly_its_share(tmp_path, parallel):
     sd = hub_model(tmp_path / "hf")
-    r = torchrun("hf_init_worker.py", ["--hf", str(tmp_path / "hf"), "--parallel", parallel,
-                                       "--out", str(tmp_path / "rank")], nproc=2)  # fmt: skip
+    r = torchrun(
+        "hf_init_worker.py",
+        ["--hf", str(tmp_path / "hf"), "--parallel", parallel, "--out", str(tmp_path / "rank")],
+        nproc=2,
+    )
     assert r.returncode == 0, r.output[-3000:]
     outs = [json.loads((tmp_path / f"rank.{i}.json").read_text()) for i in (0, 1)]
     assert [o.get("error") for o in outs] == [None, None]
@@ -101,8 +109,11 @@ def test_a_file_tensor_the_model_lacks_names_the_file_and_the_tensor_and_loads_n
     (tmp_path / "hf").mkdir()
     save_torch_state_dict({**sd, "extra.weight": torch.zeros(3)}, tmp_path / "hf", max_shard_size="20KB")
     model, before = model_and_before()
-    with pytest.raises(ModelFileError, match=r"model-\d{5}-of-\d{5}\.safetensors: holds tensor 'extra\.weight', "
-                                             "which the model does not have"):  # fmt: skip
+    with pytest.raises(
+        ModelFileError,
+        match=r"model-\d{5}-of-\d{5}\.safetensors: holds tensor 'extra\.weight', "
+        "which the model does not have",
+    ):
         load_hf_model(model, tmp_path / "hf")
     assert digests(model.state_dict()) == before
 
@@ -172,8 +183,16 @@ def test_a_transformers_model_saved_sharded_with_tied_weights_loads_with_the_sam
     )
 
 
-GPT2: dict[str, Any] = {"vocab_size": 256, "n_positions": 32, "n_embd": 64, "n_layer": 2, "n_head": 4,
-                        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # fmt: skip
+GPT2: dict[str, Any] = {
+    "vocab_size": 256,
+    "n_positions": 32,
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 4,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "attn_pdrop": 0.0,
+}
 
 
 @pytest.fixture(scope="module")
@@ -189,8 +208,11 @@ def gpt2_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     runs = {}
     for name, nproc in (("one", 1), ("two", 2)):
         args = ["--hf", str(tmp / "hf"), "--ckpt-dir", str(tmp / f"ckpt-{name}"), "--out", str(tmp / name)]
-        r = python("hf_gpt2_run.py", args, timeout=240) if nproc == 1 else torchrun("hf_gpt2_run.py", args, nproc=2,
-                                                                                    timeout=240)  # fmt: skip
+        r = (
+            python("hf_gpt2_run.py", args, timeout=240)
+            if nproc == 1
+            else torchrun("hf_gpt2_run.py", args, nproc=2, timeout=240)
+        )
         assert r.returncode == 0, r.output[-3000:]
         runs[name] = [json.loads((tmp / f"{name}.{i}.json").read_text()) for i in range(nproc)]
     shards = len(list((tmp / "hf").glob("model-*-of-*.safetensors")))
@@ -202,19 +224,24 @@ def gpt2_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.mark.multiprocess
 def test_a_transformers_model_saved_in_shards_trains_its_first_step_from_its_weights_on_one_rank_and_two_fsdp2(
     gpt2_runs,
-):  # fmt: skip
+):
     from ftsup.trainer.examples.corpus import TokenWindows, generate
 
     saved, (one,), two = gpt2_runs["saved"], gpt2_runs["one"], gpt2_runs["two"]
     data = TokenWindows(generate(65536), 32)
     with torch.no_grad():  # the saved model's own loss on the micro-batches the step trained on
-        losses = [saved(input_ids=x, labels=x).loss.double() for ids in one["micro_batches"]
-                  for x in [torch.stack([data[i][1][:-1] for i in ids])]]  # fmt: skip
+        losses = [
+            saved(input_ids=x, labels=x).loss.double()
+            for ids in one["micro_batches"]
+            for x in [torch.stack([data[i][1][:-1] for i in ids])]
+        ]
     want = float(sum(losses) / len(losses))
     assert gpt2_runs["shards"] > 2
     assert sorted(i for r in two for b in r["micro_batches"] for i in b) == sorted(sum(one["micro_batches"], []))
     assert (abs(one["loss"] - want) <= 1e-5 * want, [abs(r["loss"] - one["loss"]) <= 1e-5 * want for r in two]) == (
-        True, [True, True]), (want, one["loss"], [r["loss"] for r in two])  # fmt: skip
+        True,
+        [True, True],
+    ), (want, one["loss"], [r["loss"] for r in two])
 
 
 @pytest.mark.multiprocess
@@ -229,15 +256,19 @@ def test_each_fsdp2_rank_reads_its_share_of_a_sharded_transformers_model_and_one
 
     measured = [r["share"] <= r["rchar"] <= bound(r) for r in (one, *two)]
     assert (one["share"], sum(r["share"] for r in two), [r["bytes_read"] for r in two], one["bytes_read"]) == (
-        total, total, [r["share"] for r in two], total)  # fmt: skip
+        total,
+        total,
+        [r["share"] for r in two],
+        total,
+    )
     assert measured == [True] * 3, [(r["share"], r["rchar"], r["header_bytes"]) for r in (one, *two)]
 
 
 def first_loss(tmp_path: Path, name: str, nproc: int, init: Path | None, parallel: str = "ddp") -> float:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()] + [f"--parallel={parallel}"]
-    argv = ["-m", "ftsup.trainer.examples.gpt", "--steps", "1", "--ckpt-every", "1", "--global-batch", "4",
-            "--micro-batch", "2", "--corpus-bytes", "65536", "--ckpt-dir", str(tmp_path / name),
-            "--loss-log", str(tmp_path / f"{name}.jsonl"), *flags]  # fmt: skip
+    argv = ["-m", "ftsup.trainer.examples.gpt", "--steps", "1", "--ckpt-every", "1", "--global-batch", "4"]
+    argv += ["--micro-batch", "2", "--corpus-bytes", "65536", "--ckpt-dir", str(tmp_path / name)]
+    argv += ["--loss-log", str(tmp_path / f"{name}.jsonl"), *flags]
     argv += ["--init-from-hf", str(init)] if init else []
     if nproc > 1:
         argv = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", *argv]
@@ -248,9 +279,7 @@ def first_loss(tmp_path: Path, name: str, nproc: int, init: Path | None, paralle
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_the_reference_trainer_starts_from_a_hub_model_with_the_same_first_loss_on_one_rank_and_two(
-    tmp_path, parallel
-):  # fmt: skip
+def test_the_reference_trainer_starts_from_a_hub_model_with_the_same_first_loss_on_one_rank_and_two(tmp_path, parallel):
     hub_model(tmp_path / "hf")
     one = first_loss(tmp_path, "one", 1, tmp_path / "hf")
     two = first_loss(tmp_path, "two", 2, tmp_path / "hf", parallel)
@@ -263,17 +292,26 @@ def test_the_reference_trainer_starts_from_a_hub_model_with_the_same_first_loss_
 @pytest.mark.parametrize(
     ("break_it", "says"),
     [
-        (lambda d: next(d.glob("model-00002-*.safetensors")).unlink(), r"names model-00002-of-\d{5}\.safetensors "
-                                                                        r"\(for tensor '[^']+'\), which is missing"),
-        (lambda d: next(d.glob("model-00001-*.safetensors")).write_bytes(b"\x08" + bytes(7) + b'{"a": 1}'),
-         r"model-00001-of-\d{5}\.safetensors: tensor 'a': not an object of exactly dtype, shape and data_offsets"),
-        (lambda d: rewrite_header(with_two_tensors(d), overlap),
-         r"model-\d{5}-of-\d{5}\.safetensors: tensor '[^']+' overlaps tensor '[^']+'"),
-        (lambda d: rewrite_header(with_two_tensors(d), past_end),
-         r"model-\d{5}-of-\d{5}\.safetensors: tensor '[^']+': its bytes \[\d+, \d+\) run past the end of the file"),
+        (
+            lambda d: next(d.glob("model-00002-*.safetensors")).unlink(),
+            r"names model-00002-of-\d{5}\.safetensors "
+            r"\(for tensor '[^']+'\), which is missing",
+        ),
+        (
+            lambda d: next(d.glob("model-00001-*.safetensors")).write_bytes(b"\x08" + bytes(7) + b'{"a": 1}'),
+            r"model-00001-of-\d{5}\.safetensors: tensor 'a': not an object of exactly dtype, shape and data_offsets",
+        ),
+        (
+            lambda d: rewrite_header(with_two_tensors(d), overlap),
+            r"model-\d{5}-of-\d{5}\.safetensors: tensor '[^']+' overlaps tensor '[^']+'",
+        ),
+        (
+            lambda d: rewrite_header(with_two_tensors(d), past_end),
+            r"model-\d{5}-of-\d{5}\.safetensors: tensor '[^']+': its bytes \[\d+, \d+\) run past the end of the file",
+        ),
     ],
     ids=["missing-shard", "bad-header", "overlapping-header", "header-past-the-end"],
-)  # fmt: skip
+)
 def test_a_hostile_hub_directory_names_the_file_and_loads_nothing(tmp_path, break_it, says):
     hub_model(tmp_path / "hf")
     break_it(tmp_path / "hf")

@@ -34,18 +34,21 @@ FAILURES = ("worker_exited", "heartbeat_timed_out", "progress_timed_out", "start
 
 
 def write_job(tmp: Path, *extra: str) -> Path:
-    trainer = ["-m", "ftsup.trainer.examples.hf_gpt2", "--steps", str(STEPS), "--save-every", "4", "--eval-every",
-               "7", "--eval-pad-s", str(EVAL_PAD_S), "--min-step-s", "0.1", "--loss-log", str(tmp / "loss.jsonl"),
-               *extra]  # fmt: skip
+    trainer = ["-m", "ftsup.trainer.examples.hf_gpt2", "--steps", str(STEPS), "--save-every", "4", "--eval-every", "7"]
+    trainer += ["--eval-pad-s", str(EVAL_PAD_S), "--min-step-s", "0.1", "--loss-log", str(tmp / "loss.jsonl"), *extra]
     cfg = {
-        "job": {"command": [sys.executable, *trainer], "workdir": str(tmp), "state_dir": str(tmp / "state"),
-                "env": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}},
+        "job": {
+            "command": [sys.executable, *trainer],
+            "workdir": str(tmp),
+            "state_dir": str(tmp / "state"),
+            "env": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        },
         "launch": {"nproc_per_node": 2},
         "checkpoint": {"dir": str(tmp / "ckpt")},
         "heartbeat": {"min_timeout_s": MIN_TIMEOUT_S},
         "restart": {"backoff_initial_s": 0.2, "stop_grace_s": 3},
         "eviction": {"signals": ["SIGTERM"], "default_deadline_s": 60, "save_margin_s": 2},
-    }  # fmt: skip
+    }
     path = tmp / "job.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -73,8 +76,8 @@ def logged_step(log: Path) -> int:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("hf-ref")
-    r = run([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config",
-             str(write_job(tmp, "--logits-out", str(tmp / "logits.pt")))], timeout=300)  # fmt: skip
+    job = write_job(tmp, "--logits-out", str(tmp / "logits.pt"))
+    r = run([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], timeout=300)
     assert r.returncode == 0, r.output[-3000:]
     return tmp
 
@@ -119,7 +122,7 @@ def test_a_fault_ends_with_the_uninterrupted_loss_log_bitwise(reference, tmp_pat
 
 def test_export_hf_of_the_final_checkpoint_loads_with_from_pretrained_and_gives_the_training_logits(
     reference, tmp_path
-):  # fmt: skip
+):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -134,8 +137,8 @@ def test_export_hf_of_the_final_checkpoint_loads_with_from_pretrained_and_gives_
 
 
 def test_a_run_resumed_from_its_final_checkpoint_takes_no_step_more(tmp_path):
-    argv = [sys.executable, "-m", "ftsup.trainer.examples.hf_gpt2", "--steps", "3", "--save-every", "2", "--eval-every",
-            "100", "--output-dir", str(tmp_path / "out"), "--loss-log", str(tmp_path / "loss.jsonl")]  # fmt: skip
+    argv = [sys.executable, "-m", "ftsup.trainer.examples.hf_gpt2", "--steps", "3", "--save-every", "2"]
+    argv += ["--eval-every", "100", "--output-dir", str(tmp_path / "out"), "--loss-log", str(tmp_path / "loss.jsonl")]
     for _ in range(2):  # one process, no supervisor: the second run resumes from the final checkpoint
         r = run(argv, timeout=180)
         assert r.returncode == 0, r.output[-3000:]

@@ -142,10 +142,16 @@ def _storage_not_a_list(meta: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     "edit",
     [
-        _negative_offset, _offset_past_the_end, _chunk_outside_its_tensor, _undeclared_storage, _file_outside,
-        _unknown_dtype, _skeleton_names_a_missing_tensor, _storage_not_a_list,
+        _negative_offset,
+        _offset_past_the_end,
+        _chunk_outside_its_tensor,
+        _undeclared_storage,
+        _file_outside,
+        _unknown_dtype,
+        _skeleton_names_a_missing_tensor,
+        _storage_not_a_list,
     ],
-)  # fmt: skip
+)
 def test_dcp_metadata_with_valid_checksums_but_an_invalid_schema_is_corrupt_and_falls_back(
     saved: tuple[Path, list[torch.Tensor], Path], edit: Callable[[dict[str, Any]], None]
 ) -> None:

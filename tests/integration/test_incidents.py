@@ -1,18 +1,11 @@
-"""Numbers that go wrong, end to end: the reference trainer's own faults (`--fault nan@STEP`,
-`spike@STEP:LEN`, `slow@RANK:FACTOR`, keyed to data positions and injected in every attempt, so that
-only a data skip gets a job past them) under `ftsup run` on 2 CPU ranks with the default `anomaly:`
-thresholds. Each step is padded to 0.1 s (after its work: the `compute_s` stragglers are told by is
-not padded), so that the ranks leave the host idle most of the time, as GPU-bound steps do: two
-ranks computing without a pause on this 2-core machine share their cores with every other process,
-and a rank descheduled for a few of its 25 ms steps is, for those steps, a straggler.
+"""Numbers that go wrong, end to end: the reference trainer's own faults (`--fault nan@STEP`, `spike@STEP:LEN`,
+`slow@RANK:FACTOR`, in every attempt, so that only a data skip gets a job past them) under `ftsup run` on 2 CPU
+ranks with the default `anomaly:` thresholds.
 
-- A NaN and a loss spike are each detected, rolled back past and skipped; the job finishes; its
-  loss log is bitwise a fresh run's told to skip the same positions from the start; no committed
-  checkpoint (abandoned ones included) holds a non-finite tensor.
-- A spike longer than what a skip covers comes back after it: the job escalates (exit 7) instead of
-  looping.
-- A 300-step run raises no alarm; a rank slowed to 3x is reported as a straggler within 20 steps and
-  is never failed as a hang.
+- A NaN and a loss spike are each detected, rolled back past and skipped; the job finishes; its loss log is bitwise
+  a fresh run's told to skip the same positions; no committed checkpoint (abandoned ones included) is non-finite.
+- A spike longer than what a skip covers comes back after it: the job escalates (exit 7) instead of looping.
+- A 300-step run raises no alarm; a rank slowed to 3x is reported as a straggler within 20 steps, never as a hang.
 """
 
 from __future__ import annotations
@@ -37,8 +30,11 @@ def supervise(
     tmp: Path, *trainer_args: str, steps: int = STEPS, every: int = 5, timeout: float = 420
 ) -> tuple[int, list[dict]]:
     tmp.mkdir(exist_ok=True)
-    job = write_job(tmp, "--steps", str(steps), "--ckpt-every", str(every), "--fault-attempt", "-1",
-                    "--min-step-s", "0.1", *trainer_args)  # fmt: skip
+    # Steps padded to 0.1 s (after their work: the `compute_s` stragglers are told by is not padded) leave the host
+    # idle most of the time, as GPU-bound steps do: ranks computing without a pause share a small host's cores with
+    # every other process, and a rank descheduled for a few of its short steps is, for those steps, a straggler.
+    flags = ("--steps", str(steps), "--ckpt-every", str(every), "--fault-attempt", "-1", "--min-step-s", "0.1")
+    job = write_job(tmp, *flags, *trainer_args)
     r = ftsup("run", "--config", str(job), timeout=timeout)
     return r.returncode, events(tmp)
 

@@ -44,13 +44,17 @@ fi
 
 
 def _series(text: str) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
-    return {(s.name, tuple(sorted(s.labels.items()))) for fam in text_string_to_metric_families(text)
-            for s in fam.samples}  # fmt: skip
+    return {
+        (s.name, tuple(sorted(s.labels.items()))) for fam in text_string_to_metric_families(text) for s in fam.samples
+    }
 
 
 def _listening(pid: int) -> set[tuple[str, int]]:
-    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections(kind="inet")
-            if c.status == psutil.CONN_LISTEN}  # fmt: skip
+    return {
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process(pid).net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    }
 
 
 @pytest.fixture(scope="module")
@@ -59,17 +63,24 @@ def probed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     port = free_port()
     progress, finish = tmp / "bursts", tmp / "finish"
     cfg = {
-        "job": {"command": [sys.executable, str(BIN / "hostile_rank.py"), str(progress), str(finish)],
-                "workdir": str(REPO), "state_dir": str(tmp / "state"), "run_id": RUN_ID,
-                "env": {"PYTHONPATH": str(REPO)}},
+        "job": {
+            "command": [sys.executable, str(BIN / "hostile_rank.py"), str(progress), str(finish)],
+            "workdir": str(REPO),
+            "state_dir": str(tmp / "state"),
+            "run_id": RUN_ID,
+            "env": {"PYTHONPATH": str(REPO)},
+        },
         "launch": {"nproc_per_node": 1, "node_id": NODE_ID},
         "checkpoint": {"dir": str(tmp / "ckpt")},
         "heartbeat": {"timeout_s": 60, "progress_timeout_s": 120, "startup_timeout_s": 120},
         "restart": {"backoff_initial_s": 0.2, "stop_grace_s": 3},
-        "eviction": {"signals": ["SIGTERM"], "poll_interval_s": 0.2,
-                     "command": ["sh", "-c", FLAPPING_WATCHER, "sh", str(tmp / "polls")]},
+        "eviction": {
+            "signals": ["SIGTERM"],
+            "poll_interval_s": 0.2,
+            "command": ["sh", "-c", FLAPPING_WATCHER, "sh", str(tmp / "polls")],
+        },
         "metrics": {"listen": f"127.0.0.1:{port}"},
-    }  # fmt: skip
+    }
     (tmp / "job.yaml").write_text(yaml.safe_dump(cfg))
     url = f"http://127.0.0.1:{port}/metrics"
 
@@ -84,8 +95,13 @@ def probed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             return 0
 
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(tmp / "job.yaml")],
-                            env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(tmp / "job.yaml")],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_for(lambda: bursts() >= 3, 120, "the rank never sent its hostile bursts")
         first = scrape()
@@ -106,12 +122,21 @@ def test_the_probe_run_ends_as_its_job_does(probed):
 
 def test_every_label_value_comes_from_a_fixed_set_or_the_nodes_own_ids(probed):
     allowed = {
-        "event": EVENTS, "kind": {*FAILURE_KINDS.values(), *KINDS}, "phase": set(PHASES), "stop": {"true", "false"},
-        "source": {"command", "signal:SIGTERM"}, "run_id": {RUN_ID}, "node_id": {NODE_ID},
-        "version": {metadata.version("ftsup")}, "reason": set(DROP_REASONS), "purpose": set(STORAGE_PURPOSES),
-        "trigger": set(TRIGGERS), "rank": {"0"},  # the node's one rank
-        "cause": set(CAUSES), "outcome": set(DURABLE_OUTCOMES),
-    }  # fmt: skip
+        "event": EVENTS,
+        "kind": {*FAILURE_KINDS.values(), *KINDS},
+        "phase": set(PHASES),
+        "stop": {"true", "false"},
+        "source": {"command", "signal:SIGTERM"},
+        "run_id": {RUN_ID},
+        "node_id": {NODE_ID},
+        "version": {metadata.version("ftsup")},
+        "reason": set(DROP_REASONS),
+        "purpose": set(STORAGE_PURPOSES),
+        "trigger": set(TRIGGERS),
+        "rank": {"0"},  # the node's one rank
+        "cause": set(CAUSES),
+        "outcome": set(DURABLE_OUTCOMES),
+    }
     seen: dict[str, set[str]] = {}
     for _, labels in _series(probed["second"]):
         for name, value in labels:
@@ -128,6 +153,10 @@ def test_the_supervisor_listens_only_on_the_configured_address(probed):
 
 
 def test_the_hostile_messages_reached_the_supervisor_and_were_dropped(probed):
-    dropped = {dict(s.labels)["reason"]: s.value for fam in text_string_to_metric_families(probed["second"])
-               for s in fam.samples if s.name == "ftsup_heartbeats_dropped_total"}  # fmt: skip
+    dropped = {
+        dict(s.labels)["reason"]: s.value
+        for fam in text_string_to_metric_families(probed["second"])
+        for s in fam.samples
+        if s.name == "ftsup_heartbeats_dropped_total"
+    }
     assert dropped["malformed"] > 0

@@ -65,10 +65,17 @@ class Prometheus:
         self.url = f"http://127.0.0.1:{free_port()}"
         self.log = open(root / "prometheus.log", "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
-            [binary, f"--config.file={root / 'prometheus.yml'}", f"--storage.tsdb.path={root / 'data'}",
-             f"--web.listen-address={self.url.removeprefix('http://')}", "--log.level=warn"],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=root,
-        )  # fmt: skip
+            [
+                binary,
+                f"--config.file={root / 'prometheus.yml'}",
+                f"--storage.tsdb.path={root / 'data'}",
+                f"--web.listen-address={self.url.removeprefix('http://')}",
+                "--log.level=warn",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=root,
+        )
         self.root = root
         wait_for(self._ready, 60, lambda: f"prometheus did not become ready:\n{self._log_tail()}", poll_s=0.1)
 
@@ -118,8 +125,8 @@ def supervised_run(tmp_path_factory) -> Iterator[tuple[Prometheus, Path]]:
     port = free_port()
     prom = Prometheus(tmp / "prometheus", f"127.0.0.1:{port}")
     try:
-        job = write_job(tmp, "--fault", "kill@7", "--fault-rank", "1", "--min-step-s", "0.3",
-                        metrics={"listen": f"127.0.0.1:{port}"})  # fmt: skip
+        fault = ("--fault", "kill@7", "--fault-rank", "1", "--min-step-s", "0.3")
+        job = write_job(tmp, *fault, metrics={"listen": f"127.0.0.1:{port}"})
         r = run([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], timeout=240)
         assert r.returncode == 0, r.output[-4000:]
         yield prom, tmp
@@ -159,8 +166,9 @@ def test_every_alert_rule_loads_and_evaluates_without_error(supervised_run):
         return [r for g in prom.api("rules")["groups"] for r in g["rules"]]
 
     # Prometheus reports a time of year 1 for a rule it has not evaluated yet.
-    wait_for(lambda: all(not r["lastEvaluation"].startswith("0001") for r in rules_now()), 30,
-             "rules were never evaluated")  # fmt: skip
+    wait_for(
+        lambda: all(not r["lastEvaluation"].startswith("0001") for r in rules_now()), 30, "rules were never evaluated"
+    )
     assert [(r["name"], r.get("lastError")) for r in rules_now() if r["health"] != "ok"] == []
 
 

@@ -26,19 +26,27 @@ STEPS = 60
 
 def node_config(tmp: Path, node: str, port: int, *, run_id: str = "mn-test", checkpoint: dict | None = None) -> Path:
     """Node `node`'s job file; `checkpoint` replaces the shared store of `tmp / "ckpt"`."""
+    command = [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "4"]
+    command += ["--n-layer", "2", "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000"]
+    command += ["--min-step-s", "0.15", "--loss-log", str(tmp / "loss.jsonl")]
     cfg = {
         "job": {
-            "command": [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "4",
-                        "--n-layer", "2", "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000",
-                        "--min-step-s", "0.15", "--loss-log", str(tmp / "loss.jsonl")],
-            "workdir": str(REPO), "run_id": run_id, "state_dir": str(tmp / node),
+            "command": command,
+            "workdir": str(REPO),
+            "run_id": run_id,
+            "state_dir": str(tmp / node),
             "env": {"PYTHONPATH": str(REPO)},
         },
-        "launch": {"nproc_per_node": 1, "nnodes": "1:2", "rdzv_endpoint": f"127.0.0.1:{port}", "node_id": node,
-                   "torchrun_args": ["--rdzv-conf=last_call_timeout=2,join_timeout=120,read_timeout=10"]},
+        "launch": {
+            "nproc_per_node": 1,
+            "nnodes": "1:2",
+            "rdzv_endpoint": f"127.0.0.1:{port}",
+            "node_id": node,
+            "torchrun_args": ["--rdzv-conf=last_call_timeout=2,join_timeout=120,read_timeout=10"],
+        },
         "checkpoint": checkpoint or {"dir": str(tmp / "ckpt")},
         "restart": {"backoff_initial_s": 0.5, "stop_grace_s": 3, "max_attempts_without_progress": 5},
-    }  # fmt: skip
+    }
     path = tmp / f"{node}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -46,8 +54,12 @@ def node_config(tmp: Path, node: str, port: int, *, run_id: str = "mn-test", che
 
 def start(cfg: Path, out: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(cfg)], env=env,
-                            stdout=open(out, "ab"), stderr=subprocess.STDOUT)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(cfg)],
+        env=env,
+        stdout=open(out, "ab"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def lines(log: Path) -> list[dict]:
@@ -70,15 +82,22 @@ def test_losing_a_node_relaunches_smaller_and_the_node_can_rejoin(tmp_path):
     b = start(b_cfg, tmp_path / "b.out")
     b2 = None
     try:
-        wait_for(lambda: any(j["world_size"] == 2 for j in lines(tmp_path / "loss.jsonl")), 120,
-                 "the two nodes never trained together")  # fmt: skip
-        wait_for(lambda: (i := layout.latest_consistent(tmp_path / "ckpt")) is not None and i.step >= 8, 120,
-                 "no checkpoint")  # fmt: skip
+        wait_for(
+            lambda: any(j["world_size"] == 2 for j in lines(tmp_path / "loss.jsonl")),
+            120,
+            "the two nodes never trained together",
+        )
+        wait_for(
+            lambda: (i := layout.latest_consistent(tmp_path / "ckpt")) is not None and i.step >= 8, 120, "no checkpoint"
+        )
         b.kill()
         b.wait(timeout=10)
         saved = layout.latest_consistent(tmp_path / "ckpt").step
-        wait_for(lambda: any(j["world_size"] == 1 for j in lines(tmp_path / "loss.jsonl")), 120,
-                 "node A never continued alone")  # fmt: skip
+        wait_for(
+            lambda: any(j["world_size"] == 1 for j in lines(tmp_path / "loss.jsonl")),
+            120,
+            "node A never continued alone",
+        )
         alone = [j for j in lines(tmp_path / "loss.jsonl") if j["world_size"] == 1]
         assert alone[0]["step"] <= saved + 4 + 1  # resumed from a checkpoint at most one interval back
         b2 = start(b_cfg, tmp_path / "b2.out")

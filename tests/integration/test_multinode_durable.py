@@ -25,8 +25,11 @@ pytestmark = pytest.mark.multiprocess
 
 
 def node_config(tmp: Path, node: str, port: int, url: str) -> Path:
-    checkpoint = {"dir": str(tmp / node / "ckpt"), "dir_shared": False,
-                  "durable": {"url": url, "keep_last": 100, "part_bytes": 5 << 20, "periodic_every": 2}}  # fmt: skip
+    checkpoint = {
+        "dir": str(tmp / node / "ckpt"),
+        "dir_shared": False,
+        "durable": {"url": url, "keep_last": 100, "part_bytes": 5 << 20, "periodic_every": 2},
+    }
     return multinode.node_config(tmp, node, port, run_id="mn-durable-test", checkpoint=checkpoint)
 
 
@@ -36,8 +39,12 @@ def events(tmp: Path, node: str, name: str) -> list[dict]:
 
 def node_reads(root: Path) -> list[dict]:
     """Every `checkpoint_node_read` a rank logged under `root`: its files read locally and from the store."""
-    return [e for path in root.rglob("*") if path.is_file() and "ckpt" not in path.parts
-            for e in node_read_events(path.read_text(errors="replace"))]  # fmt: skip
+    return [
+        e
+        for path in root.rglob("*")
+        if path.is_file() and "ckpt" not in path.parts
+        for e in node_read_events(path.read_text(errors="replace"))
+    ]
 
 
 def test_two_nodes_with_separate_fast_tiers_commit_once_per_step_and_a_wiped_node_rejoins_from_the_store(
@@ -50,11 +57,20 @@ def test_two_nodes_with_separate_fast_tiers_commit_once_per_step_and_a_wiped_nod
     b = start(b_cfg, tmp_path / "b.out")
     b2 = None
     try:
-        wait_for(lambda: any(j["world_size"] == 2 for j in lines(tmp_path / "loss.jsonl")), 120,
-                 "the two nodes never trained together")  # fmt: skip
-        wait_for(lambda: any(e.get("outcome") == "committed" and e["step"] >= 8
-                             for n in ("node-a", "node-b") for e in events(tmp_path, n, "durable_committed")),
-                 120, "no durable commit of both nodes' parts")  # fmt: skip
+        wait_for(
+            lambda: any(j["world_size"] == 2 for j in lines(tmp_path / "loss.jsonl")),
+            120,
+            "the two nodes never trained together",
+        )
+        wait_for(
+            lambda: any(
+                e.get("outcome") == "committed" and e["step"] >= 8
+                for n in ("node-a", "node-b")
+                for e in events(tmp_path, n, "durable_committed")
+            ),
+            120,
+            "no durable commit of both nodes' parts",
+        )
         b.kill()
         b.wait(timeout=10)
         shutil.rmtree(tmp_path / "node-b" / "ckpt")  # a new machine: its fast tier is gone
@@ -95,8 +111,12 @@ def test_two_nodes_with_separate_fast_tiers_commit_once_per_step_and_a_wiped_nod
     # The store holds every step a node logged committed. A step committed without its event can only be one node B
     # had in hand when it was SIGKILLed: a commit is logged on the supervisor's next poll, after the store has it.
     stored = {c.step for c in listed.checkpoints}
-    killed_with = {e["step"] for name in ("durable_upload_started", "durable_part_uploaded")
-                   for e in events(tmp_path, "node-b", name) if e["timestamp"] < rejoined}  # fmt: skip
+    killed_with = {
+        e["step"]
+        for name in ("durable_upload_started", "durable_part_uploaded")
+        for e in events(tmp_path, "node-b", name)
+        if e["timestamp"] < rejoined
+    }
     assert set(commits) <= stored and stored - set(commits) <= killed_with, (sorted(stored), sorted(killed_with))
     assert all(c.consistent for c in listed.checkpoints)
     # Node B's rank, on its new fast tier, read its share of the checkpoint it resumed from from the store.

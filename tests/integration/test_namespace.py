@@ -18,8 +18,14 @@ SHADOWED = BIN / "shadowed"
 
 def in_dir(argv: list[str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     """Run `argv` in `cwd` with no PYTHONPATH: what a user's shell does."""
-    proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(cwd)})  # fmt: skip
+    proc = subprocess.Popen(
+        argv,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(cwd)},
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     finally:
@@ -38,21 +44,26 @@ def test_a_users_trainer_py_and_supervisor_py_beside_the_script_change_nothing(t
     first = in_dir([sys.executable, "train.py", str(tmp_path / "ckpt"), "3"], project)
     again = in_dir([sys.executable, "train.py", str(tmp_path / "ckpt"), "5"], project)
     assert (first.returncode, first.stdout.splitlines()[-1:], again.returncode, again.stdout.splitlines()[-1:]) == (
-        0, ["resumed=None step=3"], 0, ["resumed=3 step=5"],
-    ), first.stdout + again.stdout  # fmt: skip
+        0,
+        ["resumed=None step=3"],
+        0,
+        ["resumed=3 step=5"],
+    ), first.stdout + again.stdout
 
 
 def test_ftsup_run_from_a_directory_holding_trainer_py_and_supervisor_py_finishes_the_job(tmp_path: Path) -> None:
     project = users_project(tmp_path)
-    (project / "job.yaml").write_text(yaml.safe_dump({
+    cfg = {
         "job": {"command": [sys.executable, "train.py", str(tmp_path / "ckpt"), "4"], "state_dir": str(tmp_path / "s")},
         "launch": {"nproc_per_node": 1},
         "checkpoint": {"dir": str(tmp_path / "ckpt")},
-    }))  # fmt: skip
+    }
+    (project / "job.yaml").write_text(yaml.safe_dump(cfg))
     # `python -m` puts the current directory first on sys.path, where the user's two modules are.
     done = in_dir([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", "job.yaml"], project, timeout=240)
-    listed = in_dir([sys.executable, "-m", "ftsup.supervisor.cli", "ckpt", "list", str(tmp_path / "ckpt"), "--json"],
-                    project)  # fmt: skip
+    listed = in_dir(
+        [sys.executable, "-m", "ftsup.supervisor.cli", "ckpt", "list", str(tmp_path / "ckpt"), "--json"], project
+    )
     steps = [c["step"] for c in json.loads(listed.stdout)["checkpoints"]]
     assert (done.returncode, listed.returncode, steps) == (0, 0, [4]), done.stdout[-3000:]
 

@@ -1,16 +1,10 @@
 """No process of an attempt outlives a SIGKILL of the supervisor or of torchrun, at any moment.
 
-Each test starts `ftsup run` on the reference trainer (2 ranks, CPU), waits for one moment of
-the attempt's life, SIGKILLs the supervisor or torchrun, and then scans /proc for the
-attempt's environment marker (`FTSUP_RUN_ID` + `FTSUP_ATTEMPT`, which every process of the
-attempt inherits): nothing may be left. The moments are deterministic:
-
-- `torchrun_starting`: torchrun is running and has no rank yet (it is importing torch);
-- `rank_starting`: both ranks are held at interpreter start-up, before their training command
-  runs (`tests/bin/held_rank/sitecustomize.py`);
-- `rank_imported_torch`: both ranks are held just after `import torch`, before the training
-  command runs (so before its first heartbeat);
-- `rank_training`: the loss log has a step.
+Each test starts `ftsup run` on the reference trainer (2 ranks, CPU), waits for one moment of the attempt's life,
+SIGKILLs the supervisor or torchrun, and scans /proc for the attempt's mark (`FTSUP_RUN_ID` + `FTSUP_ATTEMPT`,
+which every process of the attempt inherits): nothing may be left. The moments are deterministic: torchrun
+importing torch before any rank; both ranks held at interpreter start-up, or just after `import torch`, before
+their training command runs (`tests/bin/held_rank/sitecustomize.py`); a step in the loss log.
 """
 
 from __future__ import annotations
@@ -48,21 +42,26 @@ HELD_RANK = REPO / "tests" / "bin" / "held_rank"
 
 
 def write_job(tmp: Path, run_id: str, hold: str | None = None) -> Path:
+    command = [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", "2000", "--ckpt-every", "1000"]
+    command += ["--n-layer", "1", "--n-embd", "32", "--seq-len", "16", "--corpus-bytes", "50000"]
+    command += ["--min-step-s", "0.05", "--loss-log", str(tmp / "loss.jsonl")]
     cfg: dict[str, Any] = {
-        "job": {"command": [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", "2000",
-                            "--ckpt-every", "1000",
-                            "--n-layer", "1", "--n-embd", "32", "--seq-len", "16", "--corpus-bytes", "50000",
-                            "--min-step-s", "0.05", "--loss-log", str(tmp / "loss.jsonl")],
-                "workdir": str(tmp), "state_dir": str(tmp / "state"), "run_id": run_id,
-                "env": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}},
+        "job": {
+            "command": command,
+            "workdir": str(tmp),
+            "state_dir": str(tmp / "state"),
+            "run_id": run_id,
+            "env": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        },
         "launch": {"nproc_per_node": 2},
         "checkpoint": {"dir": str(tmp / "ckpt")},
         "restart": {"backoff_initial_s": 0.2, "stop_grace_s": 3},
-    }  # fmt: skip
+    }
     if hold is not None:  # ranks wait at start-up (after importing torch, for "torch") until released
         (tmp / "held").mkdir()
-        cfg["job"]["env"].update(PYTHONPATH=f"{HELD_RANK}{os.pathsep}{REPO}", FTSUP_TEST_HOLD=str(tmp / "held"),
-                                 FTSUP_TEST_HOLD_AFTER=hold)  # fmt: skip
+        cfg["job"]["env"].update(
+            PYTHONPATH=f"{HELD_RANK}{os.pathsep}{REPO}", FTSUP_TEST_HOLD=str(tmp / "held"), FTSUP_TEST_HOLD_AFTER=hold
+        )
     path = tmp / "job.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -130,13 +129,21 @@ def test_sigkill_leaves_no_process_of_the_attempt(tmp_path: Path, target: str, m
     run_id = f"orphans-{uuid.uuid4().hex[:8]}"
     job = write_job(tmp_path, run_id, HOLD.get(moment))
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    sup = subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], env=env,
-                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    sup = subprocess.Popen(
+        [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         agent = wait_for_moment(moment, tmp_path)
         (sup if target == "supervisor" else agent).send_signal(signal.SIGKILL)
-        wait_for(lambda: not attempt_processes(run_id, 1), GONE_WITHIN_S,
-                 lambda: f"left after {GONE_WITHIN_S:g} s: {describe(attempt_processes(run_id, 1))}")  # fmt: skip
+        wait_for(
+            lambda: not attempt_processes(run_id, 1),
+            GONE_WITHIN_S,
+            lambda: f"left after {GONE_WITHIN_S:g} s: {describe(attempt_processes(run_id, 1))}",
+        )
         if target == "torchrun":  # the supervisor lives on, relaunches, and stops cleanly on SIGINT
             assert sup.poll() is None
             sup.send_signal(signal.SIGINT)

@@ -36,27 +36,33 @@ FAILURES = ("worker_exited", "heartbeat_timed_out", "progress_timed_out", "start
 
 
 def write_job(tmp: Path, nproc: int = 2) -> Path:
-    command = [sys.executable, "-m", "ftsup.trainer.examples.plain", "--steps", str(STEPS), "--eval-every",
-               str(EVAL_EVERY), "--min-eval-s", str(EVAL_S), "--loss-log", str(tmp / "loss.jsonl"),
-               "--sample-log", str(tmp / "samples.rank{rank}.jsonl"),
-               "--logits-out", str(tmp / "logits.pt")]  # fmt: skip
+    command = [sys.executable, "-m", "ftsup.trainer.examples.plain", "--steps", str(STEPS)]
+    command += ["--eval-every", str(EVAL_EVERY), "--min-eval-s", str(EVAL_S), "--loss-log", str(tmp / "loss.jsonl")]
+    command += ["--sample-log", str(tmp / "samples.rank{rank}.jsonl"), "--logits-out", str(tmp / "logits.pt")]
     cfg = {
-        "job": {"command": command, "workdir": str(REPO), "state_dir": str(tmp / "state"),
-                "env": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}},
+        "job": {
+            "command": command,
+            "workdir": str(REPO),
+            "state_dir": str(tmp / "state"),
+            "env": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        },
         "launch": {"nproc_per_node": nproc},
         "checkpoint": {"dir": str(tmp / "ckpt")},
         "restart": {"backoff_initial_s": 0.2, "stop_grace_s": 3},
         "eviction": {"default_deadline_s": 30, "save_margin_s": 2},
-    }  # fmt: skip
+    }
     path = tmp / "job.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
 def start(job: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
-                            env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def supervise(tmp: Path, fault: Any = None, nproc: int = 2, timeout_s: float = 300) -> tuple[int, chaos.LossLogTail]:
@@ -164,7 +170,7 @@ def test_resumed_on_one_rank_it_matches_within_1e4_and_trains_on_every_sample_on
 
 def test_export_hf_of_the_final_checkpoint_loads_with_from_pretrained_and_gives_the_training_logits(
     reference, tmp_path
-):  # fmt: skip
+):
     import torch
     from transformers import AutoModelForCausalLM
 

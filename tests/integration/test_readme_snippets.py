@@ -1,15 +1,11 @@
-"""Every ```python snippet of the README and of the pages under docs/ runs, or, marked as a fragment,
-parses and imports only names that exist. Snippets are found by themselves: every fenced block whose
-info string is `python`, in any of those files, wherever it is and whoever added it.
+"""Every ```python snippet of the README and of the pages under docs/ runs, or, marked as a fragment, parses and
+imports only names that exist. Every fenced block whose info string is `python` is found, wherever it is.
 
-- A snippet runs alone in a fresh interpreter, in an empty working directory, with
-  `FTSUP_CHECKPOINT_DIR` pointing into it and no supervisor (no other `FTSUP_*` variable), and
-  must exit 0 within 180 s.
-- A snippet that cannot run alone (it continues a script the page does not show) is a fragment
-  when its first line begins with `# fragment` (the rest of that line may say what it needs, for
-  example `# fragment: inside a training loop`). It must compile, and every name it imports from
-  ftsup must exist: each `from ftsup... import NAME` names an attribute or submodule of its
-  module, and each `import ftsup...` module imports.
+- A snippet runs alone in a fresh interpreter, in an empty working directory, with `FTSUP_CHECKPOINT_DIR` pointing
+  into it and no supervisor (no other `FTSUP_*` variable), and must exit 0 within 180 s.
+- A snippet whose first line begins with `# fragment` (it continues a script the page does not show) must compile,
+  each `from ftsup... import NAME` must name an attribute or submodule of its module, and each `import ftsup...`
+  module must import.
 """
 
 from __future__ import annotations
@@ -64,19 +60,26 @@ def test_the_snippets_are_found_in_the_readme_and_in_docs():
     assert ("README.md" in found, any(name.startswith("docs/") for name in found)) == (True, True)
 
 
-@pytest.mark.parametrize(("line", "code"), [s for s in SNIPPETS if not is_fragment(s[1])],
-                         ids=[i for i, s in zip(IDS, SNIPPETS, strict=True) if not is_fragment(s[1])])  # fmt: skip
+@pytest.mark.parametrize(
+    ("line", "code"),
+    [s for s in SNIPPETS if not is_fragment(s[1])],
+    ids=[i for i, s in zip(IDS, SNIPPETS, strict=True) if not is_fragment(s[1])],
+)
 def test_a_snippet_runs_alone(tmp_path: Path, line: str, code: str):
     (tmp_path / "snippet.py").write_text(code)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FTSUP_")}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", FTSUP_CHECKPOINT_DIR=str(tmp_path / "ckpt"))
-    done = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=180)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "snippet.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
+    )
     assert done.returncode == 0, f"{line}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
 
 
-@pytest.mark.parametrize(("line", "code"), [s for s in SNIPPETS if is_fragment(s[1])],
-                         ids=[i for i, s in zip(IDS, SNIPPETS, strict=True) if is_fragment(s[1])])  # fmt: skip
+@pytest.mark.parametrize(
+    ("line", "code"),
+    [s for s in SNIPPETS if is_fragment(s[1])],
+    ids=[i for i, s in zip(IDS, SNIPPETS, strict=True) if is_fragment(s[1])],
+)
 def test_a_fragment_parses_and_imports_only_names_that_exist(line: str, code: str):
     tree = ast.parse(code, filename=line)
     missing = []

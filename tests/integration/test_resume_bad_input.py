@@ -23,8 +23,8 @@ def gpt(*args: str):
 
 
 def test_global_batch_the_world_size_cannot_split_is_refused_before_any_step(tmp_path):
-    r = gpt("--steps", "2", "--ckpt-dir", str(tmp_path / "c"), "--loss-log", str(tmp_path / "l"),
-            "--global-batch", "12", "--micro-batch", "5")  # fmt: skip
+    files = ("--ckpt-dir", str(tmp_path / "c"), "--loss-log", str(tmp_path / "l"))
+    r = gpt("--steps", "2", *files, "--global-batch", "12", "--micro-batch", "5")
     assert r.returncode == 2
     assert "global batch 12 cannot be split into micro-batches of 5 over 1 ranks" in r.output
     assert not (tmp_path / "l").exists()

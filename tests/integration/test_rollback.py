@@ -52,13 +52,16 @@ def ftsup_env(tmp: Path, attempt: int) -> dict[str, str] | None:
 def test_ftsup_rollback_resumes_a_running_job_from_the_step_with_the_skip(tmp_path: Path):
     job = write_job(tmp_path, "--steps", "40", "--min-step-s", "0.3", "--keep-last", "20")
     out = open(tmp_path / "supervisor.out", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
-                            stderr=subprocess.STDOUT)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
     try:
         wait_for(lambda: max(loss_steps(tmp_path), default=0) >= 17, 180, "the job never reached step 17")
-        asked = ftsup("rollback", "--config", str(job), "--to-step", "8", "--skip-samples", "96:120",
-                      "--reason", "a test", timeout=60)  # fmt: skip
+        request = ("--to-step", "8", "--skip-samples", "96:120", "--reason", "a test")
+        asked = ftsup("rollback", "--config", str(job), *request, timeout=60)
         env = wait_for(lambda: ftsup_env(tmp_path, 2), 120, lambda: f"no attempt 2; journal {journal(tmp_path)}")
         assert proc.wait(timeout=240) == 0, (tmp_path / "supervisor.out").read_text()[-4000:]
     finally:
@@ -95,6 +98,11 @@ def test_a_rollback_asked_for_while_no_supervisor_runs_is_where_the_next_run_sta
     again = ftsup("run", "--config", str(job))
     assert again.returncode == 0, again.output[-4000:]
     launched = [e["resume_step"] for e in events(tmp_path) if e["event"] == "workers_launched"]
-    seen = (asked.returncode, "the next `ftsup run` starts from it" in asked.output, launched,
-            journal(tmp_path)["skips"], loss_steps(tmp_path).count(5))  # fmt: skip
+    seen = (
+        asked.returncode,
+        "the next `ftsup run` starts from it" in asked.output,
+        launched,
+        journal(tmp_path)["skips"],
+        loss_steps(tmp_path).count(5),
+    )
     assert seen == (0, True, [None, 4], [[48, 60]], 2)

@@ -18,13 +18,16 @@ from ftsup.protocol import Request, encode_control
 from ftsup.store import layout
 from tests.procs import run
 
-SMALL = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--corpus-bytes", "50000",
-         "--ckpt-every", "2"]  # fmt: skip
+SMALL = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--corpus-bytes", "50000"]
+SMALL += ["--ckpt-every", "2"]
 
 
 def gpt(ckpt: Path, *args: str, env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
-    return run([sys.executable, "-m", "ftsup.trainer.examples.gpt", *SMALL, "--ckpt-dir", str(ckpt), *args],
-               timeout=120, env=env)  # fmt: skip
+    return run(
+        [sys.executable, "-m", "ftsup.trainer.examples.gpt", *SMALL, "--ckpt-dir", str(ckpt), *args],
+        timeout=120,
+        env=env,
+    )
 
 
 @pytest.fixture
@@ -66,8 +69,8 @@ def test_a_failed_emergency_save_is_logged_and_the_run_stops_at_the_last_checkpo
 ) -> None:
     control = tmp_path / "control.json"
     control.write_bytes(encode_control(Request(1, stop=True, reason="test")))
-    r = gpt(read_only_store, "--steps", "8", "--loss-log", str(tmp_path / "loss.jsonl"),
-            env={"FTSUP_CONTROL_FILE": str(control)})  # fmt: skip
+    flags = ("--steps", "8", "--loss-log", str(tmp_path / "loss.jsonl"))
+    r = gpt(read_only_store, *flags, env={"FTSUP_CONTROL_FILE": str(control)})
     assert "emergency_save_failed" in r.output, r.output[-3000:]
     # Read after step 3, agreed by the ranks during step 4 (Agreement), served after it.
     assert (r.returncode, logged_steps(tmp_path / "loss.jsonl")) == (1, [3, 4])
@@ -89,20 +92,24 @@ def test_under_ftsup_run_a_failed_emergency_save_ends_evicted_at_the_last_checkp
     if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)]).returncode:
         pytest.skip("mounting a filesystem needs root")
     loss = tmp_path / "loss.jsonl"
+    command = [sys.executable, "-m", "ftsup.trainer.examples.gpt", *SMALL, "--steps", "200", "--min-step-s", "0.1"]
     cfg = {
-        "job": {"command": [sys.executable, "-m", "ftsup.trainer.examples.gpt", *SMALL, "--steps", "200",
-                            "--min-step-s", "0.1", "--loss-log", str(loss)],
-                "workdir": str(REPO), "state_dir": str(tmp_path / "state"), "env": {"PYTHONPATH": str(REPO)}},
+        "job": {
+            "command": [*command, "--loss-log", str(loss)],
+            "workdir": str(REPO),
+            "state_dir": str(tmp_path / "state"),
+            "env": {"PYTHONPATH": str(REPO)},
+        },
         "launch": {"nproc_per_node": 2},
         "checkpoint": {"dir": str(mnt / "ckpt")},
         "restart": {"backoff_initial_s": 0.2, "stop_grace_s": 3},
         "eviction": {"signals": ["SIGUSR1"], "default_deadline_s": 30, "save_margin_s": 1},
-    }  # fmt: skip
+    }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
     argv = [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(tmp_path / "job.yaml")]
-    proc = subprocess.Popen(argv,
-                            cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        argv, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         wait_for(lambda: max(logged_steps(loss), default=0) >= 5, 180, "the run never reached step 5")
         assert subprocess.run(["mount", "-o", "remount,ro", str(mnt)]).returncode == 0

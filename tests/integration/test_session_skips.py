@@ -23,8 +23,17 @@ DATA = [torch.tensor([float(i)]) for i in range(64)]
 def session(tmp: Path, **kw) -> Session:
     torch.manual_seed(0)
     model = torch.nn.Linear(1, 1)
-    return Session(model, torch.optim.SGD(model.parameters(), lr=0.1), None, DATA, global_batch=4, micro_batch=2,
-                   ckpt_dir=tmp / "ckpt", save_every=2, **kw)  # fmt: skip
+    return Session(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        None,
+        DATA,
+        global_batch=4,
+        micro_batch=2,
+        ckpt_dir=tmp / "ckpt",
+        save_every=2,
+        **kw,
+    )
 
 
 def train(s: Session, total: int) -> dict[int, list[int]]:
@@ -65,8 +74,9 @@ def test_a_resumed_session_adds_new_skips_to_its_checkpoints(tmp_path):
     train(session(tmp_path, skip=SKIP[:1]), 2)
     resumed = session(tmp_path, skip=[(30, 40)])
     assert (resumed.schedule.skips, train(resumed, 6)) == (
-        ((6, 11), (30, 40)), expected(range(3, 7), [(6, 11), (30, 40)])
-    )  # fmt: skip
+        ((6, 11), (30, 40)),
+        expected(range(3, 7), [(6, 11), (30, 40)]),
+    )
 
 
 @pytest.mark.parametrize("skips", [[[5, 1]], [[1, 2.5]], "1:2", [[1, 3], [2, 4]], [[0, 1]] * 65])

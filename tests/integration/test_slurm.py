@@ -1,23 +1,11 @@
 """A real Slurm on this machine: `deploy/slurm/ftsup.sbatch` evicted, requeued, resumed, bitwise.
 
-The fixture starts munged, slurmctld and slurmd as this user (root) from a slurm.conf written
-into the test's temporary directory: one node (this host, as `slurmd -C` describes it), no
-cgroups (proctrack/linuxproc, task/none), its own free ports, state and spool directories, and a
-munge socket of its own; `SLURM_CONF` points every command at it. Nothing is installed here: CI
-installs slurm-wlm and munge through the README's test command; without them the test is
-skipped, saying why.
-
-The test submits the sbatch script for the reference trainer (2 ranks), sends
-`scancel --signal=USR1 --batch` mid-run (what `--signal=B:USR1@120` does before a time limit),
-and checks: the job is requeued, the newest checkpoint is an emergency one of the step the
-ranks were on, and the requeued run completes with a loss log bitwise equal to an
-uninterrupted run's.
-
-A requeued job waits cred_expire + 1 seconds (120 s by default) for its begin time. The test
-does not bring it forward with `scontrol update StartTime=now`: right after the requeue, the
-relaunch can reach slurmd while it still ends the first run, which slurmd refuses ("Job N
-already killed, do not launch batch job") and the job FAILS. slurm.conf sets cred_expire=10
-instead, so the requeued job starts by itself about 11 s later.
+The fixture starts munged, slurmctld and slurmd as this user from a slurm.conf in the test's temporary directory
+(one node, no cgroups, ports, directories and a munge socket of its own; skipped, saying why, without slurm-wlm and
+munge). The test submits the sbatch script for the reference trainer (2 ranks), sends `scancel --signal=USR1
+--batch` mid-run (what `--signal=B:USR1@120` does before a time limit), and checks: the job is requeued, the newest
+checkpoint is an emergency one of the step the ranks were on, and the requeued run completes with a loss log
+bitwise equal to an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -47,8 +35,9 @@ SBATCH = REPO / "deploy" / "slurm" / "ftsup.sbatch"
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue", "sinfo", "srun")
 STEPS = 30
 NOTICE_AT = 8
-TRAINER = ["-m", "ftsup.trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "100", "--n-layer", "2",
-           "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000", "--min-step-s", "0.2"]  # fmt: skip
+SMALL_MODEL = ["--n-layer", "2", "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000"]
+TRAINER = ["-m", "ftsup.trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "100", *SMALL_MODEL]
+TRAINER += ["--min-step-s", "0.2"]
 # Job states from which a job never runs again by itself.
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
@@ -73,10 +62,14 @@ class Cluster:
         return dict(re.findall(r"(\w+)=(\S*)", line))
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                         for p in sorted((self.root / "log").glob("*")))  # fmt: skip
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted((self.root / "log").glob("*"))
+        )
 
 
+# cred_expire=10: a requeued job waits cred_expire + 1 seconds (120 s by default) for its begin time. Bringing it
+# forward with `scontrol update StartTime=now` instead races slurmd still ending the first run, which refuses the
+# relaunch ("Job N already killed, do not launch batch job") and the job FAILS.
 def slurm_conf(root: Path, node_line: str, ctld_port: int, slurmd_port: int) -> str:
     node = node_line.split()[0].partition("=")[2]
     return f"""\
@@ -142,8 +135,11 @@ def teardown(cluster: Cluster) -> None:
         ids = cluster.cmd("squeue", "-h", "-o", "%i", check=False, timeout=10).split()
         if ids:
             cluster.cmd("scancel", *ids, check=False, timeout=10)
-            wait_for(lambda: not cluster.cmd("squeue", "-h", "-o", "%i", check=False, timeout=10).strip(), 30,
-                     "jobs still listed 30 s after scancel")  # fmt: skip
+            wait_for(
+                lambda: not cluster.cmd("squeue", "-h", "-o", "%i", check=False, timeout=10).strip(),
+                30,
+                "jobs still listed 30 s after scancel",
+            )
     except (AssertionError, subprocess.TimeoutExpired, OSError):
         pass  # the daemons are stopped below whatever happened here
     for proc in reversed(cluster.daemons):  # slurmd, slurmctld, then munged
@@ -187,14 +183,17 @@ def slurm(tmp_path: Path) -> Iterator[Cluster]:
     cluster = Cluster(root, node_line.split()[0].partition("=")[2], env)
     try:
         sock = root / "munge" / "munge.socket"
-        start_daemon(cluster, "munged", "munged", "--foreground", "--force", f"--key-file={key}", f"--socket={sock}",
-                     f"--pid-file={root}/munge/munged.pid", f"--log-file={root}/log/munged.log",
-                     f"--seed-file={root}/munge/seed")  # fmt: skip
+        munge = [f"--key-file={key}", f"--socket={sock}", f"--pid-file={root}/munge/munged.pid"]
+        munge += [f"--log-file={root}/log/munged.log", f"--seed-file={root}/munge/seed"]
+        start_daemon(cluster, "munged", "munged", "--foreground", "--force", *munge)
         wait_for(sock.exists, 20, lambda: f"munged made no socket\n{cluster.logs()}")
         start_daemon(cluster, "slurmctld", "slurmctld", "-D", "-i", "-f", str(conf))
         start_daemon(cluster, "slurmd", "slurmd", "-D", "-f", str(conf), "-N", cluster.node)
-        wait_for(lambda: cluster.cmd("sinfo", "-h", "-n", cluster.node, "-o", "%T", check=False).strip() == "idle",
-                 60, lambda: f"the node never became idle\n{cluster.logs()}")  # fmt: skip
+        wait_for(
+            lambda: cluster.cmd("sinfo", "-h", "-n", cluster.node, "-o", "%T", check=False).strip() == "idle",
+            60,
+            lambda: f"the node never became idle\n{cluster.logs()}",
+        )
         yield cluster
     finally:
         teardown(cluster)
@@ -207,28 +206,40 @@ def last_per_step(log: Path) -> dict[int, str]:
 
 def test_usr1_to_the_batch_shell_saves_requeues_and_the_requeued_job_finishes_bitwise(slurm: Cluster, tmp_path):
     ref_log = tmp_path / "ref.jsonl"
-    ref = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               "--max-restarts=0", *TRAINER, "--loss-log", str(ref_log), "--ckpt-dir", str(tmp_path / "ref-ckpt")],
-              timeout=120)  # fmt: skip
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0"]
+    argv += [*TRAINER, "--loss-log", str(ref_log), "--ckpt-dir", str(tmp_path / "ref-ckpt")]
+    ref = run(argv, timeout=120)
     assert ref.returncode == 0, ref.output[-3000:]
     reference = last_per_step(ref_log)
 
     loss, ckpt, state = tmp_path / "loss.jsonl", tmp_path / "ckpt", tmp_path / "state"
     job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump({
-        "job": {"command": [sys.executable, *TRAINER, "--loss-log", str(loss)], "workdir": str(REPO),
-                "state_dir": str(state), "env": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}},
+    cfg = {
+        "job": {
+            "command": [sys.executable, *TRAINER, "--loss-log", str(loss)],
+            "workdir": str(REPO),
+            "state_dir": str(state),
+            "env": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        },
         "launch": {"nproc_per_node": 2},
         "checkpoint": {"dir": str(ckpt)},
         "restart": {"backoff_initial_s": 0.2, "stop_grace_s": 3},
         "eviction": {"save_margin_s": 2},
-    }))  # fmt: skip
+    }
+    job.write_text(yaml.safe_dump(cfg))
     (tmp_path / "tmp").mkdir()
-    slurm.env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", FTSUP_PYTHON=sys.executable,
-                     FTSUP_RDZV_PORT=str(free_port()), TMPDIR=str(tmp_path / "tmp"))  # fmt: skip
+    slurm.env.update(
+        PYTHONPATH=str(REPO),
+        OMP_NUM_THREADS="1",
+        FTSUP_PYTHON=sys.executable,
+        FTSUP_RDZV_PORT=str(free_port()),
+        TMPDIR=str(tmp_path / "tmp"),
+    )
     out = tmp_path / "slurm-job.out"
-    job_id = slurm.cmd("sbatch", "--parsable", "--nodes=1", f"--output={out}", f"--chdir={tmp_path}", str(SBATCH),
-                       str(job)).strip().partition(";")[0]  # fmt: skip
+    submitted = slurm.cmd(
+        "sbatch", "--parsable", "--nodes=1", f"--output={out}", f"--chdir={tmp_path}", str(SBATCH), str(job)
+    )
+    job_id = submitted.strip().partition(";")[0]
 
     def output() -> str:
         return f"{out.read_text()[-6000:] if out.exists() else '(no job output)'}\n{slurm.logs()}"
@@ -250,8 +261,11 @@ def test_usr1_to_the_batch_shell_saves_requeues_and_the_requeued_job_finishes_bi
     assert json.loads((state / "journal.json").read_text())["status"] == "evicted"
     assert "SIGUSR1 sent to supervisor" in out.read_text()  # to the supervisor alone: the ranks lived to save
 
-    final = wait_for(lambda: s if (s := slurm.job(job_id))["JobState"] in ENDED else None, 120,
-                     lambda: f"the requeued job {job_id} did not finish\n{output()}")  # fmt: skip
+    final = wait_for(
+        lambda: s if (s := slurm.job(job_id))["JobState"] in ENDED else None,
+        120,
+        lambda: f"the requeued job {job_id} did not finish\n{output()}",
+    )
     assert (final["JobState"], final["ExitCode"], final["Restarts"]) == ("COMPLETED", "0:0", "1"), output()
     events = [json.loads(x) for x in (state / "logs" / "supervisor.jsonl").read_text().splitlines()]
     launches = [e["resume_step"] for e in events if e["event"] == "workers_launched"]

@@ -32,19 +32,23 @@ NOBODY = 65534
 
 
 def trainer(tmp: Path, steps: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", str(steps), "--ckpt-every", "1000",
-            "--n-layer", "1", "--n-embd", "32", "--seq-len", "16", "--corpus-bytes", "50000",
-            "--loss-log", str(tmp / "loss.jsonl"), *extra]  # fmt: skip
+    argv = [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", str(steps), "--ckpt-every", "1000"]
+    argv += ["--n-layer", "1", "--n-embd", "32", "--seq-len", "16", "--corpus-bytes", "50000"]
+    return [*argv, "--loss-log", str(tmp / "loss.jsonl"), *extra]
 
 
 def write_job(where: Path, tmp: Path, *, steps: int = 2, state_dir: Path | None = None, **job: Any) -> Path:
     cfg: dict[str, Any] = {
-        "job": {"command": trainer(tmp, steps, "--min-step-s", "0.05"), "run_id": "sd-test",
-                "env": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, **job},
+        "job": {
+            "command": trainer(tmp, steps, "--min-step-s", "0.05"),
+            "run_id": "sd-test",
+            "env": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+            **job,
+        },
         "launch": {"nproc_per_node": 1, "node_id": NODE},
         "checkpoint": {"dir": str(tmp / "ckpt")},
         "restart": {"backoff_initial_s": 0.2, "stop_grace_s": 3},
-    }  # fmt: skip
+    }
     if state_dir is not None:
         cfg["job"]["state_dir"] = str(state_dir)
     path = where / "job.yaml"
@@ -57,9 +61,13 @@ def ftsup(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
 
 
 def start(job: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
-                            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def events(state: Path) -> list[dict[str, Any]]:
@@ -144,8 +152,9 @@ def test_a_state_dir_planted_by_another_user_is_refused_and_nothing_is_signalled
         "os.symlink(owned, state + '/run/.control.json.tmp')\n"
         "for d in (state, state + '/logs', state + '/run', os.path.dirname(state)): os.chmod(d, 0o777)\n"
     )
-    subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-c", plant,
-                    str(state), str(victim.pid), str(owned)], check=True, timeout=30)  # fmt: skip
+    as_nobody = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    planting = [sys.executable, "-c", plant, str(state), str(victim.pid), str(owned)]
+    subprocess.run([*as_nobody, *planting], check=True, timeout=30)
     job = write_job(shared_dir, shared_dir)
     r = ftsup("run", "--config", str(job), timeout=60)
     lines = r.output.strip().splitlines()
@@ -186,8 +195,16 @@ def test_a_control_file_temporary_planted_as_a_link_is_never_written_through(tmp
 
 def plant_journal(state: Path, **fields: Any) -> None:
     state.mkdir(parents=True, mode=0o700)
-    rec = {"run_id": "sd-test", "node_id": NODE, "supervisor_pid": 1, "attempt": 3, "status": "running",
-           "attempt_started_unix": time.time() - 5, "updated_unix": time.time() + 1000, **fields}  # fmt: skip
+    rec = {
+        "run_id": "sd-test",
+        "node_id": NODE,
+        "supervisor_pid": 1,
+        "attempt": 3,
+        "status": "running",
+        "attempt_started_unix": time.time() - 5,
+        "updated_unix": time.time() + 1000,
+        **fields,
+    }
     (state / "journal.json").write_text(json.dumps(rec))
 
 
@@ -227,8 +244,9 @@ def test_a_pid_claimed_in_a_heartbeat_is_never_signalled(tmp_path, supervisor_pr
     wait_for(lambda: loss.exists() and loss.read_text(), 120, "no training step")
     victim = subprocess.Popen(["sleep", "300"])  # this user's, started while the attempt runs, no part of it
     supervisor_procs.append(victim)
-    beat = encode_beat(attempt=1, rank=0, local_rank=7, pid=victim.pid, step=1, phase=Phase.TRAIN, t=time.time(),
-                       mono=time.monotonic())  # fmt: skip
+    beat = encode_beat(
+        attempt=1, rank=0, local_rank=7, pid=victim.pid, step=1, phase=Phase.TRAIN, t=time.time(), mono=time.monotonic()
+    )
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:  # the channel's own kind of socket
         s.connect(str(state / "run" / "heartbeat.sock"))
         s.send(beat)
@@ -249,8 +267,14 @@ def test_a_run_from_a_git_repository_leaves_nothing_for_git_to_show(tmp_path):
     job = write_job(repo, tmp_path)  # workdir: the config's directory, the repository
     r = ftsup("run", "--config", str(job))
     assert r.returncode == 0, r.output[-3000:]
-    shown = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=repo, capture_output=True,
-                           text=True, check=True, timeout=30).stdout.splitlines()  # fmt: skip
+    shown = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout.splitlines()
     assert shown == ["?? job.yaml"]
     status = ftsup("status", "--config", str(job), "--json")
     assert json.loads(status.output)["journal"]["status"] == "succeeded"

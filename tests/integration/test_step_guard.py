@@ -22,15 +22,15 @@ from tests.procs import run
 
 pytestmark = pytest.mark.multiprocess
 
-TINY = ["--n-layer", "1", "--n-embd", "32", "--seq-len", "16", "--corpus-bytes", "65536", "--global-batch", "12",
-        "--micro-batch", "2"]  # fmt: skip
+TINY = ["--n-layer", "1", "--n-embd", "32", "--seq-len", "16", "--corpus-bytes", "65536"]
+TINY += ["--global-batch", "12", "--micro-batch", "2"]
 G = 12
 
 
 def gpt(tmp: Path, *args: str, nproc: int = 2, env: dict[str, str] | None = None) -> list[dict]:
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0"]
-    argv = [sys.executable, *(launcher if nproc > 1 else []), "-m", "ftsup.trainer.examples.gpt", *TINY,
-            "--ckpt-dir", str(tmp / "ckpt"), "--loss-log", str(tmp / "loss.jsonl"), *args]  # fmt: skip
+    argv = [sys.executable, *(launcher if nproc > 1 else []), "-m", "ftsup.trainer.examples.gpt", *TINY]
+    argv += ["--ckpt-dir", str(tmp / "ckpt"), "--loss-log", str(tmp / "loss.jsonl"), *args]
     r = run(argv, env=env, timeout=240)
     assert r.returncode == 0, r.output[-3000:]
     return [json.loads(x) for x in (tmp / "loss.jsonl").read_text().splitlines()]
@@ -49,8 +49,8 @@ def nan_run(tmp_path_factory) -> Path:
     """Two ranks, the first global batch skipped (FTSUP_DATA_SKIPS), a NaN on rank 1 at the
     positions step 4 serves without skips, which this run serves at step 3; a checkpoint a step."""
     tmp = tmp_path_factory.mktemp("nan")
-    gpt(tmp, "--steps", "5", "--ckpt-every", "1", "--keep-last", "10", "--fault", "nan@4:1",
-        env={DATA_SKIPS_ENV: f"0:{G}"})  # fmt: skip
+    flags = ("--steps", "5", "--ckpt-every", "1", "--keep-last", "10", "--fault", "nan@4:1")
+    gpt(tmp, *flags, env={DATA_SKIPS_ENV: f"0:{G}"})
     return tmp
 
 
@@ -117,8 +117,8 @@ def test_a_run_that_skips_a_spikes_window_sees_no_spike(tmp_path):
 
 def test_every_step_beats_its_loss_grad_norm_data_position_and_own_work_and_a_refused_one_says_so(tmp_path):
     with HeartbeatReceiver(tmp_path / "run") as receiver:
-        gpt(tmp_path, "--steps", "4", "--ckpt-every", "4", "--fault", "nan@2", nproc=1,
-            env={HEARTBEAT_SOCKET_ENV: str(receiver.path)})  # fmt: skip
+        flags = ("--steps", "4", "--ckpt-every", "4", "--fault", "nan@2")
+        gpt(tmp_path, *flags, nproc=1, env={HEARTBEAT_SOCKET_ENV: str(receiver.path)})
         beats = [b for b in receiver.drain() if b.phase == "train" and "step_s" in dict(b.figures)]
     got = [(b.step, sorted(dict(b.figures)), dict(b.figures)["samples"]) for b in beats]
     figures = ["compute_s", "grad_norm", "loss", "samples", "step_s"]
@@ -127,8 +127,8 @@ def test_every_step_beats_its_loss_grad_norm_data_position_and_own_work_and_a_re
 
 def test_a_slowed_rank_keeps_beating_and_its_own_work_figure_shows_it(tmp_path):
     with HeartbeatReceiver(tmp_path / "run") as receiver:
-        gpt(tmp_path, "--steps", "10", "--ckpt-every", "10", "--fault", "slow@1:5", "--fault-attempt", "-1",
-            env={HEARTBEAT_SOCKET_ENV: str(receiver.path)})  # fmt: skip
+        flags = ("--steps", "10", "--ckpt-every", "10", "--fault", "slow@1:5", "--fault-attempt", "-1")
+        gpt(tmp_path, *flags, env={HEARTBEAT_SOCKET_ENV: str(receiver.path)})
         beats = [b for b in receiver.drain() if b.phase == "train" and "step_s" in dict(b.figures)]
     own = {rank: statistics.median(dict(b.figures)["compute_s"] for b in beats if b.rank == rank) for rank in (0, 1)}
     assert ([b.step for b in beats if b.rank == 1], own[1] > 2 * own[0]) == (list(range(1, 11)), True)

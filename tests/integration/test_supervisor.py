@@ -22,18 +22,22 @@ from tests.procs import REPO, kill_tree, run, wait_for
 pytestmark = pytest.mark.multiprocess
 
 STEPS = 16
-TRAINER = ["-m", "ftsup.trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "4", "--n-layer", "2",
-           "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000"]  # fmt: skip
+SMALL_MODEL = ["--n-layer", "2", "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000"]
+TRAINER = ["-m", "ftsup.trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "4", *SMALL_MODEL]
 
 
 def write_job(tmp: Path, *trainer_args: str, nproc: int = 2, **sections: dict) -> Path:
     cfg: dict = {
-        "job": {"command": [sys.executable, *TRAINER, "--loss-log", str(tmp / "loss.jsonl"), *trainer_args],
-                "workdir": str(REPO), "state_dir": str(tmp / "state"), "env": {"PYTHONPATH": str(REPO)}},
+        "job": {
+            "command": [sys.executable, *TRAINER, "--loss-log", str(tmp / "loss.jsonl"), *trainer_args],
+            "workdir": str(REPO),
+            "state_dir": str(tmp / "state"),
+            "env": {"PYTHONPATH": str(REPO)},
+        },
         "launch": {"nproc_per_node": nproc},
         "checkpoint": {"dir": str(tmp / "ckpt")},
         "restart": {"backoff_initial_s": 0.2, "stop_grace_s": 3},
-    }  # fmt: skip
+    }
     for name, values in sections.items():
         cfg.setdefault(name, {}).update(values)
     path = tmp / "job.yaml"
@@ -87,8 +91,11 @@ def test_sigkilled_rank_is_restarted_and_the_run_is_bitwise_uninterrupted(refere
     else:
         assert parked == used == {}
     # Nothing left: no rank, agent or spare (a spare's command line names no path of the job; its environment does).
-    assert not [p for p in psutil.process_iter(["environ"], ad_value=None)
-                if any(str(tmp_path) in v for v in (p.info["environ"] or {}).values())]  # fmt: skip
+    assert not [
+        p
+        for p in psutil.process_iter(["environ"], ad_value=None)
+        if any(str(tmp_path) in v for v in (p.info["environ"] or {}).values())
+    ]
 
 
 def test_sigstopped_rank_is_detected_as_a_hang_and_the_run_completes(reference, tmp_path):
@@ -108,8 +115,9 @@ def test_unhealthy_slot_shrinks_the_world_size_and_keeps_the_global_batch(refere
         "p.write_text(str(n + 1))\n"
         "print('0 1' if n == 0 else '0')\n"
     )
-    job = write_job(tmp_path, "--fault", "kill@6", "--fault-rank", "1",
-                    launch={"health_command": [sys.executable, str(probe)]})  # fmt: skip
+    job = write_job(
+        tmp_path, "--fault", "kill@6", "--fault-rank", "1", launch={"health_command": [sys.executable, str(probe)]}
+    )
     r = ftsup("run", "--config", str(job))
     assert r.returncode == 0, r.output[-4000:]
     got = last_lines(tmp_path / "loss.jsonl")
@@ -122,8 +130,8 @@ def test_unhealthy_slot_shrinks_the_world_size_and_keeps_the_global_batch(refere
 
 
 def test_crash_loop_stops_with_its_exit_code_and_says_why(tmp_path):
-    job = write_job(tmp_path, "--fault", "exit@3", "--fault-attempt", "-1", "--ckpt-every", "100",
-                    restart={"max_attempts_without_progress": 2, "backoff_initial_s": 0.1})  # fmt: skip
+    fault = ("--fault", "exit@3", "--fault-attempt", "-1", "--ckpt-every", "100")
+    job = write_job(tmp_path, *fault, restart={"max_attempts_without_progress": 2, "backoff_initial_s": 0.1})
     r = ftsup("run", "--config", str(job))
     assert r.returncode == 3, r.output[-4000:]
     crash = [e for e in events(tmp_path) if e["event"] == "crash_loop_detected"]
@@ -139,8 +147,9 @@ def test_crash_loop_stops_with_its_exit_code_and_says_why(tmp_path):
         ("heartbeat", "timeout_s", -1, "heartbeat.timeout_s"),
     ],
 )
-def test_a_bad_config_exits_2_with_one_line_naming_the_key_and_launches_nothing(tmp_path, section, key, value,
-                                                                                   expected):  # fmt: skip
+def test_a_bad_config_exits_2_with_one_line_naming_the_key_and_launches_nothing(
+    tmp_path, section, key, value, expected
+):
     job = write_job(tmp_path, **{section: {key: value}})
     r = ftsup("run", "--config", str(job), timeout=60)
     assert r.returncode == 2
@@ -154,8 +163,12 @@ def test_a_supervisor_killed_with_sigkill_leaves_nothing_and_a_restart_finishes_
     # checkpoint and the end of the run, in which the supervisor is killed.
     job = write_job(tmp_path, "--min-step-s", "0.5")
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_for(lambda: layout.latest_consistent(tmp_path / "ckpt") is not None, 120, "no checkpoint")
         journal = json.loads((tmp_path / "state" / "journal.json").read_text())

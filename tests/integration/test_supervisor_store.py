@@ -21,18 +21,22 @@ from tests.procs import REPO, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
-TRAINER = ["-m", "ftsup.trainer.examples.gpt", "--steps", "16", "--ckpt-every", "4", "--n-layer", "2", "--n-embd", "64",
-           "--seq-len", "32", "--corpus-bytes", "200000"]  # fmt: skip
+SMALL_MODEL = ["--n-layer", "2", "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000"]
+TRAINER = ["-m", "ftsup.trainer.examples.gpt", "--steps", "16", "--ckpt-every", "4", *SMALL_MODEL]
 
 
 def write_job(tmp: Path, *trainer_args: str) -> Path:
     cfg = {
-        "job": {"command": [sys.executable, *TRAINER, "--loss-log", str(tmp / "loss.jsonl"), *trainer_args],
-                "workdir": str(REPO), "state_dir": str(tmp / "state"), "env": {"PYTHONPATH": str(REPO)}},
+        "job": {
+            "command": [sys.executable, *TRAINER, "--loss-log", str(tmp / "loss.jsonl"), *trainer_args],
+            "workdir": str(REPO),
+            "state_dir": str(tmp / "state"),
+            "env": {"PYTHONPATH": str(REPO)},
+        },
         "launch": {"nproc_per_node": 2},
         "checkpoint": {"dir": str(tmp / "ckpt")},
         "restart": {"backoff_initial_s": 0.2, "stop_grace_s": 3},
-    }  # fmt: skip
+    }
     path = tmp / "job.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -56,9 +60,14 @@ def plant_hostile(root: Path) -> None:
 
 def test_a_hang_is_detected_in_time_while_the_store_is_hostile(tmp_path: Path) -> None:
     job = write_job(tmp_path, "--fault", "stop@10", "--fault-rank", "1", "--min-step-s", "0.3")
-    proc = subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], cwd=REPO,
-                            env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_for(lambda: (tmp_path / "ckpt" / layout.step_dirname(4)).is_dir(), 180, "no first checkpoint")
         plant_hostile(tmp_path / "ckpt")  # before the hang at step 10, while the daemon scans

@@ -25,22 +25,31 @@ def events(tmp: Path) -> list[dict]:
 def test_the_checkpoint_directory_replaced_by_a_file_mid_run_is_survived_and_the_job_exits_0(tmp_path: Path) -> None:
     loss = tmp_path / "loss.jsonl"
     # No periodic save (only the final one, once the directory is back): the outage is the supervisor's to ride.
+    command = [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", "100", "--ckpt-every", "1000"]
+    command += ["--n-layer", "1", "--n-embd", "32", "--seq-len", "16", "--corpus-bytes", "50000"]
+    command += ["--min-step-s", "0.1", "--loss-log", str(loss)]
     cfg = {
-        "job": {"command": [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", "100",
-                            "--ckpt-every", "1000",
-                            "--n-layer", "1", "--n-embd", "32", "--seq-len", "16", "--corpus-bytes", "50000",
-                            "--min-step-s", "0.1", "--loss-log", str(loss)],
-                "workdir": str(REPO), "state_dir": str(tmp_path / "state"), "env": {"PYTHONPATH": str(REPO)}},
+        "job": {
+            "command": command,
+            "workdir": str(REPO),
+            "state_dir": str(tmp_path / "state"),
+            "env": {"PYTHONPATH": str(REPO)},
+        },
         "launch": {"nproc_per_node": 1},
         "checkpoint": {"dir": str(tmp_path / "ckpt")},
         "restart": {"stop_grace_s": 3},
-    }  # fmt: skip
+    }
     (tmp_path / "ckpt").mkdir()
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(cfg))
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for(lambda: loss.exists() and len(loss.read_text().splitlines()) >= 3, 180, "no training step")
         (tmp_path / "ckpt").rename(tmp_path / "ckpt.aside")

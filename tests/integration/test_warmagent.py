@@ -1,4 +1,4 @@
-"""The spare torchrun agent (`supervisor.warmagent`, `ftsup.warmrun`) on its own: real interpreters, real torchrun.
+"""The spare torchrun agent (`run/warmagent.py`, `ftsup.warmrun`) on its own: real interpreters, real torchrun.
 
 A spare parked for attempt N runs attempt N's torchrun with the environment, working directory and log file it is
 handed, as the pid it was parked as; anything it cannot be used for stops it and leaves the caller to start cold;
@@ -27,8 +27,10 @@ from tests.procs import REPO, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
-PRINT_ENV = ("import os, sys; print('rank', os.environ['RANK'], os.environ['FTSUP_WARM_PROBE'], os.getcwd(), "
-             "os.environ['FTSUP_ATTEMPT'], flush=True)")  # fmt: skip
+PRINT_ENV = (
+    "import os, sys; print('rank', os.environ['RANK'], os.environ['FTSUP_WARM_PROBE'], os.getcwd(), "
+    "os.environ['FTSUP_ATTEMPT'], flush=True)"
+)
 
 
 def mark(n: int) -> procs.Mark:
@@ -75,17 +77,17 @@ def test_a_dead_spare_is_not_used_and_its_attempt_starts_cold(tmp_path):
     spare = park(tmp_path, 1)
     spare.proc.send_signal(signal.SIGKILL)
     spare.proc.wait(timeout=10)
-    assert spare.go(1, argv_for(tmp_path, 1), env=dict(os.environ), cwd=tmp_path, log_path=tmp_path / "c.log",
-                    mark=mark(1)) is None  # fmt: skip
+    argv = argv_for(tmp_path, 1)
+    assert spare.go(1, argv, env=dict(os.environ), cwd=tmp_path, log_path=tmp_path / "c.log", mark=mark(1)) is None
 
 
 def test_a_log_file_that_cannot_be_opened_fails_the_launch_as_a_cold_start_would(tmp_path):
     spare = park(tmp_path, 1)
     (tmp_path / "target").write_text("")
     (tmp_path / "d.log").symlink_to(tmp_path / "target")  # never written through a link
+    argv = argv_for(tmp_path, 1)
     with pytest.raises(OSError):
-        spare.go(1, argv_for(tmp_path, 1), env=dict(os.environ), cwd=tmp_path, log_path=tmp_path / "d.log",
-                 mark=mark(1))  # fmt: skip
+        spare.go(1, argv, env=dict(os.environ), cwd=tmp_path, log_path=tmp_path / "d.log", mark=mark(1))
     assert spare.proc.returncode is not None and (tmp_path / "target").read_text() == ""
 
 
@@ -101,17 +103,24 @@ def test_a_spare_let_go_exits_0_and_one_sent_a_bad_message_exits_2(tmp_path):
 
 
 def test_the_message_must_be_an_object_of_argv_env_and_cwd(tmp_path):
-    for msg in ({}, {"argv": "x", "env": {}, "cwd": "/"}, {"argv": [], "env": {"A": 1}, "cwd": "/"},
-                {"argv": [], "env": {}, "cwd": 3}):  # fmt: skip
+    for msg in (
+        {},
+        {"argv": "x", "env": {}, "cwd": "/"},
+        {"argv": [], "env": {"A": 1}, "cwd": "/"},
+        {"argv": [], "env": {}, "cwd": 3},
+    ):
         with pytest.raises(ValueError):
             warmrun._checked(msg)
-    assert warmrun._checked({"argv": ["--standalone"], "env": {"A": "b"}, "cwd": "/"}) == (["--standalone"],
-                                                                                          {"A": "b"}, "/")  # fmt: skip
+    assert warmrun._checked({"argv": ["--standalone"], "env": {"A": "b"}, "cwd": "/"}) == (
+        ["--standalone"],
+        {"A": "b"},
+        "/",
+    )
 
 
 def test_a_spare_dies_with_the_process_that_parked_it(tmp_path):
     code = (
-        "import os, sys, time; from ftsup import procs; from ftsup.supervisor import warmagent;"
+        "import os, sys, time; from ftsup import procs; from ftsup.supervisor.run import warmagent;"
         f"s = warmagent.park(1, sys.executable, env=dict(os.environ), cwd={str(REPO)!r},"
         " mark=procs.Mark('w', 'n', 1)); print(s.proc.pid, flush=True); time.sleep(600)"
     )
@@ -145,8 +154,9 @@ def test_a_spare_imports_at_the_lowest_priority_and_runs_its_attempt_and_the_ran
     (tmp_path / "probe_mod.py").write_text(PROBE)
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "PROBE_OUT": str(tmp_path / "out")}
     a, b = socket.socketpair()
-    proc = subprocess.Popen([sys.executable, str(REPO / "ftsup" / "warmrun.py"), "probe_mod"], stdin=b, env=env,
-                            cwd=tmp_path)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "ftsup" / "warmrun.py"), "probe_mod"], stdin=b, env=env, cwd=tmp_path
+    )
     try:
         b.close()
         body = json.dumps({"argv": [], "env": env, "cwd": str(tmp_path)}).encode()
@@ -176,10 +186,16 @@ def test_the_message_is_json_of_the_documented_shape(tmp_path):
 
 
 def workers_for(tmp: Path, now: list[float], warm: bool) -> tuple[workers.Workers, list[tuple[str, dict]]]:
-    cfg = parse_config({"job": {"command": [sys.executable, "-c", "import time; time.sleep(120)"], "workdir": str(tmp),
-                                "state_dir": str(tmp / "state")},
-                        "launch": {"nproc_per_node": 1, "node_id": "n0", "warm_agent": warm},
-                        "heartbeat": {"mode": "off"}}, base_dir=tmp)  # fmt: skip
+    raw = {
+        "job": {
+            "command": [sys.executable, "-c", "import time; time.sleep(120)"],
+            "workdir": str(tmp),
+            "state_dir": str(tmp / "state"),
+        },
+        "launch": {"nproc_per_node": 1, "node_id": "n0", "warm_agent": warm},
+        "heartbeat": {"mode": "off"},
+    }
+    cfg = parse_config(raw, base_dir=tmp)
     (tmp / "state" / "logs").mkdir(parents=True)
     logged: list[tuple[str, dict]] = []
 
@@ -187,9 +203,16 @@ def workers_for(tmp: Path, now: list[float], warm: bool) -> tuple[workers.Worker
         logged.append((event, fields))
 
     clock = lambda: now[0]  # noqa: E731
-    w = workers.Workers(cfg, tmp / "state" / "logs", clock=clock, emit=emit, post=lambda ev: None,
-                        outages=Outages(emit, lambda purpose: None, clock), journal=lambda status: None,
-                        figures=lambda rank, figures: None)  # fmt: skip
+    w = workers.Workers(
+        cfg,
+        tmp / "state" / "logs",
+        clock=clock,
+        emit=emit,
+        post=lambda ev: None,
+        outages=Outages(emit, lambda purpose: None, clock),
+        journal=lambda status: None,
+        figures=lambda rank, figures: None,
+    )
     return w, logged
 
 
@@ -226,8 +249,11 @@ def test_with_heartbeats_off_a_spare_is_parked_a_while_after_the_launch_and_the_
 
 
 def test_a_failed_rank_gives_the_agent_torchruns_exit_status_and_report_as_a_plain_torchrun_would(tmp_path):
-    spec = launcher.LaunchSpec(command=(sys.executable, "-c", "import sys; print('bye', flush=True); sys.exit(3)"),
-                               nproc=2, log_dir=str(tmp_path / "ranks"))  # fmt: skip
+    spec = launcher.LaunchSpec(
+        command=(sys.executable, "-c", "import sys; print('bye', flush=True); sys.exit(3)"),
+        nproc=2,
+        log_dir=str(tmp_path / "ranks"),
+    )
     argv = launcher.torchrun_argv(spec)
     log = tmp_path / "attempt-0001.log"
     spare = warmagent.park(1, sys.executable, env=dict(os.environ), cwd=REPO, mark=mark(1), log_path=log)

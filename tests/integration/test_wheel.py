@@ -86,8 +86,8 @@ def test_installed_from_the_wheel_the_tooling_commands_parse_and_find_the_instal
     wheel: dict[str, Any], tmp_path: Path
 ) -> None:
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target),
-                    str(wheel["path"])], check=True, capture_output=True, timeout=120)  # fmt: skip
+    install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target)]
+    subprocess.run([*install, str(wheel["path"])], check=True, capture_output=True, timeout=120)
     probe = (
         "import sys\n"
         "from ftsup.supervisor.cli import main\n"
@@ -100,8 +100,9 @@ def test_installed_from_the_wheel_the_tooling_commands_parse_and_find_the_instal
     )
     # PYTHONPATH comes before site-packages, where the editable install of this checkout is found.
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(target)}
-    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     cli_file, code_root = done.stdout.splitlines()[0].split()
     assert (Path(cli_file).is_relative_to(target), Path(code_root)) == (True, target.resolve())

@@ -1,13 +1,10 @@
 """Zero-line supervision: scripts without a line of ftsup under `ftsup run -- ...`, with no YAML file at all.
 
-`tests/bin/plain_ddp.py` is plain torch DDP on gloo that checkpoints itself with `torch.save` and resumes from its own
-checkpoint; it is given as a bare script path (`ftsup run --nproc-per-node 2 -- plain_ddp.py ...`), which runs under
-`python` as torchrun would run it. One run, whose rank 1 is SIGKILLed at step 5, serves the claims about it; the
-startup timeout is far shorter than the run, so that `heartbeat.mode: required` would have killed the script for its
-silence. `tests/bin/beater.py` beats: under `heartbeat.mode: auto` its SIGSTOPped rank is caught as a hang.
-
-Each run starts in a directory of its own, where the state directory (`.ftsup/<node>`) lands; every process is
-reaped (`tests.procs`).
+`tests/bin/plain_ddp.py`, plain torch DDP that checkpoints itself with `torch.save`, is given as a bare script path
+and runs under `python` as torchrun would run it; one run, whose rank 1 is SIGKILLed at step 5, serves the claims
+about it, its startup timeout far shorter than the run, so that `heartbeat.mode: required` would have killed the
+script for its silence. `tests/bin/beater.py` beats: under `heartbeat.mode: auto` its SIGSTOPped rank is caught as a
+hang. Each run starts in a directory of its own, where the state directory (`.ftsup/<node>`) lands.
 """
 
 from __future__ import annotations
@@ -57,8 +54,8 @@ def rank_past(workdir: Path, rank: int, step: int) -> dict[str, int] | None:
 def killed_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """`ftsup run` of plain_ddp.py on 2 ranks, no YAML, rank 1 SIGKILLed once it is past step KILL_AT."""
     workdir = tmp_path_factory.mktemp("plain")
-    argv = ftsup("run", "--nproc-per-node", "2", "--set", "heartbeat.startup_timeout_s=1", *FAST, "--",
-                 str(BIN / "plain_ddp.py"), "--steps", str(STEPS), "--dir", str(workdir))  # fmt: skip
+    script = [str(BIN / "plain_ddp.py"), "--steps", str(STEPS), "--dir", str(workdir)]
+    argv = ftsup("run", "--nproc-per-node", "2", "--set", "heartbeat.startup_timeout_s=1", *FAST, "--", *script)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **ENV)
     with (workdir / "ftsup.out").open("w") as out:
         proc = subprocess.Popen(argv, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -95,7 +92,11 @@ def test_a_script_that_sends_no_heartbeats_is_never_killed_for_it(killed_run):
 
 def test_in_auto_mode_a_script_that_beats_gets_hang_detection(tmp_path: Path):
     beater = [str(BIN / "beater.py"), "--steps", "40", "--step-s", "0.05", "--stop-at", "10"]
-    r = run(ftsup("run", "--nproc-per-node", "2", "--heartbeat-mode", "auto", *FAST, "--", "python", *beater),
-            cwd=tmp_path, env=ENV, timeout=180)  # fmt: skip
+    r = run(
+        ftsup("run", "--nproc-per-node", "2", "--heartbeat-mode", "auto", *FAST, "--", "python", *beater),
+        cwd=tmp_path,
+        env=ENV,
+        timeout=180,
+    )
     hangs = [e["attempt"] for e in events(tmp_path) if e["event"] == "heartbeat_timed_out"]
     assert (r.returncode, hangs) == (0, [1]), r.output[-4000:]

@@ -29,8 +29,8 @@ FAST = ["--set", "heartbeat.startup_timeout_s=1", "--restart-backoff-initial-s",
 
 def supervise_killed(tmp: Path, script: list[str], kill_after: int) -> tuple[int, list[dict[str, Any]]]:
     """`ftsup run` of `script` on 2 ranks in `tmp`, rank 1 SIGKILLed once the loss log is past `kill_after`."""
-    argv = [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--nproc-per-node", "2", "--job-state-dir",
-            str(tmp / "state"), *FAST, "--", *script]  # fmt: skip
+    argv = [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--nproc-per-node", "2"]
+    argv += ["--job-state-dir", str(tmp / "state"), *FAST, "--", *script]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     with (tmp / "ftsup.out").open("w") as out:
         proc = subprocess.Popen(argv, cwd=tmp, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -57,8 +57,8 @@ def logged_steps(tmp: Path) -> list[int]:
 
 def test_the_plain_baseline_is_relaunched_after_a_sigkill_and_finishes(tmp_path):
     steps = 16
-    script = ["-m", "ftsup.trainer.examples.plain_baseline", "--steps", str(steps), "--eval-every", "8",
-              "--min-eval-s", "3", "--loss-log", str(tmp_path / "loss.jsonl")]  # fmt: skip
+    script = ["-m", "ftsup.trainer.examples.plain_baseline", "--steps", str(steps), "--eval-every", "8"]
+    script += ["--min-eval-s", "3", "--loss-log", str(tmp_path / "loss.jsonl")]
     _, events = supervise_killed(tmp_path, script, kill_after=4)
     assert failures(events) == ["worker_exited"]
     assert [e["event"] for e in events].count("workers_launched") == 2
@@ -69,9 +69,9 @@ def test_the_plain_baseline_is_relaunched_after_a_sigkill_and_finishes(tmp_path)
 
 def test_the_hf_trainer_script_without_its_callback_is_relaunched_from_its_own_checkpoint(tmp_path):
     steps, out = 16, tmp_path / "hf-out"
-    script = ["-m", "ftsup.trainer.examples.hf_gpt2", "--no-ftsup", "--steps", str(steps), "--save-every", "4",
-              "--eval-every", "8", "--eval-pad-s", "3", "--output-dir", str(out), "--loss-log",
-              str(tmp_path / "loss.jsonl")]  # fmt: skip
+    script = ["-m", "ftsup.trainer.examples.hf_gpt2", "--no-ftsup", "--steps", str(steps), "--save-every", "4"]
+    script += ["--eval-every", "8", "--eval-pad-s", "3", "--output-dir", str(out)]
+    script += ["--loss-log", str(tmp_path / "loss.jsonl")]
     _, events = supervise_killed(tmp_path, script, kill_after=6)
     assert failures(events) == ["worker_exited"]
     logged = logged_steps(tmp_path)
