@@ -45,12 +45,16 @@ stage() {
     fi
     say "$name: started (limit ${limit}s)"
     t0=$(date +%s)
-    timeout --kill-after=15 "$limit" "$@" 2>&1 | tee -a "$LOG"
+    timeout --kill-after=15 "$limit" "$@" 2>&1 | tee -a "$LOG" "$NOTES/$name.log"
     rc=${PIPESTATUS[0]}
     case $rc in 0) status=ok ;; 124 | 137) status=timeout ;; *) status=failed ;; esac
     if [ "$rc" != 0 ]; then FAILED=1; fi
     note="exit $rc"
-    if [ -s "$NOTES/$name" ]; then note="$(tail -n 1 "$NOTES/$name") (exit $rc)"; fi
+    if [ -s "$NOTES/$name" ]; then
+        note="$(tail -n 1 "$NOTES/$name") (exit $rc)"
+    elif [ "$rc" != 0 ]; then  # the last thing it said, an exception's last line most often
+        note="exit $rc: $(grep -v '^[[:space:]]*$' "$NOTES/$name.log" | tail -n 1)"
+    fi
     report stage "$OUT" "$name" "$status" $(($(date +%s) - t0)) "$note"
     say "$name: $status (exit $rc)"
     return "$rc"

@@ -222,6 +222,9 @@ class CheckpointEngine:
             self._writer.join()
             self._fence.close()
             self._host.close()
+            if self._plan is not None:
+                self._plan.views.clear()
+            self._buffers = [None] * len(self._buffers)  # the staging memory goes with the engine, not its owner
 
     def __enter__(self) -> CheckpointEngine:
         return self
