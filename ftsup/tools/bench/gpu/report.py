@@ -127,7 +127,7 @@ def _opt(value: Any) -> str:
 
 
 HEADER = (
-    "| state | row | device | GB | blocked ms | stall ms | stall, first 3 steps ms | save GB/s | of raw write "
+    "| state | row | device | GB | blocked ms | stall ms | stall, first 3 steps ms | GB/s | of raw write "
     "| resume s | exact | first save blocked ms | n |"
 )
 
