@@ -19,10 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ftsup.store import layout
-from ftsup.tools.faults.refjob import CODE_ROOT
+from ftsup.tools.faults.refjob import CODE_ROOT, TrainerJob, new_run_id
 
 CKPT_EVERY = 10
 
@@ -37,29 +35,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _job(work: Path, mode: str, steps: int, min_step_s: float) -> Path:
-    command = [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", str(steps)]
-    command += ["--ckpt-every", str(CKPT_EVERY), "--n-layer", "2", "--n-embd", "128", "--seq-len", "64"]
-    command += ["--corpus-bytes", "400000", "--min-step-s", str(min_step_s), "--keep-last", "2"]
-    command += ["--loss-log", str(work / "loss.jsonl")]
-    cfg = {
-        "job": {
-            "command": command,
-            "workdir": str(CODE_ROOT),
-            "state_dir": str(work / "state"),
-            "env": {"PYTHONPATH": str(CODE_ROOT)},
-        },
-        "launch": {"nproc_per_node": 2},
-        "checkpoint": {"dir": str(work / "ckpt")},
-        "restart": {"backoff_initial_s": 0.2, "stop_grace_s": 5},
-        "eviction": {
-            "signals": ["SIGTERM"] if mode == "ftsup" else ["SIGUSR2"],
-            "default_deadline_s": 30,
-            "save_margin_s": 2,
-        },
-    }
-    path = work / "job.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    eviction = {"signals": ["SIGTERM" if mode == "ftsup" else "SIGUSR2"], "default_deadline_s": 30, "save_margin_s": 2}
+    job = TrainerJob(
+        work,
+        new_run_id(f"bench-eviction-{mode}"),
+        steps,
+        ckpt_every=CKPT_EVERY,
+        min_step_s=min_step_s,
+        extra_args=("--n-embd", "128", "--seq-len", "64", "--corpus-bytes", "400000", "--keep-last", "2"),
+        sections={"restart": {"backoff_initial_s": 0.2, "stop_grace_s": 5}, "eviction": eviction},
+    )
+    return job.write_config()
 
 
 def _lines(log: Path) -> list[dict[str, Any]]:

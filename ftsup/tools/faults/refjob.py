@@ -40,6 +40,7 @@ class TrainerJob:
     extra_args: tuple[str, ...] = ()
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)  # extra config, e.g. {"restart": {...}}
     store: Path | None = None  # the checkpoint dir when not <root>/ckpt (one on a filesystem of its own)
+    command: tuple[str, ...] = ()  # another training command than the reference trainer (`trainer_args`)
 
     @property
     def ckpt_dir(self) -> Path:
@@ -82,7 +83,8 @@ class TrainerJob:
         """The job's config as a mapping (`write_config` writes it)."""
         cfg: dict[str, Any] = {
             "job": {
-                "command": [sys.executable, "-m", "ftsup.trainer.examples.gpt", *self.trainer_args()],
+                "command": list(self.command)
+                or [sys.executable, "-m", "ftsup.trainer.examples.gpt", *self.trainer_args()],
                 "workdir": str(self.root),
                 "state_dir": str(self.state_dir),
                 "run_id": self.run_id,

@@ -13,10 +13,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from ftsup.tools.bench.recovery.common import aim, rounded, row, wait_aimed
 from ftsup.tools.faults import chaos
@@ -44,20 +43,8 @@ def write_hf_config(job: TrainerJob) -> None:
     command = [sys.executable, "-m", "ftsup.trainer.examples.hf_gpt2", "--steps", str(job.steps)]
     command += ["--save-every", str(job.ckpt_every), "--eval-every", str(10 * job.steps)]
     command += ["--min-step-s", str(job.min_step_s), "--loss-log", str(job.loss_log)]
-    cfg: dict[str, Any] = {
-        "job": {
-            "command": command,
-            "workdir": str(job.root),
-            "state_dir": str(job.state_dir),
-            "run_id": job.run_id,
-            "env": {"PYTHONPATH": child_env()["PYTHONPATH"], "OMP_NUM_THREADS": "1"},
-        },
-        "launch": {"nproc_per_node": job.nproc},
-        "checkpoint": {"dir": str(job.ckpt_dir)},
-        "restart": {"max_restarts": 20},
-    }
-    job.root.mkdir(parents=True, exist_ok=True)
-    job.config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    sections = {"job": {"env": {"PYTHONPATH": child_env()["PYTHONPATH"], "OMP_NUM_THREADS": "1"}}}
+    replace(job, command=tuple(command), sections={**sections, "restart": {"max_restarts": 20}}).write_config()
 
 
 def measure_one(name: str, root: Path, min_step_s: float) -> dict[str, Any]:
