@@ -54,8 +54,12 @@ _NOT_NOTICES = {
     "SIGCHLD": "is sent by the kernel every time a child process exits (torchrun is one)",
     **dict.fromkeys(["SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS", "SIGABRT"], _FAULT),
     "SIGXFSZ": "is raised by the kernel when a write exceeds the file size limit",
-    "SIGPIPE": "is raised by the kernel on a write to a closed pipe or socket",
+    "SIGPIPE": "is what a shell pipeline sends when its reader goes away (`ftsup run ... | head`), and what the "
+    "kernel raises on a write to a closed pipe or socket",
     **dict.fromkeys(["SIGURG", "SIGIO"], "is sent by the kernel for socket events"),
-    **dict.fromkeys(["SIGCONT", "SIGTSTP", "SIGTTIN", "SIGTTOU", "SIGWINCH"], _TERMINAL),
+    # Sent by a terminal or a shell by habit: as notices, a keystroke or a resized window would evict the job.
+    "SIGINT": "is what Ctrl-C in a terminal sends (ftsup stops the job on it, exit status 6)",
+    "SIGWINCH": "is what a terminal sends whenever its window is resized",
+    **dict.fromkeys(["SIGCONT", "SIGTSTP", "SIGTTIN", "SIGTTOU"], _TERMINAL),
     **dict.fromkeys(["SIGALRM", "SIGPROF", "SIGVTALRM"], _TIMER),
 }

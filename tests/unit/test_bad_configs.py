@@ -169,6 +169,8 @@ CASES = [
     Case("SIGCHLD as a notice", with_("eviction", "signals", ["SIGCHLD"]), "eviction.signals[0]"),
     Case("SIGKILL as a notice", with_("eviction", "signals", ["SIGTERM", "KILL"]), "eviction.signals[1]"),
     Case("SIGWINCH as a notice", with_("eviction", "signals", ["WINCH"]), "eviction.signals[0]"),
+    Case("SIGINT as a notice", with_("eviction", "signals", ["SIGTERM", "SIGINT"]), "eviction.signals[1]"),
+    Case("SIGPIPE as a notice", with_("eviction", "signals", ["pipe"]), "eviction.signals[0]"),
     Case("alias of a refused signal", with_("eviction", "signals", ["SIGCLD"]), "eviction.signals[0]"),
     Case("unknown signal", with_("eviction", "signals", ["SIGUSER1"]), "eviction.signals[0]"),
     Case("signal number", with_("eviction", "signals", [15]), "eviction.signals[0]"),
