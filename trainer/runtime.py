@@ -7,9 +7,11 @@ Sending never blocks and never raises (docs/design/trainer.md, The runtime clien
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import socket
+import stat
 import threading
 import time
 import warnings
@@ -250,38 +252,98 @@ os.register_at_fork(after_in_child=_reset_clients_after_fork)
 
 
 class ControlReader:
-    """Reads the supervisor's control file when it changes (one stat() per call otherwise)."""
+    """Reads the supervisor's control file when it changes (one `lstat()` per call otherwise).
 
-    def __init__(self, path: str | None):
+    Only a small regular file is read: a link, a FIFO, a directory, a device or a file past MAX_CONTROL_BYTES is
+    refused without being read (a FIFO opened without O_NONBLOCK would block the step), with a warning at most every
+    `WARN_EVERY_S`, and the last request stays in force."""
+
+    WARN_EVERY_S = 60.0
+
+    def __init__(self, path: str | None, *, clock: Callable[[], float] = time.monotonic):
         self.path = path
-        self._sig: tuple[int, int, int] | None = None
+        self._clock = clock
+        self._sig: tuple[int, int, int, int] | None = None
         self._last = NO_REQUEST
-        self.refused = 0  # control files of another format version (or none), never acted on
+        self._warned_at = -math.inf
+        self.refused = 0  # control files refused: another format version (or none), or not a small regular file
 
     def poll(self) -> Request:
         if not self.path:
             return NO_REQUEST
         try:
-            st = os.stat(self.path)
+            st = os.lstat(self.path)
         except FileNotFoundError:
             return self._last
-        sig = (st.st_ino, st.st_mtime_ns, st.st_size)
-        if sig != self._sig:
-            self._sig = sig
-            try:
-                with open(self.path, "rb") as f:
-                    raw = f.read(MAX_CONTROL_BYTES + 1)
-                self._last = parse_control(raw)
-            except ControlVersionError as e:  # a supervisor of another release: its request is not ours to guess
-                self.refused += 1
-                warnings.warn(
-                    f"ftsup.trainer.runtime: control file {self.path} refused, its request ignored: {e}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-            except (OSError, ValueError):
-                self._sig = None  # a torn or odd file: read it again next step
+        except OSError:
+            return self._last  # a path it cannot look at now (a directory on its way gone): the next step looks again
+        sig = (st.st_ino, st.st_mtime_ns, st.st_size, st.st_mode)
+        if sig == self._sig:
+            return self._last
+        self._sig = sig
+        try:
+            self._last = parse_control(_read_small_file(self.path, st.st_mode))
+        except _NotAFile as e:
+            self._refuse(str(e))
+        except ControlVersionError as e:  # a supervisor of another release: its request is not ours to guess
+            self._refuse(str(e))
+        except (OSError, ValueError):
+            self._sig = None  # a torn or odd file: read it again next step
         return self._last
+
+    def _refuse(self, why: str) -> None:
+        self.refused += 1
+        now = self._clock()
+        if now - self._warned_at >= self.WARN_EVERY_S:
+            self._warned_at = now
+            warnings.warn(
+                f"ftsup.trainer.runtime: control file {self.path} refused, its request ignored: {why}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+
+class _NotAFile(ValueError):
+    """The control file's path names something else than a small regular file."""
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISLNK, "a symbolic link, never followed"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _read_small_file(path: str, mode: int) -> bytes:
+    """The bytes of the regular file at `path`, at most MAX_CONTROL_BYTES + 1 of them; `_NotAFile` for anything else.
+    Never blocks: the path is opened without following a link and with O_NONBLOCK, and checked again once open."""
+    if not stat.S_ISREG(mode):
+        raise _NotAFile(_kind(mode))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # made a link since the lstat
+            raise _NotAFile(_kind(stat.S_IFLNK)) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # swapped since the lstat
+            raise _NotAFile(_kind(st.st_mode))
+        if st.st_size > MAX_CONTROL_BYTES:
+            raise _NotAFile(f"{st.st_size} bytes, more than the {MAX_CONTROL_BYTES} a request can take")
+        chunks, left = [], MAX_CONTROL_BYTES + 1
+        while left > 0 and (chunk := os.read(fd, left)):
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _kind(mode: int) -> str:
+    kind = next((name for test, name in _KINDS if test(mode)), "a device")
+    return f"{kind}, not a regular file"
 
 
 def agree(request: Request, device: Any = None) -> Request:

@@ -9,6 +9,7 @@ import math
 import os
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,87 @@ def test_a_control_file_of_another_version_leaves_the_last_request_in_force(tmp_
     with pytest.warns(RuntimeWarning, match=f"format version {CONTROL_VERSION + 1}"):
         second = reader.poll()
     assert (first, second, reader.poll(), reader.refused) == (Request(1), Request(1), Request(1), 1)
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def _directory(path: Path) -> None:
+    path.mkdir()
+
+
+def _link_to_a_request(path: Path) -> None:
+    (path.parent / "elsewhere.json").write_bytes(encode_control(Request(9, stop=True)))
+    path.symlink_to(path.parent / "elsewhere.json")
+
+
+def _link_to_dev_zero(path: Path) -> None:
+    path.symlink_to("/dev/zero")
+
+
+def _huge(path: Path) -> None:
+    with open(path, "wb") as f:
+        f.truncate(1 << 30)  # sparse: a gibibyte that takes no disk
+
+
+@pytest.mark.parametrize(
+    ("plant", "why"),
+    [
+        (_fifo, "a FIFO, not a regular file"),
+        (_directory, "a directory, not a regular file"),
+        (_link_to_a_request, "a symbolic link, never followed, not a regular file"),
+        (_link_to_dev_zero, "a symbolic link, never followed, not a regular file"),
+        (_huge, f"{1 << 30} bytes, more than the 8192 a request can take"),
+    ],
+)
+def test_a_control_file_that_is_not_a_small_regular_file_is_refused_without_blocking(tmp_path, plant, why):
+    path = tmp_path / "control.json"
+    path.write_bytes(encode_control(Request(1)))
+    reader = ControlReader(str(path))
+    first = reader.poll()
+    path.unlink()
+    plant(path)
+    got: list[object] = []
+    with pytest.warns(RuntimeWarning) as caught:
+        poller = threading.Thread(target=lambda: got.append(reader.poll()), daemon=True)
+        poller.start()
+        poller.join(timeout=30)  # a read that blocks never returns: the join times out instead
+    message = str(caught[0].message)
+    assert (first, got, reader.refused, message.endswith(why)) == (Request(1), [Request(1)], 1, True), message
+
+
+def test_a_device_named_as_the_control_file_is_refused_without_being_read():
+    reader = ControlReader("/dev/zero")
+    with pytest.warns(RuntimeWarning, match="a device, not a regular file"):
+        request = reader.poll()
+    assert (request, reader.refused) == (NO_REQUEST, 1)
+
+
+def test_a_refused_control_file_is_not_opened_again_until_it_changes(tmp_path):
+    path = tmp_path / "control.json"
+    os.mkfifo(path)
+    reader = ControlReader(str(path))
+    with pytest.warns(RuntimeWarning):
+        reader.poll()
+    polls = [reader.poll() for _ in range(3)]
+    assert (polls, reader.refused) == ([NO_REQUEST] * 3, 1)
+
+
+def test_refusals_warn_at_most_once_per_interval(tmp_path):
+    now = [0.0]
+    path = tmp_path / "control.json"
+    reader = ControlReader(str(path), clock=lambda: now[0])
+    warned = []
+    for t, plant in ((0.0, _fifo), (1.0, _directory), (ControlReader.WARN_EVERY_S + 0.5, _fifo)):
+        now[0] = t
+        if path.is_dir():
+            path.rmdir()
+        elif path.exists():
+            path.unlink()
+        plant(path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            reader.poll()
+        warned.append(len(caught))
+    assert (warned, reader.refused) == ([1, 0, 1], 3)
