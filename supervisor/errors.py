@@ -6,6 +6,8 @@ The exit status of `ftsup` follows the class (see `ftsup.supervisor.cli.main`): 
 
 from __future__ import annotations
 
+from ftsup.store.errors import os_error_line
+
 
 class SupervisorError(Exception):
     """Base of every error raised by `supervisor`."""
@@ -25,9 +27,9 @@ class RunError(SupervisorError):
 
 
 def error_line(error: BaseException) -> str:
-    """An exception as one line for a message: for an OSError the path and what went wrong (errno names are noise
-    to the person who has to act), else its type and text."""
+    """An exception as one line for a message: for an OSError the path and what went wrong, in words
+    (`ftsup.store.errors.os_error_line`: errno numbers are noise to the person who has to act), else its type and
+    text."""
     if isinstance(error, OSError):
-        where = f"{error.filename}: " if error.filename is not None else ""
-        return f"{where}{error.strerror or error}"
+        return os_error_line(error)
     return f"{type(error).__name__}: {error}"

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from ftsup.store.errors import os_words
 from ftsup.supervisor.errors import ConfigError, UsageError
 
 LOCK_NAME = "supervisor.lock"
@@ -54,7 +55,7 @@ def check_dir(path: Path, what: str) -> None:
     try:
         st = os.lstat(path)
     except OSError as e:
-        raise _refuse(what, path, f"cannot be read ({e.strerror or e})", "check the path") from None
+        raise _refuse(what, path, f"cannot be read: {os_words(e)}", "check the path") from None
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise _refuse(what, path, "is not a directory (a link or a file)", "remove it or choose another directory")
     if st.st_uid != os.geteuid():
@@ -105,7 +106,7 @@ def ensure_dir(path: str | os.PathLike[str], what: str) -> Path:
         except FileExistsError:
             pass
         except OSError as e:
-            raise _refuse(what, path, f"cannot be created ({e.strerror or e})", "check the path") from None
+            raise _refuse(what, path, f"cannot be created: {os_words(e)}", "check the path") from None
     check_dir(path, what)
     _check_ancestors(path, what)
     if path.parent.name == ".ftsup":

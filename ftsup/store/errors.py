@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+
 
 class CheckpointError(Exception):
     """Base of every error raised by `ftsup.store` and `ftsup.trainer.checkpoint`."""
@@ -69,3 +72,43 @@ class DurableConflictError(CheckpointError):
 class ModelFileError(CheckpointError):
     """A model's files outside the store (a Hugging Face model directory: its safetensors files, their
     index, its config) are missing or malformed; the message names the file and the tensor."""
+
+
+_OS_WORDS = {
+    errno.EISDIR: "is a directory, not a file",
+    errno.ENOTDIR: "a part of its path is a file, not a directory",
+    errno.ENOENT: "does not exist",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.ELOOP: "is a symbolic link, which is never followed here",
+    errno.ENXIO: "is a FIFO or a device with no one at the other end, not a file",
+    errno.EEXIST: "is there already",
+    errno.ENOTEMPTY: "is a directory that is not empty",
+    errno.ENOSPC: "its file system is full",
+    errno.EDQUOT: "the disk quota of this user is spent",
+    errno.EROFS: "is on a read-only file system",
+    errno.ENAMETOOLONG: "is a name too long for its file system",
+    errno.EXDEV: "is on another file system",
+    errno.EBUSY: "is busy",
+    errno.ETXTBSY: "is a program that is running",
+    errno.EMFILE: "cannot be opened: this process has too many files open",
+    errno.ENFILE: "cannot be opened: the system has too many files open",
+    errno.EIO: "an I/O error on its device",
+    errno.EADDRINUSE: "is in use by another process",
+    errno.EADDRNOTAVAIL: "is not an address of this host",
+}
+
+
+def os_words(error: OSError) -> str:
+    """What an OSError says is wrong, in words for the person who has to act (no errno numbers, no Python reprs):
+    "is a directory, not a file". The path is the caller's to name (`os_error_line`)."""
+    if error.errno in _OS_WORDS:
+        return _OS_WORDS[error.errno]
+    text = " ".join(str(error.strerror or (error.args[-1] if error.args else "")).split())
+    return text[:1].lower() + text[1:] if text else type(error).__name__
+
+
+def os_error_line(error: OSError) -> str:
+    """An OSError as one line: the path it is about (the destination of a rename or a link) and what is wrong."""
+    path = error.filename2 if error.filename2 is not None else error.filename
+    return f"{os.fsdecode(path)}: {os_words(error)}" if isinstance(path, (str, bytes)) else os_words(error)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ftsup.store import layout, safefile
-from ftsup.store.errors import CheckpointError
+from ftsup.store.errors import CheckpointError, os_words
 
 PINS_DIRNAME = "pins"
 JOURNAL_NAME = "journal.jsonl"
@@ -170,7 +170,7 @@ def read_pins_at(root_fd: int) -> PinSet:
                 problems.append(PinProblem(name, f"{_without_where(str(e), name)}; its checkpoint is kept"))
         return PinSet(tuple(pins), tuple(problems), frozenset(kept))
     except OSError as e:
-        return PinSet(problems=(PinProblem("", f"cannot be read ({e.strerror or e})"),), readable=False)
+        return PinSet(problems=(PinProblem("", f"cannot be read ({os_words(e)})"),), readable=False)
     finally:
         os.close(pins_fd)
 
@@ -284,7 +284,7 @@ def _unusable(root_fd: int, e: OSError) -> str:
         return "is a symbolic link; refusing to follow it"
     if e.errno == errno.ENOTDIR:
         return "is not a directory; refusing to use it"
-    return f"cannot be opened ({e.strerror or e})"
+    return f"cannot be opened ({os_words(e)})"
 
 
 def _consistent(root: str | os.PathLike[str], step: int) -> layout.CheckpointInfo:
@@ -311,7 +311,7 @@ def _read_at(dir_fd: int, name: str) -> bytes:
     except FileNotFoundError:
         raise
     except OSError as e:
-        why = "is a symbolic link; refusing to follow it" if e.errno == errno.ELOOP else f"cannot open ({e.strerror})"
+        why = "is a symbolic link; refusing to follow it" if e.errno == errno.ELOOP else f"cannot open ({os_words(e)})"
         raise PinError(f"{PINS_DIRNAME}/{name}: {why}") from None
     try:
         st = os.fstat(fd)
@@ -344,7 +344,9 @@ def _journal(pins_fd: int, action: str, record: Pin, pinned: Pin | None = None) 
     try:
         fd = os.open(JOURNAL_NAME, flags, 0o644, dir_fd=pins_fd)
     except OSError as e:
-        raise PinError(f"{PINS_DIRNAME}/{JOURNAL_NAME}: cannot append ({e.strerror or e}); refusing a link") from None
+        link = e.errno == errno.ELOOP
+        why = "is a symbolic link; refusing to follow it" if link else f"cannot append ({os_words(e)})"
+        raise PinError(f"{PINS_DIRNAME}/{JOURNAL_NAME}: {why}") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise PinError(f"{PINS_DIRNAME}/{JOURNAL_NAME}: is not a regular file; refusing to write to it")

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ftsup.store.errors import CheckpointCorruptError, CheckpointError, ManifestError
+from ftsup.store.errors import CheckpointCorruptError, CheckpointError, ManifestError, os_words
 
 MAX_JSON_DEPTH = 128
 """Deepest JSON nesting accepted in any file of a checkpoint. A state dict's skeleton takes three
@@ -78,12 +78,12 @@ def open_regular(path: str | os.PathLike[str], what: str, error: type[Checkpoint
             raise error(f"{what}: is a symbolic link; refusing to follow it") from None
         if e.errno == errno.ENOENT:
             raise error(f"{what}: missing") from None
-        raise error(f"{what}: cannot open ({e.strerror or e})") from None
+        raise error(f"{what}: cannot open ({os_words(e)})") from None
     try:
         mode = os.fstat(fd).st_mode
     except OSError as e:
         os.close(fd)
-        raise error(f"{what}: cannot stat ({e.strerror or e})") from None
+        raise error(f"{what}: cannot stat ({os_words(e)})") from None
     if not stat.S_ISREG(mode):
         os.close(fd)
         raise error(f"{what}: is not a regular file ({_kind(mode)}); refusing to read it")
@@ -131,7 +131,7 @@ def read_regular(
             try:
                 chunk = os.read(fd, min(left, 1 << 24))
             except OSError as e:
-                raise error(f"{what}: cannot read ({e.strerror or e})") from None
+                raise error(f"{what}: cannot read ({os_words(e)})") from None
             if not chunk:
                 break
             chunks.append(chunk)

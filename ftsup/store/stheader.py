@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftsup.store import dtypes, safefile
-from ftsup.store.errors import CheckpointCorruptError, CheckpointError
+from ftsup.store.errors import CheckpointCorruptError, CheckpointError, os_words
 
 HEADER_MAX_BYTES = 100_000_000
 """safetensors' own limit on a header (MAX_HEADER_SIZE): a header past it is refused unread."""
@@ -191,7 +191,7 @@ def _pread(fd: int, n: int, offset: int, what: str, error: type[CheckpointError]
         try:
             got = os.pread(fd, min(offset + n - pos, 1 << 24), pos)
         except OSError as e:
-            raise error(f"{what}: cannot read ({e.strerror or e})") from None
+            raise error(f"{what}: cannot read ({os_words(e)})") from None
         if not got:
             raise error(f"{what}: ends inside its safetensors header")
         chunks.append(got)

@@ -65,7 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunError as e:
         print(f"ftsup: error: {e}", file=sys.stderr)
         return EXIT_PROBLEM
-    except (CheckpointError, SupervisorError, OSError, extras.MissingExtraError) as e:
+    except OSError as e:  # the path and what is wrong with it, never an errno number
+        print(f"ftsup: error: {error_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    except (CheckpointError, SupervisorError, extras.MissingExtraError) as e:
         print(f"ftsup: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as e:  # a bug: the traceback is what its report needs; the last line says what happened

@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from ftsup.store.errors import os_words
 from ftsup.supervisor.config.values import Word, file_kind
 from ftsup.supervisor.errors import ConfigError
 
@@ -42,7 +43,7 @@ def read_text(source: str, path: Path, *, example: str) -> str:
     except FileNotFoundError:
         raise ConfigError(f"{source}: no such file; pass the path of a job config (example: {example})") from None
     except OSError as e:
-        raise ConfigError(f"{source}: cannot read it: {e.strerror or e}") from None
+        raise ConfigError(f"{source}: cannot read it: {os_words(e)}") from None
     if kind is not None:
         raise ConfigError(
             f"{source}: is {kind}, not a regular file; pass the path of a job config (example: {example})"

@@ -17,6 +17,7 @@ from typing import Any
 import structlog
 
 from ftsup.store import layout
+from ftsup.store.errors import os_words
 from ftsup.supervisor import statedir
 from ftsup.supervisor.config.job import JobConfig
 from ftsup.supervisor.durable.keeper import DurableKeeper
@@ -190,7 +191,7 @@ class Daemon:
             return MetricsServer(self.metrics, listen)
         except OSError as e:
             raise ConfigError(
-                f"metrics.listen={listen!r}: cannot serve /metrics there ({e.strerror or e}); choose a free port "
+                f"metrics.listen={listen!r}: cannot serve /metrics there ({os_words(e)}); choose a free port "
                 "(0 picks one) or set it to null"
             ) from None
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ftsup import extras
+from ftsup.store.errors import os_words
 from ftsup.supervisor.config.durable import DurableConfig
 from ftsup.supervisor.config.job import JobConfig
 from ftsup.supervisor.config.values import Where, file_kind
@@ -74,7 +75,7 @@ def torch_importable(where: Where, interpreter: str, role: str, *, env: Mapping[
             check=False,
         )
     except (OSError, subprocess.TimeoutExpired) as e:
-        where.fail(f"{who} cannot be run to look for torch: {getattr(e, 'strerror', None) or e}")
+        where.fail(f"{who} cannot be run to look for torch: {os_words(e) if isinstance(e, OSError) else e}")
     if done.returncode == 3:
         fix = f"install torch for it ({exe} -m pip install torch), or name an interpreter that has it by its path"
         if exe != sys.executable:
@@ -107,7 +108,7 @@ def existing_directory(where: Where, path: Path) -> None:
     except NotADirectoryError:
         where.fail(f"{path}: {_blocking_file(path)} is a file, not a directory")
     except OSError as e:
-        where.fail(f"{path}: cannot look at it: {e.strerror or e}")
+        where.fail(f"{path}: cannot look at it: {os_words(e)}")
     if not stat.S_ISDIR(st.st_mode):
         where.fail(f"{path} is {file_kind(st.st_mode)}, not a directory")
     if not os.access(path, os.X_OK):
@@ -126,7 +127,7 @@ def directory_or_creatable(where: Where, path: Path) -> None:
                 where.fail(f"{path}: no part of it exists")
             here = here.parent
         except OSError as e:
-            where.fail(f"{path}: cannot look at {here}: {e.strerror or e}")
+            where.fail(f"{path}: cannot look at {here}: {os_words(e)}")
     if not stat.S_ISDIR(st.st_mode):
         on_the_way = "" if here == path else f" (on the way to {path})"
         where.fail(f"{here}{on_the_way} is {file_kind(st.st_mode)}, not a directory")

@@ -12,7 +12,7 @@ from typing import Any
 
 from ftsup import protocol
 from ftsup.supervisor import statedir
-from ftsup.supervisor.errors import SupervisorError
+from ftsup.supervisor.errors import SupervisorError, error_line
 from ftsup.supervisor.policy import goodput
 
 FORMAT = 1
@@ -149,7 +149,7 @@ class Journal:
         try:
             data = statedir.read_private(self.path, MAX_BYTES, owner=owner)
         except OSError as e:  # a link (ELOOP), a FIFO, a device, too large, someone else's
-            raise JournalError(f"{self.path}: {e.strerror}" if e.strerror else str(e)) from None
+            raise JournalError(error_line(e)) from None
         if data is None:
             return None
         try:

@@ -15,7 +15,7 @@ from typing import Any
 
 from ftsup.protocol import Beat, Phase
 from ftsup.supervisor import statedir
-from ftsup.supervisor.errors import SupervisorError
+from ftsup.supervisor.errors import SupervisorError, error_line
 
 FORMAT = 1
 FILE_NAME = "ranks.json"
@@ -86,7 +86,7 @@ def read(path: Path) -> tuple[int, float, list[RankStatus]] | None:
     try:
         data = statedir.read_private(path, MAX_BYTES, owner=os.geteuid())
     except OSError as e:
-        raise RankStatusError(f"{path}: {e.strerror or e}") from None
+        raise RankStatusError(error_line(e)) from None
     if data is None:
         return None
     try:

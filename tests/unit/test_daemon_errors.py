@@ -253,7 +253,7 @@ def test_an_io_error_while_starting_exits_1_with_one_line_naming_the_path(
     monkeypatch.setattr(statedir.RuntimeDir, "make", classmethod(refuse_the_runtime_dir))
     code = main(["run", "--config", str(write_config(tmp_path))])
     last_line = capsys.readouterr().err.splitlines()[-1]
-    assert (code, last_line) == (1, f"ftsup: error: cannot start: {tmp_path / 'state' / 'run'}: Permission denied")
+    assert (code, last_line) == (1, f"ftsup: error: cannot start: {tmp_path / 'state' / 'run'}: permission denied")
 
 
 def test_a_scan_that_works_again_logs_the_recovery(tmp_path: Path) -> None:

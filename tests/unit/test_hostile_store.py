@@ -355,7 +355,7 @@ def _unreadable_checkpoint_is_listed(store: Path) -> None:
     os.chmod(ckpt, 0o700)  # readable to its owner only
     rows = as_another_user(lambda: [i.to_json() for i in layout.list_checkpoints(store)])
     assert [(r["step"], r["consistent"]) for r in rows] == [(100, True), (200, False)]
-    assert "Permission denied" in rows[1]["problems"][0]
+    assert "permission denied" in rows[1]["problems"][0]
 
 
 def test_checksums_of_a_shard_are_read_only_from_a_regular_file(store: Path) -> None:
