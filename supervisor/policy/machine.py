@@ -60,6 +60,7 @@ EXIT_BUDGET = 4
 EXIT_EVICTED = 5
 EXIT_STOPPED = 6
 EXIT_ANOMALY = policy_anomaly.EXIT_ANOMALY  # 7: an anomaly escalated (`policy.anomaly`)
+EXIT_NOT_DURABLE = 9  # finished, but the final checkpoint did not reach the durable tier it was to reach
 
 ATTEMPT_PHASES = frozenset({SupervisorPhase.RUNNING, SupervisorPhase.STOPPING})  # an attempt's processes are up
 STEP_HISTORY = 200

@@ -220,19 +220,20 @@ class Daemon:
             elif isinstance(action, policy.AckEviction):
                 self.sources.ack(action.source)
             elif isinstance(action, policy.Exit):
-                self._durable_before_exit(action.code)
-                self.journal.write(exit_status(action.code))
-                if action.code == policy.EXIT_EVICTED:
+                code = self._durable_before_exit(action.code)
+                self.journal.write(exit_status(code))
+                if code == policy.EXIT_EVICTED:
                     requeue(self.cfg.eviction.requeue_command, os.environ, self._emit)
-                return action.code
+                return code
         return None
 
-    def _durable_before_exit(self, code: int) -> None:
+    def _durable_before_exit(self, code: int) -> int:
         """With a durable tier, an eviction exits 5 once its checkpoint is durable, or at its deadline saying which
         checkpoint is the newest durable one; a finished job waits for what was picked (its final checkpoint's
-        upload, and the ones before it still waiting)."""
+        upload, and the ones before it still waiting). Returns the exit status: a finished job whose final
+        checkpoint did not become durable there exits `EXIT_NOT_DURABLE`, not 0."""
         if self.durable is None:
-            return
+            return code
         margin = self.settings.stop_margin_s if self.settings is not None else 1.0
         if code == policy.EXIT_EVICTED and self.durable.tier_cfg.emergency:
             ej = self.state.eviction
@@ -242,7 +243,9 @@ class Daemon:
             final = Path(self.cfg.checkpoint.dir) / layout.step_dirname(self.state.best_step)
             if final.is_dir():
                 self.durable.submit(final, urgent=True)
-                self.durable.wait_idle(FINAL_DURABLE_WAIT_S, "the job finished", self.state.best_step)
+                if not self.durable.wait_idle(FINAL_DURABLE_WAIT_S, "the job finished", self.state.best_step):
+                    return policy.EXIT_NOT_DURABLE
+        return code
 
     def _emit(self, level: str, event: str, **fields: Any) -> None:
         """Log an event and count it: every log event goes through here, so metrics and logs agree."""

@@ -101,6 +101,12 @@ class JournalKeeper:
 
 
 def exit_status(code: int) -> str:
-    """The journal's status for `ftsup run`'s exit status `code` (an escalated anomaly, 7, is "failed")."""
-    statuses = {policy.EXIT_OK: "succeeded", policy.EXIT_EVICTED: "evicted", policy.EXIT_STOPPED: "stopped"}
+    """The journal's status for `ftsup run`'s exit status `code` (an escalated anomaly, 7, is "failed"; a job whose
+    training finished, 9 with its final checkpoint short of the durable tier, "succeeded")."""
+    statuses = {
+        policy.EXIT_OK: "succeeded",
+        policy.EXIT_NOT_DURABLE: "succeeded",
+        policy.EXIT_EVICTED: "evicted",
+        policy.EXIT_STOPPED: "stopped",
+    }
     return statuses.get(code, "failed")
