@@ -62,6 +62,18 @@ def verify(
         return None
 
 
+def environ_of(
+    pid: int, mark: Mark, *, since: float, until: float | None = None, uid: int | None = None
+) -> dict[str, str] | None:
+    """The environment of `pid` (fixed at its exec) if it is a process of the attempt `mark`, as `verify` checks, else
+    None: one read of /proc/PID/environ for the mark and what else it names (a rank's RANK)."""
+    try:
+        p = psutil.Process(pid)
+        return _checked_environ(p, mark, since, until, os.getuid() if uid is None else uid)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        return None
+
+
 def find(mark: Mark, *, since: float, until: float | None = None) -> list[psutil.Process]:
     """Every live process of the attempt `mark`, by a scan of this user's processes."""
     uid = os.getuid()
@@ -76,14 +88,21 @@ def find(mark: Mark, *, since: float, until: float | None = None) -> list[psutil
 
 
 def _check(p: psutil.Process, mark: Mark, since: float, until: float | None, uid: int) -> psutil.Process | None:
+    return p if _checked_environ(p, mark, since, until, uid) is not None else None
+
+
+def _checked_environ(
+    p: psutil.Process, mark: Mark, since: float, until: float | None, uid: int
+) -> dict[str, str] | None:
     if p.uids().real != uid:
         return None
     created = p.create_time()
     if created < since - CREATE_SLACK_S or (until is not None and created > until + CREATE_SLACK_S):
         return None  # a recycled pid, or a process of another lifetime
-    if not mark.carried_by(p.environ()) or not alive(p):
+    env = p.environ()
+    if not mark.carried_by(env) or not alive(p):
         return None
-    return p
+    return env
 
 
 def descendants(roots: Iterable[int | psutil.Process]) -> list[psutil.Process]:

@@ -198,8 +198,8 @@ class Beat:
     figures: tuple[tuple[str, float], ...] = ()  # a figure that was not finite at the rank is NaN
 
 
-DROP_REASONS = ("malformed", "version", "spoofed", "foreign", "refused")
-"""Why the supervisor drops a message: not a beat (the first two, `BadBeat`), or a beat it does not admit."""
+DROP_REASONS = ("malformed", "version", "spoofed", "foreign", "refused", "forged", "ahead")
+"""Why the supervisor drops a message: not a beat (the first two, `BadBeat`), or one it does not admit or believe."""
 
 
 class BadBeat(ValueError):

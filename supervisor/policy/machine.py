@@ -152,6 +152,8 @@ def step(s: Settings, st: State, ev: Event, now: float) -> tuple[State, list[Act
             return fresh, []
         return fresh, [log("workers_restarted", attempt=att.number, world_size=att.nproc, step=att.max_step)]
     if isinstance(ev, Heartbeat) and att and ev.attempt == att.number and st.phase in ATTEMPT_PHASES:
+        if not 0 <= ev.local_rank < att.nproc:
+            return st, []  # a rank outside the attempt's is never waited for
         return _heartbeat_and_saves(s, st, att, ev, now)
     if isinstance(ev, EvictionNoticed):
         return _evict(s, st, ev, now)

@@ -146,7 +146,8 @@ class Daemon:
                     self.sources.wait(TICK_S)
                     self.pending.extend(self.sources.events())  # signals, eviction notices
                     self.pending.extend(self.rollbacks.poll())
-                    self.pending.extend(self.workers.beats(self.sources.beats(admit=self.workers.admits)))
+                    beats = self.sources.beats(admit=self.workers.admits, vet=self.workers.vet)
+                    self.pending.extend(self.workers.beats(beats))
                     self.pending.extend(self.workers.watch())  # torchrun's exit, a rank gone, new ranks
                     self.pending.append(policy.Tick())
             except Exception as e:
@@ -240,9 +241,9 @@ class Daemon:
             left = ej.deadline - self.clock() - margin if ej is not None else 0.0
             self.durable.wait_durable(ej.committed_step if ej is not None else None, left, "evicted")
         elif code == policy.EXIT_OK and self.durable.tier_cfg.final and self.state.best_step >= 0:
-            final = Path(self.cfg.checkpoint.dir) / layout.step_dirname(self.state.best_step)
-            if final.is_dir():
-                self.durable.submit(final, urgent=True)
+            final_dir = Path(self.cfg.checkpoint.dir) / layout.step_dirname(self.state.best_step)
+            if final_dir.is_dir():
+                self.durable.submit(final_dir, urgent=True)
                 if not self.durable.wait_idle(FINAL_DURABLE_WAIT_S, "the job finished", self.state.best_step):
                     return policy.EXIT_NOT_DURABLE
         return code

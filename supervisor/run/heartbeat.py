@@ -12,12 +12,15 @@ import os
 import socket
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import psutil
 
+from ftsup import procs
 from ftsup.protocol import DROP_REASONS, MAX_BEAT_BYTES, BadBeat, Beat, parse_beat
+from ftsup.supervisor.policy import pace
 
 """Why a message or a connection was dropped: the `reason` label of `ftsup_heartbeats_dropped_total`."""
 
@@ -42,41 +45,89 @@ def _admit_all(pid: int) -> bool:
     return True
 
 
+def _believe_all(beat: Beat) -> str | None:
+    return None
+
+
 class _Attempt(Protocol):
     number: int
     started_at: float  # Unix time
     known_pids: set[int]
+    mark: procs.Mark
 
     @property
     def pid(self) -> int: ...
 
 
+@dataclass(frozen=True)
+class Member:
+    """A rank of an attempt as its process's environment names it (read once per process, at exec time's values)."""
+
+    attempt: int
+    rank: int
+    local_rank: int
+
+
 class Admission:
-    """Which senders may beat: the processes of the running attempt, that is descendants of its
-    torchrun (started after it), or ranks already seen. One verdict per pid and attempt, so a
-    sender costs one walk up its parents, however many beats it sends."""
+    """Which senders may beat, and which of their beats count. A sender must be a rank of the running attempt: a
+    descendant of its torchrun started after it (or a rank already seen) that carries the attempt's mark and a `RANK`
+    and `LOCAL_RANK` in its environment. Its beat counts when it claims that attempt, rank and local rank, and a step
+    no further ahead than a step can be (`policy.pace`). One verdict per pid and attempt (a walk up its parents and
+    one read of its environment), however many beats it sends."""
 
     MAX_STRANGERS = 4096
 
     def __init__(self) -> None:
         self._attempt = 0
-        self._members: set[int] = set()
+        self._members: dict[int, Member] = {}
         self._strangers: set[int] = set()
+        self._paces: dict[int, pace.Pace] = {}  # by rank, this attempt
+        self._base: tuple[int, float] | None = None  # (resume step, launch time) of this attempt
+
+    def launched(self, number: int, resume_step: int | None, now: float) -> None:
+        """Attempt `number` was launched at `now` (the loop's clock) from `resume_step` (None: a fresh start)."""
+        self._forget(number)
+        self._base = (resume_step or 0, now)
 
     def admits(self, attempt: _Attempt | None, pid: int) -> bool:
+        return self._member(attempt, pid) is not None
+
+    def vet(self, attempt: _Attempt | None, beat: Beat, now: float) -> str | None:
+        """Why the beat of an admitted sender does not count (one of `DROP_REASONS`), or None when it does."""
+        member = self._member(attempt, beat.pid)
+        if member is None:
+            return "foreign"
+        if (beat.attempt, beat.rank, beat.local_rank) != (member.attempt, member.rank, member.local_rank):
+            return "forged"
+        base_step, base_at = self._base if self._base is not None else (0, now)
+        now_pace = pace.advance(self._paces.get(member.rank) or pace.start(base_step, base_at), beat.step, now)
+        if now_pace is None:
+            return "ahead"
+        self._paces[member.rank] = now_pace
+        return None
+
+    def _member(self, attempt: _Attempt | None, pid: int) -> Member | None:
         if attempt is None:  # between attempts: the last beats of the last attempt's ranks are still read
-            return pid in self._members
+            return self._members.get(pid)
         if attempt.number != self._attempt:
-            self._attempt, self._members, self._strangers = attempt.number, set(), set()
+            self._forget(attempt.number)
         if pid in self._members:
-            return True
+            return self._members[pid]
         if pid in self._strangers:
-            return False
-        ok = pid in attempt.known_pids or _descends(pid, attempt)
-        if not ok and len(self._strangers) >= self.MAX_STRANGERS:
-            self._strangers.clear()
-        (self._members if ok else self._strangers).add(pid)
-        return ok
+            return None
+        member = None
+        if pid in attempt.known_pids or _descends(pid, attempt):
+            member = _rank_of(pid, attempt)
+        if member is None:
+            if len(self._strangers) >= self.MAX_STRANGERS:
+                self._strangers.clear()
+            self._strangers.add(pid)
+        else:
+            self._members[pid] = member
+        return member
+
+    def _forget(self, number: int) -> None:
+        self._attempt, self._members, self._strangers, self._paces, self._base = number, {}, set(), {}, None
 
 
 def _descends(pid: int, attempt: _Attempt) -> bool:
@@ -86,6 +137,18 @@ def _descends(pid: int, attempt: _Attempt) -> bool:
         return proc.create_time() >= attempt.started_at - 1 and any(p.pid == attempt.pid for p in proc.parents())
     except psutil.Error:
         return False
+
+
+def _rank_of(pid: int, attempt: _Attempt) -> Member | None:
+    """The rank `pid` is, by its environment, when it carries the attempt's mark and torchrun's rank variables."""
+    env = procs.environ_of(pid, attempt.mark, since=attempt.started_at)
+    if env is None:
+        return None
+    try:
+        rank, local_rank = int(env["RANK"]), int(env["LOCAL_RANK"])
+    except (KeyError, ValueError):
+        return None  # torchrun itself, or a process that is not a rank
+    return Member(attempt.number, rank, local_rank) if rank >= 0 and local_rank >= 0 else None
 
 
 class HeartbeatReceiver:
@@ -130,8 +193,11 @@ class HeartbeatReceiver:
     def connections(self) -> int:
         return len(self._conns)
 
-    def drain(self, admit: Callable[[int], bool] = _admit_all) -> list[Beat]:
-        """The valid beats waiting from admitted senders, oldest first per connection; never blocks."""
+    def drain(
+        self, admit: Callable[[int], bool] = _admit_all, vet: Callable[[Beat], str | None] = _believe_all
+    ) -> list[Beat]:
+        """The valid beats waiting from admitted senders, oldest first per connection; never blocks. `vet(beat)` says
+        why a beat of an admitted sender does not count (a `DROP_REASONS` entry), None when it does."""
         self._accept(admit)
         beats: list[Beat] = []
         for fd, conn in list(self._conns.items()):
@@ -147,9 +213,15 @@ class HeartbeatReceiver:
                     self._close(fd)
                     break
                 try:
-                    beats.append(self._check(raw, ancillary, flags, admit))
+                    beat = self._check(raw, ancillary, flags, admit)
+                    why = vet(beat)
                 except BadBeat as e:
-                    self._drop(e.reason)
+                    why = e.reason
+                if why is None:
+                    beats.append(beat)
+                    continue
+                self._drop(why)
+                if why != "ahead":  # the sender is the rank it says it is: its later beats may count
                     self._close(fd)  # a peer that sent one bad message gets no more reads
                     break
         return beats

@@ -74,10 +74,11 @@ class EventSources:
                 events.append(event)
         return events
 
-    def beats(self, admit: Callable[[int], bool]) -> list[Beat]:
-        """The valid heartbeats waiting from senders that `admit(pid)` lets in; drops are logged now and then."""
+    def beats(self, admit: Callable[[int], bool], vet: Callable[[Beat], str | None]) -> list[Beat]:
+        """The valid heartbeats waiting from senders that `admit(pid)` lets in, each that `vet(beat)` does not drop;
+        drops are logged now and then."""
         assert self._receiver is not None
-        beats = self._receiver.drain(admit=admit)
+        beats = self._receiver.drain(admit=admit, vet=vet)
         if (dropped := self._receiver.drops_to_log(self._clock(), every_s=DROPS_LOG_EVERY_S)) is not None:
             self._emit("warning", "heartbeats_dropped", **dropped)
         return beats

@@ -80,6 +80,10 @@ class Workers:
     def admits(self, pid: int) -> bool:
         return self._admission.admits(self.attempt, pid)
 
+    def vet(self, beat: Beat) -> str | None:
+        """Why a beat of an admitted sender does not count (a `DROP_REASONS` entry), None when it does."""
+        return self._admission.vet(self.attempt, beat, self._clock())
+
     def beats(self, beats: Iterable[Beat]) -> list[policy.Event]:
         """The policy's events of `beats`. A new rank of this attempt is journaled, so that a restarted supervisor
         can find every rank of it."""
@@ -174,6 +178,7 @@ class Workers:
         env = launcher.rank_env(self.cfg, self._runtime(), action.resume_step, os.environ, action.skips)
         self._ranks_seen = frozenset()
         self._rank_phase, self._rank_of, self._dead_at = {}, {}, {}
+        self._admission.launched(action.attempt, action.resume_step, self._clock())
         self._table.started(action.attempt)
         with contextlib.suppress(FileNotFoundError):  # a new attempt starts with no request pending
             self._control_path().unlink()

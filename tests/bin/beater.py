@@ -1,7 +1,7 @@
 """A rank that only beats: steps of --step-s seconds, no torch, for tests of the heartbeat channel.
 
     beater.py --steps N [--step-s S] [--until FILE] [--eval-at STEP --eval-s S]
-              [--stop-at STEP --stop-mark FILE] [--flood-at STEP --flood-s S --flood-out FILE]
+              [--stop-at STEP --stop-mark FILE] [--flood-at STEP --flood-s S --flood-out FILE] [--forge-at STEP]
 
 Runs under `ftsup run` (torchrun sets RANK, the supervisor FTSUP_*). --until keeps stepping
 past --steps until FILE exists. --eval-at spends --eval-s seconds in phase eval at that step.
@@ -9,6 +9,8 @@ In attempt 1 only: --stop-at makes rank 0 write the wall time to --stop-mark and
 (a hang) at that step; --flood-at makes the last rank start a child process (so, a process of
 the attempt) that floods the heartbeat socket with malformed messages for --flood-s seconds and
 writes what the kernel took to --flood-out as JSON. `beater.py flood PATH SECONDS OUT` is that child.
+--forge-at makes rank 0 send, from its own pid and each on a connection of its own, a beat claiming rank 5 (local
+rank 5) and a beat claiming step 10**12, at that step (a forger inside the attempt).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from ftsup.protocol import Phase, encode_beat
 from ftsup.trainer.runtime import runtime
 
 GARBAGE = (b"", b"{" * 500, b"[" * 4000, b'{"v": 2, "step": Infinity}', b"\xff" * 64, b'{"v": 1}', b"9" * 400)
@@ -66,6 +69,24 @@ def flood(path: str, seconds: float, out: str) -> int:
     return 0
 
 
+def forge(path: str, attempt: int, step: int) -> None:
+    """Two beats no rank of this job could send: rank 5 of a job of fewer ranks, and step 10**12."""
+    for rank, claimed in ((5, step), (0, 10**12)):
+        raw = encode_beat(
+            attempt=attempt,
+            rank=rank,
+            local_rank=rank,
+            pid=os.getpid(),
+            step=claimed,
+            phase=Phase.TRAIN,
+            t=time.time(),
+            mono=time.monotonic(),
+        )
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.connect(path)
+            s.send(raw)
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["flood"]:
         return flood(argv[1], float(argv[2]), argv[3])
@@ -80,6 +101,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--flood-s", type=float, default=0.0)
     p.add_argument("--flood-out", default=os.devnull)
     p.add_argument("--stop-mark", default=os.devnull)
+    p.add_argument("--forge-at", type=int, default=-1)
     args = p.parse_args(argv)
     rt = runtime()
     rank, last = rt.env.rank, rt.env.world_size - 1
@@ -98,6 +120,8 @@ def main(argv: list[str]) -> int:
             flooder = subprocess.Popen(
                 [sys.executable, __file__, "flood", rt.env.heartbeat_socket or "", str(args.flood_s), args.flood_out]
             )
+        if step == args.forge_at and rank == 0 and first:
+            forge(rt.env.heartbeat_socket or "", rt.env.attempt, step)
         if step == args.stop_at and rank == 0 and first:
             Path(args.stop_mark).write_text(str(time.time()))
             os.kill(os.getpid(), signal.SIGSTOP)

@@ -1,6 +1,7 @@
 """A rank that beats like a healthy trainer and, between its beats, sends the supervisor's
 heartbeat socket what a hostile or broken process would: odd ranks, local ranks and attempts,
-thousands of distinct figure names, odd phases, huge and non-finite values, malformed JSON.
+a rank it is not, a step no rank could have reached, thousands of distinct figure names, odd
+phases, huge and non-finite values, malformed JSON.
 
     hostile_rank.py PROGRESS FINISH
 
@@ -43,6 +44,8 @@ def hostile(i: int, attempt: int, pid: int) -> list[bytes]:
         {**base, "rank": -1 - i, "local_rank": -1},
         {**base, "rank": 2**62, "local_rank": 2**62},
         {**base, "attempt": 10**9 + i},
+        {**base, "rank": 5, "local_rank": 5},  # a rank of a larger job, from this rank's own pid
+        {**base, "step": 10**12},  # further ahead than a step can be
         {**base, f"figure_{i}": 1.0, f'Ünïcode "name" {{{i}}}': 2.0, f"loss{i}": 3.0},
         {**base, "phase": f"phase-{i}"},
         {**base, "loss": 1e308, "save_s": -1e308, "saved_step": 2**70 + i},

@@ -218,6 +218,31 @@ def test_a_beat_claiming_another_process_neither_reaches_the_journal_nor_gets_it
     assert (rc, victim.pid in journal["pids"], alive) == (0, False, True)
 
 
+def test_a_rank_forging_beats_for_rank_5_and_step_10_to_the_12_is_never_waited_for_nor_believed(job):
+    """A rank of a 2-rank job sends, from its own pid, a beat claiming rank 5 and one claiming step 10**12. Both are
+    dropped and counted; the supervisor never waits for rank 5 (its learned timeout passes many times over while the
+    job trains on) and step 10**12 becomes neither the job's step nor the goodput high-water mark."""
+    j = job("--steps", "1", "--forge-at", "10")
+    j.wait_for_step(10)
+
+    def dropped() -> tuple[float, float]:
+        return (
+            j.metric("ftsup_heartbeats_dropped_total", reason="forged"),
+            j.metric("ftsup_heartbeats_dropped_total", reason="ahead"),
+        )
+
+    wait_for(lambda: min(dropped()) >= 1, 60, lambda: f"the forged beats were not dropped: {dropped()}")
+    timeout = j.metric("ftsup_heartbeat_timeout_seconds")
+    at = j.step()
+    j.wait_for_step(at + 3 * timeout / 0.05)  # three timeouts' worth of 0.05 s steps: rank 5 long silent by then
+    ranks = sorted(r["rank"] for r in json.loads((j.tmp / "state" / "ranks.json").read_text())["ranks"])
+    step = j.step()
+    rc = j.finish()
+    high_water = json.loads((j.tmp / "state" / "journal.json").read_text())["goodput"]["high_water_step"]
+    assert (rc, timed_out(j), len(j.events("workers_launched")), ranks) == (0, [], 1, [0, 1]), j.tail()
+    assert (step < 10**6, high_water < 10**6) == (True, True), (step, high_water)
+
+
 def _nobody_python() -> str | None:
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         return None

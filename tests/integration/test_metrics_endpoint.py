@@ -159,4 +159,14 @@ def test_the_hostile_messages_reached_the_supervisor_and_were_dropped(probed):
         for s in fam.samples
         if s.name == "ftsup_heartbeats_dropped_total"
     }
-    assert dropped["malformed"] > 0
+    assert (dropped["malformed"] > 0, dropped["forged"] > 0, dropped["ahead"] > 0) == (True, True, True), dropped
+
+
+def test_no_beat_it_forged_became_the_jobs_step(probed):
+    steps = [
+        s.value
+        for fam in text_string_to_metric_families(probed["second"])
+        for s in fam.samples
+        if s.name == "ftsup_step"
+    ]
+    assert (len(steps), steps[0] < 10**6) == (1, True), steps

@@ -92,6 +92,15 @@ def test_a_rank_silent_past_the_learned_timeout_is_a_hang():
     assert d.st.phase == "stopping"
 
 
+def test_a_beat_claiming_a_local_rank_outside_the_attempt_is_never_waited_for():
+    d = Driver()
+    d.launch()  # two local ranks
+    d.train(range(1, 11), dt=0.5)
+    d.feed(P.Heartbeat(1, 5, 11, Phase.TRAIN, rank=5), at=d.now + 0.1)
+    d.train(range(11, 21), dt=0.5)  # rank 5 silent for 5 s, far past the learned 2 s
+    assert (d.feed(P.Tick()), d.st.phase, [r for r, _ in d.st.attempt.ranks]) == ([], "running", [0, 1])
+
+
 def test_the_learned_timeout_is_the_multiplier_times_the_p99_step_time():
     assert P.heartbeat_timeout(S, [4.0] * 50) == 12.0
 
