@@ -38,6 +38,7 @@ DATA_SKIPS_ENV = "FTSUP_DATA_SKIPS"  # A:B,C:D: ranges of global data positions 
 KEEP_OLDER_THAN_STEPS_ENV = "FTSUP_KEEP_OLDER_THAN_STEPS"  # the history a rollback needs, for the engine's retention
 DURABLE_TIER_ENV = "FTSUP_CHECKPOINT_DURABLE"  # the durable tier's location (s3://BUCKET/PREFIX or a path); empty: none
 NODE_LOCAL_ENV = "FTSUP_CHECKPOINT_NODE_LOCAL"  # "1": each node keeps its own checkpoint dir (`ftsup.store.nodes`)
+FALLBACK_DIR_ENV = "FTSUP_CHECKPOINT_FALLBACK_DIR"  # where an emergency save goes when the checkpoint dir refuses it
 ENV_NAMES = (
     HEARTBEAT_SOCKET_ENV,
     HEARTBEAT_INTERVAL_ENV,
@@ -53,6 +54,7 @@ ENV_NAMES = (
     GUARD_PARENT_ENV,
     GUARD_IGNORE_ENV,
     NODE_LOCAL_ENV,
+    FALLBACK_DIR_ENV,
 )
 """Every variable of ours a rank's environment holds."""
 
@@ -99,6 +101,8 @@ class RuntimeEnv:
     """NODE_ID_ENV: the id of this rank's node."""
     node_local: bool = False
     """NODE_LOCAL_ENV: each node keeps its own checkpoint dir (its first local rank commits there)."""
+    fallback_dir: str | None = None
+    """FALLBACK_DIR_ENV: where an emergency save is written again when the checkpoint dir refuses it."""
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> RuntimeEnv:
@@ -142,6 +146,7 @@ class RuntimeEnv:
             data_skips=parse_data_skips(env.get(DATA_SKIPS_ENV, ""), f"environment variable {DATA_SKIPS_ENV}"),
             node_id=env.get(NODE_ID_ENV) or None,
             node_local=env.get(NODE_LOCAL_ENV, "").strip() == "1",
+            fallback_dir=env.get(FALLBACK_DIR_ENV) or None,
         )
 
 
@@ -179,6 +184,11 @@ MAX_FIGURES = 16
 FIGURE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
 MAX_STEP = 10**12
 MAX_FIGURE_INT = 2**53  # larger integers travel as floats (JSON readers differ beyond this)
+
+# A beat's save figures (step numbers) the policy reads: a step committed in the checkpoint dir; the save asked for
+# committed there, or in the fallback dir (FALLBACK_DIR_ENV), or failed in both; the vanished dir made again.
+COMMITTED_STEP, SAVED_STEP, FALLBACK_STEP = "committed_step", "saved_step", "fallback_step"
+SAVE_FAILED_STEP, DIR_RECREATED_STEP = "save_failed_step", "dir_recreated_step"
 
 _INT_LIMITS = {"attempt": 2**31 - 1, "rank": 2**24, "local_rank": 2**16, "pid": 2**22, "step": MAX_STEP}
 _MAX_INT_DIGITS = 20  # no field or figure needs more; Python would otherwise parse 4300 digits

@@ -55,8 +55,9 @@ What it does, so that the loop does not:
   only for the copy), the final one after the last step; the supervisor's save and stop requests
   are agreed by all ranks with an all-reduce on a CPU group overlapped with the next step
   (`ftsup.trainer.runtime.Agreement`), so each is acted on one step after it was read, at the same
-  step on every rank: an emergency save (blocking, reported with `saved_step`), then, for a stop,
-  the loop ends (`stopped`). Then the engine is closed and the rank beats `done`.
+  step on every rank: an emergency save (blocking, reported with `saved_step`; `fallback_step` when
+  the engine wrote it into its fallback directory, `save_failed_step` when it failed), then, for a
+  stop, the loop ends (`stopped`). Then the engine is closed and the rank beats `done`.
 
 A loop left early (a `break`, an exception) waits for nothing: call `close()` on every rank to
 finish the saves in flight. Not here: the checkpoint format (`ftsup.trainer.checkpoint`), the
@@ -75,7 +76,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from ftsup.protocol import Request
+from ftsup.protocol import FALLBACK_STEP, SAVE_FAILED_STEP, SAVED_STEP, Request
 from ftsup.store.errors import CheckpointSaveError
 from ftsup.store.retention import RetentionPolicy
 from ftsup.trainer import rng
@@ -320,8 +321,13 @@ class Session:
                 self._emergency_save(step, request)
             self.stopped = request.stop and not last
         if last:
-            with rt.phase("save", step):
-                result = st.save(self.engine, kind="final", block=True)
+            try:
+                with rt.phase("save", step):
+                    result = st.save(self.engine, kind="final", block=True)
+            except CheckpointSaveError:
+                if serve:  # it served the supervisor's request too
+                    rt.beat(step, "train", **{SAVE_FAILED_STEP: step})
+                raise
             if serve:
                 rt.beat(step, "train", saved_step=step, save_s=getattr(result, "durable_s", 0.0))
         if last or self.stopped:
@@ -335,6 +341,7 @@ class Session:
             with rt.phase("save", step):
                 result = self.state.save(self.engine, kind="emergency", block=True)
         except CheckpointSaveError as e:
+            rt.beat(step, "train", **{SAVE_FAILED_STEP: step})  # the supervisor tells the steps lost
             if self.rank == 0:
                 log.error("emergency_save_failed", step=step, stop=request.stop, reason=str(e))
             if request.stop:  # the resume point is the last committed checkpoint; say so by failing
@@ -342,7 +349,8 @@ class Session:
                 self.stopped = True
                 raise
             return
-        rt.beat(step, "train", saved_step=step, save_s=getattr(result, "durable_s", 0.0))
+        where = FALLBACK_STEP if getattr(result, "fallback", False) else SAVED_STEP
+        rt.beat(step, "train", **{where: step, "save_s": getattr(result, "durable_s", 0.0)})
 
     def _take_figures(self) -> dict[str, Any]:
         figures, self._figures = self._figures, {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from ftsup.store import durable, layout, retention
 from ftsup.store.errors import CheckpointError
@@ -48,6 +49,11 @@ class DurableConfig:
     hold_while_saving_s: float = DEFAULT_HOLD_S
     """While a save is in progress in this node's fast tier, an upload (but an emergency checkpoint's) waits, for at
     most this many seconds per save: training saves get the disk and the CPU to themselves. 0: never waits."""
+    fallback_dir: str | None = None
+    """Where the ranks write an eviction's emergency checkpoint again when `checkpoint.dir` refuses it (full, gone,
+    read-only): an absolute path on another filesystem (one every node sees, where the nodes share `dir`). From there
+    it goes to this tier before the exit, which is 8 when it does not make it. Null: no second try. The ranks see it
+    as FTSUP_CHECKPOINT_FALLBACK_DIR."""
 
     @property
     def is_s3(self) -> bool:
@@ -90,7 +96,14 @@ def parse_durable(value: object, where: Where) -> DurableConfig | None:
         hold_while_saving_s=sec.optional(
             "hold_while_saving_s", config_values.number(low=0.0, low_ok=True, high=MAX_HOLD_S)
         ),
+        fallback_dir=sec.nullable("fallback_dir", _absolute_path),
     )
+    if config.fallback_dir is not None and not config.emergency:
+        sec.fail(
+            "fallback_dir",
+            "an emergency checkpoint written there is kept only once it is durable, and emergency is false; "
+            "set emergency: true or remove fallback_dir",
+        )
     if config.part_bytes % layout.CHECKSUM_BLOCK_BYTES:
         block = layout.CHECKSUM_BLOCK_BYTES
         sec.fail(
@@ -116,3 +129,10 @@ def _location(value: object, where: Where) -> str:
     except CheckpointError as e:
         why = str(e).removeprefix("durable tier ")
     where.fail(f"{why}; write s3://BUCKET/PREFIX or an absolute path")
+
+
+def _absolute_path(value: object, where: Where) -> str:
+    text = str(config_values.path(Path("/"))(value, where))
+    if not config_values.string(value, where).startswith("/"):
+        where.fail(f"{value!r}: write an absolute path (it is used on every node as it is written)")
+    return text

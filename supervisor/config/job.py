@@ -292,6 +292,12 @@ def parse_config(
         ckpt_dir = checkpoint.optional("dir", config_values.path(base), job_section.workdir / ".ftsup" / "checkpoints")
     if launch_config.max_nodes > 1 and not dir_shared and (durable is None or not durable.is_s3):
         checkpoint.fail("dir_shared", _NODE_LOCAL.format(launch_config.nnodes))
+    fallback = Path(durable.fallback_dir) if durable is not None and durable.fallback_dir is not None else None
+    if fallback is not None and (fallback == ckpt_dir or ckpt_dir in fallback.parents or fallback in ckpt_dir.parents):
+        top.child("checkpoint").child("durable").child("fallback_dir").fail(
+            f"{fallback} overlaps checkpoint.dir ({ckpt_dir}), the directory it stands in for; give one apart from it, "
+            "on another filesystem"
+        )
     return JobConfig(
         job=job_section,
         launch=launch_config,

@@ -114,10 +114,12 @@ class DurableKeeper:
             if self.uploader is not None:
                 self.uploader.submit(Path(info.path), picked=False)
 
-    def saved(self, step: int, kind: str | None) -> None:
-        """The ranks reported a checkpoint of `step` committed for an eviction: submitted now, urgent."""
+    def saved(self, step: int, kind: str | None, *, fallback: bool = False) -> None:
+        """The ranks reported a checkpoint of `step` committed for an eviction (in `fallback_dir` with `fallback`:
+        `checkpoint.dir` refused it): submitted now, urgent."""
+        root = self.tier_cfg.fallback_dir if fallback and self.tier_cfg.fallback_dir else self.cfg.checkpoint.dir
         if self.tier_cfg.wants(kind):
-            self.submit(Path(self.cfg.checkpoint.dir) / layout.step_dirname(step), urgent=True)
+            self.submit(Path(root) / layout.step_dirname(step), urgent=True)
 
     def submit(self, path: Path, *, urgent: bool = False) -> None:
         if self.uploader is not None:

@@ -108,7 +108,7 @@ class Heartbeat:
     step: int
     phase: Phase
     rank: int = -1  # global rank, for logs
-    figures: tuple[tuple[str, float], ...] = ()  # save_s, saved_step, stopped_step, loss, ...
+    figures: tuple[tuple[str, float], ...] = ()  # save_s, saved_step (`ftsup.protocol`'s save figures), loss, ...
     sent: float | None = None
 
     def figure(self, name: str) -> float | None:
@@ -271,6 +271,7 @@ class CheckpointCommitted:
 
     step: int
     kind: str
+    fallback: bool = False  # in the fallback directory (`checkpoint.durable.fallback_dir`): the store refused it
 
 
 @dataclass(frozen=True)

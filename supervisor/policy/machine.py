@@ -13,11 +13,10 @@ from dataclasses import dataclass, field, replace
 from ftsup.protocol import LONG_PHASES, QUIET_PHASES, SLOW_PHASES, Phase
 from ftsup.supervisor.config.job import HeartbeatMode
 from ftsup.supervisor.policy import anomaly as policy_anomaly
-from ftsup.supervisor.policy import failures
+from ftsup.supervisor.policy import failures, saves
 from ftsup.supervisor.policy.events import (
     AckEviction,
     Action,
-    CheckpointCommitted,
     Event,
     EvictionNoticed,
     Exit,
@@ -50,6 +49,7 @@ from ftsup.supervisor.policy.rules import (
     progress_timeout,
     save_fits,
 )
+from ftsup.supervisor.policy.saves import Eviction as Eviction  # the eviction in progress (`State.eviction`)
 
 # Exit codes of `ftsup run` (documented in docs/supervising.md, Exit statuses).
 EXIT_OK = 0
@@ -57,9 +57,10 @@ EXIT_INTERNAL = 1
 EXIT_CONFIG = 2
 EXIT_CRASH_LOOP = 3
 EXIT_BUDGET = 4
-EXIT_EVICTED = 5
+EXIT_EVICTED = saves.EXIT_EVICTED  # 5
 EXIT_STOPPED = 6
 EXIT_ANOMALY = policy_anomaly.EXIT_ANOMALY  # 7: an anomaly escalated (`policy.anomaly`)
+EXIT_SAVE_LOST = saves.EXIT_SAVE_LOST  # 8: evicted, its emergency save failed (`policy.saves`)
 EXIT_NOT_DURABLE = 9  # finished, but the final checkpoint did not reach the durable tier it was to reach
 
 ATTEMPT_PHASES = frozenset({SupervisorPhase.RUNNING, SupervisorPhase.STOPPING})  # an attempt's processes are up
@@ -96,15 +97,6 @@ class Attempt:
 
 
 @dataclass(frozen=True)
-class Eviction:
-    source: str
-    deadline: float
-    noticed_at: float
-    save_seq: int | None  # None: no save was requested (no time for one)
-    committed_step: int | None = None
-
-
-@dataclass(frozen=True)
 class State:
     phase: SupervisorPhase = SupervisorPhase.INIT
     attempt_no: int = 0
@@ -122,6 +114,7 @@ class State:
     save_times: tuple[float, ...] = ()  # measured save durations (s), newest last
     save_seq: int = 0  # the newest save request's number
     eviction: Eviction | None = None
+    newest_checkpoint: int | None = None  # the newest step committed in the store, as the ranks and launches said
     beating: bool = False  # a heartbeat has arrived in this supervisor's life: heartbeat.mode auto detects hangs
     anomaly: policy_anomaly.AnomalyState = policy_anomaly.AnomalyState()  # training health, rollbacks, data skips
 
@@ -187,6 +180,7 @@ def _launch(s: Settings, st: State, ev: LaunchReady, now: float) -> tuple[State,
     att = Attempt(st.attempt_no, n, ev.resume_step, launched_at=now, progress_at=now, best_before=st.best_step)
     launch = Launch(st.attempt_no, n, ev.resume_step, st.anomaly.skips)
     anomaly = policy_anomaly.launched(st.anomaly, ev.resume_step, ev.resume_samples)
+    st = replace(st, newest_checkpoint=ev.resume_step)  # the newest checkpoint is the one this attempt resumes from
     return replace(st, phase=SupervisorPhase.RUNNING, attempt=att, last_launch=launch, anomaly=anomaly), [
         log("world_size_chosen", attempt=st.attempt_no, world_size=n, reason=why, step=ev.resume_step),
         launch,
@@ -243,25 +237,9 @@ def _heartbeat_and_saves(s: Settings, st: State, att: Attempt, ev: Heartbeat, no
         save_s = None  # a figure that was not a number at the rank
     if save_s is not None and ev.local_rank == 0:
         st = replace(st, save_times=(*st.save_times, save_s)[-20:])
-    saved = ev.figure("saved_step")
-    if saved is not None and not (math.isfinite(saved) and saved >= 0):
-        saved = None
-    ej = st.eviction
-    if saved is not None and ej is not None and ej.committed_step is None and ev.local_rank == 0:
-        st = replace(st, eviction=replace(ej, committed_step=int(saved)))
-        actions += [
-            log(
-                "checkpoint_committed",
-                attempt=att.number,
-                step=int(saved),
-                kind="emergency",
-                duration_s=round(save_s or 0.0, 3),
-                reason=f"eviction: {ej.source}",
-            ),
-            CheckpointCommitted(int(saved), "emergency"),
-            AckEviction(ej.source),
-        ]
-    return st, actions
+    newest = saves.newest_committed(st.newest_checkpoint, ev)
+    ej, told = saves.on_beat(st.eviction, ev, att.number, newest, save_s)
+    return replace(st, newest_checkpoint=newest, eviction=ej), [*actions, *told]
 
 
 def _evict(s: Settings, st: State, ev: EvictionNoticed, now: float) -> tuple[State, list[Action]]:
@@ -420,9 +398,14 @@ def _tick(s: Settings, st: State, now: float) -> tuple[State, list[Action]]:
 
 def _exited(s: Settings, st: State, att: Attempt, ev: WorkersExited, now: float) -> tuple[State, list[Action]]:
     if st.final is not None:
-        return replace(st, phase=SupervisorPhase.DONE, attempt=None), [
-            log("job_stopped", attempt=att.number, reason=st.final.reason),
-            st.final,
+        ej, final = st.eviction, st.final
+        said: list[Action] = []
+        if ej is not None:  # exit 8 when its save was asked for and never committed
+            ej, said, final = saves.at_exit(ej, final, att.number, st.newest_checkpoint, att.max_step, st.stop_reason)
+        return replace(st, phase=SupervisorPhase.DONE, attempt=None, eviction=ej, final=final), [
+            *said,
+            log("job_stopped", attempt=att.number, reason=final.reason),
+            final,
         ]
     if st.anomaly.pending is not None:  # a rollback: relaunched at once; the rollback budget bounds how often
         return _prepare(replace(st, stop_reason=None), now)

@@ -23,7 +23,7 @@ from ftsup.supervisor.config.job import JobConfig
 from ftsup.supervisor.durable.keeper import DurableKeeper
 from ftsup.supervisor.errors import ConfigError, error_line
 from ftsup.supervisor.eviction.requeue import requeue
-from ftsup.supervisor.policy import goodput
+from ftsup.supervisor.policy import goodput, saves
 from ftsup.supervisor.policy import machine as policy
 from ftsup.supervisor.policy.anomaly import AnomalyState
 from ftsup.supervisor.policy.events import CheckpointCommitted, WriteJournal, settings_from
@@ -207,7 +207,7 @@ class Daemon:
                 self._emit(action.level, action.event, **action.as_dict())
             elif isinstance(action, CheckpointCommitted):
                 if self.durable is not None:
-                    self.durable.saved(action.step, action.kind)
+                    self.durable.saved(action.step, action.kind, fallback=action.fallback)
             elif isinstance(action, WriteJournal):
                 self.journal.write("running")
             elif isinstance(action, policy.PrepareLaunch):
@@ -221,25 +221,32 @@ class Daemon:
             elif isinstance(action, policy.AckEviction):
                 self.sources.ack(action.source)
             elif isinstance(action, policy.Exit):
-                code = self._durable_before_exit(action.code)
+                code = self._durable_before_exit(action)
                 self.journal.write(exit_status(code))
-                if code == policy.EXIT_EVICTED:
+                if code in (policy.EXIT_EVICTED, policy.EXIT_SAVE_LOST):  # evicted either way: resumed elsewhere
                     requeue(self.cfg.eviction.requeue_command, os.environ, self._emit)
                 return code
         return None
 
-    def _durable_before_exit(self, code: int) -> int:
+    def _durable_before_exit(self, action: policy.Exit) -> int:
         """With a durable tier, an eviction exits 5 once its checkpoint is durable, or at its deadline saying which
         checkpoint is the newest durable one; a finished job waits for what was picked (its final checkpoint's
         upload, and the ones before it still waiting). Returns the exit status: a finished job whose final
-        checkpoint did not become durable there exits `EXIT_NOT_DURABLE`, not 0."""
+        checkpoint did not become durable there exits `EXIT_NOT_DURABLE`, not 0; an eviction whose checkpoint is
+        only in the fallback directory, which nothing reads, exits `EXIT_SAVE_LOST` (`saves.not_durable`), not 5."""
+        code = action.code
         if self.durable is None:
             return code
         margin = self.settings.stop_margin_s if self.settings is not None else 1.0
         if code == policy.EXIT_EVICTED and self.durable.tier_cfg.emergency:
             ej = self.state.eviction
             left = ej.deadline - self.clock() - margin if ej is not None else 0.0
-            self.durable.wait_durable(ej.committed_step if ej is not None else None, left, "evicted")
+            durable = self.durable.wait_durable(ej.committed_step if ej is not None else None, left, "evicted")
+            if ej is not None and ej.fallback and not durable:
+                st = self.state
+                said, lost = saves.not_durable(ej, action, st.attempt_no, st.newest_checkpoint, st.best_step)
+                self._execute(said)
+                return lost.code
         elif code == policy.EXIT_OK and self.durable.tier_cfg.final and self.state.best_step >= 0:
             final_dir = Path(self.cfg.checkpoint.dir) / layout.step_dirname(self.state.best_step)
             if final_dir.is_dir():

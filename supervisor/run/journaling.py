@@ -102,11 +102,13 @@ class JournalKeeper:
 
 def exit_status(code: int) -> str:
     """The journal's status for `ftsup run`'s exit status `code` (an escalated anomaly, 7, is "failed"; a job whose
-    training finished, 9 with its final checkpoint short of the durable tier, "succeeded")."""
+    training finished, 9 with its final checkpoint short of the durable tier, "succeeded"; an eviction whose
+    emergency save failed, 8, "evicted")."""
     statuses = {
         policy.EXIT_OK: "succeeded",
         policy.EXIT_NOT_DURABLE: "succeeded",
         policy.EXIT_EVICTED: "evicted",
+        policy.EXIT_SAVE_LOST: "evicted",
         policy.EXIT_STOPPED: "stopped",
     }
     return statuses.get(code, "failed")

@@ -103,13 +103,16 @@ def rank_env(
 
 
 def durable_env(cfg: JobConfig) -> dict[str, str]:
-    """The durable tier as the ranks see it: its location (`DURABLE_TIER_ENV`), whether each node keeps its own
-    checkpoint dir (`NODE_LOCAL_ENV`), and the endpoint the config gives (`AWS_ENDPOINT_URL_S3`, over one from
-    outside). Without a tier: nothing (a store of one node is its own either way)."""
+    """The durable tier as the ranks see it: its location (`DURABLE_TIER_ENV`), the emergency save's fallback
+    directory (`FALLBACK_DIR_ENV`), whether each node keeps its own checkpoint dir (`NODE_LOCAL_ENV`), and the
+    endpoint the config gives (`AWS_ENDPOINT_URL_S3`, over one from outside). Without a tier: nothing (a store of one
+    node is its own either way)."""
     tier = cfg.checkpoint.durable
     if tier is None:
         return {}
     env = {protocol.DURABLE_TIER_ENV: tier.url}
+    if tier.fallback_dir is not None:
+        env[protocol.FALLBACK_DIR_ENV] = tier.fallback_dir
     if not cfg.checkpoint.dir_shared:
         env[protocol.NODE_LOCAL_ENV] = "1"
     if tier.endpoint_url is not None:

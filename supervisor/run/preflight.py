@@ -48,11 +48,15 @@ def check(cfg: JobConfig, environ: Mapping[str, str] | None = None) -> None:
 
 def durable_tier(source: str, tier: DurableConfig) -> None:
     """An `s3://` tier needs boto3 (the `durable` extra): `MissingExtraError` naming it, before anything starts
-    rather than at the first upload; a tier on a filesystem must be a directory, or one that can be created."""
+    rather than at the first upload; a tier on a filesystem, and the emergency save's fallback directory, must be
+    directories, or ones that can be created."""
     if tier.is_s3:
         extras.require("durable", f"{source}: checkpoint.durable ({tier.url})")
     else:
         directory_or_creatable(Where(source).child("checkpoint").child("durable").child("url"), Path(tier.url))
+    if tier.fallback_dir is not None:
+        where = Where(source).child("checkpoint").child("durable").child("fallback_dir")
+        directory_or_creatable(where, Path(tier.fallback_dir))
 
 
 PROBE_TIMEOUT_S = 60.0

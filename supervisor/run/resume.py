@@ -43,6 +43,7 @@ class ResumeChoice:
         self.store = StoreScanner(cfg.checkpoint.dir, deep=cfg.checkpoint.verify_deep, recent=recent)  # all reads
         self._seen = (0, 0)  # (scans, errors) of the view last handed to the metrics
         self._newest: int | None = None  # the newest step seen, from the first scan on (checkpoint_found after it)
+        self._present = False  # a scan found the directory: from then on, its absence is an outage
         node_local = not cfg.checkpoint.dir_shared and cfg.launch.max_nodes > 1  # the durable tier's newest commit
         self.store.with_durable_tier(durable_opener(cfg), durable_only=node_local)  # the choice reads the tier too
 
@@ -176,7 +177,13 @@ class ResumeChoice:
             self._outages.failed(
                 "checkpoint_dir", self.cfg.checkpoint.dir, view.last_exception or OSError(view.last_error)
             )
-        if view.scans - scans > view.errors - errors:  # a scan since then went through
+        if view.scans - scans > view.errors - errors and view.missing and self._present:
+            # Gone since a scan saw it: an outage until the ranks' next save makes it again (or a person does).
+            gone = OSError(None, "vanished, or something else is in its place; the ranks' next save makes it again")
+            gone.filename = str(self.cfg.checkpoint.dir)
+            self._outages.failed("checkpoint_dir", self.cfg.checkpoint.dir, gone)
+        elif view.scans - scans > view.errors - errors:  # a scan since then went through
+            self._present = self._present or not view.missing
             self._outages.ok("checkpoint_dir")
             step = view.latest.step if view.latest else -1
             if self._newest is not None and step > self._newest and view.latest:

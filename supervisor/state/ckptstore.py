@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -45,6 +46,8 @@ class StoreView:
     last_exception: Exception | None = None  # what `last_error` describes
     recent: tuple[layout.CheckpointInfo, ...] = ()
     """The newest `recent` committed checkpoints, each fast-checked, newest first (for the durable tier)."""
+    missing: bool = False
+    """The directory was not there (or something else was in its place) at the last scan that went through."""
 
 
 @dataclass(frozen=True)
@@ -270,6 +273,7 @@ class StoreScanner:
         return tiers.from_fast(fast), str(box.get("error"))
 
     def _scan(self) -> None:
+        missing = not _is_directory(self._root)
         dirs = layout.committed_dirs(self._root)
         latest = None
         recent: list[layout.CheckpointInfo] = []
@@ -290,7 +294,7 @@ class StoreScanner:
         with self._lock:
             v = self._view
             self._view = StoreView(
-                latest, len(dirs), v.scans + 1, v.errors, v.last_error, v.last_exception, tuple(recent)
+                latest, len(dirs), v.scans + 1, v.errors, v.last_error, v.last_exception, tuple(recent), missing
             )
 
     def _inspect(self, path: Path) -> layout.CheckpointInfo:
@@ -338,6 +342,14 @@ def _inspect_in_child(path: Path) -> layout.CheckpointInfo:
             consistent=False,
             problems=(layout.Problem(layout.MANIFEST_NAME, why),),
         )
+
+
+def _is_directory(path: Path) -> bool:
+    """Whether `path` is a directory (through a link, as the ranks open it); an error but its absence is raised."""
+    try:
+        return stat.S_ISDIR(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
 
 
 def _fingerprint(path: Path) -> tuple[Any, ...]:

@@ -66,7 +66,12 @@ _LINES = {
         f"attempt {ev.get('attempt')} reached its first step, {ev.get('step')}, {_seconds(ev)} after launch"
     ),
     "checkpoint_found": lambda ev: f"checkpoint of step {ev.get('step')} committed ({ev.get('kind') or '?'})",
-    "checkpoint_committed": lambda ev: f"{ev.get('kind') or ''} checkpoint of step {ev.get('step')} committed".lstrip(),
+    "checkpoint_committed": lambda ev: (
+        f"{ev.get('kind') or ''} checkpoint of step {ev.get('step')} committed".lstrip()
+        + (" in the fallback directory (checkpoint.dir refused it)" if ev.get("fallback") else "")
+    ),
+    "emergency_save_failed": lambda ev: f"{ev.get('level')}: {ev.get('reason')}",
+    "checkpoint_dir_recreated": lambda ev: f"warning: {ev.get('reason')} (at step {ev.get('step')})",
     "durable_committed": lambda ev: f"checkpoint of step {ev.get('step')} durable in {ev.get('url')}",
     "durable_deadline_missed": lambda ev: f"warning: {ev.get('reason')}",
     "restart_scheduled": lambda ev: f"relaunching in {_seconds(ev)}",

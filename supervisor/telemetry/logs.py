@@ -31,6 +31,7 @@ _EVENT_GROUPS = (
     "restart_scheduled crash_loop_detected restart_budget_exhausted job_succeeded job_failed job_stopped",
     # evictions and checkpoints
     "eviction_noticed save_requested save_skipped checkpoint_committed requeue_requested requeue_failed",
+    "emergency_save_failed checkpoint_dir_recreated",
     "watcher_went_blind watcher_recovered",
     "checkpoint_pinned checkpoint_unpinned",  # by `ftsup ckpt pin|unpin`, not the daemon
     # training health

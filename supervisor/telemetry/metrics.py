@@ -92,6 +92,15 @@ class Metrics:
         self.emergency = counter(
             "ftsup_emergency_checkpoints_total", "Emergency checkpoints committed before an eviction deadline."
         )
+        self.emergency_failed = counter(
+            "ftsup_emergency_saves_failed_total",
+            "Saves the supervisor asked for (an eviction's, an advisory notice's) that failed, or did not finish "
+            "before the eviction's deadline.",
+        )
+        self.dir_recreated = counter(
+            "ftsup_checkpoint_dir_recreated_total",
+            "Times the checkpoint directory had vanished and the ranks' next save made it again.",
+        )
         self.quarantined = counter(
             "ftsup_checkpoints_quarantined_total", "Checkpoints found corrupt and renamed step-N.corrupt."
         )
@@ -270,6 +279,10 @@ class Metrics:
             self.emergency.inc()
         elif name == "checkpoint_quarantined":
             self.quarantined.inc()
+        elif name == "emergency_save_failed":
+            self.emergency_failed.inc()
+        elif name == "checkpoint_dir_recreated":
+            self.dir_recreated.inc()
         elif name == "orphans_found":
             self.orphans.inc(len(fields.get("pids") or ()) or 1)
         elif name == "health_probe_failed":

@@ -70,8 +70,11 @@ def test_the_unit_stops_the_supervisor_alone_and_its_exit_statuses_match_the_pol
         "KillMode": "mixed",
         "Restart": "on-failure",
         "SuccessExitStatus": f"{policy.EXIT_EVICTED} {policy.EXIT_STOPPED}",
-        # 7: an anomaly escalated (docs/incidents.md); 9: finished, the final checkpoint not durable
-        "RestartPreventExitStatus": f"{policy.EXIT_CONFIG} {policy.EXIT_ANOMALY} {policy.EXIT_NOT_DURABLE}",
+        # 7: an anomaly escalated (docs/incidents.md); 8: evicted, the emergency save failed; 9: finished, the final
+        # checkpoint not durable
+        "RestartPreventExitStatus": (
+            f"{policy.EXIT_CONFIG} {policy.EXIT_ANOMALY} {policy.EXIT_SAVE_LOST} {policy.EXIT_NOT_DURABLE}"
+        ),
     }
 
 

@@ -1,6 +1,6 @@
 """The reference trainer on a store that refuses writes: a failed periodic save is logged and
 training goes on; a failed emergency save is logged and the run stops with the last committed
-checkpoint as the resume point."""
+checkpoint as the resume point, and under `ftsup run` the eviction exits 8 naming the steps lost."""
 
 from __future__ import annotations
 
@@ -79,51 +79,58 @@ def test_a_failed_emergency_save_is_logged_and_the_run_stops_at_the_last_checkpo
 
 
 @pytest.mark.multiprocess
-def test_under_ftsup_run_a_failed_emergency_save_ends_evicted_at_the_last_checkpoint(tmp_path: Path) -> None:
+def test_under_ftsup_run_an_eviction_on_a_full_disk_exits_8_naming_the_steps_lost(tmp_path: Path) -> None:
     import os
     import signal
 
     import yaml
 
+    from ftsup.supervisor.policy.machine import EXIT_SAVE_LOST
+    from ftsup.tools.faults.diskfull import Disk
     from tests.procs import REPO, kill_tree, wait_for
 
-    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)]).returncode:
-        pytest.skip("mounting a filesystem needs root")
+    if (why := Disk.unavailable()) is not None:
+        pytest.skip(why)
     loss = tmp_path / "loss.jsonl"
     command = [sys.executable, "-m", "ftsup.trainer.examples.gpt", *SMALL, "--steps", "200", "--min-step-s", "0.1"]
-    cfg = {
-        "job": {
-            "command": [*command, "--loss-log", str(loss)],
-            "workdir": str(REPO),
-            "state_dir": str(tmp_path / "state"),
-            "env": {"PYTHONPATH": str(REPO)},
-        },
-        "launch": {"nproc_per_node": 2},
-        "checkpoint": {"dir": str(mnt / "ckpt")},
-        "restart": {"backoff_initial_s": 0.2, "stop_grace_s": 3},
-        "eviction": {"signals": ["SIGUSR1"], "default_deadline_s": 30, "save_margin_s": 1},
-    }
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
-    argv = [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(tmp_path / "job.yaml")]
-    proc = subprocess.Popen(
-        argv, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        wait_for(lambda: max(logged_steps(loss), default=0) >= 5, 180, "the run never reached step 5")
-        assert subprocess.run(["mount", "-o", "remount,ro", str(mnt)]).returncode == 0
-        last = layout.latest_consistent(mnt / "ckpt")
-        os.kill(proc.pid, signal.SIGUSR1)  # the notice comes while training goes on on a read-only store
-        rc = proc.wait(timeout=120)
-        after = layout.latest_consistent(mnt / "ckpt", deep=True)
-    finally:
-        kill_tree(proc.pid)
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with Disk(tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}", 64) as disk:
+        cfg = {
+            "job": {
+                "command": [*command, "--loss-log", str(loss)],
+                "workdir": str(REPO),
+                "state_dir": str(tmp_path / "state"),
+                "env": {"PYTHONPATH": str(REPO)},
+            },
+            "launch": {"nproc_per_node": 2},
+            "checkpoint": {"dir": str(disk.store)},
+            "restart": {"backoff_initial_s": 0.2, "stop_grace_s": 3},
+            "eviction": {"signals": ["SIGUSR1"], "default_deadline_s": 30, "save_margin_s": 1},
+        }
+        (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
+        argv = [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(tmp_path / "job.yaml")]
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for(lambda: max(logged_steps(loss), default=0) >= 5, 180, "the run never reached step 5")
+            disk.fill()
+            os.kill(proc.pid, signal.SIGUSR1)  # the notice comes while training goes on on a full disk
+            rc = proc.wait(timeout=120)
+            after = layout.latest_consistent(disk.store, deep=True)
+        finally:
+            kill_tree(proc.pid)
     events = [json.loads(x) for x in (tmp_path / "state" / "logs" / "supervisor.jsonl").read_text().splitlines()]
     names = [e["event"] for e in events]
-    assert rc == 5 and "save_requested" in names, names
+    assert rc == EXIT_SAVE_LOST and "save_requested" in names, names
     assert [e for e in events if e["event"] == "checkpoint_committed"] == []  # no emergency checkpoint claimed
-    assert last is not None and after is not None and after.step == last.step  # the resume point, intact
+    (failed,) = [e for e in events if e["event"] == "emergency_save_failed"]
+    reached = logged_steps(loss)[-1]
+    assert after is not None and (failed["step"], failed["checkpoint_step"]) == (reached, after.step)
+    assert failed["lost_steps"] == [after.step + 1, reached] and failed["level"] == "error"
+    assert "the ranks' emergency save failed" in failed["reason"]  # their word (save_failed_step), not the exit's
+    (stopped,) = [e for e in events if e["event"] == "job_stopped"]
+    assert (
+        f"steps {after.step + 1}-{reached}, after the newest checkpoint, step {after.step}, are lost"
+        in stopped["reason"]
+    )
     log = (tmp_path / "state" / "logs" / "attempt-0001.log").read_text()
     assert "emergency_save_failed" in log

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ftsup.protocol import DURABLE_TIER_ENV, NODE_LOCAL_ENV
+from ftsup.protocol import DURABLE_TIER_ENV, FALLBACK_DIR_ENV, NODE_LOCAL_ENV
 from ftsup.supervisor.config import args as config_args
 from ftsup.supervisor.config.durable import DurableConfig
 from ftsup.supervisor.config.job import JobConfig, parse_config
@@ -131,3 +131,30 @@ def test_node_local_fast_tiers_with_an_s3_tier_need_no_shared_dir_and_the_ranks_
     assert cfg.checkpoint.dir_shared is False
     assert launcher.durable_env(cfg)[NODE_LOCAL_ENV] == "1"
     assert NODE_LOCAL_ENV not in launcher.durable_env(config("s3://bucket/job"))
+
+
+def test_the_fallback_directory_is_a_key_of_the_tier_and_the_ranks_see_it() -> None:
+    cfg = config({"url": "s3://bucket/job", "fallback_dir": "/dev/shm/ftsup-fallback/"})
+    assert cfg.checkpoint.durable is not None and cfg.checkpoint.durable.fallback_dir == "/dev/shm/ftsup-fallback"
+    assert launcher.durable_env(cfg)[FALLBACK_DIR_ENV] == "/dev/shm/ftsup-fallback"
+    assert FALLBACK_DIR_ENV not in launcher.durable_env(config("s3://bucket/job"))
+
+
+@pytest.mark.parametrize(
+    ("durable", "message"),
+    [
+        ({"url": "s3://bucket/x", "fallback_dir": "spill"}, "fallback_dir: 'spill': write an absolute path"),
+        (
+            {"url": "s3://bucket/x", "fallback_dir": "/spill", "emergency": False},
+            "fallback_dir: an emergency checkpoint written there is kept only once it is durable, and emergency is "
+            "false; set emergency: true or remove fallback_dir",
+        ),
+        ({"url": "s3://bucket/x", "fallback_dir": "/ckpt"}, "fallback_dir: /ckpt overlaps checkpoint.dir (/ckpt)"),
+        ({"url": "s3://bucket/x", "fallback_dir": "/ckpt/spill"}, "fallback_dir: /ckpt/spill overlaps checkpoint.dir"),
+        ({"url": "s3://bucket/x", "fallback_dir": "/"}, "fallback_dir: / overlaps checkpoint.dir (/ckpt)"),
+    ],
+)
+def test_a_bad_fallback_directory_is_refused_naming_the_key(durable: object, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        config(durable)
+    assert f"job.yaml: checkpoint.durable.{message}" in str(e.value)

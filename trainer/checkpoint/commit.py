@@ -20,7 +20,7 @@ import structlog
 import torch
 
 from ftsup.store import checksums, choice, layout, nodes, saving
-from ftsup.store.errors import CheckpointError, CheckpointSaveError
+from ftsup.store.errors import CheckpointError, CheckpointSaveError, os_error_line
 from ftsup.store.retention import RetentionPolicy, apply_retention, claim_spare, remove_dir
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
 from ftsup.trainer.checkpoint.finite import first_nonfinite
@@ -43,6 +43,8 @@ class SaveResult:
     stage_s: float  # the blocking part of save()
     durable_s: float  # from the call until committed and fsynced
     skipped: bool = False  # the step was already committed; nothing was written
+    recreated: bool = False  # the store's directory had vanished, and this save made it again
+    fallback: bool = False  # committed in the engine's fallback directory: the store's refused it
 
 
 @dataclass
@@ -149,7 +151,10 @@ class Committer:
                 duration_s=round(durable_s, 4),
                 path=str(final),
             )
-        return SaveResult(step, str(final), job.kind, job.plan.tensor_bytes, job.stage_s, durable_s)
+        recreated = bool(prep.get("recreated"))
+        return SaveResult(
+            step, str(final), job.kind, job.plan.tensor_bytes, job.stage_s, durable_s, recreated=recreated
+        )
 
     def retain(self, newest: int) -> None:
         """The leader (rank 0, or each node's first local rank in a node-local store), after a commit: apply the
@@ -169,12 +174,14 @@ class Committer:
 
     def _make_partial(self, step: int, partial: Path, final: Path) -> dict[str, Any]:
         try:
-            existing = self._existing(step, final)
-            if existing is not None:
-                return existing
-            # The writer runs saves in order, so any .partial of this or an older step is torn.
-            dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            dir_fd, answer = self._open_directory(step)
+            if dir_fd is None:
+                return answer
             try:
+                existing = self._existing(step, final)
+                if existing is not None:
+                    return existing
+                # The writer runs saves in order, so any .partial of this or an older step is torn.
                 for e in os.scandir(dir_fd):
                     s = layout.parse_partial_dirname(e.name)
                     if s is not None and s <= step:
@@ -183,9 +190,42 @@ class Committer:
                 os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
-            return {}
+            return answer
         except OSError as e:
             return {"error": f"{e.strerror or e} ({e.filename or partial})"}
+
+    def _open_directory(self, step: int) -> tuple[int | None, dict[str, Any]]:
+        """Rank 0 (a node's leader): the store's directory, opened, and what to tell the other ranks (`recreated`:
+        it had vanished and was made again, as the engine made it at the start); (None, the error) where it cannot
+        be. A directory that vanished mid-run is this save's to make again: a save that fails for it would leave
+        the run without any checkpoint. mkdir(2) never goes through a link, and anything in its place is left."""
+        where = self.directory
+        try:
+            return os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), {}
+        except NotADirectoryError:
+            return None, {"error": f"the checkpoint directory {where} is not a directory; move what is there away"}
+        except FileNotFoundError:
+            pass
+        try:
+            where.mkdir(parents=True)
+            fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileExistsError:  # made again meanwhile (by another node's leader), or something else is there
+            try:
+                return os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), {}
+            except OSError:
+                why = "a link to nothing, or something that is not a directory, is in its place; move it away"
+                return None, {"error": f"the checkpoint directory {where} vanished and {why}"}
+        except OSError as e:
+            why = f"({os_error_line(e)}); make its parent writable (or mount its filesystem again) so saves go on"
+            return None, {"error": f"the checkpoint directory {where} vanished and cannot be made again {why}"}
+        log_quietly(
+            log.warning,
+            "checkpoint_dir_recreated",
+            step=step,
+            path=str(where),
+            reason="the checkpoint directory had vanished; made again for this save (checkpoints in it are gone)",
+        )
+        return fd, {"recreated": True}
 
     def _existing(self, step: int, final: Path) -> dict[str, Any] | None:
         """Rank 0: what to do when `step-N` is already there; None: nothing is (any more).
@@ -332,7 +372,8 @@ def _write_nodes(c: Committer, job: StagedSave) -> SaveResult:
             path=str(final),
             nodes=len(staged.get("nodes", ())),
         )
-    return SaveResult(step, str(final), job.kind, job.plan.tensor_bytes, job.stage_s, durable_s)
+    recreated = bool(plan.get("recreated"))
+    return SaveResult(step, str(final), job.kind, job.plan.tensor_bytes, job.stage_s, durable_s, recreated=recreated)
 
 
 def _combine(preps: list[dict[str, Any] | None]) -> dict[str, Any]:
@@ -346,7 +387,7 @@ def _combine(preps: list[dict[str, Any] | None]) -> dict[str, Any]:
         return {"skip": True}
     if any(skips):
         return {"error": "this step is committed on some nodes and not on others; it is not saved again"}
-    return {}
+    return {"recreated": True} if any(p.get("recreated") for p in mine) else {}
 
 
 def _build(c: Committer, job: StagedSave, reports: list[dict[str, Any]]) -> dict[str, Any]:

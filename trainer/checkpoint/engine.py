@@ -31,6 +31,8 @@ per-rank state (ftsup.trainer.state), Hugging Face export.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -45,6 +47,7 @@ from typing import Any
 import structlog
 import torch
 
+from ftsup import protocol
 from ftsup.store import blocksum, layout, saving
 from ftsup.store.errors import CheckpointError, CheckpointSaveError
 from ftsup.store.retention import RetentionPolicy
@@ -95,12 +98,26 @@ def _warn_if_checksums_are_slow() -> None:
 def _report_duration(result: SaveResult) -> None:
     """Tell this rank's supervisor how long the save took (the `save_s` figure of a heartbeat, from
     which it estimates whether an emergency save fits before an eviction's deadline and sets
-    ftsup_save_duration_seconds). A no-op without a supervisor; never raises."""
+    ftsup_save_duration_seconds), the step now committed in the store (which steps an eviction would lose), and
+    that the save made the vanished store's directory again. A no-op without a supervisor; never raises."""
     try:
         client = runtime()
     except ValueError:  # a malformed FTSUP_* variable: the training script hears of it from its own runtime()
         return
-    client.report(save_s=result.durable_s)
+    figures: dict[str, float | int] = {"save_s": result.durable_s}
+    if not result.fallback:  # a checkpoint in the fallback directory is not a resume point by itself
+        figures[protocol.COMMITTED_STEP] = result.step
+    if result.recreated:
+        figures[protocol.DIR_RECREATED_STEP] = result.step
+    client.report(**figures)
+
+
+def _fallback_from_environment() -> str | None:
+    """FALLBACK_DIR_ENV, as the rank's runtime read it (None where a malformed FTSUP_* variable made that fail)."""
+    try:
+        return runtime().env.fallback_dir
+    except ValueError:
+        return None
 
 
 def _durable_from_environment() -> str | None:
@@ -149,6 +166,11 @@ class CheckpointEngine:
     when it is newer than the local store's consistent ones, or when a step asked for is not consistent here
     (`ftsup.store.tiers`); "auto" (the default): `FTSUP_CHECKPOINT_DURABLE`, which `ftsup run` sets from
     `checkpoint.durable`; None: none. Saves go to `directory` only.
+
+    `fallback_dir`: where an emergency save that `directory` refused (full, gone, read-only) is written again,
+    from the same staged state, before its handle fails; its result says `fallback`. It is no resume point by
+    itself: the supervisor copies it to the durable tier. "auto" (the default): `FTSUP_CHECKPOINT_FALLBACK_DIR`,
+    which `ftsup run` sets from `checkpoint.durable.fallback_dir`; None: none.
     """
 
     def __init__(
@@ -163,6 +185,7 @@ class CheckpointEngine:
         hook: Hook | None = None,
         check_finite: bool = True,
         durable_tier: str | None = "auto",
+        fallback_dir: str | os.PathLike[str] | None = "auto",
     ):
         if max_in_flight < 1:
             raise CheckpointError(f"max_in_flight must be >= 1, got {max_in_flight}")
@@ -181,6 +204,24 @@ class CheckpointEngine:
         )  # fmt: skip
         if self._committer.leader:
             self.directory.mkdir(parents=True, exist_ok=True)
+        fallback = _fallback_from_environment() if fallback_dir == "auto" else fallback_dir
+        self._fallback: Committer | None = None
+        if fallback is not None:  # one emergency checkpoint at a time is kept there
+            keep = RetentionPolicy(keep_last=1)
+            self._fallback = Committer(
+                Path(fallback),
+                self._comm,
+                o_direct=o_direct,
+                retention=keep,
+                recycle=False,
+                hook=self._hook,
+                check_finite=check_finite,
+                node=node,
+                leader=leader,
+            )
+            if self._fallback.leader:  # made now, as the store is; where it cannot be, its one save says why
+                with contextlib.suppress(OSError):
+                    self._fallback.directory.mkdir(parents=True, exist_ok=True)
         self._plan: staging.StagingPlan | None = None
         self._buffers: list[torch.Tensor | None] = [None] * max_in_flight
         self._host = devcopy.HostBuffers()  # CUDA state's page-locked buffers (none for CPU state)
@@ -360,7 +401,7 @@ class CheckpointEngine:
             if job is None:
                 return
             try:
-                result = self._committer.write(job)
+                result = self._write(job)
             except BaseException as e:
                 err = e if isinstance(e, CheckpointError) else CheckpointSaveError(f"step {job.step}: {e}")
                 with self._lock:
@@ -374,7 +415,26 @@ class CheckpointEngine:
                 _report_duration(result)  # before the result: a caller woken by it beats after this
             job.future.set_result(result)
             if self._committer.leader and not result.skipped:
-                self._committer.retain(job.step)
+                (self._fallback if result.fallback and self._fallback else self._committer).retain(job.step)
+
+    def _write(self, job: StagedSave) -> SaveResult:
+        """Write and commit `job` into the store; an emergency save the store refused, into the fallback directory
+        too, from the same staged buffer (released once, after the last try)."""
+        fallback = self._fallback
+        if fallback is None or job.kind != "emergency":
+            return self._committer.write(job)
+        release, job.release = job.release, lambda: None
+        try:
+            try:
+                return self._committer.write(job)
+            except CheckpointSaveError as e:  # every rank alike: the commit's outcome is broadcast
+                where = str(fallback.directory)
+                log_quietly(
+                    log.error, "checkpoint_save_failed", step=job.step, kind=job.kind, reason=str(e), fallback=where
+                )
+            return dataclasses.replace(fallback.write(job), fallback=True)
+        finally:
+            release()
 
     # ------------------------------------------------------------------ load
 

@@ -28,7 +28,7 @@ except ModuleNotFoundError as e:  # `from ftsup import FtsupCallback` without th
         f"ftsup.FtsupCallback needs {e.name!r} (pip install 'transformers>=5,<6' accelerate)", name=e.name
     ) from None
 
-from ftsup.protocol import Phase
+from ftsup.protocol import COMMITTED_STEP, SAVE_FAILED_STEP, SAVED_STEP, Phase
 from ftsup.store.errors import CheckpointSaveError
 from ftsup.store.retention import RetentionPolicy
 from ftsup.trainer.hf import store as hf_store
@@ -226,10 +226,12 @@ class FtsupCallback(TrainerCallback):
                 event = "emergency_save_failed" if kind == "emergency" else "checkpoint_save_failed"
                 log.error(event, step=step, kind=kind, reason=error or "another rank failed")
         if ok:
-            figures: dict[str, float] = {"save_s": save_s}
+            figures: dict[str, float] = {"save_s": save_s, COMMITTED_STEP: step}
             if kind == "emergency":
-                figures["saved_step"] = step  # the supervisor's cue that the eviction's save is in
+                figures[SAVED_STEP] = step  # the supervisor's cue that the eviction's save is in
             self.rt.beat(step, None, **figures)
+        elif kind == "emergency":  # the supervisor tells the steps lost (the Trainer's files have no fallback)
+            self.rt.beat(step, None, **{SAVE_FAILED_STEP: step})
         self._pending.discard(_SAVE)
         self._next_phase(step)
 

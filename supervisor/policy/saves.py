@@ -1,0 +1,129 @@
+"""What the ranks' save figures tell the policy, pure: the newest checkpoint committed, an eviction's emergency save
+(committed, written to the fallback directory, or failed) and the exit status the eviction ends with, a checkpoint
+directory made again (docs/design/policy.md, The emergency save).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from ftsup.protocol import COMMITTED_STEP, DIR_RECREATED_STEP, FALLBACK_STEP, MAX_STEP, SAVE_FAILED_STEP, SAVED_STEP
+from ftsup.supervisor.policy.events import AckEviction, Action, CheckpointCommitted, Exit, Heartbeat, log
+
+EXIT_EVICTED = 5
+EXIT_SAVE_LOST = 8  # evicted, and the emergency save failed or did not finish: the steps since the newest are lost
+
+
+@dataclass(frozen=True)
+class Eviction:
+    source: str
+    deadline: float
+    noticed_at: float
+    save_seq: int | None  # None: no save was requested (no time for one)
+    committed_step: int | None = None
+    fallback: bool = False  # committed in the fallback directory, not the store: it counts once it is durable
+    failed: bool = False  # emergency_save_failed was logged
+
+
+def step_figure(ev: Heartbeat, name: str) -> int | None:
+    """The figure `name` of a beat as a step, or None (absent, or not a step number: a beat is the rank's word)."""
+    value = ev.figure(name)
+    return int(value) if value is not None and math.isfinite(value) and 0 <= value <= MAX_STEP else None
+
+
+def newest_committed(newest: int | None, ev: Heartbeat) -> int | None:
+    """The newest checkpoint committed in the store, with what the beat `ev` says was committed."""
+    steps = [s for s in (newest, step_figure(ev, COMMITTED_STEP), step_figure(ev, SAVED_STEP)) if s is not None]
+    return max(steps) if steps else None
+
+
+def on_beat(
+    ej: Eviction | None, ev: Heartbeat, attempt: int, newest: int | None, save_s: float | None
+) -> tuple[Eviction | None, list[Action]]:
+    """What a beat's save figures mean; only the first local rank's count (every rank reports the same save)."""
+    if ev.local_rank != 0:
+        return ej, []
+    actions: list[Action] = []
+    if (made := step_figure(ev, DIR_RECREATED_STEP)) is not None:
+        why = "the checkpoint directory had vanished; the ranks' save made it again (the checkpoints in it are gone)"
+        actions.append(log("checkpoint_dir_recreated", "warning", attempt=attempt, step=made, reason=why))
+    saved, elsewhere = step_figure(ev, SAVED_STEP), step_figure(ev, FALLBACK_STEP)
+    failed = step_figure(ev, SAVE_FAILED_STEP)
+    if ej is None or ej.committed_step is not None:  # no eviction's save waits (an advisory notice's save fails)
+        if failed is not None and ej is None:  # training goes on: these steps would be lost if the node went now
+            why = "the save asked for failed at the ranks"
+            actions.append(_failed_log(attempt, failed, newest, failed, why, "warning"))
+        return ej, actions
+    step = saved if saved is not None else elsewhere
+    if step is not None:
+        fields = {"attempt": attempt, "step": step, "kind": "emergency", "duration_s": round(save_s or 0.0, 3)}
+        reason = f"eviction: {ej.source}"
+        if saved is None:
+            reason += "; checkpoint.dir refused it: committed in checkpoint.durable.fallback_dir, kept once durable"
+        level = "info" if saved is not None else "warning"
+        return replace(ej, committed_step=step, fallback=saved is None), [
+            *actions,
+            log("checkpoint_committed", level, reason=reason, fallback=saved is None, **fields),
+            CheckpointCommitted(step, "emergency", fallback=saved is None),
+            AckEviction(ej.source),
+        ]
+    if failed is not None and not ej.failed:
+        actions.append(_failed_log(attempt, failed, newest, failed, "the ranks' emergency save failed"))
+        return replace(ej, failed=True), actions
+    return ej, actions
+
+
+def at_exit(
+    ej: Eviction, final: Exit, attempt: int, newest: int | None, reached: int, stop_reason: str | None
+) -> tuple[Eviction, list[Action], Exit]:
+    """The exit an eviction ends with once its workers are gone: 5 when its save committed or none was asked for
+    (no time for one, nothing trained), else 8 (`EXIT_SAVE_LOST`) naming the steps lost, unless none is."""
+    if final.code != EXIT_EVICTED or ej.save_seq is None or ej.committed_step is not None:
+        return ej, [], final
+    actions: list[Action] = []
+    if not ej.failed:
+        why = "the workers ended without reporting it committed"
+        if stop_reason is not None and "deadline" in stop_reason:
+            why = "it did not commit before the eviction deadline"
+        actions.append(_failed_log(attempt, max(reached, 0), newest, reached, why))
+    return replace(ej, failed=True), actions, lost_exit(final, newest, reached)
+
+
+def not_durable(ej: Eviction, final: Exit, attempt: int, newest: int | None, reached: int) -> tuple[list[Action], Exit]:
+    """The exit of an eviction whose emergency checkpoint is only in the fallback directory and did not reach the
+    durable tier before the deadline: nothing reads it there, so its steps are lost (8)."""
+    step = ej.committed_step if ej.committed_step is not None else reached
+    why = "it was committed in the fallback directory only, and did not reach the durable tier before the deadline"
+    return [_failed_log(attempt, step, newest, max(step, reached), why)], lost_exit(final, newest, max(step, reached))
+
+
+def lost(newest: int | None, reached: int) -> tuple[int, int] | None:
+    """The steps an eviction loses: those after the newest checkpoint up to the step reached (None: none)."""
+    first = 1 if newest is None else newest + 1
+    return (first, reached) if reached >= first else None
+
+
+def lost_exit(final: Exit, newest: int | None, reached: int) -> Exit:
+    steps = lost(newest, reached)
+    if steps is None:  # the newest checkpoint holds the step reached: nothing is lost
+        return final
+    where = "no checkpoint" if newest is None else f"the newest checkpoint, step {newest}"
+    why = f"the emergency save failed: steps {steps[0]}-{steps[1]}, after {where}, are lost"
+    return Exit(EXIT_SAVE_LOST, f"{final.reason}; {why}")
+
+
+def _failed_log(attempt: int, step: int, newest: int | None, reached: int, why: str, level: str = "error") -> Action:
+    steps = lost(newest, reached)
+    verb = "are lost" if level == "error" else "would be lost to an eviction now"
+    told = f"steps {steps[0]}-{steps[1]} {verb}" if steps else "no step is lost"
+    since = "no checkpoint" if newest is None else f"the newest checkpoint is step {newest}"
+    return log(
+        "emergency_save_failed",
+        level,
+        attempt=attempt,
+        step=step,
+        checkpoint_step=newest,
+        lost_steps=list(steps) if steps else [],
+        reason=f"the emergency save of step {step} failed: {why}; {told} ({since})",
+    )
