@@ -265,7 +265,6 @@ def _disk_full(t: Target, f: Planned, rec: dict[str, Any]) -> dict[str, Any]:
     finally:
         t.disk.release()
     t_release, at_release = time.time(), t.tail.max_step()  # within a poll of the failure logged, when it was
-    failed = _save_failures(t.job, attempt) - failed_before
 
     def committed() -> layout.CheckpointInfo | None:
         info = layout.latest_consistent(t.job.ckpt_dir)
@@ -273,6 +272,9 @@ def _disk_full(t: Target, f: Planned, rec: dict[str, Any]) -> dict[str, Any]:
 
     after = chaos.poll_until(committed, t.timeout_s, "a checkpoint committed after the store was freed")
     t_after = time.time()
+    # A save that failed on the full store is reported before a later one commits, but its event may reach the
+    # supervisor's log after the store was freed (a loaded host): counted once the later checkpoint is there.
+    failed = _save_failures(t.job, attempt) - failed_before
     events = chaos.read_events(t.job.supervisor_log)
     failure = chaos.first_event(events, [*chaos.FAILURE_EVENTS, "workers_launched"], t_fault)
     return {
