@@ -1,32 +1,7 @@
 """CheckpointEngine: sharded, asynchronous, atomic, verified, reshardable checkpoints.
 
-What happens on `save(step, state)`:
-
-1. (caller's thread) The state is split into tensors and a JSON skeleton (`codec`). The first
-   time a state of this structure is saved, DCP's `DefaultSavePlanner` plans who writes what;
-   the plan is cached until the structure changes (`staging`).
-2. (caller's thread) This rank's chunks are copied into a reused, page-aligned host buffer
-   laid out as the shard file (`staging`). This copy is the only blocking part; on CPU it
-   computes the shard's block checksums in the same pass. On CUDA it is only launched, on a side
-   stream into page-locked memory (`devcopy`): the writer waits for it, and the training stream
-   does, on the device, at the next optimizer step (`fence`).
-3. (writer thread) The buffer is scanned for NaN and infinities (`finite`: a state that holds
-   one is never committed), written as `step-N.partial/shard-RRRRR.safetensors` (O_DIRECT
-   where possible), fsynced, and rank 0 commits the checkpoint (`commit`). Any failure removes
-   the `.partial` directory, is logged (`checkpoint_save_failed`) and counted (`failed_saves`),
-   and is raised by that save's handle (and by `wait`), never by a later `save`: a disk that is
-   full for a while costs the checkpoints of that while, not the training run. A save that
-   commits is reported to the rank's supervisor with its duration (a `save_s` heartbeat figure),
-   whoever called it.
-
-`load(state)` restores the latest consistent checkpoint (or a given step) on any world size,
-checking names, shapes and dtypes and every byte's checksum before anything is modified
-(`loading`).
-
-This module owns what ties those together: the staging buffers (bounded and reused), the
-writer thread and its queue, the futures the training loop waits on, and how failures surface.
-Not here: choosing when to save (the training loop or the supervisor does), the contents of the
-per-rank state (ftsup.trainer.state), Hugging Face export.
+It owns the staging buffers (bounded, reused), the writer thread and its futures, and how failures surface; what a
+save and a load do, step by step: trainer/checkpoint/DESIGN.md, "A save, step by step".
 """
 
 from __future__ import annotations
@@ -199,9 +174,16 @@ class CheckpointEngine:
         self.world_size = self._comm.world_size
         node, leader = _node_from_environment()
         self._committer = Committer(
-            self.directory, self._comm, o_direct=o_direct, retention=policy, recycle=recycle, hook=self._hook,
-            check_finite=check_finite, node=node, leader=leader,
-        )  # fmt: skip
+            self.directory,
+            self._comm,
+            o_direct=o_direct,
+            retention=policy,
+            recycle=recycle,
+            hook=self._hook,
+            check_finite=check_finite,
+            node=node,
+            leader=leader,
+        )
         if self._committer.leader:
             self.directory.mkdir(parents=True, exist_ok=True)
         fallback = _fallback_from_environment() if fallback_dir == "auto" else fallback_dir
@@ -329,9 +311,14 @@ class CheckpointEngine:
             return self._save(step, state, kind, rank_state, metadata, block)
 
     def _save(
-        self, step: int, state: Mapping[str, Any], kind: str, rank_state: Any, metadata: Mapping[str, Any] | None,
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        kind: str,
+        rank_state: Any,
+        metadata: Mapping[str, Any] | None,
         block: bool,
-    ) -> SaveHandle | SaveResult:  # fmt: skip
+    ) -> SaveHandle | SaveResult:
         if self._closed:
             raise CheckpointError("save() on a closed CheckpointEngine")
         if kind not in layout.KINDS:
@@ -366,9 +353,19 @@ class CheckpointEngine:
         stage_s = time.perf_counter() - t0
         self._hook("staged", step)
         job = StagedSave(
-            step, kind, buf, functools.partial(self._release, buf_index, copies), plan, skeleton, rank_state_bytes,
-            meta, t0, stage_s, copies, crcs,
-        )  # fmt: skip
+            step,
+            kind,
+            buf,
+            functools.partial(self._release, buf_index, copies),
+            plan,
+            skeleton,
+            rank_state_bytes,
+            meta,
+            t0,
+            stage_s,
+            copies,
+            crcs,
+        )
         with self._lock:
             self._in_flight.append(job.future)
         self._jobs.put(job)
@@ -407,8 +404,15 @@ class CheckpointEngine:
                 with self._lock:
                     self._failure = self._failure or err
                     self.failed_saves += 1
-                log_quietly(log.error, "checkpoint_save_failed", step=job.step, kind=job.kind, rank=self.rank,
-                            reason=str(err), failed_saves=self.failed_saves)  # fmt: skip
+                log_quietly(
+                    log.error,
+                    "checkpoint_save_failed",
+                    step=job.step,
+                    kind=job.kind,
+                    rank=self.rank,
+                    reason=str(err),
+                    failed_saves=self.failed_saves,
+                )
                 job.future.set_exception(err)
                 continue
             if not result.skipped:
@@ -461,5 +465,13 @@ class CheckpointEngine:
         self._drain()
         node_local = self._committer.node is not None
         with gcpause.paused():
-            return loading.load(self.directory, self._comm, state, step=step, at_most=at_most, check=check,
-                                durable_tier=self.durable_tier, node_local=node_local)  # fmt: skip
+            return loading.load(
+                self.directory,
+                self._comm,
+                state,
+                step=step,
+                at_most=at_most,
+                check=check,
+                durable_tier=self.durable_tier,
+                node_local=node_local,
+            )

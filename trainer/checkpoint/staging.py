@@ -1,18 +1,7 @@
 """Save planning and staging: the part of `CheckpointEngine.save` that runs in the caller's thread.
 
-Planning: the first time a state of a given structure is saved, DCP's `DefaultSavePlanner`
-decides which rank writes which chunk (replicated tensors once in total, spread across ranks by
-bytes; DTensor shards by their owners). The plan fixes the byte layout of each rank's shard
-file, so it is cached under a cheap signature of the state (names, global shapes, dtypes, how
-each tensor is split) until the structure changes.
-
-Staging: this rank's chunks are copied into a page-aligned host buffer (page-locked for CUDA) that
-already holds the file header, laid out exactly as the shard file. On CPU with hardware
-CRC-32C the copy computes the block checksums in the same pass (`blocksum.StreamingBlocks`);
-elsewhere the writer computes them from the buffer. CUDA chunks are only launched (`devcopy`).
-
-Not here: the buffers' reuse and bounds (the engine owns them), writing and committing
-(`commit`), loading (`loading`).
+The plan is cached per state structure; this rank's chunks are copied into a buffer laid out as the shard file
+(trainer/checkpoint/DESIGN.md, "What is DCP's and what is ours").
 """
 
 from __future__ import annotations
@@ -272,9 +261,15 @@ def _storage(per_rank_chunks: list[list[Any]]) -> list[dict[str, Any]]:
     storage = []
     for rank, chunks in enumerate(per_rank_chunks):
         for slot in build_layout(chunks).slots:
-            storage.append({
-                "fqn": slot.fqn, "offsets": list(slot.offsets), "sizes": list(slot.sizes),
-                "file": layout.shard_name(rank), "crc_file": layout.crc_name(rank),
-                "byte_offset": slot.byte_offset, "nbytes": slot.nbytes,
-            })  # fmt: skip
+            storage.append(
+                {
+                    "fqn": slot.fqn,
+                    "offsets": list(slot.offsets),
+                    "sizes": list(slot.sizes),
+                    "file": layout.shard_name(rank),
+                    "crc_file": layout.crc_name(rank),
+                    "byte_offset": slot.byte_offset,
+                    "nbytes": slot.nbytes,
+                }
+            )
     return storage
