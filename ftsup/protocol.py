@@ -38,6 +38,7 @@ DATA_SKIPS_ENV = "FTSUP_DATA_SKIPS"  # A:B,C:D: ranges of global data positions 
 KEEP_OLDER_THAN_STEPS_ENV = "FTSUP_KEEP_OLDER_THAN_STEPS"  # the history a rollback needs, for the engine's retention
 DURABLE_TIER_ENV = "FTSUP_CHECKPOINT_DURABLE"  # the durable tier's location (s3://BUCKET/PREFIX or a path); empty: none
 NODE_LOCAL_ENV = "FTSUP_CHECKPOINT_NODE_LOCAL"  # "1": each node keeps its own checkpoint dir (`ftsup.store.nodes`)
+DURABLE_TIMEOUT_ENV = "FTSUP_CHECKPOINT_DURABLE_TIMEOUT_S"  # the longest a load reads one durable checkpoint (seconds)
 FALLBACK_DIR_ENV = "FTSUP_CHECKPOINT_FALLBACK_DIR"  # where an emergency save goes when the checkpoint dir refuses it
 ENV_NAMES = (
     HEARTBEAT_SOCKET_ENV,
@@ -54,6 +55,7 @@ ENV_NAMES = (
     GUARD_PARENT_ENV,
     GUARD_IGNORE_ENV,
     NODE_LOCAL_ENV,
+    DURABLE_TIMEOUT_ENV,
     FALLBACK_DIR_ENV,
 )
 """Every variable of ours a rank's environment holds."""
@@ -101,6 +103,9 @@ class RuntimeEnv:
     """NODE_ID_ENV: the id of this rank's node."""
     node_local: bool = False
     """NODE_LOCAL_ENV: each node keeps its own checkpoint dir (its first local rank commits there)."""
+    durable_timeout_s: float | None = None
+    """DURABLE_TIMEOUT_ENV: the longest a load reads one checkpoint of the durable tier before it passes over to the
+    next newest (None: the tier's own `operation_timeout_s`)."""
     fallback_dir: str | None = None
     """FALLBACK_DIR_ENV: where an emergency save is written again when the checkpoint dir refuses it."""
 
@@ -146,6 +151,7 @@ class RuntimeEnv:
             data_skips=parse_data_skips(env.get(DATA_SKIPS_ENV, ""), f"environment variable {DATA_SKIPS_ENV}"),
             node_id=env.get(NODE_ID_ENV) or None,
             node_local=env.get(NODE_LOCAL_ENV, "").strip() == "1",
+            durable_timeout_s=seconds(DURABLE_TIMEOUT_ENV, 0.0) or None,
             fallback_dir=env.get(FALLBACK_DIR_ENV) or None,
         )
 

@@ -23,6 +23,8 @@ class Request:
     key: str  # the object key, without the bucket (path-style addressing)
     query: dict[str, str]
     headers: dict[str, str]
+    path: str = ""  # as sent: the bucket, the key and the query, still quoted
+    body: bytes = b""
 
 
 @dataclass
@@ -57,9 +59,9 @@ class HostileS3:
                     k: v[0] if v else "" for k, v in urllib.parse.parse_qs(url.query, keep_blank_values=True).items()
                 }
                 length = int(self.headers.get("Content-Length") or 0)
-                if length:
-                    self.rfile.read(length)
-                request = Request(self.command, urllib.parse.unquote(key), query, dict(self.headers.items()))
+                body = self.rfile.read(length) if length else b""
+                headers = dict(self.headers.items())
+                request = Request(self.command, urllib.parse.unquote(key), query, headers, self.path, body)
                 owner.requests.append(request)
                 reply = owner.answer(request)
                 chunks = [reply.body] if isinstance(reply.body, bytes) else reply.body

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ftsup.store import dtypes, layout, safefile
-from ftsup.store.errors import CheckpointCorruptError, CheckpointError
+from ftsup.store.errors import CheckpointCorruptError, CheckpointError, DurableTierError
 
 _MAX_DIMS = 64
 _MAX_ELEMENTS = 1 << 62
@@ -21,6 +21,21 @@ def read(path: Path, manifest: layout.Manifest) -> dict[str, Any]:
     checked; raises CheckpointCorruptError naming what is wrong."""
     raw = layout.read_verified(path, manifest, layout.DCP_META_NAME, layout.DCP_META_MAX_BYTES)
     return parse(raw, manifest, f"{path}/{layout.DCP_META_NAME}")
+
+
+def problems(manifest: layout.Manifest, read: Callable[[], object]) -> list[layout.Problem]:
+    """The loader's checks of a checkpoint's `dcp_metadata.json` (where its manifest names one), as a verifier
+    reports them: `read()` reads and checks it as the loader does (`read` here, `tiers.read_dcp_metadata` for a
+    durable tier); [] when it passes, else the one problem. A tier that fails raises (DurableTierError)."""
+    if layout.DCP_META_NAME not in manifest.files:
+        return []
+    try:
+        read()
+    except DurableTierError:
+        raise
+    except CheckpointError as e:
+        return [layout.Problem(layout.DCP_META_NAME, str(e))]
+    return []
 
 
 def parse(raw: bytes, manifest: layout.Manifest, where: str) -> dict[str, Any]:

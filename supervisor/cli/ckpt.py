@@ -6,6 +6,7 @@ Prints what `ftsup.store` finds and decides nothing itself; a pin or unpin is lo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -15,7 +16,7 @@ from typing import Any
 
 import structlog
 
-from ftsup.store import durable, layout, pins, saving
+from ftsup.store import dcpmeta, durable, layout, pins, saving, tiers
 from ftsup.store.errors import CheckpointError, NoCheckpointError
 from ftsup.supervisor.errors import UsageError
 from ftsup.supervisor.telemetry import logs
@@ -184,6 +185,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise NoCheckpointError(no_step_message(root, args.step))
 
     manifest, problems = layout.check_checkpoint(path, deep=args.deep)
+    if manifest is not None and not problems:  # what the loader checks besides: where each chunk's bytes are
+        problems = dcpmeta.problems(manifest, lambda: dcpmeta.read(path, manifest))
     consistent = manifest is not None and not problems
     step = manifest.step if manifest else layout.parse_step_dirname(path.name)
     print_verified(str(path), path.name, step, manifest, consistent, problems, args, deep_means="checksums verified")
@@ -289,7 +292,7 @@ def _is_tier(location: object) -> bool:
 
 
 def _list_tier(args: argparse.Namespace) -> int:
-    with durable.open_tier(args.dir) as tier:
+    with durable.open_tier(args.dir) as tier, tier.deadline(args.timeout):
         listed = tier.list_checkpoints(deep=args.deep)
     infos = listed.checkpoints
     if args.json:
@@ -312,18 +315,23 @@ def _list_tier(args: argparse.Namespace) -> int:
 
 
 def _verify_tier(args: argparse.Namespace) -> int:
-    with durable.open_tier(args.dir) as tier:
+    with durable.open_tier(args.dir) as tier, tier.deadline(args.timeout):
         step = args.step
         if step is None:
-            committed = [i.step for i in tier.list_checkpoints().checkpoints]
+            committed = tier.committed_steps()
             if not committed:
                 raise NoCheckpointError(f"no committed checkpoint under {tier.url}")
             step = max(committed)
         info = tier.inspect(step, deep=args.deep)
         try:
-            manifest: layout.Manifest | None = tier.manifest(step)[0]
+            manifest: layout.Manifest | None
+            manifest, raw = tier.manifest(step)
         except CheckpointError:
             manifest = None
+        if info.consistent and manifest is not None:  # what the loader checks besides, as it reads it
+            pick = tiers.DurablePick(info, manifest, raw)
+            problems = dcpmeta.problems(manifest, lambda: tiers.read_dcp_metadata(tier, pick))
+            info = dataclasses.replace(info, consistent=not problems, problems=tuple(problems))
     print_verified(
         info.path,
         layout.step_dirname(step),

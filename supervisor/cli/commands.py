@@ -248,6 +248,28 @@ def _store(text: str) -> Path | str:
     return Path(text)
 
 
+def _timeout_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--timeout",
+        type=_seconds,
+        metavar="SECONDS",
+        help="for a durable tier s3://...: the longest the command may take reading it (default 600); past it, "
+        "it fails naming the deadline",
+    )
+
+
+def _seconds(text: str) -> float:
+    from ftsup.store import durable
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value <= durable.MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds in (0, {durable.MAX_TIMEOUT_S:g}]")
+    return value
+
+
 def _build_ckpt(ckpt: argparse.ArgumentParser, rest: Sequence[str]) -> None:
     actions = ckpt.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
 
@@ -262,6 +284,7 @@ def _build_ckpt(ckpt: argparse.ArgumentParser, rest: Sequence[str]) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--deep", action="store_true", help="also verify every checksum (reads all)")
+    _timeout_argument(p)
     p.set_defaults(handler=cli_ckpt.cmd_list)
 
     p = actions.add_parser(
@@ -276,6 +299,7 @@ def _build_ckpt(ckpt: argparse.ArgumentParser, rest: Sequence[str]) -> None:
     p.add_argument("--step", type=_step_number, help="the step to verify (default: newest)")
     p.add_argument("--deep", action="store_true", help="also verify every checksum (reads all)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    _timeout_argument(p)
     p.set_defaults(handler=cli_ckpt.cmd_verify)
     cli_show.add_command(actions, _step_number)
     cli_ckpt.add_commands(actions, _step_number)  # pin, unpin

@@ -19,6 +19,7 @@ MAX_EVERY = 10**9
 MAX_PART_BYTES = 5 << 30  # S3's largest part
 DEFAULT_HOLD_S = 30.0
 MAX_HOLD_S = 3600.0
+MAX_S = durable.MAX_TIMEOUT_S
 _DEFAULT_OPTIONS = durable.DurableOptions()
 
 
@@ -49,6 +50,13 @@ class DurableConfig:
     hold_while_saving_s: float = DEFAULT_HOLD_S
     """While a save is in progress in this node's fast tier, an upload (but an emergency checkpoint's) waits, for at
     most this many seconds per save: training saves get the disk and the CPU to themselves. 0: never waits."""
+    request_timeout_s: float = _DEFAULT_OPTIONS.request_timeout_s
+    """The longest one request to the tier may take, from its connection to its answer's last byte: a store that
+    answers a byte at a time fails the request then (retried as a timeout is)."""
+    operation_timeout_s: float = _DEFAULT_OPTIONS.operation_timeout_s
+    """The longest one read of the tier may take as a whole (a listing with its checks, a deletion). A rank's read of
+    one durable checkpoint gets at most half of heartbeat.save_timeout_s (FTSUP_CHECKPOINT_DURABLE_TIMEOUT_S), after
+    which the load passes over to the next newest checkpoint."""
     fallback_dir: str | None = None
     """Where the ranks write an eviction's emergency checkpoint again when `checkpoint.dir` refuses it (full, gone,
     read-only): an absolute path on another filesystem (one every node sees, where the nodes share `dir`). From there
@@ -62,7 +70,11 @@ class DurableConfig:
     def options(self) -> durable.DurableOptions:
         """The tier's options (`ftsup.store.durable.DurableOptions`)."""
         return durable.DurableOptions(
-            endpoint_url=self.endpoint_url, part_bytes=self.part_bytes, concurrency=self.concurrency
+            endpoint_url=self.endpoint_url,
+            part_bytes=self.part_bytes,
+            concurrency=self.concurrency,
+            request_timeout_s=self.request_timeout_s,
+            operation_timeout_s=self.operation_timeout_s,
         )
 
     def wants(self, kind: str | None) -> bool:
@@ -95,6 +107,10 @@ def parse_durable(value: object, where: Where) -> DurableConfig | None:
         concurrency=sec.optional("concurrency", config_values.integer(1, 256)),
         hold_while_saving_s=sec.optional(
             "hold_while_saving_s", config_values.number(low=0.0, low_ok=True, high=MAX_HOLD_S)
+        ),
+        request_timeout_s=sec.optional("request_timeout_s", config_values.number(low=0.0, low_ok=False, high=MAX_S)),
+        operation_timeout_s=sec.optional(
+            "operation_timeout_s", config_values.number(low=0.0, low_ok=False, high=MAX_S)
         ),
         fallback_dir=sec.nullable("fallback_dir", _absolute_path),
     )

@@ -110,7 +110,7 @@ def durable_env(cfg: JobConfig) -> dict[str, str]:
     tier = cfg.checkpoint.durable
     if tier is None:
         return {}
-    env = {protocol.DURABLE_TIER_ENV: tier.url}
+    env = {protocol.DURABLE_TIER_ENV: tier.url, protocol.DURABLE_TIMEOUT_ENV: repr(restore_timeout_s(cfg))}
     if tier.fallback_dir is not None:
         env[protocol.FALLBACK_DIR_ENV] = tier.fallback_dir
     if not cfg.checkpoint.dir_shared:
@@ -118,6 +118,15 @@ def durable_env(cfg: JobConfig) -> dict[str, str]:
     if tier.endpoint_url is not None:
         env["AWS_ENDPOINT_URL_S3"] = tier.endpoint_url
     return env
+
+
+def restore_timeout_s(cfg: JobConfig) -> float:
+    """The longest a rank's load reads one checkpoint of the durable tier (DURABLE_TIMEOUT_ENV): its operation
+    timeout, and at most half of `heartbeat.save_timeout_s`, so that a load passes over a checkpoint the tier cannot
+    deliver (and reads the next newest) well before a rank silent in `load` counts as hung."""
+    tier = cfg.checkpoint.durable
+    limit = cfg.heartbeat.save_timeout_s / 2
+    return min(tier.operation_timeout_s, limit) if tier is not None else limit
 
 
 def _is_python(exe: str) -> bool:

@@ -249,8 +249,8 @@ class StoreScanner:
 
     def _across(self, fast: choice.Choice, at_most: int | None) -> tuple[tiers.TierChoice, str | None]:
         """The choice across both tiers, or the fast tier's alone with the reason when the durable tier fails or
-        does not answer within `durable_timeout_s` (its thread is left to finish: a daemon thread holding nothing
-        the daemon needs; its answer is dropped)."""
+        does not answer within `durable_timeout_s` (its thread is left to finish, which its requests do by that
+        deadline too: a daemon thread holding nothing the daemon needs; its answer is dropped)."""
         opener = self._durable
         if opener is None:
             return tiers.from_fast(fast), None
@@ -259,7 +259,7 @@ class StoreScanner:
 
         def work() -> None:
             try:
-                with opener() as tier:
+                with opener() as tier, tier.deadline(self._durable_timeout_s):  # then the thread ends too
                     box["choice"] = tiers.across(fast, tier, at_most=at_most, deep=self._deep)
             except Exception as e:  # adapter boundary: the tier (store down, no boto3, a bug on its answers)
                 box["error"] = f"{type(e).__name__}: {e}"

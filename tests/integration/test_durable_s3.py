@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from ftsup.store import durable, layout
-from ftsup.store.durable import s3upload
+from ftsup.store.durable import s3list, s3upload
 from ftsup.store.errors import CheckpointCorruptError, DurableConflictError, DurableTierError, NoCheckpointError
 from tests.helpers import assert_whole_pieces, default_files, flip_byte, make_fake_checkpoint, read_back_in_pieces
 from tests.procs import wait_for
@@ -243,11 +243,11 @@ def test_a_manifest_of_another_step_or_naming_a_path_outside_is_not_consistent(
 
 def test_an_oversized_manifest_is_refused_naming_the_limit(bucket: str, s3_server: SeaweedS3) -> None:
     s3 = client(s3_server)
-    s3.put_object(Bucket=bucket, Key="run/step-000000001/manifest.json", Body=b" " * (layout.MANIFEST_MAX_BYTES + 1))
+    s3.put_object(Bucket=bucket, Key="run/step-000000001/manifest.json", Body=b" " * (s3list.MANIFEST_MAX_BYTES + 1))
     with durable.open_tier(f"s3://{bucket}/run", OPTIONS) as tier:
         info = tier.inspect(1)
     assert not info.consistent
-    assert f"over the {layout.MANIFEST_MAX_BYTES}-byte limit" in str(info.problems[0])
+    assert f"over the {s3list.MANIFEST_MAX_BYTES}-byte limit" in str(info.problems[0])
 
 
 def test_delete_removes_the_manifest_and_only_the_objects_it_names(

@@ -36,8 +36,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 FOLDERS = {"ftsup": "ftsup", "ftsup.supervisor": "supervisor", "ftsup.trainer": "trainer"}  # as setup.py maps them
 # What a core module may import beyond the standard library: the process modules psutil; the durable tier's S3
-# backend boto3, which only an s3:// tier imports (the `durable` extra; ftsup/store/DESIGN.md, "Durable tier").
-CORE_THIRD_PARTY = {"ftsup.procs": {"psutil"}, "ftsup.store.durable.s3": {"boto3", "botocore"}}
+# backend boto3 and its HTTP (botocore), which only an s3:// tier imports (the `durable` extra; ftsup/store/DESIGN.md,
+# "Durable tier").
+CORE_THIRD_PARTY = {
+    "ftsup.procs": {"psutil"},
+    "ftsup.store.durable.s3": {"boto3", "botocore"},
+    "ftsup.store.durable.s3http": {"botocore"},
+}
 
 LAZY_TRAINER_IMPORTS = {
     "ftsup.supervisor.cli.commands": "`ftsup ckpt export-hf` needs torch: imported when it runs",

@@ -4,7 +4,10 @@ ranged reads, each piece verified as it lands (trainer/checkpoint/DESIGN.md, "Fr
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import time
+from collections.abc import Iterator
 
 import structlog
 
@@ -21,19 +24,44 @@ PIECE_BYTES = 8 << 20
 class LazyTier:
     """The durable tier at `url` (None: none), opened when first used on this rank (an `s3://` tier imports boto3
     then) and closed by `close()`. `failed` is set once the tier failed a choice: the rest of the load goes on
-    without it."""
+    without it. `timeout_s`: the longest the reads of one checkpoint may take (`bounded`; None: the tier's own
+    operation timeout)."""
 
-    def __init__(self, url: str | None) -> None:
+    def __init__(self, url: str | None, timeout_s: float | None = None) -> None:
         self.url = url
         self.failed = False
+        self.timeout_s = timeout_s
         self._tier: durable.DurableTier | None = None
+        self._ends: float | None = None
 
     def get(self) -> durable.DurableTier:
         if self.url is None:
             raise CheckpointError("no durable tier is configured")
         if self._tier is None:
             self._tier = durable.open_tier(self.url)
+            self._bound()
         return self._tier
+
+    @contextlib.contextmanager
+    def bounded(self) -> Iterator[None]:
+        """The reads of one checkpoint: every request to the tier made inside, on any thread, ends within
+        `timeout_s` from now (the tier fails it then, with DurableTierError naming the deadline), so that a
+        checkpoint the tier delivers a byte at a time is passed over, not waited for."""
+        self._ends = time.monotonic() + self.seconds
+        self._bound()
+        try:
+            yield
+        finally:
+            self._ends = None
+            self._bound()
+
+    @property
+    def seconds(self) -> float:
+        return self.timeout_s if self.timeout_s is not None else durable.DurableOptions().operation_timeout_s
+
+    def _bound(self) -> None:
+        if self._tier is not None:
+            self._tier.ends_at, self._tier.budget_s = self._ends, self.seconds
 
     @property
     def usable(self) -> bool:

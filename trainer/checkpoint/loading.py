@@ -35,6 +35,7 @@ from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
 from ftsup.trainer.checkpoint.durableread import DurableSource, LazyTier, pick_from
 from ftsup.trainer.checkpoint.noderead import NodeRead, NodeSource
 from ftsup.trainer.checkpoint.reader import ShardReader
+from ftsup.trainer.runtime import runtime
 
 log = structlog.get_logger("ftsup.checkpoint")
 
@@ -71,29 +72,49 @@ def load(
     t0 = time.perf_counter()
     flat, _ = codec.flatten(codec.state_dicts(state))
     given_up: list[choice.Passed] = []  # rank 0's: what was passed over, for the error if nothing is left
-    tier = LazyTier(durable_tier)
+    tier = LazyTier(durable_tier, _durable_timeout_s())
     try:
         while True:
-            chosen: dict[str, Any] | None = None
-            if comm.rank == 0:
-                chosen = _choose(directory, step, at_most, given_up, tier)
-            chosen = comm.broadcast(chosen)
-            if "error" in chosen:
-                raise NoCheckpointError(chosen["error"], rejected=chosen["rejected"])
-            from_tier = chosen.get("tier") == tiers.DURABLE
-            try:
-                node = NodeRead(directory, tier) if node_local else None
-                return _load_from(comm, chosen, state, flat, t0, check, tier if from_tier else None, node)
-            except (CheckpointCorruptError, DurableTierError) as e:
-                if step is not None or not (from_tier or isinstance(e, CheckpointCorruptError)):
-                    raise
-                if comm.rank == 0 and (from_tier or node_local):  # a tier, or a copy that may be good where another
-                    # node's file failed, is never renamed into: passed over, left as it is
-                    _passed_over(choice.Passed(chosen["path"], chosen["step"], choice.SKIPPED, str(e)), given_up)
-                elif comm.rank == 0:
-                    _passed_over(choice.give_up(chosen["path"], chosen["step"], str(e)), given_up)
+            with tier.bounded():  # one checkpoint's reads from the tier: one it cannot deliver in time is passed over
+                chosen: dict[str, Any] | None = None
+                if comm.rank == 0:
+                    chosen = _choose(directory, step, at_most, given_up, tier)
+                chosen = comm.broadcast(chosen)
+                if "error" in chosen:
+                    raise NoCheckpointError(chosen["error"], rejected=chosen["rejected"])
+                from_tier = chosen.get("tier") == tiers.DURABLE
+                try:
+                    node = NodeRead(directory, tier) if node_local else None
+                    return _load_from(comm, chosen, state, flat, t0, check, tier if from_tier else None, node)
+                except (CheckpointCorruptError, DurableTierError) as e:
+                    if step is not None or not (from_tier or isinstance(e, CheckpointCorruptError)):
+                        raise
+                    if comm.rank == 0 and (from_tier or node_local):  # a tier, or a copy that may be good where
+                        # another node's file failed, is never renamed into: passed over, left as it is
+                        _passed_over(choice.Passed(chosen["path"], chosen["step"], choice.SKIPPED, str(e)), given_up)
+                    elif comm.rank == 0:
+                        _passed_over(choice.give_up(chosen["path"], chosen["step"], str(e)), given_up)
+            _still_loading()
     finally:
         tier.close()
+
+
+def _durable_timeout_s() -> float | None:
+    """FTSUP_CHECKPOINT_DURABLE_TIMEOUT_S as this rank's runtime read it (None without it, or where a malformed
+    FTSUP_* variable made that fail: the training script hears of it from its own runtime())."""
+    try:
+        return runtime().env.durable_timeout_s
+    except ValueError:
+        return None
+
+
+def _still_loading() -> None:
+    """A checkpoint was passed over: tell the supervisor this rank still loads, so that its silence in `load`
+    counts from here (the next checkpoint's read gets the whole of it)."""
+    try:
+        runtime().report()
+    except ValueError:
+        pass
 
 
 def read_rank_state(checkpoint_path: str | os.PathLike[str], rank: int) -> Any:

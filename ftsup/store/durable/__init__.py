@@ -9,6 +9,7 @@ from __future__ import annotations
 from ftsup.store.durable.tier import (
     BODY_PAUSE_S,
     MAX_PARTS,
+    MAX_TIMEOUT_S,
     MIB,
     MIN_PART_BYTES,
     READ_CHUNK_BYTES,
@@ -43,6 +44,7 @@ __all__ = [
     "LocalCheckpoint",
     "Location",
     "MAX_PARTS",
+    "MAX_TIMEOUT_S",
     "MIB",
     "MIN_PART_BYTES",
     "PartHook",

@@ -209,6 +209,7 @@ class FilesystemTier(durable.DurableTier):
         try:
             done = 0
             while True:
+                self.check_deadline(str(path))  # a mount that reads slowly ends by the operation's deadline too
                 want = min(piece, length - done)
                 data = safefile.pread_full(fd, want, offset + done)  # whole pieces: block-aligned checksums
                 if len(data) != want:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import urllib.parse
 from typing import Any
 
@@ -24,13 +25,17 @@ from ftsup.store.errors import (
 
 try:
     import boto3
+    import botocore.session
     from botocore.config import Config
     from botocore.exceptions import BotoCoreError, ClientError
+
+    from ftsup.store.durable import s3http
 except ModuleNotFoundError as e:
     raise explained(e, "a durable tier on object storage (s3://)") from None
 
 MANIFEST_PUT_CODES = ("PreconditionFailed", "ConditionalRequestConflict")
 _MISSING = ("NoSuchKey", "404", "NotFound", "NoSuchUpload")
+_PARSING = threading.Lock()  # one manifest parsed at a time in a process: its memory is bounded once, not per thread
 
 
 def s3_error(what: str, error: Exception) -> DurableTierError:
@@ -59,17 +64,19 @@ class S3Tier(durable.DurableTier):
         self.location = location
         self.options = options
         self.bucket = location.bucket
+        self.transport: s3http.Transport | None = None
         try:
             self.client: Any = self._client(None)
             if not _is_aws(str(self.client.meta.endpoint_url)):
                 # Another S3-compatible store (set by endpoint_url or AWS_ENDPOINT_URL_S3): bucket.host names do not
                 # resolve there as they do on AWS, so the bucket goes in the path.
-                self.client.close()
+                self.close()
                 self.client = self._client("path")
         except (BotoCoreError, ValueError) as e:
             raise s3_error(f"{self.url}: cannot make an S3 client", e) from None
 
     def _client(self, addressing: str | None) -> Any:
+        """A boto3 client whose requests go through a `s3http.Transport`: every answer capped and bounded in time."""
         options = self.options
         config = Config(
             connect_timeout=options.connect_timeout_s,
@@ -81,13 +88,26 @@ class S3Tier(durable.DurableTier):
             response_checksum_validation="when_required",
             s3={"addressing_style": addressing} if addressing else None,
         )
-        session = boto3.session.Session()
+        core = botocore.session.get_session()
+        session = boto3.session.Session(botocore_session=core)
         client = session.client("s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config)
         _sign_parts_by_md5(client)
+        limits = s3http.Limits(
+            connect_s=options.connect_timeout_s,
+            idle_s=options.read_timeout_s,
+            request_s=options.request_timeout_s,
+            pool=max(10, options.concurrency * 2),
+            ends_at=lambda: self.ends_at,
+            budget_s=lambda: self.budget_s,
+        )
+        self.transport = s3http.Transport(limits, core.get_config_variable("ca_bundle"))
+        self.transport.install(client)
         return client
 
     def close(self) -> None:
         self.client.close()
+        if self.transport is not None:
+            self.transport.close()
 
     # ------------------------------------------------------------------ keys
 
@@ -103,9 +123,10 @@ class S3Tier(durable.DurableTier):
     # ------------------------------------------------------------------ reads
 
     def manifest_raw(self, step: int) -> bytes | None:
-        """The bytes of the manifest object of `step` (at most MANIFEST_MAX_BYTES), or None when there is none."""
+        """The bytes of the manifest object of `step` (at most `s3list.MANIFEST_MAX_BYTES`), or None when there is
+        none."""
         key = self.manifest_key(step)
-        cap = layout.MANIFEST_MAX_BYTES
+        cap = s3list.MANIFEST_MAX_BYTES
         where = f"s3://{self.bucket}/{key}"
         try:
             got = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{cap}")
@@ -136,7 +157,8 @@ class S3Tier(durable.DurableTier):
         if raw is None:
             raise NoCheckpointError(f"{self.step_url(step)}: no manifest (not committed in the durable tier)")
         where = f"{self.step_url(step)}/{layout.MANIFEST_NAME}"
-        manifest = layout.parse_manifest(raw, where)
+        with _PARSING:
+            manifest = layout.parse_manifest(raw, where)
         if manifest.step != step:
             raise ManifestError(f"{where}: records step {manifest.step} but lives in {layout.step_dirname(step)}")
         return manifest, raw
@@ -187,22 +209,28 @@ class S3Tier(durable.DurableTier):
         except BotoCoreError as e:
             raise s3_error(f"{where}: cannot read", e) from None
 
+    # Each read below is one operation, bounded by `options.operation_timeout_s` (or a caller's shorter deadline).
+
     def list_checkpoints(self, *, deep: bool = False) -> durable.DurableListing:
-        return s3list.listing(self, deep=deep)
+        with self.deadline():
+            return s3list.listing(self, deep=deep)
 
     def committed_steps(self) -> list[int]:
-        return s3list.step_names(self)[0]
+        with self.deadline():
+            return s3list.step_names(self)[0]
 
     def inspect(self, step: int, *, deep: bool = False) -> layout.CheckpointInfo:
-        return s3list.inspect(self, step, deep=deep)
+        with self.deadline():
+            return s3list.inspect(self, step, deep=deep)
 
     def delete(self, step: int) -> int:
-        try:  # a node-local job's checkpoint: its nodes' markers go after its files
-            manifest, raw = self.manifest(step)
-        except ManifestError:
-            return s3list.delete(self, step)  # which says why nothing is deleted
-        removed = s3list.delete(self, step)
-        return removed + s3nodes.delete_markers(self, step, durable.data_token(raw), manifest)
+        with self.deadline():
+            try:  # a node-local job's checkpoint: its nodes' markers go after its files
+                manifest, raw = self.manifest(step)
+            except ManifestError:
+                return s3list.delete(self, step)  # which says why nothing is deleted
+            removed = s3list.delete(self, step)
+            return removed + s3nodes.delete_markers(self, step, durable.data_token(raw), manifest)
 
     # ------------------------------------------------------------------ upload
 
@@ -222,7 +250,8 @@ class S3Tier(durable.DurableTier):
         return s3nodes.follows(self, ckpt_dir, node, picked)
 
     def sweep(self, step: int, nodes: set[str]) -> int:
-        return s3nodes.sweep(self, step, nodes)
+        with self.deadline():
+            return s3nodes.sweep(self, step, nodes)
 
     def call(self, what: str, key: str, fn: Any, **kwargs: Any) -> Any:
         try:

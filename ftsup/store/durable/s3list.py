@@ -9,18 +9,22 @@ from typing import TYPE_CHECKING, Any
 
 from ftsup.store import layout
 from ftsup.store.durable import tier as durable
-from ftsup.store.errors import CheckpointError, NoCheckpointError
+from ftsup.store.errors import CheckpointError, DurableTierError, NoCheckpointError
 
 if TYPE_CHECKING:
     from ftsup.store.durable.s3 import S3Tier
 
+MANIFEST_MAX_BYTES = 8 << 20
+"""The largest manifest a tier on object storage holds (about 32,000 ranks: `layout.MANIFEST_MAX_BYTES` is the
+fast tier's). Parsing JSON costs some 15 times its size, and the supervisor parses what the tier sends: this cap
+keeps that under its memory bound; an upload of a bigger manifest is refused before anything is sent."""
 MAX_NAMES = 100_000
 """Names under a tier's prefix that a listing reads (a run keeps a handful of checkpoints; retention deletes the
-rest): a store that answers with more is reported, not read for ever."""
+rest): a store that answers with more fails the listing, naming the cap."""
 PAGE = 1000
 MAX_PAGES = 200
-"""Pages of one listing read: a store that answers "there is more" for ever (empty pages, the same token) is not
-followed for ever."""
+"""Pages of one listing read: a store that answers "there is more" for ever (empty pages, the same token) fails the
+listing, naming the cap."""
 
 
 def _base(tier: S3Tier) -> str:
@@ -28,7 +32,9 @@ def _base(tier: S3Tier) -> str:
 
 
 def step_names(tier: S3Tier) -> tuple[list[int], list[str]]:
-    """(steps, others): the `step-N` folders under the tier's prefix, and every other name there, escaped."""
+    """(steps, others): the `step-N` folders under the tier's prefix, and every other name there, escaped. A listing
+    past MAX_NAMES or MAX_PAGES, or one whose store repeats its token, is a DurableTierError naming the endpoint
+    and the cap: the names it left out sort last, and the newest checkpoints are among them."""
     base = _base(tier)
     steps: list[int] = []
     others: list[str] = []
@@ -59,12 +65,18 @@ def step_names(tier: S3Tier) -> tuple[list[int], list[str]]:
         last, token = token, got.get("NextContinuationToken")
         if not got.get("IsTruncated") or not isinstance(token, str) or not token:
             break
-        if seen >= MAX_NAMES or token == last:
-            others.append(f"... more than {seen} names under {tier.url}; the rest were not listed")
-            break
+        if seen >= MAX_NAMES:
+            raise _past_cap(tier, f"more than {seen} names, past the cap of {MAX_NAMES}")
+        if token == last:
+            raise _past_cap(tier, "the same continuation token twice")
     else:
-        others.append(f"... more than {MAX_PAGES} pages of names under {tier.url}; the rest were not listed")
+        raise _past_cap(tier, f"more than {MAX_PAGES} pages, past the cap of {MAX_PAGES}")
     return sorted(set(steps)), others
+
+
+def _past_cap(tier: S3Tier, what: str) -> DurableTierError:
+    endpoint = durable.clean_name(str(tier.client.meta.endpoint_url), 200)
+    return DurableTierError(f"{tier.url}: the listing from {endpoint} ran on ({what}); the rest was not read")
 
 
 def object_sizes(tier: S3Tier, prefix: str, expected: int) -> dict[str, int]:

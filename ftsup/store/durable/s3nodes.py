@@ -41,7 +41,7 @@ def upload(
 ) -> durable.UploadReport:
     """`S3Tier.upload` of node `node`'s copy of a checkpoint: its files, its marker, then the commit if every
     node's part is there. A checkpoint whose manifest records no nodes is uploaded whole (`s3upload.upload`)."""
-    local = durable.read_local(ckpt_dir)
+    local = s3upload.read_local(ckpt_dir)
     manifest, step = local.manifest, local.manifest.step
     if manifest.nodes is None:
         return s3upload.upload(tier, ckpt_dir, on_part=on_part, pause=pause)

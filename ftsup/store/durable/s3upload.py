@@ -64,6 +64,17 @@ class FilePlan:
         return len(self.parts) == 1
 
 
+def read_local(ckpt_dir: str | os.PathLike[str]) -> durable.LocalCheckpoint:
+    """`durable.read_local`, refusing a manifest bigger than a tier on object storage holds."""
+    local = durable.read_local(ckpt_dir)
+    if len(local.manifest_raw) > s3list.MANIFEST_MAX_BYTES:
+        raise CheckpointError(
+            f"{local.path}: its manifest is {len(local.manifest_raw)} bytes, over the {s3list.MANIFEST_MAX_BYTES} "
+            "bytes a durable tier on object storage holds (about 32,000 ranks); nothing was sent"
+        )
+    return local
+
+
 def upload(
     tier: S3Tier,
     ckpt_dir: str | os.PathLike[str],
@@ -72,7 +83,7 @@ def upload(
     pause: durable.PauseHook | None = None,
 ) -> durable.UploadReport:
     """`S3Tier.upload`: copy the committed local checkpoint `ckpt_dir` into `tier` and commit it there."""
-    local = durable.read_local(ckpt_dir)
+    local = read_local(ckpt_dir)
     step = local.manifest.step
     report = {"bytes_sent": 0, "parts_sent": 0, "parts_kept": 0}
     total = sum(e.size for e in local.manifest.files.values())

@@ -6,19 +6,24 @@ Stdlib only; everything read from a tier is hostile (ftsup/store/DESIGN.md, Dura
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import itertools
+import math
 import os
 import re
 import secrets
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ftsup.store import checksums, layout, retention, safefile
-from ftsup.store.errors import CheckpointCorruptError, CheckpointError, ManifestError
+from ftsup.store.errors import CheckpointCorruptError, CheckpointError, DurableTierError, ManifestError
 
 MIB = 1 << 20
 MAX_PARTS = 10_000
@@ -46,6 +51,7 @@ in the node's fast tier, so that the upload's disk, CPU and store traffic stay o
 BODY_PAUSE_S = 5.0
 """The longest an upload pauses inside one request's body: a store drops a request whose body stalls for long (S3
 does; ftsup/store/DESIGN.md, Durable tier), and the part would be sent again."""
+MAX_TIMEOUT_S = 7 * 86400.0
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,14 @@ class DurableOptions:
     """Parts (or files) in flight at once."""
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 60.0
+    """The longest a request waits for the next byte of its answer (or to send the next piece of its body)."""
+    request_timeout_s: float = 120.0
+    """The longest one request may take in all, from its connection to its answer's last byte: a store that answers
+    a byte at a time fails the request then (retried as a timeout is, up to `max_attempts`)."""
+    operation_timeout_s: float = 600.0
+    """The longest one read of the tier may take as a whole (a listing with the checks of what it lists, a check, a
+    delete, a download: `DurableTier.deadline`); a caller may give a shorter one (the resume choice, a rank's read
+    of one checkpoint)."""
     max_attempts: int = 3
     """Attempts of each request before the operation fails with DurableTierError (and resumes when called again)."""
 
@@ -121,6 +135,8 @@ class DurableOptions:
             raise CheckpointError(f"max_attempts {self.max_attempts} must be in [1, 20]")
         if not (0 < self.connect_timeout_s <= 600 and 0 < self.read_timeout_s <= 3600):
             raise CheckpointError("connect_timeout_s must be in (0, 600] and read_timeout_s in (0, 3600]")
+        if not (0 < self.request_timeout_s <= MAX_TIMEOUT_S and 0 < self.operation_timeout_s <= MAX_TIMEOUT_S):
+            raise CheckpointError(f"request_timeout_s and operation_timeout_s must be in (0, {MAX_TIMEOUT_S:g}]")
 
 
 @dataclass(frozen=True)
@@ -232,10 +248,34 @@ class DurableTier(ABC):
 
     location: Location
     options: DurableOptions
+    ends_at: float | None = None
+    """When the operation in progress must end (`time.monotonic()`), set by `deadline`; None: none."""
+    budget_s: float = math.inf
+    """How long that operation was given (for its error)."""
 
     @property
     def url(self) -> str:
         return self.location.url
+
+    @contextlib.contextmanager
+    def deadline(self, seconds: float | None = None) -> Iterator[None]:
+        """Every request of the tier made inside the block, on any thread, ends within `seconds` from now
+        (None: `options.operation_timeout_s`; a deadline already set that comes earlier stands). Past it a request
+        fails, and so the operation, with DurableTierError naming the deadline."""
+        seconds = self.options.operation_timeout_s if seconds is None else seconds
+        before = (self.ends_at, self.budget_s)
+        ends = time.monotonic() + seconds
+        if self.ends_at is None or ends < self.ends_at:
+            self.ends_at, self.budget_s = ends, seconds
+        try:
+            yield
+        finally:
+            self.ends_at, self.budget_s = before
+
+    def check_deadline(self, what: str) -> None:
+        """Raise DurableTierError when the operation's deadline has passed (a backend that reads in steps)."""
+        if self.ends_at is not None and time.monotonic() >= self.ends_at:
+            raise DurableTierError(f"{what}: not done by its operation's deadline ({self.budget_s:g}s)")
 
     def step_url(self, step: int) -> str:
         return f"{self.url.rstrip('/')}/{layout.step_dirname(step)}"
@@ -311,6 +351,10 @@ class DurableTier(ABC):
         against the manifest as it arrives, then committed by the local protocol (files, manifest last, rename);
         returns its path. Raises CheckpointCorruptError naming the file when the tier's copy does not verify (nothing
         is committed locally then), CheckpointError when `dest_root` already holds that step."""
+        with self.deadline():
+            return self._download(step, dest_root)
+
+    def _download(self, step: int, dest_root: str | os.PathLike[str]) -> Path:
         manifest, raw = self.manifest(step)
         dest_root = Path(dest_root)
         final = dest_root / layout.step_dirname(step)
@@ -368,13 +412,15 @@ class DurableTier(ABC):
         range checksummed and handed to `write(rel, offset, data)` (when given) piece by piece as it arrives
         (`read_pieces`); the files that do not give their recorded checksum."""
         algorithm = manifest.checksum_algorithm
-        chunks = [
-            (rel, off, min(READ_CHUNK_BYTES, entry.size - off))
-            for rel, entry in sorted(manifest.files.items())
-            for off in range(0, entry.size, READ_CHUNK_BYTES)
-        ]
-        crcs: dict[tuple[str, int], list[int]] = {}
+        crcs: dict[tuple[str, int], array[int]] = {}
         broken: dict[str, str] = {}
+
+        def chunks() -> Iterator[tuple[str, int, int]]:  # planned as read: a size a manifest claims allocates nothing
+            for rel, entry in sorted(manifest.files.items()):
+                for off in range(0, entry.size, READ_CHUNK_BYTES):
+                    if rel in broken:
+                        break
+                    yield rel, off, min(READ_CHUNK_BYTES, entry.size - off)
 
         def one(rel: str, offset: int, length: int) -> None:
             if rel in broken:
@@ -391,9 +437,9 @@ class DurableTier(ABC):
             except CheckpointCorruptError as e:
                 broken.setdefault(rel, str(e).rpartition(f"/{rel}: ")[2] or str(e))
                 return
-            crcs[(rel, offset)] = blocks
+            crcs[(rel, offset)] = array("I", blocks)
 
-        run_all([functools.partial(one, *chunk) for chunk in chunks], self.options.concurrency, "ftsup-durable-read")
+        run_all((functools.partial(one, *chunk) for chunk in chunks()), self.options.concurrency, "ftsup-durable-read")
         problems = []
         for rel, entry in sorted(manifest.files.items()):
             why = broken.get(rel)
@@ -407,17 +453,22 @@ class DurableTier(ABC):
         return problems
 
 
-def run_all(jobs: list[Callable[[], object]], threads: int, name: str) -> None:
-    """Run `jobs` on `threads` threads (named `name`); at the first that raises, the ones not started are cancelled
-    and its exception is raised once the running ones end."""
+def run_all(jobs: Iterable[Callable[[], object]], threads: int, name: str) -> None:
+    """Run `jobs` on `threads` threads (named `name`), taking them from `jobs` as threads come free (at most twice
+    `threads` waiting); at the first that raises, no more are started and its exception is raised once the running
+    ones end."""
+    jobs = iter(jobs)
     with ThreadPoolExecutor(threads, thread_name_prefix=name) as pool:
-        futures = [pool.submit(job) for job in jobs]
-        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        for f in pending:
-            f.cancel()
-        for f in done:
-            if f.exception() is not None:
-                raise f.exception()  # type: ignore[misc]
+        running = {pool.submit(job) for job in itertools.islice(jobs, 2 * threads)}
+        while running:
+            done, running = wait(running, return_when=FIRST_EXCEPTION)
+            failed = [f for f in done if f.exception() is not None]
+            if failed:
+                for f in running:
+                    f.cancel()
+                wait(running)
+                raise failed[0].exception()  # type: ignore[misc]
+            running |= {pool.submit(job) for job in itertools.islice(jobs, len(done))}
 
 
 def _remove_own(parent: Path, name: str) -> None:
