@@ -74,8 +74,12 @@ class RuntimeClient:
         return self.env.heartbeat_socket is not None
 
     def beat(self, step: int, phase: Phase | str | None = None, **figures: float | int | str) -> None:
-        """Report `step` (optimizer steps completed) and the phase; never blocks, never raises."""
+        """Report `step` (optimizer steps completed) and the phase; never blocks, never raises. Without a phase the
+        rank stays in its current one, except that a rank still in `init` is training from then on: one
+        `rt.beat(step)` line per step is a training beat, which the supervisor's hang detection watches."""
         try:
+            if phase is None and self._phase == Phase.INIT:
+                phase = Phase.TRAIN
             if phase is not None:
                 if phase in PHASE_NAMES:
                     self._phase = Phase(phase)
@@ -126,8 +130,9 @@ class RuntimeClient:
             self.beat(self._step, before)
 
     def report(self, **figures: float | int | str) -> None:
-        """Send figures (`save_s`, ...) with the current step and phase; never blocks, never raises."""
-        self.beat(self._step, None, **figures)
+        """Send figures (`save_s`, ...) with the current step and phase (`init` stays `init`); never blocks, never
+        raises."""
+        self.beat(self._step, self._phase, **figures)
 
     def close(self) -> None:
         with self._lock:

@@ -66,6 +66,27 @@ def test_an_unknown_phase_keeps_the_last_one_and_warns(receiver):
     assert [b.phase for b in receiver.drain()] == ["train", "train"]
 
 
+def test_a_beat_without_a_phase_is_a_training_beat_from_init_on(receiver):
+    c = client(receiver)
+    c.beat(1)
+    c.beat(2)
+    assert [(b.step, b.phase) for b in receiver.drain()] == [(1, "train"), (2, "train")]
+
+
+def test_a_beat_without_a_phase_keeps_a_phase_declared_before_it(receiver):
+    c = client(receiver)
+    c.beat(0, "load")
+    c.beat(0)
+    assert [b.phase for b in receiver.drain()] == ["load", "load"]
+
+
+def test_a_report_before_training_leaves_the_rank_in_init(receiver):
+    c = client(receiver)
+    c.report(save_s=0.5)
+    c.beat(0, None)
+    assert [b.phase for b in receiver.drain()] == ["init", "train"]
+
+
 def test_a_step_that_is_not_a_count_is_dropped_with_a_warning(receiver):
     c = client(receiver)
     with pytest.warns(RuntimeWarning, match="step"):
