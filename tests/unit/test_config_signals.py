@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.test_config import error_of, minimal
+from tests.unit.test_config import error_of, in_tmp, minimal  # noqa: F401  (in_tmp: each test in a directory of its own)
 
 
 @pytest.mark.parametrize(
