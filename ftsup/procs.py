@@ -51,6 +51,21 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def run_state(pid: int, *, proc: str = "/proc") -> tuple[str, int] | None:
+    """(its state, its start time) as `/proc/PID/stat` says: the state letter (R running, S sleeping, D in
+    uninterruptible sleep, T stopped, Z zombie, ...) and the start time in clock ticks after boot, which tells the
+    process from a later one given the same pid. None: no such process, or a file that does not read as one."""
+    try:
+        with open(f"{proc}/{int(pid)}/stat", "rb") as f:
+            data = f.read(4096)
+    except (OSError, ValueError):
+        return None
+    fields = data[data.rfind(b")") + 1 :].split()  # the command name before it may hold spaces and parentheses
+    if len(fields) < 20 or not fields[19].isdigit():
+        return None
+    return fields[0].decode("ascii", "replace")[:1], int(fields[19])
+
+
 def verify(
     pid: int, mark: Mark, *, since: float, until: float | None = None, uid: int | None = None
 ) -> psutil.Process | None:

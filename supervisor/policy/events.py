@@ -152,7 +152,10 @@ class WorkersExited:
 
 @dataclass(frozen=True)
 class Tick:
-    pass
+    """The clock moved on; with what the daemon read of the ranks' processes (`states`: by local rank, the letter
+    of /proc/PID/stat, or `hangs.GONE`), which tells a rank that stopped from one that waits for it."""
+
+    states: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -82,13 +82,20 @@ def how(f: RankFailure) -> str:
 
 
 def _said(f: RankFailure) -> str:
-    """`how`, with the traceback's last line (`: ValueError: boom`), else the last line of the output (a death by
-    a signal prints no traceback)."""
+    """`how`, with its cause: the traceback's last line (`: ValueError: boom`), or the signal that killed it (what it
+    printed last, a warning as often as not, is no cause); else the last line of its output, marked as no cause."""
     end = traceback_end(f.output)
     if end:
         return f"{how(f)}: {end}"
-    last = exception_line(f.output)
-    return how(f) + (f"; its last line: {last}" if last else "")
+    if signal_name(f.exitcode) is not None:
+        return how(f)
+    return how(f) + _uncaused(f.output)
+
+
+def _uncaused(output: Sequence[str]) -> str:
+    """What ends a failure's reason when neither a traceback nor a signal tells its cause."""
+    last = exception_line(output)
+    return f"; no traceback; last line: {last}" if last else "; no traceback, no output"
 
 
 def culprits(failures: Sequence[RankFailure]) -> list[RankFailure]:
@@ -110,9 +117,10 @@ def exited_reason(ev: WorkersExited) -> str:
     ranked = culprits(ev.failures)
     if not ranked:
         sig = signal_name(ev.exitcode)
-        line = exception_line(ev.output)
-        text = f"torchrun was killed by {sig}" if sig else f"torchrun exited with code {ev.exitcode}"
-        return text + (f": {line}" if line else "")
+        end = traceback_end(ev.output)
+        if sig:
+            return f"torchrun was killed by {sig}" + (f": {end}" if end else "")
+        return f"torchrun exited with code {ev.exitcode}" + (f": {end}" if end else _uncaused(ev.output))
     # The others torchrun stopped with SIGTERM once the first had failed are no news; any other failure is.
     others = [f for f in ranked[1:] if f.exitcode != -signal.SIGTERM]
     if not others:

@@ -10,10 +10,10 @@ import math
 from dataclasses import dataclass, field, replace
 
 # The policy's vocabulary; callers use it as policy.X (policy.Heartbeat, policy.Launch, ...).
-from ftsup.protocol import LONG_PHASES, QUIET_PHASES, SLOW_PHASES, Phase
+from ftsup.protocol import LONG_PHASES, QUIET_PHASES, Phase
 from ftsup.supervisor.config.job import HeartbeatMode
 from ftsup.supervisor.policy import anomaly as policy_anomaly
-from ftsup.supervisor.policy import failures, saves
+from ftsup.supervisor.policy import failures, hangs, progress, saves
 from ftsup.supervisor.policy.events import (
     AckEviction,
     Action,
@@ -77,6 +77,7 @@ class RankView:
     phase: Phase
     since: float = 0.0  # when it entered this phase
     mark: tuple[int, float] | None = None  # (step, rank's clock) where the step being timed began
+    rank: int = -1  # its global rank, as its beats say
 
 
 @dataclass(frozen=True)
@@ -90,10 +91,15 @@ class Attempt:
     max_step: int = -1
     progress_at: float = 0.0  # when max_step last grew (or launch)
     best_before: int = -1  # the highest step any earlier attempt reached
+    waited_until: float = -math.inf  # when a rank last left a long phase that the others may have waited for
     log: str | None = None  # its log file, named in its failure events
 
     def rank_map(self) -> dict[int, RankView]:
         return dict(self.ranks)
+
+    def reached(self) -> int | None:
+        """The highest step it reported, for its events: None when it reported none (never `step -1`)."""
+        return self.max_step if self.max_step >= 0 else None
 
 
 @dataclass(frozen=True)
@@ -143,7 +149,7 @@ def step(s: Settings, st: State, ev: Event, now: float) -> tuple[State, list[Act
         fresh = replace(st, attempt=replace(att, ranks=(), launched_at=now, progress_at=now))
         if not ev.new_ranks:
             return fresh, []
-        return fresh, [log("workers_restarted", attempt=att.number, world_size=att.nproc, step=att.max_step)]
+        return fresh, [log("workers_restarted", attempt=att.number, world_size=att.nproc, step=att.reached())]
     if isinstance(ev, Heartbeat) and att and ev.attempt == att.number and st.phase in ATTEMPT_PHASES:
         if not 0 <= ev.local_rank < att.nproc:
             return st, []  # a rank outside the attempt's is never waited for
@@ -158,7 +164,7 @@ def step(s: Settings, st: State, ev: Event, now: float) -> tuple[State, list[Act
     if isinstance(ev, WorkersExited) and att and ev.attempt == att.number:
         return _exited(s, st, att, ev, now)
     if isinstance(ev, Tick):
-        return _tick(s, st, now)
+        return _tick(s, st, ev, now)
     return st, []
 
 
@@ -184,6 +190,7 @@ def _launch(s: Settings, st: State, ev: LaunchReady, now: float) -> tuple[State,
     return replace(st, phase=SupervisorPhase.RUNNING, attempt=att, last_launch=launch, anomaly=anomaly), [
         log("world_size_chosen", attempt=st.attempt_no, world_size=n, reason=why, step=ev.resume_step),
         launch,
+        *progress.on_launch(st.attempt_no, ev.resume_step, st.best_step),  # never silently: it starts behind
     ]
 
 
@@ -198,14 +205,18 @@ def _heartbeat(st: State, att: Attempt, ev: Heartbeat, now: float) -> State:
             mark = (ev.step, sent)  # (back) in train: time steps from here, not across a save or a load
         elif ev.step > prev.mark[0]:
             per_step = (sent - prev.mark[1]) / (ev.step - prev.mark[0])
-            if math.isfinite(per_step) and per_step > 0:
+            # A step that spanned a peer's long phase was spent waiting for it in a collective: not a step time.
+            waited = prev.last_beat < att.waited_until or any(r.phase in LONG_PHASES for r in ranks.values())
+            if not waited and math.isfinite(per_step) and per_step > 0:
                 step_times = (*step_times, per_step)[-STEP_HISTORY:]
             mark = (ev.step, sent)
         else:
             mark = prev.mark  # another beat within the same step
     since = prev.since if prev is not None and prev.phase == ev.phase else now
-    ranks[ev.local_rank] = RankView(now, ev.step, ev.phase, since, mark)
+    ranks[ev.local_rank] = RankView(now, ev.step, ev.phase, since, mark, ev.rank)
     att = replace(att, ranks=tuple(sorted(ranks.items())))
+    if prev is not None and prev.phase in LONG_PHASES and ev.phase not in LONG_PHASES:
+        att = replace(att, waited_until=now)  # the ranks that waited for it in a collective beat again soon
     if ev.phase == Phase.TRAIN and ev.step > att.max_step:
         att = replace(att, max_step=ev.step, progress_at=now)
     elif ev.phase == Phase.TRAIN and prev is not None and prev.phase in LONG_PHASES:
@@ -273,9 +284,10 @@ def _evict(s: Settings, st: State, ev: EvictionNoticed, now: float) -> tuple[Sta
         # Nothing trained in this attempt since its checkpoint: nothing to save.
         base = replace(st, final=exit_, eviction=Eviction(ev.source, ev.deadline, now, None))
         if st.phase == SupervisorPhase.RUNNING and att is not None:
+            why = "no training step since the last checkpoint" if att.ranks else progress.NO_EMERGENCY_SAVE
             return replace(base, phase=SupervisorPhase.STOPPING, stop_reason=exit_.reason), [
                 notice,
-                log("save_skipped", attempt=att.number, reason="no training step since the last checkpoint"),
+                log("save_skipped", "info" if att.ranks else "warning", attempt=att.number, reason=why),
                 StopWorkers(att.number, exit_.reason),
             ]
         return replace(base, phase=SupervisorPhase.DONE), [notice, exit_]
@@ -314,7 +326,7 @@ def _fail(st: State, att: Attempt, reason: str, now: float, event: str, **fields
         return st, []
     told = {"log": att.log} | fields
     return replace(st, phase=SupervisorPhase.STOPPING, stop_reason=reason, last_failure=reason), [
-        log(event, "error", attempt=att.number, world_size=att.nproc, reason=reason, step=att.max_step, **told),
+        log(event, "error", attempt=att.number, world_size=att.nproc, reason=reason, step=att.reached(), **told),
         StopWorkers(att.number, reason),
     ]
 
@@ -345,7 +357,7 @@ def _rollback_requested(st: State, ev: RollbackRequested, now: float) -> tuple[S
     return replace(st, phase=SupervisorPhase.STOPPING, stop_reason=why), [*actions, StopWorkers(att.number, why)]
 
 
-def _tick(s: Settings, st: State, now: float) -> tuple[State, list[Action]]:
+def _tick(s: Settings, st: State, ev: Tick, now: float) -> tuple[State, list[Action]]:
     if st.phase == SupervisorPhase.BACKOFF and (now >= st.resume_at or st.anomaly.pending is not None):
         return _prepare(st, now)
     att = st.attempt
@@ -374,16 +386,9 @@ def _tick(s: Settings, st: State, now: float) -> tuple[State, list[Action]]:
             why = f"no training step within startup_timeout_s={s.startup_timeout_s:g}"
             return _fail(st, att, why, now, "startup_timed_out")
     hb = heartbeat_timeout(s, st.step_times)
-    for rank, view in sorted(ranks.items()):
-        silent = now - view.last_beat
-        limit = s.save_timeout_s if view.phase in SLOW_PHASES or (view.phase == Phase.EVAL and hb is None) else hb
-        if view.phase in (*LONG_PHASES, Phase.TRAIN) and limit is not None and silent > limit:
-            where = "" if view.phase == Phase.TRAIN else f" in phase {view.phase}"
-            why = f"rank {rank} silent for {silent:.1f}s{where} (timeout {limit:.1f}s)"
-            return _fail(st, att, why, now, "heartbeat_timed_out", rank=rank, timeout_s=round(limit, 3))
-        if view.phase == Phase.EVAL and now - view.since > s.save_timeout_s:  # beating, yet stuck in eval
-            why = f"rank {rank} in phase eval for {now - view.since:.1f}s (timeout {s.save_timeout_s:g}s)"
-            return _fail(st, att, why, now, "progress_timed_out", rank=rank, timeout_s=s.save_timeout_s)
+    hang = hangs.find(s, ranks, now, hb, waited_until=att.waited_until, states=dict(ev.states))
+    if hang is not None:  # the rank that stopped first is blamed, the others named as waiting for it
+        return _fail(st, att, hang.reason, now, hang.event, **hang.fields())
     every_rank = s.heartbeat_mode == HeartbeatMode.REQUIRED  # auto watches the ranks that beat, such as rank 0 alone
     if every_rank and training and len(ranks) < att.nproc and hb is not None and now - att.progress_at > hb:
         missing = sorted(set(range(att.nproc)) - set(ranks))
@@ -412,14 +417,16 @@ def _exited(s: Settings, st: State, att: Attempt, ev: WorkersExited, now: float)
     if st.phase == SupervisorPhase.RUNNING and ev.exitcode == 0:
         exit_ = Exit(EXIT_OK, "training command exited 0")
         return replace(st, phase=SupervisorPhase.DONE, attempt=None, final=exit_), [
-            log("job_succeeded", attempt=att.number, world_size=att.nproc, step=att.max_step),
+            log("job_succeeded", attempt=att.number, world_size=att.nproc, step=att.reached()),
             exit_,
         ]
     running = st.phase == SupervisorPhase.RUNNING
     reason = failures.exited_reason(ev) if running else st.stop_reason or "stopped"
     told = failures.exited_fields(ev, att.log) if running else {"log": att.log}  # the cause, for every line below
     actions: list[Action] = (
-        [log("worker_exited", "error", attempt=att.number, reason=reason, step=att.max_step, **told)] if running else []
+        [log("worker_exited", "error", attempt=att.number, reason=reason, step=att.reached(), **told)]
+        if running
+        else []
     )
     # Progress means reaching a step no earlier attempt reached (`rules.made_progress`): a job
     # that dies at the same step every time is a crash loop, however often it restarts.
@@ -437,7 +444,7 @@ def _exited(s: Settings, st: State, att: Attempt, ev: WorkersExited, now: float)
     cannot_start = failures.startup_failure(ev) if running and not progressed else None  # no restart fixes it
     if streak >= s.max_attempts_without_progress or cannot_start:
         exit_ = Exit(EXIT_CRASH_LOOP, failures.crash_loop_reason(streak, reason, cannot_start))
-        return _give_up(st, actions, exit_, "crash_loop_detected", attempt=att.number, step=att.max_step, **told)
+        return _give_up(st, actions, exit_, "crash_loop_detected", attempt=att.number, step=att.reached(), **told)
     if len(restarts) >= s.max_restarts:
         exit_ = Exit(EXIT_BUDGET, f"restart budget spent: {len(restarts)} restarts within {s.window_s:g}s ({reason})")
         return _give_up(st, actions, exit_, "restart_budget_exhausted", attempt=att.number, **told)

@@ -149,7 +149,7 @@ class Daemon:
                     beats = self.sources.beats(admit=self.workers.admits, vet=self.workers.vet)
                     self.pending.extend(self.workers.beats(beats))
                     self.pending.extend(self.workers.watch())  # torchrun's exit, a rank gone, new ranks
-                    self.pending.append(policy.Tick())
+                    self.pending.append(policy.Tick(self.workers.states()))  # what tells a stopped rank
             except Exception as e:
                 # What is expected (outages, failed launches) is handled where it happens; this is a bug. Exit
                 # status 1 is restarted by systemd, and the new supervisor adopts the journal.

@@ -17,6 +17,7 @@ from ftsup import procs, protocol
 from ftsup.supervisor import statedir
 from ftsup.supervisor.config.job import JobConfig
 from ftsup.supervisor.errors import error_line
+from ftsup.supervisor.policy import hangs
 from ftsup.supervisor.policy import machine as policy
 from ftsup.supervisor.run import launcher, ranklogs, warmagent
 from ftsup.supervisor.run.heartbeat import Admission, Beat
@@ -60,6 +61,7 @@ class Workers:
         self._rank_phase: dict[int, protocol.Phase] = {}  # pid -> last heartbeat phase, this attempt
         self._rank_of: dict[int, tuple[int, int]] = {}  # pid -> (rank, local rank), this attempt
         self._dead_at: dict[int, float] = {}  # pid -> when it was first seen dead
+        self._start_ticks: dict[int, int] = {}  # pid -> its start time as first read, this attempt
         self._table = rankstatus.RankTable(
             Path(cfg.job.state_dir) / rankstatus.FILE_NAME,
             write=lambda path, op: outages.guard("rank_status", path, op),
@@ -107,6 +109,23 @@ class Workers:
             self._journal("running")
         self._table.flush(self._clock())
         return events
+
+    def states(self) -> tuple[tuple[int, str], ...]:
+        """The process state of each rank of this attempt that beat, by local rank (`/proc/PID/stat`'s letter, or
+        `hangs.GONE`): what tells the policy a stopped rank from one that waits for it. Only pids the heartbeat
+        channel admitted as the attempt's ranks are read; one that names a later process is gone."""
+        found: dict[int, str] = {}
+        for pid, phase in self._rank_phase.items():
+            local = self._rank_of.get(pid, (None, None))[1]
+            if local is None or phase == protocol.Phase.DONE:
+                continue
+            got = procs.run_state(pid)
+            if got is not None and self._start_ticks.setdefault(pid, got[1]) != got[1]:
+                got = None  # the pid was given to another process
+            state = hangs.GONE if got is None else got[0]
+            if found.get(local) in (None, hangs.GONE):  # a rank torchrun started again: its live process counts
+                found[local] = state
+        return tuple(sorted(found.items()))
 
     def watch(self) -> list[policy.Event]:
         """What became of the running attempt since the last tick."""
@@ -177,7 +196,7 @@ class Workers:
     def _launch(self, action: policy.Launch) -> None:
         env = launcher.rank_env(self.cfg, self._runtime(), action.resume_step, os.environ, action.skips)
         self._ranks_seen = frozenset()
-        self._rank_phase, self._rank_of, self._dead_at = {}, {}, {}
+        self._rank_phase, self._rank_of, self._dead_at, self._start_ticks = {}, {}, {}, {}
         self._admission.launched(action.attempt, action.resume_step, self._clock())
         self._table.started(action.attempt)
         with contextlib.suppress(FileNotFoundError):  # a new attempt starts with no request pending

@@ -51,6 +51,24 @@ def _launched(ev: Mapping[str, Any]) -> str:
     )
 
 
+def _lost(ev: Mapping[str, Any]) -> str:
+    steps = ev.get("lost_steps")
+    first, last = steps if isinstance(steps, list) and len(steps) == 2 else ("?", "?")
+    lost = f"steps {first}-{last}, which earlier attempts reported, are lost and trained again"
+    if ev.get("resume_step") is None:
+        return (
+            f"warning: attempt {ev.get('attempt')} starts from scratch: {lost}. To resume instead, adopt a Session "
+            "(docs/adopting.md) or save and resume in the script; ftsup sees no checkpoint of a script's own"
+        )
+    return f"attempt {ev.get('attempt')} starts from the checkpoint of step {ev.get('resume_step')}: {lost}"
+
+
+def _finished(ev: Mapping[str, Any]) -> str:
+    step = ev.get("step")
+    reached = f"step {step}" if isinstance(step, int) and step >= 0 else "no step reported"
+    return f"training finished: attempt {ev.get('attempt')}, {reached}"
+
+
 def _seconds(ev: Mapping[str, Any]) -> str:
     d = ev.get("duration_s")
     return f"{d:.1f} s" if isinstance(d, (int, float)) else "?"
@@ -75,7 +93,8 @@ _LINES = {
     "durable_committed": lambda ev: f"checkpoint of step {ev.get('step')} durable in {ev.get('url')}",
     "durable_deadline_missed": lambda ev: f"warning: {ev.get('reason')}",
     "restart_scheduled": lambda ev: f"relaunching in {_seconds(ev)}",
-    "job_succeeded": lambda ev: f"training finished: attempt {ev.get('attempt')}, step {ev.get('step')}",
+    "job_succeeded": _finished,
+    "progress_lost": _lost,
     "job_stopped": lambda ev: f"stopped: {ev.get('reason')}",
     "stop_requested": lambda ev: f"stopping the workers: {ev.get('reason')}",
     "eviction_noticed": lambda ev: f"eviction notice: {ev.get('reason')}",

@@ -29,6 +29,7 @@ _EVENT_GROUPS = (
     "workers_launched workers_restarted first_step_reached heartbeats_dropped workers_stopped orphans_found",
     "heartbeat_timed_out progress_timed_out startup_timed_out worker_exited stop_requested",
     "restart_scheduled crash_loop_detected restart_budget_exhausted job_succeeded job_failed job_stopped",
+    "progress_lost",  # a relaunch that starts behind the steps earlier attempts reported
     # evictions and checkpoints
     "eviction_noticed save_requested save_skipped checkpoint_committed requeue_requested requeue_failed",
     "emergency_save_failed checkpoint_dir_recreated",

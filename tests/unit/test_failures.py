@@ -114,6 +114,33 @@ def test_a_death_by_signal_names_the_rank_and_the_signal(code: int, name: str) -
     assert str(ev["reason"]).startswith(f"rank 1 (pid 4242) was killed by {name} (")
 
 
+PYNVML_WARNING = (
+    "/venv/lib/python3.11/site-packages/torch/cuda/__init__.py:64: FutureWarning: The pynvml package is deprecated.",
+    "  import pynvml  # type: ignore[import]",
+)
+
+
+def test_a_killed_ranks_cause_is_the_signal_never_the_warning_it_printed_last() -> None:
+    _, actions = run_until_exit(exited(P.RankFailure(1, 1, 4242, -9, PYNVML_WARNING, root=True)))
+    assert (
+        logged(actions, "worker_exited")["reason"]
+        == "rank 1 (pid 4242) was killed by SIGKILL (out of memory, or kill -9)"
+    )
+
+
+def test_an_exit_without_a_traceback_says_so_and_marks_the_last_line_as_no_cause() -> None:
+    _, actions = run_until_exit(exited(P.RankFailure(1, 1, 4242, 2, (*PYNVML_WARNING, "usage: train.py"), root=True)))
+    reason = logged(actions, "worker_exited")["reason"]
+    assert reason == "rank 1 (pid 4242) exited with code 2; no traceback; last line: usage: train.py"
+
+
+def test_a_traceback_before_a_warning_is_the_cause() -> None:
+    _, actions = run_until_exit(exited(P.RankFailure(1, 1, 4242, 1, (*TRACEBACK, *PYNVML_WARNING), root=True)))
+    assert (
+        logged(actions, "worker_exited")["reason"] == "rank 1 (pid 4242) exited with code 1: ValueError: boom at step 3"
+    )
+
+
 def test_ranks_that_torchrun_stopped_are_listed_but_not_blamed() -> None:
     _, actions = run_until_exit(exited(STOPPED_BY_TORCHRUN, P.RankFailure(1, 1, 4242, -9, root=True)))
     ev = logged(actions, "worker_exited")
@@ -158,7 +185,7 @@ def test_a_rank_seen_dead_before_torchrun_reported_it_is_named_with_its_last_lin
     m, actions = m.feed(P.RankExited(1, 4242, None, failure=P.RankFailure(1, 1, 4242, None, ("err 2",))), 1.0)
     ev = logged(actions, "worker_exited")
     assert (ev["rank"], ev["log"], ev["output"]) == (1, LOG, ["err 2"])
-    assert ev["reason"] == "rank 1 (pid 4242) ended; its exit status was not reported; its last line: err 2"
+    assert ev["reason"] == "rank 1 (pid 4242) ended; its exit status was not reported; no traceback; last line: err 2"
 
 
 def test_the_first_step_of_each_attempt_is_logged_once() -> None:
@@ -177,8 +204,8 @@ def test_the_console_shows_a_failure_with_its_cause_the_ranks_last_lines_and_the
     _, actions = run_until_exit(exited(P.RankFailure(1, 1, 4242, -9, ("err 1", "err 2"), root=True)))
     text = console.line({"event": "worker_exited", **logged(actions, "worker_exited")})
     assert text == (
-        "ftsup: attempt 1 failed: rank 1 (pid 4242) was killed by SIGKILL (out of memory, or kill -9); its last "
-        "line: err 2\n  last lines of rank 1's output:\n    | err 1\n    | err 2\n  log: /state/logs/attempt-0001.log"
+        "ftsup: attempt 1 failed: rank 1 (pid 4242) was killed by SIGKILL (out of memory, or kill -9)\n"
+        "  last lines of rank 1's output:\n    | err 1\n    | err 2\n  log: /state/logs/attempt-0001.log"
     )
 
 

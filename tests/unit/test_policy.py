@@ -132,7 +132,7 @@ def test_a_rank_silent_in_a_save_past_save_timeout_s_is_a_hang():
     d.train(range(1, 11), dt=0.5)
     d.beat_all(10, "save")
     acts = d.feed(P.Tick(), at=d.now + 101)  # past save_timeout_s=100
-    assert P.StopWorkers(1, "rank 0 silent for 101.0s in phase save (timeout 100.0s)") in acts
+    assert P.StopWorkers(1, "rank 0 silent for 101.0s in phase save (timeout 100.0s); rank 1 waiting") in acts
 
 
 def test_coming_back_from_a_long_save_starts_the_progress_clock_again():

@@ -57,6 +57,27 @@ def test_stop_continues_a_stopped_process_so_that_sigterm_ends_it_within_the_gra
     assert (left, p.wait(timeout=5)) == ([], -signal.SIGTERM)
 
 
+def test_run_state_reads_a_stopped_process_as_t_and_the_same_start_time_as_before(started):
+    p = spawn(started, READY_AND_SLEEP)
+    before = procs.run_state(p.pid)
+    os.kill(p.pid, signal.SIGSTOP)
+    after = wait_for(lambda: (got := procs.run_state(p.pid)) and got[0] == "T" and got, 5, "never seen stopped")
+    assert (before is not None and before[0] in "RS", after[1] == before[1]) == (True, True)
+
+
+def test_run_state_reads_past_a_command_name_with_spaces_and_parentheses(tmp_path):
+    (tmp_path / "42").mkdir()
+    rest = " ".join(["D", *["0"] * 18, "123456", "0"])
+    (tmp_path / "42" / "stat").write_bytes(b"42 (a) b (c)) " + rest.encode())
+    assert procs.run_state(42, proc=str(tmp_path)) == ("D", 123456)
+
+
+def test_run_state_of_no_process_or_a_short_file_is_none(tmp_path):
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "stat").write_bytes(b"7 (x) S 1 2")
+    assert (procs.run_state(8, proc=str(tmp_path)), procs.run_state(7, proc=str(tmp_path))) == (None, None)
+
+
 def test_stop_leaves_the_exit_status_of_our_child_to_its_popen(started):
     # psutil's wait reaps a child itself; Popen then reads the status of a reaped child as 0.
     p = spawn(started, READY_AND_SLEEP)
