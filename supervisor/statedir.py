@@ -16,9 +16,9 @@ from typing import BinaryIO
 
 from ftsup.store.errors import os_words
 from ftsup.supervisor.errors import ConfigError, UsageError
+from ftsup.workdir import DIRNAME, ignore_for_git
 
 LOCK_NAME = "supervisor.lock"
-GITIGNORE = "# Created by ftsup: a supervisor's state, not to be committed.\n*\n"
 _UNIX_PATH_MAX = 100  # sun_path holds 108 bytes; keep a margin
 _SOCKET_NAME = "heartbeat.sock"
 _CONTROL_NAME = "control.json"
@@ -43,7 +43,7 @@ def default_state_dir(workdir: Path, node_id: str, config_path: Path | None, env
         return Path(given)
     if config_path is not None and config_path.parent == SYSTEMD_CONFIG_DIR and config_path.suffix == ".yaml":
         return SYSTEMD_STATE_DIR / config_path.stem
-    return workdir / ".ftsup" / node_id
+    return workdir / DIRNAME / node_id
 
 
 def _refuse(what: str, path: Path, why: str, fix: str) -> ConfigError:
@@ -109,22 +109,9 @@ def ensure_dir(path: str | os.PathLike[str], what: str) -> Path:
             raise _refuse(what, path, f"cannot be created: {os_words(e)}", "check the path") from None
     check_dir(path, what)
     _check_ancestors(path, what)
-    if path.parent.name == ".ftsup":
-        _ignore_for_git(path.parent)
+    if path.parent.name == DIRNAME:
+        ignore_for_git(path.parent)
     return path
-
-
-def _ignore_for_git(ftsup_dir: Path) -> None:
-    """A `.ftsup` directory of ours is never something to commit (as pytest does for its cache)."""
-    st = os.lstat(ftsup_dir)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or os.path.lexists(ftsup_dir / ".gitignore"):
-        return
-    try:
-        fd = os.open(ftsup_dir / ".gitignore", os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
-    except FileExistsError:
-        return
-    with os.fdopen(fd, "w") as f:
-        f.write(GITIGNORE)
 
 
 def _require_own_file(fd: int, path: Path, *, max_bytes: int | None = None, owner: int | None = None) -> None:

@@ -23,6 +23,7 @@ from ftsup.supervisor.config.durable import DurableConfig, parse_durable
 from ftsup.supervisor.config.launch import LaunchConfig, parse_launch
 from ftsup.supervisor.config.values import Section, Where
 from ftsup.supervisor.errors import ConfigError
+from ftsup.workdir import default_checkpoint_dir
 
 SECTIONS = ("job", "launch", "checkpoint", "heartbeat", "restart", "eviction", "metrics", "logging", "anomaly")
 PROVIDERS = config_values.PROVIDERS  # eviction.providers, checked in `config.values`
@@ -289,7 +290,7 @@ def parse_config(
     if launch_config.max_nodes > 1 and dir_shared:  # a default under a node's own workdir would split the store
         ckpt_dir = checkpoint.required("dir", config_values.path(base), _SHARED_STORE.format(launch_config.nnodes))
     else:  # beside the state directory, in a .ftsup that git ignores
-        ckpt_dir = checkpoint.optional("dir", config_values.path(base), job_section.workdir / ".ftsup" / "checkpoints")
+        ckpt_dir = checkpoint.optional("dir", config_values.path(base), default_checkpoint_dir(job_section.workdir))
     if launch_config.max_nodes > 1 and not dir_shared and (durable is None or not durable.is_s3):
         checkpoint.fail("dir_shared", _NODE_LOCAL.format(launch_config.nnodes))
     fallback = Path(durable.fallback_dir) if durable is not None and durable.fallback_dir is not None else None
