@@ -1,76 +1,17 @@
-"""Session: the bookkeeping of a training loop that resumes exactly, in one object.
+"""Session: the bookkeeping of a training loop that resumes exactly, in one object: resume, batches, random streams,
+heartbeats, saves and the supervisor's requests.
 
-    from ftsup import Session
-
-    session = Session(model, optimizer, scheduler, dataset, global_batch=32, micro_batch=4, config=model_config)
-    for step in session.steps(total_steps):      # from the step after the latest checkpoint
-        total = 0
-        for batch in session.micro_batches():    # this rank's share of the global batch
-            loss = model(**batch).loss
-            (loss / session.accumulation_steps).backward()
-            total += loss.detach()
-        check = session.clip_and_step(1.0, total / session.accumulation_steps)  # refused when not finite
-        log_loss(step, check.mean_loss)          # on the host already: no .item() needed
-        if step % eval_every == 0:
-            with session.phase("eval"):          # a long pause that is not a hang
-                evaluate(model)
-
-What it does, so that the loop does not:
-
-- **Resume.** Constructing it (every rank, after `init_process_group`) makes the checkpoint engine
-  (`ckpt_dir`, by default `FTSUP_CHECKPOINT_DIR`, which `ftsup run` sets from `checkpoint.dir`),
-  the `TrainingState`, and loads the latest consistent checkpoint of at most the supervisor's
-  choice (`FTSUP_RESUME_STEP`) in phase `load`, from the durable tier when only it holds that one
-  (`FTSUP_CHECKPOINT_DURABLE`, set from `checkpoint.durable`: a new machine resumes from there).
-  A checkpoint of another configuration is refused before anything is loaded, naming the key
-  (`config=`, see `ftsup.trainer.modelconfig`). A fresh run
-  (no checkpoint yet) given `init_from_hf=DIR` starts from a Hugging Face Hub-layout model's weights,
-  each rank reading only its share (`ftsup.trainer.hf.load`).
-- **Data.** `micro_batches()` yields this rank's micro-batches of the step from `dataset` in the
-  world-size-independent order of a `GlobalBatchSchedule` (or, given only a `schedule`, the
-  `MicroBatch` descriptions themselves). Gradients are synchronised only on the step's last
-  micro-batch (DDP's `no_sync`, FSDP2's `set_requires_gradient_sync`).
-- **Randomness.** Every source it hands out is seeded from the run's `seed`, never from a stream a
-  resume would have to restore: the loader has a generator of its own (so `iter(DataLoader)`
-  draws nothing from torch's global stream), and torch's global generators (CPU and every CUDA
-  device: dropout) are seeded before each micro-batch from (seed, step, the micro-batch's first
-  global sample). A run resumed on the same world size is therefore bitwise the uninterrupted
-  one, and on another world size the same up to the order of float reductions.
-- **The step guard.** `clip_and_step(max_norm, loss)` clips, checks and steps the optimizer and
-  the scheduler; `step_guard(loss, grad_norm)` only checks, between the loop's clipping and its own
-  `optimizer.step()`. Either refuses, on every rank alike, the update of a step whose loss (on any
-  rank) or gradient norm is not finite: nothing a checkpoint holds changes (`ftsup.trainer.stepguard`),
-  and the step's heartbeat says `step_skipped`. It costs one host-device synchronisation per step
-  on a GPU (the one copy of loss and norm it returns, which a loop can log without an `.item()`).
-- **Data skips.** Ranges of global data positions never served: `skip=` for a fresh run told to
-  skip, `FTSUP_DATA_SKIPS` (set by the supervisor after a rollback) and the resumed checkpoint's,
-  all together (`TrainingState`); every checkpoint records them.
-- **Heartbeats.** One per step (phase `train`, the step, its duration `step_s`, the data position
-  after it `samples`, the guard's `loss`, `grad_norm` and `step_skipped`, this rank's own work
-  `compute_s` (`_OwnWork`), and the figures given to `report`); `phase("eval")` keeps beating
-  from a thread through a long pause, for at most its own `timeout_s` when given (then the rank
-  goes silent and the supervisor's heartbeat timeout catches a hang), `keepalive()` beats once in
-  phase `eval`. Every save's duration is reported by the engine itself.
-- **Saves and requests.** A periodic save every `save_every` steps (asynchronous: the step waits
-  only for the copy), the final one after the last step; the supervisor's save and stop requests
-  are agreed by all ranks with an all-reduce on a CPU group overlapped with the next step
-  (`ftsup.trainer.runtime.Agreement`), so each is acted on one step after it was read, at the same
-  step on every rank: an emergency save (blocking, reported with `saved_step`; `fallback_step` when
-  the engine wrote it into its fallback directory, `save_failed_step` when it failed), then, for a
-  stop, the loop ends (`stopped`). Then the engine is closed and the rank beats `done`.
-
-A loop left early (a `break`, an exception) waits for nothing: call `close()` on every rank to
-finish the saves in flight. Not here: the checkpoint format (`ftsup.trainer.checkpoint`), the
-supervisor's channel (`ftsup.trainer.runtime`), the data order (`ftsup.trainer.data`).
+What each call does: docs/adopting.md; how and why: docs/design/trainer.md, The Session.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, ParamSpec, TypeVar
 
 import structlog
 import torch
@@ -80,30 +21,38 @@ from ftsup.protocol import FALLBACK_STEP, SAVE_FAILED_STEP, SAVED_STEP, Request
 from ftsup.store.errors import CheckpointSaveError
 from ftsup.store.retention import RetentionPolicy
 from ftsup.trainer import rng
+from ftsup.trainer.batches import CallableSource, IterableSource, Streams, batch_source
 from ftsup.trainer.checkpoint.engine import CheckpointEngine, LoadResult
 from ftsup.trainer.data import DataConfigError, GlobalBatchSchedule, MicroBatch, RankBatchSampler
 from ftsup.trainer.hf.load import HfInit
+from ftsup.trainer.ownwork import OwnWork
 from ftsup.trainer.runtime import Agreement, RuntimeClient, runtime
 from ftsup.trainer.state import TrainingState
 from ftsup.trainer.stepguard import StepCheck
+from ftsup.workdir import default_checkpoint_dir, ignore_for_git
 
 log = structlog.get_logger("ftsup.trainer")
 
 DEFAULT_SAVE_EVERY = 100
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 class Session:
-    """A training loop's bookkeeping: resume, data, seeds, heartbeats, saves, the supervisor's requests.
+    """A training loop's bookkeeping: resume, batches, random streams, heartbeats, saves, the supervisor's requests.
 
-    `dataset` (map-style) with `global_batch` and `micro_batch`, or a `schedule` (then `dataset` is
-    optional: without one, `micro_batches()` yields `MicroBatch` descriptions). `collate_fn`,
-    `num_workers` and `pin_memory` go to the DataLoader. `engine`: a CheckpointEngine of your own
-    (then `ckpt_dir` and `keep_last` are not used). `save_every`: steps between periodic saves (None:
-    none, only emergency and final ones). `seed` (default 0, or the schedule's): the data order's
-    and the dropout seeds'. `skip`: ranges (A, B) of global data positions never to serve (with
-    those of `FTSUP_DATA_SKIPS` and of the resumed checkpoint). `init_from_hf`: a Hugging Face Hub-layout
-    model directory whose weights a fresh run starts from (`ftsup.trainer.hf.load`: each rank reads its
-    share); a resumed run takes its checkpoint's, and every checkpoint records where they came from.
+    Where the batches come from, one of: a map-style `dataset` with `global_batch` and `micro_batch` (or a
+    `schedule`; then `dataset` is optional and `micro_batches()` yields `MicroBatch` descriptions), served in an
+    order that does not depend on the world size; `batches=` a callable (one call per micro-batch) or an iterable
+    (a DataLoader, an `IterableDataset`, an iterator: one item per micro-batch), with `accumulation_steps` of them
+    per step; or nothing, for a loop that draws its own batches (`fetcher` for one that fetches ahead). Every rank's
+    random streams travel with each checkpoint and are put back on resume. `collate_fn`, `num_workers` and
+    `pin_memory` go to a dataset's DataLoader. `engine`: a CheckpointEngine of your own (then `ckpt_dir` and
+    `keep_last` are not used); `ckpt_dir`: default `FTSUP_CHECKPOINT_DIR`, else `./.ftsup/checkpoints`.
+    `save_every`: steps between periodic saves (None: only emergency and final ones). `seed` (default 0, or the
+    schedule's): a dataset's order and dropout seeds, and the streams of a rank a checkpoint does not have. `skip`:
+    ranges (A, B) of a dataset's global positions never to serve (with `FTSUP_DATA_SKIPS` and the checkpoint's).
+    `init_from_hf`: a Hugging Face Hub-layout model directory whose weights a fresh run starts from.
     """
 
     def __init__(
@@ -113,6 +62,8 @@ class Session:
         scheduler: Any = None,
         dataset: Any = None,
         *,
+        batches: Any = None,
+        accumulation_steps: int | None = None,
         global_batch: int | None = None,
         micro_batch: int | None = None,
         schedule: GlobalBatchSchedule | None = None,
@@ -131,52 +82,74 @@ class Session:
     ) -> None:
         if save_every is not None and (not isinstance(save_every, int) or save_every < 1):
             raise ValueError(f"save_every must be a number of steps >= 1 or None, not {save_every!r}")
+        skip = tuple(skip)
+        self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        self.schedule = _schedule(dataset, batches, global_batch, micro_batch, schedule, seed, accumulation_steps, skip)
+        self._source: CallableSource | IterableSource | None = None if batches is None else batch_source(batches)
+        self._accumulation = _count_of("accumulation_steps", accumulation_steps)
         self.runtime: RuntimeClient = runtime()
         rt = self.runtime
         rt.beat(rt.env.resume_step or 0, "init")
         self.model = model
         self.dataset = dataset
         self.save_every = save_every
-        self.schedule = self._schedule(dataset, global_batch, micro_batch, schedule, seed).with_skips(skip)
-        self.seed = self.schedule.seed
-        self.rank, self.world_size = self.schedule.rank, self.schedule.world_size
+        if self.schedule is not None:
+            self.schedule = self.schedule.with_skips(skip)
+        self.seed = self.schedule.seed if self.schedule is not None else (seed or 0)
         self._loader_options = {"collate_fn": collate_fn, "num_workers": num_workers, "pin_memory": pin_memory}
+        self._streams = Streams()
         if engine is None:
-            directory = ckpt_dir if ckpt_dir is not None else rt.env.checkpoint_dir
-            if not directory:
-                raise ValueError("Session needs a checkpoint directory: ckpt_dir=..., or FTSUP_CHECKPOINT_DIR "
-                                 "(ftsup run sets it from checkpoint.dir)")  # fmt: skip
-            engine = CheckpointEngine(directory, retention=RetentionPolicy(keep_last=keep_last))
+            engine = CheckpointEngine(self._directory(ckpt_dir), retention=RetentionPolicy(keep_last=keep_last))
         self.engine = engine
         try:
-            self.state = TrainingState(model, optimizer, scheduler, scaler, schedule=self.schedule, config=config)
+            st = TrainingState(
+                model, optimizer, scheduler, scaler, schedule=self.schedule, config=config, seed=self.seed
+            )
+            self.state = st
+            st.streams = self._streams.capture
+            if self._source is not None:
+                st.batch_source, st.source_position = self._source.kind, self._source.position
             with rt.phase("load"):
-                self.loaded: LoadResult | None = self.state.resume(engine, at_most=rt.env.resume_step)
+                self.loaded: LoadResult | None = st.resume(engine, at_most=rt.env.resume_step, restore_streams=False)
                 self.hf_init: HfInit | None = None
                 """What `init_from_hf` loaded (None: a checkpoint was resumed, or no Hugging Face model was given)."""
                 if self.loaded is None and init_from_hf is not None:
                     t0 = time.monotonic()
-                    self.hf_init = self.state.init_from_hf(init_from_hf)
+                    self.hf_init = st.init_from_hf(init_from_hf)
                     took = round(time.monotonic() - t0, 4)
-                    log.info("hf_model_loaded", rank=self.rank, path=self.hf_init.origin["dir"],
-                             bytes_read=self.hf_init.bytes_read, duration_s=took)  # fmt: skip
-            self.schedule = self.state.schedule  # with every skip in force
+                    where, read = self.hf_init.origin["dir"], self.hf_init.bytes_read
+                    log.info("hf_model_loaded", rank=self.rank, path=where, bytes_read=read, duration_s=took)
+            if self.loaded is not None:
+                self._streams.pending(functools.partial(self._resume_position, self.loaded))
+            self.schedule = st.schedule  # with every skip in force
             self._agreement = Agreement()
         except BaseException:
             engine.close()  # its writer thread is ours; nothing was saved
             raise
         self.micro_batch: MicroBatch | None = None
-        """The micro-batch `micro_batches()` yielded last (its step, index and sample ids)."""
+        """The micro-batch of a dataset that `micro_batches()` yielded last (its step, index and sample ids)."""
         self.stopped = False
         """True once the loop ended because the supervisor asked the job to stop."""
         self._total: int | None = None
-        self._current: int | None = None  # the step whose body runs now
+        self._current: int | None = None  # the optimizer step (1-based) whose body runs now
         self._batches: Iterator[Any] | None = None
         self._handled = 0  # the newest request seq served
         self._figures: dict[str, Any] = {}
         self._deferred: list[tuple[str, torch.Tensor, Any]] = []  # figures still on their way from a device
-        self._own_work = _OwnWork(any(p.is_cuda for p in model.parameters()))
+        self._own_work = OwnWork(any(p.is_cuda for p in model.parameters()))
         self._closed = False
+
+    def _directory(self, ckpt_dir: str | os.PathLike[str] | None) -> str | os.PathLike[str]:
+        if ckpt_dir is not None:
+            return ckpt_dir
+        if self.runtime.env.checkpoint_dir:
+            return self.runtime.env.checkpoint_dir
+        directory = default_checkpoint_dir(os.getcwd())
+        directory.mkdir(parents=True, exist_ok=True)
+        ignore_for_git(directory.parent)
+        if self.rank == 0:
+            log.info("checkpoint_dir_defaulted", path=str(directory), reason="no ckpt_dir= and no FTSUP_CHECKPOINT_DIR")
+        return directory
 
     # ------------------------------------------------------------------ what the loop uses
 
@@ -188,39 +161,67 @@ class Session:
     @property
     def accumulation_steps(self) -> int:
         """This rank's micro-batches per optimizer step."""
-        return self.schedule.accumulation_steps
+        return self.schedule.accumulation_steps if self.schedule is not None else self._accumulation
 
     @property
     def finished(self) -> bool:
         """True once the last step of `steps(total)` is done (and saved)."""
         return self._total is not None and self.state.step >= self._total and not self.stopped
 
-    def steps(self, total: int) -> Iterator[int]:
-        """The steps still to train, from the one after the resumed checkpoint to `total`; the work
+    def steps(self, total: int, *, first: int = 1) -> Iterator[int]:
+        """The numbers of the steps still to train of `total` optimizer steps numbered from `first` (1: 1..total;
+        0: 0..total-1, as `range(total)` numbers them), from the one after the resumed checkpoint's on; the work
         between two steps (heartbeat, saves, requests) happens when the loop asks for the next one."""
         if self._total is not None:
             raise RuntimeError("Session.steps() is called once per session")
         if not isinstance(total, int) or total < 0:
             raise ValueError(f"total must be a number of steps >= 0, not {total!r}")
+        if not isinstance(first, int):
+            raise ValueError(f"first must be the number of the first step (an int), not {first!r}")
         self._total = total
-        return self._steps(total)
+        return self._steps(total, first)
 
     def micro_batches(self) -> Iterator[Any]:
-        """This rank's micro-batches of the current step, in accumulation order, each with torch's
-        global generators seeded for it and gradient synchronisation on the last one only."""
+        """This rank's micro-batches of the current step, in accumulation order, with gradient synchronisation on
+        the last one only; a dataset's with torch's global generators seeded for each."""
         step = self._current
         if step is None:
             raise RuntimeError("Session.micro_batches() belongs in the body of a step of Session.steps()")
-        micro = self.schedule.rank_micro_batches(step)
-        last = len(micro) - 1
-        for i, mb in enumerate(micro):
-            batch = next(self._batches) if self._batches is not None else mb
+        items: Iterator[tuple[MicroBatch | None, Any]]
+        if self.schedule is not None:
+            micro = self.schedule.rank_micro_batches(step)
+            count = len(micro)
+            items = ((mb, next(self._batches) if self._batches is not None else mb) for mb in micro)
+        elif self._source is not None:
+            count, source = self._accumulation, self._source
+            items = ((None, source.next()) for _ in range(count))
+        else:
+            raise RuntimeError(
+                "Session.micro_batches() needs batches= or a dataset; without either the loop draws its own"
+            )
+        last = count - 1
+        for i, (mb, batch) in enumerate(items):
             self.micro_batch = mb
-            torch.manual_seed(rng.micro_batch_seed(self.seed, step, mb.first_position))
+            if mb is not None:
+                torch.manual_seed(rng.micro_batch_seed(self.seed, step, mb.first_position))
             if last and i in (0, last):
                 self._own_work.mark(i == last, (last + 1) / last)
             with self._grad_sync(i == last):
                 yield batch
+
+    def fetcher(self, fetch: Callable[P, T]) -> Callable[P, T]:
+        """`get_batch = session.fetcher(get_batch)`, for a loop that fetches its batches ahead (its first before the
+        loop, each next one inside the step before): the calls before the first step tell how far ahead it is, and
+        each checkpoint holds the random streams as they were before that many fetches, which the resumed loop's
+        own fetches before its first step draw again (`ftsup.trainer.batches.Streams`)."""
+        streams = self._streams
+
+        @functools.wraps(fetch)
+        def fetched(*args: P.args, **kwargs: P.kwargs) -> T:
+            streams.fetching()
+            return fetch(*args, **kwargs)
+
+        return fetched
 
     def clip_and_step(self, max_norm: float | None, loss: Any) -> StepCheck:
         """The step's update: clip the gradients to `max_norm` (None: measure their norm only),
@@ -254,10 +255,12 @@ class Session:
             else:
                 self._figures[name] = value
 
-    def phase(self, name: str, *, timeout_s: float | None = None) -> contextlib.AbstractContextManager[None]:
-        """`with session.phase("eval"):` around work without optimizer steps: heartbeats from a
-        thread, for at most `timeout_s` (see `RuntimeClient.phase`)."""
-        return self.runtime.phase(name, self.state.step, timeout_s=timeout_s)
+    @contextlib.contextmanager
+    def phase(self, name: str, *, timeout_s: float | None = None) -> Iterator[None]:
+        """`with session.phase("eval"):` (or `@session.phase("eval")` on a function) around work without optimizer
+        steps, on any ranks: heartbeats from a thread, for at most `timeout_s` (see `RuntimeClient.phase`)."""
+        with self.runtime.phase(name, self.state.step, timeout_s=timeout_s):
+            yield
 
     def keepalive(self) -> None:
         """One heartbeat in phase `eval`: call it more often than the heartbeat timeout (at least
@@ -285,16 +288,18 @@ class Session:
 
     # ------------------------------------------------------------------ between steps
 
-    def _steps(self, total: int) -> Iterator[int]:
-        if self.dataset is not None:
-            self._batches = iter(self._loader(total))
+    def _steps(self, total: int, first: int) -> Iterator[int]:
+        if self.dataset is not None and self.schedule is not None:
+            self._batches = iter(self._loader(self.schedule, total))
         step = self.state.step
+        if step < total:
+            self._streams.started()
         started = time.monotonic()
         try:
             while step < total and not self.stopped and not self._closed:
                 step += 1
                 self._current = step
-                yield step
+                yield step - 1 + first
                 self._current = None
                 took = time.monotonic() - started
                 self._between(step, total, took)
@@ -304,11 +309,22 @@ class Session:
         if not self._closed:  # resumed at or past the end: nothing to train
             self.close()
 
+    def _resume_position(self, loaded: LoadResult) -> None:
+        """The resumed rank's batch source position, then its random streams (at its first fetch or step)."""
+        saved = loaded.rank_state if isinstance(loaded.rank_state, Mapping) else {}
+        with self.runtime.phase("load", self.state.step):
+            if self._source is not None and isinstance(saved.get("source"), Mapping):
+                self._source.resume(saved["source"])
+            self.state.restore_streams(loaded)
+
     def _between(self, step: int, total: int, took: float) -> None:
         st, rt = self.state, self.runtime
         st.guard.settle()  # a refused step's scheduler step is undone before anything sees it
-        st.step, st.samples = step, self.schedule.position_after(step)
-        rt.beat(step, "train", **{"step_s": took, "samples": st.samples, **self._take_figures()})
+        st.step = step
+        figures: dict[str, Any] = {"step_s": took}
+        if self.schedule is not None:
+            st.samples = figures["samples"] = self.schedule.position_after(step)
+        rt.beat(step, "train", **(figures | self._take_figures()))
         last = step == total
         if self.save_every is not None and step % self.save_every == 0 and not last:
             with rt.phase("save", step):  # the copy blocks this rank; the write goes on in the background
@@ -368,31 +384,12 @@ class Session:
 
     # ------------------------------------------------------------------ construction
 
-    @staticmethod
-    def _schedule(
-        dataset: Any, global_batch: int | None, micro_batch: int | None, schedule: GlobalBatchSchedule | None,
-        seed: int | None,
-    ) -> GlobalBatchSchedule:  # fmt: skip
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        if schedule is not None:
-            if global_batch is not None or micro_batch is not None:
-                raise DataConfigError("give a schedule or global_batch and micro_batch, not both")
-            if (schedule.rank, schedule.world_size) != (rank, world):
-                raise DataConfigError(f"the schedule is for rank {schedule.rank} of {schedule.world_size}, "
-                                      f"this process is rank {rank} of {world}")  # fmt: skip
-            if seed is not None and seed != schedule.seed:
-                raise DataConfigError(f"seed {seed} differs from the schedule's seed {schedule.seed}")
-            return schedule
-        if dataset is None or global_batch is None or micro_batch is None:
-            raise DataConfigError("Session needs a dataset with global_batch and micro_batch, or a schedule")
-        return GlobalBatchSchedule(len(dataset), global_batch, micro_batch, world, rank, 0 if seed is None else seed)
-
-    def _loader(self, total: int) -> torch.utils.data.DataLoader[Any]:
+    def _loader(self, schedule: GlobalBatchSchedule, total: int) -> torch.utils.data.DataLoader[Any]:
         start = self.state.step
         generator = torch.Generator().manual_seed(rng.derive_seed(self.seed, "loader", self.rank, start))
-        sampler = RankBatchSampler(self.schedule, start, total)
-        return torch.utils.data.DataLoader(self.dataset, batch_sampler=sampler, generator=generator,
-                                           **self._loader_options)  # fmt: skip
+        sampler = RankBatchSampler(schedule, start, total)
+        options = self._loader_options
+        return torch.utils.data.DataLoader(self.dataset, batch_sampler=sampler, generator=generator, **options)
 
     def _grad_sync(self, sync: bool) -> contextlib.AbstractContextManager[Any]:
         model = self.model
@@ -404,41 +401,51 @@ class Session:
         return contextlib.nullcontext()
 
 
-class _OwnWork:
-    """The `compute_s` figure: this rank's own work in a step, without waiting for its peers.
-
-    In a job whose ranks synchronise every step, each rank's step lasts as long as the slowest
-    rank's (the others wait for it in the gradient all-reduce), so `step_s` is the same on every
-    rank and cannot tell which one is slow. The micro-batches before the last one synchronise
-    nothing (`no_sync`): their time, scaled to the whole step, is this rank's own. Measured on the
-    host's clock, or with CUDA events on a CUDA model (read once they have completed: no
-    synchronisation); none with a single micro-batch per step."""
-
-    def __init__(self, cuda: bool) -> None:
-        self._cuda = cuda
-        self._start: Any = None
-        self._done: list[tuple[Any, Any, float]] = []
-
-    def mark(self, end: bool, scale: float) -> None:
-        now: Any = time.monotonic()
-        if self._cuda:
-            now = torch.cuda.Event(enable_timing=True)
-            now.record()
-        if not end:
-            self._start = now
-        elif self._start is not None:
-            self._done = [*self._done[-3:], (self._start, now, scale)]  # a few steps' events at most
-            self._start = None
-
-    def take(self) -> float | None:
-        """The newest step's figure whose time is known, or None."""
-        while self._done:
-            start, end, scale = self._done[-1]
-            if not self._cuda:
-                self._done = []
-                return (end - start) * scale
-            if not end.query():
-                return None
-            self._done = []
-            return start.elapsed_time(end) / 1000 * scale
+def _schedule(
+    dataset: Any,
+    batches: Any,
+    global_batch: int | None,
+    micro_batch: int | None,
+    schedule: GlobalBatchSchedule | None,
+    seed: int | None,
+    accumulation_steps: int | None,
+    skip: tuple[tuple[int, int], ...],
+) -> GlobalBatchSchedule | None:
+    """A dataset's schedule, or None for a batch source or a loop that draws its own batches."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    sized = dataset is not None or schedule is not None or global_batch is not None or micro_batch is not None
+    if batches is not None and sized:
+        raise DataConfigError(
+            "batches= is the loop's own source of micro-batches: give it without a dataset, a schedule, global_batch "
+            "or micro_batch"
+        )
+    if accumulation_steps is not None and batches is None:
+        raise DataConfigError("accumulation_steps= is how many items of batches= make a step: give it with batches=")
+    if not sized:
+        if skip:
+            raise DataConfigError("skip= needs a map-style dataset: a batch source has no global data positions")
         return None
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        raise DataConfigError("an IterableDataset has no global order: give it (or its DataLoader) as batches=")
+    if schedule is not None:
+        if global_batch is not None or micro_batch is not None:
+            raise DataConfigError("give a schedule or global_batch and micro_batch, not both")
+        if (schedule.rank, schedule.world_size) != (rank, world):
+            raise DataConfigError(
+                f"the schedule is for rank {schedule.rank} of {schedule.world_size}, this process is rank {rank} of "
+                f"{world}"
+            )
+        if seed is not None and seed != schedule.seed:
+            raise DataConfigError(f"seed {seed} differs from the schedule's seed {schedule.seed}")
+        return schedule
+    if dataset is None or global_batch is None or micro_batch is None:
+        raise DataConfigError("Session needs a dataset with global_batch and micro_batch, or a schedule")
+    return GlobalBatchSchedule(len(dataset), global_batch, micro_batch, world, rank, 0 if seed is None else seed)
+
+
+def _count_of(name: str, value: int | None) -> int:
+    if value is None:
+        return 1
+    if type(value) is not int or value < 1:
+        raise DataConfigError(f"{name} must be a number >= 1, not {value!r}")
+    return value

@@ -1,5 +1,6 @@
 """`TrainingState`: everything a run needs to continue exactly where it stopped, as one `Stateful`: model, optimizer,
-scheduler, scaler, step, data position and skips, the recorded configuration, and the step guard.
+scheduler, scaler, step, data position and skips, the recorded configuration, the step guard; each rank's random
+streams and batch source position travel as its `rank_state`.
 
 docs/adopting.md shows it in a loop; docs/design/trainer.md, The training state and its configuration.
 """
@@ -12,6 +13,7 @@ from typing import Any
 
 import structlog
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ftsup.protocol import check_data_skips
@@ -34,16 +36,31 @@ class TrainingState:
         scheduler: Any = None,
         scaler: Any = None,
         *,
-        schedule: GlobalBatchSchedule,
+        schedule: GlobalBatchSchedule | None = None,
         config: Any = None,
+        seed: int | None = None,
     ):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.scaler = scaler
-        self._base_schedule = schedule.with_skips(runtime().env.data_skips)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.seed = schedule.seed if schedule is not None else (seed or 0)
+        """The seed of the streams a rank gets when the checkpoint has none of its own (`rng.reseed`)."""
+        skips = runtime().env.data_skips
+        if schedule is None and skips and self.rank == 0:  # the supervisor asked for what this run cannot do
+            log.warning("data_skips_not_applied", reason="the run serves no global data order (no map-style dataset)")
+        self._base_schedule = schedule.with_skips(skips) if schedule is not None else None
         self.schedule = self._base_schedule
-        """The schedule in force: the given one with the environment's and the resumed checkpoint's skips."""
+        """The schedule in force: the given one with the environment's and the resumed checkpoint's skips; None for a
+        run whose batches come from a source of its own (no global data positions)."""
+        self.streams: Callable[[], Any] = rng.capture
+        """This rank's random streams as a save records them (`rank_state["rng"]`)."""
+        self.source_position: Callable[[], Any] | None = None
+        """This rank's batch source position as a save records it (`rank_state["source"]`), or None."""
+        self.batch_source: str | None = None
+        """The kind of batch source the run draws from (`callable`, `iterable`; None: a dataset or the loop's own),
+        recorded in the metadata and compared on resume."""
         self.config = modelconfig.canonical(config)  # ConfigError now, not at the first save
         self.guard = StepGuard(optimizer, scheduler, scaler)
         self.step = 0
@@ -80,7 +97,10 @@ class TrainingState:
 
     def state_dict(self) -> dict[str, Any]:
         self.guard.settle()  # a refused step's scheduler step is not saved
+        fresh = not self.optimizer.state
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        if fresh:  # torch made a state up with a step of zero gradients; the loop's first step must stay its first
+            self.optimizer.state.clear()
         sd: dict[str, Any] = {
             "model": model_sd,
             "optim": optim_sd,
@@ -96,7 +116,8 @@ class TrainingState:
         progress = sd.get("progress")
         if not isinstance(progress, Mapping) or not isinstance(progress.get("step"), int):
             raise DataPositionError(f"checkpoint progress entry is missing or malformed: {progress!r:.200}")
-        self.schedule.check_position(progress["step"], progress.get("samples"))
+        if self.schedule is not None:
+            self.schedule.check_position(progress["step"], progress.get("samples"))
         for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler)):
             if (obj is None) != (name not in sd):
                 have = "has" if name in sd else "has no"
@@ -115,18 +136,27 @@ class TrainingState:
     # ------------------------------------------------------------------ with the engine
 
     def metadata(self) -> dict[str, Any]:
-        origin = {} if self.origin is None else {"init_from_hf": self.origin}
-        return origin | {
-            "step": self.step,
-            "samples": self.samples,
-            "global_batch": self.schedule.global_batch,
-            "micro_batch": self.schedule.micro_batch,
-            "dataset_size": self.schedule.dataset_size,
-            "data_seed": self.schedule.seed,
-            "data_skips": [list(r) for r in self.schedule.skips],
-            "config": self.config,
-            "components": self._components(),
-        }
+        meta: dict[str, Any] = {} if self.origin is None else {"init_from_hf": self.origin}
+        meta["step"] = self.step
+        if self.schedule is not None:
+            meta |= {
+                "samples": self.samples,
+                "global_batch": self.schedule.global_batch,
+                "micro_batch": self.schedule.micro_batch,
+                "dataset_size": self.schedule.dataset_size,
+                "data_seed": self.schedule.seed,
+                "data_skips": [list(r) for r in self.schedule.skips],
+            }
+        if self.batch_source is not None:
+            meta["batch_source"] = self.batch_source
+        return meta | {"config": self.config, "components": self._components()}
+
+    def rank_state(self) -> dict[str, Any]:
+        """What this rank's `rank_state` holds: its random streams and its batch source's position."""
+        state = {"rng": self.streams()}
+        if self.source_position is not None:
+            state["source"] = self.source_position()
+        return state
 
     def _components(self) -> list[str]:
         return [name for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler)) if obj is not None]
@@ -136,7 +166,7 @@ class TrainingState:
             self.step,
             {"train": self},
             kind=kind,
-            rank_state={"rng": rng.capture()},
+            rank_state=self.rank_state(),
             metadata=self.metadata(),
             block=block,
         )
@@ -144,10 +174,12 @@ class TrainingState:
     def check_metadata(self, meta: Mapping[str, Any]) -> None:
         """Refuse, before any tensor moves, a checkpoint of another model or data configuration."""
         diffs = modelconfig.describe(modelconfig.differences(meta.get("config", {}), self.config))
+        schedule = self.schedule
         for key, mine in (
-            ("global_batch", self.schedule.global_batch),
-            ("dataset_size", self.schedule.dataset_size),
-            ("data_seed", self.schedule.seed),
+            ("global_batch", schedule.global_batch if schedule is not None else None),
+            ("dataset_size", schedule.dataset_size if schedule is not None else None),
+            ("data_seed", schedule.seed if schedule is not None else None),
+            ("batch_source", self.batch_source),
         ):
             if meta.get(key) != mine:
                 diffs.append(f"{key}: checkpoint {meta.get(key)!r} != this run {mine!r}")
@@ -165,12 +197,19 @@ class TrainingState:
             saved_skips = check_data_skips(meta.get("data_skips", []), "the checkpoint's data_skips")
         except ValueError as e:
             raise DataPositionError(str(e)) from None
+        if self._base_schedule is None:
+            return
         self.schedule = self._base_schedule.with_skips(saved_skips)  # a skip is never forgotten
         if "step" in meta:
             self.schedule.check_position(meta["step"], meta.get("samples"))
 
     def resume(
-        self, engine: CheckpointEngine, step: int | None = None, *, at_most: int | None = None
+        self,
+        engine: CheckpointEngine,
+        step: int | None = None,
+        *,
+        at_most: int | None = None,
+        restore_streams: bool = True,
     ) -> LoadResult | None:
         """Load checkpoint `step`, or the latest consistent one (of at most `at_most`, which is how
         the supervisor's choice, `FTSUP_RESUME_STEP`, is passed: a corrupt one is still skipped).
@@ -178,6 +217,7 @@ class TrainingState:
         Returns None (and leaves the fresh state) when there is no checkpoint and no step was asked
         for. When there were checkpoints but none could be used (each was logged, quarantined or
         skipped), that fresh start is logged too: `training_started_from_scratch`, a warning.
+        `restore_streams=False` leaves the random streams to a later `restore_streams(result)`.
         """
         try:
             result = engine.load({"train": self}, step=step, at_most=at_most, check=self.check_metadata)
@@ -185,14 +225,20 @@ class TrainingState:
             self.schedule = self._base_schedule  # none loaded: a candidate refused may have set its skips
             if step is not None or not isinstance(e, NoCheckpointError):
                 raise
-            if e.rejected and self.schedule.rank == 0:
+            if e.rejected and self.rank == 0:
                 log.warning("training_started_from_scratch", step=0, unusable=len(e.rejected), reason=str(e))
             return None
         if isinstance(result.metadata.get("init_from_hf"), dict):
             self.origin = dict(result.metadata["init_from_hf"])
+        if restore_streams:
+            self.restore_streams(result)
+        return result
+
+    def restore_streams(self, result: LoadResult) -> None:
+        """This rank's random streams as the checkpoint of `result` saved them, or, for a rank it did not have, streams
+        derived from (seed, rank, step)."""
         saved = result.rank_state
-        if saved is not None and "rng" in saved:
+        if isinstance(saved, Mapping) and "rng" in saved:
             rng.restore(saved["rng"])
         else:  # this rank did not exist when the checkpoint was saved
-            rng.reseed(self.schedule.seed, self.schedule.rank, self.step)
-        return result
+            rng.reseed(self.seed, self.rank, self.step)

@@ -57,6 +57,7 @@ def step_once(state: TrainingState) -> float:
     state.scheduler.step()
     state.optimizer.zero_grad()
     state.step += 1
+    assert state.schedule is not None
     state.samples = state.schedule.position_after(state.step)
     return loss.item()
 

@@ -48,6 +48,7 @@ def state(config: Any) -> TrainingState:
 
 def save_at_step_3(directory: Path, config: Any) -> None:
     first = state(config)
+    assert first.schedule is not None
     first.step, first.samples = 3, first.schedule.position_after(3)
     with CheckpointEngine(directory) as engine:
         first.save(engine, block=True)
