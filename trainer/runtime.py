@@ -6,6 +6,7 @@ Sending never blocks and never raises (docs/design/trainer.md, The runtime clien
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import math
@@ -469,7 +470,16 @@ def runtime() -> RuntimeClient:
     global _client
     if _client is None:
         _client = RuntimeClient(RuntimeEnv.from_environ())
+        atexit.register(_done_at_exit)
     return _client
+
+
+def _done_at_exit() -> None:
+    """A rank that trained is `done` once its interpreter exits: the teardown after the script's last line (torch's,
+    the interpreter's) is no silence in `train`, and torchrun's exit is what tells how it ended."""
+    client = _client
+    if client is not None and client.supervised and client._phase not in (Phase.INIT, Phase.DONE):
+        client.beat(client._step, Phase.DONE)
 
 
 def install(client: RuntimeClient) -> None:

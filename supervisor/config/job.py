@@ -174,7 +174,7 @@ class MetricsConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """`logging:` the supervisor's own log lines (rank output goes to per-attempt files regardless)."""
+    """`logging:` the supervisor's own log lines, and the ranks' output on its stdout (per-attempt files regardless)."""
 
     dir: Path | None = None
     """Directory for log files; null lets the daemon choose (under `job.state_dir`)."""
@@ -183,6 +183,10 @@ class LoggingConfig:
     format: str = "json"
     """stderr: "json" (DESIGN.md, Contracts), but a short line per change of state on a terminal; "console": those
     lines wherever stderr goes. The log file is JSON either way."""
+    echo: bool = True
+    """Copy the ranks' output to stdout as it comes, as torchrun's `--tee` shows it (torchrun's lines, and each rank's
+    prefixed `[rankN]: `); the attempt's log file holds the same lines either way. False: stdout stays quiet, for a
+    journal that should hold only the supervisor's lines."""
 
 
 @dataclass(frozen=True)
@@ -318,6 +322,7 @@ def parse_config(
             dir=logging.nullable("dir", config_values.path(base)),
             level=logging.optional("level", config_values.choice(LOG_LEVELS)),
             format=logging.optional("format", config_values.choice(LOG_FORMATS)),
+            echo=logging.optional("echo", config_values.boolean),
         ),
         anomaly=parse_anomaly(anomaly),
         source=source,

@@ -19,7 +19,7 @@ from ftsup.supervisor.config.job import JobConfig
 from ftsup.supervisor.errors import error_line
 from ftsup.supervisor.policy import hangs
 from ftsup.supervisor.policy import machine as policy
-from ftsup.supervisor.run import launcher, ranklogs, warmagent
+from ftsup.supervisor.run import echo, launcher, ranklogs, warmagent
 from ftsup.supervisor.run.heartbeat import Admission, Beat
 from ftsup.supervisor.run.outages import Outages
 from ftsup.supervisor.state import ranks as rankstatus
@@ -54,6 +54,7 @@ class Workers:
         self._figures = figures
         self.attempt: launcher.RunningAttempt | None = None
         self._spare: warmagent.Spare | None = None  # parked for the next attempt (`launch.warm_agent`)
+        self._echo: echo.Echo | None = None  # the attempt's output on stdout (`logging.echo`)
         self._launched: tuple[float, str, dict[str, str]] | None = None  # the last launch: when, interpreter, env
         self._admission = Admission()  # only processes of the running attempt may beat
         self._runtime_dir: Path | None = None
@@ -75,6 +76,7 @@ class Workers:
         finally:
             if self.attempt is not None:  # an exception must not leave an attempt running
                 self.attempt.stop(self.cfg.restart.stop_grace_s)
+            self._end_echo()
             self._drop_spare()
 
     # ------------------------------------------------------------------ what the loop reads each tick
@@ -144,6 +146,7 @@ class Workers:
         if survivors:
             self._emit("error", "orphans_found", attempt=att.number, pids=survivors)
         self.attempt = None
+        self._end_echo()  # its last lines before the supervisor's word on how it ended
         if rc == 0:
             return policy.WorkersExited(att.number, rc)
         failures, output = ranklogs.gather(att.log_path, ranklogs.ranks_dir(att.log_path))
@@ -202,6 +205,7 @@ class Workers:
         with contextlib.suppress(FileNotFoundError):  # a new attempt starts with no request pending
             self._control_path().unlink()
         log_path = self.log_dir / f"attempt-{action.attempt:04d}.log"
+        begins = echo.size_of(log_path)  # appended to: the attempt's output begins at its end now
         mark = procs.Mark(self.cfg.job.run_id, self.cfg.launch.node_id, action.attempt)
         argv = launcher.torchrun_argv(launcher.spec_from(self.cfg, action.nproc, ranklogs.ranks_dir(log_path)))
         spare, self._spare = self._spare, None
@@ -209,6 +213,8 @@ class Workers:
         if spare is not None:
             warm = spare.go(action.attempt, argv, env=env, cwd=self.cfg.job.workdir, log_path=log_path, mark=mark)
         self.attempt = warm or self._start_cold(action.attempt, argv, env, log_path, mark)
+        self._end_echo()
+        self._echo = echo.Echo(log_path, begins) if self.cfg.logging.echo else None
         # The spare's environment at exec (what /proc shows of it) has no attempt's resume step or skips in it.
         self._launched = (self._clock(), argv[0], launcher.rank_env(self.cfg, self._runtime(), None, os.environ))
         self._journal("running")
@@ -261,6 +267,11 @@ class Workers:
         are how a tree is stopped."""
         return tuple(getattr(signal, n) for n in self.cfg.eviction.signals if n not in ("SIGTERM", "SIGINT"))
 
+    def _end_echo(self) -> None:
+        echoing, self._echo = self._echo, None
+        if echoing is not None:
+            echoing.close()
+
     def _drop_spare(self) -> None:
         spare, self._spare = self._spare, None
         if spare is not None:
@@ -279,6 +290,7 @@ class Workers:
         if survivors:
             self._emit("error", "orphans_found", attempt=att.number, pids=survivors)
         took = round(self._clock() - t0, 3)
+        self._end_echo()
         self._emit("info", "workers_stopped", attempt=att.number, reason=action.reason, duration_s=took)
         rc = att.poll()
         self.attempt = None

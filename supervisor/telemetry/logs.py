@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import logging
 import sys
+import threading
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -44,6 +45,11 @@ _EVENT_GROUPS = (
 )
 EVENTS = frozenset(name for group in _EVENT_GROUPS for name in group.split())
 
+OUTPUT_LOCK = threading.Lock()
+"""Held while a line goes to the terminal: the supervisor's own (stderr) and the ranks' it echoes (stdout,
+`run.echo`), so that where both go to one terminal or journal no line is cut by another."""
+LOCK_WAIT_S = 1.0  # the longest the supervisor's own line waits for the echo: a stalled stdout never stalls the loop
+
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
@@ -58,8 +64,13 @@ class _Sink:
     def msg(self, line: str, human: str | None) -> None:
         shown = human if self.human else line
         if shown is not None and not self.err.closed:  # stderr first: the line is seen even if the file fails
-            self.err.write(shown + "\n")
-            self.err.flush()
+            locked = OUTPUT_LOCK.acquire(timeout=LOCK_WAIT_S)
+            try:
+                self.err.write(shown + "\n")
+                self.err.flush()
+            finally:
+                if locked:
+                    OUTPUT_LOCK.release()
         if self.file is not None and not self.file.closed:
             self.file.write(line + "\n")
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -85,6 +87,20 @@ def test_a_report_before_training_leaves_the_rank_in_init(receiver):
     c.report(save_s=0.5)
     c.beat(0, None)
     assert [b.phase for b in receiver.drain()] == ["init", "train"]
+
+
+def test_a_rank_that_trained_says_it_is_done_when_its_interpreter_exits(receiver):
+    code = "from ftsup import runtime; runtime().beat(3)"
+    env = {**os.environ, "FTSUP_HEARTBEAT_SOCKET": str(receiver.path), "FTSUP_ATTEMPT": "1"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    assert [(b.step, b.phase) for b in receiver.drain()] == [(3, "train"), (3, "done")]
+
+
+def test_a_rank_that_never_trained_says_nothing_when_its_interpreter_exits(receiver):
+    code = "from ftsup import runtime; runtime().report(save_s=1.0)"
+    env = {**os.environ, "FTSUP_HEARTBEAT_SOCKET": str(receiver.path), "FTSUP_ATTEMPT": "1"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    assert [(b.step, b.phase) for b in receiver.drain()] == [(0, "init")]
 
 
 def test_a_step_that_is_not_a_count_is_dropped_with_a_warning(receiver):
