@@ -202,3 +202,18 @@ def test_a_save_twenty_times_longer_than_a_step_raises_no_false_alarm(tmp_path):
     evs = [e["event"] for e in events(tmp_path)]
     assert evs.count("workers_launched") == 1
     assert [e for e in evs if e.endswith("timed_out")] == []
+
+
+def test_rank_0_evaluating_alone_longer_than_the_hang_timeout_is_no_hang_and_changes_no_step(reference, tmp_path):
+    # Steps of ~0.1 s give a learned hang timeout of 2 s; rank 0 alone evaluates for over 3 s after steps 5, 10 and
+    # 15 inside session.phase("eval"), while rank 1 goes on into the next step and waits for it in its all-reduce.
+    r = ftsup(
+        "run", "--config", str(write_job(tmp_path, "--min-step-s", "0.1", "--eval-every", "5", "--eval-pad-s", "3"))
+    )
+    assert r.returncode == 0, r.output[-4000:]
+    evs = [e["event"] for e in events(tmp_path)]
+    evaluated = [
+        json.loads(line.split(": ", 1)[1])["eval_step"] for line in r.output.splitlines() if "eval_step" in line
+    ]
+    told = (evs.count("workers_launched"), [e for e in evs if e.endswith("timed_out")], evaluated)
+    assert (told, hexes(last_lines(tmp_path / "loss.jsonl"))) == ((1, [], [5, 10, 15]), hexes(reference))

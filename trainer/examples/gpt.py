@@ -89,6 +89,19 @@ class WarmupCosine:
 # ---------------------------------------------------------------------- training
 
 
+def evaluate(model: nn.Module, dataset: TokenWindows, args: argparse.Namespace, device: torch.device) -> float:
+    """The mean loss over the last `--eval-batches` micro-batches of windows, the model in eval mode (no dropout, no
+    randomness drawn: training after it is the same as without it)."""
+    model.eval()
+    n = args.eval_batches * args.micro_batch
+    windows = torch.stack([dataset[i][1] for i in range(len(dataset) - n, len(dataset))]).to(device)
+    with torch.no_grad():
+        losses = [model(w[:, :-1], w[:, 1:]) for w in windows.split(args.micro_batch)]
+    if args.eval_pad_s > 0:
+        time.sleep(args.eval_pad_s)  # an evaluation that takes its time
+    return float(torch.stack(losses).mean())
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ftsup.trainer.examples.gpt", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=200)
@@ -135,6 +148,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--skip", default="", help="A:B,C:D: global data positions never served (with FTSUP_DATA_SKIPS)")
     p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="every N steps rank 0 alone evaluates while the other ranks wait for it in the next step (0: never)",
+    )
+    p.add_argument("--eval-batches", type=int, default=4, help="micro-batches of the held-out windows per evaluation")
+    p.add_argument("--eval-pad-s", type=float, default=0.0, help="make each evaluation last this much longer")
+    p.add_argument(
         "--fault",
         default="",
         help="kill@STEP, kill-in-save@STEP, exit@STEP, stop@STEP, nan@STEP[:RANK], spike@STEP:LEN or slow@RANK:FACTOR",
@@ -156,6 +177,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.ckpt_dir:
         p.error("--ckpt-dir is required (or set FTSUP_CHECKPOINT_DIR)")
+    if args.eval_every and args.parallel == "fsdp":
+        p.error("--eval-every: rank 0 evaluates alone, which a model sharded over the ranks (--parallel fsdp) cannot")
     try:
         args.skip = parse_data_skips(args.skip, "--skip")
     except ValueError as e:
@@ -291,6 +314,13 @@ def train(args: argparse.Namespace) -> int:
                 sample_log.flush()
             if args.min_step_s > 0:
                 time.sleep(max(0.0, args.min_step_s - (time.monotonic() - t_start)))
+            if args.eval_every and step % args.eval_every == 0 and step < args.steps and rank == 0:
+                # Rank 0 alone: the other ranks go on into the next step and wait for it in its all-reduce, which the
+                # supervisor tells from a hang while this rank is in phase eval (no barrier needed).
+                plain = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+                with session.phase("eval"):
+                    held_out = evaluate(plain, dataset, args, device)
+                print(json.dumps({"eval_step": step, "eval_loss": held_out}), flush=True)
     finally:
         for f in (loss_log, sample_log):
             if f is not None:
