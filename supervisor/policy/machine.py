@@ -190,7 +190,6 @@ def _launch(s: Settings, st: State, ev: LaunchReady, now: float) -> tuple[State,
     return replace(st, phase=SupervisorPhase.RUNNING, attempt=att, last_launch=launch, anomaly=anomaly), [
         log("world_size_chosen", attempt=st.attempt_no, world_size=n, reason=why, step=ev.resume_step),
         launch,
-        *progress.on_launch(st.attempt_no, ev.resume_step, st.best_step),  # never silently: it starts behind
     ]
 
 
@@ -231,6 +230,7 @@ def _heartbeat_and_saves(s: Settings, st: State, att: Attempt, ev: Heartbeat, no
         if st.attempt is not None and att.max_step < 0 <= st.attempt.max_step:
             took = round(now - att.launched_at, 3)
             actions.append(log("first_step_reached", attempt=att.number, step=st.attempt.max_step, duration_s=took))
+            actions += progress.on_first_step(att.number, st.attempt.max_step, att.resume_step, att.best_before)
         if ev.phase == Phase.TRAIN and st.final is None:  # an eviction's save or a stop goes first
             anomaly, logs, stop = policy_anomaly.on_beat(s.anomaly, st.anomaly, ev, att.number, now)
             st = replace(st, anomaly=anomaly)

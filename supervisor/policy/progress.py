@@ -12,33 +12,33 @@ NO_EMERGENCY_SAVE = (
 )
 
 
-def lost_steps(resume_step: int | None, best_step: int) -> tuple[int, int] | None:
-    """The steps a launch from `resume_step` (None: a fresh start) trains again, after `best_step` was reported by
-    an earlier attempt: (first, last), or None when it starts at or past it."""
-    first = (resume_step or 0) + 1
-    return (first, best_step) if best_step >= first else None
-
-
-def on_launch(attempt: int, resume_step: int | None, best_step: int) -> list[Action]:
-    """`progress_lost` when attempt `attempt` starts behind `best_step`: a warning when it starts from scratch (the
-    script keeps no checkpoint that ftsup knows of), else the steps after its checkpoint, to be trained again."""
-    steps = lost_steps(resume_step, best_step)
-    if steps is None:
+def on_first_step(attempt: int, first: int, resume_step: int | None, best_before: int) -> list[Action]:
+    """`progress_lost` when attempt `attempt`, whose first step reported is `first`, trains again steps that an earlier
+    attempt reported (up to `best_before`). Judged from its steps, not from the checkpoint ftsup chose (`resume_step`,
+    None for none): a script that resumes from checkpoints of its own shows where it resumed in the steps it counts.
+    A warning when it started from scratch, else information: the steps after its checkpoint are trained again."""
+    if first > best_before:
         return []
-    start = "from scratch" if resume_step is None else f"from the checkpoint of step {resume_step}"
+    resumed = first - 1
+    if resumed == 0:
+        start = "started from scratch"
+    elif resume_step == resumed:
+        start = f"resumed from the checkpoint of step {resumed}"
+    else:
+        start = f"resumed at step {resumed}"
     why = (
-        f"attempt {attempt} starts {start}, behind step {best_step} that earlier attempts reported: "
-        f"steps {steps[0]}-{steps[1]} are lost and trained again"
+        f"attempt {attempt} {start}, behind step {best_before} that earlier attempts reported: steps "
+        f"{first}-{best_before} are lost and trained again"
     )
     return [
         log(
             "progress_lost",
-            "warning" if resume_step is None else "info",
+            "warning" if resumed == 0 else "info",
             attempt=attempt,
-            step=resume_step or 0,
+            step=resumed,
             resume_step=resume_step,
-            best_step=best_step,
-            lost_steps=list(steps),
+            best_step=best_before,
+            lost_steps=[first, best_before],
             reason=why,
         )
     ]

@@ -55,12 +55,12 @@ def _lost(ev: Mapping[str, Any]) -> str:
     steps = ev.get("lost_steps")
     first, last = steps if isinstance(steps, list) and len(steps) == 2 else ("?", "?")
     lost = f"steps {first}-{last}, which earlier attempts reported, are lost and trained again"
-    if ev.get("resume_step") is None:
+    if ev.get("step") == 0:
         return (
-            f"warning: attempt {ev.get('attempt')} starts from scratch: {lost}. To resume instead, adopt a Session "
-            "(docs/adopting.md) or save and resume in the script; ftsup sees no checkpoint of a script's own"
+            f"warning: attempt {ev.get('attempt')} started from scratch: {lost}. To resume instead, adopt a Session "
+            "(docs/adopting.md) or save and resume in the script"
         )
-    return f"attempt {ev.get('attempt')} starts from the checkpoint of step {ev.get('resume_step')}: {lost}"
+    return f"attempt {ev.get('attempt')} resumed at step {ev.get('step')}: {lost}"
 
 
 def _finished(ev: Mapping[str, Any]) -> str:

@@ -12,13 +12,16 @@ from tests.unit.test_policy import Driver
 from tests.unit.test_policy_anomaly import REQ, Health
 
 
-def relaunched(resume: int | None, reached: int = 151) -> Driver:
-    """Attempt 1 reported steps 1..`reached`, then a rank was SIGKILLed; attempt 2 launches from `resume`."""
+def relaunched(resume: int | None, first: int | None, reached: int = 151) -> Driver:
+    """Attempt 1 reported steps 1..`reached`, then a rank was SIGKILLed; attempt 2 launches from `resume` and reports
+    `first` as its first step (None: none yet)."""
     d = Driver()
     d.launch()
     d.train(range(1, reached + 1))
     d.feed(P.WorkersExited(1, 1, (P.RankFailure(1, 1, 4242, -9, root=True),)))
     d.launch(resume=resume)
+    if first is not None:
+        d.train(range(first, first + 1))
     return d
 
 
@@ -26,8 +29,12 @@ def lost(d: Driver) -> list[P.Log]:
     return [a for a in d.actions if isinstance(a, P.Log) and a.event == "progress_lost"]
 
 
+def shown(ev: P.Log) -> str | None:
+    return console.line({"event": ev.event, "level": ev.level, **ev.as_dict()})
+
+
 def test_a_relaunch_from_scratch_behind_the_steps_reported_logs_progress_lost_naming_them():
-    (ev,) = lost(relaunched(None))
+    (ev,) = lost(relaunched(None, 1))
     assert (ev.level, ev.as_dict()) == (
         "warning",
         {
@@ -36,24 +43,41 @@ def test_a_relaunch_from_scratch_behind_the_steps_reported_logs_progress_lost_na
             "resume_step": None,
             "best_step": 151,
             "lost_steps": [1, 151],
-            "reason": "attempt 2 starts from scratch, behind step 151 that earlier attempts reported: steps 1-151 are "
+            "reason": "attempt 2 started from scratch, behind step 151 that earlier attempts reported: steps 1-151 are "
             "lost and trained again",
         },
     )
 
 
 def test_a_relaunch_from_an_older_checkpoint_names_the_steps_it_trains_again():
-    (ev,) = lost(relaunched(100))
-    assert (ev.level, ev.as_dict()["step"], ev.as_dict()["lost_steps"]) == ("info", 100, [101, 151])
+    (ev,) = lost(relaunched(100, 101))
+    told = (ev.level, ev.as_dict()["step"], ev.as_dict()["lost_steps"], ev.as_dict()["reason"])
+    assert told == (
+        "info",
+        100,
+        [101, 151],
+        "attempt 2 resumed from the checkpoint of step 100, behind step 151 that earlier attempts reported: steps "
+        "101-151 are lost and trained again",
+    )
+
+
+def test_a_script_that_resumes_from_a_checkpoint_of_its_own_is_judged_by_the_steps_it_reports():
+    (ev,) = lost(relaunched(None, 141))
+    assert (ev.level, ev.as_dict()["step"], ev.as_dict()["lost_steps"]) == ("info", 140, [141, 151])
 
 
 def test_a_relaunch_from_the_step_reached_loses_nothing():
-    assert lost(relaunched(151)) == []
+    assert lost(relaunched(151, 152)) == []
 
 
-def test_the_first_launch_loses_nothing():
+def test_nothing_is_said_before_the_relaunch_reports_a_step():
+    assert lost(relaunched(None, None)) == []
+
+
+def test_the_first_attempt_loses_nothing():
     d = Driver()
     d.launch()
+    d.train(range(1, 3))
     assert lost(d) == []
 
 
@@ -63,23 +87,23 @@ def test_a_rollback_to_an_earlier_step_is_no_progress_lost():
     d.steps(range(1, 31))
     d.feed(REQ)
     d.relaunch(resume=20, samples=240)
+    d.steps(range(21, 23))
     assert (d.logged("rollback_started") != [], d.logged("progress_lost")) == (True, [])
 
 
 def test_the_console_says_what_was_lost_and_what_to_do_when_a_relaunch_starts_from_scratch():
-    (ev,) = lost(relaunched(None))
-    assert console.line({"event": ev.event, "level": ev.level, **ev.as_dict()}) == (
-        "ftsup: warning: attempt 2 starts from scratch: steps 1-151, which earlier attempts reported, are lost and "
-        "trained again. To resume instead, adopt a Session (docs/adopting.md) or save and resume in the script; "
-        "ftsup sees no checkpoint of a script's own"
+    (ev,) = lost(relaunched(None, 1))
+    assert shown(ev) == (
+        "ftsup: warning: attempt 2 started from scratch: steps 1-151, which earlier attempts reported, are lost and "
+        "trained again. To resume instead, adopt a Session (docs/adopting.md) or save and resume in the script"
     )
 
 
 def test_the_console_names_the_steps_trained_again_after_a_checkpoint():
-    (ev,) = lost(relaunched(100))
-    assert console.line({"event": ev.event, "level": ev.level, **ev.as_dict()}) == (
-        "ftsup: attempt 2 starts from the checkpoint of step 100: steps 101-151, which earlier attempts reported, "
-        "are lost and trained again"
+    (ev,) = lost(relaunched(100, 101))
+    assert shown(ev) == (
+        "ftsup: attempt 2 resumed at step 100: steps 101-151, which earlier attempts reported, are lost and trained "
+        "again"
     )
 
 
