@@ -1,11 +1,7 @@
-"""The nanoGPT-style script (`trainer/examples/nanogpt.py`: random windows of a token memmap drawn with `torch.randint`,
-the next batch fetched ahead, rank 0 alone evaluating, dropout, DDP on gloo) against its baseline
-(`nanogpt_baseline.py`), whose uninterrupted run under plain torchrun, shared by the module, is the reference:
-uninterrupted, the adopted script logs bitwise the baseline's losses and evaluations; under
-`ftsup run --nproc-per-node 2 -- python SCRIPT` (no YAML) a SIGKILLed rank, a SIGSTOPped rank and an eviction each end
-with the reference's loss log; under plain torchrun, killed, it resumes from `./.ftsup/checkpoints` bitwise; under plain
-python it runs to the end and, started again with more iterations, continues from its final checkpoint bitwise.
-Each run has a directory of its own as its working directory, where `.ftsup` lands.
+"""The nanoGPT-style script against its baseline, whose uninterrupted run under plain torchrun is the reference: the
+adopted script logs the reference's losses and evaluations bitwise uninterrupted, after a SIGKILLed rank, a SIGSTOPped
+rank and an eviction under `ftsup run --nproc-per-node 2 -- python SCRIPT`, killed under plain torchrun (resumed from
+`./.ftsup/checkpoints`), and run by plain python then continued by `ftsup run` from the same directory.
 """
 
 from __future__ import annotations
@@ -164,14 +160,16 @@ def test_an_eviction_saves_exits_5_and_the_next_run_finishes_bitwise_the_baselin
     assert hexes(tmp_path) == reference
 
 
-def test_under_plain_python_it_runs_to_the_end_and_more_iterations_later_continue_bitwise(data, tmp_path):
+def test_run_by_plain_python_to_the_end_it_is_continued_by_ftsup_run_from_the_same_directory_bitwise(data, tmp_path):
     baseline, adopted = tmp_path / "baseline", tmp_path / "adopted"
     for work in (baseline, adopted):
         work.mkdir()
     r = run([sys.executable, str(BASELINE), *settings(baseline, data, 11)], env=ENV, cwd=baseline)
     assert r.returncode == 0, r.output[-3000:]
-    for max_iters in (7, 11):  # the second run: the first's final checkpoint, 4 iterations more
-        r = run([sys.executable, str(ADOPTED), *settings(adopted, data, max_iters)], env=ENV, cwd=adopted)
-        assert r.returncode == 0, r.output[-3000:]
-    committed = [c.step for c in layout.list_checkpoints(adopted / ".ftsup" / "checkpoints")]
-    assert (committed[-2:], hexes(adopted)) == ([8, 12], hexes(baseline))
+    r = run([sys.executable, str(ADOPTED), *settings(adopted, data, 7)], env=ENV, cwd=adopted)
+    assert r.returncode == 0, r.output[-3000:]
+    more = ["python", str(ADOPTED), *settings(adopted, data, 11)]  # the final checkpoint and 4 iterations more
+    r = run([sys.executable, "-m", "ftsup.supervisor.cli", "run", *FAST, "--", *more], env=ENV, cwd=adopted)
+    assert r.returncode == 0, r.output[-3000:]
+    launched = [e["resume_step"] for e in events(adopted) if e["event"] == "workers_launched"]
+    assert (launched, hexes(adopted)) == ([8], hexes(baseline))

@@ -1,26 +1,33 @@
-"""`ftsup.Session` with a loop's own batches, in one process: a callable, an iterable (drawn again from its pass's
-start, or restored from its own `state_dict`) and a loop that fetches ahead through `fetcher` each resume from a
-periodic checkpoint bitwise as the uninterrupted run went on; steps numbered from 0; the default store; a phase as
-a decorator; the refusals. Every model has dropout, so a resumed random stream that is off shows in the losses.
+"""`ftsup.Session` with a loop's own batches: a callable, iterables (drawn again from their pass's start, or restored
+from their own `state_dict`) and a loop that fetches ahead through `fetcher` each resume from a periodic checkpoint
+bitwise as the uninterrupted run went on, in one process, and on two ranks (`tests/bin/source_job.py` under torchrun)
+the rank the checkpoint had keeps its streams; steps numbered from 0; the default store; a phase as a decorator; the
+refusals. Every model has dropout, so a resumed random stream that is off shows in the losses.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 import torch
 from torch import nn
 
 from ftsup import Session
+from ftsup.protocol import CHECKPOINT_DIR_ENV, RuntimeEnv
 from ftsup.store import layout
 from ftsup.store.errors import CheckpointMismatchError
+from ftsup.trainer import rng
 from ftsup.trainer.batches import BatchSourceError
 from ftsup.trainer.data import DataConfigError
 from ftsup.trainer.runtime import RuntimeClient, install, runtime
+from tests.procs import BIN, run
 
 STEPS, SAVE_EVERY, RESUME_AT = 8, 3, 3
 DATA = torch.randn(10, 4, generator=torch.Generator().manual_seed(1))
@@ -75,17 +82,53 @@ def test_a_callable_drawing_from_the_global_generator_resumes_bitwise(tmp_path):
     assert (sorted(resumed), resumed) == (list(range(RESUME_AT + 1, STEPS + 1)), full)
 
 
-def test_a_shuffled_dataloader_is_drawn_again_from_its_pass_and_resumes_bitwise(tmp_path):
+def shuffled(workers: int) -> Callable[[], Any]:
     # 5 micro-batches a pass, 2 a step: the checkpoint of step 3 stands in the second pass, whose order the
     # DataLoader drew from the global generator when the pass began.
+    data = torch.utils.data.TensorDataset(DATA)
+    return lambda: torch.utils.data.DataLoader(data, batch_size=2, shuffle=True, num_workers=workers)
+
+
+def noisy() -> Iterator[torch.Tensor]:
+    for i in range(1000):  # an iterator: the resumed script makes a new one, which is advanced
+        yield DATA[i % 10 : i % 10 + 1] + torch.randn(1, 4)  # per-item randomness from the global generator
+
+
+@pytest.mark.parametrize(
+    "make", [shuffled(0), shuffled(2), noisy], ids=["dataloader", "dataloader-2-workers", "generator-drawing-randn"]
+)
+def test_an_iterable_is_drawn_again_from_its_pass_and_resumes_bitwise(tmp_path, make):
     def run(store: Path) -> dict[int, str]:
         model, optimizer = model_and_optimizer()
-        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(DATA), batch_size=2, shuffle=True)
-        session = Session(model, optimizer, batches=loader, accumulation_steps=2, ckpt_dir=store, save_every=3)
+        session = Session(model, optimizer, batches=make(), accumulation_steps=2, ckpt_dir=store, save_every=3)
         return train(session)
 
     full, resumed = uninterrupted_and_resumed(tmp_path, run)
     assert resumed == full
+
+
+class ShuffleBuffer:
+    """An in-process shuffle buffer: it holds 4 items and yields one that torch's global generator picks."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        buffer: list[torch.Tensor] = []
+        taken = 0
+        while True:
+            while len(buffer) < 4:
+                buffer.append(DATA[taken % 10 : taken % 10 + 1])
+                taken += 1
+            yield buffer.pop(int(torch.randint(len(buffer), ())))
+
+
+def test_a_source_carrying_state_built_from_the_global_streams_resumes_with_other_items(tmp_path):
+    # Drawn again without the dropout draws between its items, the buffer holds other items than it did.
+    def run(store: Path) -> dict[int, str]:
+        model, optimizer = model_and_optimizer()
+        session = Session(model, optimizer, batches=ShuffleBuffer(), accumulation_steps=2, ckpt_dir=store, save_every=3)
+        return train(session)
+
+    full, resumed = uninterrupted_and_resumed(tmp_path, run)
+    assert (sorted(resumed), resumed != full) == (sorted(full), True)
 
 
 class Stream:
@@ -230,6 +273,18 @@ def test_a_checkpoint_of_a_dataset_session_is_refused_by_a_batch_source_session_
     assert (refused.value.keys[0], refused.value.keys[-1]) == ("global_batch", "batch_source")
 
 
+def test_data_skips_from_the_supervisor_are_logged_as_not_applied_to_a_batch_source(tmp_path):
+    before = runtime()
+    install(RuntimeClient(RuntimeEnv(data_skips=((0, 4),))))
+    try:
+        model, optimizer = model_and_optimizer()
+        with structlog.testing.capture_logs() as logs:
+            Session(model, optimizer, batches=randn_batch, ckpt_dir=tmp_path).close()
+    finally:
+        install(before)
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["data_skips_not_applied"]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "words"),
     [
@@ -261,3 +316,23 @@ def test_a_loop_without_a_batch_source_is_told_that_micro_batches_needs_one(tmp_
         for _ in session.steps(1):
             next(session.micro_batches())
     session.close()
+
+
+def batches(record: Path) -> dict[int, str]:
+    return {j["step"]: j["batch_hex"] for j in map(json.loads, record.read_text().splitlines())}
+
+
+@pytest.mark.multiprocess
+def test_on_two_ranks_the_rank_the_checkpoint_had_keeps_its_streams_and_the_new_one_gets_its_own(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=0"]
+    for store, nproc in ((one, 1), (two, 2)):
+        if store == two:
+            shutil.copytree(one / layout.step_dirname(RESUME_AT), two / layout.step_dirname(RESUME_AT))
+        argv = [*launch, f"--nproc-per-node={nproc}", str(BIN / "source_job.py"), "--steps", "5"]
+        r = run([*argv, "--record", str(store / "rank{rank}.jsonl")], env={CHECKPOINT_DIR_ENV: str(store)})
+        assert r.returncode == 0, r.output[-3000:]
+    rng.reseed(0, 1, RESUME_AT)  # what rank 1, which the checkpoint did not have, starts from: (seed, rank, step)
+    new_rank = float(torch.randn(3, 4).sum()).hex()
+    kept = {s: h for s, h in batches(one / "rank0.jsonl").items() if s > RESUME_AT}
+    assert (batches(two / "rank0.jsonl"), batches(two / "rank1.jsonl")[RESUME_AT + 1]) == (kept, new_rank)
