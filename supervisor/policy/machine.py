@@ -406,7 +406,10 @@ def _exited(s: Settings, st: State, att: Attempt, ev: WorkersExited, now: float)
         ej, final = st.eviction, st.final
         said: list[Action] = []
         if ej is not None:  # exit 8 when its save was asked for and never committed
-            ej, said, final = saves.at_exit(ej, final, att.number, st.newest_checkpoint, att.max_step, st.stop_reason)
+            seen = bool(st.save_times) or st.newest_checkpoint is not None  # a save path: the engine's figures
+            ej, said, final = saves.at_exit(
+                ej, final, att.number, st.newest_checkpoint, att.max_step, st.stop_reason, saves_seen=seen
+            )
         return replace(st, phase=SupervisorPhase.DONE, attempt=None, eviction=ej, final=final), [
             *said,
             log("job_stopped", attempt=att.number, reason=final.reason),

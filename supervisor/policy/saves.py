@@ -74,11 +74,23 @@ def on_beat(
     return ej, actions
 
 
+NO_SAVE_PATH = "the script has no emergency save (no rank of the job ever reported a save or a checkpoint)"
+
+
 def at_exit(
-    ej: Eviction, final: Exit, attempt: int, newest: int | None, reached: int, stop_reason: str | None
+    ej: Eviction,
+    final: Exit,
+    attempt: int,
+    newest: int | None,
+    reached: int,
+    stop_reason: str | None,
+    *,
+    saves_seen: bool = True,
 ) -> tuple[Eviction, list[Action], Exit]:
     """The exit an eviction ends with once its workers are gone: 5 when its save committed or none was asked for
-    (no time for one, nothing trained), else 8 (`EXIT_SAVE_LOST`) naming the steps lost, unless none is."""
+    (no time for one, nothing trained), else 8 (`EXIT_SAVE_LOST`) naming the steps lost, unless none is. Without
+    `saves_seen` (no rank of the job reported a save or a checkpoint: a script that only counts its steps, such as
+    an auto-instrumented one) the reason says plainly that the script has no emergency save."""
     if final.code != EXIT_EVICTED or ej.save_seq is None or ej.committed_step is not None:
         return ej, [], final
     actions: list[Action] = []
@@ -86,6 +98,8 @@ def at_exit(
         why = "the workers ended without reporting it committed"
         if stop_reason is not None and "deadline" in stop_reason:
             why = "it did not commit before the eviction deadline"
+        if not saves_seen:
+            why = NO_SAVE_PATH
         actions.append(_failed_log(attempt, max(reached, 0), newest, reached, why))
     return replace(ej, failed=True), actions, lost_exit(final, newest, reached)
 

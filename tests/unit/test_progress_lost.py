@@ -119,6 +119,33 @@ def test_an_eviction_of_a_script_that_sends_no_heartbeats_says_it_has_no_emergen
     )
 
 
+def evicted_at_the_deadline(*figures: tuple[str, float]) -> list[P.Action]:
+    """A fresh job that reported steps 1..10 (the last with `figures`), then an eviction whose save never commits."""
+    d = Driver()
+    d.launch()
+    d.train(range(1, 10), dt=0.2)
+    d.feed(P.Heartbeat(1, 0, 10, Phase.TRAIN, figures=figures))
+    assert any(isinstance(a, P.RequestSave) for a in d.feed(P.EvictionNoticed("aws", d.now + 30, "terminate")))
+    d.feed(P.Tick(), at=d.st.eviction.deadline - 0.5)
+    return d.feed(P.WorkersExited(1, -9))
+
+
+def test_an_eviction_of_a_script_that_only_counts_its_steps_says_it_has_no_emergency_save():
+    (failed,) = [
+        a.as_dict() for a in evicted_at_the_deadline() if isinstance(a, P.Log) and a.event == "emergency_save_failed"
+    ]
+    assert failed["reason"] == (
+        "the emergency save of step 10 failed: the script has no emergency save (no rank of the job ever reported a "
+        "save or a checkpoint); steps 1-10 are lost (no checkpoint)"
+    )
+
+
+def test_an_eviction_of_a_job_that_saved_before_says_its_save_did_not_commit():
+    acts = evicted_at_the_deadline(("save_s", 0.5))
+    (failed,) = [a.as_dict() for a in acts if isinstance(a, P.Log) and a.event == "emergency_save_failed"]
+    assert "it did not commit before the eviction deadline" in str(failed["reason"])
+
+
 def test_an_eviction_before_the_first_step_of_a_script_that_beats_has_nothing_to_save():
     d = Driver()
     d.launch()
