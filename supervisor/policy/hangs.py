@@ -108,7 +108,7 @@ def find(
             silence[r] = (now - v.last_beat, lim)
     over = [r for r, (silent, lim) in silence.items() if silent > lim]
     if over:
-        return _blame(views, states, silence, own, set(over))
+        return _blame(views, states, silence, own, set(over), now)
     for r, v in sorted(views.items()):
         if v.phase == Phase.EVAL and now - v.since > s.save_timeout_s:  # beating, yet stuck in eval
             why = f"rank {_name(r, v)} in phase eval for {now - v.since:.1f}s (timeout {s.save_timeout_s:g}s)"
@@ -122,6 +122,7 @@ def _blame(
     silence: Mapping[int, tuple[float, float]],
     own: Mapping[int, float | None],
     over: set[int],
+    now: float,
 ) -> Hang:
     """The rank that stopped first, among those over their limit, those whose process runs nothing and those in
     `train` silent for half of the heartbeat timeout (blocked, as a rank that waits in a collective is): one whose
@@ -147,7 +148,8 @@ def _blame(
     said = STUCK.get(state or "") or BLOCKED.get(state or "")
     where = "" if v.phase == Phase.TRAIN else f" in phase {v.phase}"
     why = f"rank {_name(culprit, v)} " + (f"{said}, " if said else "")
-    why += f"silent for {silent:.1f}s{where} (timeout {lim:.1f}s)"
+    waited = f", {silent:.1f}s since the long phase it waited for ended" if now - v.last_beat > silent + 0.05 else ""
+    why += f"silent for {now - v.last_beat:.1f}s{waited}{where} (timeout {lim:.1f}s)"
     waiting = tuple(_name(r, views[r]) for r in others)
     if waiting:
         named = ", ".join(str(r) for r in waiting[:MAX_NAMED]) + (", ..." if len(waiting) > MAX_NAMED else "")

@@ -58,7 +58,7 @@ def test_a_waiting_rank_has_the_heartbeat_timeout_again_once_the_long_phase_ende
     assert d.feed(P.Tick(), at=ended + 1.9) == []
     d.feed(P.Heartbeat(1, 0, 51, Phase.TRAIN), at=ended + 1.95)
     acts = d.feed(P.Tick(), at=ended + 2.1)  # rank 1 never came back from the collective
-    assert stopped(acts) == ["rank 1 silent for 2.1s (timeout 2.0s)"]
+    assert stopped(acts) == ["rank 1 silent for 7.1s, 2.1s since the long phase it waited for ended (timeout 2.0s)"]
 
 
 def test_a_stopped_rank_waits_for_no_one_even_while_a_peer_evaluates():
