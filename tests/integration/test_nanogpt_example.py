@@ -173,3 +173,17 @@ def test_run_by_plain_python_to_the_end_it_is_continued_by_ftsup_run_from_the_sa
     assert r.returncode == 0, r.output[-3000:]
     launched = [e["resume_step"] for e in events(adopted) if e["event"] == "workers_launched"]
     assert (launched, hexes(adopted)) == ([8], hexes(baseline))
+
+
+def test_a_long_evaluation_by_rank_0_alone_is_no_hang_while_rank_1_waits_in_its_next_collective(data, tmp_path):
+    # Evaluations at iterations 0 and 8, each far longer than an iteration's heartbeat timeout; rank 1 sends no beat
+    # while it waits in the gradient all-reduce of the iteration that follows.
+    command = ["python", str(ADOPTED), *settings(tmp_path, data), *PACED, "--eval_interval=8", "--min_eval_s=6.0"]
+    argv = [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--nproc-per-node", "2", *FAST, "--", *command]
+    r = run(argv, env=ENV, cwd=tmp_path, timeout=180)
+    assert r.returncode == 0, r.output[-3000:]
+    logged = chaos.last_line_per_step(tmp_path / "loss.jsonl")
+    assert ([e["event"] for e in events(tmp_path) if e["event"] in FAILURES], sorted(logged)) == (
+        [],
+        list(range(MAX_ITERS + 1)),
+    )

@@ -187,6 +187,25 @@ def fetching_ahead(store: Path, *, wrap: bool, fixed: list[str] | None = None) -
     return losses
 
 
+def fetching_in_step(store: Path) -> dict[int, str]:
+    """A loop that draws each batch in the step that trains on it, with no wrapper: the docs' own-batches snippet."""
+    model, optimizer = model_and_optimizer()
+    session = Session(model, optimizer, ckpt_dir=store, save_every=3)
+    losses = {}
+    for step in session.steps(STEPS):
+        loss = model(randn_batch()).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses[step] = float(loss.detach()).hex()
+    return losses
+
+
+def test_a_loop_drawing_its_own_batches_in_the_step_resumes_bitwise_with_nothing_handed_over(tmp_path):
+    full, resumed = uninterrupted_and_resumed(tmp_path, fetching_in_step)
+    assert resumed == full
+
+
 def test_a_loop_that_fetches_ahead_through_fetcher_resumes_bitwise(tmp_path):
     full, resumed = uninterrupted_and_resumed(tmp_path, lambda store: fetching_ahead(store, wrap=True))
     assert resumed == full

@@ -134,6 +134,7 @@ warmup_iters = 5
 lr_decay_iters = 100
 min_lr = 1e-4
 min_iter_s = 0.0  # pad each iteration to at least this long (to aim a fault at a step; no effect on the math)
+min_eval_s = 0.0  # pad each evaluation to at least this long, as a larger held-out set would (no effect on the math)
 backend = "gloo"
 config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
 for arg in sys.argv[1:]:  # --key=value, as nanoGPT's configurator.py reads it
@@ -190,7 +191,7 @@ model = DDP(model) if ddp else model
 
 @torch.no_grad()
 def estimate_loss() -> dict[str, float]:
-    out = {}
+    out, start = {}, time.time()
     model.eval()
     for split in ["train", "val"]:
         losses = torch.zeros(eval_iters)
@@ -201,6 +202,7 @@ def estimate_loss() -> dict[str, float]:
             losses[k] = loss.item()
         out[split] = losses.mean().item()
     model.train()
+    time.sleep(max(0.0, min_eval_s - (time.time() - start)))
     return out
 
 
