@@ -279,6 +279,25 @@ def test_a_phase_decorating_a_function_enters_the_phase_at_each_call_with_that_c
     assert [b for b in recording.beats if b[1] == "eval"] == [(1, "eval"), (3, "eval")]
 
 
+def test_keepalive_beats_once_in_phase_eval_at_the_steps_completed(tmp_path, recording):
+    model, optimizer = model_and_optimizer()
+    session = Session(model, optimizer, ckpt_dir=tmp_path, save_every=None)
+    for step in session.steps(2):
+        if step == 2:
+            session.keepalive()
+    assert [b for b in recording.beats if b[1] == "eval"] == [(1, "eval")]
+
+
+def test_a_loop_left_by_break_has_its_save_in_flight_committed_by_close(tmp_path):
+    model, optimizer = model_and_optimizer()
+    session = Session(model, optimizer, batches=randn_batch, ckpt_dir=tmp_path, save_every=2)
+    for step in session.steps(STEPS):
+        if step == 3:  # step 2's periodic save was started when the loop asked for step 3
+            break
+    session.close()
+    assert [c.step for c in layout.list_checkpoints(tmp_path)] == [2]
+
+
 def dataset_session(store: Path) -> Session:
     model, optimizer = model_and_optimizer()
     return Session(model, optimizer, None, list(DATA), global_batch=2, micro_batch=2, ckpt_dir=store, save_every=1)
