@@ -36,6 +36,7 @@ RUN_ID_ENV = "FTSUP_RUN_ID"
 NODE_ID_ENV = "FTSUP_NODE_ID"
 DATA_SKIPS_ENV = "FTSUP_DATA_SKIPS"  # A:B,C:D: ranges of global data positions no rank serves (`parse_data_skips`)
 KEEP_OLDER_THAN_STEPS_ENV = "FTSUP_KEEP_OLDER_THAN_STEPS"  # the history a rollback needs, for the engine's retention
+COLLECTIVE_TIMEOUT_ENV = "FTSUP_COLLECTIVE_TIMEOUT_S"  # auto-instrumentation: a timeout for collectives given none
 DURABLE_TIER_ENV = "FTSUP_CHECKPOINT_DURABLE"  # the durable tier's location (s3://BUCKET/PREFIX or a path); empty: none
 NODE_LOCAL_ENV = "FTSUP_CHECKPOINT_NODE_LOCAL"  # "1": each node keeps its own checkpoint dir (`ftsup.store.nodes`)
 DURABLE_TIMEOUT_ENV = "FTSUP_CHECKPOINT_DURABLE_TIMEOUT_S"  # the longest a load reads one durable checkpoint (seconds)
@@ -51,6 +52,7 @@ ENV_NAMES = (
     NODE_ID_ENV,
     DATA_SKIPS_ENV,
     KEEP_OLDER_THAN_STEPS_ENV,
+    COLLECTIVE_TIMEOUT_ENV,
     DURABLE_TIER_ENV,
     GUARD_PARENT_ENV,
     GUARD_IGNORE_ENV,

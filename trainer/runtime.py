@@ -482,6 +482,12 @@ def _done_at_exit() -> None:
         client.beat(client._step, Phase.DONE)
 
 
+def runtime_taken() -> bool:
+    """Whether something in this process asked for its client (`runtime()`, `install`): the script, a Session, the
+    engine or a callback. The auto-instrumentation stands down from then on (docs/design/auto-instrumentation.md)."""
+    return _client is not None
+
+
 def install(client: RuntimeClient) -> None:
     """Make `client` the process's client, before the training script's first `runtime()` (an adapter that
     forwards the beats elsewhere too, such as the goodput benchmark's ft_launcher rank)."""

@@ -32,6 +32,7 @@ TORCHRUN_NAMES = {
     "rdzv-id": "launch.rdzv_id",
     "max-restarts": "restart.max_restarts",
 }
+NO_INSTRUMENT = "--no-instrument"  # the one flag that is not a key's: launch.instrument false
 COMMAND = "the command after --"
 SOURCE = "command line"
 
@@ -67,6 +68,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="overrides",
         help="any key of the job config, its value as YAML: --set heartbeat.mode=off",
     )
+    parser.add_argument(
+        "--no-instrument",
+        nargs=0,
+        action=_Collect,
+        dest="overrides",
+        const=NO_INSTRUMENT,
+        help="run the ranks as they are, without the auto-instrumentation (launch.instrument: false)",
+    )
     aliases = {key: name for name, key in TORCHRUN_NAMES.items()}
     for section, cls in sections().items():
         group = parser.add_argument_group(f"the {section} section (deploy/examples/job.yaml: every key, its default)")
@@ -89,7 +98,9 @@ class _Collect(argparse.Action):
 
     def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option: str | None = None) -> None:
         text = str(values)
-        if self.const is not None:
+        if self.const == NO_INSTRUMENT:
+            key, text, origin = "launch.instrument", "false", NO_INSTRUMENT
+        elif self.const is not None:
             key, origin = self.const, option or self.const
         else:
             key, sep, text = text.partition("=")

@@ -82,6 +82,10 @@ class CheckpointConfig:
     job resumes from the newest checkpoint of the durable tier. A multi-node job needs an s3:// `durable` for it."""
 
 
+COLLECTIVE_MARGIN_S = 60.0
+"""How much longer than `heartbeat.save_timeout_s` a collective may wait by default (`collective_timeout_s` null)."""
+
+
 class HeartbeatMode(str, enum.Enum):
     """Which detections apply (`heartbeat.mode`; `policy.rules.hang_detection_on`): crashes always; hangs, stalls
     and a slow start from launch on (`required`), once the job's first heartbeat arrived (`auto`) or never (`off`)."""
@@ -119,6 +123,20 @@ class HeartbeatConfig:
     interval_s: float = 0.5
     """How often a rank in phase eval beats (the runtime client does it from a thread, see `rt.phase("eval")`);
     exported to the ranks as FTSUP_HEARTBEAT_INTERVAL_S. Every timeout must be longer."""
+    collective_timeout_s: float | None = None
+    """The timeout of a collective under auto-instrumentation, for a script whose `init_process_group` or `new_group`
+    gives none: a rank that waits longer for its peers fails with torch's error, naming the collective. Null:
+    save_timeout_s + 60. Longer than save_timeout_s: one rank may save, load or evaluate that long while its peers
+    wait in their next collective."""
+
+    @property
+    def collective_timeout(self) -> float:
+        """`collective_timeout_s`, or its default when null (COLLECTIVE_MARGIN_S past `save_timeout_s`)."""
+        return (
+            self.collective_timeout_s
+            if self.collective_timeout_s is not None
+            else (self.save_timeout_s + COLLECTIVE_MARGIN_S)
+        )
 
 
 @dataclass(frozen=True)
@@ -346,6 +364,9 @@ def _parse_job(sec: Section, base: Path, *, run_id: str, node_id: str, config_pa
     )
 
 
+_DERIVED_COLLECTIVE = "; leave it out (or null) for heartbeat.save_timeout_s + 60"
+
+
 def _parse_heartbeat(sec: Section) -> HeartbeatConfig:
     learned = "; leave it out (or null) to learn it from observed step times"
     config = HeartbeatConfig(
@@ -359,7 +380,15 @@ def _parse_heartbeat(sec: Section) -> HeartbeatConfig:
             "step_time_multiplier", config_values.number(low=1.0, low_ok=True, high=1000.0, unit="")
         ),
         interval_s=sec.optional("interval_s", config_values.seconds()),
+        collective_timeout_s=sec.nullable("collective_timeout_s", config_values.seconds(fix=_DERIVED_COLLECTIVE)),
     )
+    if config.collective_timeout_s is not None and config.collective_timeout_s <= config.save_timeout_s:
+        sec.fail(
+            "collective_timeout_s",
+            f"{config.collective_timeout_s:g} is not above heartbeat.save_timeout_s {config.save_timeout_s:g}; a "
+            "rank's peers wait in a collective while it saves, loads or evaluates that long, so raise it (or leave "
+            "it out: save_timeout_s + 60)",
+        )
     # A timeout no longer than the beat interval would call every idle rank hung.
     for key in ("timeout_s", "min_timeout_s"):
         value = getattr(config, key)

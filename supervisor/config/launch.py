@@ -48,6 +48,10 @@ class LaunchConfig:
     warm_agent: bool = True
     """Keep a spare torchrun agent parked, its imports done, once an attempt trains, and start the next attempt in it
     (a relaunch without the second or more of torchrun's imports; one idle interpreter's memory meanwhile)."""
+    instrument: bool = True
+    """Auto-instrument the ranks (`--no-instrument`: false): a start-up hook that, without a line of the script
+    changed, beats at each optimizer step (so hangs are detected), bounds collectives without a timeout, and gives a
+    Hugging Face or Lightning Trainer ftsup's callback and its resume (docs/supervising.md)."""
 
     @property
     def min_nodes(self) -> int:
@@ -85,6 +89,7 @@ def parse_launch(sec: Section, *, run_id: str, hostname: str | None) -> LaunchCo
         global_batch=sec.nullable("global_batch", config_values.integer(1, 2**40)),
         micro_batch=sec.nullable("micro_batch", config_values.integer(1, 2**40)),
         warm_agent=sec.optional("warm_agent", config_values.boolean),
+        instrument=sec.optional("instrument", config_values.boolean),
     )
 
     if max_world is not None and min_world > max_world:

@@ -111,6 +111,8 @@ class Daemon:
                     pid=os.getpid(),
                     config=self.cfg.source,
                     metrics=server,
+                    instrument=self.cfg.launch.instrument,
+                    heartbeat_mode=str(self.cfg.heartbeat.mode),
                 )
                 adopted = self.journal.adopt()
                 systemd.notify("READY=1", f"STATUS=supervising {self.cfg.job.run_id}")

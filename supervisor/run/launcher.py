@@ -21,7 +21,7 @@ from ftsup import guard, procs, protocol
 from ftsup.supervisor import statedir
 from ftsup.supervisor.config.job import JobConfig
 from ftsup.supervisor.policy.anomaly import merge_skips
-from ftsup.supervisor.run import ranklogs
+from ftsup.supervisor.run import instrument, ranklogs
 
 pid_alive = procs.pid_alive
 
@@ -92,6 +92,7 @@ def rank_env(
     history = {protocol.KEEP_OLDER_THAN_STEPS_ENV: str(window)} if cfg.anomaly.enabled else {}
     env = {"PYTHONFAULTHANDLER": "1", **base, **prefix, **history, **cfg.job.env, **channel, "PYTHONUNBUFFERED": "1"}
     env.update(durable_env(cfg))
+    env.update(instrument.rank_env(cfg, env))
     if skips:
         try:  # a skip is never forgotten: the ones given from outside stay, unless they are not skips at all
             env[protocol.DATA_SKIPS_ENV] = protocol.encode_data_skips(

@@ -16,7 +16,7 @@ from ftsup.store.errors import os_words
 from ftsup.supervisor.config.durable import DurableConfig
 from ftsup.supervisor.config.job import JobConfig
 from ftsup.supervisor.config.values import Where, file_kind
-from ftsup.supervisor.run import launcher
+from ftsup.supervisor.run import instrument, launcher
 
 
 def check(cfg: JobConfig, environ: Mapping[str, str] | None = None) -> None:
@@ -32,6 +32,11 @@ def check(cfg: JobConfig, environ: Mapping[str, str] | None = None) -> None:
     directory_or_creatable(top.child("job").child("state_dir"), Path(cfg.job.state_dir))
     if cfg.logging.dir is not None:
         directory_or_creatable(top.child("logging").child("dir"), Path(cfg.logging.dir))
+    if cfg.launch.instrument:
+        try:
+            instrument.hook_dir()
+        except OSError as e:
+            top.child("launch").child("instrument").fail(f"{e}; reinstall ftsup, or run without it (--no-instrument)")
     command = top.child("job").child("command")
     argv = launcher.job_command(cfg.job.command)
     path = env.get("PATH", os.defpath)

@@ -69,6 +69,21 @@ def _finished(ev: Mapping[str, Any]) -> str:
     return f"training finished: attempt {ev.get('attempt')}, {reached}"
 
 
+def _detection(ev: Mapping[str, Any]) -> str:
+    """Whether the ranks are instrumented, and so from when hangs are detected (docs/supervising.md)."""
+    instrumented, mode = ev.get("instrument"), ev.get("heartbeat_mode")
+    if instrumented is None:
+        return ""
+    ranks = "ranks auto-instrumented" if instrumented else "ranks not instrumented (--no-instrument)"
+    if mode == "off":
+        return f"\nftsup: {ranks}; hang detection off (heartbeat.mode: off): crashes only"
+    if mode == "required":
+        return f"\nftsup: {ranks}; hangs detected from launch on (heartbeat.mode: required)"
+    if instrumented:
+        return f"\nftsup: {ranks}: hangs detected from each attempt's first optimizer step"
+    return f"\nftsup: {ranks}: hang detection off until the script sends heartbeats itself; crashes only"
+
+
 def _seconds(ev: Mapping[str, Any]) -> str:
     d = ev.get("duration_s")
     return f"{d:.1f} s" if isinstance(d, (int, float)) else "?"
@@ -78,6 +93,7 @@ _LINES = {
     "supervisor_started": lambda ev: (
         f"supervising {ev.get('run_id')} on node {ev.get('node_id')}"
         + (f"; metrics on http://{ev['metrics']}/metrics" if ev.get("metrics") else "")
+        + _detection(ev)
     ),
     "workers_launched": _launched,
     "first_step_reached": lambda ev: (

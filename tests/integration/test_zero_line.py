@@ -1,9 +1,10 @@
 """Zero-line supervision: scripts without a line of ftsup under `ftsup run -- ...`, with no YAML file at all.
 
 `tests/bin/plain_ddp.py`, plain torch DDP that checkpoints itself with `torch.save`, is given as a bare script path
-and runs under `python` as torchrun would run it; one run, whose rank 1 is SIGKILLed at step 5, serves the claims
-about it, its startup timeout far shorter than the run, so that `heartbeat.mode: required` would have killed the
-script for its silence. `tests/bin/beater.py` beats: under `heartbeat.mode: auto` its SIGSTOPped rank is caught as a
+and runs under `python` as torchrun would run it; one run with `--no-instrument` (so that the script sends nothing:
+test_zero_line_auto.py has it instrumented), whose rank 1 is SIGKILLed at step 5, serves the claims about it, its
+startup timeout far shorter than the run, so that `heartbeat.mode: required` would have killed the script for its
+silence. `tests/bin/beater.py` beats: under `heartbeat.mode: auto` its SIGSTOPped rank is caught as a
 hang. Each run starts in a directory of its own, where the state directory (`.ftsup/<node>`) lands.
 """
 
@@ -55,7 +56,8 @@ def killed_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """`ftsup run` of plain_ddp.py on 2 ranks, no YAML, rank 1 SIGKILLed once it is past step KILL_AT."""
     workdir = tmp_path_factory.mktemp("plain")
     script = [str(BIN / "plain_ddp.py"), "--steps", str(STEPS), "--dir", str(workdir)]
-    argv = ftsup("run", "--nproc-per-node", "2", "--set", "heartbeat.startup_timeout_s=1", *FAST, "--", *script)
+    argv = ftsup("run", "--nproc-per-node", "2", "--no-instrument", "--set", "heartbeat.startup_timeout_s=1", *FAST)
+    argv += ["--", *script]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **ENV)
     with (workdir / "ftsup.out").open("w") as out:
         proc = subprocess.Popen(argv, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT)

@@ -1,4 +1,5 @@
-"""The two example scripts without a line of ftsup, under `ftsup run --nproc-per-node 2 -- ...` and
+"""The two example scripts without a line of ftsup, under `ftsup run --nproc-per-node 2 --no-instrument -- ...` (as
+they run with nothing of ftsup in their processes; test_zero_line_hf.py has a Trainer script instrumented) and
 no YAML file: the plain PyTorch baseline (`plain_baseline.py`, which never checkpoints) and the
 HF Trainer script as it is written without ftsup (`hf_gpt2 --no-ftsup`: no callback, the Trainer
 resumes from its own newest `checkpoint-N/`). A SIGKILLed rank is relaunched, the job finishes,
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.multiprocess
 
 FAILURES = ("worker_exited", "heartbeat_timed_out", "progress_timed_out", "startup_timed_out")
 FAST = ["--set", "heartbeat.startup_timeout_s=1", "--restart-backoff-initial-s", "0.2", "--restart-stop-grace-s", "3"]
+FAST += ["--no-instrument"]
 
 
 def supervise_killed(tmp: Path, script: list[str], kill_after: int) -> tuple[int, list[dict[str, Any]]]:

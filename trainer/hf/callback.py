@@ -111,17 +111,9 @@ class FtsupCallback(TrainerCallback):
         return info.path
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        refused = [
-            (args.save_only_model, "save_only_model=True saves no optimizer or RNG state to resume from"),
-            (args.load_best_model_at_end, "load_best_model_at_end=True: the best checkpoint moves into the store"),
-            (
-                getattr(args, "enable_jit_checkpoint", False),
-                "enable_jit_checkpoint=True: the supervisor owns SIGTERM and asks for the save itself",
-            ),
-        ]
-        for bad, why in refused:
-            if bad:
-                raise ValueError(f"FtsupCallback cannot work with {why}; turn it off")
+        why = unsupported(args)
+        if why is not None:
+            raise ValueError(f"FtsupCallback cannot work with {why}; turn it off")
         self._args = args
         # train() opens with a full collection (accelerate's free_memory), which with transformers imported walks
         # every object of the process on every relaunch. What exists by now (modules, the model, the Trainer) lives
@@ -305,6 +297,19 @@ class FtsupCallback(TrainerCallback):
         flag = torch.tensor([int(ok)], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
         return bool(flag.item())
+
+
+def unsupported(args: TrainingArguments) -> str | None:
+    """Why FtsupCallback cannot serve a Trainer of these arguments, or None when it can."""
+    refused = [
+        (args.save_only_model, "save_only_model=True saves no optimizer or RNG state to resume from"),
+        (args.load_best_model_at_end, "load_best_model_at_end=True: the best checkpoint moves into the store"),
+        (
+            getattr(args, "enable_jit_checkpoint", False),
+            "enable_jit_checkpoint=True: the supervisor owns SIGTERM and asks for the save itself",
+        ),
+    ]
+    return next((why for bad, why in refused if bad), None)
 
 
 def _sparse_logging(args: TrainingArguments, state: TrainerState) -> bool:

@@ -1,5 +1,6 @@
-"""Hugging Face Trainer checkpoints in ftsup's store: committed by the store's protocol, chosen as its own are
-(trainer/checkpoint/DESIGN.md, Trainer checkpoints in the store).
+"""A Trainer's own checkpoints in ftsup's store (Hugging Face's `checkpoint-N/`, and Lightning's through
+`ftsup.trainer.lightning`): committed by the store's protocol, chosen as its own are (trainer/checkpoint/DESIGN.md,
+Trainer checkpoints in the store).
 
 Stdlib and `ftsup.store` only: no torch, no transformers.
 """
@@ -49,8 +50,10 @@ def commit_hf_checkpoint(
     kind: str,
     world_size: int,
     metadata: Mapping[str, Any],
+    format: str = FORMAT,
 ) -> Committed:
-    """Commit the Trainer's checkpoint directory `src` as `<root>/step-N` (rank 0 only).
+    """Commit the Trainer's checkpoint directory `src` as `<root>/step-N` (rank 0 only); its metadata's `format`
+    says which Trainer wrote it (FORMAT: Hugging Face's).
 
     A committed step is never written over: `src` is then removed and the result says `skipped`.
     An inconsistent `step-N` is quarantined first. Raises CheckpointSaveError naming what failed;
@@ -87,7 +90,7 @@ def commit_hf_checkpoint(
             created_unix=time.time(),
             files=files,
             tensor_bytes=total,
-            metadata={**metadata, "step": step, "format": FORMAT},
+            metadata={**metadata, "step": step, "format": format},
         )
         raw = json.dumps(manifest.to_json(), indent=1).encode()
         layout.parse_manifest(raw, f"{partial}/{layout.MANIFEST_NAME}")  # what a reader will check, checked now
@@ -112,18 +115,18 @@ def retain(root: str | os.PathLike[str], policy: RetentionPolicy, newest: int) -
 
 
 def latest_hf_checkpoint(
-    root: str | os.PathLike[str], *, at_most: int | None = None, quarantine: bool = True
+    root: str | os.PathLike[str], *, at_most: int | None = None, quarantine: bool = True, format: str = FORMAT
 ) -> tuple[layout.CheckpointInfo | None, tuple[choice.Passed, ...]]:
     """The newest deep-verified checkpoint under `root` (of a step of at most `at_most`) and what was
     passed over; (None, ...) for a fresh start. Raises CheckpointError when the newest consistent one
-    is not a Trainer checkpoint (another trainer's store)."""
+    is not one of this `format` (another trainer's store)."""
     picked = choice.choose(root, deep=True, at_most=at_most, quarantine=quarantine)
     if picked.info is not None:
         meta = layout.read_manifest(picked.info.path).metadata
-        if meta.get("format") != FORMAT:
+        if meta.get("format") != format:
             raise CheckpointError(
-                f"{picked.info.path} was not written by a Trainer under ftsup (metadata format "
-                f"{meta.get('format')!r:.40}, not {FORMAT!r}); give the Trainer a checkpoint directory of its own"
+                f"{picked.info.path} was not written by this Trainer under ftsup (metadata format "
+                f"{meta.get('format')!r:.40}, not {format!r}); give the Trainer a checkpoint directory of its own"
             )
     return picked.info, picked.passed
 

@@ -1,0 +1,1 @@
+"""Lightning interop: `FtsupLightningCallback` (`callback`), a Lightning `Trainer` under ftsup."""
