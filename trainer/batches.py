@@ -9,11 +9,18 @@ import inspect
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import structlog
+
 from ftsup.store.errors import CheckpointError
 from ftsup.trainer import rng
 
 MAX_AHEAD = 8
 """The most fetches ahead whose streams a checkpoint can go back to (a loop fetches one ahead, or two)."""
+_TOO_MANY = (
+    f"more than {MAX_AHEAD} fetches before the first step are no fetching ahead: checkpoints hold the random streams "
+    "as each step ends; wrap only the fetch the loop makes ahead, or evaluate inside the loop"
+)
+log = structlog.get_logger("ftsup.trainer")
 
 
 class BatchSourceError(ValueError):
@@ -178,7 +185,9 @@ class Streams:
         """The first step begins."""
         self.restore_now()
         if self.ahead is None:
-            self.ahead = min(self._fetches, MAX_AHEAD)
+            self.ahead = self._fetches if self._fetches <= MAX_AHEAD else 0
+            if self.ahead != self._fetches:  # not a loop fetching ahead: an evaluation before it, say
+                log.warning("fetches_ahead_unknown", fetches=self._fetches, reason=_TOO_MANY)
             self._before = collections.deque(self._before, maxlen=self.ahead)
 
     def capture(self) -> Any:

@@ -24,7 +24,7 @@ from ftsup.protocol import CHECKPOINT_DIR_ENV, RuntimeEnv
 from ftsup.store import layout
 from ftsup.store.errors import CheckpointMismatchError
 from ftsup.trainer import rng
-from ftsup.trainer.batches import BatchSourceError
+from ftsup.trainer.batches import MAX_AHEAD, BatchSourceError
 from ftsup.trainer.data import DataConfigError
 from ftsup.trainer.runtime import RuntimeClient, install, runtime
 from tests.procs import BIN, run
@@ -221,6 +221,18 @@ def test_what_a_resumed_script_draws_before_its_first_fetch_is_what_a_fresh_run_
     fixed: list[str] = []
     full, resumed = uninterrupted_and_resumed(tmp_path, lambda store: fetching_ahead(store, wrap=True, fixed=fixed))
     assert (resumed, fixed[0]) == (full, fixed[1])
+
+
+def test_more_fetches_before_the_first_step_than_a_loop_makes_ahead_are_warned_of(tmp_path):
+    model, optimizer = model_and_optimizer()
+    session = Session(model, optimizer, ckpt_dir=tmp_path, save_every=None)
+    get_batch = session.fetcher(randn_batch)
+    for _ in range(MAX_AHEAD + 1):  # an evaluation before the loop, through the wrapped function
+        get_batch()
+    with structlog.testing.capture_logs() as logs:
+        for _ in session.steps(1):
+            pass
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["fetches_ahead_unknown"]
 
 
 def test_steps_numbered_from_0_resume_at_the_number_after_the_checkpoints(tmp_path):
