@@ -372,6 +372,12 @@ BENCHMARKS = (
         "productive time / wall time under seeded faults: ftsup vs torchrun vs ft_launcher",
         "ftsup.tools.bench.goodput",
     ),
+    Tool(
+        "instrument",
+        "per-step cost of the auto-instrumentation on the reference trainer's model, with and without it",
+        "ftsup.tools.bench.instrument",
+        trainer=True,
+    ),
 )
 DEMO = Tool(
     "demo",

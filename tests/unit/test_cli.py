@@ -308,7 +308,7 @@ def test_bench_help_lists_every_benchmark_without_loading_the_checkpoint_one(
     fake = FakeBench()
     monkeypatch.setitem(sys.modules, "ftsup.tools.bench.checkpoint.command", fake)
     code, out, _ = run(capsys, "bench", "--help")
-    benchmarks = ["recovery", "eviction", "checkpoint", "scale", "anomaly", "goodput"]
+    benchmarks = ["recovery", "eviction", "checkpoint", "scale", "anomaly", "goodput", "instrument"]
     assert (code, listed(out), fake.parsers_built) == (0, benchmarks, 0)
 
 
