@@ -80,10 +80,12 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup, args.steps)
     dataset, held_out = Text(1 << 18, args.seq_len, seed=1), Text(1 << 14, args.seq_len, seed=2)
-    eval_loader = DataLoader(held_out, args.micro_batch, sampler=DistributedSampler(held_out, shuffle=False))
-    accum = args.global_batch // (args.micro_batch * world)
-    session = Session(model, optimizer, scheduler, dataset, global_batch=args.global_batch,
-                      micro_batch=args.micro_batch, save_every=args.eval_every, config=config)  # fmt: skip
+    gb, mb, every = args.global_batch, args.micro_batch, args.eval_every
+    eval_loader = DataLoader(held_out, mb, sampler=DistributedSampler(held_out, shuffle=False))
+    accum = gb // (mb * world)
+    session = Session(
+        model, optimizer, scheduler, dataset, global_batch=gb, micro_batch=mb, save_every=every, config=config
+    )
     loss_log = open(args.loss_log, "a") if args.loss_log and rank == 0 else None  # noqa: SIM115
     sample_log = open(args.sample_log.replace("{rank}", str(rank)), "a") if args.sample_log else None  # noqa: SIM115
     for step in session.steps(args.steps):
@@ -102,14 +104,12 @@ def main() -> None:
         mean = float(total) / (accum * world)
         if loss_log:
             line = {"step": step, "loss": mean, "loss_hex": mean.hex(), "world_size": world}
-            loss_log.write(
-                json.dumps(line | {"samples": step * args.global_batch, "grad_norm": float(grad_norm)}) + "\n"
-            )
+            loss_log.write(json.dumps(line | {"samples": step * gb, "grad_norm": float(grad_norm)}) + "\n")
             loss_log.flush()
         if sample_log:
             sample_log.write(json.dumps({"step": step, "rank": rank, "ids": ids}) + "\n")
             sample_log.flush()
-        if step % args.eval_every == 0:
+        if step % every == 0:
             start = time.monotonic()
             with torch.no_grad(), session.phase("eval"):
                 eval_loss = evaluate(model, eval_loader, args.eval_batches, args.min_eval_s)
