@@ -183,8 +183,11 @@ def peak(s3_server: SeaweedS3, store: LyingS3, *argv: str) -> tuple[int, int, st
     """(exit status, peak resident KiB, output) of `ftsup ARGV` against `store` (the real store's credentials)."""
     env = {**s3_server.env(), "AWS_ENDPOINT_URL_S3": store.endpoint}
     env |= {"AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
-    done = run([sys.executable, str(BIN / "peak_rss.py"), "--", sys.executable, "-m", "ftsup.supervisor.cli", *argv],
-               env=env, timeout=120)  # fmt: skip
+    done = run(
+        [sys.executable, str(BIN / "peak_rss.py"), "--", sys.executable, "-m", "ftsup.supervisor.cli", *argv],
+        env=env,
+        timeout=120,
+    )
     out, _, last = done.output.rstrip().rpartition("\n")
     assert last.startswith("peak_rss_kib "), done.output[-2000:]
     return done.returncode, int(last.split()[1]), out

@@ -6,6 +6,7 @@ with the same rules as the machine it was written on.
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -73,3 +74,32 @@ def test_every_module_reads_in_one_sitting() -> None:
         if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
     }
     assert long == {}, f"split these by concept (at most {MAX_MODULE_LINES} lines each): {long}"
+
+
+MAX_DOCSTRING_LINES = 5  # the module's purpose; the design prose lives in the docs (STYLE.md, Types and docs)
+
+
+def module_docstring_lines(path: Path) -> int:
+    doc = ast.get_docstring(ast.parse(path.read_text(), str(path)), clean=False)
+    return 0 if doc is None else len(doc.strip("\n").splitlines())
+
+
+def test_every_module_docstring_says_what_it_is_for_in_at_most_five_lines() -> None:
+    long = {
+        str(p.relative_to(REPO)): n
+        for pkg in ("ftsup", "supervisor", "trainer")
+        for p in sorted((REPO / pkg).rglob("*.py"))
+        if (n := module_docstring_lines(p)) > MAX_DOCSTRING_LINES
+    }
+    assert long == {}
+
+
+def test_no_line_is_kept_from_the_formatter() -> None:
+    skipped = [
+        f"{p.relative_to(REPO)}:{i}"
+        for pkg in PACKAGES
+        for p in sorted((REPO / pkg).rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if line.rstrip().endswith("# fmt: " + "skip")
+    ]
+    assert skipped == []

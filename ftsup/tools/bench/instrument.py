@@ -1,9 +1,7 @@
-"""`ftsup bench instrument`: what the auto-instrumentation costs a training step, on the reference trainer's model with
-steps padded to 25 ms: rounds of steps without it and with it, alternating, side by side in one process, and the
-time its hook takes in each instrumented step (docs/benchmarks.md, "The auto-instrumentation's cost per step").
+"""`ftsup bench instrument`: what the auto-instrumentation costs a training step of 25 ms on the reference model.
 
-The hook is the one `ftsup run` installs (the optimizer's step post-hook, `Progress.stepped` and its heartbeat),
-sending to a real heartbeat receiver that a thread drains as the supervisor's loop does.
+Rounds without and with the hook `ftsup run` installs, alternating in one process, sending to a real heartbeat
+receiver (docs/benchmarks.md, "The auto-instrumentation's cost per step").
 """
 
 from __future__ import annotations
