@@ -35,6 +35,7 @@ from ftsup.protocol import (
     encode_beat,
     parse_control,
 )
+from ftsup.store import safefile
 
 _SNDBUF_BYTES = 1 << 20  # room for ~2700 beats (~270 where net.core.wmem_max caps it): a busy supervisor loses none
 _RECONNECT_S = 0.05  # at most this often a connect() is tried again after one failed
@@ -338,11 +339,7 @@ def _read_small_file(path: str, mode: int) -> bytes:
             raise _NotAFile(_kind(st.st_mode))
         if st.st_size > MAX_CONTROL_BYTES:
             raise _NotAFile(f"{st.st_size} bytes, more than the {MAX_CONTROL_BYTES} a request can take")
-        chunks, left = [], MAX_CONTROL_BYTES + 1
-        while left > 0 and (chunk := os.read(fd, left)):
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
+        return safefile.read_capped(fd, MAX_CONTROL_BYTES)
     finally:
         os.close(fd)
 

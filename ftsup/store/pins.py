@@ -319,11 +319,7 @@ def _read_at(dir_fd: int, name: str) -> bytes:
             raise PinError(f"{PINS_DIRNAME}/{name}: is not a regular file; refusing to read it")
         if st.st_size > MAX_PIN_BYTES:
             raise PinError(f"{PINS_DIRNAME}/{name}: {st.st_size} bytes, over the {MAX_PIN_BYTES}-byte limit")
-        chunks, left = [], MAX_PIN_BYTES + 1  # one more than allowed: a file that grew while read is seen
-        while left > 0 and (chunk := os.read(fd, left)):
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
+        return safefile.read_capped(fd, MAX_PIN_BYTES)
     finally:
         os.close(fd)
 

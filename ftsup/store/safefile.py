@@ -107,6 +107,16 @@ def pread_full(fd: int, n: int, offset: int) -> bytes:
     return read_full(lambda count, done: os.pread(fd, count, offset + done), n)
 
 
+def read_capped(fd: int, cap: int) -> bytes:
+    """What `fd` holds from its offset on, read to its end or to `cap` + 1 bytes, whichever comes first: one byte
+    more than allowed, so that a caller sees a file that grew past `cap` while it was read."""
+    chunks, left = [], cap + 1
+    while left > 0 and (chunk := os.read(fd, min(left, 1 << 24))):
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
 def read_regular(
     path: str | os.PathLike[str],
     what: str,
@@ -125,20 +135,12 @@ def read_regular(
             raise error(f"{what}: size {size} != recorded {exact}")
         if size > max_bytes:
             raise error(f"{what}: {size} bytes, over the {max_bytes}-byte limit for this file; refusing to read it")
-        chunks = []
-        left = max_bytes + 1  # one more than allowed: a file that grew while read is seen
-        while left > 0:
-            try:
-                chunk = os.read(fd, min(left, 1 << 24))
-            except OSError as e:
-                raise error(f"{what}: cannot read ({os_words(e)})") from None
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
+        try:
+            raw = read_capped(fd, max_bytes)
+        except OSError as e:
+            raise error(f"{what}: cannot read ({os_words(e)})") from None
     finally:
         os.close(fd)
-    raw = b"".join(chunks)
     if len(raw) > max_bytes:
         raise error(f"{what}: grew past the {max_bytes}-byte limit while being read; refusing it")
     if exact is not None and len(raw) != exact:
