@@ -3,7 +3,9 @@ their optimizer steps; `--no-instrument` leaves a script as it was; a script tha
 
 `tests/bin/elastic_ddp.py` is written after PyTorch's torchrun tutorial (DDP, its own snapshot every epoch): its
 rank 1 SIGSTOPped mid-run is caught as a hang within the timeout rule and named, and the job goes on from the
-script's snapshot. Each run starts in a directory of its own, where the state directory (`.ftsup/<node>`) lands.
+script's snapshot. The nanoGPT-style baseline (`trainer/examples/nanogpt_baseline.py`), whose rank 0 alone evaluates,
+is not taken for a hang while it does. Each run starts in a directory of its own, where the state directory
+(`.ftsup/<node>`) lands.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from ftsup.supervisor.run.instrument import hook_dir
 from ftsup.supervisor.state import ranks
 from ftsup.tools.faults import chaos
+from ftsup.trainer.examples import corpus
 from tests.procs import BIN, REPO, kill_tree, run, wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -79,6 +83,23 @@ def test_a_sigstopped_rank_of_a_script_without_ftsup_is_caught_as_a_hang_named_a
     assert hang["timeout_s"] >= 2.0 and unix(hang) - stopped_at <= hang["timeout_s"] + TICK_SLACK_S, hang
     second = next(where.glob("logs/attempt-0002.log")).read_text()
     assert "Resuming training from snapshot at Epoch" in second  # the script's own resume, as without ftsup
+
+
+def test_rank_zero_evaluating_alone_longer_than_the_timeout_is_no_hang_of_a_script_without_ftsup(tmp_path):
+    """nanoGPT's way: rank 0 alone evaluates (`model.eval()` ... `model.train()`) at the top of an iteration while the
+    other rank goes on and waits for it in its gradients' all-reduce; each evaluation outlasts the heartbeat timeout."""
+    tokens = corpus.generate(1 << 16).numpy().astype(np.uint16)
+    tokens[:60_000].tofile(tmp_path / "train.bin")
+    tokens[60_000:].tofile(tmp_path / "val.bin")
+    script = [str(REPO / "trainer/examples/nanogpt_baseline.py"), "--max_iters=10", "--eval_interval=5"]
+    script += ["--eval_iters=2", "--min_eval_s=3.0", "--min_iter_s=0.05", f"--data_dir={tmp_path}"]
+    script += [f"--out_dir={tmp_path / 'out'}"]
+    argv = ftsup("run", "--nproc-per-node", "2", "--heartbeat-min-timeout-s", "2", *FAST, "--", *script)
+    r = run(argv, cwd=tmp_path, env=ENV, timeout=180)
+    seen = [e["event"] for e in events(tmp_path)]
+    failures = [e for e in seen if e.endswith("_timed_out") or e == "worker_exited"]
+    assert (r.returncode, seen.count("workers_launched"), failures) == (0, 1, []), r.output[-3000:]
+    assert "first_step_reached" in seen  # its steps were reported: detection was on during the evaluations
 
 
 def test_no_instrument_leaves_a_script_as_it_was(tmp_path):
