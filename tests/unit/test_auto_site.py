@@ -1,14 +1,18 @@
 """The ranks' start-up hook (`ftsup/trainer/auto/site/sitecustomize.py`) in real interpreters: it runs the
 `sitecustomize` it shadows, installs its hooks only in a rank, imports no torch into a process that never does, and
-once torch is imported leaves the PYTHONPATH of the processes the rank starts."""
+once torch is imported leaves the PYTHONPATH of the processes the rank starts; an interpreter that cannot import ftsup
+runs the script as it is."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from ftsup.supervisor.run.instrument import hook_dir
 from tests.procs import REPO
@@ -55,3 +59,17 @@ def test_a_process_that_is_not_a_rank_gets_no_hooks(tmp_path):
 def test_once_torch_is_imported_it_is_instrumented_and_the_hook_leaves_pythonpath(tmp_path):
     got = run_python(tmp_path, "--torch")
     assert (got["wrapped"], str(hook_dir()) in str(got["pythonpath"]).split(os.pathsep)) == (True, False)
+
+
+def test_an_interpreter_without_ftsup_runs_the_script_as_it_is_with_one_warning(tmp_path):
+    bare = shutil.which("python3", path=os.defpath)  # the system's, outside this virtual environment
+    env = {"PATH": os.defpath, "LOCAL_RANK": "0"}
+    probe = [bare, "-c", "import ftsup"] if bare else None
+    if probe is None or subprocess.run(probe, capture_output=True, timeout=60, env=env, cwd=tmp_path).returncode == 0:
+        pytest.skip("no Python on this host without ftsup installed")
+    env["PYTHONPATH"] = str(hook_dir())
+    done = subprocess.run(
+        [bare, "-c", "print('trained')"], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    warned = [line for line in done.stderr.splitlines() if "auto-instrumentation is off" in line]
+    assert (done.returncode, done.stdout, len(warned)) == (0, "trained\n", 1), done.stderr
