@@ -1,8 +1,6 @@
 """The ranks' auto-instrumentation as the supervisor starts it: the start-up hook's directory first on their
-`PYTHONPATH`, and the collective timeout, in their environment (docs/design/auto-instrumentation.md).
-
-The hook is the trainer's (`ftsup.trainer.auto.site`); it is found here by path, never imported: the supervisor does
-not import the trainer.
+`PYTHONPATH`, and the collective timeout, in their environment (docs/design/auto-instrumentation.md). The hook is the
+trainer's (`ftsup.trainer.auto.site`), found by path and never imported: the supervisor does not import the trainer.
 """
 
 from __future__ import annotations
