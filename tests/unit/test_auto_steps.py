@@ -5,6 +5,7 @@ phase save, and it stands down for good once the script asks for ftsup's client 
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -151,3 +152,15 @@ def test_a_script_that_asks_for_ftsups_client_before_its_first_step_sends_no_aut
     model, opt = model_and_optimizer()
     p.stepped(opt)
     assert (beats(receiver), p.active) == ([], False)
+
+
+def test_a_forked_child_such_as_a_data_loader_worker_sends_nothing(receiver):
+    p = progress(receiver)
+    model, opt = model_and_optimizer()
+    p.stepped(opt)
+    receiver.drain()
+    pid = os.fork()
+    if pid == 0:  # the child: nothing of the rank's progress is its own to report
+        os._exit(0 if (p.enter(Phase.SAVE), p.stepped(opt)) == (None, False) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert (os.waitstatus_to_exitcode(status), beats(receiver)) == (0, [])

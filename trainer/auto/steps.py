@@ -1,5 +1,5 @@
 """Progress from any script that steps a torch optimizer: each step of the first optimizer is a heartbeat, the trained
-model's `.eval()` a phase `eval` until its `.train()`, `torch.save` and `torch.load` phases `save` and `load`.
+model's `.eval()` a phase `eval` until its `.train()`, a `torch.save` phase `save`.
 
 docs/design/auto-instrumentation.md, Steps and phases.
 """
@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import dataclasses
 import functools
+import os
 import threading
 import time
 import weakref
@@ -47,6 +48,7 @@ class Progress:
         self._in_eval = False
         self._last: float | None = None
         self.step = 0
+        self._pid = os.getpid()
         self.active = True
         """False once stood down (`taken()`)."""
 
@@ -92,7 +94,7 @@ class Progress:
             self._in_eval = True
 
     def enter(self, phase: Phase) -> contextlib.ExitStack | None:
-        """Enter a blocking phase (`save`, `load`) of a rank that has beaten: the stack to close when it ends; None
+        """Enter a blocking phase (`save`) of a rank that has beaten: the stack to close when it ends; None
         (nothing entered) before the first step or once stood down."""
         if not self._still_active() or self._optimizer is None:
             return None
@@ -121,6 +123,8 @@ class Progress:
         return known
 
     def _still_active(self) -> bool:
+        if os.getpid() != self._pid:  # a forked child (a data loader's worker): the rank's progress is not its own
+            return False
         if self.active and self._taken():
             self.stand_down()
         return self.active
@@ -158,7 +162,7 @@ _uninstall: list[Callable[[], None]] = []
 
 
 def instrument(torch: Any) -> None:
-    """Called once torch is imported: the optimizer hook, `Module.train`, `torch.save` and `torch.load`; and the
+    """Called once torch is imported: the optimizer hook, `Module.train`, `torch.save`; and the
     collective timeout (`collectives`)."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -185,19 +189,16 @@ def instrument(torch: Any) -> None:
     dist = torch.distributed
     if dist.is_available():
         dist.destroy_process_group = _done_first(dist.destroy_process_group, progress)
-    originals = {"save": torch.save, "load": torch.load}
+    original_save = torch.save
     torch.nn.Module.train = train
-    torch.save = _in_phase(torch.save, progress, Phase.SAVE)
-    torch.load = _in_phase(torch.load, progress, Phase.LOAD)
-    wrappers = {"save": torch.save, "load": torch.load}
+    torch.save = saving = _in_phase(original_save, progress, Phase.SAVE)
 
     def uninstall() -> None:
         handle.remove()
         if torch.nn.Module.train is train:
             torch.nn.Module.train = original_train
-        for name, wrapper in wrappers.items():
-            if getattr(torch, name) is wrapper:
-                setattr(torch, name, originals[name])
+        if torch.save is saving:
+            torch.save = original_save
 
     _uninstall.append(uninstall)
 
