@@ -105,8 +105,8 @@ class HeartbeatConfig:
     mode: HeartbeatMode = HeartbeatMode.AUTO
     """Which detections apply. Crashes (a rank's or torchrun's exit) always do. "required": hangs, stalls and a slow
     start too, from launch on (a rank with no first training step within startup_timeout_s has failed). "auto":
-    the same once the job's first heartbeat arrives, crashes only before, so that a script without a line of
-    ftsup is never killed for sending none. "off": crashes only."""
+    the same once the job's first heartbeat arrives (an instrumented rank's first optimizer step), crashes only
+    before, so that a script that sends none is never killed for it. "off": crashes only."""
     timeout_s: float | None = None
     """No heartbeat at all from a rank for this long = hung. Null: learned (step_time_multiplier x p99 step time,
     at least min_timeout_s)."""
