@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -56,7 +58,6 @@ def run(args: argparse.Namespace) -> int:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from ftsup.protocol import RuntimeEnv
-    from ftsup.supervisor.run.heartbeat import HeartbeatReceiver
     from ftsup.trainer.auto.steps import STEPS, Progress
     from ftsup.trainer.examples.corpus import TokenWindows, generate
     from ftsup.trainer.examples.gpt import GPT
@@ -72,43 +73,48 @@ def run(args: argparse.Namespace) -> int:
     compute: dict[str, list[float]] = {"plain": [], "instrumented": []}
     hook_s: list[float] = []
 
-    with tempfile.TemporaryDirectory(prefix="ftsup-bench-instrument-") as tmp, HeartbeatReceiver(Path(tmp)) as receiver:
-        stop = threading.Event()
-        drained: list[int] = []
+    with tempfile.TemporaryDirectory(prefix="ftsup-bench-instrument-") as tmp:
+        # The supervisor's side in a process of its own, as under `ftsup run`: reading beats costs this one nothing.
+        receiver = subprocess.Popen(
+            [sys.executable, "-c", f"from {__name__} import receive; receive({tmp!r})"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            if receiver.stdin is None or receiver.stdout is None or receiver.stdout.readline().strip() != "ready":
+                raise RuntimeError("the heartbeat receiver did not start")
+            client = RuntimeClient(RuntimeEnv(heartbeat_socket=str(Path(tmp) / "heartbeat.sock"), attempt=1))
+            progress = Progress(lambda: client, taken=lambda: False)
 
-        def drain() -> None:  # as the supervisor's loop reads its socket, every tick
-            while not stop.wait(0.05):
-                drained.append(len(receiver.drain()))
+            def timed_hook(opt: Any, a: Any, k: Any) -> None:
+                t0 = time.perf_counter()
+                STEPS.run(progress.stepped, opt)
+                hook_s.append(time.perf_counter() - t0)
 
-        reader = threading.Thread(target=drain, name="bench-drain", daemon=True)
-        reader.start()
-        env = RuntimeEnv(heartbeat_socket=str(receiver.path), attempt=1)
-        client = RuntimeClient(env)
-        progress = Progress(lambda: client, taken=lambda: False)
-
-        def timed_hook(opt: Any, a: Any, k: Any) -> None:
-            t0 = time.perf_counter()
-            STEPS.run(progress.stepped, opt)
-            hook_s.append(time.perf_counter() - t0)
-
-        position = 0
-        for r in range(args.rounds):
-            for kind in ("plain", "instrumented") if r % 2 == 0 else ("instrumented", "plain"):
-                handle = register_optimizer_step_post_hook(timed_hook) if kind == "instrumented" else None
-                for _ in range(args.steps):
-                    start = time.perf_counter()
-                    batch = torch.stack([data[(position + i) % len(data)][1] for i in range(micro_batch)])
-                    position += micro_batch
-                    optimizer.zero_grad(set_to_none=True)
-                    model(batch[:, :-1], batch[:, 1:]).backward()
-                    optimizer.step()
-                    compute[kind].append(time.perf_counter() - start)
-                    time.sleep(max(0.0, start + step_s - time.perf_counter()))
-                if handle is not None:
-                    handle.remove()
-        stop.set()
-        reader.join(timeout=5)
-        drained.append(len(receiver.drain()))
+            position = 0
+            for r in range(args.rounds):
+                for kind in ("plain", "instrumented") if r % 2 == 0 else ("instrumented", "plain"):
+                    handle = register_optimizer_step_post_hook(timed_hook) if kind == "instrumented" else None
+                    for _ in range(args.steps):
+                        start = time.perf_counter()
+                        batch = torch.stack([data[(position + i) % len(data)][1] for i in range(micro_batch)])
+                        position += micro_batch
+                        optimizer.zero_grad(set_to_none=True)
+                        model(batch[:, :-1], batch[:, 1:]).backward()
+                        optimizer.step()
+                        compute[kind].append(time.perf_counter() - start)
+                        time.sleep(max(0.0, start + step_s - time.perf_counter()))
+                    if handle is not None:
+                        handle.remove()
+            client.close()
+            receiver.stdin.close()
+            received = int(receiver.stdout.readline() or 0)
+            receiver.wait(timeout=30)
+        finally:
+            if receiver.poll() is None:
+                receiver.kill()
+                receiver.wait()
 
     plain, instrumented, hook = spread(compute["plain"]), spread(compute["instrumented"]), spread(hook_s)
     rows = [
@@ -124,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             **{f"us_{k}": v * 1e6 for k, v in hook.items()},
             "pct_of_step": 100 * hook["median"] / step_s,
             "beats_sent": client.sent,
-            "beats_received": sum(drained),
+            "beats_received": received,
         },
     ]
     over = sum(t > step_s for ts in compute.values() for t in ts)
@@ -142,3 +148,18 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0
+
+
+def receive(directory: str) -> None:
+    """The supervisor's side: a heartbeat receiver in `directory`, drained every 50 ms as the supervisor's loop reads
+    it, until standard input closes; prints "ready" once listening, then the number of beats it read."""
+    from ftsup.supervisor.run.heartbeat import HeartbeatReceiver
+
+    with HeartbeatReceiver(Path(directory)) as receiver:
+        print("ready", flush=True)
+        closed = threading.Event()
+        threading.Thread(target=lambda: (sys.stdin.read(), closed.set()), daemon=True).start()
+        count = 0
+        while not closed.wait(0.05):
+            count += len(receiver.drain())
+        print(count + len(receiver.drain()), flush=True)
