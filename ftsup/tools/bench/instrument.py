@@ -158,7 +158,12 @@ def receive(directory: str) -> None:
     with HeartbeatReceiver(Path(directory)) as receiver:
         print("ready", flush=True)
         closed = threading.Event()
-        threading.Thread(target=lambda: (sys.stdin.read(), closed.set()), daemon=True).start()
+
+        def wait_for_eof() -> None:
+            sys.stdin.read()
+            closed.set()
+
+        threading.Thread(target=wait_for_eof, daemon=True).start()
         count = 0
         while not closed.wait(0.05):
             count += len(receiver.drain())
