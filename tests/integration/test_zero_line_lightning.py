@@ -2,7 +2,9 @@
 default checkpoints at the end of each epoch, `trainer.fit` with no checkpoint) under `ftsup run --nproc-per-node 2
 -- ...`, no YAML file: the auto-instrumentation gives its Trainer ftsup's callback, which commits each checkpoint the
 Trainer saves in the store with each rank's random streams, and a rank SIGKILLed mid-epoch is relaunched from the
-newest committed one with a per-step loss log bitwise the uninterrupted run's."""
+newest committed one with a per-step loss log bitwise the uninterrupted run's. An eviction mid-epoch gets an emergency
+save of the step reached, and the next run goes on from it (Lightning then starts the epoch's data again: not
+bitwise, docs/lightning.md)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any
 import pytest
 
 from ftsup.store import layout
+from ftsup.supervisor.policy.machine import EXIT_EVICTED
 from ftsup.tools.faults import chaos
 from tests.procs import BIN, REPO, kill_tree, wait_for
 
@@ -25,8 +28,11 @@ pytestmark = pytest.mark.multiprocess
 EPOCHS, PER_EPOCH, KILL_AFTER = 3, 8, 10  # 64 windows, 4 a batch, 2 ranks: 8 optimizer steps an epoch
 
 
-def supervise(workdir: Path, *, kill_after: int | None = None) -> list[dict[str, Any]]:
-    """`ftsup run` of the script on 2 ranks in `workdir`; rank 1 SIGKILLed once the loss log is past `kill_after`."""
+def supervise(
+    workdir: Path, *, kill_after: int | None = None, evict_after: int | None = None, code: int = 0
+) -> list[dict[str, Any]]:
+    """`ftsup run` of the script on 2 ranks in `workdir`; rank 1 SIGKILLed once the loss log is past `kill_after`, or
+    the supervisor sent SIGTERM (an eviction notice) once it is past `evict_after`; its exit status must be `code`."""
     script = [str(BIN / "lightning_default.py"), "--loss-log", "loss.jsonl", "--root", "root"]
     script += ["--epochs", str(EPOCHS), "--pause-s", "0.2"]
     argv = [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--nproc-per-node", "2"]
@@ -40,12 +46,16 @@ def supervise(workdir: Path, *, kill_after: int | None = None) -> list[dict[str,
             wait_for(lambda: len(logged(workdir)) > kill_after, 120, output)
             [node] = [p for p in (workdir / ".ftsup").iterdir() if (p / "journal.json").exists()]
             chaos.send(chaos.supervised_ranks(node)[1], signal.SIGKILL)
-        code = proc.wait(timeout=180)
+        if evict_after is not None:
+            output = lambda: (workdir / "ftsup.out").read_text()[-3000:]  # noqa: E731
+            wait_for(lambda: len(logged(workdir)) > evict_after, 120, output)
+            proc.send_signal(signal.SIGTERM)
+        ended = proc.wait(timeout=180)
     finally:
         kill_tree(proc.pid)
         proc.wait()
     [log] = (workdir / ".ftsup").glob("*/logs/supervisor.jsonl")
-    assert code == 0, (workdir / "ftsup.out").read_text()[-3000:]
+    assert ended == code, (workdir / "ftsup.out").read_text()[-3000:]
     return [json.loads(x) for x in log.read_text().splitlines()]
 
 
@@ -83,3 +93,13 @@ def test_a_sigkilled_rank_resumes_from_the_newest_committed_checkpoint_with_the_
     assert (first, resume % PER_EPOCH, steps[restart:]) == (None, 0, list(range(resume + 1, EPOCHS * PER_EPOCH + 1)))
     assert PER_EPOCH <= resume <= steps[restart - 1]  # progress kept: the script alone would start again at step 1
     assert losses(tmp_path) == losses(uninterrupted)
+
+
+def test_an_eviction_mid_epoch_saves_the_step_reached_and_the_next_run_goes_on_from_it(tmp_path):
+    supervise(tmp_path, evict_after=KILL_AFTER, code=EXIT_EVICTED)
+    saved = layout.latest_consistent(tmp_path / ".ftsup" / "checkpoints", deep=True)
+    reached = max(x["step"] for x in logged(tmp_path))
+    assert saved is not None and (saved.step, saved.kind) == (reached, "emergency")  # no step lost
+    events = supervise(tmp_path)
+    [resume] = [e["resume_step"] for e in events if e["event"] == "workers_launched"][-1:]
+    assert (resume, max(losses(tmp_path))) == (reached, EPOCHS * PER_EPOCH)
