@@ -83,6 +83,9 @@ def test_a_sigstopped_rank_of_a_script_without_ftsup_is_caught_as_a_hang_named_a
     assert hang["timeout_s"] >= 2.0 and unix(hang) - stopped_at <= hang["timeout_s"] + TICK_SLACK_S, hang
     second = next(where.glob("logs/attempt-0002.log")).read_text()
     assert "Resuming training from snapshot at Epoch" in second  # the script's own resume, as without ftsup
+    # The relaunch ran in the spare agent parked meanwhile, and its ranks were instrumented all the same.
+    reached = [e["attempt"] for e in seen if e["event"] == "first_step_reached"]
+    assert (reached, "spare_agent_used" in [e["event"] for e in seen]) == ([1, 2], True)
 
 
 def test_rank_zero_evaluating_alone_longer_than_the_timeout_is_no_hang_of_a_script_without_ftsup(tmp_path):
