@@ -4,8 +4,8 @@ their optimizer steps; `--no-instrument` leaves a script as it was; a script tha
 `tests/bin/elastic_ddp.py` is written after PyTorch's torchrun tutorial (DDP, its own snapshot every epoch): its
 rank 1 SIGSTOPped mid-run is caught as a hang within the timeout rule and named, and the job goes on from the
 script's snapshot. The nanoGPT-style baseline (`trainer/examples/nanogpt_baseline.py`), whose rank 0 alone evaluates,
-is not taken for a hang while it does. Each run starts in a directory of its own, where the state directory
-(`.ftsup/<node>`) lands.
+is not taken for a hang while it does, and a collective given no timeout gets the configured one. Each run starts in
+a directory of its own, where the state directory (`.ftsup/<node>`) lands.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -103,6 +104,15 @@ def test_rank_zero_evaluating_alone_longer_than_the_timeout_is_no_hang_of_a_scri
     failures = [e for e in seen if e.endswith("_timed_out") or e == "worker_exited"]
     assert (r.returncode, seen.count("workers_launched"), failures) == (0, 1, []), r.output[-3000:]
     assert "first_step_reached" in seen  # its steps were reported: detection was on during the evaluations
+
+
+def test_a_collective_the_script_gave_no_timeout_fails_after_the_configured_one(tmp_path):
+    """Rank 1 never joins rank 0's all-reduce; torch's default would keep rank 0 waiting for half an hour."""
+    argv = ftsup("run", "--nproc-per-node", "2", "--heartbeat-mode", "off", "--heartbeat-save-timeout-s", "2")
+    argv += ["--heartbeat-collective-timeout-s", "4", "--max-restarts", "0", "--"]
+    r = run([*argv, str(BIN / "collective_wait.py"), "30"], cwd=tmp_path, env=ENV, timeout=120)
+    waited = re.search(r"all_reduce failed after ([0-9.]+) s: .*Timed out", r.output)
+    assert waited is not None and 4.0 <= float(waited[1]) < 10.0, r.output[-3000:]
 
 
 def test_no_instrument_leaves_a_script_as_it_was(tmp_path):
