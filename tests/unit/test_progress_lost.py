@@ -126,7 +126,9 @@ def evicted_at_the_deadline(*figures: tuple[str, float]) -> list[P.Action]:
     d.train(range(1, 10), dt=0.2)
     d.feed(P.Heartbeat(1, 0, 10, Phase.TRAIN, figures=figures))
     assert any(isinstance(a, P.RequestSave) for a in d.feed(P.EvictionNoticed("aws", d.now + 30, "terminate")))
-    d.feed(P.Tick(), at=d.st.eviction.deadline - 0.5)
+    eviction = d.st.eviction
+    assert eviction is not None
+    d.feed(P.Tick(), at=eviction.deadline - 0.5)
     return d.feed(P.WorkersExited(1, -9))
 
 
