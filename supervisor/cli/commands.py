@@ -107,6 +107,9 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         Command("config", "check a job config", _build_config),
         Command("ckpt", "inspect a checkpoint directory", _build_ckpt),
         Command("rollback", "ask a job's supervisor to resume from an earlier checkpoint", _build_rollback),
+        Command(
+            "incidents", "the incidents kept (hangs with every rank's stacks, stragglers, anomalies)", _build_incidents
+        ),
         Command("bench", "benchmarks (checkpoint needs torch; see README)", _build_bench),
         DEMO.command(""),
         CHAOS.command(""),
@@ -231,6 +234,12 @@ def _build_rollback(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
     from ftsup.supervisor.cli import rollback as cli_rollback
 
     cli_rollback.add_arguments(p, _step_number)
+
+
+def _build_incidents(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
+    from ftsup.supervisor.cli import incidents as cli_incidents
+
+    cli_incidents.add_arguments(p)
 
 
 # --------------------------------------------------------------------------- ckpt

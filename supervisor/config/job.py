@@ -20,12 +20,24 @@ from ftsup.supervisor.config import signals as config_signals
 from ftsup.supervisor.config import values as config_values
 from ftsup.supervisor.config.anomaly import AnomalyConfig, parse_anomaly
 from ftsup.supervisor.config.durable import DurableConfig, parse_durable
+from ftsup.supervisor.config.forensics import ForensicsConfig, parse_forensics
 from ftsup.supervisor.config.launch import LaunchConfig, parse_launch
 from ftsup.supervisor.config.values import Section, Where
 from ftsup.supervisor.errors import ConfigError
 from ftsup.workdir import default_checkpoint_dir
 
-SECTIONS = ("job", "launch", "checkpoint", "heartbeat", "restart", "eviction", "metrics", "logging", "anomaly")
+SECTIONS = (
+    "job",
+    "launch",
+    "checkpoint",
+    "heartbeat",
+    "restart",
+    "eviction",
+    "metrics",
+    "logging",
+    "anomaly",
+    "forensics",
+)
 PROVIDERS = config_values.PROVIDERS  # eviction.providers, checked in `config.values`
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("json", "console")
@@ -229,6 +241,8 @@ class JobConfig:
     """Supervisor logs."""
     anomaly: AnomalyConfig = field(default_factory=AnomalyConfig)
     """Training-health detectors, rollback, escalation."""
+    forensics: ForensicsConfig = field(default_factory=ForensicsConfig)
+    """The evidence captured before a hung attempt is stopped, and the incident records kept."""
     source: str = "<string>"
     """Where the config came from (the path as given), for messages."""
 
@@ -302,6 +316,7 @@ def parse_config(
     metrics = Section(top.child("metrics"), mapping.get("metrics"), MetricsConfig)
     logging = Section(top.child("logging"), mapping.get("logging"), LoggingConfig)
     anomaly = Section(top.child("anomaly"), mapping.get("anomaly"), AnomalyConfig)
+    forensics = Section(top.child("forensics"), mapping.get("forensics"), ForensicsConfig)
 
     digest = hashlib.sha256(str(config_path if config_path is not None else base).encode()).hexdigest()
     run_id = job.optional("run_id", config_values.identifier, f"ftsup-{digest[:8]}")
@@ -343,6 +358,7 @@ def parse_config(
             echo=logging.optional("echo", config_values.boolean),
         ),
         anomaly=parse_anomaly(anomaly),
+        forensics=parse_forensics(forensics),
         source=source,
     )
 

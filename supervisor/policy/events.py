@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from ftsup.protocol import Phase
 from ftsup.supervisor.config.anomaly import AnomalyConfig
+from ftsup.supervisor.config.forensics import ForensicsConfig
 from ftsup.supervisor.config.job import HeartbeatMode, JobConfig
 
 
@@ -53,6 +54,7 @@ class Settings:
     max_attempts_without_progress: int
     save_margin_s: float  # safety margin when deciding whether an emergency save fits
     anomaly: AnomalyConfig  # the training-health detectors, rollback and escalation (`policy.anomaly`)
+    forensics: ForensicsConfig  # the evidence captured before a hung attempt is stopped (`policy.evidence`)
     stop_margin_s: float = 1.0  # ranks still running this long before an eviction deadline are stopped
     assumed_save_bytes_per_s: float = 256 * 2**20  # until a save has been measured
 
@@ -188,6 +190,22 @@ class EvictionNoticed:
     upload_s: float | None = None  # with a durable tier: how long the checkpoint's upload to it is expected to take
 
 
+@dataclass(frozen=True)
+class CaptureRequested:
+    """An operator asked for the ranks' evidence now (`ftsup incidents capture`); nothing is stopped."""
+
+    id: str
+    who: str = ""
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class EvidenceCaptured:
+    """The capture a `CaptureEvidence` asked for is over (complete, cut short at its bound, or failed)."""
+
+    attempt: int
+
+
 Event = (
     Start
     | LaunchReady
@@ -200,6 +218,8 @@ Event = (
     | OperatorStop
     | EvictionNoticed
     | RollbackRequested
+    | CaptureRequested
+    | EvidenceCaptured
 )
 
 
@@ -282,8 +302,34 @@ class WriteJournal:
     """Write the journal now: what `ftsup status` reads from it changed (a straggler found or gone)."""
 
 
+@dataclass(frozen=True)
+class CaptureEvidence:
+    """Capture every rank's evidence (stacks, process state, last beats and lines, NCCL's flight recorder) within
+    `timeout_s` and keep it as an incident record; then `EvidenceCaptured`, before the actions after it (a stop)."""
+
+    attempt: int
+    trigger: str  # what asked for it: hang, straggler, operator
+    event: str  # the event that said why: heartbeat_timed_out, straggler_detected, capture_requested, ...
+    reason: str
+    timeout_s: float
+    rank: int | None = None  # the rank the policy blames (global), or the straggler; None: none named
+    local_rank: int | None = None
+    state: str | None = None  # the blamed rank's process state, as the tick read it
+    waiting: tuple[int, ...] = ()  # the ranks taken to wait for it
+    step: int | None = None
+
+
 Action = (
-    PrepareLaunch | Launch | StopWorkers | RequestSave | AckEviction | Exit | Log | CheckpointCommitted | WriteJournal
+    PrepareLaunch
+    | Launch
+    | StopWorkers
+    | RequestSave
+    | AckEviction
+    | Exit
+    | Log
+    | CheckpointCommitted
+    | WriteJournal
+    | CaptureEvidence
 )
 
 
@@ -309,4 +355,5 @@ def settings_from(cfg: JobConfig, nproc_max: int) -> Settings:
         max_attempts_without_progress=rs.max_attempts_without_progress,
         save_margin_s=cfg.eviction.save_margin_s,
         anomaly=cfg.anomaly,
+        forensics=cfg.forensics,
     )

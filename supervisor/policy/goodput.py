@@ -110,8 +110,8 @@ def activity(st: State) -> str:
     if st.phase == SupervisorPhase.BACKOFF:
         return "backoff"
     evicting = st.eviction is not None
-    if st.phase == SupervisorPhase.STOPPING:
-        return "eviction" if evicting else "other"
+    if st.phase == SupervisorPhase.STOPPING:  # a hang's evidence, captured before its stop, is part of detecting it
+        return "eviction" if evicting else "detection" if st.capturing is not None else "other"
     if st.phase != SupervisorPhase.RUNNING or st.attempt is None:
         return "startup"
     phases = {view.phase for _, view in st.attempt.ranks}

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from ftsup.protocol import LONG_PHASES, QUIET_PHASES, Phase
 from ftsup.supervisor.config.job import HeartbeatMode
 from ftsup.supervisor.policy import anomaly as policy_anomaly
-from ftsup.supervisor.policy import failures, hangs, progress, saves
+from ftsup.supervisor.policy import evidence, failures, hangs, progress, saves
 from ftsup.supervisor.policy.events import (
     AckEviction,
     Action,
@@ -123,6 +123,7 @@ class State:
     newest_checkpoint: int | None = None  # the newest step committed in the store, as the ranks and launches said
     beating: bool = False  # a heartbeat has arrived in this supervisor's life: heartbeat.mode auto detects hangs
     anomaly: policy_anomaly.AnomalyState = policy_anomaly.AnomalyState()  # training health, rollbacks, data skips
+    capturing: int | None = None  # the attempt whose evidence is captured before its stop (`policy.evidence`)
 
 
 # ---------------------------------------------------------------------- the machine
@@ -138,6 +139,8 @@ def step(s: Settings, st: State, ev: Event, now: float) -> tuple[State, list[Act
         return _operator_stop(st, ev, now)
     if isinstance(ev, RollbackRequested):
         return _rollback_requested(st, ev, now)
+    if evidence.handles(ev):  # a capture over, or an operator's request for one
+        return evidence.on_event(s, st, ev)
     if isinstance(ev, LaunchReady) and st.phase == SupervisorPhase.PREPARING:
         return _launch(s, st, ev, now)
     att = st.attempt
@@ -233,8 +236,9 @@ def _heartbeat_and_saves(s: Settings, st: State, att: Attempt, ev: Heartbeat, no
             actions += progress.on_first_step(att.number, st.attempt.max_step, att.resume_step, att.best_before)
         if ev.phase == Phase.TRAIN and st.final is None:  # an eviction's save or a stop goes first
             anomaly, logs, stop = policy_anomaly.on_beat(s.anomaly, st.anomaly, ev, att.number, now)
+            captures = evidence.stragglers(s, att.number, st.anomaly, anomaly, ev.step)  # stacks; nothing stopped
             st = replace(st, anomaly=anomaly)
-            actions += logs
+            actions += [*logs, *captures]
             if stop is not None:  # the attempt ends here (its beats after this are not for this function)
                 return replace(
                     st,
@@ -384,20 +388,22 @@ def _tick(s: Settings, st: State, ev: Tick, now: float) -> tuple[State, list[Act
     if not training:  # still starting up (or loading: that has its own, longer timeout)
         if now - att.launched_at > s.startup_timeout_s and not long:
             why = f"no training step within startup_timeout_s={s.startup_timeout_s:g}"
-            return _fail(st, att, why, now, "startup_timed_out")
+            return evidence.first(s, "startup_timed_out", _fail(st, att, why, now, "startup_timed_out"))
     hb = heartbeat_timeout(s, st.step_times)
     hang = hangs.find(s, ranks, now, hb, waited_until=att.waited_until, states=dict(ev.states))
     if hang is not None:  # the rank that stopped first is blamed, the others named as waiting for it
-        return _fail(st, att, hang.reason, now, hang.event, **hang.fields())
+        return evidence.first(s, hang.event, _fail(st, att, hang.reason, now, hang.event, **hang.fields()), hang)
     every_rank = s.heartbeat_mode == HeartbeatMode.REQUIRED  # auto watches the ranks that beat, such as rank 0 alone
     if every_rank and training and len(ranks) < att.nproc and hb is not None and now - att.progress_at > hb:
         missing = sorted(set(range(att.nproc)) - set(ranks))
-        return _fail(st, att, f"local ranks {missing} never sent a heartbeat", now, "heartbeat_timed_out")
+        why = f"local ranks {missing} never sent a heartbeat"
+        return evidence.first(s, "heartbeat_timed_out", _fail(st, att, why, now, "heartbeat_timed_out"))
     pt = progress_timeout(s, st.step_times)
     if pt is not None and training and not long and not any(r.phase in QUIET_PHASES for r in ranks.values()):
         if now - att.progress_at > pt:
             why = f"no step progress for {now - att.progress_at:.1f}s (timeout {pt:.1f}s)"
-            return _fail(st, att, why, now, "progress_timed_out", timeout_s=round(pt, 3))
+            failed = _fail(st, att, why, now, "progress_timed_out", timeout_s=round(pt, 3))
+            return evidence.first(s, "progress_timed_out", failed)
     return st, []
 
 

@@ -11,6 +11,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +27,21 @@ from ftsup.supervisor.eviction.requeue import requeue
 from ftsup.supervisor.policy import goodput, saves
 from ftsup.supervisor.policy import machine as policy
 from ftsup.supervisor.policy.anomaly import AnomalyState
-from ftsup.supervisor.policy.events import CheckpointCommitted, WriteJournal, settings_from
+from ftsup.supervisor.policy.events import (
+    CaptureEvidence,
+    CheckpointCommitted,
+    EvidenceCaptured,
+    WriteJournal,
+    settings_from,
+)
 from ftsup.supervisor.run import systemd
+from ftsup.supervisor.run.forensics import Forensics
 from ftsup.supervisor.run.journaling import JournalKeeper, exit_status
 from ftsup.supervisor.run.outages import Outages
 from ftsup.supervisor.run.resume import ResumeChoice
 from ftsup.supervisor.run.sources import EventSources
 from ftsup.supervisor.run.workers import Workers
+from ftsup.supervisor.state.captures import CaptureWatcher
 from ftsup.supervisor.state.journal import JournalRecord
 from ftsup.supervisor.state.rollbacks import RollbackWatcher
 from ftsup.supervisor.telemetry import logs
@@ -95,6 +104,8 @@ class Daemon:
             figures=self.metrics.heartbeat,
         )
         self.rollbacks = RollbackWatcher(self.node_dir, clock=clock, emit=emit)
+        self.captures = CaptureWatcher(self.node_dir, clock=clock, emit=emit, wall=time.time)  # an operator's capture
+        self.forensics = Forensics(cfg, self.node_dir, clock=clock, emit=emit, outages=self.outages)
 
     def run(self) -> int:
         """Supervise the job until it ends; returns the exit status."""
@@ -116,7 +127,7 @@ class Daemon:
                 )
                 adopted = self.journal.adopt()
                 systemd.notify("READY=1", f"STATUS=supervising {self.cfg.job.run_id}")
-                settings = self.settings = settings_from(self.cfg, self.resume.nproc_max())
+                self.settings = settings_from(self.cfg, self.resume.nproc_max())
                 # Attempt numbers go on from the journal: log files and FTSUP_ATTEMPT stay unique; so do the
                 # data skips in force and the rollback requests served.
                 kept = self.journal.kept
@@ -127,11 +138,7 @@ class Daemon:
                 self.pending += [*self.rollbacks.poll(), policy.Start()]  # a request found now is the first start
                 while True:
                     while self.pending:  # feed the events, carry out the actions
-                        now, before, event = self.clock(), self.state, self.pending.pop(0)
-                        self.state, actions = policy.step(settings, before, event, now)
-                        self.goodput = goodput.feed(self.goodput, before, self.state, event, now)
-                        self.metrics.state(self.state, settings, now, time.time())
-                        if (code := self._execute(actions)) is not None:
+                        if (code := self._feed(self.pending.pop(0))) is not None:
                             self.code = code
                             return code
                     when, cursor, doing = self._journaled
@@ -148,6 +155,7 @@ class Daemon:
                     self.sources.wait(TICK_S)
                     self.pending.extend(self.sources.events())  # signals, eviction notices
                     self.pending.extend(self.rollbacks.poll())
+                    self.pending.extend(self.captures.poll())
                     beats = self.sources.beats(admit=self.workers.admits, vet=self.workers.vet)
                     self.pending.extend(self.workers.beats(beats))
                     self.pending.extend(self.workers.watch())  # torchrun's exit, a rank gone, new ranks
@@ -184,6 +192,7 @@ class Daemon:
         stack.enter_context(self.resume.running())
         if self.durable is not None:  # closed after the workers are stopped: what was sent is kept
             stack.enter_context(self.durable.running())
+        stack.callback(self.forensics.close)  # after the workers are stopped: a capture thread ends by its bound
         stack.enter_context(self.workers.running(runtime.path))
 
     def _serve_metrics(self) -> MetricsServer | None:
@@ -202,6 +211,19 @@ class Daemon:
         if self.code is not None:
             self._emit("info", "supervisor_exited", code=self.code)
 
+    def _feed(self, event: policy.Event) -> int | None:
+        """Feed one event to the policy and the accountant and carry out its actions; the exit status at an Exit."""
+        assert self.settings is not None
+        now, before = self.clock(), self.state
+        self.state, actions = policy.step(self.settings, before, event, now)
+        self.goodput = goodput.feed(self.goodput, before, self.state, event, now)
+        self.metrics.state(self.state, self.settings, now, time.time())
+        found = self.state.anomaly.incident
+        if found is not None and (old := before.anomaly.incident) is not found:  # an anomaly's own record
+            if old is None or replace(old, resumed_from=None) != replace(found, resumed_from=None):
+                self.forensics.anomaly(found, self.state.attempt_no)
+        return self._execute(actions)
+
     def _execute(self, actions: list[policy.Action]) -> int | None:
         """Carry out the policy's actions in order; the exit status once one of them is an Exit."""
         for action in actions:
@@ -216,6 +238,12 @@ class Daemon:
                 self.resume.prepare_or_retry(action.attempt, action.at_most)
             elif isinstance(action, policy.Launch):
                 self.workers.launch_or_fail(action)
+            elif isinstance(action, CaptureEvidence):  # its bound is its longest pause of the loop
+                att = self.workers.attempt
+                targets = self.workers.targets() if att is not None and att.number == action.attempt else []
+                self.forensics.capture(action, targets, att.log_path if att is not None else None)
+                if (code := self._feed(EvidenceCaptured(action.attempt))) is not None:  # before the stop it held
+                    return code
             elif isinstance(action, policy.StopWorkers):
                 self.workers.stop(action)
             elif isinstance(action, policy.RequestSave):

@@ -19,7 +19,7 @@ from ftsup.supervisor.config.job import JobConfig
 from ftsup.supervisor.errors import error_line
 from ftsup.supervisor.policy import hangs
 from ftsup.supervisor.policy import machine as policy
-from ftsup.supervisor.run import echo, launcher, ranklogs, warmagent
+from ftsup.supervisor.run import echo, flightrec, forensics, launcher, ranklogs, warmagent
 from ftsup.supervisor.run.heartbeat import Admission, Beat
 from ftsup.supervisor.run.outages import Outages
 from ftsup.supervisor.state import ranks as rankstatus
@@ -129,6 +129,26 @@ class Workers:
                 found[local] = state
         return tuple(sorted(found.items()))
 
+    def targets(self) -> list[forensics.Target]:
+        """The ranks of the running attempt, for a capture of their evidence: those the heartbeat channel admitted
+        (with their last beat), and torchrun's other children that carry the attempt's mark and a rank."""
+        att = self.attempt
+        if att is None:
+            return []
+        heard = self._table.heard_of()
+        found: dict[int, forensics.Target] = {}
+        for pid, (rank, local) in self._rank_of.items():
+            b = heard.get(local)
+            last = (b.step, b.phase, b.beat_unix) if b is not None and b.pid == pid else (None, None, None)
+            if local not in found or last[0] is not None:
+                found[local] = forensics.Target(rank, local, pid, self._start_ticks.get(pid), *last)
+        for pid in sorted(att.rank_pids() - {t.pid for t in found.values()}):
+            env = procs.environ_of(pid, att.mark, since=att.started_at) or {}
+            said, local_said, state = env.get("RANK", ""), env.get("LOCAL_RANK", ""), procs.run_state(pid)
+            if said.isdigit() and local_said.isdigit() and int(local_said) not in found and state is not None:
+                found[int(local_said)] = forensics.Target(int(said), int(local_said), pid, state[1])
+        return [found[k] for k in sorted(found)]
+
     def watch(self) -> list[policy.Event]:
         """What became of the running attempt since the last tick."""
         att = self.attempt
@@ -198,6 +218,8 @@ class Workers:
 
     def _launch(self, action: policy.Launch) -> None:
         env = launcher.rank_env(self.cfg, self._runtime(), action.resume_step, os.environ, action.skips)
+        if self.cfg.forensics.enabled and self.cfg.forensics.nccl_flight_recorder:  # a hang's evidence: NCCL's record
+            env.update(flightrec.rank_env(Path(self.cfg.job.state_dir), action.attempt, env))
         self._ranks_seen = frozenset()
         self._rank_phase, self._rank_of, self._dead_at, self._start_ticks = {}, {}, {}, {}
         self._admission.launched(action.attempt, action.resume_step, self._clock())

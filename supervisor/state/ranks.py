@@ -65,6 +65,10 @@ class RankTable:
         )
         self._changed = True
 
+    def heard_of(self) -> dict[int, RankStatus]:
+        """Each rank's newest beat of this attempt, by local rank."""
+        return dict(self._ranks)
+
     def flush(self, now: float) -> None:
         """Write the table when it changed and the last write is `WRITE_EVERY_S` old."""
         if not self._changed or (self._written_at is not None and now - self._written_at < WRITE_EVERY_S):

@@ -42,6 +42,8 @@ _EVENT_GROUPS = (
     # the durable tier
     "durable_upload_started durable_committed durable_upload_failed durable_dropped durable_deleted",
     "durable_retention_failed durable_deadline_missed",
+    # the evidence of a hang, a straggler or an operator's request: every rank's stacks, in an incident record
+    "incident_recorded incident_failed capture_requested capture_request_ignored",
 )
 EVENTS = frozenset(name for group in _EVENT_GROUPS for name in group.split())
 

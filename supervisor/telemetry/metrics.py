@@ -18,7 +18,7 @@ from prometheus_client.exposition import choose_encoder
 from ftsup.protocol import DROP_REASONS
 from ftsup.store import layout
 from ftsup.supervisor.config.job import split_host_port
-from ftsup.supervisor.policy import detectors, goodput
+from ftsup.supervisor.policy import detectors, evidence, goodput
 from ftsup.supervisor.policy import machine as policy
 from ftsup.supervisor.telemetry.http import BoundedHTTPServer
 from ftsup.supervisor.telemetry.logs import EVENTS
@@ -42,6 +42,7 @@ STORAGE_PURPOSES = {
     "control_file": "the control file that asks the ranks to save (job.state_dir)",
     "log_file": "the supervisor's log file",
     "rank_status": "the ranks as last heard, for ftsup status (job.state_dir)",
+    "incidents": "the incident records, for ftsup incidents (job.state_dir)",
 }
 """What the supervisor reads and writes, the `purpose` label of `ftsup_storage_errors_total`, and what each is
 for (as the `storage_failed` log line says it)."""
@@ -157,6 +158,14 @@ class Metrics:
             "ftsup_goodput_ratio",
             "Productive seconds over the job's wall time so far (productive plus every cause of badput).",
         )
+        self.incidents = counter(
+            "ftsup_incidents_total",
+            "Incident records written, by trigger: " + ", ".join(evidence.TRIGGERS) + ".",
+            ["trigger"],
+        )
+        self.capture_s = gauge(
+            "ftsup_evidence_capture_seconds", "How long the last capture of the ranks' stacks took (NaN: none yet)."
+        )
         self.escalations = counter(
             "ftsup_anomaly_escalations_total",
             "Anomalies that stopped the job (exit 7): the same again after its skip, or the rollback budget spent.",
@@ -245,6 +254,9 @@ class Metrics:
             self.anomalies.labels(kind)
         for trigger in TRIGGERS:
             self.rollbacks.labels(trigger)
+        for trigger in evidence.TRIGGERS:
+            self.incidents.labels(trigger)
+        self.capture_s.set(float("nan"))
         for outcome in DURABLE_OUTCOMES:
             self.durable_uploads.labels(outcome)
         self.durable_step.set(-1)
@@ -299,6 +311,10 @@ class Metrics:
             self.skipped.inc(fields["samples"])
         elif name == "anomaly_escalated":
             self.escalations.inc()
+        elif name == "incident_recorded" and fields.get("trigger") in evidence.TRIGGERS:
+            self.incidents.labels(str(fields["trigger"])).inc()
+            if isinstance(fields.get("duration_s"), float) and fields["trigger"] != "anomaly":
+                self.capture_s.set(fields["duration_s"])
         elif name == "durable_committed":
             self.durable_uploads.labels("already" if fields.get("outcome") == "already" else "committed").inc()
             sent = fields.get("bytes_sent")

@@ -299,7 +299,10 @@ def listed(help_text: str) -> list[str]:
 
 def test_help_lists_every_command_in_order(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "--help")
-    assert (code, listed(out)) == (0, ["run", "status", "config", "ckpt", "rollback", "bench", "demo", "chaos"])
+    assert (code, listed(out)) == (
+        0,
+        ["run", "status", "config", "ckpt", "rollback", "incidents", "bench", "demo", "chaos"],
+    )
 
 
 def test_bench_help_lists_every_benchmark_without_loading_the_checkpoint_one(

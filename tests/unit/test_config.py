@@ -467,7 +467,7 @@ def test_an_empty_file_is_refused() -> None:
 def test_a_top_level_list_is_refused() -> None:
     assert error_of("- job\n") == (
         "job.yaml: expected a mapping of sections (job, launch, checkpoint, heartbeat, restart, eviction, metrics, "
-        "logging, anomaly) at the top level, got a list"
+        "logging, anomaly, forensics) at the top level, got a list"
     )
 
 

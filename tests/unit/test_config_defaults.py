@@ -14,6 +14,7 @@ from ftsup.supervisor.config.job import (
     AnomalyConfig,
     CheckpointConfig,
     EvictionConfig,
+    ForensicsConfig,
     HeartbeatConfig,
     HeartbeatMode,
     JobSection,
@@ -38,7 +39,15 @@ def test_the_example_file_parses() -> None:
 
 def test_the_example_file_shows_the_real_defaults() -> None:
     config = load_config(EXAMPLE, hostname=HOST)
-    shown = (config.heartbeat, config.restart, config.eviction, config.metrics, config.logging, config.anomaly)
+    shown = (
+        config.heartbeat,
+        config.restart,
+        config.eviction,
+        config.metrics,
+        config.logging,
+        config.anomaly,
+        config.forensics,
+    )
     assert shown == (
         HeartbeatConfig(),
         RestartConfig(),
@@ -46,6 +55,7 @@ def test_the_example_file_shows_the_real_defaults() -> None:
         MetricsConfig(),
         LoggingConfig(),
         AnomalyConfig(),
+        ForensicsConfig(),
     )
 
 
@@ -59,6 +69,7 @@ SECTIONS = {
     "metrics": MetricsConfig,
     "logging": LoggingConfig,
     "anomaly": AnomalyConfig,
+    "forensics": ForensicsConfig,
 }
 
 
@@ -126,6 +137,7 @@ def test_every_setting_of_the_policy_comes_from_the_config() -> None:
         },
         "eviction": {"save_margin_s": 12},
         "anomaly": {"loss_spike_factor": 3, "max_rollbacks": 52},
+        "forensics": {"timeout_s": 7, "on_straggler": False},
     }
     expected = Settings(
         nproc_max=7,
@@ -146,6 +158,7 @@ def test_every_setting_of_the_policy_comes_from_the_config() -> None:
         max_attempts_without_progress=51,
         save_margin_s=12.0,
         anomaly=AnomalyConfig(loss_spike_factor=3.0, max_rollbacks=52),
+        forensics=ForensicsConfig(timeout_s=7.0, on_straggler=False),
     )
     assert settings_from(parse_config(raw, base_dir=Path("/"), hostname=HOST), nproc_max=7) == expected
 

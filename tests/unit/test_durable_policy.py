@@ -7,6 +7,7 @@ from __future__ import annotations
 from ftsup.store import layout
 from ftsup.supervisor.config.anomaly import AnomalyConfig
 from ftsup.supervisor.config.durable import DurableConfig
+from ftsup.supervisor.config.forensics import ForensicsConfig
 from ftsup.supervisor.config.job import HeartbeatMode
 from ftsup.supervisor.durable import rules as durable_policy
 from ftsup.supervisor.durable.rules import Picks, pick
@@ -78,6 +79,7 @@ def settings() -> Settings:
         max_attempts_without_progress=3,
         save_margin_s=5,
         anomaly=AnomalyConfig(),
+        forensics=ForensicsConfig(),
     )
 
 
