@@ -119,8 +119,8 @@ def activity(st: State) -> str:
         doing = "checkpoint_save"
     elif Phase.LOAD in phases:
         doing = "checkpoint_load"
-    elif phases & {Phase.EVAL, Phase.DONE}:
-        doing = "other"
+    elif Phase.EVAL in phases or (Phase.DONE in phases and Phase.TRAIN not in phases):
+        doing = "other"  # a rank done while another still trains: a failure's teardown, or the end's, not yet idle
     elif Phase.TRAIN in phases:
         doing = TRAIN
     else:  # no rank heard yet, or all of them still in init

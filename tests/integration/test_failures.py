@@ -110,6 +110,7 @@ def test_the_console_shows_each_launch_failure_relaunch_and_the_end_in_short_lin
     lines = [line for line in r.output.splitlines() if line.startswith("ftsup: ")]
     expected = [
         "supervising ",
+        "ranks auto-instrumented: hangs detected from each attempt's first optimizer step",
         "attempt 1 launched: 2 rank(s), from scratch",
         "attempt 1 failed: rank 1 (pid ",
         "relaunching in ",

@@ -23,6 +23,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from ftsup.protocol import DROP_REASONS
+from ftsup.supervisor.policy import evidence
 from ftsup.supervisor.policy.detectors import KINDS
 from ftsup.supervisor.policy.goodput import CAUSES
 from ftsup.supervisor.telemetry.logs import EVENTS
@@ -132,7 +133,7 @@ def test_every_label_value_comes_from_a_fixed_set_or_the_nodes_own_ids(probed):
         "version": {metadata.version("ftsup")},
         "reason": set(DROP_REASONS),
         "purpose": set(STORAGE_PURPOSES),
-        "trigger": set(TRIGGERS),
+        "trigger": set(TRIGGERS) | set(evidence.TRIGGERS),  # rollbacks and incidents
         "rank": {"0"},  # the node's one rank
         "cause": set(CAUSES),
         "outcome": set(DURABLE_OUTCOMES),

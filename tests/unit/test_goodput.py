@@ -176,6 +176,14 @@ def test_a_crash_while_training_is_detection_of_the_step_it_cut_short():
     assert d.st.phase == "backoff"
 
 
+def test_a_rank_exiting_after_another_was_killed_leaves_the_crash_to_detection():
+    d = started()
+    d.train(range(2, 6), dt=0.5)
+    d.feed(P.Heartbeat(1, 0, 5, Phase.DONE), at=d.now + 0.2)  # rank 0 torn down after rank 1 died mid-step
+    d.feed(P.WorkersExited(1, 1), at=d.now + 0.1)
+    assert d.seconds("detection") == pytest.approx(0.3) and d.seconds("other") == 0.0
+
+
 def test_a_crash_while_starting_is_startup():
     d = Driver()
     d.launch()
