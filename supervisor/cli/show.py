@@ -1,5 +1,6 @@
-"""`ftsup ckpt show DIR [--step N] [--json]`: what one checkpoint, or one Hugging Face model directory, holds, read
-from manifests and headers only, never a tensor's byte (docs/cli.md, `ftsup ckpt show`). Torch-free.
+"""`ftsup ckpt show DIR [--step N] [--json]`: what one checkpoint, a Hugging Face model directory or a DCP checkpoint
+holds, read from manifests, headers and metadata only, never a tensor's byte (docs/cli.md, `ftsup ckpt show`).
+Torch-free.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ftsup.store import dcpmeta, dtypes, hublayout, layout, pins, safefile
+from ftsup.store import dcpdir, dcpmeta, dtypes, hublayout, layout, pins, safefile
 from ftsup.store.errors import NoCheckpointError
 from ftsup.supervisor.cli import ckpt as cli_ckpt
 from ftsup.supervisor.errors import UsageError
@@ -21,13 +22,17 @@ _TABLE_ROWS = 10_000  # beyond this the table stops (the JSON has every tensor)
 def add_command(actions: Any, step_number: Callable[[str], int]) -> None:
     p = actions.add_parser(
         "show",
-        help="one checkpoint (or Hugging Face model directory): manifest, metadata, pin, tensors (headers only)",
+        help="one checkpoint (or Hugging Face model, or DCP directory): manifest, metadata, pin, tensors (headers)",
         description="Show the checkpoint of --step under DIR, or else the newest committed one: its manifest, the "
         "trainer's metadata (data_skips among them), its model config, its pin and its tensors (name, dtype, shape, "
         "bytes, files), read from its metadata and headers, never from tensor data. A DIR holding model.safetensors "
-        "or model.safetensors.index.json (a Hugging Face model) is shown from its safetensors headers.",
+        "or model.safetensors.index.json (a Hugging Face model) is shown from its safetensors headers; one holding "
+        ".metadata, or torchtitan's step-N/.metadata folders (a torch.distributed.checkpoint directory; --step picks "
+        "the folder, default the newest), from its metadata, read without running its pickle.",
     )
-    p.add_argument("dir", metavar="DIR", type=Path, help="the checkpoint directory, or a Hugging Face model directory")
+    p.add_argument(
+        "dir", metavar="DIR", type=Path, help="the checkpoint directory, a Hugging Face model or a DCP checkpoint"
+    )
     p.add_argument("--step", type=step_number, help="the step to show (default: newest)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_show)
@@ -40,6 +45,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         if args.step is not None:
             raise UsageError(f"{root} is a Hugging Face model directory, not a checkpoint store: --step does not apply")
         return _show_hub(root, args.json)
+    if not committed and dcpdir.is_dcp_dir(root):
+        return _show_dcp(dcpdir.read(dcpdir.locate(root, args.step)), args.json)
     if args.step is None and not committed:
         raise NoCheckpointError(
             f"no committed checkpoint under {root} (nor a Hugging Face model: no "
@@ -138,6 +145,41 @@ def _show_hub(root: Path, as_json: bool) -> int:
     if model.index:
         print(f"index metadata: {json.dumps(model.index)[:200]}")
     print(f"config: {json.dumps(config)[:200]}" if config is not None else f"config: none ({hublayout.CONFIG_NAME})")
+    _print_tensors(tensors, "")
+    return cli_ckpt.EXIT_OK
+
+
+def _show_dcp(ckpt: dcpdir.DcpCheckpoint, as_json: bool) -> int:
+    files: dict[str, list[str]] = {}
+    for t in ckpt.tensors.values():
+        files[t.name] = sorted({c.file for c in t.chunks})
+    tensors = [
+        {"name": t.name, "dtype": t.dtype, "shape": list(t.size), "bytes": t.nbytes, "files": files[t.name]}
+        for t in ckpt.tensors.values()
+    ]
+    name = ckpt.path.name
+    shown: dict[str, Any] = {
+        "path": str(ckpt.path),
+        "layout": "dcp",
+        "step": int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else None,
+        "version": ckpt.version,
+        "files": [{"file": f, "bytes": n} for f, n in sorted(ckpt.files.items())],
+        "bytes": sum(ckpt.files.values()),
+        "tensors": tensors,
+        "tensor_bytes": sum(t["bytes"] for t in tensors),
+        "chunks": sum(len(t.chunks) for t in ckpt.tensors.values()),
+        "values": [{"name": b.name, "bytes": b.length, "file": b.file} for b in ckpt.blobs.values()],
+    }
+    if as_json:
+        cli_ckpt.print_json(shown)
+        return cli_ckpt.EXIT_OK
+    print(f"path: {ckpt.path}")
+    print(f"layout: torch.distributed.checkpoint (metadata version {ckpt.version})")
+    if shown["step"] is not None:
+        print(f"step: {shown['step']}")
+    for f in shown["files"]:
+        print(f"file: {f['file']} ({cli_ckpt.human_bytes(f['bytes'])})")
+    print(f"values saved as bytes (not tensors): {len(ckpt.blobs)}")
     _print_tensors(tensors, "")
     return cli_ckpt.EXIT_OK
 
