@@ -24,6 +24,7 @@ from ftsup.trainer import rng
 from ftsup.trainer.batches import CallableSource, IterableSource, Streams, batch_source
 from ftsup.trainer.checkpoint.engine import CheckpointEngine, LoadResult
 from ftsup.trainer.data import DataConfigError, GlobalBatchSchedule, MicroBatch, RankBatchSampler
+from ftsup.trainer.dcp.load import DcpInit
 from ftsup.trainer.hf.load import HfInit
 from ftsup.trainer.ownwork import OwnWork
 from ftsup.trainer.runtime import Agreement, RuntimeClient, runtime
@@ -52,7 +53,8 @@ class Session:
     `save_every`: steps between periodic saves (None: only emergency and final ones). `seed` (default 0, or the
     schedule's): a dataset's order and dropout seeds, and the streams of a rank a checkpoint does not have. `skip`:
     ranges (A, B) of a dataset's global positions never to serve (with `FTSUP_DATA_SKIPS` and the checkpoint's).
-    `init_from_hf`: a Hugging Face Hub-layout model directory whose weights a fresh run starts from.
+    `init_from_hf`: a Hugging Face Hub-layout model directory whose weights a fresh run starts from; `init_from_dcp`:
+    a DCP checkpoint directory (torch's or torchtitan's, or one of its `step-N` folders) the same way.
     """
 
     def __init__(
@@ -79,7 +81,10 @@ class Session:
         engine: CheckpointEngine | None = None,
         skip: Iterable[tuple[int, int]] = (),
         init_from_hf: str | os.PathLike[str] | None = None,
+        init_from_dcp: str | os.PathLike[str] | None = None,
     ) -> None:
+        if init_from_hf is not None and init_from_dcp is not None:
+            raise ValueError("init_from_hf and init_from_dcp: a run starts from one model's weights, not two")
         if save_every is not None and (not isinstance(save_every, int) or save_every < 1):
             raise ValueError(f"save_every must be a number of steps >= 1 or None, not {save_every!r}")
         skip = tuple(skip)
@@ -119,6 +124,14 @@ class Session:
                     took = round(time.monotonic() - t0, 4)
                     where, read = self.hf_init.origin["dir"], self.hf_init.bytes_read
                     log.info("hf_model_loaded", rank=self.rank, path=where, bytes_read=read, duration_s=took)
+                self.dcp_init: DcpInit | None = None
+                """What `init_from_dcp` loaded (None: a checkpoint was resumed, or no DCP checkpoint was given)."""
+                if self.loaded is None and init_from_dcp is not None:
+                    t0 = time.monotonic()
+                    self.dcp_init = st.init_from_dcp(init_from_dcp)
+                    took = round(time.monotonic() - t0, 4)
+                    where, read = self.dcp_init.origin["dir"], self.dcp_init.bytes_read
+                    log.info("dcp_model_loaded", rank=self.rank, path=where, bytes_read=read, duration_s=took)
             if self.loaded is not None:
                 self._streams.pending(functools.partial(self._resume_position, self.loaded))
             self.schedule = st.schedule  # with every skip in force

@@ -21,6 +21,7 @@ from ftsup.store.errors import CheckpointMismatchError, NoCheckpointError
 from ftsup.trainer import modelconfig, rng
 from ftsup.trainer.checkpoint.engine import CheckpointEngine, LoadResult, SaveHandle, SaveResult
 from ftsup.trainer.data import DataPositionError, GlobalBatchSchedule
+from ftsup.trainer.dcp.load import DcpInit, load_dcp_model
 from ftsup.trainer.hf.load import HfInit, load_hf_model
 from ftsup.trainer.runtime import runtime
 from ftsup.trainer.stepguard import StepCheck, StepGuard
@@ -68,6 +69,8 @@ class TrainingState:
         self.origin: dict[str, Any] | None = None
         """Where the run's first weights came from (`ftsup.trainer.hf.load`: a Hugging Face model), recorded in
         every checkpoint's metadata (`init_from_hf`) and taken back up by a resume; None: its own initialisation."""
+        self.dcp_origin: dict[str, Any] | None = None
+        """The same for a DCP checkpoint's weights (`ftsup.trainer.dcp.load`), recorded as `init_from_dcp`."""
 
     def init_from_hf(
         self,
@@ -81,6 +84,21 @@ class TrainingState:
         collective: each rank reads its share), recorded as the run's `origin` in every checkpoint from now on."""
         result = load_hf_model(self.model, directory, rename=rename, convert=convert, group=group)
         self.origin = result.origin
+        return result
+
+    def init_from_dcp(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        step: int | None = None,
+        prefix: str | None = None,
+        group: Any = None,
+    ) -> DcpInit:
+        """The model's weights from a DCP checkpoint directory (torchtitan's `step-N` folders included:
+        `ftsup.trainer.dcp.load.load_dcp_model`, collective: each rank reads its share), recorded as the run's
+        `init_from_dcp` in every checkpoint from now on."""
+        result = load_dcp_model(self.model, directory, step=step, prefix=prefix, group=group)
+        self.dcp_origin = result.origin
         return result
 
     # ------------------------------------------------------------------ the step guard
@@ -137,6 +155,8 @@ class TrainingState:
 
     def metadata(self) -> dict[str, Any]:
         meta: dict[str, Any] = {} if self.origin is None else {"init_from_hf": self.origin}
+        if self.dcp_origin is not None:
+            meta["init_from_dcp"] = self.dcp_origin
         meta["step"] = self.step
         if self.schedule is not None:
             meta |= {
@@ -230,6 +250,8 @@ class TrainingState:
             return None
         if isinstance(result.metadata.get("init_from_hf"), dict):
             self.origin = dict(result.metadata["init_from_hf"])
+        if isinstance(result.metadata.get("init_from_dcp"), dict):
+            self.dcp_origin = dict(result.metadata["init_from_dcp"])
         if restore_streams:
             self.restore_streams(result)
         return result

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from ftsup import extras
 from ftsup.store.errors import CheckpointError
 from ftsup.supervisor.cli import ckpt as cli_ckpt
-from ftsup.supervisor.cli import export_hf
+from ftsup.supervisor.cli import export_dcp, export_hf
 from ftsup.supervisor.cli import show as cli_show
 from ftsup.supervisor.cli.ckpt import print_json as _print_json
 from ftsup.supervisor.errors import RunError, SupervisorError, UsageError, error_line
@@ -321,6 +321,14 @@ def _build_ckpt(ckpt: argparse.ArgumentParser, rest: Sequence[str]) -> None:
     export_hf.add_arguments(p, _step_number)
     p.set_defaults(handler=cmd_ckpt_export_hf)
 
+    p = actions.add_parser(
+        "export-dcp",
+        help="export a checkpoint's tensors as a torch.distributed.checkpoint directory (needs torch)",
+        description=export_dcp.DESCRIPTION,
+    )
+    export_dcp.add_arguments(p, _step_number)
+    p.set_defaults(handler=cmd_ckpt_export_dcp)
+
 
 def cmd_ckpt_export_hf(args: argparse.Namespace) -> int:
     try:
@@ -328,6 +336,14 @@ def cmd_ckpt_export_hf(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as e:
         raise UsageError(extras.needs(e, "ftsup ckpt export-hf")) from None
     return export_hf.run(args, hf)
+
+
+def cmd_ckpt_export_dcp(args: argparse.Namespace) -> int:
+    try:
+        from ftsup.trainer.dcp import export as dcp
+    except ModuleNotFoundError as e:
+        raise UsageError(extras.needs(e, "ftsup ckpt export-dcp")) from None
+    return export_dcp.run(args, dcp)
 
 
 def _step_number(text: str) -> int:

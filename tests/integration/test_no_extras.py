@@ -80,10 +80,21 @@ def test_ftsup_run_supervises_a_torch_job_whose_interpreter_has_torch(venv: Path
     assert logged == 3
 
 
+def test_ftsup_ckpt_show_reads_a_dcp_directory_without_torch(venv: Path, tmp_path: Path) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.zeros(3, 2)}, checkpoint_id=str(tmp_path / "step-4"), no_dist=True)
+    done = bare(venv, [str(venv / "ftsup"), "ckpt", "show", str(tmp_path), "--json"], tmp_path)
+    shown = json.loads(done.stdout) if done.returncode == 0 else done.stderr
+    assert (shown["step"], shown["tensors"][0]["shape"]) == (4, [3, 2]), shown
+
+
 TORCH_SIDE: dict[str, Any] = {
     "from ftsup import TrainingState": ["{python}", "-c", "from ftsup import TrainingState"],
     "the reference trainer": ["{python}", "-m", "ftsup.trainer.examples.gpt", "--steps", "1"],
     "ftsup ckpt export-hf": ["{ftsup}", "ckpt", "export-hf", "{tmp}", "{tmp}/out"],
+    "ftsup ckpt export-dcp": ["{ftsup}", "ckpt", "export-dcp", "{tmp}", "{tmp}/out"],
     "ftsup bench checkpoint": ["{ftsup}", "bench", "checkpoint", "--size-mb", "1", "--dir", "{tmp}/bench"],
 }
 

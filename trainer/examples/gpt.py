@@ -146,6 +146,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "(model.safetensors, or its index and shards; each rank reads its share)"
         ),
     )
+    p.add_argument(
+        "--init-from-dcp",
+        metavar="DIR",
+        help="a fresh run starts from this DCP checkpoint's weights (torch's, torchtitan's: DIR/step-N or the newest)",
+    )
     p.add_argument("--skip", default="", help="A:B,C:D: global data positions never served (with FTSUP_DATA_SKIPS)")
     p.add_argument(
         "--eval-every",
@@ -263,6 +268,7 @@ def train(args: argparse.Namespace) -> int:
         num_workers=args.num_workers,
         skip=args.skip,
         init_from_hf=args.init_from_hf,
+        init_from_dcp=args.init_from_dcp,
     )
     loss_log = open(args.loss_log, "a") if args.loss_log and rank == 0 else None  # noqa: SIM115
     sample_log = open(args.sample_log.replace("{rank}", str(rank)), "a") if args.sample_log else None  # noqa: SIM115

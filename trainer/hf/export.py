@@ -91,7 +91,7 @@ def export_hf(
     out = Path(out)
     if dtype is not None and codec.dtype_name(dtype) not in dtypes.CAST_NAMES.values():
         raise CheckpointError(f"cannot export as {dtype}: the choices are {', '.join(dtypes.CAST_NAMES)}")
-    _check_out(out)
+    check_out(out)
     info = layout.find_checkpoint(root, step)
     if not info.consistent:
         raise CheckpointCorruptError(
@@ -127,7 +127,7 @@ def export_hf(
                 raw = layout.read_verified(ckpt, manifest, GENERATION_CONFIG_NAME, hublayout.CONFIG_MAX_BYTES)
                 write_new(tmp / GENERATION_CONFIG_NAME, raw)
             index["metadata"].update(ftsup_step=info.step, config=source)
-            _publish(tmp, out)
+            publish(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -161,7 +161,7 @@ def _config_bytes(config: Mapping[str, Any], dtype: torch.dtype | None) -> bytes
     return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()  # as transformers writes config.json
 
 
-def _check_out(out: Path) -> None:
+def check_out(out: Path) -> None:
     try:
         st = os.lstat(out)
     except FileNotFoundError:
@@ -175,7 +175,7 @@ def _check_out(out: Path) -> None:
             raise CheckpointError(f"{out} exists and is not empty; choose a new directory")
 
 
-def _publish(tmp: Path, out: Path) -> None:
+def publish(tmp: Path, out: Path) -> None:
     """Rename the finished directory onto `out` (absent or empty: rename replaces an empty directory)."""
     mask = os.umask(0o022)
     os.umask(mask)
