@@ -6,8 +6,12 @@ bitwise, the export holding no more than the largest tensor plus 256 MiB in memo
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import os
+import pickle
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -180,3 +184,32 @@ def test_a_session_starts_from_one_model_not_two():
     model, _ = gpt()
     with pytest.raises(ValueError, match="init_from_hf and init_from_dcp"):
         Session(model, torch.optim.SGD(model.parameters(), lr=0.1), init_from_hf="a", init_from_dcp="b")
+
+
+class _Evil:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, ("touch pwned",))
+
+
+def test_a_chunk_whose_pickle_imports_anything_else_names_the_file_and_the_tensor_and_runs_nothing(
+    tmp_path, monkeypatch
+):
+    dcp.save({"model": GPT(256, dropout=0.0, **SHAPE).state_dict()}, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr("archive/data.pkl", pickle.dumps(_Evil()))
+    data = tmp_path / "d" / "__0_0.distcp"
+    at = data.stat().st_size
+    with open(data, "ab") as f:
+        f.write(archive.getvalue())
+    with open(tmp_path / "d" / ".metadata", "rb") as f:
+        meta = pickle.load(f)  # the test's own file
+    for index, info in meta.storage_data.items():
+        if index.fqn == "model.ln.bias":
+            info.offset, info.length = at, len(archive.getvalue())
+    (tmp_path / "d" / ".metadata").write_bytes(pickle.dumps(meta))
+    monkeypatch.chdir(tmp_path)
+    model, before = gpt()
+    with pytest.raises(ModelFileError, match=r"d/__0_0\.distcp \(tensor 'model\.ln\.bias' .*names posix\.system"):
+        load_dcp_model(model, tmp_path / "d")
+    assert (digests(model.state_dict()), (tmp_path / "pwned").exists()) == (before, False)

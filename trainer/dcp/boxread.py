@@ -1,5 +1,5 @@
 """`BoxReader`: any box of a DCP checkpoint's tensor, read by byte ranges of the chunks it overlaps (whole rows of
-each chunk's overlap), never a byte of another rank's share (docs/torchtitan.md; trainer/checkpoint/DESIGN.md, Import).
+each chunk's overlap), never a byte of another rank's share (trainer/checkpoint/DESIGN.md, DCP interop).
 
 Not here: the metadata and the archives' structure (`ftsup.store.dcpdir`, `ftsup.store.dcparchive`).
 """
