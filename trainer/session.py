@@ -131,7 +131,15 @@ class Session:
                     self.dcp_init = st.init_from_dcp(init_from_dcp)
                     took = round(time.monotonic() - t0, 4)
                     where, read = self.dcp_init.origin["dir"], self.dcp_init.bytes_read
-                    log.info("dcp_model_loaded", rank=self.rank, path=where, bytes_read=read, duration_s=took)
+                    records = self.dcp_init.structure_bytes_read
+                    log.info(
+                        "dcp_model_loaded",
+                        rank=self.rank,
+                        path=where,
+                        bytes_read=read,
+                        structure_bytes_read=records,
+                        duration_s=took,
+                    )
             if self.loaded is not None:
                 self._streams.pending(functools.partial(self._resume_position, self.loaded))
             self.schedule = st.schedule  # with every skip in force
