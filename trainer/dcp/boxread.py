@@ -56,7 +56,14 @@ class BoxReader:
             hi = tuple(min(o + n, co + cn) for o, n, co, cn in zip(offsets, sizes, c.offsets, c.sizes, strict=True))
             if any(a >= b for a, b in zip(lo, hi, strict=True)):
                 continue
-            part = self._chunk_rows(t, c, dtype, lo[0] - c.offsets[0] if lo else 0, hi[0] - c.offsets[0] if hi else 0)
+            r0, r1 = (lo[0] - c.offsets[0], hi[0] - c.offsets[0]) if lo else (0, 0)
+            into = None
+            if lo and lo[1:] == offsets[1:] == c.offsets[1:] and sizes[1:] == c.sizes[1:]:
+                # Whole rows of both: read straight into the box's rows (contiguous), no buffer and no copy.
+                into = out.narrow(0, lo[0] - offsets[0], r1 - r0).reshape(-1).view(torch.uint8)
+            part = self._chunk_rows(t, c, dtype, r0, r1, into)
+            if part is None:
+                continue
             src, dst = part, out
             for dim in range(len(lo)):
                 first = lo[dim] - c.offsets[dim] if dim else 0  # `part` starts at the overlap's first row
@@ -65,8 +72,11 @@ class BoxReader:
             dst.copy_(src)
         return out
 
-    def _chunk_rows(self, t: dcpdir.Tensor, c: dcpdir.Chunk, dtype: torch.dtype, r0: int, r1: int) -> torch.Tensor:
-        """Rows [r0, r1) of dim 0 of chunk `c` (its whole value for a 0-dimensional tensor)."""
+    def _chunk_rows(
+        self, t: dcpdir.Tensor, c: dcpdir.Chunk, dtype: torch.dtype, r0: int, r1: int, into: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Rows [r0, r1) of dim 0 of chunk `c` (its whole value for a 0-dimensional tensor); None where they were read
+        into `into` (their bytes' memory), which a contiguous chunk's rows are."""
         fd = self._open(c.file)
         key = (t.name, c.file, c.offset)
         where = self._where.get(key)
@@ -87,11 +97,14 @@ class BoxReader:
             storage = self._pread(fd, where.start, where.nbytes, what).view(dtype)
             return storage.as_strided(where.size, where.stride, where.storage_offset).narrow(0, r0, r1 - r0)
         row = math.prod(c.sizes[1:])
-        raw = self._pread(fd, where.start + (where.storage_offset + r0 * row) * item, (r1 - r0) * row * item, what)
-        return raw.view(dtype).reshape((r1 - r0, *c.sizes[1:]))
+        start, n = where.start + (where.storage_offset + r0 * row) * item, (r1 - r0) * row * item
+        if into is not None:
+            self._pread(fd, start, n, what, into)
+            return None
+        return self._pread(fd, start, n, what).view(dtype).reshape((r1 - r0, *c.sizes[1:]))
 
-    def _pread(self, fd: int, start: int, n: int, what: str) -> torch.Tensor:
-        buf = torch.empty(n, dtype=torch.uint8)
+    def _pread(self, fd: int, start: int, n: int, what: str, into: torch.Tensor | None = None) -> torch.Tensor:
+        buf = torch.empty(n, dtype=torch.uint8) if into is None else into
         view = as_memoryview(buf)
         pos = 0
         while pos < n:
