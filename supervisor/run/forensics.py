@@ -6,6 +6,7 @@ NCCL's flight recorder, captured in parallel within a hard bound, the culprit na
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -18,7 +19,7 @@ from ftsup.supervisor.errors import error_line
 from ftsup.supervisor.policy import stacks
 from ftsup.supervisor.policy.anomaly import Incident as Anomaly
 from ftsup.supervisor.policy.events import CaptureEvidence
-from ftsup.supervisor.policy.hangs import GONE
+from ftsup.supervisor.policy.hangs import GONE, STUCK
 from ftsup.supervisor.policy.stacks import Thread
 from ftsup.supervisor.run import flightrec, ranklogs, stacktools
 from ftsup.supervisor.run.outages import Outages
@@ -26,6 +27,7 @@ from ftsup.supervisor.state import incidents
 
 WRITE_MARGIN_S = 0.25  # of the bound, kept for the record's write after the stacks
 JOIN_S = 1.0  # at close, the longest waited for each capture thread still running
+CONTINUED = "continued: a stack tool stopped at the bound had left it stopped"
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,8 @@ class Forensics:
         tools_until = stacks_until - min(stacktools.REAP_S, bound / 10)  # a tool stopped there is reaped by then
         incident_id = incidents.new_id(action.trigger, action.attempt, wall)
         self._threads = [t for t in self._threads if t.is_alive()]
-        states = {t.local_rank: self._state(t) for t in targets}  # before any tool stops a process to read it
+        before = {t.local_rank: self._state(t) for t in targets}  # before any tool stops a process to read it
+        states: dict[int, str | None] = {local: state for local, (state, _) in before.items()}
         wchans = {t.local_rank: stacktools.wchan(t.pid) for t in targets if states[t.local_rank] != GONE}
         stem = flightrec.prefix(self.state_dir, action.attempt)
         asked = flightrec.poke(stem, [t.rank for t in targets]) if self.cfg.forensics.nccl_flight_recorder else []
@@ -104,7 +107,7 @@ class Forensics:
                 continue
             worker = threading.Thread(
                 target=self._take,
-                args=(taken[t.local_rank], t, states[t.local_rank], tools, tools_until),
+                args=(taken[t.local_rank], t, before[t.local_rank], tools, tools_until),
                 name=f"ftsup-evidence-{t.local_rank}",
                 daemon=True,
             )
@@ -114,6 +117,9 @@ class Forensics:
         for worker in workers:
             worker.join(max(0.0, stacks_until - self._clock()))
         got = {local: self._settled(taken[local], t) for local, t in ((t.local_rank, t) for t in targets)}
+        for t in targets:  # a rank whose capture is still running is continued by it once its tools are gone
+            if continue_left(t.pid, *before[t.local_rank]):
+                got[t.local_rank].problems.append(CONTINUED)
         try:
             self.store.ensure()
             dumps, dump_problems = flightrec.collect(
@@ -195,17 +201,23 @@ class Forensics:
         )
         return incident
 
-    def _state(self, t: Target) -> str | None:
+    def _state(self, t: Target) -> tuple[str, int | None]:
+        """The rank's process state and start time; `GONE` when the pid names no process, or a later one (then it is
+        never read nor signalled as this rank)."""
         got = procs.run_state(t.pid)
         if got is None or (t.start_ticks is not None and got[1] != t.start_ticks):
-            return GONE  # no process, or the pid names a later one: never read or signalled as this rank
-        return got[0]
+            return GONE, None
+        return got
 
-    def _take(self, out: _Taken, t: Target, state: str | None, tools: Sequence[stacktools.Tool], until: float) -> None:
+    def _take(
+        self, out: _Taken, t: Target, before: tuple[str, int | None], tools: Sequence[stacktools.Tool], until: float
+    ) -> None:
         try:
-            out.threads, out.tool = stacktools.take(tools, t.pid, state, until, self._clock, out.problems)
+            out.threads, out.tool = stacktools.take(tools, t.pid, before[0], until, self._clock, out.problems)
         except Exception as e:  # a thread of this adapter: what failed is said in the record, never raised
             out.problems.append(f"capture failed: {error_line(e)}")
+        if continue_left(t.pid, *before):  # its tools are gone: even past the bound, a rank is never left stopped
+            out.problems.append(CONTINUED)
         out.done = True
 
     def _settled(self, taken: _Taken, t: Target) -> _Taken:
@@ -244,6 +256,20 @@ class Forensics:
             beat_unix=t.beat_unix,
             log_tail=tuple(line[: incidents.MAX_TEXT] for line in tail[-incidents.MAX_LINES :]),
         )
+
+
+def continue_left(pid: int, state: str, ticks: int | None) -> bool:
+    """Continue the rank `pid` if a stack tool left it stopped: stopped now (`T`), though it was not when first read
+    (`state`), and still the process it was (its start time `ticks`): a tool stopped at its deadline while it held
+    the rank stopped to read it can leave it so (the SIGSTOP of its attach outlives it). Whether it was continued."""
+    now = procs.run_state(pid)
+    if state in STUCK or ticks is None or now != ("T", ticks):
+        return False
+    try:
+        os.kill(pid, signal.SIGCONT)  # the rank as it was: verified by its start time
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _with_problems(ranks: Sequence[incidents.RankEvidence], problems: list[str]) -> tuple[incidents.RankEvidence, ...]:

@@ -23,6 +23,7 @@ MAX_OUTPUT = 4 << 20  # a tool's stdout read at most; past it the tool is stoppe
 MAX_ERROR = 16 << 10  # of its stderr, the end kept
 REAP_S = 0.5  # after SIGKILL, the longest waited for a tool to be reaped
 CANCEL_POLL_S = 0.05  # how often a tool's run looks whether it is still needed
+STOP_S = 0.1  # past its deadline or its cancel, the longest waited for a tool to be stopped and reaped before going on
 _KERNEL = "[kernel] "
 _PROC = "/proc"
 
@@ -51,14 +52,21 @@ def find_tools(names: Sequence[str], environ: Mapping[str, str]) -> tuple[list[T
     return found, missing
 
 
-def argv(tool: Tool, pid: int, state: str | None, *, beside_tracer: bool = False) -> list[str]:
-    """The command that prints `pid`'s stacks. py-spy's default mode stops the process (ptrace) to read it, as pystack
-    does: beside pystack, or for a stopped process (which it cannot stop), it reads without stopping it, Python frames
-    only; alone, it stops a running one and reads its native frames too."""
-    if tool.kind == "pystack":
-        return [tool.path, "remote", "--native-last", "--no-color", str(pid)]
-    mode = ["--nonblocking"] if beside_tracer or state in STUCK else ["--native"]
-    return [tool.path, "dump", "--pid", str(pid), *mode]
+def commands(tools: Sequence[Tool], pid: int, state: str | None) -> list[tuple[Tool, str, list[str]]]:
+    """The commands that print `pid`'s stacks, in the order they are preferred, each with what it is called. py-spy's
+    default mode stops the process (ptrace) to read it, as pystack does, and only then reads native frames: beside
+    pystack, or for a stopped process (which it cannot stop), it reads without stopping it, Python frames only; alone,
+    a running process is read both ways at once, the native frames preferred."""
+    out: list[tuple[Tool, str, list[str]]] = []
+    tracer = any(t.kind == "pystack" for t in tools)
+    for tool in tools:
+        if tool.kind == "pystack":
+            out.append((tool, tool.kind, [tool.path, "remote", "--native-last", "--no-color", str(pid)]))
+            continue
+        if not tracer and state not in STUCK:
+            out.append((tool, f"{tool.kind} --native", [tool.path, "dump", "--pid", str(pid), "--native"]))
+        out.append((tool, tool.kind, [tool.path, "dump", "--pid", str(pid), "--nonblocking"]))
+    return out
 
 
 def parse(tool: Tool, text: str, pid: int) -> list[Thread]:
@@ -134,21 +142,20 @@ def take(
     clock: Callable[[], float],
     problems: list[str],
 ) -> tuple[list[Thread], str | None]:
-    """`pid`'s stacks, and the kind of the tool that gave them: every tool runs at once (py-spy without stopping the
-    process beside pystack, which does), and the first of `tools` that gives a stack by `until` is taken, so that
-    native frames come when pystack answers in time and Python frames when only py-spy does. What failed is appended
-    to `problems` as it is known, so a caller cut short by its own deadline still has it."""
-    tracer = any(t.kind == "pystack" for t in tools)
-    results: list[list[Thread] | str | None] = [None] * len(tools)
+    """`pid`'s stacks, and the kind of the tool that gave them: every command of `commands` runs at once, and the
+    first that gives a stack by `until` is taken, so that native frames come when pystack (or py-spy alone) answers in
+    time, and Python frames when only py-spy's reading without a stop does. What failed is appended to `problems` as
+    it is known, so a caller cut short by its own deadline still has it."""
+    todo = commands(tools, pid, state)
+    results: list[list[Thread] | str | None] = [None] * len(todo)
     cancel = threading.Event()
 
     def go(i: int) -> None:
-        tool, t0 = tools[i], clock()
+        (tool, name, command), t0 = todo[i], clock()
         try:
-            command = argv(tool, pid, state, beside_tracer=tracer and tool.kind != "pystack")
             ran = run(command, until, clock, cancel)
         except OSError as e:
-            results[i] = f"{tool.kind}: cannot run {tool.path}: {e.strerror or e}"
+            results[i] = f"{name}: cannot run {tool.path}: {e.strerror or e}"
             return
         threads = parse(tool, ran.out.decode("utf-8", "replace"), pid)
         last = next((ln for ln in reversed(ran.err.decode("utf-8", "replace").splitlines()) if ln.strip()), "")
@@ -156,14 +163,14 @@ def take(
         if ran.code == 0 and threads:
             results[i] = threads
         elif ran.timed_out:
-            results[i] = f"{tool.kind}: no answer within {clock() - t0:.1f}s; stopped"
+            results[i] = f"{name}: no answer within {clock() - t0:.1f}s; stopped"
         elif ran.code is None:
-            results[i] = f"{tool.kind}: not needed (a tool before it answered); stopped"
+            results[i] = f"{name}: not needed (a tool before it answered); stopped"
         else:
-            results[i] = f"{tool.kind}: exit {ran.code}{said}" if ran.code else f"{tool.kind}: printed no stack"
+            results[i] = f"{name}: exit {ran.code}{said}" if ran.code else f"{name}: printed no stack"
 
     workers = [
-        threading.Thread(target=go, args=(i,), name=f"ftsup-stack-{pid}-{i}", daemon=True) for i in range(len(tools))
+        threading.Thread(target=go, args=(i,), name=f"ftsup-stack-{pid}-{i}", daemon=True) for i in range(len(todo))
     ]
     for w in workers:
         w.start()
@@ -172,11 +179,13 @@ def take(
             w.join(max(0.0, until - clock()))
             got = results[i]
             if isinstance(got, list):
-                return got, tools[i].kind
-            problems.append(got if isinstance(got, str) else f"{tools[i].kind}: no answer within the bound; stopped")
+                return got, todo[i][0].kind
+            problems.append(got if isinstance(got, str) else f"{todo[i][1]}: no answer within the bound; stopped")
         return [], None
     finally:
-        cancel.set()  # the tools after the one taken are not needed
+        cancel.set()  # the tools after the one taken are not needed: stopped, and reaped (a tracer gone) by now
+        for w in workers:
+            w.join(max(0.0, max(clock(), until) + CANCEL_POLL_S + STOP_S - clock()))
 
 
 def _read(path: str, cap: int = 4096) -> str | None:

@@ -94,10 +94,17 @@ def test_without_a_tool_each_thread_is_read_from_proc_with_its_state(sleeper: su
     assert (len(main), main[0].tid, main[0].status) == (1, sleeper.pid, "state S")
 
 
-def test_py_spy_stops_a_process_to_read_its_native_frames_only_when_alone_and_it_runs():
-    tool = Tool("py-spy", "py-spy")
-    modes = [stacktools.argv(tool, 7, s, beside_tracer=b)[-1] for s, b in (("S", False), ("T", False), ("S", True))]
-    assert modes == ["--native", "--nonblocking", "--nonblocking"]
+def test_py_spy_stops_a_process_for_its_native_frames_only_alone_and_reads_it_unstopped_at_once():
+    pystack, pyspy = Tool("pystack", "pystack"), Tool("py-spy", "py-spy")
+    named = [
+        [(name, cmd[-1]) for _, name, cmd in stacktools.commands(tools, 7, state)]
+        for tools, state in (([pystack, pyspy], "S"), ([pyspy], "S"), ([pyspy], "T"))
+    ]
+    assert named == [
+        [("pystack", "7"), ("py-spy", "--nonblocking")],
+        [("py-spy --native", "--native"), ("py-spy", "--nonblocking")],
+        [("py-spy", "--nonblocking")],
+    ]
 
 
 @pytest.mark.skipif(not os.access("/proc/self/task", os.R_OK), reason="no /proc")

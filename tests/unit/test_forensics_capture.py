@@ -1,0 +1,75 @@
+"""A capture (`run.forensics`) over real processes with a stack tool that stops what it reads and never answers: the
+capture ends within its bound, a rank the tool left stopped is continued, and a rank stopped before it stays so."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ftsup import procs
+from ftsup.supervisor.config.job import parse_config
+from ftsup.supervisor.policy.events import CaptureEvidence
+from ftsup.supervisor.run.forensics import CONTINUED, Forensics, Target
+from ftsup.supervisor.run.outages import Outages
+from tests.procs import wait_for
+
+BOUND_S = 1.0
+
+
+def settled(pid: int) -> str:
+    """The process's state once it is asleep or stopped (a process just continued may run for a moment)."""
+
+    def state() -> str | None:
+        got = procs.run_state(pid)
+        return got[0] if got is not None and got[0] in ("S", "T") else None
+
+    return wait_for(state, 5, f"process {pid} to sleep or stop")
+
+
+@pytest.fixture
+def sleepers() -> Iterator[list[subprocess.Popen[bytes]]]:
+    ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        for p in ranks:
+            settled(p.pid)
+        yield ranks
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
+
+
+def test_a_rank_a_stopped_tool_left_stopped_is_continued_and_a_rank_stopped_before_stays_so(
+    sleepers: list[subprocess.Popen[bytes]], tmp_path: Path
+):
+    tool = tmp_path / "pystack"  # stops the rank it is asked for (as a tracer's attach does), then never answers
+    tool.write_text('#!/bin/sh\neval pid=\\${$#}\nkill -STOP "$pid"\nsleep 60 &\nwait\n')
+    tool.chmod(0o755)
+    running, stopped = sleepers
+    stopped.send_signal(signal.SIGSTOP)
+    wait_for(lambda: (procs.run_state(stopped.pid) or ("?",))[0] == "T", 10, "the hung rank to stop")
+    raw = {"job": {"command": ["true"], "state_dir": str(tmp_path / "state")}, "forensics": {"tools": [str(tool)]}}
+    cfg = parse_config(raw, base_dir=tmp_path, hostname="node")
+    said: list[str] = []
+    outages = Outages(lambda level, event, **f: said.append(event), lambda purpose: None, time.monotonic)
+    forensics = Forensics(cfg, tmp_path / "state", clock=time.monotonic, emit=lambda *a, **k: None, outages=outages)
+    targets = [Target(r, r, p.pid, (procs.run_state(p.pid) or ("?", None))[1]) for r, p in enumerate(sleepers)]
+    try:
+        incident = forensics.capture(CaptureEvidence(1, "hang", "heartbeat_timed_out", "test", BOUND_S), targets, None)
+    finally:
+        forensics.close()
+    assert incident is not None, said
+    continued = {r.rank: CONTINUED in r.problems for r in incident.ranks}
+    states = [settled(running.pid), settled(stopped.pid)]
+    assert ((incident.duration_s or 0.0) <= BOUND_S, continued, states, incident.culprit) == (
+        True,
+        {0: True, 1: False},
+        ["S", "T"],
+        1,
+    ), incident
