@@ -95,6 +95,31 @@ def test_a_flipped_checkpoint_skipped_and_quarantined_violates_nothing():
     assert fault_violations(flip) == []
 
 
+STOP = {
+    **KILL,
+    "kind": "stop-rank",
+    "detected_by": "heartbeat_timed_out",
+    "stopped_rank": 1,
+    "incident": "20270101T000000000Z-0001-hang-abcd",
+    "incident_rank": 1,
+    "incident_why": "stopped (SIGSTOP/state T)",
+}
+
+
+def test_a_hang_whose_incident_names_the_stopped_rank_violates_nothing():
+    assert fault_violations(STOP) == []
+
+
+def test_a_hang_without_an_incident_record_is_a_violation():
+    assert fault_violations({**STOP, "incident": None}) == ["no incident record of the hang of rank 1"]
+
+
+def test_a_hang_whose_incident_names_another_rank_is_a_violation():
+    assert fault_violations({**STOP, "incident_rank": 0, "incident_why": "silent first"}) == [
+        "incident 20270101T000000000Z-0001-hang-abcd names rank 0 (silent first), not rank 1 that was stopped"
+    ]
+
+
 def test_a_straggler_that_restarted_the_job_is_a_violation():
     got = fault_violations({"index": 3, "kind": "straggler", "restarted": True, "failure": "heartbeat_timed_out"})
     assert len(got) == 1 and "heartbeat_timed_out" in got[0]

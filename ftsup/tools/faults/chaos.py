@@ -23,7 +23,7 @@ import psutil
 from ftsup import procs
 from ftsup.supervisor import statedir
 from ftsup.supervisor.errors import SupervisorError
-from ftsup.supervisor.state import journal
+from ftsup.supervisor.state import incidents, journal
 
 T = TypeVar("T")
 
@@ -158,6 +158,17 @@ def send(rank: RankProcess, sig: int) -> float:
     t = time.time()
     p.send_signal(sig)
     return t
+
+
+def hang_incident(state_dir: str | os.PathLike[str], since_unix: float) -> dict[str, Any]:
+    """The first incident record of a hang the supervisor kept since `since_unix` (read as `ftsup incidents` reads
+    it): its id, the rank it names and why; {"incident": None} when there is none."""
+    found, _ = incidents.Store(Path(state_dir)).read_all()
+    hangs = sorted((i for i in found if i.trigger == "hang" and i.created_unix >= since_unix), key=lambda i: i.id)
+    if not hangs:
+        return {"incident": None}
+    first = hangs[0]
+    return {"incident": first.id, "incident_rank": first.culprit, "incident_why": first.culprit_why}
 
 
 def kill_process(pid: int) -> float:

@@ -93,7 +93,11 @@ def ask_trainer(path: Path, **asked: Any) -> None:
 def _signal_rank(t: Target, f: Planned, rec: dict[str, Any]) -> dict[str, Any]:
     target = _rank(t, f.rank)
     sig = signal.SIGKILL if f.kind == "kill-rank" else signal.SIGSTOP
-    return _recovered(t, chaos.send(target, sig), rec, pid=target.pid)
+    t_fault = chaos.send(target, sig)
+    seen = _recovered(t, t_fault, rec, pid=target.pid, stopped_rank=target.rank)
+    if f.kind == "stop-rank":  # the hang's evidence: an incident record that names the rank stopped
+        seen.update(chaos.hang_incident(t.job.state_dir, t_fault))
+    return seen
 
 
 def _exit_rank(t: Target, f: Planned, rec: dict[str, Any]) -> dict[str, Any]:

@@ -40,6 +40,8 @@ def fault_violations(rec: dict[str, Any]) -> list[str]:
         out += _evicted(rec)
     if kind == "flip-byte":
         out += _flipped(rec)
+    if kind == "stop-rank":
+        out += _hang_recorded(rec)
     if kind == "kill-in-commit" and rec.get("loaded_step") in (rec.get("torn_steps") or ()):
         out.append(f"resumed from step {rec['loaded_step']}, whose commit the kill tore")
     if kind == "disk-full":
@@ -62,6 +64,19 @@ def _resumed(rec: dict[str, Any]) -> list[str]:
     if rec.get("stale_processes"):
         out.append(f"processes of an earlier attempt alive after the relaunch: {rec['stale_processes']}")
     return out
+
+
+def _hang_recorded(rec: dict[str, Any]) -> list[str]:
+    """A hang leaves an incident record, and it names the rank that was stopped."""
+    if rec.get("incident") is None:
+        return [f"no incident record of the hang of rank {rec.get('stopped_rank')}"]
+    if rec.get("incident_rank") != rec.get("stopped_rank"):
+        named = rec.get("incident_rank")
+        why = f" ({rec['incident_why']})" if rec.get("incident_why") else ""
+        return [
+            f"incident {rec['incident']} names rank {named}{why}, not rank {rec.get('stopped_rank')} that was stopped"
+        ]
+    return []
 
 
 def _evicted(rec: dict[str, Any]) -> list[str]:
