@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ftsup import procs
 from ftsup.supervisor.config.job import JobConfig
-from ftsup.supervisor.errors import error_line
+from ftsup.supervisor.errors import SupervisorError, error_line
 from ftsup.supervisor.policy import stacks
 from ftsup.supervisor.policy.anomaly import Incident as Anomaly
 from ftsup.supervisor.policy.events import CaptureEvidence
@@ -125,7 +125,7 @@ class Forensics:
             dumps, dump_problems = flightrec.collect(
                 stem, [t.rank for t in targets], asked, stacks_until, self._clock, self.store, incident_id
             )
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, SupervisorError) as e:  # a directory refused is the record's outage, said there
             dumps, dump_problems = [], [f"NCCL dumps: {error_line(e)}"]
         ranks_dir = ranklogs.ranks_dir(attempt_log) if attempt_log is not None else None
         evidence = [self._evidence(t, states, wchans, got, missing, ranks_dir) for t in targets]
@@ -178,7 +178,7 @@ class Forensics:
     def _write(self, incident: incidents.Incident, *, level: str) -> incidents.Incident | None:
         try:
             pruned = self.store.write(incident, self.cfg.forensics.keep)
-        except (OSError, incidents.IncidentError) as e:
+        except (OSError, SupervisorError) as e:  # the directory refused (a link, a file), or the record
             self._outages.failed("incidents", self.store.dir, e)
             return None
         except Exception as e:  # an adapter's boundary: a record that cannot be made must never stop the stop

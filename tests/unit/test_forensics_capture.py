@@ -73,3 +73,31 @@ def test_a_rank_a_stopped_tool_left_stopped_is_continued_and_a_rank_stopped_befo
         ["S", "T"],
         1,
     ), incident
+
+
+@pytest.mark.parametrize("bad", ["file", "link"])
+def test_an_incidents_directory_that_cannot_be_used_is_a_storage_outage_and_the_capture_still_returns(
+    bad: str, sleepers: list[subprocess.Popen[bytes]], tmp_path: Path
+):
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    if bad == "file":
+        (state / "incidents").write_text("not a directory")
+    else:
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        (state / "incidents").symlink_to(tmp_path / "elsewhere")
+    raw = {"job": {"command": ["true"], "state_dir": str(state)}, "forensics": {"tools": []}}
+    cfg = parse_config(raw, base_dir=tmp_path, hostname="node")
+    said: list[str] = []
+    outages = Outages(lambda level, event, **f: said.append(event), lambda purpose: None, time.monotonic)
+    forensics = Forensics(cfg, state, clock=time.monotonic, emit=lambda *a, **k: None, outages=outages)
+    targets = [Target(0, 0, sleepers[0].pid)]
+    try:
+        got = forensics.capture(CaptureEvidence(1, "hang", "heartbeat_timed_out", "test", BOUND_S), targets, None)
+    finally:
+        forensics.close()
+    assert (got, said, list((tmp_path / "elsewhere").iterdir()) if bad == "link" else []) == (
+        None,
+        ["storage_failed"],
+        [],
+    )
