@@ -58,6 +58,7 @@ def main(argv: list[str]) -> int:
         runtime().beat(step)
         (args.dir / f"rank-{rank}.json").write_text(json.dumps({"pid": os.getpid(), "step": step, "attempt": attempt}))
         if rank == args.rank and step == args.at and attempt == "1":
+            print(f"rank {rank} hangs at step {step} ({args.how})", file=sys.stderr, flush=True)  # its last line
             if args.how == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
             else:

@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ftsup.supervisor.cli.incidents import render
 from ftsup.supervisor.state.incidents import Incident, Store
 from tests.integration.test_collective_waits import events, output, start
 from tests.procs import BIN, kill_tree, wait_for
@@ -79,6 +80,10 @@ def test_a_sigstopped_rank_1_is_named_by_the_incident_which_holds_rank_0_waiting
     assert (by_rank[0].state, by_rank[0].collective, by_rank[1].state, by_rank[1].tool) == ("S", True, "T", "pystack")
     assert any("c10d::Reducer::finalize_backward" in f for f in frames(incident, 0)), frames(incident, 0)
     assert any(f.endswith("os.kill(os.getpid(), signal.SIGSTOP)") for f in frames(incident, 1)), frames(incident, 1)
+    shown = render(incident)  # `ftsup incidents show ID`: the last beats and the last lines too
+    beat = f"  rank 1 (pid {by_rank[1].pid}): last beat step 20 ("
+    shows = ([ln for ln in shown if ln.startswith(beat)] != [], "  [rank1] rank 1 hangs at step 20 (stop)" in shown)
+    assert shows == (True, True), "\n".join(shown)
 
 
 @pytest.mark.alone  # the same 2 s timeout
@@ -93,8 +98,11 @@ def test_a_rank_spinning_in_python_is_named_though_the_heartbeats_alone_could_bl
     finally:
         kill_tree(proc.pid)
         proc.wait()
-    told = (incident.culprit, incident.culprit_why, [(d.rank, d.bytes) for d in incident.nccl])
-    assert told == (1, "not inside a collective, while rank 0 is", [(1, 24)]), incident
+    by_rank = {r.rank: r for r in incident.ranks}
+    told = (incident.culprit, incident.culprit_why, [(d.rank, d.bytes) for d in incident.nccl], sorted(by_rank))
+    assert told == (1, "not inside a collective, while rank 0 is", [(1, 24)], [0, 1]), incident
+    assert (by_rank[0].collective, by_rank[1].collective) == (True, False), incident
+    assert any("c10d::Reducer::finalize_backward" in f for f in frames(incident, 0)), frames(incident, 0)
     assert any(f.startswith("spin (") and f.endswith("n += 1") for f in frames(incident, 1)), frames(incident, 1)
     assert (environ["TORCH_FR_BUFFER_SIZE"], environ["TORCH_FR_DEBUG_INFO_PIPE_FILE"]) == (
         "2000",
@@ -134,8 +142,9 @@ def test_with_the_stack_tool_missing_the_kernels_view_is_kept_and_the_attempt_is
         kill_tree(proc.pid)
         proc.wait()
     states = {r.rank: (r.state, r.tool, r.problems[0].split(":")[1].strip()) for r in incident.ranks}
-    assert (incident.culprit, states) == (
+    assert (incident.culprit, (incident.duration_s or 0.0) <= 3.0, states) == (
         1,
+        True,
         {
             0: ("S", None, "not found (install ftsup[forensics], or set forensics.tools)"),
             1: ("T", None, "not found (install ftsup[forensics], or set forensics.tools)"),
