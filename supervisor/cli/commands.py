@@ -398,6 +398,12 @@ BENCHMARKS = (
         "ftsup.tools.bench.goodput",
     ),
     Tool(
+        "forensics",
+        "the evidence of a hang: every rank's stacks captured before the kill, per choice of stack tools",
+        "ftsup.tools.bench.forensics.command",
+        trainer=True,
+    ),
+    Tool(
         "instrument",
         "per-step cost of the auto-instrumentation on the reference trainer's model, with and without it",
         "ftsup.tools.bench.instrument",
