@@ -87,6 +87,15 @@ class Forensics:
     ) -> incidents.Incident | None:
         """Capture, name the culprit and write the record, all within `action.timeout_s`; the record (None: it could
         not be written, which is logged and counted, never raised)."""
+        try:
+            return self._capture(action, targets, attempt_log)
+        except Exception as e:  # an adapter's boundary: a capture that fails must never hold back the stop after it
+            self._emit("error", "incident_failed", attempt=action.attempt, reason=error_line(e))
+            return None
+
+    def _capture(
+        self, action: CaptureEvidence, targets: Sequence[Target], attempt_log: Path | None
+    ) -> incidents.Incident | None:
         t0, wall = self._clock(), time.time()
         bound = max(0.1, action.timeout_s)
         stacks_until = t0 + bound - min(WRITE_MARGIN_S, bound / 10)

@@ -1,5 +1,6 @@
-"""A capture (`run.forensics`) over real processes with a stack tool that stops what it reads and never answers: the
-capture ends within its bound, a rank the tool left stopped is continued, and a rank stopped before it stays so."""
+"""A capture (`run.forensics`) over real processes: with a stack tool that stops what it reads and never answers it
+ends within its bound, a rank the tool left stopped is continued and one stopped before stays so; a record that
+cannot be written, or a capture that fails, is logged and the capture returns: the stop after it is never held."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from ftsup import procs
 from ftsup.supervisor.config.job import parse_config
 from ftsup.supervisor.policy.events import CaptureEvidence
+from ftsup.supervisor.run import forensics as forensics_module
 from ftsup.supervisor.run.forensics import CONTINUED, Forensics, Target
 from ftsup.supervisor.run.outages import Outages
 from tests.procs import wait_for
@@ -101,3 +103,28 @@ def test_an_incidents_directory_that_cannot_be_used_is_a_storage_outage_and_the_
         ["storage_failed"],
         [],
     )
+
+
+def test_a_capture_that_fails_unforeseen_is_logged_and_returns_so_that_the_stop_goes_on(
+    sleepers: list[subprocess.Popen[bytes]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug in naming the culprit")
+
+    monkeypatch.setattr(forensics_module.stacks, "culprit", broken)
+    raw = {"job": {"command": ["true"], "state_dir": str(tmp_path / "state")}, "forensics": {"tools": []}}
+    cfg = parse_config(raw, base_dir=tmp_path, hostname="node")
+    said: list[tuple[str, str]] = []
+    outages = Outages(lambda level, event, **f: None, lambda purpose: None, time.monotonic)
+
+    def emit(level: str, event: str, **fields: object) -> None:
+        said.append((event, str(fields.get("reason", ""))))
+
+    forensics = Forensics(cfg, tmp_path / "state", clock=time.monotonic, emit=emit, outages=outages)
+    try:
+        got = forensics.capture(
+            CaptureEvidence(1, "hang", "heartbeat_timed_out", "test", BOUND_S), [Target(0, 0, sleepers[0].pid)], None
+        )
+    finally:
+        forensics.close()
+    assert (got, said) == (None, [("incident_failed", "RuntimeError: a bug in naming the culprit")])
