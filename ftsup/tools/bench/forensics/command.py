@@ -160,8 +160,10 @@ def _measure(root: Path, targets: list[Target], args: argparse.Namespace) -> lis
             )
             _settle(targets, args.how, time.monotonic() + SETTLE_LIMIT_S)
             action = CaptureEvidence(1, "hang", "heartbeat_timed_out", "bench", args.timeout_s)
-            incident = forensics.capture(action, targets, None)
-            forensics.close()
+            try:
+                incident = forensics.capture(action, targets, None)
+            finally:
+                forensics.close()  # also when interrupted: its threads end by the bound, their tools killed
             if incident is None:
                 raise SystemExit(f"ftsup bench forensics: no record written: {said}")
             took[name].append(incident.duration_s or 0.0)
