@@ -110,6 +110,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         Command(
             "incidents", "the incidents kept (hangs with every rank's stacks, stragglers, anomalies)", _build_incidents
         ),
+        Command("nodes", "this node's health, quarantine and hot spare; clear a quarantine", _build_nodes),
         Command("bench", "benchmarks (checkpoint needs torch; see README)", _build_bench),
         DEMO.command(""),
         CHAOS.command(""),
@@ -240,6 +241,12 @@ def _build_incidents(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
     from ftsup.supervisor.cli import incidents as cli_incidents
 
     cli_incidents.add_arguments(p)
+
+
+def _build_nodes(p: argparse.ArgumentParser, rest: Sequence[str]) -> None:
+    from ftsup.supervisor.cli import nodes as cli_nodes
+
+    cli_nodes.add_arguments(p)
 
 
 # --------------------------------------------------------------------------- ckpt

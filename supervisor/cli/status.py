@@ -17,6 +17,7 @@ from typing import Any
 import psutil
 
 from ftsup.store import layout
+from ftsup.supervisor.cli import nodes as cli_nodes
 from ftsup.supervisor.config.job import load_config
 from ftsup.supervisor.policy import goodput
 from ftsup.supervisor.state import ranks as rankstatus
@@ -127,10 +128,12 @@ def _goodput(rec: JournalRecord | None) -> dict[str, Any] | None:
 def cmd_status(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     tier = cfg.checkpoint.durable.url if cfg.checkpoint.durable is not None else None
+    now = time.time()
     out = {
         "run_id": cfg.job.run_id,
         "node_id": cfg.launch.node_id,
-        **gather(Path(cfg.job.state_dir), Path(cfg.checkpoint.dir), time.time(), tier),
+        **gather(Path(cfg.job.state_dir), Path(cfg.checkpoint.dir), now, tier),
+        "node": cli_nodes.gather(Path(cfg.job.state_dir), cfg.launch.node_id, now),
     }
     if args.json:
         print(json.dumps(out, indent=2))
@@ -160,6 +163,10 @@ def text(out: dict[str, Any]) -> list[str]:
         if rec["last_failure"]:
             lines.append(f"  last failure: {rec['last_failure']}")
     lines += _incident_lines(out)
+    if (node := out.get("node")) is not None and (
+        node["checked_unix"] is not None or node["targets"] or node["problems"]
+    ):
+        lines += cli_nodes.lines(node, indent="  ")
     if (gp := out["goodput"]) is not None and gp["wall_s"] > 0:
         lost = sorted(((s, c) for c, s in gp["badput_s"].items() if s > 0), reverse=True)
         badput = ", ".join(f"{c} {_age(s)}" for s, c in lost) or "none"

@@ -14,6 +14,7 @@ from ftsup.supervisor.config import values as config_values
 from ftsup.supervisor.config.values import Section, Where
 
 MAX_WORLD_SIZE = 1_000_000
+DEFAULT_QUARANTINE_FAILURES = 3  # `quarantine_failures` null on a multi-node job
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,27 @@ class LaunchConfig:
     """Auto-instrument the ranks (`--no-instrument`: false): a start-up hook that, without a line of the script
     changed, beats at each optimizer step (so hangs are detected), bounds collectives without a timeout, and gives a
     Hugging Face or Lightning Trainer ftsup's callback and its resume (docs/supervising.md)."""
+    standby: bool = False
+    """A hot spare of a multi-node job: its torchrun waits in the rendezvous (never hosting its store) while the job
+    has `nnodes` MAX nodes, and takes a free slot at the next round; its waits end without counting as failures, and
+    it exits 0 once the newest checkpoint is the job's final one (docs/supervising.md, Hot spares)."""
+    health_timeout_s: float = 30.0
+    """How long each node check before an attempt may take (`health_command`, `nvidia-smi`); one that takes longer
+    has failed, and is stopped."""
+    min_free_disk_bytes: int = 1 << 30
+    """Free space required in `checkpoint.dir` and `job.state_dir` (each one's filesystem) before an attempt; 0: not
+    checked. A node below it does not join, and checks again with the restart backoff."""
+    min_free_memory_bytes: int = 256 << 20
+    """Memory available (`MemAvailable` of /proc/meminfo) required before an attempt; 0: not checked."""
+    quarantine_failures: int | None = None
+    """Failures put on this node (a rank of it that crashed, not for a lost peer; a rank of it stopped or stuck in a
+    hang) within `quarantine_window_s` that keep it out of later attempts for `quarantine_s`. Null: 3 when `nnodes`
+    allows more than one node, else never (a single node has no other to run on); 0: never."""
+    quarantine_window_s: float = 3600.0
+    """The sliding window over which `quarantine_failures` are counted."""
+    quarantine_s: float = 3600.0
+    """How long a quarantined node stays out (journaled: a restarted supervisor keeps it out); `ftsup nodes clear`
+    lets it in sooner."""
 
     @property
     def min_nodes(self) -> int:
@@ -63,6 +85,13 @@ class LaunchConfig:
         """The MAX of `nnodes` (N when it is a single number)."""
         low, _, high = self.nnodes.partition(":")
         return int(high or low)
+
+    @property
+    def quarantine_after(self) -> int:
+        """`quarantine_failures` in force: its null resolved (3 on several nodes, else 0: never)."""
+        if self.quarantine_failures is not None:
+            return self.quarantine_failures
+        return DEFAULT_QUARANTINE_FAILURES if self.max_nodes > 1 else 0
 
     def max_world_size_for(self, nproc_per_node: int) -> int:
         """The largest world size allowed once "auto" is resolved to `nproc_per_node` ranks per node."""
@@ -90,6 +119,13 @@ def parse_launch(sec: Section, *, run_id: str, hostname: str | None) -> LaunchCo
         micro_batch=sec.nullable("micro_batch", config_values.integer(1, 2**40)),
         warm_agent=sec.optional("warm_agent", config_values.boolean),
         instrument=sec.optional("instrument", config_values.boolean),
+        standby=sec.optional("standby", config_values.boolean),
+        health_timeout_s=sec.optional("health_timeout_s", config_values.seconds()),
+        min_free_disk_bytes=sec.optional("min_free_disk_bytes", config_values.integer(0, 2**62)),
+        min_free_memory_bytes=sec.optional("min_free_memory_bytes", config_values.integer(0, 2**62)),
+        quarantine_failures=sec.nullable("quarantine_failures", config_values.integer(0, 1_000_000)),
+        quarantine_window_s=sec.optional("quarantine_window_s", config_values.seconds()),
+        quarantine_s=sec.optional("quarantine_s", config_values.seconds()),
     )
 
     if max_world is not None and min_world > max_world:
@@ -106,6 +142,8 @@ def parse_launch(sec: Section, *, run_id: str, hostname: str | None) -> LaunchCo
             f"required when nnodes ({nnodes}) allows more than one node; set it to the rendezvous host:port, "
             "e.g. node0:29400",
         )
+    if config.standby and config.max_nodes == 1:
+        sec.fail("standby", f"a hot spare needs a job of several nodes; nnodes is {nnodes}: set it to MIN:MAX")
     _check_batches(sec, config)
     return config
 

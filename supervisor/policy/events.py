@@ -40,6 +40,7 @@ class Settings:
     min_world_size: int
     max_world_size: int | None
     nnodes_max: int
+    standby: bool  # a hot spare (`launch.standby`): its waits in the rendezvous are no failures (`policy.standby`)
     heartbeat_mode: HeartbeatMode
     heartbeat_timeout_s: float | None  # None: learned
     progress_timeout_s: float | None  # None: learned
@@ -78,6 +79,7 @@ class LaunchReady:
     batch_divisor: int | None = None
     at_most: int | None = None  # the bound on the resume step it was prepared with (`PrepareLaunch.at_most`)
     resume_samples: int | None = None  # the data position of the checkpoint resumed from, as its metadata says
+    resume_final: bool = False  # the checkpoint resumed from is the job's final one: the job has finished
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,14 @@ class WorkersRestarted:
 
     attempt: int
     new_ranks: bool = True
+
+
+@dataclass(frozen=True)
+class RanksStarted:
+    """torchrun started its first worker group of the attempt: its rendezvous is over (on several nodes it may
+    have waited there, as a hot spare does, for a long time)."""
+
+    attempt: int
 
 
 @dataclass(frozen=True)
@@ -211,6 +221,7 @@ Event = (
     | LaunchReady
     | WorkersStarted
     | WorkersRestarted
+    | RanksStarted
     | Heartbeat
     | RankExited
     | WorkersExited
@@ -341,6 +352,7 @@ def settings_from(cfg: JobConfig, nproc_max: int) -> Settings:
         min_world_size=ln.min_world_size,
         max_world_size=ln.max_world_size,
         nnodes_max=ln.max_nodes,
+        standby=ln.standby,
         heartbeat_mode=hb.mode,
         heartbeat_timeout_s=hb.timeout_s,
         progress_timeout_s=hb.progress_timeout_s,

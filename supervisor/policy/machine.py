@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from ftsup.protocol import LONG_PHASES, QUIET_PHASES, Phase
 from ftsup.supervisor.config.job import HeartbeatMode
 from ftsup.supervisor.policy import anomaly as policy_anomaly
-from ftsup.supervisor.policy import evidence, failures, hangs, progress, saves
+from ftsup.supervisor.policy import evidence, failures, hangs, progress, saves, standby
 from ftsup.supervisor.policy.events import (
     AckEviction,
     Action,
@@ -93,6 +93,7 @@ class Attempt:
     best_before: int = -1  # the highest step any earlier attempt reached
     waited_until: float = -math.inf  # when a rank last left a long phase that the others may have waited for
     log: str | None = None  # its log file, named in its failure events
+    ranks_at: float | None = None  # when torchrun started its ranks (its rendezvous over; `RanksStarted`)
 
     def rank_map(self) -> dict[int, RankView]:
         return dict(self.ranks)
@@ -123,6 +124,7 @@ class State:
     newest_checkpoint: int | None = None  # the newest step committed in the store, as the ranks and launches said
     beating: bool = False  # a heartbeat has arrived in this supervisor's life: heartbeat.mode auto detects hangs
     anomaly: policy_anomaly.AnomalyState = policy_anomaly.AnomalyState()  # training health, rollbacks, data skips
+    standby_releases: int = 0  # a hot spare's rendezvous rounds in a row that ended without it (`policy.standby`)
     capturing: int | None = None  # the attempt whose evidence is captured before its stop (`policy.evidence`)
 
 
@@ -141,6 +143,8 @@ def step(s: Settings, st: State, ev: Event, now: float) -> tuple[State, list[Act
         return _rollback_requested(st, ev, now)
     if evidence.handles(ev):  # a capture over, or an operator's request for one
         return evidence.on_event(s, st, ev)
+    if (spare := standby.step(s, st, ev, now, EXIT_OK)) is not None:  # a hot spare waits, joins, is released
+        return spare
     if isinstance(ev, LaunchReady) and st.phase == SupervisorPhase.PREPARING:
         return _launch(s, st, ev, now)
     att = st.attempt
@@ -187,7 +191,7 @@ def _launch(s: Settings, st: State, ev: LaunchReady, now: float) -> tuple[State,
     if st.anomaly.pending is not None:  # progress is measured from a rollback's step: the steps after it are new
         st = replace(st, best_step=min(st.best_step, ev.resume_step or 0))
     att = Attempt(st.attempt_no, n, ev.resume_step, launched_at=now, progress_at=now, best_before=st.best_step)
-    launch = Launch(st.attempt_no, n, ev.resume_step, st.anomaly.skips)
+    launch = Launch(st.attempt_no, n, standby.bound(s, ev), st.anomaly.skips)
     anomaly = policy_anomaly.launched(st.anomaly, ev.resume_step, ev.resume_samples)
     st = replace(st, newest_checkpoint=ev.resume_step)  # the newest checkpoint is the one this attempt resumes from
     return replace(st, phase=SupervisorPhase.RUNNING, attempt=att, last_launch=launch, anomaly=anomaly), [
@@ -386,7 +390,7 @@ def _tick(s: Settings, st: State, ev: Tick, now: float) -> tuple[State, list[Act
     long = any(r.phase in LONG_PHASES for r in ranks.values())
     training = [r for r in ranks.values() if r.phase == Phase.TRAIN]
     if not training:  # still starting up (or loading: that has its own, longer timeout)
-        if now - att.launched_at > s.startup_timeout_s and not long:
+        if now - standby.startup_from(s, att) > s.startup_timeout_s and not long:
             why = f"no training step within startup_timeout_s={s.startup_timeout_s:g}"
             return evidence.first(s, "startup_timed_out", _fail(st, att, why, now, "startup_timed_out"))
     hb = heartbeat_timeout(s, st.step_times)

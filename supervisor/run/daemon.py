@@ -24,7 +24,7 @@ from ftsup.supervisor.config.job import JobConfig
 from ftsup.supervisor.durable.keeper import DurableKeeper
 from ftsup.supervisor.errors import ConfigError, error_line
 from ftsup.supervisor.eviction.requeue import requeue
-from ftsup.supervisor.policy import goodput, saves
+from ftsup.supervisor.policy import goodput, nodes, saves
 from ftsup.supervisor.policy import machine as policy
 from ftsup.supervisor.policy.anomaly import AnomalyState
 from ftsup.supervisor.policy.events import (
@@ -35,6 +35,7 @@ from ftsup.supervisor.policy.events import (
     settings_from,
 )
 from ftsup.supervisor.run import systemd
+from ftsup.supervisor.run.admission import Admission
 from ftsup.supervisor.run.forensics import Forensics
 from ftsup.supervisor.run.journaling import JournalKeeper, exit_status
 from ftsup.supervisor.run.outages import Outages
@@ -70,7 +71,10 @@ class Daemon:
         self.crash: str | None = None  # the line for stderr when the loop ended on a bug
         self.outages = Outages(self._emit, self.metrics.storage_error, clock)
         post, emit = self.pending.append, self._emit
-        self.resume = ResumeChoice(cfg, emit=emit, post=post, outages=self.outages, metrics=self.metrics)
+        self.admission = Admission(cfg, emit=emit, metrics=self.metrics, outages=self.outages)  # this node joins?
+        self.resume = ResumeChoice(
+            cfg, emit=emit, post=post, outages=self.outages, metrics=self.metrics, admission=self.admission
+        )
         self.durable = (
             DurableKeeper(cfg, emit=emit, metrics=self.metrics, clock=clock)
             if cfg.checkpoint.durable is not None
@@ -126,6 +130,7 @@ class Daemon:
                     heartbeat_mode=str(self.cfg.heartbeat.mode),
                 )
                 adopted = self.journal.adopt()
+                self.admission.adopt()  # a node quarantined by a previous supervisor stays out
                 systemd.notify("READY=1", f"STATUS=supervising {self.cfg.job.run_id}")
                 self.settings = settings_from(self.cfg, self.resume.nproc_max())
                 # Attempt numbers go on from the journal: log files and FTSUP_ATTEMPT stay unique; so do the
@@ -155,6 +160,8 @@ class Daemon:
                     self.sources.wait(TICK_S)
                     self.pending.extend(self.sources.events())  # signals, eviction notices
                     self.pending.extend(self.rollbacks.poll())
+                    if self.admission.poll():  # an operator cleared this node's quarantine: ask again now
+                        self.resume.admit_now()
                     self.pending.extend(self.captures.poll())
                     beats = self.sources.beats(admit=self.workers.admits, vet=self.workers.vet)
                     self.pending.extend(self.workers.beats(beats))
@@ -218,6 +225,10 @@ class Daemon:
         self.state, actions = policy.step(self.settings, before, event, now)
         self.goodput = goodput.feed(self.goodput, before, self.state, event, now)
         self.metrics.state(self.state, self.settings, now, time.time())
+        ran = before.attempt.number if before.attempt is not None else None
+        for fault in nodes.faults(before.phase, self.state.phase, ran, event):  # failures put on this node
+            self.admission.fault(fault)
+        self.admission.observe(self.state, self.settings)
         found = self.state.anomaly.incident
         if found is not None and (old := before.anomaly.incident) is not found:  # an anomaly's own record
             if old is None or replace(old, resumed_from=None) != replace(found, resumed_from=None):

@@ -1,6 +1,6 @@
 """How many local slots (GPUs, or CPU ranks) are healthy right now: the configured command, else `nvidia-smi`, else
-the configured count. A probe that fails says `unknown`, never a count it did not see (docs/design/run-loop.md,
-Slot health).
+the configured count. A probe that fails says `unknown`, never a count it did not see; what a command prints is
+capped and quoted (docs/design/run-loop.md, Slot health).
 """
 
 from __future__ import annotations
@@ -8,9 +8,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
-from collections.abc import Sequence
 from dataclasses import dataclass
+
+from ftsup.supervisor.run import capped
+
+MAX_SLOTS = 1024  # slot ids a health command may name
 
 
 @dataclass(frozen=True)
@@ -26,22 +28,22 @@ class Health:
 
 def parse_slot_ids(text: str) -> tuple[int, ...]:
     ids = [tok for tok in re.split(r"[\s,]+", text.strip()) if tok]
-    if not all(t.isdigit() for t in ids):
-        raise ValueError(f"expected slot ids (integers), got {text.strip()[:200]!r}")
+    if len(ids) > MAX_SLOTS or not all(t.isdigit() and len(t) <= 6 for t in ids):
+        raise ValueError(f"expected at most {MAX_SLOTS} slot ids (integers), got {text.strip()[:200]!r}")
     return tuple(sorted({int(t) for t in ids}))
 
 
-def run_health_command(argv: Sequence[str], timeout_s: float = 30.0) -> Health:
+def from_command(ran: capped.Ran, what: str) -> Health:
+    """The slots a health command's run names (`what`: how it is named in a message); unknown when it failed or
+    printed something else (quoted, never more)."""
+    if ran.code is None:
+        return Health(None, "command", f"{what}: {ran.why}")
+    if ran.code != 0:
+        return Health(None, "command", f"{what} exited {ran.code}: {capped.quote(ran.err or ran.out)}")
     try:
-        out = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return Health(None, "command", f"{argv[0]}: {e}")
-    if out.returncode != 0:
-        return Health(None, "command", f"{argv[0]} exited {out.returncode}: {out.stderr.strip()[:200]}")
-    try:
-        return Health(parse_slot_ids(out.stdout), "command")
-    except ValueError as e:
-        return Health(None, "command", str(e))
+        return Health(parse_slot_ids(ran.out.decode("utf-8", "replace")), "command")
+    except ValueError:
+        return Health(None, "command", f"{what} printed {capped.quote(ran.out)}, not slot ids")
 
 
 def nvidia_gpus(timeout_s: float = 30.0) -> Health | None:
@@ -49,14 +51,16 @@ def nvidia_gpus(timeout_s: float = 30.0) -> Health | None:
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
-    return run_health_command([exe, "--query-gpu=index", "--format=csv,noheader"], timeout_s)
+    return from_command(capped.run([exe, "--query-gpu=index", "--format=csv,noheader"], timeout_s), "nvidia-smi")
 
 
-def probe(health_command: Sequence[str] | None, nproc_per_node: int | str) -> Health:
-    if health_command:
-        return run_health_command(health_command)
+def probe(ran: capped.Ran | None, nproc_per_node: int | str, timeout_s: float = 30.0) -> Health:
+    """The healthy slots: those `ran` (how `launch.health_command` ran, None: there is none) names, else nvidia-smi's
+    GPUs for "auto", else the configured count."""
+    if ran is not None:
+        return from_command(ran, "launch.health_command")
     if nproc_per_node == "auto":
-        gpus = nvidia_gpus()
+        gpus = nvidia_gpus(timeout_s)
         if gpus is not None:
             return gpus
         return Health(tuple(range(os.cpu_count() or 1)), "cpu")

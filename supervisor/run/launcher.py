@@ -37,6 +37,7 @@ class LaunchSpec:
     extra_args: tuple[str, ...] = ()
     python: str | None = None  # interpreter that runs torchrun (default: the command's python, else ftsup's)
     log_dir: str | None = None  # torchrun's --log-dir: each rank's own output files
+    standby: bool = False  # a hot spare (`launch.standby`): its torchrun never hosts the rendezvous store
 
 
 def spec_from(cfg: JobConfig, nproc: int, log_dir: Path | None = None) -> LaunchSpec:
@@ -49,6 +50,7 @@ def spec_from(cfg: JobConfig, nproc: int, log_dir: Path | None = None) -> Launch
         rdzv_id=ln.rdzv_id,
         extra_args=tuple(ln.torchrun_args),
         log_dir=None if log_dir is None else str(log_dir),
+        standby=ln.standby,
     )
 
 
@@ -142,17 +144,41 @@ def torchrun_argv(spec: LaunchSpec) -> list[str]:
     argv += ["--max-restarts=0", "--monitor-interval=0.1"]
     if spec.log_dir:
         argv += [f"--log-dir={spec.log_dir}", "--tee=3"]
+    extra = list(spec.extra_args)
     if spec.rdzv_endpoint:
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={spec.rdzv_endpoint}", f"--rdzv-id={spec.rdzv_id}"]
-        if spec.rdzv_conf:
-            argv.append(f"--rdzv-conf={spec.rdzv_conf}")
+        conf = spec.rdzv_conf
+        if spec.standby:
+            # The store lives in an active node's torchrun: a closed round's store then goes with the nodes that
+            # closed it, and never outlives them in a spare to refuse the next round (`conf` or the user's own).
+            given, extra = _take_rdzv_conf(extra)
+            conf = ",".join(x for x in (given if given is not None else conf, "is_host=false") if x)
+        if conf:
+            argv.append(f"--rdzv-conf={conf}")
     else:
         argv.append("--standalone")
-    argv += list(spec.extra_args)
+    argv += extra
     # Each rank execs the guard, which arms its parent-death signal and checks that torchrun is
     # still its parent before exec'ing the command: a rank can never outlive torchrun, even
     # when torchrun dies while the rank is still importing torch.
     return [*argv, "--no-python", *guard.command(cmd)]
+
+
+def _take_rdzv_conf(args: list[str]) -> tuple[str | None, list[str]]:
+    """The value of the last `--rdzv-conf` in `args` (either spelling, `=VALUE` or a separate word), and `args`
+    without any of them."""
+    value, rest, i = None, [], 0
+    while i < len(args):
+        name, eq, given = args[i].partition("=")
+        if name in ("--rdzv-conf", "--rdzv_conf"):
+            if eq:
+                value = given
+            elif i + 1 < len(args):
+                value, i = args[i + 1], i + 1
+        else:
+            rest.append(args[i])
+        i += 1
+    return value, rest
 
 
 @dataclass

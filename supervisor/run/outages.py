@@ -67,10 +67,12 @@ class Outages:
         if self._failing.pop(purpose, None) is not None:
             self._emit("info", "storage_recovered", purpose=purpose, reason=f"{STORAGE_PURPOSES[purpose]} works again")
 
-    def retry(self, what: str, again: Callable[[], None]) -> None:
-        delay = min(RETRY_MAX_S, self._delay.get(what, RETRY_INITIAL_S / 2) * 2)
-        self._delay[what] = delay
-        self._retries[what] = (self._clock() + delay, again)
+    def retry(self, what: str, again: Callable[[], None], delay_s: float | None = None) -> None:
+        """Run `again()` later: after `delay_s` when given (its caller keeps the backoff), else after the next of
+        this outage's doubling delays."""
+        if delay_s is None:
+            delay_s = self._delay[what] = min(RETRY_MAX_S, self._delay.get(what, RETRY_INITIAL_S / 2) * 2)
+        self._retries[what] = (self._clock() + delay_s, again)
 
     def done(self, what: str) -> None:
         self._retries.pop(what, None)

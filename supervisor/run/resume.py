@@ -13,7 +13,8 @@ from ftsup.store import choice, durable, layout
 from ftsup.store.errors import CheckpointError
 from ftsup.supervisor.config.job import JobConfig
 from ftsup.supervisor.policy import machine as policy
-from ftsup.supervisor.run import health
+from ftsup.supervisor.run import capped, health
+from ftsup.supervisor.run.admission import Admission
 from ftsup.supervisor.run.outages import Outages
 from ftsup.supervisor.state.ckptstore import Resume, StoreScanner
 from ftsup.supervisor.telemetry.metrics import Metrics
@@ -32,13 +33,18 @@ class ResumeChoice:
         post: Callable[[policy.Event], None],
         outages: Outages,
         metrics: Metrics,
+        admission: Admission | None = None,
     ) -> None:
-        """`emit(level, event, **fields)` logs an event, `post(event)` queues one for the policy."""
+        """`emit(level, event, **fields)` logs an event, `post(event)` queues one for the policy; `admission` says
+        whether this node joins each attempt (None: it always does)."""
         self.cfg = cfg
         self._emit = emit
         self._post = post
         self._outages = outages
         self._metrics = metrics
+        self.admission = admission
+        self.held_s: float | None = None  # set by `prepare`: this node does not join now, asks again in that long
+        self._waiting: Callable[[], None] | None = None  # the launch this node's admission holds back
         recent = RECENT_FOR_DURABLE if cfg.checkpoint.durable is not None else 0  # what may go durable
         self.store = StoreScanner(cfg.checkpoint.dir, deep=cfg.checkpoint.verify_deep, recent=recent)  # all reads
         self._seen = (0, 0)  # (scans, errors) of the view last handed to the metrics
@@ -61,7 +67,7 @@ class ResumeChoice:
         n = self.cfg.launch.nproc_per_node
         if n != "auto":
             return int(n)
-        return health.probe(None, "auto").count or 1
+        return health.probe(None, "auto", self.cfg.launch.health_timeout_s).count or 1
 
     def latest(self) -> layout.CheckpointInfo | None:
         return self.store.view().latest  # as last scanned: never a wait on the store
@@ -81,21 +87,48 @@ class ResumeChoice:
             retry=again,
         )
         if ready is not None:
+            self._waiting = None
             self._post(ready)
+        elif self.held_s is not None:  # this node does not join now: it asks again later (at once once cleared)
+            self._waiting = again[1]
+            self._outages.retry(again[0], again[1], delay_s=self.held_s)
 
-    def prepare(self, attempt: int, at_most: int | None = None) -> policy.LaunchReady:
-        h = health.probe(self.cfg.launch.health_command, self.cfg.launch.nproc_per_node)
+    def admit_now(self) -> None:
+        """Ask again at once whether this node joins the launch it holds back (an operator cleared its quarantine)."""
+        if self._waiting is not None:
+            self._outages.retry("prepare", self._waiting, delay_s=0.0)
+
+    def prepare(self, attempt: int, at_most: int | None = None) -> policy.LaunchReady | None:
+        """The launch's inputs; None when this node does not join now (its admission said why; `held_s`: the
+        seconds until it asks again)."""
+        ln = self.cfg.launch
+        self.held_s, ran = None, None
+        if self.admission is not None:
+            ran, self.held_s = self.admission.admit(attempt)
+            if self.held_s is not None:
+                return None
+        elif ln.health_command:
+            ran = capped.run(ln.health_command, ln.health_timeout_s)
+        h = health.probe(ran, ln.nproc_per_node, ln.health_timeout_s)
         if h.count is None:
             # A blind probe must not look healthy: the policy keeps the last known world size.
             self._emit("warning", "health_probe_failed", attempt=attempt, reason=h.detail, source=h.source)
         else:
             self._emit("info", "health_probed", attempt=attempt, source=h.source, slots=list(h.slots or ()))
-        step, meta = self._choose_checkpoint(attempt, at_most)
+        step, meta, kind = self._choose_checkpoint(attempt, at_most)
         samples = meta.get("samples")
         samples = samples if type(samples) is int and samples >= 0 else None  # the checkpoint's data position
-        return policy.LaunchReady(h.count, step, self._batch_divisor(meta), at_most=at_most, resume_samples=samples)
+        return policy.LaunchReady(
+            h.count,
+            step,
+            self._batch_divisor(meta),
+            at_most=at_most,
+            resume_samples=samples,
+            resume_final=kind == "final",
+        )
 
-    def _choose_checkpoint(self, attempt: int, at_most: int | None) -> tuple[int | None, dict[str, Any]]:
+    def _choose_checkpoint(self, attempt: int, at_most: int | None) -> tuple[int | None, dict[str, Any], str | None]:
+        """The step to resume from, its metadata and its kind (None, {}, None: a fresh start)."""
         resume = self.store.choose(CHOICE_TIMEOUT_S, at_most, tag=attempt)  # made on the scanner's thread
         self._tell_passed(attempt, resume)
         if resume.durable_error is not None:  # the fast tier's choice alone
@@ -104,7 +137,7 @@ class ResumeChoice:
         if info is None and not resume.answered and at_most is not None:
             # The ranks' own load picks, but never past the rollback's bound (FTSUP_RESUME_STEP is an upper bound).
             self._emit("warning", "checkpoint_chosen", attempt=attempt, step=at_most, reason=resume.why_no_checkpoint)
-            return at_most, {}
+            return at_most, {}, None
         if info is None:
             self._emit(
                 "info" if resume.quiet else "warning",
@@ -113,7 +146,7 @@ class ResumeChoice:
                 step=None,
                 reason=resume.why_no_checkpoint,
             )
-            return None, {}
+            return None, {}, None
         self._emit(
             "info",
             "checkpoint_chosen",
@@ -123,7 +156,7 @@ class ResumeChoice:
             tier=resume.tier,
             path=info.path,
         )
-        return info.step, resume.metadata
+        return info.step, resume.metadata, info.kind
 
     def _tell_passed(self, attempt: int, resume: Resume, **late: Any) -> None:
         """Log what a choice quarantined, skipped or abandoned on its way (`late`: fields of a choice made after

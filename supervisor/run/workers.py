@@ -19,6 +19,7 @@ from ftsup.supervisor.config.job import JobConfig
 from ftsup.supervisor.errors import error_line
 from ftsup.supervisor.policy import hangs
 from ftsup.supervisor.policy import machine as policy
+from ftsup.supervisor.policy.events import RanksStarted
 from ftsup.supervisor.run import echo, flightrec, forensics, launcher, ranklogs, warmagent
 from ftsup.supervisor.run.heartbeat import Admission, Beat
 from ftsup.supervisor.run.outages import Outages
@@ -196,6 +197,8 @@ class Workers:
         pids = att.rank_pids()
         prev = self._ranks_seen
         events: list[policy.Event] = []
+        if pids and not prev:  # its first ranks: the rendezvous is over (a hot spare's wait among them)
+            events.append(RanksStarted(att.number))
         if prev and pids != prev and not pids & prev:
             # Its ranks are gone (or replaced) while torchrun lives on: ranks finishing, or
             # torchrun re-forming the worker group (a rendezvous and a fresh start of every rank).

@@ -26,6 +26,9 @@ _EVENT_GROUPS = (
     "health_probed health_probe_failed checkpoint_found checkpoint_chosen checkpoint_quarantined checkpoint_skipped",
     "checkpoint_abandoned world_size_chosen launch_failed spare_agent_parked spare_agent_used spare_agent_failed",
     "durable_choice_failed",  # the durable tier had no part in a resume choice (it failed or did not answer)
+    # this node before each attempt: its checks, its quarantine, a hot spare's wait in the rendezvous
+    "node_checked launch_deferred node_fault_recorded node_quarantined quarantine_expired quarantine_cleared",
+    "quarantine_ignored quarantine_clear_ignored standby_joined standby_released",
     # the running attempt, its failures and what follows them
     "workers_launched workers_restarted first_step_reached heartbeats_dropped workers_stopped orphans_found",
     "heartbeat_timed_out progress_timed_out startup_timed_out worker_exited stop_requested",

@@ -18,7 +18,7 @@ from prometheus_client.exposition import choose_encoder
 from ftsup.protocol import DROP_REASONS
 from ftsup.store import layout
 from ftsup.supervisor.config.job import split_host_port
-from ftsup.supervisor.policy import detectors, evidence, goodput
+from ftsup.supervisor.policy import detectors, evidence, goodput, nodes
 from ftsup.supervisor.policy import machine as policy
 from ftsup.supervisor.telemetry.http import BoundedHTTPServer
 from ftsup.supervisor.telemetry.logs import EVENTS
@@ -43,6 +43,7 @@ STORAGE_PURPOSES = {
     "log_file": "the supervisor's log file",
     "rank_status": "the ranks as last heard, for ftsup status (job.state_dir)",
     "incidents": "the incident records, for ftsup incidents (job.state_dir)",
+    "quarantine": "this node's quarantine, kept across supervisors (job.state_dir)",
 }
 """What the supervisor reads and writes, the `purpose` label of `ftsup_storage_errors_total`, and what each is
 for (as the `storage_failed` log line says it)."""
@@ -171,6 +172,26 @@ class Metrics:
             "Anomalies that stopped the job (exit 7): the same again after its skip, or the rollback budget spent.",
         )
 
+        # ---- this node: its checks before each attempt, its quarantine, a hot spare's wait
+        self.node_healthy = gauge(
+            "ftsup_node_healthy",
+            "1 when every check of this node passed at its last check before an attempt; 0 when one failed or could "
+            "not look (NaN: not checked yet).",
+        )
+        self.node_check = gauge(
+            "ftsup_node_check",
+            "1 for each check's result at this node's last check, by check (" + ", ".join(nodes.CHECKS) + ") and "
+            "result (" + ", ".join(nodes.RESULTS) + ").",
+            ["check", "result"],
+        )
+        self.node_quarantined_now = gauge(
+            "ftsup_node_quarantined", "1 while this node is quarantined: held out of attempts (`ftsup nodes`)."
+        )
+        self.node_faults = counter("ftsup_node_faults_total", "Failures put on this node, which its quarantine counts.")
+        self.standby = gauge(
+            "ftsup_standby", "1 while this node, a hot spare, waits in the rendezvous for a free slot."
+        )
+
         # ---- gauges, from the policy's state
         self.phase = gauge("ftsup_phase", "1 for the supervisor's current phase.", ["phase"])
         self.attempt = gauge("ftsup_attempt", "The current (or last) attempt number.")
@@ -257,6 +278,10 @@ class Metrics:
         for trigger in evidence.TRIGGERS:
             self.incidents.labels(trigger)
         self.capture_s.set(float("nan"))
+        self.node_healthy.set(float("nan"))
+        for check in nodes.CHECKS:
+            for result in nodes.RESULTS:
+                self.node_check.labels(check, result)
         for outcome in DURABLE_OUTCOMES:
             self.durable_uploads.labels(outcome)
         self.durable_step.set(-1)
@@ -320,10 +345,23 @@ class Metrics:
             sent = fields.get("bytes_sent")
             if isinstance(sent, int) and sent > 0:
                 self.durable_bytes.inc(sent)
+        elif name == "node_fault_recorded":
+            self.node_faults.inc()
         elif name == "durable_upload_failed":
             self.durable_uploads.labels("failed").inc()
         elif name == "durable_dropped":
             self.durable_uploads.labels("dropped").inc()
+
+    def node_checked(self, verdict: nodes.Verdict) -> None:
+        """This node's checks before an attempt (`run.admission`)."""
+        self.node_healthy.set(1 if verdict.healthy else 0)
+        results = {c.name: c.result for c in verdict.checks}
+        for check in nodes.CHECKS:
+            for result in nodes.RESULTS:
+                self.node_check.labels(check, result).set(1 if results.get(check) == result else 0)
+
+    def node_quarantined(self, held: bool) -> None:
+        self.node_quarantined_now.set(1 if held else 0)
 
     def storage_error(self, purpose: str) -> None:
         """Count one I/O error of `purpose` (the daemon names it from a fixed set: checkpoint_dir, journal, ...)."""
@@ -340,6 +378,8 @@ class Metrics:
         self.attempt.set(st.attempt_no)
         att = st.attempt
         self.world_size.set(att.nproc if att is not None and st.phase in policy.ATTEMPT_PHASES else 0)
+        waiting = settings.standby and att is not None and st.phase == policy.SupervisorPhase.RUNNING
+        self.standby.set(1 if waiting and att is not None and att.ranks_at is None else 0)
         self.ranks_reporting.set(len(att.ranks) if att is not None else 0)
         self.step.set(st.best_step)
         if att is not None:

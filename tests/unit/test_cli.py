@@ -301,7 +301,7 @@ def test_help_lists_every_command_in_order(capsys: pytest.CaptureFixture[str]) -
     code, out, _ = run(capsys, "--help")
     assert (code, listed(out)) == (
         0,
-        ["run", "status", "config", "ckpt", "rollback", "incidents", "bench", "demo", "chaos"],
+        ["run", "status", "config", "ckpt", "rollback", "incidents", "nodes", "bench", "demo", "chaos"],
     )
 
 

@@ -144,6 +144,7 @@ def test_every_setting_of_the_policy_comes_from_the_config() -> None:
         min_world_size=2,
         max_world_size=5,
         nnodes_max=3,
+        standby=False,
         heartbeat_mode=HeartbeatMode.REQUIRED,
         heartbeat_timeout_s=41.0,
         progress_timeout_s=42.0,

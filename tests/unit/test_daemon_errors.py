@@ -116,7 +116,8 @@ def test_a_resume_choice_that_came_too_late_still_logs_what_it_quarantined(
     monkeypatch.setattr(resume, "CHOICE_TIMEOUT_S", 0.2)
     d = daemon(tmp_path, FakeClock())
     with d.resume.running(), capture_logs() as logs:
-        assert d.resume.prepare(attempt=1).resume_step is None  # left to the ranks' own load
+        ready = d.resume.prepare(attempt=1)
+        assert ready is not None and ready.resume_step is None  # left to the ranks' own load
         release.set()
         wait_for(lambda: (torn.parent / (torn.name + ".corrupt")).exists(), 10, "the late choice never quarantined")
 

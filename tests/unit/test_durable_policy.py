@@ -65,6 +65,7 @@ def settings() -> Settings:
         min_world_size=1,
         max_world_size=None,
         nnodes_max=1,
+        standby=False,
         heartbeat_mode=HeartbeatMode.AUTO,
         heartbeat_timeout_s=None,
         progress_timeout_s=None,

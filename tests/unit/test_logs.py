@@ -26,7 +26,11 @@ from ftsup.supervisor.config.job import load_config
 from ftsup.supervisor.eviction.notices import Blind, Seeing
 from ftsup.supervisor.eviction.requeue import requeue
 from ftsup.supervisor.policy import machine as P
+from ftsup.supervisor.policy.events import RanksStarted
+from ftsup.supervisor.policy.nodes import NodeFault
+from ftsup.supervisor.run.admission import Admission
 from ftsup.supervisor.run.daemon import Daemon
+from ftsup.supervisor.state.nodes import ClearRequest
 from ftsup.supervisor.telemetry.logs import EVENTS
 from tests.helpers import default_files, make_fake_checkpoint
 from tests.settings import settings
@@ -153,6 +157,15 @@ def _operator_stops(d: Drive) -> None:
     idle.feed(P.OperatorStop("SIGINT"))  # before anything was launched
 
 
+def _a_standby_released_then_joined(d: Drive) -> None:
+    d.launch()
+    d.exit(1)  # its rendezvous round ended before its ranks started: standby_released
+    d.launch()
+    d.feed(RanksStarted(d.m.state.attempt_no))  # standby_joined
+    d.train(range(1, 3))
+    d.exit(0)
+
+
 def _no_slot_to_launch_on(d: Drive) -> None:
     d.feed(P.Start())
     d.feed(P.LaunchReady(0, None))
@@ -188,6 +201,7 @@ SCENARIOS: dict[str, tuple[Callable[[Drive], None], P.Settings]] = {
     "deadline while saving": (_deadline_reached_while_saving, S),
     "operator": (_operator_stops, S),
     "no slot": (_no_slot_to_launch_on, S),
+    "standby": (_a_standby_released_then_joined, settings(nproc_max=2, nnodes_max=2, standby=True)),
     "anomalies": (_anomalies_rolled_back_then_escalated, S),
 }
 
@@ -207,7 +221,7 @@ def _daemon(tmp: Path, **sections: dict[str, Any]) -> Daemon:
 def _daemons_own_events(tmp: Path) -> None:
     daemon = _daemon(
         tmp,
-        launch={"health_command": [sys.executable, "-c", "exit(1)"]},
+        launch={"health_command": [sys.executable, "-c", "print('slot 0 is fine')"]},
         eviction={"requeue_command": [sys.executable, "-c", "exit(3)"]},
     )
     daemon.sources.report(Blind("gcp", "connection refused"))
@@ -215,7 +229,7 @@ def _daemons_own_events(tmp: Path) -> None:
     make_fake_checkpoint(tmp / "ckpt", 4, default_files(1))
     bad = make_fake_checkpoint(tmp / "ckpt", 8, default_files(2))
     (bad / "shard-00001.safetensors").write_bytes(b"torn")  # not the size its manifest records
-    daemon.resume.prepare(1)  # the probe fails; step 8 is quarantined, step 4 chosen
+    daemon.resume.prepare(1)  # the node passes, the slot probe is blind; step 8 is quarantined, step 4 chosen
     requeue(daemon.cfg.eviction.requeue_command, {}, daemon._emit)  # requested, and failed (exit 3)
     (tmp / "cpu").mkdir()
     _daemon(tmp / "cpu").resume.prepare(1)  # probed: CPU slots; no checkpoint: a fresh start
@@ -224,6 +238,21 @@ def _daemons_own_events(tmp: Path) -> None:
     (tmp / "state").mkdir(exist_ok=True)
     (tmp / "state" / "rollback.json").write_text("not a request")
     daemon.rollbacks.poll()  # rollback_request_ignored
+    (tmp / "sick").mkdir()
+    sick = _daemon(tmp / "sick", launch={"health_command": [sys.executable, "-c", "exit(1)"]})
+    sick.resume.prepare(1)  # node_checked, failed: launch_deferred
+    (tmp / "q" / "state").mkdir(parents=True)
+    (tmp / "q" / "state" / "quarantine.json").write_text("[not a quarantine")
+    (tmp / "q" / "state" / "quarantine-clear.json").write_text("{}")
+    q = _daemon(tmp / "q", launch={"quarantine_failures": 1, "quarantine_s": 10})
+    wall = iter([100.0, 100.0, 100.0, 100.0, 200.0, 200.0, 200.0, 200.0])
+    keeper = Admission(q.cfg, emit=q._emit, metrics=q.metrics, outages=q.outages, wall=lambda: next(wall, 300.0))
+    keeper.adopt()  # quarantine_ignored, the file set aside
+    keeper.fault(NodeFault(1, 0, "rank 0 was killed by SIGKILL"))  # node_fault_recorded, node_quarantined
+    keeper.admit(2)  # still held: launch_deferred
+    keeper.admit(3)  # its time is up: quarantine_expired
+    keeper.poll()  # quarantine_clear_ignored
+    keeper.clear(ClearRequest("c1ea7", None, "ops", 0.0))  # quarantine_cleared
 
 
 @pytest.fixture(scope="module")
@@ -290,6 +319,16 @@ def test_the_capture_sees_every_decision_of_the_policy_and_the_daemons_handlers(
         "straggler_detected",
         "checkpoint_abandoned",
         "rollback_request_ignored",
+        "node_checked",
+        "launch_deferred",
+        "node_fault_recorded",
+        "node_quarantined",
+        "quarantine_expired",
+        "quarantine_cleared",
+        "quarantine_ignored",
+        "quarantine_clear_ignored",
+        "standby_joined",
+        "standby_released",
     }
     assert expected - seen == set()
 
