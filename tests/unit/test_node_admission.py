@@ -19,6 +19,7 @@ from structlog.testing import capture_logs
 from ftsup.supervisor import statedir
 from ftsup.supervisor.cli.commands import main
 from ftsup.supervisor.config.job import load_config
+from ftsup.supervisor.errors import ConfigError
 from ftsup.supervisor.policy import nodes
 from ftsup.supervisor.policy.events import LaunchReady, RankExited, RankFailure, SupervisorPhase, WorkersExited
 from ftsup.supervisor.run import nodehealth
@@ -258,3 +259,15 @@ def test_the_checks_and_the_quarantine_are_in_the_metrics(tmp_path: Path) -> Non
     assert value("ftsup_node_check", {"check": "command", "result": "ok"}) == 0
     keeper.fault(nodes.NodeFault(1, 0, "rank 0 exited with code 1"))
     assert (value("ftsup_node_quarantined"), value("ftsup_node_faults_total")) == (1, 1)
+
+
+def test_a_standby_on_a_single_node_job_is_refused_naming_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="launch.standby: a hot spare needs a job of several nodes"):
+        load_config(config(tmp_path, standby=True))
+
+
+def test_the_quarantine_is_on_by_default_only_where_another_node_can_run(tmp_path: Path) -> None:
+    one = load_config(config(tmp_path)).launch
+    several = load_config(config(tmp_path, nnodes="1:2", rdzv_endpoint="127.0.0.1:29400")).launch
+    given = load_config(config(tmp_path, quarantine_failures=5)).launch
+    assert (one.quarantine_after, several.quarantine_after, given.quarantine_after) == (0, 3, 5)
