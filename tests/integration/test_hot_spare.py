@@ -21,6 +21,7 @@ import yaml
 from ftsup import procs as ftprocs
 from ftsup.store import layout
 from ftsup.supervisor.cli.commands import main
+from ftsup.tools.faults.invariants import sample_ids
 from tests.integration.test_multinode import lines, node_config, start
 from tests.procs import free_port, kill_tree, wait_for
 
@@ -35,6 +36,7 @@ def spare_config(tmp: Path, node: str, port: int, *, standby: bool) -> Path:
     cfg["launch"].update(nnodes="2:2", standby=standby)
     command = cfg["job"]["command"]
     command[command.index("--steps") + 1] = str(STEPS)
+    command += ["--sample-log", str(tmp / "samples-{rank}.jsonl")]
     path.write_text(yaml.safe_dump(cfg))
     return path
 
@@ -144,6 +146,13 @@ def test_every_step_trained_once_on_the_samples_that_follow(run: dict) -> None:
     final = {j["step"]: j for j in lines(run["tmp"] / "loss.jsonl")}  # the last time each step was trained
     assert sorted(final) == list(range(1, STEPS + 1))
     assert [final[s]["samples"] for s in sorted(final)] == [12 * s for s in range(1, STEPS + 1)]
+
+
+def test_every_sample_was_trained_once_across_the_lost_node_and_the_spare(run: dict) -> None:
+    tmp = run["tmp"]
+    ids = sample_ids(tmp / "loss.jsonl", sorted(tmp.glob("samples-*.jsonl")))  # as the last attempt of each step
+    trained = [i for step in range(1, STEPS + 1) for i in ids[step]]
+    assert ([len(ids[s]) for s in range(1, STEPS + 1)], len(set(trained))) == ([12] * STEPS, 12 * STEPS)
 
 
 def test_the_spares_wait_counted_no_failure_and_its_checks_passed(run: dict) -> None:
