@@ -52,7 +52,8 @@ def assert_checkpoints_finite(ckpt: Path) -> int:
     from safetensors.torch import load_file
 
     checked = 0
-    for f in sorted(ckpt.glob("step-*/**/*.safetensors")):
+    committed = [d for d in sorted(ckpt.glob("step-*")) if not d.suffix]  # a `.partial` save is never loaded
+    for f in (f for d in committed for f in sorted(d.glob("**/*.safetensors"))):
         for name, t in load_file(f).items():
             assert not t.is_floating_point() or bool(torch.isfinite(t).all()), f"{f}: {name} is not finite"
         checked += 1
