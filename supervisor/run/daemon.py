@@ -249,10 +249,14 @@ class Daemon:
                 self.resume.prepare_or_retry(action.attempt, action.at_most)
             elif isinstance(action, policy.Launch):
                 self.workers.launch_or_fail(action)
-            elif isinstance(action, CaptureEvidence):  # its bound is its longest pause of the loop
+            elif isinstance(action, CaptureEvidence):
                 att = self.workers.attempt
                 targets = self.workers.targets() if att is not None and att.number == action.attempt else []
-                self.forensics.capture(action, targets, att.log_path if att is not None else None)
+                ranklog = att.log_path if att is not None else None
+                if action.trigger != "hang":  # it stops nothing: the loop goes on beside it
+                    self.forensics.capture_aside(action, targets, ranklog)
+                    continue
+                self.forensics.capture(action, targets, ranklog)  # its bound is its longest pause of the loop
                 if (code := self._feed(EvidenceCaptured(action.attempt))) is not None:  # before the stop it held
                     return code
             elif isinstance(action, policy.StopWorkers):

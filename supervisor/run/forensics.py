@@ -73,9 +73,11 @@ class Forensics:
         self._outages = outages
         self._environ = dict(os.environ if environ is None else environ)
         self._threads: list[threading.Thread] = []
+        self._aside: threading.Thread | None = None  # a capture that stops nothing, under way (`capture_aside`)
 
     def close(self) -> None:
         """Wait (a little) for capture threads still running: each ends at its own deadline, its tool killed."""
+        self._wait_aside()
         for t in self._threads:
             t.join(JOIN_S)
         self._threads = []
@@ -86,7 +88,31 @@ class Forensics:
         self, action: CaptureEvidence, targets: Sequence[Target], attempt_log: Path | None
     ) -> incidents.Incident | None:
         """Capture, name the culprit and write the record, all within `action.timeout_s`; the record (None: it could
-        not be written, which is logged and counted, never raised)."""
+        not be written, which is logged and counted, never raised). A capture under way aside is waited for first."""
+        self._wait_aside()
+        return self._guarded(action, targets, attempt_log)
+
+    def capture_aside(self, action: CaptureEvidence, targets: Sequence[Target], attempt_log: Path | None) -> None:
+        """A capture that stops nothing (a straggler's, an operator's) on a thread of its own, so that the loop goes
+        on meanwhile (an eviction notice is not held up by it). One at a time: one asked for meanwhile is not taken,
+        which is logged."""
+        if self._aside is not None and self._aside.is_alive():
+            why = f"the {action.trigger} capture is not taken: another capture is under way"
+            self._emit("warning", "incident_failed", attempt=action.attempt, reason=why)
+            return
+        self._aside = threading.Thread(
+            target=self._guarded, args=(action, targets, attempt_log), name="ftsup-evidence", daemon=True
+        )
+        self._aside.start()
+
+    def _wait_aside(self) -> None:
+        if self._aside is not None:
+            self._aside.join(self.cfg.forensics.timeout_s + JOIN_S)  # it ends by its own bound
+            self._aside = None
+
+    def _guarded(
+        self, action: CaptureEvidence, targets: Sequence[Target], attempt_log: Path | None
+    ) -> incidents.Incident | None:
         try:
             return self._capture(action, targets, attempt_log)
         except Exception as e:  # an adapter's boundary: a capture that fails must never hold back the stop after it

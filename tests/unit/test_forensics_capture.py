@@ -128,3 +128,39 @@ def test_a_capture_that_fails_unforeseen_is_logged_and_returns_so_that_the_stop_
     finally:
         forensics.close()
     assert (got, said) == (None, [("incident_failed", "RuntimeError: a bug in naming the culprit")])
+
+
+def test_a_capture_that_stops_nothing_runs_aside_one_at_a_time_and_a_hang_capture_waits_for_it(
+    sleepers: list[subprocess.Popen[bytes]], tmp_path: Path
+):
+    tool = tmp_path / "pystack"  # never answers: each capture lasts its whole bound
+    tool.write_text("#!/bin/sh\nsleep 60 &\nwait\n")
+    tool.chmod(0o755)
+    raw = {"job": {"command": ["true"], "state_dir": str(tmp_path / "state")}, "forensics": {"tools": [str(tool)]}}
+    cfg = parse_config(raw, base_dir=tmp_path, hostname="node")
+    said: list[tuple[str, str]] = []
+    outages = Outages(lambda level, event, **f: None, lambda purpose: None, time.monotonic)
+    forensics = Forensics(
+        cfg,
+        tmp_path / "state",
+        clock=time.monotonic,
+        emit=lambda lv, ev, **f: said.append((ev, f["reason"])),
+        outages=outages,
+    )
+    targets = [Target(0, 0, sleepers[0].pid)]
+    try:
+        t0 = time.monotonic()
+        forensics.capture_aside(CaptureEvidence(1, "straggler", "straggler_detected", "slow", BOUND_S), targets, None)
+        forensics.capture_aside(CaptureEvidence(1, "operator", "capture_requested", "ops", BOUND_S), targets, None)
+        aside_s = time.monotonic() - t0  # the loop went on at once
+        hang = forensics.capture(CaptureEvidence(1, "hang", "heartbeat_timed_out", "hung", BOUND_S), targets, None)
+    finally:
+        forensics.close()
+    found, _ = forensics.store.read_all()
+    assert (aside_s < BOUND_S / 2, sorted(i.trigger for i in found), hang is not None) == (
+        True,
+        ["hang", "straggler"],
+        True,
+    ), said
+    failed = [reason for event, reason in said if event == "incident_failed"]
+    assert failed == ["the operator capture is not taken: another capture is under way"]
