@@ -19,10 +19,10 @@ import torch
 from torch.distributed.checkpoint import filesystem, metadata
 
 from ftsup.store import dcpmeta, dtypes, hublayout, layout
-from ftsup.store.errors import CheckpointCorruptError, CheckpointError
+from ftsup.store.errors import CheckpointError
 from ftsup.trainer.checkpoint import codec, gcpause
 from ftsup.trainer.checkpoint.shardio import PAGE, VerifiedFile, aligned_buffer, as_memoryview, read_files, round_up
-from ftsup.trainer.hf.export import check_out, publish
+from ftsup.trainer.hf.export import check_out, consistent, publish
 
 DATA_NAME = "__0_0.distcp"  # DCP's name for the first data file of rank 0
 METADATA_NAME = ".metadata"
@@ -41,13 +41,7 @@ def export_dcp(
     Returns `{"step", "tensors", "bytes", "files"}`; `progress(done, total)`: tensor bytes written so far."""
     out = Path(out)
     check_out(out)
-    info = layout.find_checkpoint(root, step)
-    if not info.consistent:
-        raise CheckpointCorruptError(
-            f"checkpoint {info.path} is not consistent: {'; '.join(map(str, info.problems))}", path=info.path
-        )
-    ckpt = Path(info.path)
-    manifest = layout.read_manifest(ckpt)
+    found, ckpt, manifest = consistent(root, step)
     if manifest.metadata.get("format") == hublayout.TRAINER_FORMAT or layout.DCP_META_NAME not in manifest.files:
         raise CheckpointError(f"{ckpt} holds no engine tensors (a Trainer checkpoint: use ftsup ckpt export-hf)")
     meta = dcpmeta.read(ckpt, manifest)
@@ -60,7 +54,7 @@ def export_dcp(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"step": info.step, **summary}
+    return {"step": found, **summary}
 
 
 def _write(

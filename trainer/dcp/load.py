@@ -18,6 +18,7 @@ from ftsup.store import dcpdir
 from ftsup.store.errors import CheckpointError, ModelFileError
 from ftsup.trainer.checkpoint import codec, gcpause
 from ftsup.trainer.dcp.boxread import BoxReader
+from ftsup.trainer.hf.load import agree
 
 
 @dataclass(frozen=True)
@@ -69,14 +70,14 @@ def _load(module: torch.nn.Module, root: Path, step: int | None, prefix: str | N
         targets = _match(state, ckpt, prefix)
     except CheckpointError as e:
         errors.append(e)
-    _agree(errors, world, group, device, "reading the checkpoint's metadata")
-    if ckpt is None or prefix is None:  # `_agree` raised
+    agree(errors, world, group, device, "reading the checkpoint's metadata")
+    if ckpt is None or prefix is None:  # `agree` raised
         raise ModelFileError(f"{root}: not read")
     values: list[tuple[_Target, torch.Tensor]] = []
     with BoxReader(ckpt) as reader:
         for t in targets:  # every rank takes part in every collective, whatever failed on it
             values.append((t, _share(t, ckpt, reader, world, rank, group, device, errors)))
-        _agree(errors, world, group, device, "reading the checkpoint's tensors")
+        agree(errors, world, group, device, "reading the checkpoint's tensors")
         read, structure = reader.bytes_read, reader.structure_bytes_read
     with torch.no_grad():
         for t, value in values:
@@ -178,19 +179,6 @@ def _share(
     parts = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(parts, flat, group=group)
     return torch.cat(parts).cpu().view(dtype).reshape((c * world, *size[1:]))[:n]
-
-
-def _agree(errors: list[BaseException], world: int, group: Any, device: torch.device, doing: str) -> None:
-    """Raise on every rank when any rank failed (its own first error where it has one)."""
-    failed = bool(errors)
-    if world > 1:
-        flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        failed = bool(flag.item())
-    if errors:
-        raise errors[0]
-    if failed:
-        raise ModelFileError(f"another rank failed {doing}; nothing was loaded")
 
 
 def _step_of(path: Path) -> int | None:

@@ -92,13 +92,7 @@ def export_hf(
     if dtype is not None and codec.dtype_name(dtype) not in dtypes.CAST_NAMES.values():
         raise CheckpointError(f"cannot export as {dtype}: the choices are {', '.join(dtypes.CAST_NAMES)}")
     check_out(out)
-    info = layout.find_checkpoint(root, step)
-    if not info.consistent:
-        raise CheckpointCorruptError(
-            f"checkpoint {info.path} is not consistent: {'; '.join(map(str, info.problems))}", path=info.path
-        )
-    ckpt = Path(info.path)
-    manifest = layout.read_manifest(ckpt)
+    found, ckpt, manifest = consistent(root, step)
     trainer = manifest.metadata.get("format") == hublayout.TRAINER_FORMAT
     if trainer and prefix is not None:
         raise CheckpointError(f"{ckpt} is a Trainer checkpoint: its weights are its model's; --prefix does not apply")
@@ -126,7 +120,7 @@ def export_hf(
             if trainer and GENERATION_CONFIG_NAME in manifest.files:
                 raw = layout.read_verified(ckpt, manifest, GENERATION_CONFIG_NAME, hublayout.CONFIG_MAX_BYTES)
                 write_new(tmp / GENERATION_CONFIG_NAME, raw)
-            index["metadata"].update(ftsup_step=info.step, config=source)
+            index["metadata"].update(ftsup_step=found, config=source)
             publish(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -159,6 +153,18 @@ def _config_bytes(config: Mapping[str, Any], dtype: torch.dtype | None) -> bytes
         if "torch_dtype" in config:
             config["torch_dtype"] = name
     return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()  # as transformers writes config.json
+
+
+def consistent(root: str | os.PathLike[str], step: int | None) -> tuple[int, Path, layout.Manifest]:
+    """Checkpoint `step` of the store at `root` (None: the latest consistent one): its step, directory and manifest;
+    raises when it is not consistent."""
+    info = layout.find_checkpoint(root, step)
+    if not info.consistent:
+        raise CheckpointCorruptError(
+            f"checkpoint {info.path} is not consistent: {'; '.join(map(str, info.problems))}", path=info.path
+        )
+    ckpt = Path(info.path)
+    return info.step, ckpt, layout.read_manifest(ckpt)
 
 
 def check_out(out: Path) -> None:

@@ -77,14 +77,14 @@ def _load(
         hub = hublayout.read(root)
     except CheckpointError as e:
         errors.append(e)
-    _agree(errors, world, group, device, "reading the model's headers")
+    agree(errors, world, group, device, "reading the model's headers")
     with HubReader(hub) as reader:
         try:
             targets = _match(state, hub, reader, rename, convert, world)
         except CheckpointError as e:
             errors.append(e)
             targets = []
-        _agree(errors, world, group, device, "matching the model's tensors")
+        agree(errors, world, group, device, "matching the model's tensors")
         # Every rank takes part in every collective, whatever failed on it: the ranks agree only afterwards.
         take = _staging([_direct_bytes(t, reader, world) for t in targets])
         parts = {id(t): p for t in targets if (p := _in_place_part(t)) is not None}
@@ -95,7 +95,7 @@ def _load(
                 errors.append(e)
         rest = [t for t in targets if id(t) not in parts]
         staged = [(t, _read_share(t, reader, world, rank, group, device, errors, take)) for t in rest]
-        _agree(errors, world, group, device, "reading the model's tensors")
+        agree(errors, world, group, device, "reading the model's tensors")
     with torch.no_grad():
         for t, value in staged:
             if value is not None:  # None: read in place
@@ -300,7 +300,7 @@ def _read_share(
     return torch.cat(parts)[:n].cpu().reshape(-1).view(dtype).reshape(shape)
 
 
-def _agree(errors: list[BaseException], world: int, group: Any, device: torch.device, doing: str) -> None:
+def agree(errors: list[BaseException], world: int, group: Any, device: torch.device, doing: str) -> None:
     """Raise on every rank when any rank failed (its own first error where it has one)."""
     failed = bool(errors)
     if world > 1:
