@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from ftsup import protocol
 from ftsup.store import blocksum, layout, saving
 from ftsup.store.errors import CheckpointError, CheckpointSaveError
 from ftsup.store.retention import RetentionPolicy
-from ftsup.trainer.checkpoint import codec, devcopy, gcpause, loading, staging
+from ftsup.trainer.checkpoint import codec, devcopy, gcpause, loading, shardio, staging
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm, make_comm
 from ftsup.trainer.checkpoint.commit import Committer, Hook, SaveResult, StagedSave, log_quietly
 from ftsup.trainer.checkpoint.loading import LoadResult, read_rank_state
@@ -218,6 +218,7 @@ class CheckpointEngine:
         self.failed_saves = 0
         """Saves that failed since the engine was made (each also logged: checkpoint_save_failed)."""
         self._lock = threading.Lock()
+        self._reading: ThreadPoolExecutor | None = None  # made by the first load, kept until close
         self._closed = False
         self._writer = threading.Thread(target=self._writer_loop, name="ftsup-ckpt-writer", daemon=True)
         self._writer.start()
@@ -245,6 +246,9 @@ class CheckpointEngine:
             self._writer.join()
             self._fence.close()
             self._host.close()
+            if self._reading is not None:
+                self._reading.shutdown(wait=True)
+                self._reading = None
             if self._plan is not None:
                 self._plan.views.clear()
             self._buffers = [None] * len(self._buffers)  # the staging memory goes with the engine, not its owner
@@ -464,6 +468,9 @@ class CheckpointEngine:
             raise CheckpointError("load() on a closed CheckpointEngine")
         self._drain()
         node_local = self._committer.node is not None
+        if self._reading is None:
+            # Kept from load to load: starting them is a part of a load (trainer/checkpoint/DESIGN.md, No central plan).
+            self._reading = shardio.reading_pool()
         with gcpause.paused():
             return loading.load(
                 self.directory,
@@ -474,4 +481,5 @@ class CheckpointEngine:
                 check=check,
                 durable_tier=self.durable_tier,
                 node_local=node_local,
+                pool=self._reading,
             )

@@ -9,16 +9,14 @@ from __future__ import annotations
 import json
 import os
 import time
-import warnings
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import structlog
 import torch
-from torch.distributed.checkpoint import load as dcp_load
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ftsup.extras import MissingExtraError
@@ -64,11 +62,13 @@ def load(
     check: Callable[[Mapping[str, Any]], None] | None,
     durable_tier: str | None = None,
     node_local: bool = False,
+    pool: ThreadPoolExecutor | None = None,
 ) -> LoadResult:
     """`CheckpointEngine.load` (see there); a collective over the engine's group. `durable_tier`: the durable
     tier's location, where a checkpoint newer than the local store's consistent ones may be read from.
     `node_local`: `directory` is this rank's node's own; each rank reads what its node's copy of the chosen
-    checkpoint holds from there, the rest from the durable tier (`noderead`)."""
+    checkpoint holds from there, the rest from the durable tier (`noderead`). `pool`: the engine's reading
+    threads, for the local store's files."""
     t0 = time.perf_counter()
     flat, _ = codec.flatten(codec.state_dicts(state))
     given_up: list[choice.Passed] = []  # rank 0's: what was passed over, for the error if nothing is left
@@ -85,7 +85,7 @@ def load(
                 from_tier = chosen.get("tier") == tiers.DURABLE
                 try:
                     node = NodeRead(directory, tier) if node_local else None
-                    return _load_from(comm, chosen, state, flat, t0, check, tier if from_tier else None, node)
+                    return _load_from(comm, chosen, state, flat, t0, check, tier if from_tier else None, node, pool)
                 except (CheckpointCorruptError, DurableTierError) as e:
                     if step is not None or not (from_tier or isinstance(e, CheckpointCorruptError)):
                         raise
@@ -249,6 +249,7 @@ def _load_from(
     check: Callable[[Mapping[str, Any]], None] | None,
     tier: LazyTier | None = None,
     node: NodeRead | None = None,
+    pool: ThreadPoolExecutor | None = None,
 ) -> LoadResult:
     """Load the chosen checkpoint: from the local store, or (`tier`) from the durable tier; `node`: each file from
     this rank's node's copy where it holds it, else from the durable tier."""
@@ -291,28 +292,8 @@ def _load_from(
         )
     if agreed == 1:
         raise corrupt or CheckpointCorruptError(f"{path}: another rank found a corrupt file", path=str(path))
-    reader = ShardReader(path, manifest, meta, comm, source, names=flat)
-    try:
-        with warnings.catch_warnings():
-            # A single process without torch.distributed is a supported mode, not a mistake.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp_load(
-                flat,
-                storage_reader=reader,
-                planner=DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=False),
-                process_group=comm.group,
-            )
-    except CheckpointException as e:
-        for wrapped in e.failures.values():
-            # DCP wraps each rank's error as (exception, stack)
-            failure = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-            if isinstance(failure, CheckpointCorruptError):
-                raise failure from None
-        for wrapped in e.failures.values():
-            failure = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-            if isinstance(failure, DurableTierError):
-                raise failure from None
-        raise CheckpointError(f"loading {path} failed: {e}") from e
+    reader = ShardReader(path, manifest, meta, comm, source, names=flat, pool=pool)
+    reader.load(flat, DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=False))
     rebuilt = codec.rebuild(meta["skeleton"], flat)
     for key, value in state.items():
         if codec.is_stateful(value):

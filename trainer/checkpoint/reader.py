@@ -5,6 +5,7 @@ into the caller's tensors (trainer/checkpoint/DESIGN.md, Loading).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -22,7 +23,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
 from ftsup.store import layout
-from ftsup.store.errors import CheckpointCorruptError, CheckpointError
+from ftsup.store.errors import CheckpointCorruptError, CheckpointError, DurableTierError
 from ftsup.trainer.checkpoint import codec, loadplan
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
 from ftsup.trainer.checkpoint.shardio import VerifiedFile, read_files
@@ -59,10 +60,13 @@ class ShardReader(StorageReader):
         source: FileSource | None = None,
         *,
         names: Iterable[str] | None = None,
+        pool: ThreadPoolExecutor | None = None,
     ) -> None:
         """`meta`: the checked DCP metadata (`dcpmeta.read`), or rank 0's packing of it (`loadplan.pack`), of
-        which only the tensors `names` (all when None) are unpacked: this rank's, at thousands of ranks."""
+        which only the tensors `names` (all when None) are unpacked: this rank's, at thousands of ranks. `pool`:
+        the reading threads of the local store's files (`shardio.reading_pool`; None: new ones for this load)."""
         self.path = path
+        self.pool = pool
         self.manifest = manifest
         self.comm = comm
         self.source = source
@@ -111,27 +115,54 @@ class ShardReader(StorageReader):
         return True
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
-        ready: list[tuple[Any, torch.Tensor]] = []
-        error: CheckpointError | None = None
+        self._read_agreed(plan, planner, None)
+        fut: torch.futures.Future[None] = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+    def load(self, flat: dict[str, torch.Tensor], planner: LoadPlanner) -> None:
+        """Read this checkpoint into `flat` as `dcp.load` would, without its central planning: DCP's load planner
+        maps the saved chunks onto this rank's tensors with no global step (its global load plan is the ranks' own),
+        so the plans' gather to rank 0 and scatter back, and the closing gather, are left out (trainer/checkpoint/
+        DESIGN.md, Loading). A collective over the engine's group: one all-reduce, in `_read_agreed`."""
+        plan: LoadPlan | None = None
+        failure: CheckpointError | None = None
         try:
-            ready = self._read_verified(plan)
-        except CheckpointError as e:
-            error = e
-        except OSError as e:
-            error = CheckpointCorruptError(f"{self.path}: {e}", path=str(self.path))
+            planner.set_up_planner(flat, self.metadata, self.comm.rank == 0)
+            plan = planner.finish_plan(self.prepare_local_plan(planner.create_local_plan()))
+        except Exception as e:  # adapter boundary (DCP's planner): every rank hears of it in `_read_agreed`
+            failure = CheckpointError(f"loading {self.path} failed: planning the reads: {type(e).__name__}: {e}")
+        self._read_agreed(plan, planner, failure)
+
+    def _read_agreed(self, plan: LoadPlan | None, planner: LoadPlanner, failure: CheckpointError | None) -> None:
+        """Read and verify `plan`'s bytes; once every rank's reads verified, copy them into the planner's tensors.
+        Every rank raises when any rank failed, the same kind of error (corrupt first, then the durable tier's)."""
+        ready: list[tuple[Any, torch.Tensor]] = []
+        error = failure
+        if error is None and plan is not None:
+            try:
+                ready = self._read_verified(plan)
+            except CheckpointError as e:
+                error = e
+            except OSError as e:
+                error = CheckpointCorruptError(f"{self.path}: {e}", path=str(self.path))
         # Every rank verifies its bytes before any rank copies one: nothing partially loaded.
-        if self.comm.all_reduce_max(1 if error else 0):
-            raise error or CheckpointCorruptError(
-                f"{self.path}: another rank found a corrupt or unreadable shard", path=str(self.path)
-            )
+        agreed = self.comm.all_reduce_max(_severity(error))
+        if agreed:
+            if error is not None and _severity(error) == agreed:
+                raise error
+            if agreed == _CORRUPT:
+                raise CheckpointCorruptError(
+                    f"{self.path}: another rank found a corrupt or unreadable shard", path=str(self.path)
+                )
+            if agreed == _TIER:
+                raise DurableTierError(f"{self.path}: another rank's reads from the durable tier failed")
+            raise CheckpointError(f"loading {self.path} failed on another rank")
         with torch.no_grad():
             for req, src in ready:
                 target = planner.resolve_tensor(req).detach()
                 target.copy_(src)
                 planner.commit_tensor(req, target)
-        fut: torch.futures.Future[None] = torch.futures.Future()
-        fut.set_result(None)
-        return fut
 
     def _read_verified(self, plan: LoadPlan) -> list[tuple[Any, torch.Tensor]]:
         by_file: dict[str, list[tuple[Any, ChunkLocation, int, int, int]]] = {}
@@ -162,7 +193,7 @@ class ShardReader(StorageReader):
                 )
             files.append((vf, [(s, e) for _, _, s, e, _ in reqs]))
         if self.source is None:
-            got = read_files(files)
+            got = read_files(files, pool=self.pool)
         else:
             got = read_files(files, threads=self.source.threads, piece=self.source.piece)
         ready = []
@@ -177,6 +208,18 @@ class ShardReader(StorageReader):
                 src = span.as_strided(tuple(req.lengths), _contiguous_strides(loc.sizes), span.storage_offset())
                 ready.append((req, src))
         return ready
+
+
+_OTHER, _TIER, _CORRUPT = 1, 2, 3
+
+
+def _severity(error: CheckpointError | None) -> int:
+    """What a rank's failure counts for in the agreement: 0 none; a corrupt file outranks the durable tier."""
+    if error is None:
+        return 0
+    if isinstance(error, CheckpointCorruptError):
+        return _CORRUPT
+    return _TIER if isinstance(error, DurableTierError) else _OTHER
 
 
 def _contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:

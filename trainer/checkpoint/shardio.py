@@ -392,6 +392,7 @@ def read_files(
     threads: int = READ_THREADS,
     piece: int = READ_PIECE,
     arena: torch.Tensor | None = None,
+    pool: ThreadPoolExecutor | None = None,
 ) -> list[list[tuple[int, torch.Tensor]]]:
     """`read_ranges` of several files at once; for each file, its (region_start, region) pairs.
 
@@ -406,6 +407,8 @@ def read_files(
 
     A file read by `fetch` (a durable tier's) is read the same way, in pieces of `piece` bytes (a multiple of the
     checksum block) by `threads` threads (the tier's connections), each piece verified by its thread.
+
+    `pool`: the reading threads to use instead of `threads` new ones (the engine's, kept from load to load).
     """
     spans = [vf._spans(ranges) for vf, ranges in requests]
     # One buffer for every region, each at a page boundary: a reshard asks for hundreds of
@@ -447,13 +450,30 @@ def read_files(
             for s, region in regions:
                 mv = as_memoryview(region)
                 pieces += [(vf, fd, direct, s + lo, mv[lo : lo + piece]) for lo in range(0, len(mv), piece)]
-        if pieces:
-            with ThreadPoolExecutor(min(threads, len(pieces)), thread_name_prefix="ftsup-ckpt-read") as pool:
-                # map() re-raises the first failure in piece order, after every read finished.
-                list(pool.map(lambda p: p[0]._read_piece(*p[1:]), pieces))
+        if pieces and pool is not None:
+            _read_all(pool, pieces)
+        elif pieces:
+            with ThreadPoolExecutor(min(threads, len(pieces)), thread_name_prefix="ftsup-ckpt-read") as own:
+                _read_all(own, pieces)
     finally:
         for fd in fds:
             os.close(fd)
     for (vf, _), regions in zip(requests, out, strict=True):
         vf.bytes_read += sum(region.numel() for _, region in regions)
     return out
+
+
+def _read_all(pool: ThreadPoolExecutor, pieces: list[tuple[VerifiedFile, int, int | None, int, memoryview]]) -> None:
+    """Every piece read and verified on `pool`; the first failure in piece order raised once every read has
+    finished, so that nothing still writes into the buffer afterwards."""
+    futures = [pool.submit(vf._read_piece, fd, direct, start, mv) for vf, fd, direct, start, mv in pieces]
+    errors = [f.exception() for f in futures]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+
+
+def reading_pool() -> ThreadPoolExecutor:
+    """READ_THREADS reading threads for `read_files(pool=...)`, started as reads need them; the caller shuts the
+    pool down (`CheckpointEngine.close`)."""
+    return ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ftsup-ckpt-read")
