@@ -34,7 +34,7 @@ def check_data_skips(value: object, what: str) -> DataSkips:
     return tuple(out)
 
 
-def parse_data_skips(raw: str, name: str) -> DataSkips:
+def parse_data_skips(raw: str, name: str = "data skips") -> DataSkips:
     """`A:B,C:D` (`ftsup.protocol.DATA_SKIPS_ENV`'s format; empty: none) as DataSkips; ValueError naming `name`."""
     text = raw.strip()
     if not text:

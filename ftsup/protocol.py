@@ -15,12 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ftsup import dataskips
+from ftsup import memtier
 from ftsup.dataskips import MAX_DATA_POSITION as MAX_DATA_POSITION
 from ftsup.dataskips import MAX_DATA_SKIPS as MAX_DATA_SKIPS
 from ftsup.dataskips import DataSkips as DataSkips
 from ftsup.dataskips import check_data_skips as check_data_skips
 from ftsup.dataskips import encode_data_skips as encode_data_skips
+from ftsup.dataskips import parse_data_skips as parse_data_skips
 from ftsup.guard import IGNORE_ENV as GUARD_IGNORE_ENV
 from ftsup.guard import PARENT_ENV as GUARD_PARENT_ENV
 
@@ -41,6 +42,7 @@ DURABLE_TIER_ENV = "FTSUP_CHECKPOINT_DURABLE"  # the durable tier's location (s3
 NODE_LOCAL_ENV = "FTSUP_CHECKPOINT_NODE_LOCAL"  # "1": each node keeps its own checkpoint dir (`ftsup.store.nodes`)
 DURABLE_TIMEOUT_ENV = "FTSUP_CHECKPOINT_DURABLE_TIMEOUT_S"  # the longest a load reads one durable checkpoint (seconds)
 FALLBACK_DIR_ENV = "FTSUP_CHECKPOINT_FALLBACK_DIR"  # where an emergency save goes when the checkpoint dir refuses it
+MEMORY_TIER_ENV = "FTSUP_CHECKPOINT_MEMORY"  # KEEP:DIR, the node's memory tier (`ftsup.memtier`); empty: none
 ENV_NAMES = (
     HEARTBEAT_SOCKET_ENV,
     HEARTBEAT_INTERVAL_ENV,
@@ -59,15 +61,11 @@ ENV_NAMES = (
     NODE_LOCAL_ENV,
     DURABLE_TIMEOUT_ENV,
     FALLBACK_DIR_ENV,
+    MEMORY_TIER_ENV,
 )
 """Every variable of ours a rank's environment holds."""
 
 DEFAULT_INTERVAL_S = 0.5  # a rank's beat interval in `eval` when the supervisor exports none
-
-
-def parse_data_skips(raw: str, name: str = DATA_SKIPS_ENV) -> DataSkips:
-    """`A:B,C:D` (DATA_SKIPS_ENV's format; empty: none) as DataSkips; ValueError naming `name`."""
-    return dataskips.parse_data_skips(raw, name)
 
 
 def channel_env(
@@ -110,6 +108,7 @@ class RuntimeEnv:
     next newest (None: the tier's own `operation_timeout_s`)."""
     fallback_dir: str | None = None
     """FALLBACK_DIR_ENV: where an emergency save is written again when the checkpoint dir refuses it."""
+    memory_tier: memtier.MemoryTier | None = None
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> RuntimeEnv:
@@ -155,6 +154,7 @@ class RuntimeEnv:
             node_local=env.get(NODE_LOCAL_ENV, "").strip() == "1",
             durable_timeout_s=seconds(DURABLE_TIMEOUT_ENV, 0.0) or None,
             fallback_dir=env.get(FALLBACK_DIR_ENV) or None,
+            memory_tier=memtier.parse(env.get(MEMORY_TIER_ENV, ""), f"environment variable {MEMORY_TIER_ENV}"),
         )
 
 

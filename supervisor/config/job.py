@@ -22,6 +22,7 @@ from ftsup.supervisor.config.anomaly import AnomalyConfig, parse_anomaly
 from ftsup.supervisor.config.durable import DurableConfig, parse_durable
 from ftsup.supervisor.config.forensics import ForensicsConfig, parse_forensics
 from ftsup.supervisor.config.launch import LaunchConfig, parse_launch
+from ftsup.supervisor.config.memory import MemoryConfig, parse_memory
 from ftsup.supervisor.config.values import Section, Where
 from ftsup.supervisor.errors import ConfigError
 from ftsup.workdir import default_checkpoint_dir
@@ -92,6 +93,9 @@ class CheckpointConfig:
     """Whether every node sees the same `dir`. False: each node keeps its own (node-local disk); each node's
     supervisor uploads its node's part of a checkpoint and one commits it once every node's part is there, and a
     job resumes from the newest checkpoint of the durable tier. A multi-node job needs an s3:// `durable` for it."""
+    memory: MemoryConfig | None = None
+    """The node's memory tier (true, a tmpfs directory, or a mapping: `config.memory`): every save also lands there,
+    and a load reads it first when it holds the newest checkpoint. Null or false: none."""
 
 
 COLLECTIVE_MARGIN_S = 60.0
@@ -344,6 +348,7 @@ def parse_config(
             verify_deep=checkpoint.optional("verify_deep", config_values.boolean),
             durable=durable,
             dir_shared=dir_shared,
+            memory=checkpoint.nullable("memory", parse_memory),
         ),
         heartbeat=_parse_heartbeat(heartbeat),
         restart=_parse_restart(restart),

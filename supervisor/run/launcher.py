@@ -94,12 +94,13 @@ def rank_env(
     history = {protocol.KEEP_OLDER_THAN_STEPS_ENV: str(window)} if cfg.anomaly.enabled else {}
     env = {"PYTHONFAULTHANDLER": "1", **base, **prefix, **history, **cfg.job.env, **channel, "PYTHONUNBUFFERED": "1"}
     env.update(durable_env(cfg))
+    if cfg.checkpoint.memory is not None:
+        env[protocol.MEMORY_TIER_ENV] = cfg.checkpoint.memory.tier(cfg.job.run_id).encode()
     env.update(instrument.rank_env(cfg, env))
     if skips:
         try:  # a skip is never forgotten: the ones given from outside stay, unless they are not skips at all
-            env[protocol.DATA_SKIPS_ENV] = protocol.encode_data_skips(
-                merge_skips(protocol.parse_data_skips(env.get(protocol.DATA_SKIPS_ENV, "")), skips)
-            )
+            given = protocol.parse_data_skips(env.get(protocol.DATA_SKIPS_ENV, ""), protocol.DATA_SKIPS_ENV)
+            env[protocol.DATA_SKIPS_ENV] = protocol.encode_data_skips(merge_skips(given, skips))
         except ValueError:  # not ranges, or too many together: the supervisor's (the rank refuses a bad value)
             env[protocol.DATA_SKIPS_ENV] = protocol.encode_data_skips(skips)
     return env

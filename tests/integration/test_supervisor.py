@@ -75,10 +75,16 @@ def hexes(lines: dict[int, dict]) -> dict[int, str]:
 
 @pytest.mark.parametrize("warm", [True, False], ids=["warm-agent", "cold-agent"])
 def test_sigkilled_rank_is_restarted_and_the_run_is_bitwise_uninterrupted(reference, tmp_path, warm):
-    job = write_job(tmp_path, "--fault", "kill@7", "--fault-rank", "1", launch={"warm_agent": warm})
+    # The cold agent's run keeps a memory tier too: the relaunch reads the checkpoint from it, bitwise the same.
+    memory = {} if warm else {"memory": {"dir": str(tmp_path / "shm"), "keep_last": 1}}
+    job = write_job(tmp_path, "--fault", "kill@7", "--fault-rank", "1", launch={"warm_agent": warm}, checkpoint=memory)
     r = ftsup("run", "--config", str(job))
     assert r.returncode == 0, r.output[-4000:]
     assert hexes(last_lines(tmp_path / "loss.jsonl")) == hexes(reference)
+    if not warm:
+        assert [s for s, _ in layout.committed_dirs(tmp_path / "shm")] == [STEPS]
+        relaunch = (tmp_path / "state" / "logs" / "attempt-0002.log").read_text()
+        assert relaunch.count("tier=memory") == 2 and "step=4 " in relaunch, relaunch[-3000:]
     evs = events(tmp_path)
     names = [e["event"] for e in evs]
     assert names.count("workers_launched") == 2 and "job_succeeded" in names

@@ -22,16 +22,16 @@ from typing import Any
 import structlog
 import torch
 
-from ftsup import protocol
+from ftsup import memtier
 from ftsup.store import blocksum, layout, saving
 from ftsup.store.errors import CheckpointError, CheckpointSaveError
 from ftsup.store.retention import RetentionPolicy
-from ftsup.trainer.checkpoint import codec, devcopy, gcpause, loading, shardio, staging
+from ftsup.trainer.checkpoint import codec, devcopy, gcpause, loading, rankenv, shardio, staging
+from ftsup.trainer.checkpoint import memory as memtiers
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm, make_comm
 from ftsup.trainer.checkpoint.commit import Committer, Hook, SaveResult, StagedSave, log_quietly
 from ftsup.trainer.checkpoint.loading import LoadResult, read_rank_state
 from ftsup.trainer.checkpoint.shardio import aligned_buffer
-from ftsup.trainer.runtime import runtime
 
 __all__ = ["CheckpointEngine", "Hook", "LoadResult", "SaveHandle", "SaveResult", "read_rank_state"]
 
@@ -70,50 +70,6 @@ def _warn_if_checksums_are_slow() -> None:
         )
 
 
-def _report_duration(result: SaveResult) -> None:
-    """Tell this rank's supervisor how long the save took (the `save_s` figure of a heartbeat, from
-    which it estimates whether an emergency save fits before an eviction's deadline and sets
-    ftsup_save_duration_seconds), the step now committed in the store (which steps an eviction would lose), and
-    that the save made the vanished store's directory again. A no-op without a supervisor; never raises."""
-    try:
-        client = runtime()
-    except ValueError:  # a malformed FTSUP_* variable: the training script hears of it from its own runtime()
-        return
-    figures: dict[str, float | int] = {"save_s": result.durable_s}
-    if not result.fallback:  # a checkpoint in the fallback directory is not a resume point by itself
-        figures[protocol.COMMITTED_STEP] = result.step
-    if result.recreated:
-        figures[protocol.DIR_RECREATED_STEP] = result.step
-    client.report(**figures)
-
-
-def _fallback_from_environment() -> str | None:
-    """FALLBACK_DIR_ENV, as the rank's runtime read it (None where a malformed FTSUP_* variable made that fail)."""
-    try:
-        return runtime().env.fallback_dir
-    except ValueError:
-        return None
-
-
-def _durable_from_environment() -> str | None:
-    """FTSUP_CHECKPOINT_DURABLE, as the rank's runtime read it (None where a malformed FTSUP_* variable made that
-    fail: the training script hears of it from its own runtime())."""
-    try:
-        return runtime().env.durable_tier
-    except ValueError:
-        return None
-
-
-def _node_from_environment() -> tuple[str | None, bool]:
-    """(this node, whether this rank is its first local rank) where each node keeps its own checkpoint directory
-    (FTSUP_CHECKPOINT_NODE_LOCAL, which `ftsup run` sets from `checkpoint.dir_shared: false`); (None, False) else."""
-    try:
-        env = runtime().env
-    except ValueError:
-        return None, False
-    return (env.node_id, env.local_rank == 0) if env.node_local and env.node_id else (None, False)
-
-
 class CheckpointEngine:
     """Save and load sharded checkpoints under `directory` (shared by all ranks).
 
@@ -146,6 +102,11 @@ class CheckpointEngine:
     from the same staged state, before its handle fails; its result says `fallback`. It is no resume point by
     itself: the supervisor copies it to the durable tier. "auto" (the default): `FTSUP_CHECKPOINT_FALLBACK_DIR`,
     which `ftsup run` sets from `checkpoint.durable.fallback_dir`; None: none.
+
+    `memory`: the node's memory tier (a tmpfs directory, or a `ftsup.memtier.MemoryTier` with its `keep_last`), where
+    every save the store committed is committed again, and which `load` reads when it holds the checkpoint chosen,
+    verified (trainer/checkpoint/DESIGN.md, The memory tier). "auto" (the default):
+    `FTSUP_CHECKPOINT_MEMORY`, which `ftsup run` sets from `checkpoint.memory`; None: none.
     """
 
     def __init__(
@@ -161,18 +122,19 @@ class CheckpointEngine:
         check_finite: bool = True,
         durable_tier: str | None = "auto",
         fallback_dir: str | os.PathLike[str] | None = "auto",
+        memory: memtier.MemoryTier | str | os.PathLike[str] | None = "auto",
     ):
         if max_in_flight < 1:
             raise CheckpointError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.directory = Path(directory)
-        self.durable_tier = _durable_from_environment() if durable_tier == "auto" else durable_tier
+        self.durable_tier = rankenv.durable_tier() if durable_tier == "auto" else durable_tier
         self._hook = hook or (lambda point, step: None)
         policy = (retention if retention is not None else RetentionPolicy()).with_environment(os.environ)
         _warn_if_checksums_are_slow()
         self._comm: LocalComm | GroupComm = make_comm(process_group)
         self.rank = self._comm.rank
         self.world_size = self._comm.world_size
-        node, leader = _node_from_environment()
+        node, leader = rankenv.node()
         self._committer = Committer(
             self.directory,
             self._comm,
@@ -186,7 +148,7 @@ class CheckpointEngine:
         )
         if self._committer.leader:
             self.directory.mkdir(parents=True, exist_ok=True)
-        fallback = _fallback_from_environment() if fallback_dir == "auto" else fallback_dir
+        fallback = rankenv.fallback_dir() if fallback_dir == "auto" else fallback_dir
         self._fallback: Committer | None = None
         if fallback is not None:  # one emergency checkpoint at a time is kept there
             keep = RetentionPolicy(keep_last=1)
@@ -204,6 +166,11 @@ class CheckpointEngine:
             if self._fallback.leader:  # made now, as the store is; where it cannot be, its one save says why
                 with contextlib.suppress(OSError):
                     self._fallback.directory.mkdir(parents=True, exist_ok=True)
+        if memory == "auto":
+            memory = rankenv.memory_tier()
+        elif memory is not None and not isinstance(memory, memtier.MemoryTier):
+            memory = memtier.MemoryTier(os.path.abspath(os.fspath(memory)))
+        self._memory = None if memory is None else memtiers.open_tier(memory, self._comm)
         self._plan: staging.StagingPlan | None = None
         self._buffers: list[torch.Tensor | None] = [None] * max_in_flight
         self._host = devcopy.HostBuffers()  # CUDA state's page-locked buffers (none for CPU state)
@@ -420,12 +387,27 @@ class CheckpointEngine:
                 job.future.set_exception(err)
                 continue
             if not result.skipped:
-                _report_duration(result)  # before the result: a caller woken by it beats after this
+                rankenv.report_duration(result)  # before the result: a caller woken by it beats after this
             job.future.set_result(result)
             if self._committer.leader and not result.skipped:
                 (self._fallback if result.fallback and self._fallback else self._committer).retain(job.step)
 
     def _write(self, job: StagedSave) -> SaveResult:
+        """Write and commit `job` into the store (`_write_store`), then into the memory tier, from the same staged
+        buffer (released once, after the last write)."""
+        mem = self._memory
+        if mem is not None:  # the same staged buffer into the memory tier, once the store committed it
+            release, job.release = job.release, lambda: None
+            try:
+                result = self._write_store(job)
+                if not result.skipped and not result.fallback:
+                    memtiers.write(mem, job)
+                return result
+            finally:
+                release()
+        return self._write_store(job)
+
+    def _write_store(self, job: StagedSave) -> SaveResult:
         """Write and commit `job` into the store; an emergency save the store refused, into the fallback directory
         too, from the same staged buffer (released once, after the last try)."""
         fallback = self._fallback
@@ -482,4 +464,5 @@ class CheckpointEngine:
                 durable_tier=self.durable_tier,
                 node_local=node_local,
                 pool=self._reading,
+                memory=None if self._memory is None or node_local else self._memory.directory,
             )

@@ -49,7 +49,10 @@ class LoadResult:
     bytes_read: int
     load_s: float
     tier: str = tiers.FAST
-    """Where it was read from: `tiers.FAST` (the local store) or `tiers.DURABLE`."""
+    """Where it was read from: `tiers.FAST` (the local store), `MEMORY` (the node's memory tier) or `tiers.DURABLE`."""
+
+
+MEMORY = "memory"
 
 
 def load(
@@ -63,22 +66,25 @@ def load(
     durable_tier: str | None = None,
     node_local: bool = False,
     pool: ThreadPoolExecutor | None = None,
+    memory: Path | None = None,
 ) -> LoadResult:
     """`CheckpointEngine.load` (see there); a collective over the engine's group. `durable_tier`: the durable
     tier's location, where a checkpoint newer than the local store's consistent ones may be read from.
     `node_local`: `directory` is this rank's node's own; each rank reads what its node's copy of the chosen
     checkpoint holds from there, the rest from the durable tier (`noderead`). `pool`: the engine's reading
-    threads, for the local store's files."""
+    threads, for the local store's files. `memory`: the node's memory tier, read instead of the store where it
+    holds the checkpoint chosen, verified; a copy there that fails is passed over and the store's is read."""
     t0 = time.perf_counter()
     flat, _ = codec.flatten(codec.state_dicts(state))
     given_up: list[choice.Passed] = []  # rank 0's: what was passed over, for the error if nothing is left
+    in_memory = _MemoryCopies(memory)
     tier = LazyTier(durable_tier, _durable_timeout_s())
     try:
         while True:
             with tier.bounded():  # one checkpoint's reads from the tier: one it cannot deliver in time is passed over
                 chosen: dict[str, Any] | None = None
                 if comm.rank == 0:
-                    chosen = _choose(directory, step, at_most, given_up, tier)
+                    chosen = in_memory.instead(_choose(directory, step, at_most, given_up, tier))
                 chosen = comm.broadcast(chosen)
                 if "error" in chosen:
                     raise NoCheckpointError(chosen["error"], rejected=chosen["rejected"])
@@ -87,6 +93,9 @@ def load(
                     node = NodeRead(directory, tier) if node_local else None
                     return _load_from(comm, chosen, state, flat, t0, check, tier if from_tier else None, node, pool)
                 except (CheckpointCorruptError, DurableTierError) as e:
+                    if chosen.get("tier") == MEMORY:  # the store's copy of the same step is read next
+                        in_memory.passed_over(chosen, str(e), comm.rank)
+                        continue
                     if step is not None or not (from_tier or isinstance(e, CheckpointCorruptError)):
                         raise
                     if comm.rank == 0 and (from_tier or node_local):  # a tier, or a copy that may be good where
@@ -97,6 +106,41 @@ def load(
             _still_loading()
     finally:
         tier.close()
+
+
+class _MemoryCopies:
+    """Rank 0: the memory tier's copy of the checkpoint chosen, where it holds one that passes the fast check, and
+    its metadata verified; each copy that failed passed over for the rest of the load."""
+
+    def __init__(self, memory: Path | None) -> None:
+        self.memory = memory
+        self.passed: set[str] = set()
+
+    def instead(self, chosen: dict[str, Any]) -> dict[str, Any]:
+        if self.memory is None or "error" in chosen or chosen.get("tier") == tiers.DURABLE:
+            return chosen
+        where = self.memory / layout.step_dirname(chosen["step"])
+        if str(where) in self.passed:
+            return chosen
+        try:
+            info = layout.find_checkpoint(self.memory, chosen["step"])
+            if not info.consistent:
+                raise CheckpointCorruptError("; ".join(map(str, info.problems)), path=str(info.path))
+            manifest = layout.read_manifest(info.path)
+            meta = read_dcp_metadata(Path(info.path), manifest)
+        except NoCheckpointError:
+            return chosen  # not there (made before the tier, or let go by its retention)
+        except (CheckpointError, OSError) as e:
+            self.passed_over({"step": chosen["step"], "path": str(where)}, str(e), 0)
+            return chosen
+        packed, path = loadplan.pack(meta), str(info.path)
+        return {"tier": MEMORY, "step": info.step, "path": path, "manifest": manifest.to_json(), "meta": packed}
+
+    def passed_over(self, chosen: Mapping[str, Any], reason: str, rank: int) -> None:
+        """Never read again in this load (left as it is: its retention lets it go); the store's copy is read."""
+        self.passed.add(chosen["path"])
+        if rank == 0:
+            log.warning("checkpoint_memory_passed_over", step=chosen["step"], path=chosen["path"], reason=reason)
 
 
 def _durable_timeout_s() -> float | None:
@@ -301,6 +345,8 @@ def _load_from(
         elif isinstance(state, dict):
             state[key] = rebuilt[key]
     load_s = time.perf_counter() - t0
+    where = tiers.FAST if tier is None else tiers.DURABLE
+    where = MEMORY if chosen.get("tier") == MEMORY else where
     bytes_read = reader.bytes_read + (source.bytes_read if source is not None else 0)
     if isinstance(source, NodeSource):
         log.info("checkpoint_node_read", **source.report(comm.rank))
@@ -311,7 +357,7 @@ def _load_from(
         duration_s=round(load_s, 4),
         path=str(path),
         bytes_read=bytes_read,
-        tier=tiers.FAST if tier is None else tiers.DURABLE,
+        tier=where,
     )
     return LoadResult(
         step=manifest.step,
@@ -322,7 +368,7 @@ def _load_from(
         rank_state=rank_state,
         bytes_read=bytes_read,
         load_s=load_s,
-        tier=tiers.FAST if tier is None else tiers.DURABLE,
+        tier=where,
     )
 
 
