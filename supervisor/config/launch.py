@@ -60,9 +60,10 @@ class LaunchConfig:
     health_timeout_s: float = 30.0
     """How long each node check before an attempt may take (`health_command`, `nvidia-smi`); one that takes longer
     has failed, and is stopped."""
-    min_free_disk_bytes: int = 1 << 30
+    min_free_disk_bytes: int = 16 << 20
     """Free space required in `checkpoint.dir` and `job.state_dir` (each one's filesystem) before an attempt; 0: not
-    checked. A node below it does not join, and checks again with the restart backoff."""
+    checked. A node below it does not join, and checks again with the restart backoff. The default refuses only a
+    disk that is full: a small store (a tmpfs, a quota) still runs."""
     min_free_memory_bytes: int = 256 << 20
     """Memory available (`MemAvailable` of /proc/meminfo) required before an attempt; 0: not checked."""
     quarantine_failures: int | None = None

@@ -149,7 +149,7 @@ class Admission:
         now = self._wall()
         self.book, node, quarantined = nodes.record(self.rules, self.book, fault, now)
         self._emit(
-            "warning",
+            "info",  # the failure itself is said once, as the attempt's (`worker_exited`)
             "node_fault_recorded",
             attempt=fault.attempt,
             target=nodes.slot(fault.local_rank),

@@ -21,7 +21,8 @@ NVIDIA_QUERY = ("--query-gpu=index,name", "--format=csv,noheader")
 
 
 def gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    """A size as the checks say it: GiB, or MiB below one GiB."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def check(

@@ -23,7 +23,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from ftsup.protocol import DROP_REASONS
-from ftsup.supervisor.policy import evidence
+from ftsup.supervisor.policy import evidence, nodes
 from ftsup.supervisor.policy.detectors import KINDS
 from ftsup.supervisor.policy.goodput import CAUSES
 from ftsup.supervisor.telemetry.logs import EVENTS
@@ -137,6 +137,8 @@ def test_every_label_value_comes_from_a_fixed_set_or_the_nodes_own_ids(probed):
         "rank": {"0"},  # the node's one rank
         "cause": set(CAUSES),
         "outcome": set(DURABLE_OUTCOMES),
+        "check": set(nodes.CHECKS),
+        "result": set(nodes.RESULTS),
     }
     seen: dict[str, set[str]] = {}
     for _, labels in _series(probed["second"]):

@@ -19,6 +19,7 @@ from structlog.testing import capture_logs
 from ftsup.supervisor import statedir
 from ftsup.supervisor.cli.commands import main
 from ftsup.supervisor.config.job import load_config
+from ftsup.supervisor.config.launch import LaunchConfig
 from ftsup.supervisor.errors import ConfigError
 from ftsup.supervisor.policy import nodes
 from ftsup.supervisor.policy.events import LaunchReady, RankExited, RankFailure, SupervisorPhase, WorkersExited
@@ -128,9 +129,26 @@ def test_too_little_disk_or_memory_fails_the_node(tmp_path: Path) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal: 8000000 kB\nMemAvailable:  1024 kB\n")
     assert nodehealth.memory(1 << 20, meminfo).result == "ok"
-    assert nodehealth.memory(2 << 20, meminfo).detail == "0.0 GiB available, below 0.0 GiB"
+    assert nodehealth.memory(2 << 20, meminfo).detail == "1.0 MiB available, below 2.0 MiB"
     assert nodehealth.disk("disk_state", tmp_path / "not-yet", 1 << 62).result == "failed"
     assert nodehealth.disk("disk_state", tmp_path, 1).result == "ok"
+
+
+def test_by_default_only_a_full_disk_fails_a_small_store_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    free = {"bytes": 200 << 20}  # a store on a small tmpfs or under a quota
+
+    class Vfs:
+        f_frsize = 4096
+
+        @property
+        def f_bavail(self) -> int:
+            return free["bytes"] // 4096
+
+    monkeypatch.setattr(nodehealth.os, "statvfs", lambda _: Vfs())
+    minimum = LaunchConfig(node_id="n", rdzv_id="r").min_free_disk_bytes
+    assert nodehealth.disk("disk_checkpoint", tmp_path, minimum).result == "ok"
+    free["bytes"] = 4 << 20
+    assert nodehealth.disk("disk_checkpoint", tmp_path, minimum).detail == f"4.0 MiB free in {tmp_path}, below 16.0 MiB"
 
 
 def test_a_meminfo_without_the_figure_is_unknown(tmp_path: Path) -> None:
