@@ -121,8 +121,12 @@ def test_unhealthy_slot_shrinks_the_world_size_and_keeps_the_global_batch(refere
         "p.write_text(str(n + 1))\n"
         "print('0 1' if n == 0 else '0')\n"
     )
+    # Steps of at least 0.5 s: step 4's asynchronous save is committed before the kill at step 6 (at full speed the
+    # kill came first once, and the relaunch rightly started from scratch).
     job = write_job(
-        tmp_path, "--fault", "kill@6", "--fault-rank", "1", launch={"health_command": [sys.executable, str(probe)]}
+        tmp_path,
+        *("--fault", "kill@6", "--fault-rank", "1", "--min-step-s", "0.5"),
+        launch={"health_command": [sys.executable, str(probe)]},
     )
     r = ftsup("run", "--config", str(job))
     assert r.returncode == 0, r.output[-4000:]
