@@ -149,6 +149,16 @@ def open_append(path: str | os.PathLike[str]) -> BinaryIO:
     return os.fdopen(fd, "ab")
 
 
+def mark(path: str | os.PathLike[str]) -> tuple[int, ...]:
+    """What tells a file polled for requests changed (inode, size, times; read with `lstat`, never through a link):
+    () when there is none; OSError when it cannot be looked at."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return ()
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def read_private(path: str | os.PathLike[str], max_bytes: int, *, owner: int | None = None) -> bytes | None:
     """The bytes of a regular file (None when there is none), never through a link, at most `max_bytes`."""
     path = Path(path)

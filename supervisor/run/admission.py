@@ -179,8 +179,7 @@ class Admission:
         self._next_poll = now + POLL_S
         path = self.state_dir / nodefiles.CLEAR
         try:
-            st = os.lstat(path)
-            mark: tuple[int, ...] = (st.st_ino, st.st_size, st.st_mtime_ns)
+            mark = statedir.mark(path)
         except OSError:
             mark = ()
         if mark == self._clear_mark or not mark:

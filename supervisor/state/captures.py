@@ -78,10 +78,7 @@ class CaptureWatcher:
             return []
         self._next = now + POLL_S
         try:
-            st = os.lstat(self.path)
-            mark: tuple[int, ...] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-        except FileNotFoundError:
-            mark = ()
+            mark = statedir.mark(self.path)
         except OSError as e:
             if self._seen == (-1,):
                 return []  # told already

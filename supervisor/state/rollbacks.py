@@ -31,10 +31,7 @@ class RollbackWatcher:
             return []
         self._next = now + POLL_S
         try:
-            st = os.lstat(self.path)
-            mark: tuple[int, ...] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-        except FileNotFoundError:
-            mark = ()
+            mark = statedir.mark(self.path)
         except OSError as e:
             return self._ignored(None, f"cannot be looked at ({e.strerror or e})")
         if mark == self._seen:
