@@ -1,6 +1,6 @@
 """`ftsup bench goodput`, run small for real: every contender once (ftsup run, torchrun, ft_launcher with its
-default and with tuned timeouts), over 320 steps and the first three faults of a fixed schedule (seed 1472, one
-every 15 s on average: a hang due at 3.8 s, an eviction at 22 s, a kill at 39 s, which 320 steps of at least
+default and with tuned timeouts), over 240 steps and the first three faults of a fixed schedule (seed 1472, one
+every 10 s on average: a hang due at 2.5 s, an eviction at 14.7 s, a kill at 26.1 s, which 240 steps of at least
 0.1 s outlast under every contender), hangs capped at 8 s.
 
 One module-scoped run serves every claim. A fault that comes due while a contender is still recovering is folded
@@ -31,7 +31,7 @@ pytestmark = [
 ]
 
 TIMEOUT_S = 900
-STEPS = 320
+STEPS = 240
 NAMES = ["ftsup", "torchrun", "nvrx-default", "nvrx-tuned"]
 
 
@@ -40,7 +40,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("bench-goodput")
     out = work / "out.json"
     argv = [sys.executable, "-m", "ftsup.supervisor.cli", "bench", "goodput", "--steps", str(STEPS)]
-    argv += ["--mean-interval-s", "15", "--seed", "1472", "--max-faults", "3", "--hang-cap-s", "8"]
+    argv += ["--mean-interval-s", "10", "--seed", "1472", "--max-faults", "3", "--hang-cap-s", "8"]
     argv += ["--timeout-s", "200", "--dir", str(work / "d"), "--json", str(out)]
     done = run(argv, timeout=TIMEOUT_S)
     data = json.loads(out.read_text()) if out.exists() else None

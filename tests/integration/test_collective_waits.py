@@ -74,7 +74,7 @@ def stop_rank_1(workdir: Path, proc: subprocess.Popen[bytes], attempt: int) -> N
 
 @pytest.mark.alone  # a 2 s heartbeat timeout: another test's processes beside it could stall a rank that long
 def test_rank_0_evaluating_alone_for_5s_every_50_steps_is_never_restarted(tmp_path: Path) -> None:
-    evaluating = ["--steps", "300", "--step-s", "0.02", "--eval-every", "50", "--eval-s", "5"]
+    evaluating = ["--steps", "150", "--step-s", "0.02", "--eval-every", "50", "--eval-s", "5"]
     proc = start(tmp_path, *script(tmp_path, "ddp_beats.py", *evaluating))
     try:
         code = proc.wait(timeout=150)
