@@ -1,6 +1,6 @@
 """The nanoGPT-style script against its baseline, whose uninterrupted run under plain torchrun is the reference: the
-adopted script logs the reference's losses and evaluations bitwise uninterrupted, after a SIGKILLed rank, a SIGSTOPped
-rank and an eviction under `ftsup run --nproc-per-node 2 -- python SCRIPT`, killed under plain torchrun (resumed from
+adopted script logs the reference's losses and evaluations bitwise after a SIGKILLed rank, a SIGSTOPped rank and an
+eviction under `ftsup run --nproc-per-node 2 -- python SCRIPT`, killed under plain torchrun (resumed from
 `./.ftsup/checkpoints`), and run by plain python then continued by `ftsup run` from the same directory.
 """
 
@@ -75,14 +75,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory, data: Path) -> dict[int,
     return got
 
 
-def test_uninterrupted_under_torchrun_the_adopted_script_logs_bitwise_the_baselines_losses(reference, data, tmp_path):
-    r = run([*TORCHRUN, str(ADOPTED), *settings(tmp_path, data)], env=ENV, cwd=tmp_path, timeout=180)
-    assert r.returncode == 0, r.output[-3000:]
-    assert hexes(tmp_path) == reference
-    committed = [c.step for c in layout.list_checkpoints(tmp_path / ".ftsup" / "checkpoints")]
-    assert committed[-1] == MAX_ITERS + 1  # the final checkpoint: every iteration, 0 to MAX_ITERS
-
-
 def start(argv: list[str], work: Path) -> subprocess.Popen[bytes]:
     with (work / "out.log").open("wb") as out:
         return subprocess.Popen(
@@ -113,7 +105,9 @@ def test_killed_under_plain_torchrun_it_resumes_from_its_default_store_bitwise(r
     r = run(argv, env=ENV, cwd=tmp_path, timeout=180)
     assert r.returncode == 0, r.output[-3000:]
     assert "step=4" in r.output or "step=8" in r.output  # checkpoint_loaded: a periodic save before the kill
-    assert hexes(tmp_path) == reference
+    assert hexes(tmp_path) == reference  # the steps before the kill too: adopting the Session changes no loss
+    committed = [c.step for c in layout.list_checkpoints(tmp_path / ".ftsup" / "checkpoints")]
+    assert committed[-1] == MAX_ITERS + 1  # the final checkpoint: every iteration, 0 to MAX_ITERS
 
 
 def supervise(work: Path, data: Path) -> list[str]:

@@ -28,6 +28,7 @@ import mod` depends on the module `pkg.mod` only, as import-linter reads it. One
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -130,8 +131,17 @@ def is_core(module: str) -> bool:
 
 
 MODULES = dict(product_modules())
-EVERY_IMPORT = [imp for module, path in MODULES.items() for imp in imports_of(module, path)]
-ALL_IMPORTS = [imp for imp in EVERY_IMPORT if not imp.typing_only]
+
+
+@functools.cache
+def every_import() -> tuple[Import, ...]:
+    """Every import of every product module, read once, when a test first asks (not while the suite collects)."""
+    return tuple(imp for module, path in MODULES.items() for imp in imports_of(module, path))
+
+
+def all_imports() -> list[Import]:
+    """The imports that run: all but those under `if TYPE_CHECKING:`."""
+    return [imp for imp in every_import() if not imp.typing_only]
 
 
 def resolved(target: str) -> str | None:
@@ -151,7 +161,7 @@ def supervisor_layer(module: str) -> int:
 
 def test_the_shared_core_imports_only_itself_and_the_standard_library():
     bad = []
-    for imp in ALL_IMPORTS:
+    for imp in all_imports():
         if not is_core(imp.module):
             continue
         top = imp.target.split(".")[0]
@@ -165,14 +175,14 @@ def test_the_shared_core_imports_only_itself_and_the_standard_library():
 
 
 def test_the_trainer_never_imports_the_supervisor():
-    bad = [str(i) for i in ALL_IMPORTS if under(i.module, "ftsup.trainer") and under(i.target, "ftsup.supervisor")]
+    bad = [str(i) for i in all_imports() if under(i.module, "ftsup.trainer") and under(i.target, "ftsup.supervisor")]
     assert bad == []
 
 
 def test_the_supervisor_imports_the_trainer_only_lazily_and_only_where_documented():
     bad = [
         str(i)
-        for i in ALL_IMPORTS
+        for i in all_imports()
         if under(i.module, "ftsup.supervisor")
         and under(i.target, "ftsup.trainer")
         and not (i.lazy and i.module in LAZY_TRAINER_IMPORTS)
@@ -181,7 +191,7 @@ def test_the_supervisor_imports_the_trainer_only_lazily_and_only_where_documente
 
 
 def test_no_product_module_imports_tooling():
-    bad = [str(i) for i in ALL_IMPORTS if not under(i.module, "ftsup.tools") and under(i.target, "ftsup.tools")]
+    bad = [str(i) for i in all_imports() if not under(i.module, "ftsup.tools") and under(i.target, "ftsup.tools")]
     assert bad == []
 
 
@@ -192,7 +202,7 @@ def test_every_supervisor_folder_is_a_layer_the_test_knows():
 
 def test_the_supervisor_imports_only_its_own_folder_and_the_folders_below_it():
     bad = []
-    for imp in ALL_IMPORTS:
+    for imp in all_imports():
         target = resolved(imp.target)
         if not (under(imp.module, "ftsup.supervisor") and target and under(target, "ftsup.supervisor")):
             continue
@@ -207,7 +217,7 @@ def test_the_supervisor_imports_only_its_own_folder_and_the_folders_below_it():
 def test_the_durable_uploads_are_imported_by_the_run_loop_only():
     bad = [
         str(i)
-        for i in ALL_IMPORTS
+        for i in all_imports()
         if under(i.target, "ftsup.supervisor.durable")
         and not any(under(i.module, m) for m in ("ftsup.supervisor.durable", "ftsup.supervisor.run", "ftsup.tools"))
     ]
@@ -217,7 +227,7 @@ def test_the_durable_uploads_are_imported_by_the_run_loop_only():
 def test_the_engine_imports_of_the_trainer_only_the_runtime_and_nothing_imports_the_examples():
     bad = [
         str(i)
-        for i in ALL_IMPORTS
+        for i in all_imports()
         if (
             under(i.module, "ftsup.trainer.checkpoint")
             and under(i.target, "ftsup.trainer")
@@ -275,7 +285,7 @@ def circles(imports: list[Import]) -> list[list[str]]:
 
 
 def test_no_module_of_ftsup_is_part_of_an_import_circle():
-    assert circles(ALL_IMPORTS) == []
+    assert circles(all_imports()) == []
 
 
 def test_the_circle_finder_finds_a_circle_through_a_lazy_import():
