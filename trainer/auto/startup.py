@@ -17,6 +17,7 @@ INSTRUMENTED = {
     "transformers.trainer": ("ftsup.trainer.auto.hf", "instrument"),
     "lightning.pytorch": ("ftsup.trainer.auto.lightning", "instrument"),
     "pytorch_lightning": ("ftsup.trainer.auto.lightning", "instrument"),
+    "deepspeed.runtime.engine": ("ftsup.trainer.auto.deepspeed", "instrument"),
 }
 PIECES = {name: Piece(f"instrumenting {name}") for name in INSTRUMENTED}
 PATH = Piece("leaving PYTHONPATH")
