@@ -1,0 +1,145 @@
+"""A DeepSpeed script without a line of ftsup (`tests/bin/deepspeed_default.py`: its own loop, ZeRO on gloo with
+DeepSpeed's CPU accelerator, 2 ranks, `save_checkpoint` every 3 steps, `load_checkpoint` at the start) under `ftsup run
+--nproc-per-node 2 -- ...`: each tag it saves is committed in the store once every rank has written it; a rank
+SIGKILLed mid-run is relaunched from the newest committed tag with the losses of a run that never stopped; a tag torn
+by a kill in its save (a rank's file cut short, `latest` naming it) is passed over for the newest whole one; an
+eviction gets an emergency save of the step reached."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ftsup.store import layout
+from ftsup.supervisor.policy.machine import EXIT_EVICTED
+from ftsup.tools.faults import chaos
+from tests.procs import BIN, REPO, free_port, kill_tree, run, wait_for
+
+pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.multiprocess
+
+STEPS, EVERY = 12, 3
+ENV = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+
+
+def script(stage: int, steps: int = STEPS) -> list[str]:
+    return [str(BIN / "deepspeed_default.py"), "--loss-log", "loss.jsonl", "--save-dir", "ds", "--stage", str(stage),
+            "--steps", str(steps), "--save-every", str(EVERY), "--pause-s", "0.3"]  # fmt: off
+
+
+def supervise(
+    workdir: Path, stage: int, *, kill_after: int | None = None, evict_after: int | None = None, code: int = 0
+) -> list[dict[str, Any]]:
+    """`ftsup run` of the script on 2 ranks in `workdir`; rank 1 SIGKILLed once the loss log is past `kill_after`, or
+    the supervisor sent SIGTERM (an eviction notice) once it is past `evict_after`; its exit status must be `code`."""
+    argv = [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--nproc-per-node", "2"]
+    argv += ["--restart-backoff-initial-s", "0.2", "--restart-stop-grace-s", "3", "--", *script(stage)]
+    with (workdir / "ftsup.out").open("w") as out:
+        proc = subprocess.Popen(argv, cwd=workdir, env=ENV, stdout=out, stderr=subprocess.STDOUT)
+    output = lambda: (workdir / "ftsup.out").read_text()[-3000:]  # noqa: E731
+    try:
+        if kill_after is not None:
+            wait_for(lambda: len(logged(workdir)) > kill_after, 180, output)
+            [node] = [p for p in (workdir / ".ftsup").iterdir() if (p / "journal.json").exists()]
+            chaos.send(chaos.supervised_ranks(node)[1], signal.SIGKILL)
+        if evict_after is not None:
+            wait_for(lambda: len(logged(workdir)) > evict_after, 180, output)
+            proc.send_signal(signal.SIGTERM)
+        ended = proc.wait(timeout=240)
+    finally:
+        kill_tree(proc.pid)
+        proc.wait()
+    assert ended == code, output()
+    [log] = (workdir / ".ftsup").glob("*/logs/supervisor.jsonl")
+    return [json.loads(x) for x in log.read_text().splitlines()]
+
+
+def logged(workdir: Path) -> list[dict[str, Any]]:
+    path = workdir / "loss.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def losses(workdir: Path) -> dict[int, str]:
+    return {x["step"]: x["loss_hex"] for x in logged(workdir)}
+
+
+def rank_output(workdir: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted((workdir / ".ftsup").glob("*/logs/attempt-*.log")))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    workdir = tmp_path_factory.mktemp("deepspeed-reference")
+    supervise(workdir, 2)
+    return workdir
+
+
+def test_each_tag_the_script_saves_is_committed_in_the_store(uninterrupted):
+    committed = layout.list_checkpoints(uninterrupted / ".ftsup" / "checkpoints")
+    formats = {layout.read_manifest(c.path).metadata["format"] for c in committed}
+    assert ([c.step for c in committed][-1], formats, sorted(losses(uninterrupted))) == (
+        STEPS,
+        {"deepspeed"},
+        list(range(1, STEPS + 1)),
+    )
+
+
+def test_a_sigkilled_rank_resumes_from_the_newest_committed_tag_with_the_uninterrupted_losses(uninterrupted, tmp_path):
+    events = supervise(tmp_path, 2, kill_after=7)
+    [first, resume] = [e["resume_step"] for e in events if e["event"] == "workers_launched"]
+    steps = [x["step"] for x in logged(tmp_path)]
+    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+    assert (first, resume % EVERY, steps[restart:]) == (None, 0, list(range(resume + 1, STEPS + 1)))
+    assert EVERY <= resume <= steps[restart - 1]  # progress kept
+    assert losses(tmp_path) == losses(uninterrupted)
+
+
+def test_a_torn_tag_that_latest_names_is_passed_over_for_the_newest_whole_one(uninterrupted, tmp_path):
+    # The script's own checkpoints from before ftsup: global_step3 and global_step6, then global_step6 torn as a kill
+    # in its save leaves it (DeepSpeed's rank 0 writes `latest` without waiting for the other ranks' files).
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"]
+    r = run([*argv, *script(2, steps=6)], cwd=tmp_path, env={"DS_ACCELERATOR": "cpu"}, timeout=240)
+    assert r.returncode == 0, r.output[-3000:]
+    assert (tmp_path / "ds" / "latest").read_text() == "global_step6"
+    torn = tmp_path / "ds" / "global_step6" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    os.truncate(torn, torn.stat().st_size // 2)
+    (tmp_path / "loss.jsonl").unlink()
+    supervise(tmp_path, 2)
+    assert (min(losses(tmp_path)), losses(tmp_path)) == (4, {s: h for s, h in losses(uninterrupted).items() if s > 3})
+    assert "deepspeed_tag_passed_over" in rank_output(tmp_path)
+    assert "global_step6" in rank_output(tmp_path)
+
+
+def test_a_zero3_job_resumes_from_the_newest_committed_tag_after_a_kill(tmp_path):
+    events = supervise(tmp_path, 3, kill_after=4)
+    resumes = [e["resume_step"] for e in events if e["event"] == "workers_launched"]
+    steps = [x["step"] for x in logged(tmp_path)]
+    assert (resumes[0], resumes[1] % EVERY, max(steps), sorted(set(steps))) == (
+        None,
+        0,
+        STEPS,
+        list(range(1, STEPS + 1)),
+    )
+
+
+def test_an_eviction_saves_the_step_reached_and_the_next_run_goes_on_from_it(tmp_path):
+    supervise(tmp_path, 1, evict_after=4, code=EXIT_EVICTED)
+    saved = layout.latest_consistent(tmp_path / ".ftsup" / "checkpoints", deep=True)
+    logged_last = max(x["step"] for x in logged(tmp_path))
+    # Served inside engine.step(), after the optimizer step: the checkpoint holds that step, whose loss the script
+    # would have logged after step() returned.
+    assert saved is not None and (saved.step, saved.kind) == (logged_last + 1, "emergency")
+    events = supervise(tmp_path, 1)
+    [resume] = [e["resume_step"] for e in events if e["event"] == "workers_launched"][-1:]
+    assert (resume, min(s for s in losses(tmp_path) if s > logged_last), max(losses(tmp_path))) == (
+        saved.step,
+        saved.step + 1,
+        STEPS,
+    )
