@@ -246,6 +246,20 @@ class Archive:
         size = ref.storage.itemsize
         return safefile.pread_full(self._fd, count * size, base + (ref.offset + start) * size)
 
+    def read_into(self, ref: TensorRef, start: int, out: memoryview) -> None:
+        """Elements from `start` of a contiguous tensor into `out` (bytes, whole elements), read in place."""
+        size = ref.storage.itemsize
+        count = len(out) // size
+        if not ref.contiguous or start < 0 or len(out) % size or start + count > ref.numel:
+            raise CheckpointCorruptError(f"{self.path}: elements {start}+{count} of a tensor of {ref.numel}")
+        base, _ = self._members[f"data/{ref.storage.key}"]
+        at, done = base + (ref.offset + start) * size, 0
+        while done < len(out):
+            n = os.preadv(self._fd, [out[done : done + (64 << 20)]], at + done)
+            if n <= 0:
+                raise CheckpointCorruptError(f"{self.path}: the file ended inside storage {ref.storage.key!r}")
+            done += n
+
     def read(self, ref: TensorRef) -> bytes:
         return self.read_elements(ref, 0, ref.numel)
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ftsup.protocol import COMMITTED_STEP, SAVE_FAILED_STEP, SAVED_STEP, Phase
 from ftsup.store import layout
-from ftsup.store.errors import CheckpointError, CheckpointSaveError
+from ftsup.store.errors import CheckpointError
 from ftsup.store.retention import RetentionPolicy
 from ftsup.trainer.deepspeed import tags
 from ftsup.trainer.hf import store
@@ -127,10 +127,8 @@ class EngineSupervision:
         elif self._saved_with is None:
             why = "the script has not saved yet: what its resume reads from a checkpoint is not known"
         elif self._saved_with:
-            why = (
-                f"the script keeps its own state in client_state ({', '.join(sorted(map(str, self._saved_with)))[:80]}),"
-                " which a save now would carry stale"
-            )
+            keys = ", ".join(sorted(map(str, self._saved_with)))[:80]
+            why = f"the script keeps its own state in client_state ({keys}), which a save now would carry stale"
         if why is not None:
             if self.rank == 0:
                 log.warning("emergency_save_skipped", step=step, reason=why)
