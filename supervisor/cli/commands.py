@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from ftsup import extras
 from ftsup.store.errors import CheckpointError
 from ftsup.supervisor.cli import ckpt as cli_ckpt
-from ftsup.supervisor.cli import export_dcp, export_hf
+from ftsup.supervisor.cli import export_dcp, export_hf, import_deepspeed
 from ftsup.supervisor.cli import show as cli_show
 from ftsup.supervisor.cli.ckpt import print_json as _print_json
 from ftsup.supervisor.errors import RunError, SupervisorError, UsageError, error_line
@@ -336,6 +336,14 @@ def _build_ckpt(ckpt: argparse.ArgumentParser, rest: Sequence[str]) -> None:
     export_dcp.add_arguments(p, _step_number)
     p.set_defaults(handler=cmd_ckpt_export_dcp)
 
+    p = actions.add_parser(
+        "import-deepspeed",
+        help="convert a DeepSpeed ZeRO checkpoint's weights to a Hugging Face model directory (needs torch)",
+        description=import_deepspeed.DESCRIPTION,
+    )
+    import_deepspeed.add_arguments(p)
+    p.set_defaults(handler=cmd_ckpt_import_deepspeed)
+
 
 def cmd_ckpt_export_hf(args: argparse.Namespace) -> int:
     try:
@@ -343,6 +351,14 @@ def cmd_ckpt_export_hf(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as e:
         raise UsageError(extras.needs(e, "ftsup ckpt export-hf")) from None
     return export_hf.run(args, hf)
+
+
+def cmd_ckpt_import_deepspeed(args: argparse.Namespace) -> int:
+    try:
+        from ftsup.trainer.deepspeed import convert
+    except ModuleNotFoundError as e:
+        raise UsageError(extras.needs(e, "ftsup ckpt import-deepspeed")) from None
+    return import_deepspeed.run(args, convert)
 
 
 def cmd_ckpt_export_dcp(args: argparse.Namespace) -> int:

@@ -31,16 +31,14 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=3)
     p.add_argument("--pause-s", type=float, default=0.0)
     p.add_argument("--width", type=int, default=64)
+    p.add_argument("--depth", type=int, default=1, help="hidden width x width layers")
     args = p.parse_args()
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
+    hidden = [m for _ in range(args.depth) for m in (torch.nn.Linear(args.width, args.width), torch.nn.GELU())]
     model = torch.nn.Sequential(
-        torch.nn.Linear(16, args.width),
-        torch.nn.GELU(),
-        torch.nn.Linear(args.width, args.width),
-        torch.nn.GELU(),
-        torch.nn.Linear(args.width, 4),
+        torch.nn.Linear(16, args.width), torch.nn.GELU(), *hidden, torch.nn.Linear(args.width, 4)
     )
     config = {
         "train_micro_batch_size_per_gpu": 4,
