@@ -59,7 +59,7 @@ def main() -> None:
         torch.distributed.all_reduce(reduced)
         if rank == 0:
             with open(args.loss_log, "a") as f:
-                f.write(json.dumps({"step": engine.global_steps, "loss_hex": reduced.item().hex()}) + "\n")
+                f.write(json.dumps({"step": engine.global_steps, "loss_hex": float(reduced.item()).hex()}) + "\n")
         if engine.global_steps % args.save_every == 0:
             engine.save_checkpoint(args.save_dir)
         time.sleep(args.pause_s)

@@ -46,7 +46,7 @@ CORE_THIRD_PARTY = {
 }
 
 LAZY_TRAINER_IMPORTS = {
-    "ftsup.supervisor.cli.commands": "`ftsup ckpt export-hf`, `export-dcp` and `import-deepspeed` need torch: imported when they run",
+    "ftsup.supervisor.cli.commands": "the ckpt export and import commands need torch: imported when they run",
 }
 # The supervisor's folders, lowest first; the modules at its root (errors, the state directory's files) lie below all.
 SUPERVISOR_LAYERS = ("config", "policy", "state", "telemetry", "eviction", "durable", "run", "cli")

@@ -162,7 +162,7 @@ def _out(name: str, dtype: str, shape: tuple[int, ...], pieces: list[Piece]) -> 
 
     def read() -> torch.Tensor:
         t = torch.empty(math.prod(shape), dtype=torch_dtype)
-        view = memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+        view = t.view(torch.uint8).numpy().data.cast("B") if t.numel() else memoryview(b"")
         size = t.element_size()
         for archive, ref, start, to, count in pieces:
             archive.read_into(ref, start, view[to * size : (to + count) * size])
