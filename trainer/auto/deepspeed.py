@@ -36,10 +36,12 @@ def instrument(module: ModuleType) -> None:
     @functools.wraps(original_step)
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         ours = _ours.get(self)
+        if ours is not None and DEEPSPEED.run(self.is_gradient_accumulation_boundary):
+            DEEPSPEED.run(ours.stepping, self, original_save)
         before = self.global_steps
         result = original_step(self, *args, **kwargs)
         if ours is not None:
-            DEEPSPEED.run(ours.stepped, self, before, original_save)
+            DEEPSPEED.run(ours.stepped, self, before)
         return result
 
     @functools.wraps(original_save)

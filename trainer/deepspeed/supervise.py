@@ -66,9 +66,25 @@ class EngineSupervision:
 
     # ------------------------------------------------------------------ steps
 
-    def stepped(self, engine: Any, before: int, original_save: Callable[..., Any]) -> None:
-        """After `engine.step()`: a heartbeat when it completed an optimizer step (the end of a gradient accumulation),
-        then the supervisor's newest request, agreed by all ranks, served at this step."""
+    def stepping(self, engine: Any, original_save: Callable[..., Any]) -> None:
+        """Before an `engine.step()` that ends a gradient accumulation: the supervisor's newest request, agreed by all
+        ranks, served before the optimizer step, so that a save holds the last step whose code the script has run
+        (its loss logged, its own save made)."""
+        request = agree(self.rt.control.poll())
+        if request.seq <= self._handled:
+            return
+        self._handled = request.seq
+        self.emergency_save(engine, original_save)
+        if request.stop:
+            self.stopped = True
+            self.rt.beat(engine.global_steps, Phase.DONE)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            raise SystemExit(0)  # asked to stop: the checkpoint is in, the run is not finished
+        self._last_at = time.monotonic()
+
+    def stepped(self, engine: Any, before: int) -> None:
+        """After `engine.step()`: a heartbeat when it completed an optimizer step (a gradient accumulation ended)."""
         step = engine.global_steps
         if step == before:
             return
@@ -76,17 +92,7 @@ class EngineSupervision:
         figures = {} if self._last_at is None else {"step_s": now - self._last_at}
         self.rt.beat(step, Phase.TRAIN, **figures)
         self._stepped = True
-        request = agree(self.rt.control.poll())
-        if request.seq > self._handled:
-            self._handled = request.seq
-            self.emergency_save(engine, original_save)
-            if request.stop:
-                self.stopped = True
-                self.rt.beat(step, Phase.DONE)
-                sys.stdout.flush()
-                sys.stderr.flush()
-                raise SystemExit(0)  # asked to stop: the checkpoint is in, the run is not finished
-        self._last_at = time.monotonic()
+        self._last_at = now
 
     def switched(self, engine: Any, training: bool) -> None:
         """After `engine.train(mode)` or `engine.eval()`: once it has stepped, eval is phase `eval` (beaten from a
