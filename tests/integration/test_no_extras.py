@@ -96,6 +96,7 @@ TORCH_SIDE: dict[str, Any] = {
     "the reference trainer": ["{python}", "-m", "ftsup.trainer.examples.gpt", "--steps", "1"],
     "ftsup ckpt export-hf": ["{ftsup}", "ckpt", "export-hf", "{tmp}", "{tmp}/out"],
     "ftsup ckpt export-dcp": ["{ftsup}", "ckpt", "export-dcp", "{tmp}", "{tmp}/out"],
+    "ftsup ckpt import-deepspeed": ["{ftsup}", "ckpt", "import-deepspeed", "{tmp}", "{tmp}/out"],
     "ftsup bench checkpoint": ["{ftsup}", "bench", "checkpoint", "--size-mb", "1", "--dir", "{tmp}/bench"],
 }
 
