@@ -2,8 +2,8 @@
 DeepSpeed's CPU accelerator, 2 ranks, `save_checkpoint` every 3 steps, `load_checkpoint` at the start) under `ftsup run
 --nproc-per-node 2 -- ...`: each tag it saves is committed in the store once every rank has written it; a rank
 SIGKILLed mid-run is relaunched from the newest committed tag with the losses of a run that never stopped; a tag torn
-by a kill in its save (a rank's file cut short, `latest` naming it) is passed over for the newest whole one; an
-eviction gets an emergency save of the step reached."""
+by a kill in its save (a rank's file cut short, `latest` naming it) is passed over for the newest whole one; a rank
+SIGSTOPped is caught as a hang from the engine's steps; an eviction gets an emergency save of the step reached."""
 
 from __future__ import annotations
 
@@ -35,11 +35,18 @@ def script(stage: int, steps: int = STEPS) -> list[str]:
 
 
 def supervise(
-    workdir: Path, stage: int, *, kill_after: int | None = None, evict_after: int | None = None, code: int = 0
+    workdir: Path,
+    stage: int,
+    *,
+    kill_after: int | None = None,
+    evict_after: int | None = None,
+    code: int = 0,
+    kill: signal.Signals = signal.SIGKILL,
+    flags: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
-    """`ftsup run` of the script on 2 ranks in `workdir`; rank 1 SIGKILLed once the loss log is past `kill_after`, or
+    """`ftsup run` of the script on 2 ranks in `workdir`; rank 1 sent `kill` once the loss log is past `kill_after`, or
     the supervisor sent SIGTERM (an eviction notice) once it is past `evict_after`; its exit status must be `code`."""
-    argv = [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--nproc-per-node", "2"]
+    argv = [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--nproc-per-node", "2", *flags]
     argv += ["--restart-backoff-initial-s", "0.2", "--restart-stop-grace-s", "3", "--", *script(stage)]
     with (workdir / "ftsup.out").open("w") as out:
         proc = subprocess.Popen(argv, cwd=workdir, env=ENV, stdout=out, stderr=subprocess.STDOUT)
@@ -48,7 +55,7 @@ def supervise(
         if kill_after is not None:
             wait_for(lambda: len(logged(workdir)) > kill_after, 180, output)
             [node] = [p for p in (workdir / ".ftsup").iterdir() if (p / "journal.json").exists()]
-            chaos.send(chaos.supervised_ranks(node)[1], signal.SIGKILL)
+            chaos.send(chaos.supervised_ranks(node)[1], kill)
         if evict_after is not None:
             wait_for(lambda: len(logged(workdir)) > evict_after, 180, output)
             proc.send_signal(signal.SIGTERM)
@@ -138,3 +145,11 @@ def test_an_eviction_saves_the_step_reached_and_the_next_run_goes_on_from_it(tmp
     [resume] = [e["resume_step"] for e in events if e["event"] == "workers_launched"][-1:]
     steps = [x["step"] for x in logged(tmp_path)]
     assert (resume, steps) == (reached, list(range(1, STEPS + 1)))  # each step once
+
+
+def test_a_sigstopped_rank_is_caught_as_a_hang_by_its_engine_steps_named_and_the_job_goes_on(uninterrupted, tmp_path):
+    events = supervise(tmp_path, 2, kill_after=7, kill=signal.SIGSTOP, flags=("--heartbeat-min-timeout-s", "2"))
+    [hang] = [e for e in events if e["event"] == "heartbeat_timed_out"]
+    resumes = [e["resume_step"] for e in events if e["event"] == "workers_launched"]
+    assert (hang["attempt"], hang["rank"], len(resumes), resumes[1] % EVERY) == (1, 1, 2, 0), hang
+    assert losses(tmp_path) == losses(uninterrupted)
