@@ -3,6 +3,7 @@ built from its sizes, AdamW, ZeRO stage --stage), `load_checkpoint(--save-dir)` 
 every --save-every steps, on CPU with DeepSpeed's CPU accelerator and gloo.
 
     deepspeed_default.py --loss-log FILE --save-dir DIR [--stage 1|2|3] [--steps N] [--save-every K] [--pause-s S]
+                         [--width W] [--depth D] [--client-state]
 
 Each step's batch is a function of the step alone, so a run resumed from step N computes the losses of one that never
 stopped. Rank 0 appends `{"step", "loss_hex"}` to the loss log after each optimizer step; `--pause-s` sleeps after each
@@ -32,6 +33,9 @@ def main() -> None:
     p.add_argument("--pause-s", type=float, default=0.0)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--depth", type=int, default=1, help="hidden width x width layers")
+    p.add_argument(
+        "--client-state", action="store_true", help="save the loop's step in client_state, as DeepSpeed's tutorial"
+    )
     args = p.parse_args()
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -61,7 +65,9 @@ def main() -> None:
             with open(args.loss_log, "a") as f:
                 f.write(json.dumps({"step": engine.global_steps, "loss_hex": float(reduced.item()).hex()}) + "\n")
         if engine.global_steps % args.save_every == 0:
-            engine.save_checkpoint(args.save_dir)
+            engine.save_checkpoint(
+                args.save_dir, client_state={"step": engine.global_steps} if args.client_state else {}
+            )
         time.sleep(args.pause_s)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from ftsup.store import layout
-from ftsup.supervisor.policy.machine import EXIT_EVICTED
+from ftsup.supervisor.policy.machine import EXIT_EVICTED, EXIT_SAVE_LOST
 from ftsup.tools.faults import chaos
 from tests.procs import BIN, REPO, free_port, kill_tree, run, wait_for
 
@@ -30,8 +30,8 @@ ENV = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR
 
 
 def script(stage: int, steps: int = STEPS) -> list[str]:
-    return [str(BIN / "deepspeed_default.py"), "--loss-log", "loss.jsonl", "--save-dir", "ds", "--stage", str(stage),
-            "--steps", str(steps), "--save-every", str(EVERY), "--pause-s", "0.3"]  # fmt: off
+    argv = [str(BIN / "deepspeed_default.py"), "--loss-log", "loss.jsonl", "--save-dir", "ds", "--stage", str(stage)]
+    return [*argv, "--steps", str(steps), "--save-every", str(EVERY), "--pause-s", "0.3"]
 
 
 def supervise(
@@ -43,11 +43,12 @@ def supervise(
     code: int = 0,
     kill: signal.Signals = signal.SIGKILL,
     flags: tuple[str, ...] = (),
+    extra: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
     """`ftsup run` of the script on 2 ranks in `workdir`; rank 1 sent `kill` once the loss log is past `kill_after`, or
     the supervisor sent SIGTERM (an eviction notice) once it is past `evict_after`; its exit status must be `code`."""
     argv = [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--nproc-per-node", "2", *flags]
-    argv += ["--restart-backoff-initial-s", "0.2", "--restart-stop-grace-s", "3", "--", *script(stage)]
+    argv += ["--restart-backoff-initial-s", "0.2", "--restart-stop-grace-s", "3", "--", *script(stage), *extra]
     with (workdir / "ftsup.out").open("w") as out:
         proc = subprocess.Popen(argv, cwd=workdir, env=ENV, stdout=out, stderr=subprocess.STDOUT)
     output = lambda: (workdir / "ftsup.out").read_text()[-3000:]  # noqa: E731
@@ -153,3 +154,12 @@ def test_a_sigstopped_rank_is_caught_as_a_hang_by_its_engine_steps_named_and_the
     resumes = [e["resume_step"] for e in events if e["event"] == "workers_launched"]
     assert (hang["attempt"], hang["rank"], len(resumes), resumes[1] % EVERY) == (1, 1, 2, 0), hang
     assert losses(tmp_path) == losses(uninterrupted)
+
+
+def test_an_eviction_of_a_script_keeping_its_step_in_client_state_is_not_saved_stale(tmp_path):
+    events = supervise(tmp_path, 2, evict_after=4, code=EXIT_SAVE_LOST, extra=("--client-state",))
+    saved = layout.latest_consistent(tmp_path / ".ftsup" / "checkpoints", deep=True)
+    reached = max(x["step"] for x in logged(tmp_path))
+    assert saved is not None and (saved.kind, saved.step % EVERY, saved.step <= reached) == ("periodic", 0, True)
+    [failed] = [e for e in events if e["event"] == "emergency_save_failed"]
+    assert (failed["checkpoint_step"], "emergency_save_skipped" in rank_output(tmp_path)) == (saved.step, True)

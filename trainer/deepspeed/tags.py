@@ -54,9 +54,10 @@ def read_latest(save_dir: str | os.PathLike[str]) -> str | None:
     small regular file naming a tag (an empty one: a save killed while it wrote it)."""
     path = Path(save_dir) / LATEST
     try:
-        raw = safefile.read_regular(path, str(path), MAX_LATEST_BYTES, error=CheckpointCorruptError)
+        os.lstat(path)
     except FileNotFoundError:
         return None
+    raw = safefile.read_regular(path, str(path), MAX_LATEST_BYTES, error=CheckpointCorruptError)
     name = raw.decode("utf-8", "replace").strip()
     if not valid_tag_name(name):
         raise CheckpointCorruptError(f"{path}: does not name a tag ({name!r:.60})")
