@@ -163,3 +163,16 @@ def test_an_eviction_of_a_script_keeping_its_step_in_client_state_is_not_saved_s
     assert saved is not None and (saved.kind, saved.step % EVERY, saved.step <= reached) == ("periodic", 0, True)
     [failed] = [e for e in events if e["event"] == "emergency_save_failed"]
     assert (failed["checkpoint_step"], "emergency_save_skipped" in rank_output(tmp_path)) == (saved.step, True)
+
+
+def test_a_kill_in_the_first_save_leaves_a_torn_tag_that_is_never_resumed(uninterrupted, tmp_path):
+    # Rank 1 dies halfway through its optimizer states of step 3; rank 0 has written its files and `latest` naming the
+    # torn tag (as DeepSpeed does), the store has nothing: the relaunch must start afresh, not from the torn tag.
+    events = supervise(tmp_path, 2, extra=("--die-in-save", str(EVERY)))
+    launched = [e["resume_step"] for e in events if e["event"] == "workers_launched"]
+    steps = [x["step"] for x in logged(tmp_path)]
+    assert (launched, steps) == ([None, None], [*range(1, EVERY + 1), *range(1, STEPS + 1)])
+    assert losses(tmp_path) == losses(uninterrupted)
+    [second] = (tmp_path / ".ftsup").glob("*/logs/attempt-0002.log")
+    passed = second.read_text().split("deepspeed_tag_passed_over", 1)[1][:400]
+    assert ((tmp_path / "died-in-save").exists(), f"global_step{EVERY}/zero_pp_rank_1_mp" in passed) == (True, True)
