@@ -15,9 +15,10 @@ DESCRIPTION = (
     "Write the fp32 weights of a DeepSpeed ZeRO (stage 1-3) checkpoint, consolidated as DeepSpeed's zero_to_fp32 "
     "consolidates them, in the Hugging Face Hub's layout (OUT/model.safetensors, or shards and an index past "
     "--max-shard-size), one tensor in memory at a time. DIR: a DeepSpeed save directory (the tag --tag, else the one "
-    "`latest` names when it is whole, else the newest whole global_stepN), or a tag's own directory (an ftsup store's "
-    "step-N of a DeepSpeed job). Every file is read without running its pickle; OUT must not exist or be empty, and "
-    "appears only when complete. A run starts from OUT with init_from_hf (docs/deepspeed.md)."
+    "`latest` names when it is whole, else the newest whole global_stepN), a tag's own directory (an ftsup store's "
+    "step-N of a DeepSpeed job), or that store itself (its newest consistent checkpoint). Every file is read without "
+    "running its pickle; OUT must not exist or be empty, and appears only when complete. A run starts from OUT with "
+    "init_from_hf (docs/deepspeed.md)."
 )
 
 

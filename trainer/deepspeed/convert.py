@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ftsup.store import hublayout
+from ftsup.store import hublayout, layout
 from ftsup.store.errors import CheckpointCorruptError, CheckpointError
 from ftsup.store.torchzip import Archive, TensorRef
 from ftsup.trainer.checkpoint import codec
@@ -26,7 +26,8 @@ from ftsup.trainer.hf.write import OutTensor, write_model
 
 def find_tag(path: str | os.PathLike[str], tag: str | None = None) -> tuple[tags.Tag, list[tags.PassedOver]]:
     """The tag to convert: `path/tag`; `path` itself when it holds a tag's files (an ftsup store's `step-N/` of a
-    DeepSpeed job is one); else the newest whole tag of the save directory `path`."""
+    DeepSpeed job is one); else the newest whole tag of the save directory `path`; else, when `path` is ftsup's store
+    of a DeepSpeed job, its newest consistent checkpoint."""
     path = Path(path)
     if tag is not None:
         if not tags.valid_tag_name(tag):
@@ -35,6 +36,9 @@ def find_tag(path: str | os.PathLike[str], tag: str | None = None) -> tuple[tags
     if any(n.endswith("_model_states.pt") for n in os.listdir(path)):
         return tags.check_tag(path), []
     found, passed = tags.newest_whole(path)
+    if found is None and (info := layout.latest_consistent(path, deep=True)) is not None:
+        if layout.read_manifest(info.path).metadata.get("format") == "deepspeed":
+            return tags.check_tag(info.path), passed
     if found is None:
         why = "; ".join(f"{p.tag}: {p.reason}" for p in passed) or "no tag"
         raise CheckpointError(f"{path}: no whole DeepSpeed tag to convert ({why})")
