@@ -99,6 +99,20 @@ def test_each_tag_the_script_saves_is_committed_in_the_store(uninterrupted):
     )
 
 
+def test_the_store_converts_to_the_hub_layout_as_zero_to_fp32_consolidates_its_newest_tag(uninterrupted, tmp_path):
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    from ftsup.supervisor.cli.commands import main
+
+    store = uninterrupted / ".ftsup" / "checkpoints"
+    assert main(["ckpt", "import-deepspeed", str(store), str(tmp_path / "hf")]) == 0
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    want = get_fp32_state_dict_from_zero_checkpoint(str(store), tag=layout.step_dirname(STEPS))
+    assert (sorted(got), [k for k in want if not torch.equal(got[k], want[k])]) == (sorted(want), [])
+
+
 def test_a_sigkilled_rank_resumes_from_the_newest_committed_tag_with_the_uninterrupted_losses(uninterrupted, tmp_path):
     events = supervise(tmp_path, 2, kill_after=7)
     [first, resume] = [e["resume_step"] for e in events if e["event"] == "workers_launched"]
