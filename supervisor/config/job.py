@@ -48,7 +48,8 @@ _SHARED_STORE = "nnodes ({}) allows more than one node, so set it to a directory
 _NODE_LOCAL = (
     "is false and nnodes ({}) allows more than one node: each node's part of a checkpoint is committed in a durable "
     "tier on object storage, the only place every node reads, so set checkpoint.durable to s3://BUCKET/PREFIX (or "
-    "make checkpoint.dir a directory every node shares and dir_shared true)"
+    "make checkpoint.dir a directory every node shares and dir_shared true, or keep every node's part in a peer's "
+    "memory too: checkpoint.memory with replicas of 1 or more)"
 )
 
 
@@ -332,7 +333,9 @@ def parse_config(
         ckpt_dir = checkpoint.required("dir", config_values.path(base), _SHARED_STORE.format(launch_config.nnodes))
     else:  # beside the state directory, in a .ftsup that git ignores
         ckpt_dir = checkpoint.optional("dir", config_values.path(base), default_checkpoint_dir(job_section.workdir))
-    if launch_config.max_nodes > 1 and not dir_shared and (durable is None or not durable.is_s3):
+    memory = checkpoint.nullable("memory", parse_memory)
+    peers = memory is not None and memory.replicas > 0  # every node's part is also in another node's memory
+    if launch_config.max_nodes > 1 and not dir_shared and (durable is None or not durable.is_s3) and not peers:
         checkpoint.fail("dir_shared", _NODE_LOCAL.format(launch_config.nnodes))
     fallback = Path(durable.fallback_dir) if durable is not None and durable.fallback_dir is not None else None
     if fallback is not None and (fallback == ckpt_dir or ckpt_dir in fallback.parents or fallback in ckpt_dir.parents):
@@ -348,7 +351,7 @@ def parse_config(
             verify_deep=checkpoint.optional("verify_deep", config_values.boolean),
             durable=durable,
             dir_shared=dir_shared,
-            memory=checkpoint.nullable("memory", parse_memory),
+            memory=memory,
         ),
         heartbeat=_parse_heartbeat(heartbeat),
         restart=_parse_restart(restart),

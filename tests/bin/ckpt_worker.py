@@ -22,6 +22,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from ftsup.memtier import MemoryTier
 from ftsup.trainer.checkpoint import CheckpointEngine, RetentionPolicy
 from ftsup.trainer.checkpoint.stateful import ModelOptimState
 
@@ -92,6 +93,7 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--process-group", default="auto", choices=["auto", "none"], help="the engine's process_group")
     p.add_argument("--node-local", action="store_true", help="each rank a node of its own, with --dir/node-<rank>")
+    p.add_argument("--memory", default="", help="the memory tier (with --node-local: DIR/node-<rank>, one replica)")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -101,6 +103,7 @@ def main() -> int:
     if args.node_local:  # as `ftsup run` tells the ranks of a job with checkpoint.dir_shared: false
         os.environ.update({"FTSUP_NODE_ID": f"node-{rank}", "LOCAL_RANK": "0", "FTSUP_CHECKPOINT_NODE_LOCAL": "1"})
         args.dir = os.path.join(args.dir, f"node-{rank}")
+        args.memory = args.memory and os.path.join(args.memory, f"node-{rank}")
 
     hook = None
     if args.kill_at:
@@ -113,7 +116,10 @@ def main() -> int:
     model, optim = build(args.parallel, seed=0 if args.mode == "save" else 99, width=args.width)
     state = ModelOptimState(model, optim)
     group = None if args.process_group == "none" else "auto"
-    engine = CheckpointEngine(args.dir, process_group=group, retention=RetentionPolicy(keep_last=10), hook=hook)
+    memory = MemoryTier(args.memory, keep_last=2) if args.memory else None
+    engine = CheckpointEngine(
+        args.dir, process_group=group, retention=RetentionPolicy(keep_last=10), hook=hook, memory=memory
+    )
     result: dict[str, object] = {}
     if args.mode == "save":
         for step in range(1, max(map(int, args.steps.split(","))) + 1):
@@ -135,6 +141,7 @@ def main() -> int:
                     result[f"digests_after_{step}"] = digests(state)
                     result[f"digests_{step}"] = before
                     continue
+                result[f"tiers_{step}"] = list(ret.tiers)
             result[f"digests_{step}"] = digests(state)
         engine.wait()
     else:
@@ -146,11 +153,14 @@ def main() -> int:
             digests=digests(state),
             saved_world_size=loaded.saved_world_size,
         )
-        all_bytes = [loaded.bytes_read]
+        all_bytes, all_tiers = [loaded.bytes_read], [loaded.tier]
         if dist.is_initialized():
             all_bytes = [None] * dist.get_world_size()
             dist.all_gather_object(all_bytes, loaded.bytes_read)
+            all_tiers = [None] * dist.get_world_size()
+            dist.all_gather_object(all_tiers, loaded.tier)
         result["bytes_read"] = all_bytes
+        result["tiers"] = all_tiers
     engine.close()
     if rank == 0:
         with open(args.out, "w") as f:

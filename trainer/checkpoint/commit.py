@@ -45,6 +45,9 @@ class SaveResult:
     skipped: bool = False  # the step was already committed; nothing was written
     recreated: bool = False  # the store's directory had vanished, and this save made it again
     fallback: bool = False  # committed in the engine's fallback directory: the store's refused it
+    tiers: tuple[str, ...] = ()
+    """Where it is committed besides the store (the engine's): `memory` (the node's memory tier), `peers` (every
+    replica in its peers' memories verified)."""
 
 
 @dataclass

@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import queue
+import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -26,7 +27,7 @@ from ftsup import memtier
 from ftsup.store import blocksum, layout, saving
 from ftsup.store.errors import CheckpointError, CheckpointSaveError
 from ftsup.store.retention import RetentionPolicy
-from ftsup.trainer.checkpoint import codec, devcopy, gcpause, loading, rankenv, shardio, staging
+from ftsup.trainer.checkpoint import codec, devcopy, gcpause, loading, peerload, peers, rankenv, shardio, staging
 from ftsup.trainer.checkpoint import memory as memtiers
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm, make_comm
 from ftsup.trainer.checkpoint.commit import Committer, Hook, SaveResult, StagedSave, log_quietly
@@ -170,7 +171,9 @@ class CheckpointEngine:
             memory = rankenv.memory_tier()
         elif memory is not None and not isinstance(memory, memtier.MemoryTier):
             memory = memtier.MemoryTier(os.path.abspath(os.fspath(memory)))
-        self._memory = None if memory is None else memtiers.open_tier(memory, self._comm)
+        self._memory, self._ring = None, None
+        if memory is not None:
+            self._memory, self._ring = memtiers.open_tier(memory, self._comm, *rankenv.node_id())
         self._plan: staging.StagingPlan | None = None
         self._buffers: list[torch.Tensor | None] = [None] * max_in_flight
         self._host = devcopy.HostBuffers()  # CUDA state's page-locked buffers (none for CPU state)
@@ -400,8 +403,13 @@ class CheckpointEngine:
             release, job.release = job.release, lambda: None
             try:
                 result = self._write_store(job)
-                if not result.skipped and not result.fallback:
-                    memtiers.write(mem, job)
+                if not result.skipped and not result.fallback and memtiers.write(mem, job):
+                    reached: tuple[str, ...] = (peers.MEMORY,)
+                    if self._ring is not None and any(self._ring.targets.values()):  # every rank alike
+                        assert isinstance(self._comm, GroupComm)
+                        if peers.replicate(self._ring, self._comm, mem.directory, job.step):
+                            reached += (peers.PEERS,)
+                    result = dataclasses.replace(result, tiers=reached)
                 return result
             finally:
                 release()
@@ -454,15 +462,25 @@ class CheckpointEngine:
             # Kept from load to load: starting them is a part of a load (trainer/checkpoint/DESIGN.md, No central plan).
             self._reading = shardio.reading_pool()
         with gcpause.paused():
-            return loading.load(
-                self.directory,
-                self._comm,
-                state,
-                step=step,
-                at_most=at_most,
-                check=check,
-                durable_tier=self.durable_tier,
-                node_local=node_local,
-                pool=self._reading,
-                memory=None if self._memory is None or node_local else self._memory.directory,
-            )
+            restored = None
+            if self._ring is not None and self._memory is not None and step is None:
+                restored = peerload.before_load(
+                    self._comm, self._memory, self._ring, self.directory, at_most, node_local
+                )
+            try:
+                return loading.load(
+                    self.directory,
+                    self._comm,
+                    state,
+                    step=step,
+                    at_most=at_most,
+                    check=check,
+                    durable_tier=self.durable_tier,
+                    node_local=node_local,
+                    pool=self._reading,
+                    memory=None if self._memory is None or self._ring is not None else self._memory.directory,
+                    restored=restored,
+                )
+            finally:
+                if restored is not None and self._memory is not None and self._memory.leader:
+                    shutil.rmtree(restored.path.parent, ignore_errors=True)

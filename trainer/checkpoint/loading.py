@@ -32,6 +32,7 @@ from ftsup.trainer.checkpoint import codec, loadplan
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
 from ftsup.trainer.checkpoint.durableread import DurableSource, LazyTier, pick_from
 from ftsup.trainer.checkpoint.noderead import NodeRead, NodeSource
+from ftsup.trainer.checkpoint.peerload import Restored
 from ftsup.trainer.checkpoint.reader import ShardReader
 from ftsup.trainer.runtime import runtime
 
@@ -49,10 +50,12 @@ class LoadResult:
     bytes_read: int
     load_s: float
     tier: str = tiers.FAST
-    """Where it was read from: `tiers.FAST` (the local store), `MEMORY` (the node's memory tier) or `tiers.DURABLE`."""
+    """Where it was read from: `tiers.FAST` (the local store), `MEMORY` (the node's memory tier), `PEERS` (a copy made
+    from the nodes' memories, a part of it from another node or a replica) or `tiers.DURABLE`."""
 
 
 MEMORY = "memory"
+PEERS = "peers"
 
 
 def load(
@@ -67,13 +70,16 @@ def load(
     node_local: bool = False,
     pool: ThreadPoolExecutor | None = None,
     memory: Path | None = None,
+    restored: Restored | None = None,
 ) -> LoadResult:
     """`CheckpointEngine.load` (see there); a collective over the engine's group. `durable_tier`: the durable
     tier's location, where a checkpoint newer than the local store's consistent ones may be read from.
     `node_local`: `directory` is this rank's node's own; each rank reads what its node's copy of the chosen
     checkpoint holds from there, the rest from the durable tier (`noderead`). `pool`: the engine's reading
     threads, for the local store's files. `memory`: the node's memory tier, read instead of the store where it
-    holds the checkpoint chosen, verified; a copy there that fails is passed over and the store's is read."""
+    holds the checkpoint chosen, verified; a copy there that fails is passed over and the store's is read.
+    `restored`: the whole copy this rank's node made of the newest checkpoint its nodes hold (`peerload`), read
+    first; passed over, and the store's choice made, where it fails."""
     t0 = time.perf_counter()
     flat, _ = codec.flatten(codec.state_dicts(state))
     given_up: list[choice.Passed] = []  # rank 0's: what was passed over, for the error if nothing is left
@@ -84,15 +90,22 @@ def load(
             with tier.bounded():  # one checkpoint's reads from the tier: one it cannot deliver in time is passed over
                 chosen: dict[str, Any] | None = None
                 if comm.rank == 0:
-                    chosen = in_memory.instead(_choose(directory, step, at_most, given_up, tier))
+                    chosen = _restored(restored) if restored is not None else None
+                    chosen = chosen or in_memory.instead(_choose(directory, step, at_most, given_up, tier))
                 chosen = comm.broadcast(chosen)
+                if chosen.get("restored") and restored is not None:  # each node reads its own copy
+                    chosen = dict(chosen, path=str(restored.path), tier=restored.tier)
                 if "error" in chosen:
                     raise NoCheckpointError(chosen["error"], rejected=chosen["rejected"])
                 from_tier = chosen.get("tier") == tiers.DURABLE
                 try:
-                    node = NodeRead(directory, tier) if node_local else None
+                    node = NodeRead(directory, tier) if node_local and not chosen.get("restored") else None
                     return _load_from(comm, chosen, state, flat, t0, check, tier if from_tier else None, node, pool)
                 except (CheckpointCorruptError, DurableTierError) as e:
+                    if chosen.get("restored"):  # the store's choice is made next
+                        log.warning("checkpoint_peer_passed_over", step=chosen["step"], rank=comm.rank, reason=str(e))
+                        restored = None
+                        continue
                     if chosen.get("tier") == MEMORY:  # the store's copy of the same step is read next
                         in_memory.passed_over(chosen, str(e), comm.rank)
                         continue
@@ -106,6 +119,25 @@ def load(
             _still_loading()
     finally:
         tier.close()
+
+
+def _restored(restored: Restored) -> dict[str, Any] | None:
+    """Rank 0: the whole copy made from the nodes' memories, as `_choose` returns a checkpoint; None (logged) when
+    its manifest or metadata fail."""
+    try:
+        manifest = layout.read_manifest(restored.path)
+        meta = read_dcp_metadata(restored.path, manifest)
+    except (CheckpointError, OSError) as e:
+        log.warning("checkpoint_peer_passed_over", step=restored.step, rank=0, reason=str(e))
+        return None
+    return {
+        "tier": restored.tier,
+        "restored": True,
+        "step": manifest.step,
+        "path": str(restored.path),
+        "manifest": manifest.to_json(),
+        "meta": loadplan.pack(meta),
+    }
 
 
 class _MemoryCopies:
@@ -346,7 +378,7 @@ def _load_from(
             state[key] = rebuilt[key]
     load_s = time.perf_counter() - t0
     where = tiers.FAST if tier is None else tiers.DURABLE
-    where = MEMORY if chosen.get("tier") == MEMORY else where
+    where = chosen["tier"] if chosen.get("tier") in (MEMORY, PEERS) else where
     bytes_read = reader.bytes_read + (source.bytes_read if source is not None else 0)
     if isinstance(source, NodeSource):
         log.info("checkpoint_node_read", **source.report(comm.rank))

@@ -62,3 +62,12 @@ def node() -> tuple[str | None, bool]:
     except ValueError:
         return None, False
     return (env.node_id, env.local_rank == 0) if env.node_local and env.node_id else (None, False)
+
+
+def node_id() -> tuple[str | None, int]:
+    """(FTSUP_NODE_ID, LOCAL_RANK) as the rank's runtime read them; (None, 0) without them."""
+    try:
+        env = runtime().env
+    except ValueError:
+        return None, 0
+    return env.node_id, env.local_rank

@@ -1,0 +1,237 @@
+"""The memory tier's copies on other nodes: the ring of peers, files sent over the engine's gloo group and verified
+on arrival, each node's part of a checkpoint committed in its peers' memories under `peers/<node>/`
+(trainer/checkpoint/DESIGN.md, Peer memories).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from ftsup.store import layout, nodes, safefile
+from ftsup.store.errors import CheckpointError
+from ftsup.store.retention import RetentionPolicy, apply_retention
+from ftsup.trainer.checkpoint.comm import GroupComm
+from ftsup.trainer.checkpoint.commit import log_quietly
+from ftsup.trainer.checkpoint.peermsg import HEADER_BYTES, PeerError, check_file, check_offer, offer, rank_files
+
+log = structlog.get_logger("ftsup.checkpoint")
+
+PEERS_DIRNAME = "peers"
+"""Under the memory tier's directory: `peers/<node>/step-N/`, the parts of other nodes this node holds."""
+MEMORY = "memory"
+PEERS = "peers"
+"""The tiers a save's result names (`SaveResult.tiers`) and a load's (`LoadResult.tier`)."""
+
+
+@dataclass(frozen=True)
+class Ring:
+    """Who holds whose part: every node's group ranks, its leader (its first local rank, which writes its memory
+    directory), and the nodes holding its replicas."""
+
+    node: str
+    ranks: Mapping[str, tuple[int, ...]]
+    leaders: Mapping[str, int]
+    targets: Mapping[str, tuple[str, ...]]
+    keep_last: int = 1
+
+    def sources(self, node: str) -> list[str]:
+        """The nodes whose parts `node` holds."""
+        return sorted(n for n, t in self.targets.items() if node in t)
+
+
+@dataclass
+class Transfer:
+    """One part's files between two group ranks. The sender's: the offer `header`, the files `rels` and `read`
+    (rel -> bytes); the receiver's: `check` (the offer -> the files it expects) and the `manifest` giving their sizes.
+    Filled by `exchange`: `got` (verified files) or `error`."""
+
+    peer: int
+    node: str
+    header: bytes = b""
+    rels: list[str] = field(default_factory=list)
+    read: Callable[[str], bytes] | None = None
+    check: Callable[[bytes], list[str]] | None = None
+    manifest: layout.Manifest | None = None
+    got: dict[str, bytes] = field(default_factory=dict)
+    error: str | None = None
+
+
+def exchange(comm: GroupComm, sends: list[Transfer], recvs: list[Transfer]) -> None:
+    """A collective in three rounds (offers, answers, files), every rank of the group alike, each with the transfers
+    it takes part in. A receiver never takes more than an offer's fixed size before it accepted it, then exactly the
+    sizes its own manifest records, each file checked (`peermsg.check_file`) before it is kept."""
+    headers = [torch.zeros(HEADER_BYTES, dtype=torch.uint8) for _ in recvs]
+    _round(
+        comm, [(s.peer, _tensor(s.header)) for s in sends], [(r.peer, h) for r, h in zip(recvs, headers, strict=True)]
+    )
+    for r, h in zip(recvs, headers, strict=True):
+        try:
+            assert r.check is not None
+            r.rels = sorted(r.check(h.numpy().tobytes()))
+        except PeerError as e:
+            r.error = str(e)
+    answers = [torch.zeros(1, dtype=torch.int64) for _ in sends]
+    verdicts = [(r.peer, torch.tensor([0 if r.error else 1], dtype=torch.int64)) for r in recvs]
+    _round(comm, verdicts, [(s.peer, a) for s, a in zip(sends, answers, strict=True)])
+    out: list[tuple[int, torch.Tensor]] = []
+    for s, a in zip(sends, answers, strict=True):
+        if int(a.item()) != 1:
+            s.error = f"group rank {s.peer} refused the offer of node {s.node}'s part"
+            continue
+        assert s.read is not None
+        out += [(s.peer, _tensor(s.read(rel))) for rel in sorted(s.rels)]  # the offer's order
+    incoming = [
+        (r, rel, torch.empty(max(_size(r, rel), 1), dtype=torch.uint8)) for r in recvs if not r.error for rel in r.rels
+    ]
+    _round(comm, out, [(r.peer, t) for r, _, t in incoming])
+    for r, rel, t in incoming:
+        data = t.numpy().tobytes()[: _size(r, rel)]
+        try:
+            assert r.manifest is not None
+            check_file(rel, data, r.manifest, f"group rank {r.peer}")
+            r.got[rel] = data
+        except PeerError as e:
+            r.error = r.error or str(e)
+
+
+def _round(comm: GroupComm, outgoing: list[tuple[int, torch.Tensor]], incoming: list[tuple[int, torch.Tensor]]) -> None:
+    """Every send and receive of one round posted at once, then waited for: no order among peers can deadlock."""
+    works = [dist.isend(t, dist.get_global_rank(comm.group, p), group=comm.group) for p, t in outgoing]
+    works += [dist.irecv(t, dist.get_global_rank(comm.group, p), group=comm.group) for p, t in incoming]
+    for w in works:
+        if w is not None:
+            w.wait()
+
+
+def _tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data) or bytearray(1), dtype=torch.uint8)
+
+
+def _size(r: Transfer, rel: str) -> int:
+    assert r.manifest is not None
+    return r.manifest.files[rel].size
+
+
+def reader(directory: Path, manifest: layout.Manifest) -> Callable[[str], bytes]:
+    """rel -> the bytes of a file of a committed directory of ours: a regular file inside it, never through a link,
+    of the size `manifest` records."""
+
+    def read(rel: str) -> bytes:
+        path = safefile.resolve_inside(directory, rel)
+        size = manifest.files[rel].size
+        return safefile.read_regular(path, str(path), size, exact=size)
+
+    return read
+
+
+def write_part(partial: Path, files: Mapping[str, bytes]) -> None:
+    """`files` written as new regular files under `partial` (made here; never through a link)."""
+    os.makedirs(partial, mode=0o700)
+    for rel, data in files.items():
+        path = partial / safefile.validate_relpath(rel)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+
+
+def replicate(ring: Ring, comm: GroupComm, memory: Path, step: int) -> bool:
+    """Every rank alike, after checkpoint `step` committed in every node's memory: each rank's files sent to its
+    node's peers, whose leaders commit each part under `peers/<node>/step-N/` only once every replica verified;
+    True then (the same on every rank). A failure is logged (`checkpoint_peer_replica_failed`), never raised."""
+    mine = memory / layout.step_dirname(step)
+    try:
+        manifest = layout.read_manifest(mine)
+        raw = (mine / layout.MANIFEST_NAME).read_bytes()
+        error = None if manifest.nodes == {n: tuple(r) for n, r in ring.ranks.items()} else "another node layout"
+    except (CheckpointError, OSError) as e:
+        manifest, raw, error = None, b"", str(e)
+    if comm.all_reduce_max(1 if error else 0):
+        if comm.rank == 0:
+            log_quietly(log.error, "checkpoint_peer_replica_failed", step=step, reason=error or "another rank failed")
+        return False
+    assert manifest is not None
+    rels = rank_files(manifest, [comm.rank])
+    header = offer(step, ring.node, rels, manifest)
+    sends = [
+        Transfer(ring.leaders[t], ring.node, header, rels, reader(mine, manifest)) for t in ring.targets[ring.node]
+    ]
+    recvs: list[Transfer] = []
+    if ring.leaders[ring.node] == comm.rank:
+        for src in ring.sources(ring.node):
+            for r in ring.ranks[src]:
+                expected = rank_files(manifest, [r])
+                check = _checker(manifest, step, src, expected)
+                recvs.append(Transfer(r, src, check=check, manifest=manifest))
+    failed: str | None = None
+    partials: list[Path] = []
+    try:
+        exchange(comm, sends, recvs)
+        failed = next((t.error for t in sends + recvs if t.error), None)
+        if failed is None and recvs:
+            partials = _stage(memory, mine, manifest, raw, step, recvs)
+    except (CheckpointError, OSError, RuntimeError) as e:  # gloo's errors are RuntimeErrors
+        failed = str(e)
+    ok = comm.all_reduce_max(1 if failed else 0) == 0
+    for partial in partials:
+        _finish(partial, ok)
+    if not ok:
+        if failed is not None:
+            log_quietly(log.error, "checkpoint_peer_replica_failed", step=step, rank=comm.rank, reason=failed)
+        return False
+    for src in ring.sources(ring.node) if recvs else ():
+        _retain(memory / PEERS_DIRNAME / src, ring.keep_last, step)
+    if comm.rank == 0:
+        log_quietly(
+            log.info, "checkpoint_peer_replicated", step=step, targets={n: list(t) for n, t in ring.targets.items()}
+        )
+    return True
+
+
+def _checker(manifest: layout.Manifest, step: int, node: str, expected: list[str]) -> Callable[[bytes], list[str]]:
+    return lambda raw: check_offer(raw, manifest, step, node, expected)
+
+
+def _stage(
+    memory: Path, mine: Path, manifest: layout.Manifest, raw: bytes, step: int, recvs: list[Transfer]
+) -> list[Path]:
+    """The leader: each source node's part, as received, with the checkpoint's files of every node (from this node's
+    own committed copy) and `node.json` naming that node, in `peers/<node>/step-N.partial/`."""
+    read = reader(mine, manifest)
+    common = {rel: read(rel) for rel in manifest.files if nodes.rank_of(rel) is None}
+    by_node: dict[str, dict[str, bytes]] = {}
+    for r in recvs:
+        by_node.setdefault(r.node, {}).update(r.got)
+    out = []
+    for src, got in by_node.items():
+        root = memory / PEERS_DIRNAME / src
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        partial = root / layout.partial_dirname(step)
+        if os.path.lexists(partial):
+            shutil.rmtree(partial)
+        files = got | common | {layout.MANIFEST_NAME: raw, nodes.NODE_FILE: nodes.node_file_bytes(src)}
+        write_part(partial, files)
+        out.append(partial)
+    return out
+
+
+def _finish(partial: Path, ok: bool) -> None:
+    final = partial.parent / layout.step_dirname(layout.parse_partial_dirname(partial.name) or 0)
+    if ok and not os.path.lexists(final):
+        os.rename(partial, final)
+    else:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _retain(root: Path, keep_last: int, step: int) -> None:
+    try:
+        apply_retention(root, RetentionPolicy(keep_last=keep_last), protect=[step], running_step=step + 1)
+    except (CheckpointError, OSError) as e:  # a failed deletion must not fail the save: the next one tries again
+        log_quietly(log.warning, "checkpoint_peer_retention_failed", path=str(root), reason=str(e))
