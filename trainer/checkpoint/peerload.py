@@ -93,6 +93,7 @@ def choose(reports: list[Mapping[str, Any]], store_step: int | None) -> dict[str
     for step in steps:
         if store_step is not None and store_step > step:
             return None
+        complete = []  # the step's saves (the store's and the memory tier's manifests differ) whose parts are all held
         for digest in sorted({h["digest"] for _, h in held if h["step"] == step}):
             try:
                 manifest = layout.parse_manifest(texts[digest], f"a peer's manifest of step {step}")
@@ -103,8 +104,12 @@ def choose(reports: list[Mapping[str, Any]], store_step: int | None) -> dict[str
             copies = sorted(
                 ((rank, h) for rank, h in held if h["digest"] == digest), key=lambda c: _PREFERENCE[c[1]["tier"]]
             )
-            if set(manifest.nodes) <= {h["part"] for _, h in copies}:
-                return _plan(step, digest, texts[digest], manifest, copies, leaders)
+            best = {h["part"]: _PREFERENCE[h["tier"]] for _, h in reversed(copies)}
+            if set(manifest.nodes) <= set(best):
+                complete.append((sum(best.values()), digest, manifest, copies))
+        if complete:  # the one read most from memory
+            _, digest, manifest, copies = min(complete, key=lambda c: (c[0], c[1]))
+            return _plan(step, digest, texts[digest], manifest, copies, leaders)
     return None
 
 

@@ -1,0 +1,89 @@
+"""The memory tier's peers, real ranks (torchrun, gloo, CPU), each rank a node of its own with its own disk and
+memory directories and no durable tier (`trainer/checkpoint/peers.py`, `peerload.py`): each node's part is replicated
+to the other's memory; a node lost whole is restored from it bitwise; a replica with a flipped byte or torn is never
+read, the part comes from the next copy, and the choice is logged."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ftsup.store import layout
+from tests.procs import torchrun
+
+pytestmark = pytest.mark.multiprocess
+
+REPLICA = Path("peers") / "node-1" / layout.step_dirname(2) / layout.shard_name(1)
+
+
+def _run(mode: str, base: Path, out: Path) -> tuple[dict, str]:
+    args = [mode, "--dir", str(base / "ckpt"), "--memory", str(base / "mem"), "--out", str(out), "--node-local"]
+    r = torchrun("ckpt_worker.py", [*args, "--steps", "1,2"] if mode == "save" else args, nproc=2)
+    assert r.returncode == 0, r.output[-4000:]
+    return json.loads(out.read_text()), r.output
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    base = tmp_path_factory.mktemp("peers")
+    return base, _run("save", base, base / "save.json")[0]
+
+
+@pytest.fixture
+def copy(saved: tuple[Path, dict], tmp_path: Path) -> Path:
+    for name in ("ckpt", "mem"):
+        shutil.copytree(saved[0] / name, tmp_path / name)
+    return tmp_path
+
+
+def _events(output: str, name: str) -> list[str]:
+    return [line for line in output.splitlines() if name in line]
+
+
+def test_a_save_reaches_memory_and_the_peers_and_each_node_holds_the_others_part(saved: tuple[Path, dict]) -> None:
+    base, result = saved
+    assert result["tiers_2"] == ["memory", "peers"]
+    for node, other in (("node-0", "node-1"), ("node-1", "node-0")):
+        replica = base / "mem" / node / "peers" / other / layout.step_dirname(2)
+        assert layout.inspect_checkpoint(replica, deep=True).consistent, replica
+        own = base / "mem" / node / layout.step_dirname(2)
+        assert layout.read_manifest(replica) == layout.read_manifest(own)
+
+
+def test_a_node_lost_whole_is_restored_from_its_peers_memory_bitwise(saved: tuple[Path, dict], copy: Path) -> None:
+    shutil.rmtree(copy / "ckpt" / "node-1")
+    shutil.rmtree(copy / "mem" / "node-1")
+    loaded, output = _run("load", copy, copy / "load.json")
+    assert (loaded["step"], loaded["digests"], loaded["tiers"]) == (2, saved[1]["digests_2"], ["peers", "peers"])
+    assert not (copy / "mem" / "node-0" / "restore").exists()  # the copy a load reads goes with it
+
+
+@pytest.mark.parametrize("damage", ["flip", "tear"])
+def test_a_damaged_replica_is_never_read_and_the_next_copy_is_logged(
+    saved: tuple[Path, dict], copy: Path, damage: str
+) -> None:
+    shard = copy / "mem" / "node-0" / REPLICA
+    data = bytearray(shard.read_bytes())
+    if damage == "flip":
+        data[-7] ^= 0x10
+    shard.write_bytes(data if damage == "flip" else data[: len(data) // 2])
+    shutil.rmtree(copy / "mem" / "node-1")  # node-1's memory gone; its disk holds its part
+    loaded, output = _run("load", copy, copy / "load.json")
+    assert (loaded["step"], loaded["digests"]) == (2, saved[1]["digests_2"])
+    assert any("step=2" in e and "tier=peers" in e for e in _events(output, "checkpoint_peer_copy_skipped")), output
+    restored = _events(output, "checkpoint_peer_restored")
+    assert any("node=node-1" in e and "'node-1': 'disk" in e for e in restored), restored
+
+
+def test_with_its_only_replica_damaged_a_lost_node_resumes_from_the_older_step_all_hold(
+    saved: tuple[Path, dict], copy: Path
+) -> None:
+    shard = copy / "mem" / "node-0" / REPLICA
+    shard.write_bytes(shard.read_bytes()[:100])
+    shutil.rmtree(copy / "ckpt" / "node-1")
+    shutil.rmtree(copy / "mem" / "node-1")
+    loaded, _ = _run("load", copy, copy / "load.json")
+    assert (loaded["step"], loaded["digests"]) == (1, saved[1]["digests_1"])
