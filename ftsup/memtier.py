@@ -1,6 +1,5 @@
-"""The node's memory tier as the supervisor tells the ranks of it: `KEEP:DIR` in `protocol.MEMORY_TIER_ENV` and its
-peers `REPLICAS[:DOMAIN]` in `protocol.MEMORY_PEERS_ENV`, read as hostile input (ftsup/store/DESIGN.md, The memory
-tier). Stdlib only.
+"""The node's memory tier as the supervisor tells the ranks of it: `KEEP[/REPLICAS[/DOMAIN]]:DIR` in
+`protocol.MEMORY_TIER_ENV`, read as hostile input (ftsup/store/DESIGN.md, The memory tier). Stdlib only.
 """
 
 from __future__ import annotations
@@ -30,10 +29,8 @@ class MemoryTier:
     """This node's failure domain: a replica never lands on a node of the same one (None: the node is its own)."""
 
     def encode(self) -> str:
-        return f"{self.keep_last}:{self.dir}"
-
-    def encode_peers(self) -> str:
-        return f"{self.replicas}:{self.domain}" if self.domain else str(self.replicas)
+        peers = f"/{self.replicas}" + (f"/{self.domain}" if self.domain else "")
+        return f"{self.keep_last}{'' if peers == '/1' else peers}:{self.dir}"
 
 
 def default_dir(run_id: str) -> str:
@@ -52,31 +49,22 @@ def is_domain(name: object) -> bool:
     return isinstance(name, str) and bool(_DOMAIN.match(name))
 
 
-def parse(raw: str, name: str, peers: str = "", peers_name: str = "") -> MemoryTier | None:
-    """`KEEP:DIR` (empty: no memory tier) as a MemoryTier, its peers from `REPLICAS[:DOMAIN]` in `peers` (empty: one
-    replica, each node its own domain); ValueError naming `name` (or `peers_name`) and what is wrong."""
+def parse(raw: str, name: str) -> MemoryTier | None:
+    """`KEEP[/REPLICAS[/DOMAIN]]:DIR` (empty: no memory tier; REPLICAS 1 and each node its own domain unless given) as
+    a MemoryTier; ValueError naming `name` and what is wrong."""
     if len(raw) > MAX_CHARS:
         raise ValueError(f"{name} is {len(raw)} characters long, more than {MAX_CHARS}")
     text = raw.strip()
     if not text:
         return None
-    keep, sep, path = text.partition(":")
+    head, sep, path = text.partition(":")
+    keep, _, peers = head.partition("/")
     if not sep or keep not in {str(k) for k in range(1, MAX_KEEP + 1)}:
         raise ValueError(f"{name} must be KEEP:DIR with KEEP 1 to {MAX_KEEP} (checkpoints kept), not {text!r:.200}")
-    replicas, domain = _parse_peers(peers, peers_name or name)
-    return MemoryTier(check_dir(path, name), int(keep), replicas, domain)
-
-
-def _parse_peers(raw: str, name: str) -> tuple[int, str | None]:
-    if len(raw) > MAX_CHARS:
-        raise ValueError(f"{name} is {len(raw)} characters long, more than {MAX_CHARS}")
-    text = raw.strip()
-    if not text:
-        return 1, None
-    count, sep, domain = text.partition(":")
-    if count not in {str(k) for k in range(MAX_REPLICAS + 1)} or (sep and not is_domain(domain)):
+    count, slash, domain = peers.partition("/")
+    if peers and (count not in {str(k) for k in range(MAX_REPLICAS + 1)} or (slash and not is_domain(domain))):
         raise ValueError(
-            f"{name} must be REPLICAS[:DOMAIN] with REPLICAS 0 to {MAX_REPLICAS} and DOMAIN of letters, digits, "
-            f"'.', '_' and '-' (at most 64), not {text!r:.200}"
+            f"{name}: its replicas must be KEEP/REPLICAS[/DOMAIN]:DIR with REPLICAS 0 to {MAX_REPLICAS} and DOMAIN of "
+            f"letters, digits, '.', '_' and '-' (at most 64), not {head!r:.200}"
         )
-    return int(count), domain or None
+    return MemoryTier(check_dir(path, name), int(keep), int(count) if peers else 1, domain or None)

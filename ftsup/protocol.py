@@ -43,7 +43,6 @@ NODE_LOCAL_ENV = "FTSUP_CHECKPOINT_NODE_LOCAL"  # "1": each node keeps its own c
 DURABLE_TIMEOUT_ENV = "FTSUP_CHECKPOINT_DURABLE_TIMEOUT_S"  # the longest a load reads one durable checkpoint (seconds)
 FALLBACK_DIR_ENV = "FTSUP_CHECKPOINT_FALLBACK_DIR"  # where an emergency save goes when the checkpoint dir refuses it
 MEMORY_TIER_ENV = "FTSUP_CHECKPOINT_MEMORY"  # KEEP:DIR, the node's memory tier (`ftsup.memtier`); empty: none
-MEMORY_PEERS_ENV = "FTSUP_CHECKPOINT_MEMORY_PEERS"  # REPLICAS[:DOMAIN]: its copies on other nodes (`ftsup.memtier`)
 ENV_NAMES = (
     HEARTBEAT_SOCKET_ENV,
     HEARTBEAT_INTERVAL_ENV,
@@ -63,7 +62,6 @@ ENV_NAMES = (
     DURABLE_TIMEOUT_ENV,
     FALLBACK_DIR_ENV,
     MEMORY_TIER_ENV,
-    MEMORY_PEERS_ENV,
 )
 """Every variable of ours a rank's environment holds."""
 
@@ -156,12 +154,7 @@ class RuntimeEnv:
             node_local=env.get(NODE_LOCAL_ENV, "").strip() == "1",
             durable_timeout_s=seconds(DURABLE_TIMEOUT_ENV, 0.0) or None,
             fallback_dir=env.get(FALLBACK_DIR_ENV) or None,
-            memory_tier=memtier.parse(
-                env.get(MEMORY_TIER_ENV, ""),
-                f"environment variable {MEMORY_TIER_ENV}",
-                env.get(MEMORY_PEERS_ENV, ""),
-                f"environment variable {MEMORY_PEERS_ENV}",
-            ),
+            memory_tier=memtier.parse(env.get(MEMORY_TIER_ENV, ""), f"environment variable {MEMORY_TIER_ENV}"),
         )
 
 

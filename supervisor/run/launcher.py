@@ -95,9 +95,7 @@ def rank_env(
     env = {"PYTHONFAULTHANDLER": "1", **base, **prefix, **history, **cfg.job.env, **channel, "PYTHONUNBUFFERED": "1"}
     env.update(durable_env(cfg))
     if cfg.checkpoint.memory is not None:
-        tier = cfg.checkpoint.memory.tier(cfg.job.run_id)
-        env[protocol.MEMORY_TIER_ENV] = tier.encode()
-        env[protocol.MEMORY_PEERS_ENV] = tier.encode_peers()
+        env[protocol.MEMORY_TIER_ENV] = cfg.checkpoint.memory.tier(cfg.job.run_id).encode()
     if not cfg.checkpoint.dir_shared and cfg.launch.max_nodes > 1:  # with a durable tier or peer memories
         env[protocol.NODE_LOCAL_ENV] = "1"
     env.update(instrument.rank_env(cfg, env))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ftsup import memtier
-from ftsup.protocol import MEMORY_PEERS_ENV, RuntimeEnv
+from ftsup.protocol import MEMORY_TIER_ENV, RuntimeEnv
 from ftsup.store import checksums, layout
 from ftsup.supervisor.config.job import parse_config
 from ftsup.supervisor.errors import ConfigError
@@ -114,7 +114,8 @@ def test_a_node_local_store_of_several_nodes_needs_no_durable_tier_with_peer_mem
     cfg = parse_config(two_nodes({"replicas": 1, "domain": "rack-1"}), source="j", base_dir=Path("/"), hostname="n")
     env = launcher.rank_env(cfg, Path("/run"), None, {})
     tier = RuntimeEnv.from_environ(env).memory_tier
-    assert (env[MEMORY_PEERS_ENV], tier) == ("1:rack-1", memtier.MemoryTier("/dev/shm/ftsup-gpt-7", 1, 1, "rack-1"))
+    want = memtier.MemoryTier("/dev/shm/ftsup-gpt-7", 1, 1, "rack-1")
+    assert (env[MEMORY_TIER_ENV], tier) == ("1/1/rack-1:/dev/shm/ftsup-gpt-7", want)
     assert RuntimeEnv.from_environ(env).node_local
 
 
@@ -130,7 +131,19 @@ def test_bad_replicas_or_domain_are_refused_naming_the_key(memory: object, messa
     assert message in str(e.value)
 
 
-@pytest.mark.parametrize("raw", ["4", "x", "1:", "1:a b", "1:" + "a" * 65])
-def test_a_bad_peers_variable_is_an_error_naming_it(raw: str) -> None:
-    with pytest.raises(ValueError, match=MEMORY_PEERS_ENV):
-        RuntimeEnv.from_environ({"FTSUP_CHECKPOINT_MEMORY": "1:/dev/shm/x", MEMORY_PEERS_ENV: raw})
+@pytest.mark.parametrize("head", ["1/4", "1/x", "1/1/", "1/1/a b", "1/1/" + "a" * 65])
+def test_bad_replicas_in_the_variable_are_an_error_naming_it(head: str) -> None:
+    with pytest.raises(ValueError, match=MEMORY_TIER_ENV):
+        RuntimeEnv.from_environ({MEMORY_TIER_ENV: f"{head}:/dev/shm/x"})
+
+
+@pytest.mark.parametrize(
+    ("raw", "want"),
+    [
+        ("2:/m", memtier.MemoryTier("/m", 2)),
+        ("2/0:/m", memtier.MemoryTier("/m", 2, 0)),
+        ("1/3/r.1:/m", memtier.MemoryTier("/m", 1, 3, "r.1")),
+    ],
+)
+def test_the_variable_round_trips_and_reads_as_before_without_replicas(raw: str, want: memtier.MemoryTier) -> None:
+    assert (memtier.parse(raw, "v"), want.encode()) == (want, raw)
