@@ -16,7 +16,7 @@ from ftsup.store.errors import os_words
 from ftsup.supervisor.config.durable import DurableConfig
 from ftsup.supervisor.config.job import JobConfig
 from ftsup.supervisor.config.values import Where, file_kind
-from ftsup.supervisor.run import instrument, launcher
+from ftsup.supervisor.run import instrument, launcher, memroom
 
 
 def check(cfg: JobConfig, environ: Mapping[str, str] | None = None) -> None:
@@ -30,6 +30,7 @@ def check(cfg: JobConfig, environ: Mapping[str, str] | None = None) -> None:
     if (tier := cfg.checkpoint.durable) is not None:
         durable_tier(cfg.source, tier)
     directory_or_creatable(top.child("job").child("state_dir"), Path(cfg.job.state_dir))
+    memroom.check(cfg)
     if cfg.logging.dir is not None:
         directory_or_creatable(top.child("logging").child("dir"), Path(cfg.logging.dir))
     if cfg.launch.instrument:
