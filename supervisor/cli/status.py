@@ -17,6 +17,7 @@ from typing import Any
 import psutil
 
 from ftsup.store import layout
+from ftsup.supervisor.cli import memstatus
 from ftsup.supervisor.cli import nodes as cli_nodes
 from ftsup.supervisor.config.job import load_config
 from ftsup.supervisor.policy import goodput
@@ -134,6 +135,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "node_id": cfg.launch.node_id,
         **gather(Path(cfg.job.state_dir), Path(cfg.checkpoint.dir), now, tier),
         "node": cli_nodes.gather(Path(cfg.job.state_dir), cfg.launch.node_id, now),
+        "memory": memstatus.gather(cfg),
     }
     if args.json:
         print(json.dumps(out, indent=2))
@@ -195,6 +197,8 @@ def text(out: dict[str, Any]) -> list[str]:
         lines.append(f"  latest consistent checkpoint: none in {where}")
     if (tier := out.get("durable")) is not None:
         lines.append("  " + _durable_line(tier))
+    if (memory := out.get("memory")) is not None:
+        lines.append("  " + memstatus.line(memory))
     if out["metrics_url"]:
         lines.append(f"  metrics: {out['metrics_url']}")
     return lines

@@ -1,0 +1,43 @@
+"""`ftsup status` shows the memory tier: its use, its own checkpoints and the replicas of its peers' parts it holds,
+never following a link planted among them."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import yaml
+
+from ftsup.store import layout
+from ftsup.supervisor.cli.commands import main
+
+
+def test_status_shows_the_memory_tiers_use_own_steps_and_replicas(tmp_path: Path) -> None:
+    mem = tmp_path / "mem"
+    (mem / layout.step_dirname(8)).mkdir(parents=True)
+    (mem / layout.step_dirname(8) / "shard-00000.safetensors").write_bytes(b"x" * 1000)
+    for step in (4, 8):
+        (mem / "peers" / "node-b" / layout.step_dirname(step)).mkdir(parents=True)
+    (mem / "peers" / "node-c").symlink_to(mem / "peers" / "node-b")  # planted: never listed
+    cfg = {
+        "job": {"command": ["true"], "run_id": "gpt-7", "state_dir": str(tmp_path / "state")},
+        "checkpoint": {"dir": str(tmp_path / "ckpt"), "memory": {"dir": str(mem), "replicas": 1}},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert main(["status", "--config", str(path), "--json"]) == 0
+    memory = json.loads(out.getvalue())["memory"]
+    got = {k: memory[k] for k in ("dir", "bytes_used", "steps", "replicas", "replicas_configured")}
+    assert got == {
+        "dir": str(mem),
+        "bytes_used": 1000,
+        "steps": [8],
+        "replicas": {"node-b": [4, 8]},
+        "replicas_configured": 1,
+    }
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert main(["status", "--config", str(path)]) == 0
+    assert "replicas of peers (1 configured per node): node-b steps [4, 8]" in out.getvalue()
