@@ -241,7 +241,7 @@ def _assemble(
     """The leader: the whole copy in `partial`: the parts received, and those of its own copies (linked in memory,
     copied from a disk), the files of every node from its first own copy, the manifest."""
     assert manifest.nodes is not None
-    got: dict[str, bytes] = {layout.MANIFEST_NAME: raw}
+    got: dict[str, bytes | memoryview] = {layout.MANIFEST_NAME: raw}
     for r in recvs:
         got |= r.got
     write_part(partial, got)

@@ -5,6 +5,7 @@ on arrival, each node's part of a checkpoint committed in its peers' memories un
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 from collections.abc import Callable, Mapping
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ftsup.store import layout, nodes, safefile
-from ftsup.store.errors import CheckpointError
+from ftsup.store.errors import CheckpointCorruptError, CheckpointError
 from ftsup.store.retention import RetentionPolicy, apply_retention
 from ftsup.trainer.checkpoint.comm import GroupComm
 from ftsup.trainer.checkpoint.commit import log_quietly
@@ -57,10 +58,10 @@ class Transfer:
     node: str
     header: bytes = b""
     rels: list[str] = field(default_factory=list)
-    read: Callable[[str], bytes] | None = None
+    read: Callable[[str], bytes | memoryview] | None = None
     check: Callable[[bytes], list[str]] | None = None
     manifest: layout.Manifest | None = None
-    got: dict[str, bytes] = field(default_factory=dict)
+    got: dict[str, bytes | memoryview] = field(default_factory=dict)
     error: str | None = None
 
 
@@ -93,7 +94,7 @@ def exchange(comm: GroupComm, sends: list[Transfer], recvs: list[Transfer]) -> N
     ]
     _round(comm, out, [(r.peer, t) for r, _, t in incoming])
     for r, rel, t in incoming:
-        data = t.numpy().tobytes()[: _size(r, rel)]
+        data = t.numpy().data[: _size(r, rel)]  # no copy: checked, then written from here
         try:
             assert r.manifest is not None
             check_file(rel, data, r.manifest, f"group rank {r.peer}")
@@ -111,8 +112,10 @@ def _round(comm: GroupComm, outgoing: list[tuple[int, torch.Tensor]], incoming: 
             w.wait()
 
 
-def _tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data) or bytearray(1), dtype=torch.uint8)
+def _tensor(data: bytes | memoryview) -> torch.Tensor:
+    if len(data) == 0:
+        return torch.zeros(1, dtype=torch.uint8)
+    return torch.frombuffer(data if isinstance(data, memoryview) else bytearray(data), dtype=torch.uint8)
 
 
 def _size(r: Transfer, rel: str) -> int:
@@ -120,19 +123,27 @@ def _size(r: Transfer, rel: str) -> int:
     return r.manifest.files[rel].size
 
 
-def reader(directory: Path, manifest: layout.Manifest) -> Callable[[str], bytes]:
-    """rel -> the bytes of a file of a committed directory of ours: a regular file inside it, never through a link,
-    of the size `manifest` records."""
+def reader(directory: Path, manifest: layout.Manifest) -> Callable[[str], bytes | memoryview]:
+    """rel -> the bytes of a file of a committed directory of ours (a regular file inside it, never through a link,
+    of the size `manifest` records), mapped rather than copied: the send reads the tmpfs's pages."""
 
-    def read(rel: str) -> bytes:
+    def read(rel: str) -> bytes | memoryview:
         path = safefile.resolve_inside(directory, rel)
         size = manifest.files[rel].size
-        return safefile.read_regular(path, str(path), size, exact=size)
+        fd = safefile.open_regular(path, str(path))
+        try:
+            if os.fstat(fd).st_size != size:
+                raise CheckpointCorruptError(f"{path}: not of the size its manifest records", path=str(directory))
+            if size == 0:
+                return b""
+            return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY))  # writable for torch, never written
+        finally:
+            os.close(fd)
 
     return read
 
 
-def write_part(partial: Path, files: Mapping[str, bytes]) -> None:
+def write_part(partial: Path, files: Mapping[str, bytes | memoryview]) -> None:
     """`files` written as new regular files under `partial` (made here; never through a link)."""
     os.makedirs(partial, mode=0o700)
     for rel, data in files.items():
@@ -206,7 +217,7 @@ def _stage(
     own committed copy) and `node.json` naming that node, in `peers/<node>/step-N.partial/`."""
     read = reader(mine, manifest)
     common = {rel: read(rel) for rel in manifest.files if nodes.rank_of(rel) is None}
-    by_node: dict[str, dict[str, bytes]] = {}
+    by_node: dict[str, dict[str, bytes | memoryview]] = {}
     for r in recvs:
         by_node.setdefault(r.node, {}).update(r.got)
     out = []
