@@ -13,6 +13,7 @@ from ftsup.store import layout
 from ftsup.store.errors import CheckpointError
 from ftsup.supervisor.config.job import JobConfig
 from ftsup.supervisor.config.values import Where
+from ftsup.supervisor.state import memview
 
 
 def need_bytes(tensor_bytes: int, nodes: int, replicas: int, keep_last: int) -> int:
@@ -29,20 +30,7 @@ def free_bytes(path: Path) -> int:
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     st = os.statvfs(probe)
-    return st.f_bavail * st.f_frsize + held_bytes(path)
-
-
-def held_bytes(path: Path) -> int:
-    """The bytes of the files under the directory `path` (never through a link; 0 where it is none)."""
-    held = 0
-    if path.is_dir() and not path.is_symlink():
-        for root, _, names in os.walk(path):
-            for name in names:
-                try:
-                    held += os.lstat(os.path.join(root, name)).st_size
-                except OSError:
-                    pass  # gone meanwhile
-    return held
+    return st.f_bavail * st.f_frsize + memview.held_bytes(path)
 
 
 def check(cfg: JobConfig, free: Callable[[Path], int] = free_bytes) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from ftsup.store import choice, durable, layout
@@ -52,6 +53,8 @@ class ResumeChoice:
         self._present = False  # a scan found the directory: from then on, its absence is an outage
         node_local = not cfg.checkpoint.dir_shared and cfg.launch.max_nodes > 1  # the durable tier's newest commit
         self.store.with_durable_tier(durable_opener(cfg), durable_only=node_local)  # the choice reads the tier too
+        if (memory := cfg.checkpoint.memory) is not None:  # its use and replicas, for the metrics
+            self.store.with_memory_tier(Path(memory.tier(cfg.job.run_id).dir), memory.replicas, memory.keep_last)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[ResumeChoice]:
@@ -223,6 +226,7 @@ class ResumeChoice:
                 self._emit("info", "checkpoint_found", step=step, kind=view.latest.kind)
             self._newest = step if self._newest is None else max(self._newest, step)
         self._metrics.checkpoint(view.latest, view.committed)
+        self._metrics.memory_tier(view.memory)
 
 
 def durable_opener(cfg: JobConfig) -> Callable[[], durable.DurableTier] | None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from ftsup.store import choice, durable, layout, tiers
 from ftsup.store.errors import CheckpointError, ManifestError
+from ftsup.supervisor.state import memview
 
 REFRESH_S = 2.0
 DURABLE_TIMEOUT_S = 30.0
@@ -48,6 +49,8 @@ class StoreView:
     """The newest `recent` committed checkpoints, each fast-checked, newest first (for the durable tier)."""
     missing: bool = False
     """The directory was not there (or something else was in its place) at the last scan that went through."""
+    memory: dict[str, Any] | None = None
+    """The node's memory tier as the last scan read it (`memview.read`); None without one."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,7 @@ class StoreScanner:
     _durable: Callable[[], durable.DurableTier] | None = None  # set by `with_durable_tier`
     _durable_timeout_s = DURABLE_TIMEOUT_S
     _durable_only = False
+    _memory: tuple[Path, int, int] | None = None
 
     def with_durable_tier(
         self,
@@ -122,6 +126,11 @@ class StoreScanner:
         tier, since a local one cannot be known complete on the other nodes; the fast tier's choice only when the
         tier fails."""
         self._durable, self._durable_timeout_s, self._durable_only = opener, timeout_s, durable_only
+        return self
+
+    def with_memory_tier(self, where: Path, replicas: int, keep_last: int) -> StoreScanner:
+        """Read the node's memory tier `where` at each scan too (`StoreView.memory`); before `start()`."""
+        self._memory = (where, replicas, keep_last)
         return self
 
     def start(self) -> StoreScanner:
@@ -288,13 +297,14 @@ class StoreScanner:
                 recent.append(info)
             if info.consistent and latest is None:
                 latest = info
+        memory = memview.read(*self._memory) if self._memory is not None else None
         names = {p.name for _, p in dirs}
         for name in [n for n in self._cache if n not in names]:
             del self._cache[name]
         with self._lock:
             v = self._view
             self._view = StoreView(
-                latest, len(dirs), v.scans + 1, v.errors, v.last_error, v.last_exception, tuple(recent), missing
+                latest, len(dirs), v.scans + 1, v.errors, v.last_error, v.last_exception, tuple(recent), missing, memory
             )
 
     def _inspect(self, path: Path) -> layout.CheckpointInfo:

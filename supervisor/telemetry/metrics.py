@@ -232,6 +232,11 @@ class Metrics:
             "When the newest consistent checkpoint was created (Unix time; 0: none).",
         )
         self.ckpt_bytes = gauge("ftsup_checkpoint_latest_bytes", "Tensor bytes of the newest consistent checkpoint.")
+        self.mem_bytes = gauge("ftsup_memory_tier_bytes", "Bytes the node's memory tier holds (-1: no tier).")
+        self.mem_replicas = gauge("ftsup_memory_tier_replicas", "Other nodes' parts this node's memory holds.")
+        self.mem_replica_step = gauge(
+            "ftsup_memory_tier_replica_step", "The oldest of the newest steps of those parts (-1: none held)."
+        )
         self.ckpt_count = gauge("ftsup_checkpoints", "Committed checkpoints in the checkpoint directory.")
 
         # ---- the durable tier (checkpoint.durable), from its uploader
@@ -436,6 +441,13 @@ class Metrics:
         self.ckpt_step.set(latest.step)
         self.ckpt_ts.set(latest.created_unix or 0)
         self.ckpt_bytes.set(latest.tensor_bytes or 0)
+
+    def memory_tier(self, view: Mapping[str, Any] | None) -> None:
+        """The memory tier's gauges, from the store scanner's read of it (`memview.read`)."""
+        held = [max(s) for s in view["replicas"].values() if s] if view is not None else []
+        self.mem_bytes.set(-1 if view is None else view["bytes_used"])
+        self.mem_replicas.set(len(held))
+        self.mem_replica_step.set(min(held, default=-1))
 
     def durable(self, *, newest_step: int | None, newest_unix: float, pending: int, rate: float | None) -> None:
         """The durable tier's gauges, from its keeper (`durable.keeper`)."""

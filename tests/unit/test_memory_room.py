@@ -11,6 +11,7 @@ import pytest
 from ftsup.supervisor.config.job import JobConfig, parse_config
 from ftsup.supervisor.errors import ConfigError
 from ftsup.supervisor.run import memroom
+from ftsup.supervisor.state import memview
 from tests.helpers import default_files, make_fake_checkpoint
 
 
@@ -44,7 +45,7 @@ def test_the_tiers_own_copies_count_as_room(tmp_path: Path) -> None:
     (tmp_path / "mem" / "sub").mkdir()
     (tmp_path / "mem" / "sub" / "part").write_bytes(b"x" * 7)
     (tmp_path / "mem" / "link").symlink_to(tmp_path / "elsewhere")
-    assert (memroom.held_bytes(tmp_path / "mem"), memroom.held_bytes(tmp_path / "none")) == (
+    assert (memview.held_bytes(tmp_path / "mem"), memview.held_bytes(tmp_path / "none")) == (
         5007 + len(str(tmp_path / "elsewhere")),
         0,
     )
