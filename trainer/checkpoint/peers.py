@@ -156,7 +156,16 @@ def write_part(partial: Path, files: Mapping[str, bytes | memoryview]) -> None:
 def replicate(ring: Ring, comm: GroupComm, memory: Path, step: int) -> bool:
     """Every rank alike, after checkpoint `step` committed in every node's memory: each rank's files sent to its
     node's peers, whose leaders commit each part under `peers/<node>/step-N/` only once every replica verified;
-    True then (the same on every rank). A failure is logged (`checkpoint_peer_replica_failed`), never raised."""
+    True then (the same on every rank). A failure is logged (`checkpoint_peer_replica_failed`), never raised: the
+    store's checkpoint stands, even where a peer is gone and the group with it."""
+    try:
+        return _replicate(ring, comm, memory, step)
+    except RuntimeError as e:  # the group broken (a peer gone): gloo's errors are RuntimeErrors
+        log_quietly(log.error, "checkpoint_peer_replica_failed", step=step, rank=comm.rank, reason=str(e))
+        return False
+
+
+def _replicate(ring: Ring, comm: GroupComm, memory: Path, step: int) -> bool:
     mine = memory / layout.step_dirname(step)
     try:
         manifest = layout.read_manifest(mine)

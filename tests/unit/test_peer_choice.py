@@ -1,0 +1,73 @@
+"""The choice of a load from the nodes' memories (`peerload.choose`): the newest step whose every part some live node
+holds, at most every rank's bound, each part read from memory before a peer's and a disk's, from the node's own
+copies where it holds them; none where a shared store holds a newer checkpoint or a manifest does not parse."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from ftsup.store import layout
+from ftsup.trainer.checkpoint.peerload import choose
+
+
+def manifest(step: int, created: float = 0.0) -> str:
+    files = {"shard-00000.safetensors": layout.FileEntry(1, "crc32cx64k:00000000")}
+    files |= {"shard-00001.safetensors": layout.FileEntry(1, "crc32cx64k:00000000")}
+    m = layout.Manifest(step, 2, "periodic", created, files, 2, nodes={"a": (0,), "b": (1,)})
+    return json.dumps(m.to_json())
+
+
+def held(step: int, part: str, tier: str, text: str) -> dict[str, Any]:
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    return {"step": step, "part": part, "tier": tier, "path": f"/{tier}/{part}/{step}", "digest": digest}
+
+
+def report(node: str, copies: list[tuple[int, str, str, str]], at_most: int | None = None) -> dict[str, Any]:
+    held_ = [held(s, p, t, text) for s, p, t, text in copies]
+    texts = {h["digest"]: text for h, (_, _, _, text) in zip(held_, copies, strict=True)}
+    return {"node": node, "leader": True, "at_most": at_most, "held": held_, "texts": texts}
+
+
+M8, M12 = manifest(8), manifest(12)
+
+
+def test_a_node_that_came_back_empty_receives_both_parts_from_the_node_holding_them() -> None:
+    a = report("a", [(8, "a", "memory", M8), (8, "b", "peers", M8)])
+    plan = choose([a, report("b", [])], None)
+    assert plan is not None and plan["step"] == 8
+    assert plan["links"] == {0: [["a", "/memory/a/8", "memory"], ["b", "/peers/b/8", "peers"]], 1: []}
+    assert [(m["from"], m["to"], m["part"], m["common"]) for m in plan["moves"]] == [
+        (0, 1, "a", True),
+        (0, 1, "b", False),
+    ]
+
+
+def test_the_newest_step_every_part_of_which_is_held_is_chosen() -> None:
+    a = report("a", [(12, "a", "memory", M12), (8, "a", "memory", M8), (8, "b", "peers", M8)])
+    plan = choose([a, report("b", [])], None)  # b's part of step 12 is nowhere
+    assert plan is not None and plan["step"] == 8
+
+
+def test_every_ranks_bound_holds_and_a_newer_shared_store_wins() -> None:
+    a = report("a", [(12, "a", "memory", M12), (12, "b", "peers", M12), (8, "a", "memory", M8), (8, "b", "peers", M8)])
+    bounded = choose([a, report("b", [], at_most=8)], None)
+    assert bounded is not None and bounded["step"] == 8
+    assert choose([a, report("b", [])], 13) is None
+
+
+def test_a_part_comes_from_memory_before_a_disk_and_from_the_nodes_own_copy() -> None:
+    a = report("a", [(8, "a", "disk", M8), (8, "a", "memory", M8), (8, "b", "peers", M8)])
+    b = report("b", [(8, "b", "memory", M8)])
+    plan = choose([a, b], None)
+    assert plan is not None and plan["links"][0] == [["a", "/memory/a/8", "memory"], ["b", "/peers/b/8", "peers"]]
+    assert [(m["from"], m["part"]) for m in plan["moves"]] == [(0, "a")]
+
+
+def test_a_manifest_that_does_not_parse_or_lies_about_its_step_is_never_chosen() -> None:
+    bad = "{not json"
+    a = report("a", [(8, "a", "memory", bad), (8, "b", "peers", bad)])
+    assert choose([a, report("b", [])], None) is None
+    lying = report("a", [(9, "a", "memory", M8), (9, "b", "peers", M8)])
+    assert choose([lying, report("b", [])], None) is None
