@@ -106,20 +106,22 @@ def main() -> int:
 
 def _report(per_rank: list[dict[str, list[dict[str, float]]]], size_mb: int, world: int) -> dict[str, Any]:
     """Each row's median over repeats of the slowest rank's stall, and the ratio of the medians."""
-    rows = []
+    rows: list[dict[str, Any]] = []
+    medians: list[float] = []
     for name in ROWS:
         stalls = [max(r[name][i]["stall_s"] for r in per_rank) for i in range(len(per_rank[0][name]))]
         saves = [max(r[name][i]["durable_s"] for r in per_rank) for i in range(len(per_rank[0][name]))]
+        medians.append(statistics.median(stalls))
         rows.append(
             {
                 "name": name,
-                "stall_s": round(statistics.median(stalls), 4),
+                "stall_s": round(medians[-1], 4),
                 "stall_each": [round(s, 4) for s in stalls],
                 "save_s": round(statistics.median(saves), 4),
                 "tiers": per_rank[0][name][0]["tiers"],
             }
         )
-    ratio = rows[0]["stall_s"] / rows[1]["stall_s"] if rows[1]["stall_s"] > 0 else None
+    ratio = medians[0] / medians[1] if medians[1] > 0 else None
     return {"size_mb": size_mb, "ranks": world, "results": rows, "ratios": {"peers_stall_vs_memory": ratio}}
 
 
