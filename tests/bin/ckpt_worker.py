@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -145,7 +146,9 @@ def main() -> int:
             result[f"digests_{step}"] = digests(state)
         engine.wait()
     else:
+        started = time.perf_counter()
         loaded = engine.load({"app": state}, step=args.step)
+        wall = time.perf_counter() - started
         result.update(
             step=loaded.step,
             rank_state=loaded.rank_state,
@@ -153,14 +156,17 @@ def main() -> int:
             digests=digests(state),
             saved_world_size=loaded.saved_world_size,
         )
-        all_bytes, all_tiers = [loaded.bytes_read], [loaded.tier]
+        all_bytes, all_tiers, walls = [loaded.bytes_read], [loaded.tier], [wall]
         if dist.is_initialized():
             all_bytes = [None] * dist.get_world_size()
             dist.all_gather_object(all_bytes, loaded.bytes_read)
             all_tiers = [None] * dist.get_world_size()
             dist.all_gather_object(all_tiers, loaded.tier)
+            walls = [None] * dist.get_world_size()
+            dist.all_gather_object(walls, wall)
         result["bytes_read"] = all_bytes
         result["tiers"] = all_tiers
+        result["load_wall_s"] = walls
     engine.close()
     if rank == 0:
         with open(args.out, "w") as f:
