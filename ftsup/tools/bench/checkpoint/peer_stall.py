@@ -27,7 +27,9 @@ def main() -> int:
     p.add_argument("--json", default="")
     args = p.parse_args()
     rank = int(os.environ.get("RANK", "0"))
-    os.environ.update({"FTSUP_NODE_ID": f"node-{rank}", "LOCAL_RANK": "0", "FTSUP_CHECKPOINT_NODE_LOCAL": "1"})
+    from ftsup import protocol
+
+    os.environ.update({protocol.NODE_ID_ENV: f"node-{rank}", "LOCAL_RANK": "0", protocol.NODE_LOCAL_ENV: "1"})
     import torch
     import torch.distributed as dist
 
