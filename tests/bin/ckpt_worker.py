@@ -94,6 +94,7 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--process-group", default="auto", choices=["auto", "none"], help="the engine's process_group")
     p.add_argument("--node-local", action="store_true", help="each rank a node of its own, with --dir/node-<rank>")
+    p.add_argument("--ranks-per-node", type=int, default=1, help="with --node-local: ranks r*N..r*N+N-1 a node")
     p.add_argument("--memory", default="", help="the memory tier (with --node-local: DIR/node-<rank>, one replica)")
     args = p.parse_args()
 
@@ -102,9 +103,10 @@ def main() -> int:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     if args.node_local:  # as `ftsup run` tells the ranks of a job with checkpoint.dir_shared: false
-        os.environ.update({"FTSUP_NODE_ID": f"node-{rank}", "LOCAL_RANK": "0", "FTSUP_CHECKPOINT_NODE_LOCAL": "1"})
-        args.dir = os.path.join(args.dir, f"node-{rank}")
-        args.memory = args.memory and os.path.join(args.memory, f"node-{rank}")
+        node, local = f"node-{rank // args.ranks_per_node}", str(rank % args.ranks_per_node)
+        os.environ.update({"FTSUP_NODE_ID": node, "LOCAL_RANK": local, "FTSUP_CHECKPOINT_NODE_LOCAL": "1"})
+        args.dir = os.path.join(args.dir, node)
+        args.memory = args.memory and os.path.join(args.memory, node)
 
     hook = None
     if args.kill_at:

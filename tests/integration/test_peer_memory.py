@@ -87,3 +87,35 @@ def test_with_its_only_replica_damaged_a_lost_node_resumes_from_the_older_step_a
     shutil.rmtree(copy / "mem" / "node-1")
     loaded, _ = _run("load", copy, copy / "load.json")
     assert (loaded["step"], loaded["digests"]) == (1, saved[1]["digests_1"])
+
+
+def test_with_two_ranks_a_node_every_ranks_part_is_replicated_and_restored_bitwise(tmp_path: Path) -> None:
+    def run(mode: str, *extra: str) -> dict:
+        args = [mode, "--dir", str(tmp_path / "ckpt"), "--memory", str(tmp_path / "mem"), "--node-local", *extra]
+        r = torchrun(
+            "ckpt_worker.py", [*args, "--ranks-per-node", "2", "--out", str(tmp_path / f"{mode}.json")], nproc=4
+        )
+        assert r.returncode == 0, r.output[-4000:]
+        return json.loads((tmp_path / f"{mode}.json").read_text())
+
+    saved = run("save", "--steps", "1")
+    replica = tmp_path / "mem" / "node-0" / "peers" / "node-1" / layout.step_dirname(1)
+    assert {layout.shard_name(2), layout.shard_name(3)} <= {p.name for p in replica.iterdir()}
+    shutil.rmtree(tmp_path / "ckpt" / "node-1")
+    shutil.rmtree(tmp_path / "mem" / "node-1")
+    loaded = run("load")
+    assert (loaded["step"], loaded["digests"], loaded["tiers"]) == (1, saved["digests_1"], ["peers"] * 4)
+
+
+def test_a_link_planted_for_the_replicas_is_never_written_through_and_the_save_stands(copy: Path) -> None:
+    peers = copy / "mem" / "node-0" / "peers"
+    elsewhere = copy / "elsewhere"
+    elsewhere.mkdir()
+    shutil.rmtree(peers)
+    peers.symlink_to(elsewhere)
+    args = ["save", "--dir", str(copy / "ckpt"), "--memory", str(copy / "mem"), "--node-local", "--steps", "3"]
+    r = torchrun("ckpt_worker.py", [*args, "--out", str(copy / "save.json")], nproc=2)
+    assert r.returncode == 0, r.output[-4000:]
+    assert json.loads((copy / "save.json").read_text())["tiers_3"] == ["memory"]
+    assert list(elsewhere.iterdir()) == [] and "checkpoint_peer_replica_failed" in r.output
+    assert [s for s, _ in layout.committed_dirs(copy / "ckpt" / "node-0")][-1] == 3

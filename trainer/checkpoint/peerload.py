@@ -21,7 +21,17 @@ from ftsup.store.errors import CheckpointError
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
 from ftsup.trainer.checkpoint.commit import Committer
 from ftsup.trainer.checkpoint.peermsg import PeerError, check_offer, offer, rank_files
-from ftsup.trainer.checkpoint.peers import MEMORY, PEERS, PEERS_DIRNAME, Ring, Transfer, exchange, reader, write_part
+from ftsup.trainer.checkpoint.peers import (
+    MEMORY,
+    PEERS,
+    PEERS_DIRNAME,
+    Ring,
+    Transfer,
+    exchange,
+    own_dir,
+    reader,
+    write_part,
+)
 
 log = structlog.get_logger("ftsup.checkpoint")
 
@@ -198,8 +208,8 @@ def restore(
     failed: str | None = None
     try:
         if leader:
-            shutil.rmtree(memory / RESTORE_DIRNAME, ignore_errors=True)
-            os.makedirs(memory / RESTORE_DIRNAME, mode=0o700)
+            shutil.rmtree(memory / RESTORE_DIRNAME, ignore_errors=True)  # never through a link: rmtree refuses one
+            own_dir(memory / RESTORE_DIRNAME)
         exchange(comm, sends, recvs)
         failed = next((t.error for t in sends + recvs if t.error), None)
         if failed is None and leader:

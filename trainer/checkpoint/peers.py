@@ -8,6 +8,7 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,6 +144,16 @@ def reader(directory: Path, manifest: layout.Manifest) -> Callable[[str], bytes 
     return read
 
 
+def own_dir(path: Path) -> Path:
+    """`path` made (mode 0700) or found, a directory and not a link: a write or a deletion under it never goes where
+    a link would send it; CheckpointError naming it otherwise."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise CheckpointError(f"{path} is a link or not a directory; it is not written into")
+    return path
+
+
 def write_part(partial: Path, files: Mapping[str, bytes | memoryview]) -> None:
     """`files` written as new regular files under `partial` (made here; never through a link)."""
     os.makedirs(partial, mode=0o700)
@@ -231,8 +242,7 @@ def _stage(
         by_node.setdefault(r.node, {}).update(r.got)
     out = []
     for src, got in by_node.items():
-        root = memory / PEERS_DIRNAME / src
-        os.makedirs(root, mode=0o700, exist_ok=True)
+        root = own_dir(own_dir(memory / PEERS_DIRNAME) / src)
         partial = root / layout.partial_dirname(step)
         if os.path.lexists(partial):
             shutil.rmtree(partial)
