@@ -158,7 +158,9 @@ def main() -> int:
             digests=digests(state),
             saved_world_size=loaded.saved_world_size,
         )
-        all_bytes, all_tiers, walls = [loaded.bytes_read], [loaded.tier], [wall]
+        all_bytes: list[object] = [loaded.bytes_read]
+        all_tiers: list[object] = [loaded.tier]
+        walls: list[object] = [wall]
         if dist.is_initialized():
             all_bytes = [None] * dist.get_world_size()
             dist.all_gather_object(all_bytes, loaded.bytes_read)
