@@ -9,9 +9,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ftsup import memtier
 from ftsup.store import layout, nodes
 
-PEERS_DIRNAME = "peers"  # as the engine writes it (trainer/checkpoint/peers.py)
+PEERS_DIRNAME = memtier.PEERS_DIRNAME
 MAX_PEERS = 64  # replicas of more nodes than this are not listed
 
 

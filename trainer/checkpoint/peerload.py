@@ -16,6 +16,7 @@ from typing import Any
 
 import structlog
 
+from ftsup import memtier
 from ftsup.store import layout, nodes, safefile
 from ftsup.store.errors import CheckpointError
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
@@ -35,8 +36,7 @@ from ftsup.trainer.checkpoint.peers import (
 
 log = structlog.get_logger("ftsup.checkpoint")
 
-RESTORE_DIRNAME = "restore"
-"""Under the memory tier's directory: `restore/step-N/`, the whole copy a load reads, removed after it."""
+RESTORE_DIRNAME = memtier.RESTORE_DIRNAME
 DISK = "disk"
 _PREFERENCE = {MEMORY: 0, PEERS: 1, DISK: 2}  # a part from memory first, then a peer's memory, then a disk
 

@@ -17,6 +17,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from ftsup import memtier
 from ftsup.store import layout, nodes, safefile
 from ftsup.store.errors import CheckpointCorruptError, CheckpointError
 from ftsup.store.retention import RetentionPolicy, apply_retention
@@ -26,8 +27,7 @@ from ftsup.trainer.checkpoint.peermsg import HEADER_BYTES, PeerError, check_file
 
 log = structlog.get_logger("ftsup.checkpoint")
 
-PEERS_DIRNAME = "peers"
-"""Under the memory tier's directory: `peers/<node>/step-N/`, the parts of other nodes this node holds."""
+PEERS_DIRNAME = memtier.PEERS_DIRNAME
 MEMORY = "memory"
 PEERS = "peers"
 """The tiers a save's result names (`SaveResult.tiers`) and a load's (`LoadResult.tier`)."""
