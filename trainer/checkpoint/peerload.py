@@ -201,7 +201,7 @@ def restore(
         if m["from"] == comm.rank:
             source = Path(m["path"])
             header = offer(step, m["part"], part_files, manifest)
-            sends.append(Transfer(m["to"], m["part"], header, part_files, reader(source, manifest)))
+            sends.append(Transfer(m["to"], m["part"], header, part_files, reader(source, manifest), manifest=manifest))
         if m["to"] == comm.rank:
             check = _checker(manifest, step, m["part"], part_files)
             recvs.append(Transfer(m["from"], m["part"], check=check, manifest=manifest))

@@ -52,8 +52,8 @@ class Ring:
 @dataclass
 class Transfer:
     """One part's files between two group ranks. The sender's: the offer `header`, the files `rels` and `read`
-    (rel -> bytes); the receiver's: `check` (the offer -> the files it expects) and the `manifest` giving their sizes.
-    Filled by `exchange`: `got` (verified files) or `error`."""
+    (rel -> bytes); the receiver's: `check` (the offer -> the files it expects); both: the `manifest` giving their
+    sizes. Filled by `exchange`: `got` (verified files) or `error`."""
 
     peer: int
     node: str
@@ -88,8 +88,7 @@ def exchange(comm: GroupComm, sends: list[Transfer], recvs: list[Transfer]) -> N
         if int(a.item()) != 1:
             s.error = f"group rank {s.peer} refused the offer of node {s.node}'s part"
             continue
-        assert s.read is not None
-        out += [(s.peer, _tensor(s.read(rel))) for rel in sorted(s.rels)]  # the offer's order
+        out += [(s.peer, _tensor(_read(s, rel))) for rel in sorted(s.rels)]  # the offer's order
     incoming = [
         (r, rel, torch.empty(max(_size(r, rel), 1), dtype=torch.uint8)) for r in recvs if not r.error for rel in r.rels
     ]
@@ -102,6 +101,18 @@ def exchange(comm: GroupComm, sends: list[Transfer], recvs: list[Transfer]) -> N
             r.got[rel] = data
         except PeerError as e:
             r.error = r.error or str(e)
+
+
+def _read(s: Transfer, rel: str) -> bytes | memoryview:
+    """A file the offer named; where it cannot be read now, zeros of its size, so that the receiver, which waits for
+    exactly that, is never left waiting: their checksum fails there."""
+    try:
+        assert s.read is not None
+        return s.read(rel)
+    except (CheckpointError, OSError) as e:
+        s.error = s.error or f"{rel}: {e}"
+        assert s.manifest is not None
+        return bytes(s.manifest.files[rel].size)
 
 
 def _round(comm: GroupComm, outgoing: list[tuple[int, torch.Tensor]], incoming: list[tuple[int, torch.Tensor]]) -> None:
@@ -191,8 +202,9 @@ def _replicate(ring: Ring, comm: GroupComm, memory: Path, step: int) -> bool:
     assert manifest is not None
     rels = rank_files(manifest, [comm.rank])
     header = offer(step, ring.node, rels, manifest)
+    read = reader(mine, manifest)
     sends = [
-        Transfer(ring.leaders[t], ring.node, header, rels, reader(mine, manifest)) for t in ring.targets[ring.node]
+        Transfer(ring.leaders[t], ring.node, header, rels, read, manifest=manifest) for t in ring.targets[ring.node]
     ]
     recvs: list[Transfer] = []
     if ring.leaders[ring.node] == comm.rank:

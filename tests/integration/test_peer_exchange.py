@@ -1,0 +1,42 @@
+"""Peer messages over real gloo (`peers.exchange`, tests/bin/peer_exchange.py): an honest part is kept; an offer of
+other sizes is refused before a byte of its files moves; a file that vanished once offered, or whose bytes differ from
+the manifest's, is never kept, and neither side is left waiting."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.procs import torchrun
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _exchange(case: str, tmp_path: Path) -> dict:
+    r = torchrun("peer_exchange.py", [case, "--out", str(tmp_path / "out.json")], nproc=2, timeout=60)
+    assert r.returncode == 0, r.output[-4000:]
+    return json.loads((tmp_path / "out.json").read_text())
+
+
+def test_an_honest_part_is_kept_whole(tmp_path: Path) -> None:
+    got = _exchange("honest", tmp_path)
+    assert got == {
+        "sender_error": None,
+        "receiver_error": None,
+        "kept": {"rank-00000.json": True, "shard-00000.safetensors": True},
+    }
+
+
+def test_an_offer_of_other_sizes_is_refused_before_its_files_move(tmp_path: Path) -> None:
+    got = _exchange("lying", tmp_path)
+    assert (got["kept"], "refused the offer" in got["sender_error"]) == ({}, True)
+    assert "1000000000 bytes (the manifest records 11 bytes)" in got["receiver_error"]
+
+
+@pytest.mark.parametrize("case", ["vanished", "flipped"])
+def test_a_file_not_as_the_manifest_records_is_never_kept(case: str, tmp_path: Path) -> None:
+    got = _exchange(case, tmp_path)
+    assert got["kept"] == {"rank-00000.json": True}
+    assert "shard-00000.safetensors received from group rank 0: checksum mismatch" in got["receiver_error"]
