@@ -478,7 +478,7 @@ class CheckpointEngine:
                     durable_tier=self.durable_tier,
                     node_local=node_local,
                     pool=self._reading,
-                    memory=None if self._memory is None or self._ring is not None else self._memory.directory,
+                    memory=self._memory.directory if self._memory and not node_local and self._ring is None else None,
                     restored=restored,
                 )
             finally:
