@@ -197,6 +197,11 @@ MAX_FIGURE_INT = 2**53  # larger integers travel as floats (JSON readers differ 
 # committed there, or in the fallback dir (FALLBACK_DIR_ENV), or failed in both; the vanished dir made again.
 COMMITTED_STEP, SAVED_STEP, FALLBACK_STEP = "committed_step", "saved_step", "fallback_step"
 SAVE_FAILED_STEP, DIR_RECREATED_STEP = "save_failed_step", "dir_recreated_step"
+# A step committed in the node's memory tier (`checkpoint.memory`): an emergency save commits there first.
+MEMORY_STEP = "memory_step"
+# The tiers an emergency checkpoint can reach, in the order the save tries them (the supervisor reports which it
+# reached); a label's fixed set of values.
+EMERGENCY_TIERS = ("memory", "peers", "disk", "fallback", "durable")
 
 _INT_LIMITS = {"attempt": 2**31 - 1, "rank": 2**24, "local_rank": 2**16, "pid": 2**22, "step": MAX_STEP}
 _MAX_INT_DIGITS = 20  # no field or figure needs more; Python would otherwise parse 4300 digits

@@ -16,6 +16,7 @@ from typing import Any
 
 import psutil
 
+from ftsup.protocol import EMERGENCY_TIERS, MAX_STEP
 from ftsup.store import layout
 from ftsup.supervisor.cli import memstatus
 from ftsup.supervisor.cli import nodes as cli_nodes
@@ -86,6 +87,7 @@ def gather(state_dir: Path, checkpoint_dir: Path, now: float, durable_url: str |
         "data_skips": [list(r) for r in rec.skips] if rec is not None else [],
         "goodput": _goodput(rec),
         "durable": _durable(rec, durable_url),
+        "last_eviction": last_eviction(rec),
     }
 
 
@@ -115,6 +117,22 @@ def _durable(rec: JournalRecord | None, url: str | None) -> dict[str, Any] | Non
         "pending": [s for s in pending[:1000] if step(s) is not None] if isinstance(pending, list) else [],
         "uploading": step(got.get("uploading")),
         "last_error": error[:500] if isinstance(error, str) else None,
+    }
+
+
+def last_eviction(rec: JournalRecord | None) -> dict[str, Any] | None:
+    """The tiers the last eviction's emergency checkpoint reached, as journaled (`emergency_tiers_reached`; the
+    journal is hostile input: each field checked, or left out); None when no eviction asked for a save."""
+    got = rec.extra.get("emergency_tiers") if rec is not None else None
+    if not isinstance(got, dict):
+        return None
+    step, tiers, left = got.get("step"), got.get("tiers"), got.get("left_s")
+    tiers = [t for t in EMERGENCY_TIERS if isinstance(tiers, list) and t in tiers]
+    left = left if isinstance(left, dict) else {}
+    return {
+        "step": step if type(step) is int and 0 <= step <= MAX_STEP else None,
+        "tiers": tiers,
+        "left_s": {t: float(v) for t, v in left.items() if t in tiers and type(v) in (int, float) and abs(v) < 1e9},
     }
 
 
@@ -199,6 +217,10 @@ def text(out: dict[str, Any]) -> list[str]:
         lines.append("  " + _durable_line(tier))
     if (memory := out.get("memory")) is not None:
         lines.append("  " + memstatus.line(memory))
+    if (ev := out.get("last_eviction")) is not None:
+        left = ev["left_s"]
+        got = ", ".join(t + (f" ({left[t]:.1f}s before the deadline)" if t in left else "") for t in ev["tiers"])
+        lines.append(f"  last eviction: the emergency checkpoint of step {ev['step']} reached {got or 'no tier'}")
     if out["metrics_url"]:
         lines.append(f"  metrics: {out['metrics_url']}")
     return lines

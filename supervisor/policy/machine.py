@@ -257,7 +257,7 @@ def _heartbeat_and_saves(s: Settings, st: State, att: Attempt, ev: Heartbeat, no
     if save_s is not None and ev.local_rank == 0:
         st = replace(st, save_times=(*st.save_times, save_s)[-20:])
     newest = saves.newest_committed(st.newest_checkpoint, ev)
-    ej, told = saves.on_beat(st.eviction, ev, att.number, newest, save_s)
+    ej, told = saves.on_beat(st.eviction, ev, att.number, newest, save_s, now)
     return replace(st, newest_checkpoint=newest, eviction=ej), [*actions, *told]
 
 

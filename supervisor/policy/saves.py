@@ -8,8 +8,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ftsup.protocol import COMMITTED_STEP, DIR_RECREATED_STEP, FALLBACK_STEP, MAX_STEP, SAVE_FAILED_STEP, SAVED_STEP
-from ftsup.supervisor.policy.events import AckEviction, Action, CheckpointCommitted, Exit, Heartbeat, log
+from ftsup.protocol import (
+    COMMITTED_STEP,
+    DIR_RECREATED_STEP,
+    EMERGENCY_TIERS,
+    FALLBACK_STEP,
+    MAX_STEP,
+    MEMORY_STEP,
+    SAVE_FAILED_STEP,
+    SAVED_STEP,
+)
+from ftsup.supervisor.policy.events import AckEviction, Action, CheckpointCommitted, Exit, Heartbeat, Log, log
 
 EXIT_EVICTED = 5
 EXIT_SAVE_LOST = 8  # evicted, and the emergency save failed or did not finish: the steps since the newest are lost
@@ -24,6 +33,15 @@ class Eviction:
     committed_step: int | None = None
     fallback: bool = False  # committed in the fallback directory, not the store: it counts once it is durable
     failed: bool = False  # emergency_save_failed was logged
+    # Each tier a save reached since the notice: (tier, step, seconds before the deadline), in the order seen.
+    landed: tuple[tuple[str, int, float | None], ...] = ()
+
+    def land(self, tier: str, step: int, now: float | None) -> Eviction:
+        """This eviction with `step` seen in `tier` (kept once per tier: its newest step, when first seen so)."""
+        left = None if now is None else round(self.deadline - now, 3)
+        if any(t == tier and s >= step for t, s, _ in self.landed):
+            return self
+        return replace(self, landed=(*(x for x in self.landed if x[0] != tier), (tier, step, left)))
 
 
 def step_figure(ev: Heartbeat, name: str) -> int | None:
@@ -39,11 +57,18 @@ def newest_committed(newest: int | None, ev: Heartbeat) -> int | None:
 
 
 def on_beat(
-    ej: Eviction | None, ev: Heartbeat, attempt: int, newest: int | None, save_s: float | None
+    ej: Eviction | None,
+    ev: Heartbeat,
+    attempt: int,
+    newest: int | None,
+    save_s: float | None,
+    now: float | None = None,
 ) -> tuple[Eviction | None, list[Action]]:
     """What a beat's save figures mean; only the first local rank's count (every rank reports the same save)."""
     if ev.local_rank != 0:
         return ej, []
+    if ej is not None and ej.save_seq is not None and (in_memory := step_figure(ev, MEMORY_STEP)) is not None:
+        ej = ej.land("memory", in_memory, now)
     actions: list[Action] = []
     if (made := step_figure(ev, DIR_RECREATED_STEP)) is not None:
         why = "the checkpoint directory had vanished; the ranks' save made it again (the checkpoints in it are gone)"
@@ -62,6 +87,7 @@ def on_beat(
         if saved is None:
             reason += "; checkpoint.dir refused it: committed in checkpoint.durable.fallback_dir, kept once durable"
         level = "info" if saved is not None else "warning"
+        ej = ej.land("disk" if saved is not None else "fallback", step, now)
         return replace(ej, committed_step=step, fallback=saved is None), [
             *actions,
             log("checkpoint_committed", level, reason=reason, fallback=saved is None, **fields),
@@ -140,4 +166,31 @@ def _failed_log(attempt: int, step: int, newest: int | None, reached: int, why: 
         checkpoint_step=newest,
         lost_steps=list(steps) if steps else [],
         reason=f"the emergency save of step {step} failed: {why}; {told} ({since})",
+    )
+
+
+def tiers_reached(ej: Eviction, attempt: int, reached: int, durable: bool | None) -> Log | None:
+    """The log line (`emergency_tiers_reached`) of the tiers the eviction's emergency checkpoint reached before the
+    node was lost, in the order the save tried them, with the seconds each had left before the deadline; None when
+    no save was asked for. `durable`: whether it became durable (None: no durable tier waited for)."""
+    if ej.save_seq is None:
+        return None
+    step = ej.committed_step if ej.committed_step is not None else max(reached, 0)
+    got = {t: left for t, s, left in ej.landed if s >= step}
+    if durable:
+        got["durable"] = None
+    tiers = [t for t in EMERGENCY_TIERS if t in got]
+    shown = ", ".join(t if got[t] is None else f"{t} ({got[t]:.1f}s before the deadline)" for t in tiers)
+    reason = f"the emergency checkpoint of step {step} reached {shown or 'no tier'} before the node was lost"
+    if durable is False:
+        reason += "; not the durable tier"
+    return log(
+        "emergency_tiers_reached",
+        "info" if tiers else "error",
+        attempt=attempt,
+        step=step,
+        source=ej.source,
+        tiers=tiers,
+        left_s={t: got[t] for t in tiers if got[t] is not None},
+        reason=reason,
     )

@@ -68,6 +68,8 @@ class Daemon:
         self._journaled: tuple[float, float | None, str] = (-float("inf"), None, "")  # when, cursor, activity
         self.pending: list[policy.Event] = []  # for the policy, oldest first
         self.code: int | None = None  # the exit status, once the loop runs
+        self.durable_reached: bool | None = None  # whether an eviction's checkpoint became durable; None: not waited
+        self.emergency_tiers: dict[str, Any] | None = None  # the tiers an eviction's checkpoint reached, journaled
         self.crash: str | None = None  # the line for stderr when the loop ended on a bug
         self.outages = Outages(self._emit, self.metrics.storage_error, clock)
         post, emit = self.pending.append, self._emit
@@ -267,6 +269,7 @@ class Daemon:
                 self.sources.ack(action.source)
             elif isinstance(action, policy.Exit):
                 code = self._durable_before_exit(action)
+                self._tiers_reached(code)
                 self.journal.write(exit_status(code))
                 if code in (policy.EXIT_EVICTED, policy.EXIT_SAVE_LOST):  # evicted either way: resumed elsewhere
                     requeue(self.cfg.eviction.requeue_command, os.environ, self._emit)
@@ -287,6 +290,7 @@ class Daemon:
             ej = self.state.eviction
             left = ej.deadline - self.clock() - margin if ej is not None else 0.0
             durable = self.durable.wait_durable(ej.committed_step if ej is not None else None, left, "evicted")
+            self.durable_reached = durable
             if ej is not None and ej.fallback and not durable:
                 st = self.state
                 said, lost = saves.not_durable(ej, action, st.attempt_no, st.newest_checkpoint, st.best_step)
@@ -299,6 +303,16 @@ class Daemon:
                 if not self.durable.wait_idle(FINAL_DURABLE_WAIT_S, "the job finished", self.state.best_step):
                     return policy.EXIT_NOT_DURABLE
         return code
+
+    def _tiers_reached(self, code: int) -> None:
+        """An eviction's exit: log (and count, and journal) the tiers its emergency checkpoint reached."""
+        ej = self.state.eviction
+        if ej is None or code not in (policy.EXIT_EVICTED, policy.EXIT_SAVE_LOST):
+            return
+        said = saves.tiers_reached(ej, self.state.attempt_no, self.state.best_step, self.durable_reached)
+        if said is not None:
+            self._execute([said])
+            self.emergency_tiers = dict(said.fields)
 
     def _emit(self, level: str, event: str, **fields: Any) -> None:
         """Log an event and count it: every log event goes through here, so metrics and logs agree."""
@@ -326,6 +340,8 @@ class Daemon:
             extra["metrics"] = self.metrics_server.address
         if self.durable is not None:
             extra["durable"] = self.durable.status()
+        if self.emergency_tiers is not None:
+            extra["emergency_tiers"] = self.emergency_tiers
         if self.sources.noticed:
             extra["eviction"] = [
                 {"source": n.source, "deadline_unix": n.deadline_unix, "detail": n.detail}

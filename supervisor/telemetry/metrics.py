@@ -15,7 +15,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import choose_encoder
 
-from ftsup.protocol import DROP_REASONS
+from ftsup.protocol import DROP_REASONS, EMERGENCY_TIERS
 from ftsup.store import layout
 from ftsup.supervisor.config.job import split_host_port
 from ftsup.supervisor.policy import detectors, evidence, goodput, nodes
@@ -93,6 +93,12 @@ class Metrics:
         )
         self.emergency = counter(
             "ftsup_emergency_checkpoints_total", "Emergency checkpoints committed before an eviction deadline."
+        )
+        self.emergency_tiers = counter(
+            "ftsup_emergency_checkpoint_tiers_total",
+            "Evictions whose emergency checkpoint reached a tier (memory, peers, disk, fallback, durable) before the "
+            "node was lost, by tier; tier=none: it reached none.",
+            ["tier"],
         )
         self.emergency_failed = counter(
             "ftsup_emergency_saves_failed_total",
@@ -321,6 +327,10 @@ class Metrics:
             self.emergency.inc()
         elif name == "checkpoint_quarantined":
             self.quarantined.inc()
+        elif name == "emergency_tiers_reached":
+            tiers = [t for t in EMERGENCY_TIERS if t in (fields.get("tiers") or ())]
+            for tier in tiers or ["none"]:
+                self.emergency_tiers.labels(tier).inc()
         elif name == "emergency_save_failed":
             self.emergency_failed.inc()
         elif name == "checkpoint_dir_recreated":

@@ -396,24 +396,35 @@ class CheckpointEngine:
                 (self._fallback if result.fallback and self._fallback else self._committer).retain(job.step)
 
     def _write(self, job: StagedSave) -> SaveResult:
-        """Write and commit `job` into the store (`_write_store`), then into the memory tier, from the same staged
-        buffer (released once, after the last write)."""
+        """Write and commit `job` into the store (`_write_store`) and into the memory tier, from the same staged
+        buffer (released once, after the last write): an emergency save into the memory tier first, where it lands
+        soonest before the eviction's deadline, any other once the store committed it (trainer/checkpoint/DESIGN.md,
+        The memory tier)."""
         mem = self._memory
-        if mem is not None:  # the same staged buffer into the memory tier, once the store committed it
-            release, job.release = job.release, lambda: None
-            try:
-                result = self._write_store(job)
-                if not result.skipped and not result.fallback and memtiers.write(mem, job):
-                    reached: tuple[str, ...] = (peers.MEMORY,)
-                    if self._ring is not None and any(self._ring.targets.values()):  # every rank alike
-                        assert isinstance(self._comm, GroupComm)
-                        if peers.replicate(self._ring, self._comm, mem.directory, job.step):
-                            reached += (peers.PEERS,)
-                    result = dataclasses.replace(result, tiers=reached)
-                return result
-            finally:
-                release()
-        return self._write_store(job)
+        if mem is None:
+            return self._write_store(job)
+        release, job.release = job.release, lambda: None
+        try:
+            if job.kind == "emergency":  # a failure in memory is logged; the store is tried all the same
+                reached = self._write_memory(mem, job)
+                return dataclasses.replace(self._write_store(job), tiers=reached)
+            result = self._write_store(job)
+            if not result.skipped and not result.fallback:
+                result = dataclasses.replace(result, tiers=self._write_memory(mem, job))
+            return result
+        finally:
+            release()
+
+    def _write_memory(self, mem: Committer, job: StagedSave) -> tuple[str, ...]:
+        """`job` committed in the memory tier, then replicated to the peers' memories: the tiers it reached."""
+        if not memtiers.write(mem, job):
+            return ()
+        reached: tuple[str, ...] = (peers.MEMORY,)
+        if self._ring is not None and any(self._ring.targets.values()):  # every rank alike
+            assert isinstance(self._comm, GroupComm)
+            if peers.replicate(self._ring, self._comm, mem.directory, job.step):
+                reached += (peers.PEERS,)
+        return reached
 
     def _write_store(self, job: StagedSave) -> SaveResult:
         """Write and commit `job` into the store; an emergency save the store refused, into the fallback directory

@@ -17,6 +17,7 @@ from ftsup import memtier
 from ftsup.store import nodes
 from ftsup.store.errors import CheckpointError
 from ftsup.store.retention import RetentionPolicy
+from ftsup.trainer.checkpoint import rankenv
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
 from ftsup.trainer.checkpoint.commit import Committer, StagedSave, log_quietly
 from ftsup.trainer.checkpoint.peermsg import assign
@@ -119,6 +120,8 @@ def write(committer: Committer, job: StagedSave) -> bool:
         if committer.rank == 0:
             log_quietly(log.error, "checkpoint_memory_save_failed", step=job.step, kind=job.kind, reason=str(e))
         return False
+    if not result.skipped:
+        rankenv.report_memory(job.step)
     if committer.leader and not result.skipped:
         committer.retain(job.step)
     return True

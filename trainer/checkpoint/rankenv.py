@@ -27,6 +27,16 @@ def report_duration(result: SaveResult) -> None:
     client.report(**figures)
 
 
+def report_memory(step: int) -> None:
+    """Tell this rank's supervisor that checkpoint `step` is committed in the node's memory tier (the `memory_step`
+    figure: which tiers an eviction's checkpoint reached). A no-op without a supervisor; never raises."""
+    try:
+        client = runtime()
+    except ValueError:
+        return
+    client.report(**{protocol.MEMORY_STEP: step})
+
+
 def fallback_dir() -> str | None:
     """FALLBACK_DIR_ENV, as the rank's runtime read it (None where a malformed FTSUP_* variable made that fail)."""
     try:
