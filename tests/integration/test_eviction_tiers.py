@@ -93,14 +93,14 @@ def test_an_eviction_with_a_durable_tier_too_slow_lands_in_memory_first_and_resu
         status = run(
             [sys.executable, "-m", "ftsup.supervisor.cli", "status", "--config", str(job), "--json"], timeout=60
         )
+        in_memory = [(s, layout.read_manifest(path).kind) for s, path in layout.committed_dirs(tmp_path / "shm")]
         # The relaunch on the same node: the memory tier holds the emergency checkpoint, read from there.
         slow.slow = False  # the tier answers again, so that the finished job's final checkpoint becomes durable
         again = run(argv, timeout=240)
-    assert (report["step"], report["tiers"], report["source"]) == (reached, ["memory", "disk"], "SIGTERM")
+    assert (report["step"], report["tiers"], report["source"]) == (reached, ["memory", "disk"], "signal:SIGTERM")
     left = report["left_s"]
     assert 0 < left["disk"] <= left["memory"] <= noticed["deadline_in_s"], report  # memory first, both in time
-    [(step, path)] = layout.committed_dirs(tmp_path / "shm")
-    assert (step, layout.read_manifest(path).kind) == (reached, "emergency")
+    assert in_memory == [(reached, "emergency")]
     assert json.loads(status.output)["last_eviction"]["tiers"] == ["memory", "disk"], status.output
     assert again.returncode == 0, again.output[-3000:]
     launched = events(tmp_path, "workers_launched")
