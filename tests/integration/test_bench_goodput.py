@@ -95,6 +95,13 @@ def test_ftsup_survives_every_fault_and_loses_no_step_to_its_eviction(bench: dic
     assert (ftsup["faults_survived"] == ftsup["faults_delivered"], evictions) == (True, [0]), ftsup["faults"]
 
 
+def test_every_row_counts_its_evictions_fired_and_ftsups_one_fired(bench: dict[str, Any]) -> None:
+    got = {n: (r["evictions"], r["evictions_fired"] <= r["evictions"]) for n, r in rows(bench).items()}
+    ftsup = rows(bench)["ftsup"]
+    assert (got, ftsup["evictions_fired"], ftsup["fired_rate"]) == (dict.fromkeys(NAMES, (1, True)), 1, 1.0)
+    assert "ftsup: 1 of 1 eviction(s) fired" in bench["output"]
+
+
 def test_the_json_and_the_table_name_the_hang_cap(bench: dict[str, Any]) -> None:
     data = bench["data"] or {}
     assert (data.get("schedule", {}).get("hang_cap_s"), "hangs capped at 8.0 s" in bench["output"]) == (8.0, True)

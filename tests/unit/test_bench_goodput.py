@@ -10,7 +10,7 @@ import pytest
 
 from ftsup.tools.bench.goodput.account import CAUSES, Interruption, Line, Timeline, account
 from ftsup.tools.bench.goodput.contenders import NAMES, Contender, NvrxTimeouts, contenders
-from ftsup.tools.bench.goodput.report import checks, not_run, table
+from ftsup.tools.bench.goodput.report import checks, fired, not_run, table
 from ftsup.tools.bench.goodput.schedule import DEFAULT_MIX, KINDS, parse_mix, plan
 from ftsup.tools.faults.refjob import TrainerJob
 
@@ -244,3 +244,14 @@ def test_the_table_shows_a_row_not_run_with_its_reason() -> None:
     }
     line = next(ln for ln in table(out).splitlines() if ln.startswith("nvrx-tuned "))
     assert ("not run" in line, line.endswith("nvidia-resiliency-ext is not installed")) == (True, True)
+
+
+def test_an_eviction_fired_when_its_checkpoint_survived_and_the_rate_counts_only_evictions() -> None:
+    faults = [
+        {"kind": "evict", "fired": True},
+        {"kind": "evict", "fired": False},
+        {"kind": "evict", "fired": None},  # never recovered
+        {"kind": "kill", "fired": None},
+    ]
+    assert fired(faults) == {"evictions": 3, "evictions_fired": 1, "fired_rate": 0.3333}
+    assert fired([{"kind": "hang", "fired": None}]) == {"evictions": 0, "evictions_fired": 0, "fired_rate": None}

@@ -73,6 +73,10 @@ class _Pending:
             "capped": self.capped,
             # steps logged before the fault and trained again (none when training went on past the notice)
             "lost_steps": None if self.first_step is None else max(0, self.max_step_before - (self.first_step - 1)),
+            # an eviction whose checkpoint survived the node: the job resumed at or past the step of the notice
+            "fired": None
+            if self.kind != "evict"
+            else self.first_step is not None and self.first_step > self.max_step_before,
             "survived": self.recovered_t is not None,
             "coalesced": [f.index for f in self.coalesced],
         }

@@ -45,12 +45,22 @@ def row(name: str, command: str, run: Run, acc: Account, hang_cap_s: float) -> d
         "faults_survived": sum(1 for f in run.faults if f["survived"]),
         "capped_hangs": capped,
         "faults_coalesced": sum(len(f["coalesced"]) for f in run.faults),
+        **fired(run.faults),
         "ended_by": run.ended_by,
         "orphans": len(run.orphans),
         "orphan_processes": run.orphans,
         "faults": run.faults,
         "not_run": None,
     }
+
+
+def fired(faults: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The evictions delivered, those whose checkpoint survived the node (the job resumed at or past the step of
+    the notice: no step lost), and their ratio, the fired rate (None without an eviction)."""
+    evictions = [f for f in faults if f["kind"] == "evict"]
+    survived = sum(1 for f in evictions if f.get("fired"))
+    rate = round(survived / len(evictions), 4) if evictions else None
+    return {"evictions": len(evictions), "evictions_fired": survived, "fired_rate": rate}
 
 
 def not_run(name: str, command: str, reason: str) -> dict[str, Any]:
@@ -141,6 +151,12 @@ def table(out: Mapping[str, Any]) -> str:
             text.append(
                 f"  {r['name']}: {r['capped_hangs']} hang(s) capped; waiting out the collective timeout "
                 f"instead, its goodput would be about {r['goodput_at_collective_timeout']:.3f}"
+            )
+    for r in out["results"]:
+        if r.get("evictions"):
+            text.append(
+                f"  {r['name']}: {r['evictions_fired']} of {r['evictions']} eviction(s) fired (the checkpoint "
+                f"survived the node, no step lost): fired rate {r['fired_rate']:.2f}"
             )
     text.append("checks:")
     for name, c in out.get("checks", {}).items():
