@@ -16,12 +16,12 @@ from typing import Any
 
 import psutil
 
-from ftsup.protocol import EMERGENCY_TIERS, MAX_STEP
+from ftsup.protocol import MAX_STEP
 from ftsup.store import layout
 from ftsup.supervisor.cli import memstatus
 from ftsup.supervisor.cli import nodes as cli_nodes
 from ftsup.supervisor.config.job import load_config
-from ftsup.supervisor.policy import goodput
+from ftsup.supervisor.policy import goodput, saves
 from ftsup.supervisor.state import ranks as rankstatus
 from ftsup.supervisor.state.journal import Journal, JournalRecord
 
@@ -127,7 +127,7 @@ def last_eviction(rec: JournalRecord | None) -> dict[str, Any] | None:
     if not isinstance(got, dict):
         return None
     step, tiers, left = got.get("step"), got.get("tiers"), got.get("left_s")
-    tiers = [t for t in EMERGENCY_TIERS if isinstance(tiers, list) and t in tiers]
+    tiers = [t for t in saves.TIERS if isinstance(tiers, list) and t in tiers]
     left = left if isinstance(left, dict) else {}
     return {
         "step": step if type(step) is int and 0 <= step <= MAX_STEP else None,

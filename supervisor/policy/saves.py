@@ -11,7 +11,6 @@ from dataclasses import dataclass, replace
 from ftsup.protocol import (
     COMMITTED_STEP,
     DIR_RECREATED_STEP,
-    EMERGENCY_TIERS,
     FALLBACK_STEP,
     MAX_STEP,
     MEMORY_STEP,
@@ -21,6 +20,8 @@ from ftsup.protocol import (
 from ftsup.supervisor.policy.events import AckEviction, Action, CheckpointCommitted, Exit, Heartbeat, Log, log
 
 EXIT_EVICTED = 5
+# The tiers an emergency checkpoint can reach, in the order the save tries them; a metric label's fixed values.
+TIERS = ("memory", "peers", "disk", "fallback", "durable")
 EXIT_SAVE_LOST = 8  # evicted, and the emergency save failed or did not finish: the steps since the newest are lost
 
 
@@ -179,7 +180,7 @@ def tiers_reached(ej: Eviction, attempt: int, reached: int, durable: bool | None
     got = {t: left for t, s, left in ej.landed if s >= step}
     if durable:
         got["durable"] = None
-    tiers = [t for t in EMERGENCY_TIERS if t in got]
+    tiers = [t for t in TIERS if t in got]
     shown = ", ".join(t if got[t] is None else f"{t} ({got[t]:.1f}s before the deadline)" for t in tiers)
     reason = f"the emergency checkpoint of step {step} reached {shown or 'no tier'} before the node was lost"
     if durable is False:

@@ -15,10 +15,10 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import choose_encoder
 
-from ftsup.protocol import DROP_REASONS, EMERGENCY_TIERS
+from ftsup.protocol import DROP_REASONS
 from ftsup.store import layout
 from ftsup.supervisor.config.job import split_host_port
-from ftsup.supervisor.policy import detectors, evidence, goodput, nodes
+from ftsup.supervisor.policy import detectors, evidence, goodput, nodes, saves
 from ftsup.supervisor.policy import machine as policy
 from ftsup.supervisor.telemetry.http import BoundedHTTPServer
 from ftsup.supervisor.telemetry.logs import EVENTS
@@ -328,7 +328,7 @@ class Metrics:
         elif name == "checkpoint_quarantined":
             self.quarantined.inc()
         elif name == "emergency_tiers_reached":
-            tiers = [t for t in EMERGENCY_TIERS if t in (fields.get("tiers") or ())]
+            tiers = [t for t in saves.TIERS if t in (fields.get("tiers") or ())]
             for tier in tiers or ["none"]:
                 self.emergency_tiers.labels(tier).inc()
         elif name == "emergency_save_failed":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -247,7 +248,7 @@ def test_the_table_shows_a_row_not_run_with_its_reason() -> None:
 
 
 def test_an_eviction_fired_when_its_checkpoint_survived_and_the_rate_counts_only_evictions() -> None:
-    faults = [
+    faults: list[dict[str, Any]] = [
         {"kind": "evict", "fired": True},
         {"kind": "evict", "fired": False},
         {"kind": "evict", "fired": None},  # never recovered
