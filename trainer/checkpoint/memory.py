@@ -120,8 +120,7 @@ def write(committer: Committer, job: StagedSave) -> bool:
         if committer.rank == 0:
             log_quietly(log.error, "checkpoint_memory_save_failed", step=job.step, kind=job.kind, reason=str(e))
         return False
-    if not result.skipped:
-        rankenv.report_memory(job.step)
+    rankenv.report_memory(job.step)  # skipped too: the step is there, committed before
     if committer.leader and not result.skipped:
         committer.retain(job.step)
     return True
