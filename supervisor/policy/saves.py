@@ -14,6 +14,7 @@ from ftsup.protocol import (
     FALLBACK_STEP,
     MAX_STEP,
     MEMORY_STEP,
+    PEERS_STEP,
     SAVE_FAILED_STEP,
     SAVED_STEP,
 )
@@ -68,8 +69,10 @@ def on_beat(
     """What a beat's save figures mean; only the first local rank's count (every rank reports the same save)."""
     if ev.local_rank != 0:
         return ej, []
-    if ej is not None and ej.save_seq is not None and (in_memory := step_figure(ev, MEMORY_STEP)) is not None:
-        ej = ej.land("memory", in_memory, now)
+    if ej is not None and ej.save_seq is not None:
+        for tier, figure in (("memory", MEMORY_STEP), ("peers", PEERS_STEP)):
+            if (there := step_figure(ev, figure)) is not None:
+                ej = ej.land(tier, there, now)
     actions: list[Action] = []
     if (made := step_figure(ev, DIR_RECREATED_STEP)) is not None:
         why = "the checkpoint directory had vanished; the ranks' save made it again (the checkpoints in it are gone)"

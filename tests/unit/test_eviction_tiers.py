@@ -103,3 +103,14 @@ def test_status_shows_the_last_evictions_tiers_and_drops_what_it_cannot_trust() 
         "left_s": {},
     }
     assert status.last_eviction(_record({"emergency_tiers": [1, 2]})) is None
+
+
+def test_a_save_replicated_to_the_peers_memories_is_reported_between_memory_and_disk() -> None:
+    d = evicting(resume=4, reached=10)
+    d.feed(beat(11, memory_step=11))
+    d.now += 0.5
+    d.feed(beat(11, peers_step=11))
+    d.now += 2.0
+    d.feed(beat(11, saved_step=11, save_s=2.5))
+    got = report(d, durable=False)
+    assert (got["tiers"], got["left_s"]) == (["memory", "peers", "disk"], {"memory": 30.0, "peers": 29.5, "disk": 27.5})

@@ -424,6 +424,7 @@ class CheckpointEngine:
             assert isinstance(self._comm, GroupComm)
             if peers.replicate(self._ring, self._comm, mem.directory, job.step):
                 reached += (peers.PEERS,)
+                rankenv.report_memory(job.step, peers=True)
         return reached
 
     def _write_store(self, job: StagedSave) -> SaveResult:

@@ -27,14 +27,15 @@ def report_duration(result: SaveResult) -> None:
     client.report(**figures)
 
 
-def report_memory(step: int) -> None:
+def report_memory(step: int, *, peers: bool = False) -> None:
     """Tell this rank's supervisor that checkpoint `step` is committed in the node's memory tier (the `memory_step`
-    figure: which tiers an eviction's checkpoint reached). A no-op without a supervisor; never raises."""
+    figure), or with `peers` in the peers' memories too (`peers_step`): which tiers an eviction's checkpoint
+    reached. A no-op without a supervisor; never raises."""
     try:
         client = runtime()
     except ValueError:
         return
-    client.report(**{protocol.MEMORY_STEP: step})
+    client.report(**{protocol.PEERS_STEP if peers else protocol.MEMORY_STEP: step})
 
 
 def fallback_dir() -> str | None:
