@@ -18,7 +18,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from ftsup.protocol import COMMITTED_STEP, SAVE_FAILED_STEP, SAVED_STEP, Phase
+from ftsup.protocol import SAVE_FAILED_STEP, Phase
 from ftsup.store import layout
 from ftsup.store.errors import CheckpointError
 from ftsup.store.retention import RetentionPolicy
@@ -164,22 +164,19 @@ class EngineSupervision:
             except (CheckpointError, OSError) as e:
                 error = str(e)
         ok = self._all(error is None)
-        if self.rank == 0:
-            if committed is not None and not committed.skipped:
-                log.info("checkpoint_committed", step=step, kind=kind, path=committed.path)
-                problem = store.retain(self.store, self.retention, step)  # type: ignore[arg-type]
-                if problem is not None:
-                    log.warning("checkpoint_retention_failed", step=step, reason=problem)
-            elif not ok:
-                event = "emergency_save_failed" if kind == "emergency" else "checkpoint_save_failed"
-                log.error(event, step=step, kind=kind, reason=error or "another rank failed")
-        if ok:
-            figures: dict[str, float] = {"save_s": time.monotonic() - t0, COMMITTED_STEP: step}
-            if kind == "emergency":
-                figures[SAVED_STEP] = step  # the supervisor's cue that the eviction's save is in
-            self.rt.beat(step, None, **figures)
-        elif kind == "emergency":
-            self.rt.beat(step, None, **{SAVE_FAILED_STEP: step})
+        assert self.store is not None
+        store.settle(
+            self.rt,
+            leader=self.rank == 0,
+            step=step,
+            kind=kind,
+            ok=ok,
+            error=error,
+            committed=committed,
+            root=self.store,
+            policy=self.retention,
+            save_s=time.monotonic() - t0,
+        )
 
     # ------------------------------------------------------------------ resume
 

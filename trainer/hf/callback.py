@@ -28,7 +28,7 @@ except ModuleNotFoundError as e:  # `from ftsup import FtsupCallback` without th
         f"ftsup.FtsupCallback needs {e.name!r} (pip install 'transformers>=5,<6' accelerate)", name=e.name
     ) from None
 
-from ftsup.protocol import COMMITTED_STEP, SAVE_FAILED_STEP, SAVED_STEP, Phase
+from ftsup.protocol import Phase
 from ftsup.store.errors import CheckpointSaveError
 from ftsup.store.retention import RetentionPolicy
 from ftsup.trainer.hf import store as hf_store
@@ -201,29 +201,20 @@ class FtsupCallback(TrainerCallback):
                 error = str(e)
         ok = self._all(error is None)
         save_s = time.monotonic() - self._save_t0
-        if args.process_index == 0:
-            if committed is not None and not committed.skipped:
-                log.info(
-                    "checkpoint_committed",
-                    step=step,
-                    kind=kind,
-                    world_size=args.world_size,
-                    duration_s=round(save_s, 4),
-                    path=committed.path,
-                )
-                problem = hf_store.retain(self.checkpoint_dir, self.retention, step)
-                if problem is not None:
-                    log.warning("checkpoint_retention_failed", step=step, reason=problem)
-            elif not ok:
-                event = "emergency_save_failed" if kind == "emergency" else "checkpoint_save_failed"
-                log.error(event, step=step, kind=kind, reason=error or "another rank failed")
-        if ok:
-            figures: dict[str, float] = {"save_s": save_s, COMMITTED_STEP: step}
-            if kind == "emergency":
-                figures[SAVED_STEP] = step  # the supervisor's cue that the eviction's save is in
-            self.rt.beat(step, None, **figures)
-        elif kind == "emergency":  # the supervisor tells the steps lost (the Trainer's files have no fallback)
-            self.rt.beat(step, None, **{SAVE_FAILED_STEP: step})
+        hf_store.settle(
+            self.rt,
+            leader=args.process_index == 0,
+            step=step,
+            kind=kind,
+            ok=ok,
+            error=error,
+            committed=committed,
+            root=self.checkpoint_dir,
+            policy=self.retention,
+            save_s=save_s,
+            world_size=args.world_size,
+            duration_s=round(save_s, 4),
+        )
         self._pending.discard(_SAVE)
         self._next_phase(step)
 

@@ -16,11 +16,19 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import structlog
+
+from ftsup.protocol import COMMITTED_STEP, SAVE_FAILED_STEP, SAVED_STEP
 from ftsup.store import blocksum, checksums, choice, hublayout, layout, safefile
 from ftsup.store.errors import CheckpointError, CheckpointSaveError
 from ftsup.store.retention import RetentionPolicy, apply_retention, remove_dir
+
+if TYPE_CHECKING:
+    from ftsup.trainer.runtime import RuntimeClient
+
+log = structlog.get_logger("ftsup.trainer")
 
 FORMAT = hublayout.TRAINER_FORMAT
 """The manifest metadata's `format` of a committed Trainer checkpoint."""
@@ -112,6 +120,41 @@ def retain(root: str | os.PathLike[str], policy: RetentionPolicy, newest: int) -
     except (OSError, CheckpointError) as e:
         return str(e)
     return None
+
+
+def settle(
+    rt: RuntimeClient,
+    *,
+    leader: bool,
+    step: int,
+    kind: str,
+    ok: bool,
+    error: str | None,
+    committed: Committed | None,
+    root: str | os.PathLike[str],
+    policy: RetentionPolicy,
+    save_s: float,
+    **logged: Any,
+) -> None:
+    """A framework's save ended, on every rank once the ranks agreed on `ok`: on the leader its commit logged (with
+    `logged`) and retention applied, or its failure logged; to the supervisor the step committed (for an emergency
+    save, that it is in) or an emergency save's failure (the supervisor tells the steps lost)."""
+    if leader:
+        if committed is not None and not committed.skipped:
+            log.info("checkpoint_committed", step=step, kind=kind, **logged, path=committed.path)
+            problem = retain(root, policy, step)
+            if problem is not None:
+                log.warning("checkpoint_retention_failed", step=step, reason=problem)
+        elif not ok:
+            event = "emergency_save_failed" if kind == "emergency" else "checkpoint_save_failed"
+            log.error(event, step=step, kind=kind, reason=error or "another rank failed")
+    if ok:
+        figures: dict[str, float] = {"save_s": save_s, COMMITTED_STEP: step}
+        if kind == "emergency":
+            figures[SAVED_STEP] = step  # the supervisor's cue that the eviction's save is in
+        rt.beat(step, None, **figures)
+    elif kind == "emergency":
+        rt.beat(step, None, **{SAVE_FAILED_STEP: step})
 
 
 def latest_hf_checkpoint(

@@ -21,7 +21,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from ftsup.protocol import COMMITTED_STEP, SAVE_FAILED_STEP, SAVED_STEP, Phase
+from ftsup.protocol import Phase
 from ftsup.store.errors import CheckpointError, CheckpointSaveError
 from ftsup.store.retention import RetentionPolicy
 from ftsup.trainer import rng
@@ -227,21 +227,18 @@ class LightningCallbackCore:
         ok = self._all(trainer, error is None)
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
-            if committed is not None and not committed.skipped:
-                log.info("checkpoint_committed", step=step, kind=kind, path=committed.path)
-                problem = store.retain(self.checkpoint_dir, self.retention, step)
-                if problem is not None:
-                    log.warning("checkpoint_retention_failed", step=step, reason=problem)
-            elif not ok:
-                event = "emergency_save_failed" if kind == "emergency" else "checkpoint_save_failed"
-                log.error(event, step=step, kind=kind, reason=error or "another rank failed")
-        if ok:
-            figures: dict[str, float] = {"save_s": time.monotonic() - t0, COMMITTED_STEP: step}
-            if kind == "emergency":
-                figures[SAVED_STEP] = step  # the supervisor's cue that the eviction's save is in
-            self.rt.beat(step, None, **figures)
-        elif kind == "emergency":
-            self.rt.beat(step, None, **{SAVE_FAILED_STEP: step})
+        store.settle(
+            self.rt,
+            leader=rank == 0,
+            step=step,
+            kind=kind,
+            ok=ok,
+            error=error,
+            committed=committed,
+            root=self.checkpoint_dir,
+            policy=self.retention,
+            save_s=time.monotonic() - t0,
+        )
 
     def _all(self, trainer: Any, ok: bool) -> bool:
         """Whether `ok` holds on every rank (an all-reduce on a gloo group; also a barrier)."""
