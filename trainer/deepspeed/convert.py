@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -20,8 +18,8 @@ from ftsup.store.errors import CheckpointCorruptError, CheckpointError
 from ftsup.store.torchzip import Archive, TensorRef
 from ftsup.trainer.checkpoint import codec
 from ftsup.trainer.deepspeed import tags
-from ftsup.trainer.hf.export import check_out, publish
-from ftsup.trainer.hf.write import OutTensor, write_model
+from ftsup.trainer.hf.export import check_out, write_published
+from ftsup.trainer.hf.write import OutTensor
 
 
 def find_tag(path: str | os.PathLike[str], tag: str | None = None) -> tuple[tags.Tag, list[tags.PassedOver]]:
@@ -214,21 +212,6 @@ def import_deepspeed(
                 opened[p] = stack.enter_context(Archive(p))
             return opened[p]
 
-        tensors = plan(found, archive)
-        total, done = sum(t.nbytes for t in tensors), [0]
-
-        def advance(n: int) -> None:
-            done[0] += n
-            if progress is not None:
-                progress(done[0], total)
-
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-        try:
-            index = write_model(tmp, tensors, max_shard_bytes, advance)
-            publish(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        index = write_published(out, plan(found, archive), max_shard_bytes, progress)
     index["metadata"].update(deepspeed_tag=str(found.path), step=found.global_steps, zero_stage=found.zero_stage)
     return index

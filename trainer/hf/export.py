@@ -14,7 +14,7 @@ import re
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -103,17 +103,8 @@ def export_hf(
         else:
             tensors, saved_config = _engine_tensors(ckpt, manifest, prefix, dtype, max_shard_bytes), None
         check(tensors)  # a dtype safetensors lacks is refused before anything is written
-        total, done = sum(t.nbytes for t in tensors), [0]
 
-        def advance(n: int) -> None:
-            done[0] += n
-            if progress is not None:
-                progress(done[0], total)
-
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-        try:
-            index = write_model(tmp, tensors, max_shard_bytes, advance)
+        def configs(tmp: Path, index: dict[str, Any]) -> None:
             data, source = _config(config, saved_config, checkpoint_config(manifest.metadata), dtype)
             if data is not None:
                 write_new(tmp / CONFIG_NAME, data)
@@ -121,10 +112,37 @@ def export_hf(
                 raw = layout.read_verified(ckpt, manifest, GENERATION_CONFIG_NAME, hublayout.CONFIG_MAX_BYTES)
                 write_new(tmp / GENERATION_CONFIG_NAME, raw)
             index["metadata"].update(ftsup_step=found, config=source)
-            publish(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+
+        return write_published(out, tensors, max_shard_bytes, progress, configs)
+
+
+def write_published(
+    out: Path,
+    tensors: Sequence[OutTensor],
+    max_shard_bytes: int,
+    progress: Callable[[int, int], None] | None,
+    more: Callable[[Path, dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """`tensors` written in the Hub's layout into a private directory beside `out`, then `more(directory, index)` (other
+    files, the index's metadata), then renamed onto `out`: it appears whole or not at all. Returns the index;
+    `progress(bytes done, bytes in all)`."""
+    total, done = sum(t.nbytes for t in tensors), [0]
+
+    def advance(n: int) -> None:
+        done[0] += n
+        if progress is not None:
+            progress(done[0], total)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        index = write_model(tmp, tensors, max_shard_bytes, advance)
+        if more is not None:
+            more(tmp, index)
+        publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return index
 
 
