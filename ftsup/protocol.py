@@ -162,9 +162,8 @@ class RuntimeEnv:
 
 
 class Phase(str, enum.Enum):
-    """What a rank is doing, as its heartbeats say. In `save` and `load` a rank may stay silent up
-    to `heartbeat.save_timeout_s`; in `eval` (work without optimizer steps) it beats from a thread
-    and no step progress is expected, for as long; `done` is the teardown after training."""
+    """What a rank is doing, as its heartbeats say. In `save` and `load` a rank may stay silent up to the save timeout;
+    in `eval` (work without optimizer steps) it beats from a thread, no step progress expected; `done`: teardown."""
 
     INIT = "init"
     LOAD = "load"
@@ -194,11 +193,10 @@ MAX_STEP = 10**12
 MAX_FIGURE_INT = 2**53  # larger integers travel as floats (JSON readers differ beyond this)
 
 # A beat's save figures (steps) the policy reads: a step committed in the checkpoint dir; the save asked for committed
-# there, or in the fallback dir, or failed in both; the vanished dir made again; a step committed in the memory tier,
-# and replicated in the peers' memories.
+# there, or in the fallback dir, or failed in both; the vanished dir made again; one in the memory tier, in the peers'.
 COMMITTED_STEP, SAVED_STEP, FALLBACK_STEP = "committed_step", "saved_step", "fallback_step"
-SAVE_FAILED_STEP, DIR_RECREATED_STEP, MEMORY_STEP = "save_failed_step", "dir_recreated_step", "memory_step"
-PEERS_STEP = "peers_step"
+SAVE_FAILED_STEP, DIR_RECREATED_STEP = "save_failed_step", "dir_recreated_step"
+MEMORY_STEP, PEERS_STEP = "memory_step", "peers_step"
 
 _INT_LIMITS = {"attempt": 2**31 - 1, "rank": 2**24, "local_rank": 2**16, "pid": 2**22, "step": MAX_STEP}
 _MAX_INT_DIGITS = 20  # no field or figure needs more; Python would otherwise parse 4300 digits
