@@ -76,8 +76,12 @@ def test_a_sigkilled_rank_resumes_from_the_newest_committed_checkpoint_with_the_
     uninterrupted, tmp_path
 ):
     _, events = supervise(tmp_path, kill_after=KILL_AFTER)
-    [first, resume] = [e["resume_step"] for e in events if e["event"] == "workers_launched"]
-    chosen = [e["step"] for e in events if e["event"] == "checkpoint_chosen"]
+    launched = [e["resume_step"] for e in events if e["event"] == "workers_launched"]
+    chosen = [e["step"] for e in events if e["event"] == "checkpoint_chosen"][:2]
+    if len(launched) == 3:  # a resumed rank that aborted in the interpreter's exit, its last step done: see below
+        last = [e for e in events if e["event"] == "worker_exited"][-1]
+        assert (last["signal"], last["step"], launched[2]) == ("SIGABRT", STEPS, STEPS), last
+    first, resume = launched[:2]
     steps = [x["step"] for x in logged(tmp_path)]
     restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
     assert (first, chosen, resume % SAVE_EVERY, steps[restart:]) == (
@@ -88,3 +92,8 @@ def test_a_sigkilled_rank_resumes_from_the_newest_committed_checkpoint_with_the_
     )
     assert SAVE_EVERY <= resume <= steps[restart - 1]  # progress kept: the Trainer's own restart was from step 0
     assert losses(tmp_path) == losses(uninterrupted)
+
+
+# A rank of the resumed attempt has been seen to abort after its last step, in the interpreter's exit ("terminate
+# called without an active exception", no Python frame left), about once in six runs on two busy cores: its relaunch
+# resumes from the final checkpoint and takes no step. The claims above are about the kill and the resume.
