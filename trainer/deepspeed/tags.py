@@ -106,13 +106,12 @@ def check_tag(path: str | os.PathLike[str]) -> Tag:
         count = osd.get("partition_count")
         dp = _int(max(count) if isinstance(count, list) and count else count, head, "partition_count")
     for mp in mp_ranks:
-        want = [(d, mp) for d in range(dp)]
-        if optims and (missing := [k for k in want if k not in optims]):
+        if optims and (missing := _first_missing(optims, dp, mp)) is not None:
             raise CheckpointCorruptError(
-                f"{path}: {dp} ranks saved ZeRO optimizer states, the file of dp rank {missing[0][0]} is missing"
+                f"{path}: {dp} ranks saved ZeRO optimizer states, the file of dp rank {missing} is missing"
             )
-        if stage == 3 and (missing := [k for k in want if k not in models]):
-            raise CheckpointCorruptError(f"{path}: the ZeRO-3 model states of dp rank {missing[0][0]} are missing")
+        if stage == 3 and (missing := _first_missing(models, dp, mp)) is not None:
+            raise CheckpointCorruptError(f"{path}: the ZeRO-3 model states of dp rank {missing} are missing")
     extra = [k for k in optims if k[0] >= dp]
     if extra:
         raise CheckpointCorruptError(f"{path}: optimizer states of dp rank {extra[0][0]}, past the {dp} that saved")
@@ -157,6 +156,12 @@ def newest_whole(save_dir: str | os.PathLike[str]) -> tuple[Tag | None, list[Pas
         except CheckpointError as e:
             passed.append(PassedOver(name, str(e)))
     return None, passed
+
+
+def _first_missing(have: dict[tuple[int, int], Path], dp: int, mp: int) -> int | None:
+    """The first dp rank of tensor-parallel rank `mp` without a file in `have`: never more steps than files, whatever
+    `dp` a file claims."""
+    return next((d for d in range(dp) if (d, mp) not in have), None)
 
 
 def _tree(path: Path) -> Any:
