@@ -44,12 +44,13 @@ def contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-class _Window(io.RawIOBase):
+class Window(io.RawIOBase):
     """The range [start, start + length) of a descriptor, as a seekable file of its own, read with `pread`;
-    `read_bytes` counts what was read."""
+    `read_bytes` counts what was read; a read of more than `max_read` bytes (None: any) is refused."""
 
-    def __init__(self, fd: int, start: int, length: int, what: str) -> None:
+    def __init__(self, fd: int, start: int, length: int, what: str, max_read: int | None = _MAX_READ) -> None:
         self.fd, self.start, self.length, self.what = fd, start, length, what
+        self.max_read = max_read
         self.pos = 0
         self.read_bytes = 0
 
@@ -69,7 +70,7 @@ class _Window(io.RawIOBase):
 
     def read(self, n: int = -1) -> bytes:
         n = self.length - self.pos if n is None or n < 0 else min(n, self.length - self.pos)
-        if n > _MAX_READ:
+        if self.max_read is not None and n > self.max_read:
             raise CheckpointError(f"{self.what}: an archive record of {n} bytes, more than such records take")
         data = os.pread(self.fd, n, self.start + self.pos) if n > 0 else b""
         self.pos += len(data)
@@ -86,7 +87,7 @@ def locate(fd: int, offset: int, length: int, what: str) -> tuple[ChunkBytes, in
     """Where the tensor the archive at [`offset`, `offset` + `length`) of `fd` holds lies, and how many bytes of
     the archive's structure were read to find it. ModelFileError naming `what` for anything torch.save does not
     write, or a range past the archive's end."""
-    window = _Window(fd, offset, length, what)
+    window = Window(fd, offset, length, what)
     try:
         return _locate(window, what), window.read_bytes
     except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, KeyError, struct.error, OSError) as e:
@@ -96,7 +97,7 @@ def locate(fd: int, offset: int, length: int, what: str) -> tuple[ChunkBytes, in
         raise ModelFileError(text if text.startswith(what) else f"{what}: {text}") from None
 
 
-def _locate(window: _Window, what: str) -> ChunkBytes:
+def _locate(window: Window, what: str) -> ChunkBytes:
     with zipfile.ZipFile(window) as zf:  # reads the end records and the central directory only
         infos = {i.filename: i for i in zf.infolist()}
         pickles = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
@@ -141,7 +142,7 @@ def _locate(window: _Window, what: str) -> ChunkBytes:
     return ChunkBytes(window.start + start, nbytes, dtype, offset, size, stride)
 
 
-def _read(window: _Window, at: int, n: int = _LOCAL_HEADER.size) -> bytes:
+def _read(window: Window, at: int, n: int = _LOCAL_HEADER.size) -> bytes:
     window.seek(at)
     data = window.read(n)
     if len(data) != n:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftsup.store import safefile
+from ftsup.store.dcparchive import Window
 from ftsup.store.errors import CheckpointCorruptError
 
 MAX_PICKLE_BYTES = 64 << 20  # the object tree without tensor data: a model's names and shapes, a config
@@ -196,7 +197,7 @@ class Archive:
     def _index(self) -> dict[str, tuple[int, int]]:
         """member name (without the archive's own folder) -> (offset of its data, its size); all stored."""
         try:
-            with zipfile.ZipFile(_FdFile(self._fd, self.size)) as z:
+            with zipfile.ZipFile(Window(self._fd, 0, self.size, self.path, max_read=None)) as z:
                 infos = z.infolist()
         except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
             raise CheckpointCorruptError(f"{self.path}: not a whole torch.save archive ({e})") from None
@@ -262,30 +263,3 @@ class Archive:
 
     def read(self, ref: TensorRef) -> bytes:
         return self.read_elements(ref, 0, ref.numel)
-
-
-class _FdFile(io.RawIOBase):
-    """A read-only, seekable file over a descriptor by pread (zipfile reads only the central directory)."""
-
-    def __init__(self, fd: int, size: int) -> None:
-        self._fd, self._size, self._pos = fd, size, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self._pos = {0: 0, 1: self._pos, 2: self._size}[whence] + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self._size - self._pos))
-        data = os.pread(self._fd, n, self._pos) if n else b""
-        b[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
