@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ftsup.tools.bench import shared
 from ftsup.tools.faults import chaos, refjob
 
 SCENARIOS = ("nan", "spike", "kill", "slow", "clean")
@@ -32,27 +33,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "first resumed step against a crash's recovery, false positives over clean runs (see "
         "ftsup/tools/bench/anomaly.py). Runs torch only in subprocesses."
     )
-    p.add_argument("--json", type=Path, metavar="FILE", help="write the results as one JSON object to FILE")
-    p.add_argument("--dir", type=Path, metavar="DIR", help="work directory (default: a fresh temporary directory)")
+    shared.add_output(p)
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated: " + ", ".join(SCENARIOS))
-    p.add_argument("--repeats", type=_positive, default=3, help="runs of each fault (median), default 3")
-    p.add_argument("--clean-runs", type=_positive, default=3, help="runs without a fault, default 3")
-    p.add_argument("--clean-steps", type=_positive, default=300, help="steps of each clean run, default 300")
-    p.add_argument("--fault-step", type=_positive, default=40, help="the step the faults hit, default 40")
-    p.add_argument("--spike-len", type=_positive, default=5, help="steps of poisoned samples, default 5")
+    p.add_argument("--repeats", type=shared.positive, default=3, help="runs of each fault (median), default 3")
+    p.add_argument("--clean-runs", type=shared.positive, default=3, help="runs without a fault, default 3")
+    p.add_argument("--clean-steps", type=shared.positive, default=300, help="steps of each clean run, default 300")
+    p.add_argument("--fault-step", type=shared.positive, default=40, help="the step the faults hit, default 40")
+    p.add_argument("--spike-len", type=shared.positive, default=5, help="steps of poisoned samples, default 5")
     p.add_argument("--slow-factor", type=float, default=3.0, help="how much slower the straggler is, default 3")
-    p.add_argument("--steps", type=_positive, default=80, help="steps of each faulted run, default 80")
+    p.add_argument("--steps", type=shared.positive, default=80, help="steps of each faulted run, default 80")
     p.add_argument("--min-step-s", type=float, default=0.05, help="the trainer's minimum step time, default 0.05")
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
 
 
 # --------------------------------------------------------------------------- what the logs say (pure)

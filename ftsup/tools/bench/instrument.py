@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from ftsup.tools.bench import shared
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,32 +26,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the auto-instrumentation's hook (alternating, the order swapped each round), and report the steps' compute "
         "time both ways and the hook's own time per step (see ftsup/tools/bench/instrument.py)."
     )
-    p.add_argument("--json", type=Path, metavar="FILE", help="write the results as one JSON object to FILE")
-    p.add_argument("--rounds", type=_positive, default=10, help="rounds of each kind, default 10")
-    p.add_argument("--steps", type=_positive, default=40, help="steps in each round, default 40")
+    shared.add_output(p, work_dir=False)
+    p.add_argument("--rounds", type=shared.positive, default=10, help="rounds of each kind, default 10")
+    p.add_argument("--steps", type=shared.positive, default=40, help="steps in each round, default 40")
     p.add_argument("--step-ms", type=float, default=25.0, help="each step padded to this long, default 25")
-    p.add_argument("--n-layer", type=_positive, default=2, help="the model's layers, default 2")
-    p.add_argument("--n-embd", type=_positive, default=64, help="the model's width, default 64")
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    """Median and the 10th and 90th percentiles of `values` (at least one)."""
-    ordered = sorted(values)
-
-    def at(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    return {"median": statistics.median(ordered), "p10": at(0.1), "p90": at(0.9)}
+    p.add_argument("--n-layer", type=shared.positive, default=2, help="the model's layers, default 2")
+    p.add_argument("--n-embd", type=shared.positive, default=64, help="the model's width, default 64")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
                 receiver.kill()
                 receiver.wait()
 
-    plain, instrumented, hook = spread(compute["plain"]), spread(compute["instrumented"]), spread(hook_s)
+    plain, instrumented, hook = map(shared.spread, (compute["plain"], compute["instrumented"], hook_s))
     rows = [
         {"name": "plain", "steps": len(compute["plain"]), **{f"compute_ms_{k}": v * 1e3 for k, v in plain.items()}},
         {

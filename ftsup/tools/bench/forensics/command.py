@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from ftsup.supervisor.config.job import parse_config
 from ftsup.supervisor.policy.events import CaptureEvidence
 from ftsup.supervisor.run.forensics import Forensics, Target
 from ftsup.supervisor.run.outages import Outages
+from ftsup.tools.bench import shared
 
 CHOICES = {  # row name -> forensics.tools
     "pystack+py-spy": ["pystack", "py-spy"],
@@ -43,20 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "kill, --rounds times with each choice of stack tools (rows: " + ", ".join(CHOICES) + "), the rows "
         "interleaved; report each row's capture time (median, p10, p90), the ranks with a stack and the culprit named."
     )
-    p.add_argument("--json", type=Path, metavar="FILE", help="write the results as one JSON object to FILE")
+    shared.add_output(p, work_dir=False)
     p.add_argument("--ranks", type=int, default=8, help="local ranks, default 8")
     p.add_argument("--rounds", type=int, default=5, help="captures per row, default 5")
     p.add_argument("--how", choices=("stop", "spin"), default="stop", help="how rank 1 hangs, default stop")
     p.add_argument("--timeout-s", type=float, default=3.0, help="the capture's bound (forensics.timeout_s), default 3")
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
-
-    def at(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    return {"median": statistics.median(ordered), "p10": at(0.1), "p90": at(0.9)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -174,7 +165,7 @@ def _measure(root: Path, targets: list[Target], args: argparse.Namespace) -> lis
             culprits[name].add(f"{incident.culprit}: {incident.culprit_why}")
     rows = []
     for name in CHOICES:
-        s = spread(took[name])
+        s = shared.spread(took[name])
         rows.append(
             {
                 "name": name,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ftsup.supervisor.errors import UsageError
+from ftsup.tools.bench import shared
 from ftsup.tools.bench.goodput import contenders as contenders_module
 from ftsup.tools.bench.goodput import report, schedule
 from ftsup.tools.bench.goodput.account import account
@@ -31,19 +32,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "ftsup run, torchrun --max-restarts and ft_launcher (default and tuned timeouts); badput by cause. See "
         "ftsup/tools/bench/goodput/. Runs torch only in subprocesses."
     )
-    p.add_argument("--json", type=Path, metavar="FILE", help="write the results as one JSON object to FILE")
-    p.add_argument("--dir", type=Path, metavar="DIR", help="work directory (default: a fresh temporary directory)")
-    p.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS, help=f"steps per job, default {DEFAULT_STEPS}")
+    shared.add_output(p)
+    p.add_argument(
+        "--steps", type=shared.positive, default=DEFAULT_STEPS, help=f"steps per job, default {DEFAULT_STEPS}"
+    )
     p.add_argument(
         "--ckpt-every",
-        type=_positive_int,
+        type=shared.positive,
         default=20,
         help="the trainer's periodic checkpoint interval in steps, for every contender, default 20",
     )
-    p.add_argument("--min-step-s", type=_seconds, default=0.1, help="the trainer's minimum step time, default 0.1")
+    p.add_argument(
+        "--min-step-s", type=shared.seconds, default=0.1, help="the trainer's minimum step time, default 0.1"
+    )
     p.add_argument(
         "--mean-interval-s",
-        type=_seconds,
+        type=shared.seconds,
         default=schedule.DEFAULT_MEAN_INTERVAL_S,
         help="mean wall time between faults, default 60",
     )
@@ -56,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="the fault schedule's seed, default 0")
     p.add_argument(
         "--max-faults",
-        type=_positive_int,
+        type=shared.positive,
         default=None,
         help="only the schedule's first N faults (default: every one due while the job runs)",
     )
@@ -67,60 +71,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-restarts",
-        type=_positive_int,
+        type=shared.positive,
         default=50,
         help="every launcher's restart budget (torchrun and ft_launcher --max-restarts, ftsup's "
         "restart.max_restarts), default 50",
     )
     p.add_argument(
         "--hang-cap-s",
-        type=_seconds,
+        type=shared.seconds,
         default=120.0,
         help="end a hang nothing reacted to after this long, as its collective timeout would, default 120",
     )
     p.add_argument(
-        "--evict-deadline-s", type=_seconds, default=30.0, help="from an eviction notice to the node's loss, default 30"
+        "--evict-deadline-s",
+        type=shared.seconds,
+        default=30.0,
+        help="from an eviction notice to the node's loss, default 30",
     )
-    p.add_argument("--timeout-s", type=_seconds, default=3600.0, help="one contender's whole run, default 3600")
+    p.add_argument("--timeout-s", type=shared.seconds, default=3600.0, help="one contender's whole run, default 3600")
     tuned = contenders_module.NvrxTimeouts()
     p.add_argument(
         "--nvrx-initial-timeout-s",
-        type=_seconds,
+        type=shared.seconds,
         default=tuned.initial_s,
         help=f"nvrx-tuned: to a rank's first heartbeat, default {tuned.initial_s:g}",
     )
     p.add_argument(
         "--nvrx-heartbeat-timeout-s",
-        type=_seconds,
+        type=shared.seconds,
         default=tuned.heartbeat_s,
         help=f"nvrx-tuned: between two heartbeats, default {tuned.heartbeat_s:g}",
     )
     p.add_argument(
         "--nvrx-check-interval-s",
-        type=_seconds,
+        type=shared.seconds,
         default=tuned.check_s,
         help=f"nvrx-tuned: how often its rank monitors check, default {tuned.check_s:g}",
     )
-
-
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
-
-
-def _seconds(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 < x < 1e7:
-        raise argparse.ArgumentTypeError(f"must be above 0 and finite, got {text}")
-    return x
 
 
 def _mix(text: str) -> dict[str, float]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ftsup.supervisor.errors import UsageError
+from ftsup.tools.bench import shared
 from ftsup.tools.bench.recovery.common import load_average
 from ftsup.tools.bench.recovery.ftsup import bench_ftsup, slow_save_check
 from ftsup.tools.bench.recovery.torchrun import bench_torchrun
@@ -29,13 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "report detection and recovery times, lost steps and orphans (see ftsup/tools/bench/recovery/). Runs torch "
         "only in subprocesses."
     )
-    p.add_argument("--json", type=Path, metavar="FILE", help="write the results as one JSON object to FILE")
-    p.add_argument("--dir", type=Path, metavar="DIR", help="work directory (default: a fresh temporary directory)")
-    p.add_argument("--repeats", type=_positive, default=3, help="kill faults measured (median), default 3")
-    p.add_argument("--hang-repeats", type=_positive, default=1, help="hang faults measured, default 1")
+    shared.add_output(p)
+    p.add_argument("--repeats", type=shared.positive, default=3, help="kill faults measured (median), default 3")
+    p.add_argument("--hang-repeats", type=shared.positive, default=1, help="hang faults measured, default 1")
     p.add_argument(
         "--cycles",
-        type=_positive,
+        type=shared.positive,
         default=20,
         help="fault cycles in ftsup's job before the orphan count (kills fill up), default 20",
     )
@@ -47,13 +47,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="how long to wait for torchrun to recover from a fault, default 60",
     )
     p.add_argument("--min-step-s", type=float, default=0.1, help="the trainer's minimum step time, default 0.1")
-
-
-def _positive(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
 
 
 def run(args: argparse.Namespace) -> int:
