@@ -301,7 +301,7 @@ class LossLogTail:
 def last_line_per_step(path: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
     """Each step's line from the last attempt that logged it (later lines win); torn lines skipped."""
     out: dict[int, dict[str, Any]] = {}
-    for rec in _json_lines(path):
+    for rec in json_lines(path):
         try:
             out[int(rec["step"])] = rec
         except (ValueError, KeyError, TypeError):
@@ -309,7 +309,7 @@ def last_line_per_step(path: str | os.PathLike[str]) -> dict[int, dict[str, Any]
     return out
 
 
-def _json_lines(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+def json_lines(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     """The JSON objects of a JSON-lines file (none when it does not exist); other lines skipped."""
     try:
         text = Path(path).read_text()
@@ -337,7 +337,7 @@ class LogEvent:
 def read_events(path: str | os.PathLike[str]) -> list[LogEvent]:
     """The supervisor's JSON log lines (every `ftsup run` of the job appends to the same file)."""
     out: list[LogEvent] = []
-    for rec in _json_lines(path):
+    for rec in json_lines(path):
         try:
             t = datetime.fromisoformat(str(rec["timestamp"]).replace("Z", "+00:00")).timestamp()
             out.append(LogEvent(t, str(rec["event"]), rec))

@@ -5,12 +5,12 @@ a person can act on (docs/benchmarks.md, "Chaos: every kind of fault, and the in
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ftsup.tools.faults import chaos
 from ftsup.tools.faults.inject import RESTART_KINDS
 
 REL_TOL = 1e-4
@@ -108,7 +108,7 @@ def final_lines(path: Path) -> tuple[dict[int, dict[str, Any]], set[int]]:
     """Each step's last line of a loss log, and the worlds sizes every line was trained at."""
     final: dict[int, dict[str, Any]] = {}
     worlds: set[int] = set()
-    for rec in _json_lines(path):
+    for rec in chaos.json_lines(path):
         try:
             final[int(rec["step"])] = rec
             worlds.add(int(rec["world_size"]))
@@ -128,7 +128,7 @@ def loss_log_check(reference: Path, got: Path, steps: int) -> dict[str, Any]:
     ref, _ = final_lines(reference)
     final, _ = final_lines(got)
     ref_world = next((r.get("world_size") for r in ref.values()), None)
-    changed = min((int(r["step"]) for r in _json_lines(got) if r.get("world_size") != ref_world), default=None)
+    changed = min((int(r["step"]) for r in chaos.json_lines(got) if r.get("world_size") != ref_world), default=None)
     missing = [s for s in range(1, steps + 1) if s not in final or s not in ref]
     unequal, worst = [], 0.0
     for s in range(1, steps + 1):
@@ -166,7 +166,7 @@ def sample_ids(loss_log: Path, sample_logs: Iterable[Path]) -> dict[int, list[in
     final, _ = final_lines(loss_log)
     per_rank: dict[int, dict[tuple[int, int], list[int]]] = {}
     for path in sample_logs:
-        for rec in _json_lines(path):
+        for rec in chaos.json_lines(path):
             try:
                 key = (int(rec["step"]), int(rec["world_size"]))
                 per_rank.setdefault(int(rec["rank"]), {})[key] = [int(i) for i in rec["ids"]]
@@ -221,19 +221,3 @@ def by_kind(records: Sequence[dict[str, Any]], kinds: Iterable[str]) -> list[dic
 def _median(values: Iterable[Any]) -> float | None:
     got = [float(v) for v in values if v is not None]
     return round(statistics.median(got), 3) if got else None
-
-
-def _json_lines(path: Path) -> Iterable[dict[str, Any]]:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    out = []
-    for raw in text.splitlines():
-        try:
-            rec = json.loads(raw)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
