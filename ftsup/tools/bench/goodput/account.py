@@ -10,16 +10,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-CAUSES = (
-    "startup",
-    "checkpoint_load",
-    "checkpoint_save",
-    "wasted_progress",
-    "detection",
-    "backoff",
-    "eviction",
-    "other",
-)
+from ftsup.supervisor.policy.goodput import CAUSES  # the causes ftsup_badput_seconds_total counts, for every contender
+
 OTHER = "other"  # an Interruption's kind for a restart that no scheduled fault explains
 
 

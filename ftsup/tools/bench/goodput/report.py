@@ -6,7 +6,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ftsup.tools.bench.goodput.account import CAUSES, Account
+from ftsup.supervisor.policy.goodput import CAUSES
+from ftsup.tools.bench.goodput.account import Account
 from ftsup.tools.bench.goodput.drive import Run
 
 # torch.distributed's default timeout of a gloo collective (`default_pg_timeout`, 30 min): how long a hang
