@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any, TextIO
 
-from ftsup.supervisor.cli.export_hf import progress_printer
+from ftsup.supervisor.cli.export_hf import add_source_arguments, progress_printer
 
 DESCRIPTION = (
     "Write every tensor of checkpoint --step (default: the latest consistent one), whatever world size saved it, as "
@@ -23,9 +22,7 @@ DESCRIPTION = (
 
 def add_arguments(p: argparse.ArgumentParser, step: Any) -> None:
     """`step`: the CLI's parser of a step number (one definition for every command)."""
-    p.add_argument("dir", metavar="DIR", type=Path, help="the checkpoint directory")
-    p.add_argument("--step", type=step, help="the step to export (default: latest consistent)")
-    p.add_argument("out", metavar="OUT", type=Path, help="the output directory")
+    add_source_arguments(p, step)
     p.add_argument(
         "--prefix",
         default="",

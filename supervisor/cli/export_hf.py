@@ -25,11 +25,17 @@ DESCRIPTION = (
 )
 
 
-def add_arguments(p: argparse.ArgumentParser, step: Any) -> None:
-    """`step`: the CLI's parser of a step number (one definition for every command)."""
+def add_source_arguments(p: argparse.ArgumentParser, step: Any) -> None:
+    """DIR, --step and OUT, as every export takes them; `step`: the CLI's parser of a step number (one definition
+    for every command)."""
     p.add_argument("dir", metavar="DIR", type=Path, help="the checkpoint directory")
     p.add_argument("--step", type=step, help="the step to export (default: latest consistent)")
     p.add_argument("out", metavar="OUT", type=Path, help="the output directory")
+
+
+def add_arguments(p: argparse.ArgumentParser, step: Any) -> None:
+    """`step`: the CLI's parser of a step number (one definition for every command)."""
+    add_source_arguments(p, step)
     p.add_argument("--prefix", help="key prefix of the model's tensors (default: found automatically)")
     p.add_argument("--config", metavar="FILE", type=Path, help="the model's config.json (default: the checkpoint's)")
     p.add_argument(
