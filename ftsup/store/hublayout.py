@@ -133,13 +133,7 @@ def read(path: str | os.PathLike[str], *, follow_links: bool = True) -> HubModel
     if not os.path.lexists(root / INDEX_NAME):
         raise ModelFileError(f"{root}: holds neither {SINGLE_NAME} nor {INDEX_NAME}; not a Hugging Face model")
     what = str(root / INDEX_NAME)
-    index = safefile.read_json(
-        _target(root, INDEX_NAME, follow_links),
-        what,
-        INDEX_MAX_BYTES,
-        max_values=INDEX_MAX_BYTES // 8,
-        error=ModelFileError,
-    )
+    index = _read_json(root, INDEX_NAME, INDEX_MAX_BYTES, follow_links)
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
         raise ModelFileError(f"{what}: not a JSON object with a weight_map object")
     meta = index.get("metadata", {})
@@ -179,13 +173,7 @@ def read_config(path: str | os.PathLike[str], *, follow_links: bool = True) -> d
     if not os.path.lexists(root / CONFIG_NAME):
         return None
     what = str(root / CONFIG_NAME)
-    config = safefile.read_json(
-        _target(root, CONFIG_NAME, follow_links),
-        what,
-        CONFIG_MAX_BYTES,
-        max_values=CONFIG_MAX_BYTES // 8,
-        error=ModelFileError,
-    )
+    config = _read_json(root, CONFIG_NAME, CONFIG_MAX_BYTES, follow_links)
     if not isinstance(config, dict):
         raise ModelFileError(f"{what}: a model config is a JSON object, not {type(config).__name__}")
     return config
@@ -197,6 +185,13 @@ def _safe_name(file: str) -> bool:
     except CheckpointError:
         return False
     return file.endswith(".safetensors") and len(file) <= 4096
+
+
+def _read_json(root: Path, rel: str, max_bytes: int, follow_links: bool) -> Any:
+    """The JSON of the file `rel` in `root`, at most `max_bytes` (and a value per 8 of them); ModelFileError."""
+    return safefile.read_json(
+        _target(root, rel, follow_links), str(root / rel), max_bytes, max_values=max_bytes // 8, error=ModelFileError
+    )
 
 
 def _target(root: Path, rel: str, follow_links: bool) -> Path:
