@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ftsup.store.errors import os_words
 from ftsup.store.pins import operator
 from ftsup.supervisor import statedir
 from ftsup.supervisor.cli import status
@@ -22,7 +21,6 @@ from ftsup.supervisor.errors import UsageError
 from ftsup.supervisor.policy import stacks
 from ftsup.supervisor.state import captures
 from ftsup.supervisor.state.incidents import Incident, IncidentError, RankEvidence, Store
-from ftsup.supervisor.state.journal import Journal, JournalError
 
 DESCRIPTION = (
     "List the incidents the supervisor of JOB.yaml kept in its state directory (hangs, stragglers, captures an "
@@ -105,15 +103,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
     if len(args.reason) > captures.MAX_TEXT or not args.reason.isprintable():
         raise UsageError(f"--reason must be printable text of at most {captures.MAX_TEXT} characters")
     req = captures.CaptureRequest(secrets.token_hex(8), operator(), args.reason, time.time())
-    path = where / captures.FILE_NAME
-    try:
-        statedir.write_atomic(path, captures.encode(req))
-    except OSError as e:
-        raise UsageError(f"{path}: {os_words(e)}; the capture request was not written") from None
-    try:
-        alive = status.supervisor_alive(Journal(where / "journal.json").read())
-    except JournalError:
-        alive = False
+    alive = status.send_request(where, captures.FILE_NAME, captures.encode(req), "capture request")
     if not alive:
         print(f"capture requested (id {req.id}), but no supervisor runs this job now: nothing will be captured")
         return 1

@@ -14,14 +14,12 @@ from pathlib import Path
 
 from ftsup import protocol
 from ftsup.store import layout
-from ftsup.store.errors import os_words
 from ftsup.store.pins import operator
 from ftsup.supervisor import statedir
 from ftsup.supervisor.cli import status
 from ftsup.supervisor.config.job import load_config
 from ftsup.supervisor.errors import UsageError
 from ftsup.supervisor.policy.anomaly import merge_skips
-from ftsup.supervisor.state.journal import Journal, JournalError
 from ftsup.supervisor.state.rollbacks import FILE_NAME
 
 DESCRIPTION = (
@@ -66,14 +64,7 @@ def cmd_rollback(args: argparse.Namespace) -> int:
         raise UsageError(f"--reason must be printable text of at most {protocol.MAX_REASON_CHARS} characters")
     state_dir = statedir.ensure_dir(cfg.job.state_dir, "job.state_dir")
     req = protocol.RollbackRequest(secrets.token_hex(8), args.to_step, skips, operator(), args.reason, time.time())
-    try:
-        statedir.write_atomic(state_dir / FILE_NAME, protocol.encode_rollback(req))
-    except OSError as e:
-        raise UsageError(f"{state_dir / FILE_NAME}: {os_words(e)}; the rollback request was not written") from None
-    try:
-        alive = status.supervisor_alive(Journal(state_dir / "journal.json").read())
-    except JournalError:
-        alive = False
+    alive = status.send_request(state_dir, FILE_NAME, protocol.encode_rollback(req), "rollback request")
     skipping = f", skipping {protocol.encode_data_skips(skips)}" if skips else ""
     then = (
         "the running supervisor serves it within a second (`ftsup status` shows it)"

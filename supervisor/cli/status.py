@@ -18,12 +18,15 @@ import psutil
 
 from ftsup.protocol import MAX_STEP
 from ftsup.store import layout
+from ftsup.store.errors import os_words
+from ftsup.supervisor import statedir
 from ftsup.supervisor.cli import memstatus
 from ftsup.supervisor.cli import nodes as cli_nodes
 from ftsup.supervisor.config.job import load_config
+from ftsup.supervisor.errors import UsageError
 from ftsup.supervisor.policy import goodput, saves
 from ftsup.supervisor.state import ranks as rankstatus
-from ftsup.supervisor.state.journal import Journal, JournalRecord
+from ftsup.supervisor.state.journal import Journal, JournalError, JournalRecord
 
 ENDED = ("succeeded", "failed", "stopped", "evicted")
 
@@ -41,6 +44,20 @@ def supervisor_alive(rec: JournalRecord | None) -> bool:
             and proc.create_time() <= rec.updated_unix + 1.0
         )
     except (psutil.Error, OSError):
+        return False
+
+
+def send_request(state_dir: Path, name: str, data: bytes, what: str) -> bool:
+    """Write the operator's request `data` as the file `name` of `state_dir` (UsageError naming `what` when it
+    cannot be), and say whether a supervisor runs the job now to serve it."""
+    path = state_dir / name
+    try:
+        statedir.write_atomic(path, data)
+    except OSError as e:
+        raise UsageError(f"{path}: {os_words(e)}; the {what} was not written") from None
+    try:
+        return supervisor_alive(Journal(state_dir / "journal.json").read())
+    except JournalError:
         return False
 
 
