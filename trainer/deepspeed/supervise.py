@@ -201,8 +201,7 @@ class EngineSupervision:
             except CheckpointError as e:
                 log.warning("deepspeed_store_refused", path=str(self.store), reason=str(e))
                 info, passed = None, ()
-            for p in passed:
-                log.warning(f"checkpoint_{p.action}", step=p.step, path=p.path, reason=p.reason)
+            store.tell_passed(passed)
             if info is not None:
                 log.info("deepspeed_tag_chosen", step=info.step, path=info.path, source="store")
                 return str(self.store), layout.step_dirname(info.step)

@@ -92,18 +92,12 @@ class FtsupCallback(TrainerCallback):
     def latest_checkpoint(self) -> str | None:
         """The checkpoint to pass as `trainer.train(resume_from_checkpoint=...)`: the newest
         deep-verified one of at most the supervisor's resume step; None for a fresh start."""
-        rank0 = self.rt.env.rank == 0
         self._load_t0 = time.monotonic()
-        info, passed = hf_store.latest_hf_checkpoint(
-            self.checkpoint_dir, at_most=self.rt.env.resume_step, quarantine=rank0
-        )
-        if rank0:
-            for p in passed:
-                log.warning(f"checkpoint_{p.action}", step=p.step, path=p.path, reason=p.reason)
-            if info is None and passed:
-                log.warning(
-                    "training_started_from_scratch", step=0, unusable=len(passed), reason="; ".join(map(str, passed))
-                )
+        info, passed = hf_store.resume_choice(self.checkpoint_dir, self.rt)
+        if info is None and passed and self.rt.env.rank == 0:
+            log.warning(
+                "training_started_from_scratch", step=0, unusable=len(passed), reason="; ".join(map(str, passed))
+            )
         if info is None:
             return None
         self.resumed_step = info.step

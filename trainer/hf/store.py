@@ -174,6 +174,24 @@ def latest_hf_checkpoint(
     return picked.info, picked.passed
 
 
+def resume_choice(
+    root: str | os.PathLike[str], rt: RuntimeClient, *, format: str = FORMAT
+) -> tuple[layout.CheckpointInfo | None, tuple[choice.Passed, ...]]:
+    """`latest_hf_checkpoint` of at most the supervisor's resume step, as a rank of the job makes it: rank 0
+    quarantines what fails verification and logs what it passed over."""
+    rank0 = rt.env.rank == 0
+    info, passed = latest_hf_checkpoint(root, at_most=rt.env.resume_step, quarantine=rank0, format=format)
+    if rank0:
+        tell_passed(passed)
+    return info, passed
+
+
+def tell_passed(passed: tuple[choice.Passed, ...]) -> None:
+    """Log each checkpoint a choice passed over, as `checkpoint_<action>` (quarantined, skipped)."""
+    for p in passed:
+        log.warning(f"checkpoint_{p.action}", step=p.step, path=p.path, reason=p.reason)
+
+
 # ---------------------------------------------------------------------- the protocol's parts
 
 

@@ -85,14 +85,8 @@ class LightningCallbackCore:
     def latest_checkpoint(self) -> str | None:
         """The `ckpt_path` to pass to `trainer.fit`: the newest deep-verified checkpoint of at most the supervisor's
         resume step; None for a fresh start."""
-        rank0 = self.rt.env.rank == 0
         self._load_t0 = time.monotonic()
-        info, passed = store.latest_hf_checkpoint(
-            self.checkpoint_dir, at_most=self.rt.env.resume_step, quarantine=rank0, format=FORMAT
-        )
-        if rank0:
-            for p in passed:
-                log.warning(f"checkpoint_{p.action}", step=p.step, path=p.path, reason=p.reason)
+        info, _ = store.resume_choice(self.checkpoint_dir, self.rt, format=FORMAT)
         if info is None:
             return None
         self.resumed = (Path(info.path), info.step)
