@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import math
 import os
 import stat
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -169,6 +170,46 @@ def read_private(path: str | os.PathLike[str], max_bytes: int, *, owner: int | N
     _require_own_file(fd, path, max_bytes=max_bytes, owner=owner)
     with os.fdopen(fd, "rb") as f:
         return f.read(max_bytes + 1)[:max_bytes]
+
+
+class RequestFile:
+    """An operator's request file in the state directory as the loop polls it (at most every `poll_s`): `read()` gives
+    its bytes once each time it changes, read as `read_private` reads; what cannot be looked at (told once until it
+    can) or read is told to `ignored(why)`."""
+
+    def __init__(
+        self, path: Path, max_bytes: int, *, clock: Callable[[], float], poll_s: float, ignored: Callable[[str], None]
+    ) -> None:
+        self.path = path
+        self._max_bytes = max_bytes
+        self._clock = clock
+        self._poll_s = poll_s
+        self._ignored = ignored
+        self._seen: tuple[int, ...] | None = None  # the file's mark when last looked at; (-1,): cannot be, told
+        self._next = -math.inf
+
+    def read(self) -> bytes | None:
+        now = self._clock()
+        if now < self._next:
+            return None
+        self._next = now + self._poll_s
+        try:
+            seen = mark(self.path)
+        except OSError as e:
+            if self._seen != (-1,):
+                self._seen = (-1,)
+                self._ignored(f"cannot be looked at ({e.strerror or e})")
+            return None
+        if seen == self._seen:
+            return None
+        self._seen = seen
+        if not seen:
+            return None
+        try:
+            return read_private(self.path, self._max_bytes, owner=os.geteuid())
+        except OSError as e:  # a link, a FIFO, another user's file, too large
+            self._ignored(e.strerror or str(e))
+            return None
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes, *, durable: bool = True) -> None:

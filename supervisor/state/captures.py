@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import time
 from collections.abc import Callable
@@ -64,48 +63,31 @@ class CaptureWatcher:
         self, state_dir: Path, *, clock: Callable[[], float], emit: Callable[..., None], wall: Callable[[], float]
     ) -> None:
         """`emit(level, event, **fields)` logs an event; `wall()` is the Unix time (requests carry theirs)."""
-        self.path = state_dir / FILE_NAME
-        self._clock = clock
         self._emit = emit
         self._started = wall()
-        self._seen: tuple[int, ...] | None = None  # the file's fingerprint when last read
         self._served: set[str] = set()
-        self._next = -math.inf
+        self.file = statedir.RequestFile(
+            state_dir / FILE_NAME, MAX_BYTES, clock=clock, poll_s=POLL_S, ignored=self._ignored
+        )
+        self.path = self.file.path
 
     def poll(self) -> list[Event]:
-        now = self._clock()
-        if now < self._next:
-            return []
-        self._next = now + POLL_S
-        try:
-            mark = statedir.mark(self.path)
-        except OSError as e:
-            if self._seen == (-1,):
-                return []  # told already
-            return self._ignored((-1,), f"cannot be looked at ({e.strerror or e})")
-        if mark == self._seen:
-            return []
-        self._seen = mark
-        if not mark:
+        raw = self.file.read()
+        if raw is None:
             return []
         try:
-            raw = statedir.read_private(self.path, MAX_BYTES, owner=os.geteuid())
-            if raw is None:
-                return []
             req = parse(raw)
-        except OSError as e:  # a link, a FIFO, another user's file, too large
-            return self._ignored(mark, e.strerror or str(e))
         except ValueError as e:
-            return self._ignored(mark, str(e))
+            self._ignored(str(e))
+            return []
         if req.id in self._served:
             return []
         self._served.add(req.id)
         if req.requested_unix < self._started - STALE_S:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(req.requested_unix))
-            return self._ignored(mark, f"written at {when}, before this supervisor started: not served now")
+            self._ignored(f"written at {when}, before this supervisor started: not served now")
+            return []
         return [CaptureRequested(req.id, req.who, req.reason)]
 
-    def _ignored(self, mark: tuple[int, ...], why: str) -> list[Event]:
-        self._seen = mark
+    def _ignored(self, why: str) -> None:
         self._emit("warning", "capture_request_ignored", path=str(self.path), reason=why)
-        return []
