@@ -81,10 +81,8 @@ class FtsupCallback(TrainerCallback):
 
     @property
     def checkpoint_dir(self) -> Path:
-        if self._dir is not None:
-            return self._dir
-        if self.rt.env.checkpoint_dir:
-            return Path(self.rt.env.checkpoint_dir)
+        if (given := hf_store.given_store(self._dir, self.rt)) is not None:
+            return given
         if self._args is None:
             raise RuntimeError("FtsupCallback: pass it to Trainer(callbacks=[...]) first, or give it checkpoint_dir")
         return Path(str(self._args.output_dir))

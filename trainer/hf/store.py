@@ -174,6 +174,14 @@ def latest_hf_checkpoint(
     return picked.info, picked.passed
 
 
+def given_store(checkpoint_dir: Path | None, rt: RuntimeClient) -> Path | None:
+    """The store a callback was given: its own `checkpoint_dir`, else the supervisor's (`FTSUP_CHECKPOINT_DIR`);
+    None: the Trainer's default is the callback's to say."""
+    if checkpoint_dir is not None:
+        return checkpoint_dir
+    return Path(rt.env.checkpoint_dir) if rt.env.checkpoint_dir else None
+
+
 def resume_choice(
     root: str | os.PathLike[str], rt: RuntimeClient, *, format: str = FORMAT
 ) -> tuple[layout.CheckpointInfo | None, tuple[choice.Passed, ...]]:

@@ -74,10 +74,8 @@ class LightningCallbackCore:
 
     @property
     def checkpoint_dir(self) -> Path:
-        if self._dir is not None:
-            return self._dir
-        if self.rt.env.checkpoint_dir:
-            return Path(self.rt.env.checkpoint_dir)
+        if (given := store.given_store(self._dir, self.rt)) is not None:
+            return given
         if self._root_dir is None:
             raise RuntimeError("FtsupLightningCallback: pass it to Trainer(callbacks=[...]) first, or give it a dir")
         return self._root_dir / "ftsup-checkpoints"
