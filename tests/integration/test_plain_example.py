@@ -1,7 +1,7 @@
 """The plain PyTorch example (`ftsup.trainer.examples.plain`: a tiny GPT-2 from `transformers`, DDP
 on gloo, AdamW, cosine warmup, clipping, dropout, an evaluation every 8 steps lasting 3 s, far more
 than 10 steps) under `ftsup run` on 2 CPU ranks, with faults from outside as an operator would
-cause them: a SIGKILLed rank, a SIGSTOPped rank and an eviction (SIGTERM to the supervisor, then
+cause them: a SIGKILLed rank then a SIGSTOPped one in one run, and an eviction (SIGTERM to the supervisor, then
 `ftsup run` again) each end with a per-step loss log bitwise the uninterrupted run's, and no
 evaluation is ever taken for a hang. Resumed on one rank, it matches within 1e-4 and trains on
 every sample exactly once. Its final checkpoint, exported with `ftsup ckpt export-hf`, loads with
@@ -115,17 +115,19 @@ def test_the_reference_run_evaluates_for_over_10_steps_time_without_a_false_hang
     assert min(after_eval) > 10 * statistics.median(gaps.values())
 
 
-def test_a_sigkilled_rank_is_relaunched_and_the_loss_log_is_bitwise_the_uninterrupted_one(reference, tmp_path):
-    code, _ = supervise(tmp_path, signal_rank_after_step(EVAL_EVERY + 2, signal.SIGKILL))
-    assert code == 0
-    assert (hexes(tmp_path), failures(tmp_path)) == (reference["hexes"], ["worker_exited"])
-    assert [e["resume_step"] for e in events(tmp_path) if e["event"] == "workers_launched"][1] >= EVAL_EVERY
+def test_a_sigkilled_rank_then_a_sigstopped_one_are_relaunched_and_the_loss_log_is_bitwise_the_uninterrupted_one(
+    reference, tmp_path
+):
+    # One run, two faults: a SIGKILL after step 10, then a SIGSTOP of the relaunched ranks after step 18.
+    def kill_then_stop(proc: subprocess.Popen[bytes], tail: chaos.LossLogTail, tmp: Path) -> None:
+        signal_rank_after_step(EVAL_EVERY + 2, signal.SIGKILL)(proc, tail, tmp)
+        signal_rank_after_step(2 * EVAL_EVERY + 2, signal.SIGSTOP)(proc, tail, tmp)
 
-
-def test_a_sigstopped_rank_is_caught_as_a_hang_and_the_loss_log_is_bitwise_the_uninterrupted_one(reference, tmp_path):
-    code, _ = supervise(tmp_path, signal_rank_after_step(EVAL_EVERY + 2, signal.SIGSTOP))
+    code, _ = supervise(tmp_path, kill_then_stop)
     assert code == 0
-    assert (hexes(tmp_path), failures(tmp_path)) == (reference["hexes"], ["heartbeat_timed_out"])
+    assert (hexes(tmp_path), failures(tmp_path)) == (reference["hexes"], ["worker_exited", "heartbeat_timed_out"])
+    resumed = [e["resume_step"] for e in events(tmp_path) if e["event"] == "workers_launched"][1:]
+    assert resumed[0] >= EVAL_EVERY and resumed[1] >= 2 * EVAL_EVERY, resumed
 
 
 def test_an_eviction_saves_exits_5_and_the_next_run_finishes_bitwise_the_uninterrupted_one(reference, tmp_path):
