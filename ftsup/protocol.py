@@ -192,11 +192,11 @@ FIGURE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
 MAX_STEP = 10**12
 MAX_FIGURE_INT = 2**53  # larger integers travel as floats (JSON readers differ beyond this)
 
-# A beat's save figures (steps) the policy reads: a step committed in the checkpoint dir; the save asked for committed
-# there, or in the fallback dir, or failed in both; the vanished dir made again; one in the memory tier, in the peers'.
+# A beat's steps the policy reads: one committed in the checkpoint dir; the save asked for committed there, or in the
+# fallback dir, or failed in both; the vanished dir made again; one in memory, in the peers'; a stop another node asked.
 COMMITTED_STEP, SAVED_STEP, FALLBACK_STEP = "committed_step", "saved_step", "fallback_step"
 SAVE_FAILED_STEP, DIR_RECREATED_STEP = "save_failed_step", "dir_recreated_step"
-MEMORY_STEP, PEERS_STEP = "memory_step", "peers_step"
+MEMORY_STEP, PEERS_STEP, STOPPED_ELSEWHERE_STEP = "memory_step", "peers_step", "stopped_elsewhere_step"
 
 _INT_LIMITS = {"attempt": 2**31 - 1, "rank": 2**24, "local_rank": 2**16, "pid": 2**22, "step": MAX_STEP}
 _MAX_INT_DIGITS = 20  # no field or figure needs more; Python would otherwise parse 4300 digits

@@ -94,6 +94,7 @@ class Attempt:
     waited_until: float = -math.inf  # when a rank last left a long phase that the others may have waited for
     log: str | None = None  # its log file, named in its failure events
     ranks_at: float | None = None  # when torchrun started its ranks (its rendezvous over; `RanksStarted`)
+    stopped_elsewhere: int | None = None  # the step its ranks stopped after at another node's request
 
     def rank_map(self) -> dict[int, RankView]:
         return dict(self.ranks)
@@ -220,7 +221,7 @@ def _heartbeat(st: State, att: Attempt, ev: Heartbeat, now: float) -> State:
             mark = prev.mark  # another beat within the same step
     since = prev.since if prev is not None and prev.phase == ev.phase else now
     ranks[ev.local_rank] = RankView(now, ev.step, ev.phase, since, mark, ev.rank)
-    att = replace(att, ranks=tuple(sorted(ranks.items())))
+    att = replace(att, ranks=tuple(sorted(ranks.items())), stopped_elsewhere=saves.elsewhere(att.stopped_elsewhere, ev))
     if prev is not None and prev.phase in LONG_PHASES and ev.phase not in LONG_PHASES:
         att = replace(att, waited_until=now)  # the ranks that waited for it in a collective beat again soon
     if ev.phase == Phase.TRAIN and ev.step > att.max_step:
@@ -427,6 +428,9 @@ def _exited(s: Settings, st: State, att: Attempt, ev: WorkersExited, now: float)
         ]
     if st.anomaly.pending is not None:  # a rollback: relaunched at once; the rollback budget bounds how often
         return _prepare(replace(st, stop_reason=None), now)
+    if st.phase == SupervisorPhase.RUNNING and ev.exitcode == 0 and att.stopped_elsewhere is not None:
+        st, prepare = _prepare(replace(st, stop_reason=None), now)  # not finished: it rejoins the job at once
+        return st, [saves.rejoining(att.number, att.stopped_elsewhere), *prepare]
     if st.phase == SupervisorPhase.RUNNING and ev.exitcode == 0:
         exit_ = Exit(EXIT_OK, "training command exited 0")
         return replace(st, phase=SupervisorPhase.DONE, attempt=None, final=exit_), [

@@ -17,13 +17,23 @@ from ftsup.protocol import (
     PEERS_STEP,
     SAVE_FAILED_STEP,
     SAVED_STEP,
+    STOPPED_ELSEWHERE_STEP,
 )
 from ftsup.supervisor.policy.events import AckEviction, Action, CheckpointCommitted, Exit, Heartbeat, Log, log
 
 EXIT_EVICTED = 5
 # The tiers an emergency checkpoint can reach, in the order the save tries them; a metric label's fixed values.
 TIERS = ("memory", "peers", "disk", "fallback", "durable")
-EXIT_SAVE_LOST = 8  # evicted, and the emergency save failed or did not finish: the steps since the newest are lost
+EXIT_SAVE_LOST = 8  # evicted, and no tier that outlives the node holds the emergency checkpoint: its steps are lost
+# What an emergency checkpoint in each tier outlives, the tier that outlives most first (docs/evictions-and-durable.md,
+# What the exit status says).
+OUTLIVES = (
+    ("durable", "the job's nodes"),
+    ("fallback", "a reboot of this node (the job's nodes, once durable)"),
+    ("peers", "this node's loss (not the loss of the peers that hold it)"),
+    ("disk", "a reboot of this node (its loss too only where checkpoint.dir is shared)"),
+    ("memory", "the ranks' processes, not the node: a relaunch on this node reads it, a new node does not"),
+)
 
 
 @dataclass(frozen=True)
@@ -99,11 +109,34 @@ def on_beat(
             AckEviction(ej.source),
         ]
     if failed is not None and not ej.failed:
-        actions.append(_failed_log(attempt, failed, newest, failed, "the ranks' emergency save failed"))
+        why = "the ranks' emergency save failed" + (PEERS_HOLD if kept(ej, newest) != newest else "")
+        actions.append(_failed_log(attempt, failed, kept(ej, newest), failed, why))
         return replace(ej, failed=True), actions
     return ej, actions
 
 
+def elsewhere(before: int | None, ev: Heartbeat) -> int | None:
+    """The step after which the ranks stop at another node's request (its eviction), with what the beat `ev` says:
+    their exit 0 then ends no job (the job goes on without that node, or with the one that replaces it)."""
+    there = step_figure(ev, STOPPED_ELSEWHERE_STEP)
+    return before if there is None else there
+
+
+def rejoining(attempt: int, step: int) -> Log:
+    why = f"the ranks stopped after step {step} at another node's request (an eviction there), not at the job's end"
+    why += ": relaunched at once, to resume with the nodes the rendezvous gathers"
+    return log("peer_eviction_followed", "warning", attempt=attempt, step=step, reason=why)
+
+
+def kept(ej: Eviction, newest: int | None) -> int | None:
+    """The newest checkpoint that outlives the node's loss without the disk: the newest committed in the store, or
+    the step the peers' memories hold since the notice (every replica verified), whichever is newer."""
+    steps = [s for s in (newest, *(s for t, s, _ in ej.landed if t == "peers")) if s is not None]
+    return max(steps) if steps else None
+
+
+PEERS_HOLD = "; the peers' memories hold it, which outlive this node's loss"
+MEMORY_ONLY = "; it reached this node's memory only, which does not outlive the node"
 NO_SAVE_PATH = "the script has no emergency save (no rank of the job ever reported a save or a checkpoint)"
 
 
@@ -117,12 +150,17 @@ def at_exit(
     *,
     saves_seen: bool = True,
 ) -> tuple[Eviction, list[Action], Exit]:
-    """The exit an eviction ends with once its workers are gone: 5 when its save committed or none was asked for
-    (no time for one, nothing trained), else 8 (`EXIT_SAVE_LOST`) naming the steps lost, unless none is. Without
-    `saves_seen` (no rank of the job reported a save or a checkpoint: a script that only counts its steps, such as
-    an auto-instrumented one) the reason says plainly that the script has no emergency save."""
+    """The exit an eviction ends with once its workers are gone: 5 when its save committed on disk, or reached the
+    peers' memories (which outlive this node's loss), or none was asked for (no time for one, nothing trained), else
+    8 (`EXIT_SAVE_LOST`) naming the steps lost, unless none is: a checkpoint in this node's memory only is lost with
+    the node. Without `saves_seen` (no rank of the job reported a save or a checkpoint: a script that only counts its
+    steps, such as an auto-instrumented one) the reason says plainly that the script has no emergency save."""
     if final.code != EXIT_EVICTED or ej.save_seq is None or ej.committed_step is not None:
         return ej, [], final
+    held = kept(ej, newest)
+    if held != newest and lost(held, reached) is None:  # not on disk, and lost with no node but those peers
+        why = f"the emergency checkpoint of step {held} did not commit on disk{PEERS_HOLD}: no step is lost"
+        return ej, [], Exit(EXIT_EVICTED, f"{final.reason}; {why}")
     actions: list[Action] = []
     if not ej.failed:
         why = "the workers ended without reporting it committed"
@@ -130,14 +168,19 @@ def at_exit(
             why = "it did not commit before the eviction deadline"
         if not saves_seen:
             why = NO_SAVE_PATH
-        actions.append(_failed_log(attempt, max(reached, 0), newest, reached, why))
-    return replace(ej, failed=True), actions, lost_exit(final, newest, reached)
+        if any(t == "memory" and s >= reached for t, s, _ in ej.landed):
+            why += MEMORY_ONLY
+        actions.append(_failed_log(attempt, max(reached, 0), held, reached, why))
+    return replace(ej, failed=True), actions, lost_exit(final, held, reached)
 
 
 def not_durable(ej: Eviction, final: Exit, attempt: int, newest: int | None, reached: int) -> tuple[list[Action], Exit]:
     """The exit of an eviction whose emergency checkpoint is only in the fallback directory and did not reach the
-    durable tier before the deadline: nothing reads it there, so its steps are lost (8)."""
+    durable tier before the deadline: nothing reads it there, so its steps are lost (8), unless the peers' memories
+    hold it (5)."""
     step = ej.committed_step if ej.committed_step is not None else reached
+    if (held := kept(ej, newest)) != newest and lost(held, max(step, reached)) is None:
+        return [], Exit(EXIT_EVICTED, f"{final.reason}; the emergency checkpoint of step {held}: {PEERS_HOLD[2:]}")
     why = "it was committed in the fallback directory only, and did not reach the durable tier before the deadline"
     return [_failed_log(attempt, step, newest, max(step, reached), why)], lost_exit(final, newest, max(step, reached))
 
@@ -188,6 +231,8 @@ def tiers_reached(ej: Eviction, attempt: int, reached: int, durable: bool | None
     reason = f"the emergency checkpoint of step {step} reached {shown or 'no tier'} before the node was lost"
     if durable is False:
         reason += "; not the durable tier"
+    if outlives := next((what for t, what in OUTLIVES if t in tiers), None):
+        reason += f"; it outlives {outlives}"
     return log(
         "emergency_tiers_reached",
         "info" if tiers else "error",

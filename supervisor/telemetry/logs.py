@@ -36,7 +36,7 @@ _EVENT_GROUPS = (
     "progress_lost",  # a relaunch that starts behind the steps earlier attempts reported
     # evictions and checkpoints
     "eviction_noticed save_requested save_skipped checkpoint_committed requeue_requested requeue_failed",
-    "emergency_save_failed emergency_tiers_reached checkpoint_dir_recreated",
+    "emergency_save_failed emergency_tiers_reached checkpoint_dir_recreated peer_eviction_followed",
     "watcher_went_blind watcher_recovered",
     "checkpoint_pinned checkpoint_unpinned",  # by `ftsup ckpt pin|unpin`, not the daemon
     # training health

@@ -41,7 +41,7 @@ def test_memory_then_disk_are_reported_in_order_with_the_seconds_each_had_left()
         ["memory", "disk"],
         {"memory": 29.0, "disk": 26.5},
     )
-    assert str(got["reason"]).endswith("before the node was lost; not the durable tier")
+    assert "before the node was lost; not the durable tier; it outlives a reboot of this node" in str(got["reason"])
 
 
 def test_a_save_that_reached_memory_only_is_reported_so_and_still_exit_8() -> None:
