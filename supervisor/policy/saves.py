@@ -136,7 +136,8 @@ def kept(ej: Eviction, newest: int | None) -> int | None:
 
 
 PEERS_HOLD = "; the peers' memories hold it, which outlive this node's loss"
-MEMORY_ONLY = "; it reached this node's memory only, which does not outlive the node"
+ONLY_IN_MEMORY = "reached this node's memory only, which does not outlive the node"
+MEMORY_ONLY = f"; it {ONLY_IN_MEMORY}"
 NO_SAVE_PATH = "the script has no emergency save (no rank of the job ever reported a save or a checkpoint)"
 
 
@@ -162,16 +163,16 @@ def at_exit(
         why = f"the emergency checkpoint of step {held} did not commit on disk{PEERS_HOLD}: no step is lost"
         return ej, [], Exit(EXIT_EVICTED, f"{final.reason}; {why}")
     actions: list[Action] = []
+    in_memory = any(t == "memory" and s >= reached for t, s, _ in ej.landed)
     if not ej.failed:
         why = "the workers ended without reporting it committed"
         if stop_reason is not None and "deadline" in stop_reason:
             why = "it did not commit before the eviction deadline"
         if not saves_seen:
             why = NO_SAVE_PATH
-        if any(t == "memory" and s >= reached for t, s, _ in ej.landed):
-            why += MEMORY_ONLY
-        actions.append(_failed_log(attempt, max(reached, 0), held, reached, why))
-    return replace(ej, failed=True), actions, lost_exit(final, held, reached)
+        actions.append(_failed_log(attempt, max(reached, 0), held, reached, why + (MEMORY_ONLY if in_memory else "")))
+    failed = f"the emergency checkpoint {ONLY_IN_MEMORY}" if in_memory else "the emergency save failed"
+    return replace(ej, failed=True), actions, lost_exit(final, held, reached, failed)
 
 
 def not_durable(ej: Eviction, final: Exit, attempt: int, newest: int | None, reached: int) -> tuple[list[Action], Exit]:
@@ -191,12 +192,12 @@ def lost(newest: int | None, reached: int) -> tuple[int, int] | None:
     return (first, reached) if reached >= first else None
 
 
-def lost_exit(final: Exit, newest: int | None, reached: int) -> Exit:
+def lost_exit(final: Exit, newest: int | None, reached: int, failed: str = "the emergency save failed") -> Exit:
     steps = lost(newest, reached)
     if steps is None:  # the newest checkpoint holds the step reached: nothing is lost
         return final
     where = "no checkpoint" if newest is None else f"the newest checkpoint, step {newest}"
-    why = f"the emergency save failed: steps {steps[0]}-{steps[1]}, after {where}, are lost"
+    why = f"{failed}: steps {steps[0]}-{steps[1]}, after {where}, are lost"
     return Exit(EXIT_SAVE_LOST, f"{final.reason}; {why}")
 
 

@@ -40,6 +40,10 @@ def test_a_checkpoint_in_this_nodes_memory_only_is_exit_8_saying_it_dies_with_th
     (failed,) = logged(acts, "emergency_save_failed")
     assert (final.code, failed["lost_steps"]) == (saves.EXIT_SAVE_LOST, [5, 11])
     assert "reached this node's memory only, which does not outlive the node" in str(failed["reason"])
+    assert final.reason.endswith(
+        "the emergency checkpoint reached this node's memory only, which does not outlive the node: steps 5-11, "
+        "after the newest checkpoint, step 4, are lost"
+    )
 
 
 def test_an_older_step_in_the_peers_memories_saves_the_steps_up_to_it_only() -> None:
