@@ -196,6 +196,8 @@ class Committer:
             return answer
         except OSError as e:
             return {"error": f"{e.strerror or e} ({e.filename or partial})"}
+        except Exception as e:  # adapter boundary: raised here, it would leave the other ranks in the next collective
+            return {"error": f"{type(e).__name__}: {e} ({partial})"}
 
     def _open_directory(self, step: int) -> tuple[int | None, dict[str, Any]]:
         """Rank 0 (a node's leader): the store's directory, opened, and what to tell the other ranks (`recreated`:

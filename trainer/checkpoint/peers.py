@@ -220,8 +220,8 @@ def _replicate(ring: Ring, comm: GroupComm, memory: Path, step: int) -> bool:
         failed = next((t.error for t in sends + recvs if t.error), None)
         if failed is None and recvs:
             partials = _stage(memory, mine, manifest, raw, step, recvs)
-    except (CheckpointError, OSError, RuntimeError) as e:  # gloo's errors are RuntimeErrors
-        failed = str(e)
+    except Exception as e:  # adapter boundary (gloo's errors are RuntimeErrors): every rank must reach the vote
+        failed = str(e) if isinstance(e, (CheckpointError, OSError, RuntimeError)) else f"{type(e).__name__}: {e}"
     ok = comm.all_reduce_max(1 if failed else 0) == 0
     for partial in partials:
         _finish(partial, ok)
