@@ -431,7 +431,8 @@ class Agreement:
 
 def _agreed(mine: Request, seq: int, stop: int) -> Request:
     if stop and not mine.stop and _client is not None:  # its exit 0 then is no finished job: its supervisor rejoins
-        _client.report(**{STOPPED_ELSEWHERE_STEP: _client._step})
+        if not _client.control.poll().stop:  # not its own supervisor's request, read by another rank first
+            _client.report(**{STOPPED_ELSEWHERE_STEP: _client._step})
     if seq == mine.seq:
         return Request(seq, bool(stop), mine.reason, mine.deadline_unix)
     return Request(seq, bool(stop), "requested on another node", None)

@@ -18,6 +18,7 @@ import pytest
 
 from ftsup.protocol import CONTROL_VERSION, MAX_FIGURES, NO_REQUEST, Request, RuntimeEnv, encode_control
 from ftsup.supervisor.run.heartbeat import HeartbeatReceiver
+from ftsup.trainer import runtime
 from ftsup.trainer.runtime import Agreement, ControlReader, RuntimeClient
 from tests.procs import wait_for
 
@@ -315,3 +316,19 @@ def test_refusals_warn_at_most_once_per_interval(tmp_path):
             reader.poll()
         warned.append(len(caught))
     assert (warned, reader.refused) == ([1, 0, 1], 3)
+
+
+def test_a_stop_agreed_at_another_nodes_request_is_reported_to_this_nodes_supervisor(receiver, tmp_path, monkeypatch):
+    control = tmp_path / "control.json"
+    env = RuntimeEnv(
+        heartbeat_socket=str(receiver.path), heartbeat_interval_s=0.5, attempt=1, control_file=str(control)
+    )
+    c = RuntimeClient(env)
+    monkeypatch.setattr(runtime, "_client", c)  # the process's client, as `runtime()` makes it
+    c.beat(7, "train")
+    elsewhere = runtime._agreed(NO_REQUEST, 2, 1)
+    control.write_bytes(encode_control(Request(3, stop=True, reason="spot")))  # read by another rank of this node
+    own = runtime._agreed(NO_REQUEST, 3, 1)
+    figures = [(b.step, dict(b.figures)) for b in receiver.drain()]
+    assert (elsewhere.stop, own.stop) == (True, True)
+    assert figures == [(7, {}), (7, {"stopped_elsewhere_step": 7.0})]
