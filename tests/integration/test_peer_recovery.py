@@ -2,6 +2,8 @@
 each), each node with its own disk and memory directories and no durable tier. Node B is killed whole (its
 supervisor, torchrun and rank) and its directories wiped; a fresh node B with the same config joins, and the job
 resumes from A's replica of B's part, its losses bitwise those of an uninterrupted run at the same world size.
+Then the same after an eviction of B (5 s to go, a durable tier nothing answers at): its emergency checkpoint is in
+A's memory before B is lost, and the job resumes from it on a fresh B with no step lost.
 """
 
 from __future__ import annotations
