@@ -109,8 +109,9 @@ def on_beat(
             AckEviction(ej.source),
         ]
     if failed is not None and not ej.failed:
-        why = "the ranks' emergency save failed" + (PEERS_HOLD if kept(ej, newest) != newest else "")
-        actions.append(_failed_log(attempt, failed, kept(ej, newest), failed, why))
+        held = kept(ej, newest)
+        why = "the ranks' emergency save failed" + (PEERS_HOLD if held != newest and lost(held, failed) is None else "")
+        actions.append(_failed_log(attempt, failed, held, failed, why))
         return replace(ej, failed=True), actions
     return ej, actions
 
@@ -123,6 +124,7 @@ def elsewhere(before: int | None, ev: Heartbeat) -> int | None:
 
 
 def rejoining(attempt: int, step: int) -> Log:
+    """The log line of an attempt whose ranks stopped for another node's eviction, relaunched at once."""
     why = f"the ranks stopped after step {step} at another node's request (an eviction there), not at the job's end"
     why += ": relaunched at once, to resume with the nodes the rendezvous gathers"
     return log("peer_eviction_followed", "warning", attempt=attempt, step=step, reason=why)
@@ -181,7 +183,8 @@ def not_durable(ej: Eviction, final: Exit, attempt: int, newest: int | None, rea
     hold it (5)."""
     step = ej.committed_step if ej.committed_step is not None else reached
     if (held := kept(ej, newest)) != newest and lost(held, max(step, reached)) is None:
-        return [], Exit(EXIT_EVICTED, f"{final.reason}; the emergency checkpoint of step {held}: {PEERS_HOLD[2:]}")
+        why = f"the emergency checkpoint of step {held} did not become durable{PEERS_HOLD}: no step is lost"
+        return [], Exit(EXIT_EVICTED, f"{final.reason}; {why}")
     why = "it was committed in the fallback directory only, and did not reach the durable tier before the deadline"
     return [_failed_log(attempt, step, newest, max(step, reached), why)], lost_exit(final, newest, max(step, reached))
 

@@ -63,6 +63,13 @@ def test_a_disk_save_that_failed_after_the_peers_verified_it_loses_no_step() -> 
     assert exits(d.feed(P.WorkersExited(1, 1))) == [P.EXIT_EVICTED]
 
 
+def test_a_failed_disk_save_with_an_older_step_in_the_peers_memories_names_the_steps_after_it() -> None:
+    d = evicting(resume=4, reached=10)
+    d.feed(beat(11, peers_step=8))
+    (failed,) = logged(d.feed(beat(11, save_failed_step=11)), "emergency_save_failed")
+    assert (failed["lost_steps"], "hold it" in str(failed["reason"])) == ([9, 11], False)
+
+
 def test_a_fallback_checkpoint_not_durable_in_time_but_in_the_peers_memories_is_exit_5() -> None:
     d = evicting(resume=4, reached=10)
     d.feed(beat(11, peers_step=11))
