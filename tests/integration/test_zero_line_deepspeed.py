@@ -1,9 +1,10 @@
 """A DeepSpeed script without a line of ftsup (`tests/bin/deepspeed_default.py`: its own loop, ZeRO on gloo with
 DeepSpeed's CPU accelerator, 2 ranks, `save_checkpoint` every 3 steps, `load_checkpoint` at the start) under `ftsup run
---nproc-per-node 2 -- ...`: each tag it saves is committed in the store once every rank has written it; a rank
-SIGKILLed mid-run is relaunched from the newest committed tag with the losses of a run that never stopped; a tag torn
-by a kill in its save (a rank's file cut short, `latest` naming it) is never resumed; a rank SIGSTOPped is caught as a
-hang from the engine's steps (ZeRO-3) and the job resumes; an eviction gets an emergency save of the step reached."""
+--nproc-per-node 2 -- ...`: each tag it saves is committed in the store once every rank has written it; a tag torn
+by a kill in its save (a rank's file cut short, `latest` naming it) is never resumed, and a rank SIGKILLed later in
+that run is relaunched from the newest committed tag with the losses of a run that never stopped; a rank SIGSTOPped
+is caught as a hang from the engine's steps (ZeRO-3) and the job resumes; an eviction gets an emergency save of the
+step reached."""
 
 from __future__ import annotations
 
@@ -113,16 +114,6 @@ def test_the_store_converts_to_the_hub_layout_as_zero_to_fp32_consolidates_its_n
     assert (sorted(got), [k for k in want if not torch.equal(got[k], want[k])]) == (sorted(want), [])
 
 
-def test_a_sigkilled_rank_resumes_from_the_newest_committed_tag_with_the_uninterrupted_losses(uninterrupted, tmp_path):
-    events = supervise(tmp_path, 2, kill_after=7)
-    [first, resume] = [e["resume_step"] for e in events if e["event"] == "workers_launched"]
-    steps = [x["step"] for x in logged(tmp_path)]
-    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
-    assert (first, resume % EVERY, steps[restart:]) == (None, 0, list(range(resume + 1, STEPS + 1)))
-    assert EVERY <= resume <= steps[restart - 1]  # progress kept
-    assert losses(tmp_path) == losses(uninterrupted)
-
-
 def test_a_torn_tag_that_latest_names_is_passed_over_for_the_newest_whole_one(uninterrupted, tmp_path):
     # The script's own checkpoints from before ftsup: global_step3 and global_step6, then global_step6 torn as a kill
     # in its save leaves it (DeepSpeed's rank 0 writes `latest` without waiting for the other ranks' files).
@@ -169,14 +160,22 @@ def test_an_eviction_of_a_script_keeping_its_step_in_client_state_is_not_saved_s
     assert (failed["checkpoint_step"], "emergency_save_skipped" in rank_output(tmp_path)) == (saved.step, True)
 
 
-def test_a_kill_in_the_first_save_leaves_a_torn_tag_that_is_never_resumed(uninterrupted, tmp_path):
+def test_a_kill_in_the_first_save_leaves_a_torn_tag_never_resumed_and_a_later_kill_resumes_the_newest_tag(
+    uninterrupted, tmp_path
+):
     # Rank 1 dies halfway through its optimizer states of step 3; rank 0 has written its files and `latest` naming the
-    # torn tag (as DeepSpeed does), the store has nothing: the relaunch must start afresh, not from the torn tag.
-    events = supervise(tmp_path, 2, extra=("--die-in-save", str(EVERY)))
+    # torn tag (as DeepSpeed does), the store has nothing: the relaunch must start afresh, not from the torn tag. Rank 1
+    # of the relaunch is then SIGKILLed past step 7: the third attempt resumes from the newest committed tag.
+    events = supervise(tmp_path, 2, kill_after=EVERY + 7, extra=("--die-in-save", str(EVERY)))
     launched = [e["resume_step"] for e in events if e["event"] == "workers_launched"]
     steps = [x["step"] for x in logged(tmp_path)]
-    assert (launched, steps) == ([None, None], [*range(1, EVERY + 1), *range(1, STEPS + 1)])
+    resume = launched[-1]
+    again = len(steps) - (STEPS - resume)
+    assert (launched[:2], resume % EVERY, steps[:EVERY]) == ([None, None], 0, list(range(1, EVERY + 1))), launched
+    second, third = steps[EVERY:again], steps[again:]
+    assert (second, third) == (list(range(1, again - EVERY + 1)), list(range(resume + 1, STEPS + 1)))
+    assert EVERY <= resume <= again - EVERY  # progress kept
     assert losses(tmp_path) == losses(uninterrupted)
-    [second] = (tmp_path / ".ftsup").glob("*/logs/attempt-0002.log")
-    passed = second.read_text().split("deepspeed_tag_passed_over", 1)[1][:400]
+    [log] = (tmp_path / ".ftsup").glob("*/logs/attempt-0002.log")
+    passed = log.read_text().split("deepspeed_tag_passed_over", 1)[1][:400]
     assert ((tmp_path / "died-in-save").exists(), f"global_step{EVERY}/zero_pp_rank_1_mp" in passed) == (True, True)
