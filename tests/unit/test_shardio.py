@@ -269,3 +269,27 @@ def test_a_fetched_read_handed_fewer_bytes_than_asked_is_corrupt() -> None:
     )
     with pytest.raises(CheckpointCorruptError, match=rf"s3://b/s.bin: {B} bytes at 0, asked for {3 * B}"):
         vf.read_ranges([(0, 3 * B)])
+
+
+def _vm_flags(t: torch.Tensor) -> set[str]:
+    """The VmFlags of the mapping that holds `t`'s first byte (Linux's /proc/self/smaps)."""
+    addr = t.data_ptr()
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "VmFlags:":
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc/self/smaps")
+def test_a_loads_read_buffer_is_never_asked_for_huge_pages(tmp_path):
+    _, vf = _shard(tmp_path, 2 * READ_PIECE)
+    [[(_, region)]] = read_files([(vf, [(0, 2 * READ_PIECE)])])
+    assert ("hg" in _vm_flags(aligned_buffer(2 * READ_PIECE, populate=False)), "hg" in _vm_flags(region)) == (
+        True,
+        False,
+    )

@@ -104,14 +104,16 @@ def build_layout(chunks: Sequence[tuple[str, tuple[int, ...], tuple[int, ...], t
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not in Python's mmap module yet
 
 
-def aligned_buffer(nbytes: int, *, pin: bool = False, populate: bool = True) -> torch.Tensor:
+def aligned_buffer(nbytes: int, *, pin: bool = False, populate: bool = True, huge: bool = True) -> torch.Tensor:
     """A page-aligned uint8 CPU tensor of `nbytes` (pinned when asked, for CUDA staging).
 
     Unpinned buffers are anonymous mappings asked for huge pages and populated up front: faulting
     in fresh 4 KiB pages one by one during the first copy is slow on a VM, and exactly the stall a
     reused staging buffer exists to avoid (trainer/checkpoint/DESIGN.md, Staging). `populate=False` leaves
     that to the first write (read buffers: the kernel faults them in inside `preadv`, in the
-    reading threads, in parallel, instead of in one populate call up front).
+    reading threads, in parallel, instead of in one populate call up front). `huge=False`: 4 KiB pages only (a
+    load's read buffer: a fresh huge page faulted in inside a read stalled that read for up to seconds on a VM,
+    trainer/checkpoint/DESIGN.md, Loading).
     """
     if pin:
         raw = torch.empty(round_up(max(nbytes, 1), PAGE) + PAGE, dtype=torch.uint8, pin_memory=True)
@@ -119,7 +121,7 @@ def aligned_buffer(nbytes: int, *, pin: bool = False, populate: bool = True) -> 
         return raw[skew : skew + nbytes]
     size = round_up(max(nbytes, 1), PAGE)
     m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    for advice in (getattr(mmap, "MADV_HUGEPAGE", None), _MADV_POPULATE_WRITE if populate else None):
+    for advice in (getattr(mmap, "MADV_HUGEPAGE", None) if huge else None, _MADV_POPULATE_WRITE if populate else None):
         if advice is not None:
             try:
                 m.madvise(advice)
@@ -411,14 +413,15 @@ def read_files(
     `pool`: the reading threads to use instead of `threads` new ones (the engine's, kept from load to load).
     """
     spans = [vf._spans(ranges) for vf, ranges in requests]
-    # One buffer for every region, each at a page boundary: a reshard asks for hundreds of
-    # regions under 2 MiB, and a mapping of their own each would fault in slow 4 KiB pages
-    # where one mapping gets huge pages.
-    # Faulted in by the reading threads inside `preadv` (in the kernel, in parallel); a fetched file's bytes are
-    # copied in holding the GIL, so its pages are faulted in up front, once, instead of under that copy.
+    # One buffer for every region, each at a page boundary: a reshard asks for hundreds of regions under 2 MiB.
+    # Faulted in by the reading threads inside `preadv` (in the kernel, in parallel), in 4 KiB pages: a huge page
+    # faulted in there held its read up to seconds on a VM (trainer/checkpoint/DESIGN.md, Loading). A fetched
+    # file's bytes are copied in holding the GIL, so its pages are faulted in up front, once, instead of under
+    # that copy.
     need = sum(round_up(e - s, PAGE) for file_spans in spans for s, e in file_spans)
     if arena is None or arena.numel() < need or arena.data_ptr() % PAGE:
-        arena = aligned_buffer(need, populate=any(vf.fetch is not None for vf, _ in requests))
+        fetched = any(vf.fetch is not None for vf, _ in requests)
+        arena = aligned_buffer(need, populate=fetched, huge=fetched)
     out: list[list[tuple[int, torch.Tensor]]] = []
     pos = 0
     for file_spans in spans:
