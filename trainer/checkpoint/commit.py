@@ -141,23 +141,7 @@ class Committer:
             assert reports is not None
             outcome = self._commit(job, partial, final, reports)
         outcome = comm.broadcast(outcome)
-        if not outcome["ok"]:
-            raise CheckpointSaveError(f"step {step}: {outcome['error']}; the previous checkpoint is intact")
-        durable_s = time.perf_counter() - job.t0
-        if self.rank == 0:
-            log_quietly(
-                log.info,
-                "checkpoint_committed",
-                step=step,
-                kind=job.kind,
-                world_size=self.world_size,
-                duration_s=round(durable_s, 4),
-                path=str(final),
-            )
-        recreated = bool(prep.get("recreated"))
-        return SaveResult(
-            step, str(final), job.kind, job.plan.tensor_bytes, job.stage_s, durable_s, recreated=recreated
-        )
+        return _committed(job, final, outcome, self.rank == 0, self.world_size, bool(prep.get("recreated")))
 
     def retain(self, newest: int) -> None:
         """The leader (rank 0, or each node's first local rank in a node-local store), after a commit: apply the
@@ -363,21 +347,22 @@ def _write_nodes(c: Committer, job: StagedSave) -> SaveResult:
     if go["ok"]:
         renamed = comm.gather(done)
         outcome = comm.broadcast(_all_ok(renamed) if c.rank == 0 else None)
+    recreated, nodes = bool(plan.get("recreated")), len(staged.get("nodes", ()))
+    return _committed(job, final, outcome, c.rank == 0, c.world_size, recreated, nodes=nodes)
+
+
+def _committed(
+    job: StagedSave, final: Path, outcome: dict[str, Any], logs: bool, world_size: int, recreated: bool, **more: Any
+) -> SaveResult:
+    """A save's end on every rank once the group agreed on `outcome`: its error raised, else its result (and, on the
+    rank that `logs`, `checkpoint_committed` with the `more` fields)."""
+    step = job.step
     if not outcome["ok"]:
         raise CheckpointSaveError(f"step {step}: {outcome['error']}; the previous checkpoint is intact")
     durable_s = time.perf_counter() - job.t0
-    if c.rank == 0:
-        log_quietly(
-            log.info,
-            "checkpoint_committed",
-            step=step,
-            kind=job.kind,
-            world_size=c.world_size,
-            duration_s=round(durable_s, 4),
-            path=str(final),
-            nodes=len(staged.get("nodes", ())),
-        )
-    recreated = bool(plan.get("recreated"))
+    if logs:
+        fields = {"kind": job.kind, "world_size": world_size, "duration_s": round(durable_s, 4), "path": str(final)}
+        log_quietly(log.info, "checkpoint_committed", step=step, **fields, **more)
     return SaveResult(step, str(final), job.kind, job.plan.tensor_bytes, job.stage_s, durable_s, recreated=recreated)
 
 
