@@ -142,13 +142,14 @@ class ResumeChoice:
             self._emit("warning", "checkpoint_chosen", attempt=attempt, step=at_most, reason=resume.why_no_checkpoint)
             return at_most, {}, None
         if info is None:
-            self._emit(
-                "info" if resume.quiet else "warning",
-                "checkpoint_chosen",
-                attempt=attempt,
-                step=None,
-                reason=resume.why_no_checkpoint,
-            )
+            reason = resume.why_no_checkpoint
+            memory = self.cfg.checkpoint.memory
+            if resume.answered and memory is not None and memory.replicas > 0 and self.cfg.launch.max_nodes > 1:
+                reason = (
+                    "no checkpoint on this node: its ranks load the newest the peers' memories hold, else start fresh"
+                )
+            level = "info" if resume.quiet else "warning"
+            self._emit(level, "checkpoint_chosen", attempt=attempt, step=None, reason=reason)
             return None, {}, None
         self._emit(
             "info",
