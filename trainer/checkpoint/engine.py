@@ -474,7 +474,7 @@ class CheckpointEngine:
             # Kept from load to load: starting them is a part of a load (trainer/checkpoint/DESIGN.md, No central plan).
             self._reading = shardio.reading_pool()
         with gcpause.paused():
-            restored = None
+            started, restored = time.perf_counter(), None
             if self._ring is not None and self._memory is not None and step is None:
                 restored = peerload.before_load(
                     self._comm, self._memory, self._ring, self.directory, at_most, node_local
@@ -492,6 +492,7 @@ class CheckpointEngine:
                     pool=self._reading,
                     memory=self._memory.directory if self._memory and not node_local and self._ring is None else None,
                     restored=restored,
+                    started=started,
                 )
             finally:
                 if restored is not None and self._memory is not None and self._memory.leader:

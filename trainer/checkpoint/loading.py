@@ -71,6 +71,7 @@ def load(
     pool: ThreadPoolExecutor | None = None,
     memory: Path | None = None,
     restored: Restored | None = None,
+    started: float | None = None,
 ) -> LoadResult:
     """`CheckpointEngine.load` (see there); a collective over the engine's group. `durable_tier`: the durable
     tier's location, where a checkpoint newer than the local store's consistent ones may be read from.
@@ -79,8 +80,9 @@ def load(
     threads, for the local store's files. `memory`: the node's memory tier, read instead of the store where it
     holds the checkpoint chosen, verified; a copy there that fails is passed over and the store's is read.
     `restored`: the whole copy this rank's node made of the newest checkpoint its nodes hold (`peerload`), read
-    first; passed over, and the store's choice made, where it fails."""
-    t0 = time.perf_counter()
+    first; passed over, and the store's choice made, where it fails. `started`: when the caller's load began (its
+    `time.perf_counter()`), counted in `load_s`: the copy made from the peers is a part of the load."""
+    t0 = time.perf_counter() if started is None else started
     flat, _ = codec.flatten(codec.state_dicts(state))
     given_up: list[choice.Passed] = []  # rank 0's: what was passed over, for the error if nothing is left
     in_memory = _MemoryCopies(memory)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,6 +180,7 @@ def restore(
 ) -> Restored | None:
     """Every rank alike: each node's whole copy of the newest checkpoint its nodes' memories and disks can make
     together, in `memory/restore/step-N/`; None (logged) when there is none or making it failed anywhere."""
+    t0 = time.perf_counter()
     report: dict[str, Any] = {"node": node, "leader": leader, "at_most": at_most}
     if leader:
         report["held"], report["texts"] = holdings(memory, disk)
@@ -226,7 +228,10 @@ def restore(
     if leader:
         parts = {p: f"{t} {path}" for p, path, t in plan["links"].get(comm.rank, [])}
         parts |= {m["part"]: f"{PEERS} from group rank {m['from']}" for m in plan["moves"] if m["to"] == comm.rank}
-        log.info("checkpoint_peer_restored", step=step, rank=comm.rank, node=node, tier=tier, parts=parts)
+        took = round(time.perf_counter() - t0, 4)
+        log.info(
+            "checkpoint_peer_restored", step=step, rank=comm.rank, node=node, tier=tier, parts=parts, duration_s=took
+        )
     return Restored(final, step, tier)
 
 
