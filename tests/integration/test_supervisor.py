@@ -85,9 +85,11 @@ def test_sigkilled_rank_is_restarted_and_the_run_is_bitwise_uninterrupted(refere
         assert [s for s, _ in layout.committed_dirs(tmp_path / "shm")] == [STEPS]
         first, relaunch = ((tmp_path / "state" / "logs" / f"attempt-000{n}.log").read_text() for n in (1, 2))
         # The memory copy follows the disk commit in the writer thread: on a loaded host the kill at step 7 can come
-        # before step 4 reached memory, and then the relaunch reads the disk's.
+        # before step 4 reached memory, and then the relaunch reads the disk's. The kill can also come between that
+        # commit and its log line, so a commit the first attempt logged means memory, and no log line means either.
         in_memory = f"path={tmp_path / 'shm' / layout.step_dirname(4)} " in first
-        assert "step=4 " in relaunch and relaunch.count("tier=memory") == 2 * in_memory, relaunch[-3000:]
+        tiers = relaunch.count("tier=memory")
+        assert "step=4 " in relaunch and tiers in ((2,) if in_memory else (0, 2)), relaunch[-3000:]
     evs = events(tmp_path)
     names = [e["event"] for e in evs]
     assert names.count("workers_launched") == 2 and "job_succeeded" in names
