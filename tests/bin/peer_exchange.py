@@ -1,6 +1,7 @@
 """Two ranks over gloo exchange one part as the peer memories do (`peers.exchange`), rank 0 sending, rank 1
-receiving: `honest`, an offer of other sizes (`lying`), a file that cannot be read once offered (`vanished`), or one
-whose bytes differ from the manifest's (`flipped`). Rank 1 writes what each side saw to --out.
+receiving: `honest`, an offer of other sizes (`lying`), a file that cannot be read once offered (`vanished`), one
+whose bytes differ from the manifest's (`flipped`), or a check or read raising what no check expects (`check-bug`,
+`read-bug`). Rank 1 writes what each side saw to --out.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ FILES = {"shard-00000.safetensors": b"\x07" * 300_000, "rank-00000.json": b'{"ra
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("case", choices=["honest", "lying", "vanished", "flipped"])
+    p.add_argument("case", choices=["honest", "lying", "vanished", "flipped", "check-bug", "read-bug"])
     p.add_argument("--out", required=True)
     args = p.parse_args()
     dist.init_process_group("gloo")
@@ -38,6 +39,8 @@ def main() -> int:
         def read(rel: str) -> bytes:
             if args.case == "vanished" and rel.startswith("shard"):
                 raise OSError(2, "No such file or directory")
+            if args.case == "read-bug" and rel.startswith("shard"):
+                raise KeyError(rel)
             data = FILES[rel]
             return data[:-1] + b"\x00" if args.case == "flipped" and rel.startswith("shard") else data
 
@@ -46,7 +49,13 @@ def main() -> int:
         box = [send.error]
         dist.broadcast_object_list(box, src=0)
     else:
-        recv = Transfer(0, "a", check=lambda raw: check_offer(raw, manifest, 3, "a", rels), manifest=manifest)
+
+        def check(raw: bytes) -> list[str]:
+            if args.case == "check-bug":
+                raise ValueError("a check that fails as no check should")
+            return check_offer(raw, manifest, 3, "a", rels)
+
+        recv = Transfer(0, "a", check=check, manifest=manifest)
         exchange(comm, [], [recv])
         box = [None]
         dist.broadcast_object_list(box, src=0)

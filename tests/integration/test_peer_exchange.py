@@ -1,6 +1,7 @@
 """Peer messages over real gloo (`peers.exchange`, tests/bin/peer_exchange.py): an honest part is kept; an offer of
 other sizes is refused before a byte of its files moves; a file that vanished once offered, or whose bytes differ from
-the manifest's, is never kept, and neither side is left waiting."""
+the manifest's, is never kept; a check or a read raising what none expects fails that part only; neither side is ever
+left waiting (a rank stuck in a round would hold the other until gloo's 30-minute timeout, past the test's 60 s)."""
 
 from __future__ import annotations
 
@@ -39,4 +40,17 @@ def test_an_offer_of_other_sizes_is_refused_before_its_files_move(tmp_path: Path
 def test_a_file_not_as_the_manifest_records_is_never_kept(case: str, tmp_path: Path) -> None:
     got = _exchange(case, tmp_path)
     assert got["kept"] == {"rank-00000.json": True}
+    assert "shard-00000.safetensors received from group rank 0: checksum mismatch" in got["receiver_error"]
+
+
+def test_a_check_raising_what_no_check_expects_refuses_the_offer_and_neither_side_waits(tmp_path: Path) -> None:
+    got = _exchange("check-bug", tmp_path)
+    assert (got["kept"], "refused the offer" in got["sender_error"]) == ({}, True)
+    assert got["receiver_error"] == "ValueError: a check that fails as no check should"
+
+
+def test_a_read_raising_what_no_read_expects_sends_zeros_that_fail_there(tmp_path: Path) -> None:
+    got = _exchange("read-bug", tmp_path)
+    assert got["kept"] == {"rank-00000.json": True}
+    assert got["sender_error"] == "shard-00000.safetensors: KeyError: 'shard-00000.safetensors'"
     assert "shard-00000.safetensors received from group rank 0: checksum mismatch" in got["receiver_error"]

@@ -22,7 +22,7 @@ from ftsup.store import layout, nodes, safefile
 from ftsup.store.errors import CheckpointError
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
 from ftsup.trainer.checkpoint.commit import Committer
-from ftsup.trainer.checkpoint.peermsg import PeerError, check_offer, offer, rank_files
+from ftsup.trainer.checkpoint.peermsg import PeerError, check_offer, offer, rank_files, reason_of
 from ftsup.trainer.checkpoint.peers import (
     MEMORY,
     PEERS,
@@ -217,8 +217,8 @@ def restore(
         if failed is None and leader:
             _assemble(partial, manifest, plan["links"].get(comm.rank, []), recvs, plan["manifest"].encode(), common)
             os.rename(partial, final)
-    except (CheckpointError, OSError, RuntimeError) as e:  # gloo's errors are RuntimeErrors
-        failed = str(e)
+    except Exception as e:  # adapter boundary (gloo's errors are RuntimeErrors): every rank must reach the vote
+        failed = reason_of(e)
     if comm.all_reduce_max(1 if failed else 0):
         log.warning("checkpoint_peer_restore_failed", step=step, rank=comm.rank, reason=failed or "another rank failed")
         if leader:

@@ -22,6 +22,12 @@ class PeerError(CheckpointError):
     """A peer's message or file refused: its schema, its size, its checksum, its name (which peer, and why)."""
 
 
+def reason_of(e: Exception) -> str:
+    """A failure as one line for a transfer's error and the save's log: the message of an error the exchange
+    expects (a check failing, I/O, gloo's RuntimeError), the type too of any other."""
+    return str(e) if isinstance(e, (CheckpointError, OSError, RuntimeError)) else f"{type(e).__name__}: {e}"
+
+
 def assign(domains: Mapping[str, str], replicas: int) -> dict[str, tuple[str, ...]]:
     """node -> the nodes holding its replicas: the next nodes after it in id order (a ring, so every node holds as
     many as it sends), skipping those of its own failure domain (`domains`: node -> its domain); fewer than

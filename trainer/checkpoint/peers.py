@@ -23,7 +23,7 @@ from ftsup.store.errors import CheckpointCorruptError, CheckpointError
 from ftsup.store.retention import RetentionPolicy, apply_retention
 from ftsup.trainer.checkpoint.comm import GroupComm
 from ftsup.trainer.checkpoint.commit import log_quietly
-from ftsup.trainer.checkpoint.peermsg import HEADER_BYTES, PeerError, check_file, check_offer, offer, rank_files
+from ftsup.trainer.checkpoint.peermsg import HEADER_BYTES, check_file, check_offer, offer, rank_files, reason_of
 
 log = structlog.get_logger("ftsup.checkpoint")
 
@@ -78,8 +78,8 @@ def exchange(comm: GroupComm, sends: list[Transfer], recvs: list[Transfer]) -> N
         try:
             assert r.check is not None
             r.rels = sorted(r.check(h.numpy().tobytes()))
-        except PeerError as e:
-            r.error = str(e)
+        except Exception as e:  # every rank must finish the three rounds, whatever the check raised
+            r.error = reason_of(e)
     answers = [torch.zeros(1, dtype=torch.int64) for _ in sends]
     verdicts = [(r.peer, torch.tensor([0 if r.error else 1], dtype=torch.int64)) for r in recvs]
     _round(comm, verdicts, [(s.peer, a) for s, a in zip(sends, answers, strict=True)])
@@ -99,8 +99,8 @@ def exchange(comm: GroupComm, sends: list[Transfer], recvs: list[Transfer]) -> N
             assert r.manifest is not None
             check_file(rel, data, r.manifest, f"group rank {r.peer}")
             r.got[rel] = data
-        except PeerError as e:
-            r.error = r.error or str(e)
+        except Exception as e:  # as above: the error is this transfer's, and the save's vote says it
+            r.error = r.error or reason_of(e)
 
 
 def _read(s: Transfer, rel: str) -> bytes | memoryview:
@@ -109,8 +109,8 @@ def _read(s: Transfer, rel: str) -> bytes | memoryview:
     try:
         assert s.read is not None
         return s.read(rel)
-    except (CheckpointError, OSError) as e:
-        s.error = s.error or f"{rel}: {e}"
+    except Exception as e:  # whatever failed, the receiver still gets the size it waits for
+        s.error = s.error or f"{rel}: {reason_of(e)}"
         assert s.manifest is not None
         return bytes(s.manifest.files[rel].size)
 
@@ -221,7 +221,7 @@ def _replicate(ring: Ring, comm: GroupComm, memory: Path, step: int) -> bool:
         if failed is None and recvs:
             partials = _stage(memory, mine, manifest, raw, step, recvs)
     except Exception as e:  # adapter boundary (gloo's errors are RuntimeErrors): every rank must reach the vote
-        failed = str(e) if isinstance(e, (CheckpointError, OSError, RuntimeError)) else f"{type(e).__name__}: {e}"
+        failed = reason_of(e)
     ok = comm.all_reduce_max(1 if failed else 0) == 0
     for partial in partials:
         _finish(partial, ok)
