@@ -161,9 +161,10 @@ class RuntimeEnv:
 # ---------------------------------------------------------------------- phases
 
 
-class Phase(str, enum.Enum):
+class Phase(enum.StrEnum):
     """What a rank is doing, as its heartbeats say. In `save` and `load` a rank may stay silent up to the save timeout;
-    in `eval` (work without optimizer steps) it beats from a thread, no step progress expected; `done`: teardown."""
+    in `eval` (work without optimizer steps) it beats from a thread, no step progress expected; `done`: teardown.
+    A StrEnum: its str() and f-strings give the wire name."""
 
     INIT = "init"
     LOAD = "load"
@@ -171,9 +172,6 @@ class Phase(str, enum.Enum):
     EVAL = "eval"
     SAVE = "save"
     DONE = "done"
-
-    def __str__(self) -> str:  # the wire name, in messages and f-strings alike
-        return self.value
 
 
 PHASE_NAMES = tuple(p.value for p in Phase)

@@ -103,16 +103,13 @@ COLLECTIVE_MARGIN_S = 60.0
 """How much longer than `heartbeat.save_timeout_s` a collective may wait by default (`collective_timeout_s` null)."""
 
 
-class HeartbeatMode(str, enum.Enum):
+class HeartbeatMode(enum.StrEnum):
     """Which detections apply (`heartbeat.mode`; `policy.rules.hang_detection_on`): crashes always; hangs, stalls
     and a slow start from launch on (`required`), once the job's first heartbeat arrived (`auto`) or never (`off`)."""
 
     OFF = "off"
     AUTO = "auto"
     REQUIRED = "required"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

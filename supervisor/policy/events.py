@@ -14,7 +14,7 @@ from ftsup.supervisor.config.forensics import ForensicsConfig
 from ftsup.supervisor.config.job import HeartbeatMode, JobConfig
 
 
-class SupervisorPhase(str, enum.Enum):
+class SupervisorPhase(enum.StrEnum):
     """Where the policy's state machine is (`State.phase`; one series each in `ftsup_phase`)."""
 
     INIT = "init"
@@ -23,9 +23,6 @@ class SupervisorPhase(str, enum.Enum):
     STOPPING = "stopping"
     BACKOFF = "backoff"
     DONE = "done"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 # ---------------------------------------------------------------------- settings
