@@ -254,14 +254,19 @@ class S3Tier(durable.DurableTier):
             return s3nodes.sweep(self, step, nodes)
 
     def call(self, what: str, key: str, fn: Any, **kwargs: Any) -> Any:
+        """`fn(Bucket=this tier's bucket, **kwargs)`, its errors made DurableTierErrors naming `key` and `what`
+        it could not do."""
         try:
-            return fn(**kwargs)
+            return fn(Bucket=self.bucket, **kwargs)
         except (ClientError, BotoCoreError) as e:
             if isinstance(e, ClientError) and _code(e) == "BadDigest":
                 raise DurableTierError(f"s3://{self.bucket}/{key}: arrived torn (Content-MD5 refused)") from None
             if isinstance(e, ClientError) and _code(e) == "NoSuchUpload":
                 raise s3upload.UploadGone(f"s3://{self.bucket}/{key}: its multipart upload is gone") from None
             raise s3_error(f"s3://{self.bucket}/{key}: cannot {what}", e) from None
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        self.call("abort an upload of", key, self.client.abort_multipart_upload, Key=key, UploadId=upload_id)
 
     def head(self, key: str) -> dict[str, Any] | None:
         try:
@@ -311,7 +316,6 @@ class S3Tier(durable.DurableTier):
                 "list the parts of",
                 key,
                 self.client.list_parts,
-                Bucket=self.bucket,
                 Key=key,
                 UploadId=upload_id,
                 PartNumberMarker=marker,

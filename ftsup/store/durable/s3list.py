@@ -41,7 +41,7 @@ def step_names(tier: S3Tier) -> tuple[list[int], list[str]]:
     token: str | None = None
     seen = 0
     for _page in range(MAX_PAGES):
-        kwargs: dict[str, Any] = {"Bucket": tier.bucket, "Prefix": base, "Delimiter": "/", "MaxKeys": PAGE}
+        kwargs: dict[str, Any] = {"Prefix": base, "Delimiter": "/", "MaxKeys": PAGE}
         if token:
             kwargs["ContinuationToken"] = token
         got = tier.call("list", base or "/", tier.client.list_objects_v2, **kwargs)
@@ -87,7 +87,7 @@ def object_sizes(tier: S3Tier, prefix: str, expected: int) -> dict[str, int]:
     for _page in range(MAX_PAGES):
         if len(sizes) >= limit:
             break
-        kwargs: dict[str, Any] = {"Bucket": tier.bucket, "Prefix": prefix, "MaxKeys": PAGE}
+        kwargs: dict[str, Any] = {"Prefix": prefix, "MaxKeys": PAGE}
         if token:
             kwargs["ContinuationToken"] = token
         got = tier.call("list", prefix, tier.client.list_objects_v2, **kwargs)
@@ -113,7 +113,6 @@ def uploads_under(tier: S3Tier, prefix: str) -> dict[str, list[str]]:
             "list the uploads under",
             prefix,
             tier.client.list_multipart_uploads,
-            Bucket=tier.bucket,
             Prefix=prefix,
             MaxUploads=PAGE,
             **markers,
@@ -191,7 +190,7 @@ def delete(tier: S3Tier, step: int) -> int:
     except layout.ManifestError as e:
         raise CheckpointError(f"{tier.step_url(step)}: not deleted: {e}") from None
     mkey = tier.manifest_key(step)
-    tier.call("delete", mkey, tier.client.delete_object, Bucket=tier.bucket, Key=mkey)
+    tier.call("delete", mkey, tier.client.delete_object, Key=mkey)
     return 1 + delete_files(tier, step, durable.data_token(raw), sorted(manifest.files))
 
 
@@ -207,7 +206,6 @@ def delete_files(tier: S3Tier, step: int, token: str, rels: list[str]) -> int:
             "delete the files of",
             where,
             tier.client.delete_objects,
-            Bucket=tier.bucket,
             Delete={"Objects": batch, "Quiet": True},
         )
         errors = got.get("Errors", []) or []
@@ -221,12 +219,5 @@ def delete_files(tier: S3Tier, step: int, token: str, rels: list[str]) -> int:
     named = set(keys)
     for key, ids in uploads_under(tier, tier.key(layout.step_dirname(step), token) + "/").items():
         for upload_id in ids if key in named else []:
-            tier.call(
-                "abort an upload of",
-                key,
-                tier.client.abort_multipart_upload,
-                Bucket=tier.bucket,
-                Key=key,
-                UploadId=upload_id,
-            )
+            tier.abort_upload(key, upload_id)
     return deleted

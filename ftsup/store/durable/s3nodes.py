@@ -103,9 +103,7 @@ def sweep(tier: S3Tier, step: int, nodes_of_job: set[str]) -> int:
     marker of a node of `nodes_of_job` names (in the data folder beside it), then those markers; never an object no
     such marker names. The number of objects deleted. Only for a step that can no longer commit (the caller's)."""
     base = tier.key(layout.step_dirname(step)) + "/"
-    got = tier.call(
-        "list", base, tier.client.list_objects_v2, Bucket=tier.bucket, Prefix=base, Delimiter="/", MaxKeys=s3list.PAGE
-    )
+    got = tier.call("list", base, tier.client.list_objects_v2, Prefix=base, Delimiter="/", MaxKeys=s3list.PAGE)
     folders = [e.get("Prefix") for e in got.get("CommonPrefixes", []) or [] if isinstance(e, dict)]
     found: dict[str, list[tuple[str, str]]] = {}  # data token -> (marker key, node)
     for folder in folders:
@@ -134,7 +132,7 @@ def sweep(tier: S3Tier, step: int, nodes_of_job: set[str]) -> int:
             except CheckpointError:
                 continue  # not a marker of this job's: what it names stays, and so does it
             deleted += s3list.delete_files(tier, step, token, rels)
-            tier.call("delete", key, tier.client.delete_object, Bucket=tier.bucket, Key=key)
+            tier.call("delete", key, tier.client.delete_object, Key=key)
             deleted += 1
     return deleted
 
@@ -226,7 +224,6 @@ def delete_markers(tier: S3Tier, step: int, token: str, manifest: layout.Manifes
             "delete the node markers of",
             folder,
             tier.client.delete_objects,
-            Bucket=tier.bucket,
             Delete={"Objects": keys[i : i + s3list.PAGE], "Quiet": True},
         )
     return len(keys)
@@ -242,7 +239,7 @@ def read_small(tier: S3Tier, key: str, cap: int) -> bytes | None:
         raise CheckpointError(f"s3://{tier.bucket}/{key}: {size!r:.40} bytes, not a marker (at most {cap})")
     if size == 0:
         return b""
-    got = tier.call("read", key, tier.client.get_object, Bucket=tier.bucket, Key=key, Range=f"bytes=0-{cap}")
+    got = tier.call("read", key, tier.client.get_object, Key=key, Range=f"bytes=0-{cap}")
     body = got["Body"]
     try:
         data = body.read(cap + 1)

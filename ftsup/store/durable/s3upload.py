@@ -153,7 +153,6 @@ def plan_file(tier: S3Tier, plan: FilePlan, unfinished: list[str], fresh: bool =
         "start an upload of",
         plan.key,
         tier.client.create_multipart_upload,
-        Bucket=tier.bucket,
         Key=plan.key,
         Metadata={"ftsup-checksum": plan.entry.checksum},
     )
@@ -233,7 +232,6 @@ def _part(
             "send a part of",
             plan.key,
             tier.client.upload_part,
-            Bucket=tier.bucket,
             Key=plan.key,
             UploadId=plan.upload_id,
             PartNumber=number,
@@ -258,14 +256,7 @@ def _finish(tier: S3Tier, local: durable.LocalCheckpoint, plan: FilePlan) -> boo
     if why is not None:
         if plan.upload_id is not None:  # the parts of a bad copy are of no use to anyone
             with contextlib.suppress(DurableTierError):
-                tier.call(
-                    "abort an upload of",
-                    plan.key,
-                    tier.client.abort_multipart_upload,
-                    Bucket=tier.bucket,
-                    Key=plan.key,
-                    UploadId=plan.upload_id,
-                )
+                tier.abort_upload(plan.key, plan.upload_id)
         raise CheckpointCorruptError(f"{local.path}/{plan.rel}: {why}", path=str(local.path), file=plan.rel)
     md5s = [plan.md5s[n] for n in sorted(plan.md5s)]
     expected = md5s[0].hex() if plan.single else durable.composite_etag(md5s)
@@ -280,7 +271,6 @@ def _finish(tier: S3Tier, local: durable.LocalCheckpoint, plan: FilePlan) -> boo
             "complete the upload of",
             plan.key,
             tier.client.complete_multipart_upload,
-            Bucket=tier.bucket,
             Key=plan.key,
             UploadId=plan.upload_id,
             MultipartUpload={"Parts": parts},
