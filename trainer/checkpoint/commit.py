@@ -276,22 +276,10 @@ class Committer:
         try:
             if errors:
                 raise CheckpointSaveError("; ".join(errors))
-            files: dict[str, layout.FileEntry] = {}
-            for r in reports:
-                files.update({k: layout.FileEntry(v["size"], v["checksum"]) for k, v in r["files"].items()})
             raw = metadata_bytes(job.plan, job.skeleton)
             layout.write_file_durable(partial / layout.DCP_META_NAME, raw)
-            files[layout.DCP_META_NAME] = layout.FileEntry(len(raw), checksums.checksum_bytes(raw))
             self.hook("metadata_written", job.step)
-            manifest = layout.Manifest(
-                step=job.step,
-                world_size=self.world_size,
-                kind=job.kind,
-                created_unix=time.time(),
-                files=files,
-                tensor_bytes=sum(r["tensor_bytes"] for r in reports),
-                metadata=job.metadata,
-            )
+            manifest = _manifest(job, self.world_size, reports, raw)
             layout.write_file_durable(partial / layout.MANIFEST_NAME, layout.manifest_bytes(manifest))
             layout.fsync_dir(partial)
             self.hook("manifest_written", job.step)
@@ -380,29 +368,43 @@ def _combine(preps: list[dict[str, Any] | None]) -> dict[str, Any]:
     return {"recreated": True} if any(p.get("recreated") for p in mine) else {}
 
 
+def _manifest(
+    job: StagedSave,
+    world_size: int,
+    reports: list[dict[str, Any]],
+    dcp: bytes,
+    nodes: dict[str, tuple[int, ...]] | None = None,
+) -> layout.Manifest:
+    """The manifest of `job`: every rank's files (as `reports` say), the DCP metadata `dcp` and, on a store each node
+    writes its own part of, which node holds which ranks (`nodes`)."""
+    files: dict[str, layout.FileEntry] = {}
+    for r in reports:
+        files.update({k: layout.FileEntry(v["size"], v["checksum"]) for k, v in r["files"].items()})
+    files[layout.DCP_META_NAME] = layout.FileEntry(len(dcp), checksums.checksum_bytes(dcp))
+    return layout.Manifest(
+        step=job.step,
+        world_size=world_size,
+        kind=job.kind,
+        created_unix=time.time(),
+        files=files,
+        tensor_bytes=sum(r["tensor_bytes"] for r in reports),
+        metadata=job.metadata,
+        nodes=nodes,
+    )
+
+
 def _build(c: Committer, job: StagedSave, reports: list[dict[str, Any]]) -> dict[str, Any]:
     """Rank 0: the manifest (recording which node holds which ranks) and `dcp_metadata.json`, as bytes."""
     errors = [r["error"] for r in reports if not r["ok"]]
     if errors:
         return {"ok": False, "error": "; ".join(errors)}
     try:
-        files: dict[str, layout.FileEntry] = {}
         by_node: dict[str, list[int]] = {}
         for rank, r in enumerate(reports):
-            files.update({k: layout.FileEntry(v["size"], v["checksum"]) for k, v in r["files"].items()})
             by_node.setdefault(str(r["node"]), []).append(rank)
         dcp = metadata_bytes(job.plan, job.skeleton)
-        files[layout.DCP_META_NAME] = layout.FileEntry(len(dcp), checksums.checksum_bytes(dcp))
-        manifest = layout.Manifest(
-            step=job.step,
-            world_size=c.world_size,
-            kind=job.kind,
-            created_unix=time.time(),
-            files=files,
-            tensor_bytes=sum(r["tensor_bytes"] for r in reports),
-            metadata=job.metadata,
-            nodes={n: tuple(ranks) for n, ranks in sorted(by_node.items())},
-        )
+        nodes = {n: tuple(ranks) for n, ranks in sorted(by_node.items())}
+        manifest = _manifest(job, c.world_size, reports, dcp, nodes)
         raw = layout.manifest_bytes(manifest)
         layout.parse_manifest(raw, f"the manifest of step {job.step}")  # node ids included: refused before any write
     except Exception as e:  # adapter boundary: reported to every rank

@@ -136,34 +136,23 @@ class CheckpointEngine:
         self.rank = self._comm.rank
         self.world_size = self._comm.world_size
         node, leader = rankenv.node()
-        self._committer = Committer(
-            self.directory,
-            self._comm,
+        # The store and the fallback directory are written alike; their retention and recycling differ.
+        committer = functools.partial(
+            Committer,
+            comm=self._comm,
             o_direct=o_direct,
-            retention=policy,
-            recycle=recycle,
             hook=self._hook,
             check_finite=check_finite,
             node=node,
             leader=leader,
         )
+        self._committer = committer(self.directory, retention=policy, recycle=recycle)
         if self._committer.leader:
             self.directory.mkdir(parents=True, exist_ok=True)
         fallback = rankenv.fallback_dir() if fallback_dir == "auto" else fallback_dir
         self._fallback: Committer | None = None
         if fallback is not None:  # one emergency checkpoint at a time is kept there
-            keep = RetentionPolicy(keep_last=1)
-            self._fallback = Committer(
-                Path(fallback),
-                self._comm,
-                o_direct=o_direct,
-                retention=keep,
-                recycle=False,
-                hook=self._hook,
-                check_finite=check_finite,
-                node=node,
-                leader=leader,
-            )
+            self._fallback = committer(Path(fallback), retention=RetentionPolicy(keep_last=1), recycle=False)
             if self._fallback.leader:  # made now, as the store is; where it cannot be, its one save says why
                 with contextlib.suppress(OSError):
                     self._fallback.directory.mkdir(parents=True, exist_ok=True)
