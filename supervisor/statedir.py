@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import math
 import os
 import stat
@@ -13,10 +14,10 @@ import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ftsup.store.errors import os_words
-from ftsup.supervisor.errors import ConfigError, UsageError
+from ftsup.supervisor.errors import ConfigError, UsageError, error_line
 from ftsup.workdir import DIRNAME, ignore_for_git
 
 LOCK_NAME = "supervisor.lock"
@@ -170,6 +171,34 @@ def read_private(path: str | os.PathLike[str], max_bytes: int, *, owner: int | N
     _require_own_file(fd, path, max_bytes=max_bytes, owner=owner)
     with os.fdopen(fd, "rb") as f:
         return f.read(max_bytes + 1)[:max_bytes]
+
+
+def read_json(
+    path: str | os.PathLike[str], max_bytes: int, error: Callable[[str], Exception], *, owner: int | None = None
+) -> dict[str, Any] | None:
+    """The JSON object in a file as `read_private` reads it (None when there is none); `error(message)` raised
+    naming the path and what is wrong: a link, not a regular file, too large, someone else's, not a JSON object."""
+    try:
+        data = read_private(path, max_bytes, owner=owner)
+    except OSError as e:
+        raise error(error_line(e)) from None
+    if data is None:
+        return None
+    try:
+        return json_object(data)
+    except ValueError as e:
+        raise error(f"{path}: {e}") from None
+
+
+def json_object(data: bytes) -> dict[str, Any]:
+    """The JSON object `data` holds; ValueError saying why it is not one."""
+    try:
+        value = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"not JSON ({str(e)[:200]})") from None
+    if not isinstance(value, dict):  # JSON's null among them: never taken for a missing file
+        raise ValueError("not a JSON object")
+    return value
 
 
 class RequestFile:

@@ -39,11 +39,8 @@ def encode(req: CaptureRequest) -> bytes:
 
 def parse(raw: bytes) -> CaptureRequest:
     """The request in `raw`; ValueError saying what is wrong with it."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise ValueError(f"not JSON ({str(e)[:100]})") from None
-    if not isinstance(body, dict) or body.get("v") != VERSION:
+    body = statedir.json_object(raw)
+    if body.get("v") != VERSION:
         raise ValueError(f"not a capture request of version {VERSION}")
     if unknown := sorted(set(body) - {"v", "id", "who", "reason", "requested_unix"}):
         raise ValueError(f"unknown field {unknown[0][:40]!r}")

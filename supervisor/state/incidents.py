@@ -17,7 +17,7 @@ from typing import Any
 
 from ftsup.protocol import Phase
 from ftsup.supervisor import statedir
-from ftsup.supervisor.errors import SupervisorError, error_line
+from ftsup.supervisor.errors import SupervisorError
 from ftsup.supervisor.policy import evidence, stacks
 from ftsup.supervisor.policy.stacks import Thread
 
@@ -177,16 +177,9 @@ class Store:
 
     def read(self, incident_id: str) -> Incident:
         path = self.path(incident_id)
-        try:
-            data = statedir.read_private(path, MAX_BYTES, owner=os.geteuid())
-        except OSError as e:  # a link, a FIFO, a directory, too large, someone else's
-            raise IncidentError(error_line(e)) from None
-        if data is None:
+        raw = statedir.read_json(path, MAX_BYTES, IncidentError, owner=os.geteuid())
+        if raw is None:
             raise IncidentError(f"{path}: no such incident (`ftsup incidents` lists them)")
-        try:
-            raw = json.loads(data)
-        except (ValueError, RecursionError) as e:
-            raise IncidentError(f"{path}: not JSON ({str(e)[:200]})") from None
         try:
             return parse(raw, incident_id)
         except IncidentError as e:

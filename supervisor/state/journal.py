@@ -12,7 +12,7 @@ from typing import Any
 
 from ftsup import protocol
 from ftsup.supervisor import statedir
-from ftsup.supervisor.errors import SupervisorError, error_line
+from ftsup.supervisor.errors import SupervisorError
 from ftsup.supervisor.policy import goodput
 
 FORMAT = 1
@@ -146,16 +146,11 @@ class Journal:
         """The last record, or None when there is none. Raises `JournalError` for a file that is
         a link, not a regular file, too large, owned by someone other than `owner` (when given),
         or not a journal."""
-        try:
-            data = statedir.read_private(self.path, MAX_BYTES, owner=owner)
-        except OSError as e:  # a link (ELOOP), a FIFO, a device, too large, someone else's
-            raise JournalError(error_line(e)) from None
-        if data is None:
+        raw = statedir.read_json(self.path, MAX_BYTES, JournalError, owner=owner)
+        if raw is None:
             return None
         try:
-            return JournalRecord.from_json(json.loads(data))
-        except (ValueError, RecursionError) as e:
-            raise JournalError(f"{self.path}: not JSON ({e})") from None
+            return JournalRecord.from_json(raw)
         except JournalError as e:
             raise JournalError(f"{self.path}: {e}") from None
 

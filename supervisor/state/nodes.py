@@ -221,18 +221,10 @@ def read_view(path: Path) -> View | None:
 def _load(path: Path, max_bytes: int) -> dict[str, Any] | None:
     """The JSON object of a regular file of this user's at `path` (never through a link, at most `max_bytes`), None
     when there is none."""
-    try:
-        raw = statedir.read_private(path, max_bytes, owner=os.geteuid())
-    except OSError as e:  # a link, a FIFO, another user's file, too large, unreadable
-        msg = str(e) if str(path) in str(e) else f"{path}: {e.strerror or e}"
-        raise NodeFileError(msg) from None
-    if raw is None:
+    body = statedir.read_json(path, max_bytes, NodeFileError, owner=os.geteuid())
+    if body is None:
         return None
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise NodeFileError(f"{path}: not JSON ({str(e)[:100]})") from None
-    if not isinstance(body, dict) or body.get("v") != VERSION:
+    if body.get("v") != VERSION:
         raise NodeFileError(f"{path}: not an object of version {VERSION}")
     return body
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from ftsup.protocol import Beat, Phase
 from ftsup.supervisor import statedir
-from ftsup.supervisor.errors import SupervisorError, error_line
+from ftsup.supervisor.errors import SupervisorError
 
 FORMAT = 1
 FILE_NAME = "ranks.json"
@@ -87,16 +87,9 @@ class RankTable:
 def read(path: Path) -> tuple[int, float, list[RankStatus]] | None:
     """(attempt, written_unix, ranks) of the file, None when there is none; `RankStatusError` for one that is a
     link, not a regular file, too large, someone else's, or not such a table."""
-    try:
-        data = statedir.read_private(path, MAX_BYTES, owner=os.geteuid())
-    except OSError as e:
-        raise RankStatusError(error_line(e)) from None
-    if data is None:
+    raw = statedir.read_json(path, MAX_BYTES, RankStatusError, owner=os.geteuid())
+    if raw is None:
         return None
-    try:
-        raw = json.loads(data)
-    except (ValueError, RecursionError) as e:
-        raise RankStatusError(f"{path}: not JSON ({e})") from None
     try:
         return _checked(raw)
     except RankStatusError as e:

@@ -113,6 +113,18 @@ def test_reading_a_file_larger_than_the_cap_is_refused(tmp_path):
         statedir.read_private(tmp_path / "journal.json", 100)
 
 
+@pytest.mark.parametrize("text", ["null", "[]", '"text"', "{"])
+def test_a_state_file_holding_no_json_object_is_refused_never_read_as_missing(tmp_path, text):
+    path = tmp_path / "ranks.json"
+    path.write_text(text)
+    with pytest.raises(UsageError, match="ranks.json: not (JSON|a JSON object)"):
+        statedir.read_json(path, 100, UsageError)
+
+
+def test_a_missing_state_file_reads_as_none(tmp_path):
+    assert statedir.read_json(tmp_path / "ranks.json", 100, UsageError) is None
+
+
 def test_an_atomic_write_replaces_a_planted_link_instead_of_writing_through_it(tmp_path):
     victim = tmp_path / "victim"
     victim.write_text("keep")
