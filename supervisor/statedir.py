@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 from ftsup.store.errors import os_words
 from ftsup.supervisor.errors import ConfigError, UsageError, error_line
@@ -29,6 +29,8 @@ _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 SYSTEMD_CONFIG_DIR = Path("/etc/ftsup")  # deploy/systemd/ftsup@.service runs --config /etc/ftsup/%i.yaml
 SYSTEMD_STATE_DIR = Path("/var/lib/ftsup")  # ... with StateDirectory=ftsup/%i
+
+T = TypeVar("T")
 
 
 def default_state_dir(workdir: Path, node_id: str, config_path: Path | None, environ: Mapping[str, str]) -> Path:
@@ -174,10 +176,16 @@ def read_private(path: str | os.PathLike[str], max_bytes: int, *, owner: int | N
 
 
 def read_json(
-    path: str | os.PathLike[str], max_bytes: int, error: Callable[[str], Exception], *, owner: int | None = None
-) -> dict[str, Any] | None:
-    """The JSON object in a file as `read_private` reads it (None when there is none); `error(message)` raised
-    naming the path and what is wrong: a link, not a regular file, too large, someone else's, not a JSON object."""
+    path: str | os.PathLike[str],
+    max_bytes: int,
+    error: type[Exception],
+    parse: Callable[[dict[str, Any]], T],
+    *,
+    owner: int | None = None,
+) -> T | None:
+    """`parse` of the JSON object in a file as `read_private` reads it (None when there is none); `error(message)`
+    raised naming the path and what is wrong: a link, not a regular file, too large, someone else's, not a JSON
+    object, or what `parse` raised it for."""
     try:
         data = read_private(path, max_bytes, owner=owner)
     except OSError as e:
@@ -185,8 +193,12 @@ def read_json(
     if data is None:
         return None
     try:
-        return json_object(data)
+        body = json_object(data)
     except ValueError as e:
+        raise error(f"{path}: {e}") from None
+    try:
+        return parse(body)
+    except error as e:
         raise error(f"{path}: {e}") from None
 
 

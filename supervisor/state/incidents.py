@@ -177,13 +177,12 @@ class Store:
 
     def read(self, incident_id: str) -> Incident:
         path = self.path(incident_id)
-        raw = statedir.read_json(path, MAX_BYTES, IncidentError, owner=os.geteuid())
-        if raw is None:
+        found = statedir.read_json(
+            path, MAX_BYTES, IncidentError, lambda raw: parse(raw, incident_id), owner=os.geteuid()
+        )
+        if found is None:
             raise IncidentError(f"{path}: no such incident (`ftsup incidents` lists them)")
-        try:
-            return parse(raw, incident_id)
-        except IncidentError as e:
-            raise IncidentError(f"{path}: {e}") from None
+        return found
 
     def read_all(self) -> tuple[list[Incident], list[str]]:
         """The records here, newest first (at most `MAX_LISTED`), and one line for each that could not be read."""

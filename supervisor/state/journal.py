@@ -146,13 +146,7 @@ class Journal:
         """The last record, or None when there is none. Raises `JournalError` for a file that is
         a link, not a regular file, too large, owned by someone other than `owner` (when given),
         or not a journal."""
-        raw = statedir.read_json(self.path, MAX_BYTES, JournalError, owner=owner)
-        if raw is None:
-            return None
-        try:
-            return JournalRecord.from_json(raw)
-        except JournalError as e:
-            raise JournalError(f"{self.path}: {e}") from None
+        return statedir.read_json(self.path, MAX_BYTES, JournalError, JournalRecord.from_json, owner=owner)
 
     def write(self, record: JournalRecord, *, durable: bool = True) -> None:
         """Replace the record (`durable`: fsynced, so that it survives the node's crash too, not only ours)."""

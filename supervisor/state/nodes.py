@@ -221,11 +221,12 @@ def read_view(path: Path) -> View | None:
 def _load(path: Path, max_bytes: int) -> dict[str, Any] | None:
     """The JSON object of a regular file of this user's at `path` (never through a link, at most `max_bytes`), None
     when there is none."""
-    body = statedir.read_json(path, max_bytes, NodeFileError, owner=os.geteuid())
-    if body is None:
-        return None
+    return statedir.read_json(path, max_bytes, NodeFileError, _versioned, owner=os.geteuid())
+
+
+def _versioned(body: dict[str, Any]) -> dict[str, Any]:
     if body.get("v") != VERSION:
-        raise NodeFileError(f"{path}: not an object of version {VERSION}")
+        raise NodeFileError(f"not an object of version {VERSION}")
     return body
 
 

@@ -87,13 +87,7 @@ class RankTable:
 def read(path: Path) -> tuple[int, float, list[RankStatus]] | None:
     """(attempt, written_unix, ranks) of the file, None when there is none; `RankStatusError` for one that is a
     link, not a regular file, too large, someone else's, or not such a table."""
-    raw = statedir.read_json(path, MAX_BYTES, RankStatusError, owner=os.geteuid())
-    if raw is None:
-        return None
-    try:
-        return _checked(raw)
-    except RankStatusError as e:
-        raise RankStatusError(f"{path}: {e}") from None
+    return statedir.read_json(path, MAX_BYTES, RankStatusError, _checked, owner=os.geteuid())
 
 
 def _checked(raw: Any) -> tuple[int, float, list[RankStatus]]:

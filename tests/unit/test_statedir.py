@@ -118,11 +118,11 @@ def test_a_state_file_holding_no_json_object_is_refused_never_read_as_missing(tm
     path = tmp_path / "ranks.json"
     path.write_text(text)
     with pytest.raises(UsageError, match="ranks.json: not (JSON|a JSON object)"):
-        statedir.read_json(path, 100, UsageError)
+        statedir.read_json(path, 100, UsageError, dict)
 
 
 def test_a_missing_state_file_reads_as_none(tmp_path):
-    assert statedir.read_json(tmp_path / "ranks.json", 100, UsageError) is None
+    assert statedir.read_json(tmp_path / "ranks.json", 100, UsageError, dict) is None
 
 
 def test_an_atomic_write_replaces_a_planted_link_instead_of_writing_through_it(tmp_path):
