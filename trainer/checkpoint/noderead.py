@@ -85,11 +85,7 @@ class NodeSource:
     def verified_file(self, rel: str, crc_rel: str) -> VerifiedFile:
         if self.holds(rel) and self.holds(crc_rel):
             self.local_files += 1
-            entry = self.manifest.files[rel]
-            local = str(safefile.resolve_inside(self.local, rel))
-            return VerifiedFile(
-                local, entry.size, entry.checksum, str(safefile.resolve_inside(self.local, crc_rel)), rel
-            )
+            return VerifiedFile.in_checkpoint(self.local, self.manifest, rel, crc_rel)
         self.durable_files += 1
         return self.durable().verified_file(rel, crc_rel)
 

@@ -179,18 +179,11 @@ class ShardReader(StorageReader):
             by_file.setdefault(loc.file, []).append((req, loc, start, start + n_elems * item, first))
         files = []
         for file, reqs in by_file.items():
-            entry = self.manifest.files[file]
             crc_file = reqs[0][1].crc_file
             if self.source is not None:
                 vf = self.source.verified_file(file, crc_file)
             else:
-                vf = VerifiedFile(
-                    str(layout.resolve_inside(self.path, file)),
-                    entry.size,
-                    entry.checksum,
-                    str(layout.resolve_inside(self.path, crc_file)),
-                    file,
-                )
+                vf = VerifiedFile.in_checkpoint(self.path, self.manifest, file, crc_file)
             files.append((vf, [(s, e) for _, _, s, e, _ in reqs]))
         if self.source is None:
             got = read_files(files, pool=self.pool)

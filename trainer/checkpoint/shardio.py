@@ -26,7 +26,7 @@ from ftsup.store.checksums import (
     unpack_block_crcs,
 )
 from ftsup.store.errors import CheckpointCorruptError
-from ftsup.store.layout import CHECKSUM_BLOCK_BYTES, SIDECAR_MAX_BYTES
+from ftsup.store.layout import CHECKSUM_BLOCK_BYTES, SIDECAR_MAX_BYTES, Manifest
 from ftsup.trainer.checkpoint import codec
 
 PAGE = 4096
@@ -277,6 +277,14 @@ class VerifiedFile:
         # The file's checksum is defined over its block CRCs, so the sidecar verifies itself.
         if checksum_from_block_crcs(self.crcs, self.algorithm) != checksum or len(self.crcs) != blocks:
             raise CheckpointCorruptError(f"{self.shown}: block checksums do not match the manifest", file=self.rel)
+
+    @classmethod
+    def in_checkpoint(cls, ckpt: str | os.PathLike[str], manifest: Manifest, rel: str, crc_rel: str) -> VerifiedFile:
+        """The shard file `rel` of the checkpoint directory `ckpt`, with its block checksums in `crc_rel` (both
+        resolved inside `ckpt`), checked against `manifest`'s entry of it."""
+        entry = manifest.files[rel]
+        path, crc_path = safefile.resolve_inside(ckpt, rel), safefile.resolve_inside(ckpt, crc_rel)
+        return cls(str(path), entry.size, entry.checksum, str(crc_path), rel)
 
     @classmethod
     def fetched(

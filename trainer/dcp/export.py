@@ -117,6 +117,4 @@ def _write(
 
 
 def _verified(ckpt: Path, manifest: layout.Manifest, s: Mapping[str, Any]) -> VerifiedFile:
-    entry = manifest.files[s["file"]]
-    path = str(layout.resolve_inside(ckpt, s["file"]))
-    return VerifiedFile(path, entry.size, entry.checksum, str(layout.resolve_inside(ckpt, s["crc_file"])), s["file"])
+    return VerifiedFile.in_checkpoint(ckpt, manifest, s["file"], s["crc_file"])

@@ -248,14 +248,7 @@ class _Chunks:
     def _file(self, rel: str, crc_rel: str) -> VerifiedFile:
         vf = self.files.get(rel)
         if vf is None:
-            entry = self.manifest.files[rel]
-            vf = VerifiedFile(
-                str(layout.resolve_inside(self.ckpt, rel)),
-                entry.size,
-                entry.checksum,
-                str(layout.resolve_inside(self.ckpt, crc_rel)),
-                rel,
-            )
+            vf = VerifiedFile.in_checkpoint(self.ckpt, self.manifest, rel, crc_rel)
             self.files[rel] = vf
         return vf
 
