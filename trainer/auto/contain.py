@@ -3,6 +3,7 @@ training script goes on as if it had never been there."""
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from collections.abc import Callable
@@ -29,6 +30,17 @@ class Piece:
         except Exception as e:  # an adapter boundary: the script must never fail for its instrumentation
             self.fail(e)
             return None
+
+    def after_init(self, cls: Any, adopt: Callable[..., object], *extra: Any) -> None:
+        """Wrap `cls.__init__`: once it has returned, `adopt(the new object, *extra)` runs as a call of this piece."""
+        original = cls.__init__
+
+        @functools.wraps(original)
+        def __init__(obj: Any, *args: Any, **kwargs: Any) -> None:
+            original(obj, *args, **kwargs)
+            self.run(adopt, obj, *extra)
+
+        cls.__init__ = __init__
 
     def fail(self, error: BaseException) -> None:
         """Turn the piece off and say so once."""

@@ -22,16 +22,11 @@ def instrument(module: ModuleType) -> None:
     """Called once `deepspeed.runtime.engine` is imported: `DeepSpeedEngine.__init__`, `step`, `save_checkpoint`,
     `load_checkpoint`, `train` and `eval` wrapped."""
     cls = module.DeepSpeedEngine
-    original_init, original_step = cls.__init__, cls.step
+    original_step = cls.step
     original_save, original_load = cls.save_checkpoint, cls.load_checkpoint
     original_train, original_eval = cls.train, cls.eval
     save_signature = inspect.signature(original_save)
     load_signature = inspect.signature(original_load)
-
-    @functools.wraps(original_init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original_init(self, *args, **kwargs)
-        DEEPSPEED.run(adopt, self)
 
     @functools.wraps(original_step)
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -88,7 +83,8 @@ def instrument(module: ModuleType) -> None:
             DEEPSPEED.run(ours.switched, self, False)
         return result
 
-    cls.__init__, cls.step, cls.train, cls.eval = __init__, step, train, eval
+    DEEPSPEED.after_init(cls, adopt)
+    cls.step, cls.train, cls.eval = step, train, eval
     cls.save_checkpoint, cls.load_checkpoint = save_checkpoint, load_checkpoint
 
 

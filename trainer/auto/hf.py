@@ -21,12 +21,7 @@ def instrument(module: ModuleType) -> None:
     """Called once `transformers.trainer` is imported: `Trainer.__init__` and `Trainer.train` wrapped (subclasses
     that call them included)."""
     trainer_class = module.Trainer
-    original_init, original_train = trainer_class.__init__, trainer_class.train
-
-    @functools.wraps(original_init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original_init(self, *args, **kwargs)
-        HF.run(adopt, self)
+    original_train = trainer_class.train
 
     @functools.wraps(original_train)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -35,7 +30,7 @@ def instrument(module: ModuleType) -> None:
             args, kwargs = given
         return original_train(self, *args, **kwargs)
 
-    trainer_class.__init__ = __init__
+    HF.after_init(trainer_class, adopt)
     trainer_class.train = train
 
 

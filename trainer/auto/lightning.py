@@ -21,13 +21,8 @@ def instrument(package: ModuleType) -> None:
     """Called once `lightning.pytorch` or `pytorch_lightning` is imported: its `Trainer.__init__` and `Trainer.fit`
     wrapped."""
     trainer_class, callback_base = package.Trainer, package.Callback
-    original_init, original_fit = trainer_class.__init__, trainer_class.fit
+    original_fit = trainer_class.fit
     fit_signature = inspect.signature(original_fit)
-
-    @functools.wraps(original_init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original_init(self, *args, **kwargs)
-        LIGHTNING.run(adopt, self, callback_base)
 
     @functools.wraps(original_fit)
     def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -36,7 +31,7 @@ def instrument(package: ModuleType) -> None:
             args, kwargs = given
         return original_fit(self, *args, **kwargs)
 
-    trainer_class.__init__ = __init__
+    LIGHTNING.after_init(trainer_class, adopt, callback_base)
     trainer_class.fit = fit
 
 
