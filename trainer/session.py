@@ -37,6 +37,7 @@ log = structlog.get_logger("ftsup.trainer")
 DEFAULT_SAVE_EVERY = 100
 P = ParamSpec("P")
 T = TypeVar("T")
+Init = TypeVar("Init", HfInit, DcpInit)
 
 
 class Session:
@@ -119,27 +120,11 @@ class Session:
                 self.hf_init: HfInit | None = None
                 """What `init_from_hf` loaded (None: a checkpoint was resumed, or no Hugging Face model was given)."""
                 if self.loaded is None and init_from_hf is not None:
-                    t0 = time.monotonic()
-                    self.hf_init = st.init_from_hf(init_from_hf)
-                    took = round(time.monotonic() - t0, 4)
-                    where, read = self.hf_init.origin["dir"], self.hf_init.bytes_read
-                    log.info("hf_model_loaded", rank=self.rank, path=where, bytes_read=read, duration_s=took)
+                    self.hf_init = _init_from("hf_model_loaded", self.rank, st.init_from_hf, init_from_hf)
                 self.dcp_init: DcpInit | None = None
                 """What `init_from_dcp` loaded (None: a checkpoint was resumed, or no DCP checkpoint was given)."""
                 if self.loaded is None and init_from_dcp is not None:
-                    t0 = time.monotonic()
-                    self.dcp_init = st.init_from_dcp(init_from_dcp)
-                    took = round(time.monotonic() - t0, 4)
-                    where, read = self.dcp_init.origin["dir"], self.dcp_init.bytes_read
-                    records = self.dcp_init.structure_bytes_read
-                    log.info(
-                        "dcp_model_loaded",
-                        rank=self.rank,
-                        path=where,
-                        bytes_read=read,
-                        structure_bytes_read=records,
-                        duration_s=took,
-                    )
+                    self.dcp_init = _init_from("dcp_model_loaded", self.rank, st.init_from_dcp, init_from_dcp)
             if self.loaded is not None:
                 self._streams.pending(functools.partial(self._resume_position, self.loaded))
             self.schedule = st.schedule  # with every skip in force
@@ -470,3 +455,16 @@ def _count_of(name: str, value: int | None) -> int:
     if type(value) is not int or value < 1:
         raise DataConfigError(f"{name} must be a number >= 1, not {value!r}")
     return value
+
+
+def _init_from(event: str, rank: int, load: Callable[[Any], Init], source: Any) -> Init:
+    """`load(source)`: a fresh start's weights from outside the store, logged as `event` with where they came from,
+    what was read and how long it took."""
+    t0 = time.monotonic()
+    got = load(source)
+    took = round(time.monotonic() - t0, 4)
+    fields: dict[str, Any] = {"rank": rank, "path": got.origin["dir"], "bytes_read": got.bytes_read}
+    if isinstance(got, DcpInit):
+        fields["structure_bytes_read"] = got.structure_bytes_read
+    log.info(event, **fields, duration_s=took)
+    return got
