@@ -265,8 +265,12 @@ class S3Tier(durable.DurableTier):
                 raise s3upload.UploadGone(f"s3://{self.bucket}/{key}: its multipart upload is gone") from None
             raise s3_error(f"s3://{self.bucket}/{key}: cannot {what}", e) from None
 
+    def on_object(self, what: str, key: str, fn: Any, **kwargs: Any) -> Any:
+        """`call` of an operation on the object `key` (its Key, as its errors name it)."""
+        return self.call(what, key, fn, Key=key, **kwargs)
+
     def abort_upload(self, key: str, upload_id: str) -> None:
-        self.call("abort an upload of", key, self.client.abort_multipart_upload, Key=key, UploadId=upload_id)
+        self.on_object("abort an upload of", key, self.client.abort_multipart_upload, UploadId=upload_id)
 
     def head(self, key: str) -> dict[str, Any] | None:
         try:
@@ -312,11 +316,10 @@ class S3Tier(durable.DurableTier):
         parts: dict[int, tuple[str, int]] = {}
         marker = 0
         for _page in range(s3list.MAX_PAGES):
-            got = self.call(
+            got = self.on_object(
                 "list the parts of",
                 key,
                 self.client.list_parts,
-                Key=key,
                 UploadId=upload_id,
                 PartNumberMarker=marker,
             )

@@ -190,7 +190,7 @@ def delete(tier: S3Tier, step: int) -> int:
     except layout.ManifestError as e:
         raise CheckpointError(f"{tier.step_url(step)}: not deleted: {e}") from None
     mkey = tier.manifest_key(step)
-    tier.call("delete", mkey, tier.client.delete_object, Key=mkey)
+    tier.on_object("delete", mkey, tier.client.delete_object)
     return 1 + delete_files(tier, step, durable.data_token(raw), sorted(manifest.files))
 
 

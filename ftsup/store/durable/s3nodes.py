@@ -132,7 +132,7 @@ def sweep(tier: S3Tier, step: int, nodes_of_job: set[str]) -> int:
             except CheckpointError:
                 continue  # not a marker of this job's: what it names stays, and so does it
             deleted += s3list.delete_files(tier, step, token, rels)
-            tier.call("delete", key, tier.client.delete_object, Key=key)
+            tier.on_object("delete", key, tier.client.delete_object)
             deleted += 1
     return deleted
 
@@ -239,7 +239,7 @@ def read_small(tier: S3Tier, key: str, cap: int) -> bytes | None:
         raise CheckpointError(f"s3://{tier.bucket}/{key}: {size!r:.40} bytes, not a marker (at most {cap})")
     if size == 0:
         return b""
-    got = tier.call("read", key, tier.client.get_object, Key=key, Range=f"bytes=0-{cap}")
+    got = tier.on_object("read", key, tier.client.get_object, Range=f"bytes=0-{cap}")
     body = got["Body"]
     try:
         data = body.read(cap + 1)

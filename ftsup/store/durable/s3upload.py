@@ -149,11 +149,10 @@ def plan_file(tier: S3Tier, plan: FilePlan, unfinished: list[str], fresh: bool =
             return
         except UploadGone:  # dropped since it was listed: a new one
             plan.upload_id, plan.have = None, {}
-    created = tier.call(
+    created = tier.on_object(
         "start an upload of",
         plan.key,
         tier.client.create_multipart_upload,
-        Key=plan.key,
         Metadata={"ftsup-checksum": plan.entry.checksum},
     )
     plan.upload_id = str(created["UploadId"])
@@ -228,11 +227,10 @@ def _part(
         plan.etags[number] = md5.hex()
         return 0, "kept"
     else:
-        sent = tier.call(
+        sent = tier.on_object(
             "send a part of",
             plan.key,
             tier.client.upload_part,
-            Key=plan.key,
             UploadId=plan.upload_id,
             PartNumber=number,
             Body=data if pause is None else _PausingBody(data, pause),
@@ -267,11 +265,10 @@ def _finish(tier: S3Tier, local: durable.LocalCheckpoint, plan: FilePlan) -> boo
         return True
     parts = [{"PartNumber": n, "ETag": f'"{plan.etags[n]}"'} for n in sorted(plan.etags)]
     try:
-        done = tier.call(
+        done = tier.on_object(
             "complete the upload of",
             plan.key,
             tier.client.complete_multipart_upload,
-            Key=plan.key,
             UploadId=plan.upload_id,
             MultipartUpload={"Parts": parts},
         )
