@@ -13,7 +13,7 @@ import re
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from ftsup.store.errors import CheckpointCorruptError, CheckpointError, ManifestError, os_words
 
@@ -88,6 +88,41 @@ def open_regular(path: str | os.PathLike[str], what: str, error: type[Checkpoint
         os.close(fd)
         raise error(f"{what}: is not a regular file ({_kind(mode)}); refusing to read it")
     return fd
+
+
+class OpenFiles:
+    """A reader of an outside model's files that keeps each open once opened (`opened`), for ranged reads, until
+    `close()`; a context manager."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def opened(
+        self, name: str, path: str | os.PathLike[str], what: str, size: int, since: str, error: type[CheckpointError]
+    ) -> int:
+        """The descriptor of the regular file `path` (`open_regular`), opened at the first call for `name`; `error`
+        naming `what` unless it is `size` bytes, as read `since` (its metadata, its header)."""
+        fd = self._fds.get(name)
+        if fd is None:
+            fd = open_regular(path, what, error)
+            if os.fstat(fd).st_size != size:
+                os.close(fd)
+                raise error(f"{what}: changed since {since}")
+            if hasattr(os, "posix_fadvise"):  # read what is asked for, not a readahead window more
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            self._fds[name] = fd
+        return fd
 
 
 def read_full(read: Callable[[int, int], bytes], n: int) -> bytes:

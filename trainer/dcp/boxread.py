@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-from types import TracebackType
 
 import torch
 
@@ -18,27 +17,16 @@ from ftsup.trainer.checkpoint import codec
 from ftsup.trainer.checkpoint.shardio import as_memoryview
 
 
-class BoxReader:
+class BoxReader(safefile.OpenFiles):
     """Ranged reads of a DCP checkpoint's tensors; a context manager (it keeps its data files open).
     `bytes_read`: tensor bytes read; `structure_bytes_read`: bytes of the archives' own records read to find them."""
 
     def __init__(self, ckpt: dcpdir.DcpCheckpoint) -> None:
+        super().__init__()
         self.ckpt = ckpt
         self.bytes_read = 0
         self.structure_bytes_read = 0
-        self._fds: dict[str, int] = {}
         self._where: dict[tuple[str, str, int], dcparchive.ChunkBytes] = {}
-
-    def __enter__(self) -> BoxReader:
-        return self
-
-    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
-
-    def close(self) -> None:
-        fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            os.close(fd)
 
     def read(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         """The box at `offsets` of `sizes` of tensor `name`, in its own memory (the checkpoint's dtype)."""
@@ -116,14 +104,6 @@ class BoxReader:
         return buf
 
     def _open(self, file: str) -> int:
-        fd = self._fds.get(file)
-        if fd is None:
-            path = self.ckpt.path / file
-            fd = safefile.open_regular(path, str(path), ModelFileError)
-            if os.fstat(fd).st_size != self.ckpt.files[file]:
-                os.close(fd)
-                raise ModelFileError(f"{path}: changed since the checkpoint's metadata was read")
-            if hasattr(os, "posix_fadvise"):  # read what is asked for, not a readahead window more
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            self._fds[file] = fd
-        return fd
+        path = self.ckpt.path / file
+        since = "the checkpoint's metadata was read"
+        return self.opened(file, path, str(path), self.ckpt.files[file], since, ModelFileError)

@@ -12,7 +12,6 @@ import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from types import TracebackType
 
 import numpy
 import torch
@@ -63,27 +62,21 @@ def release_reading_threads() -> None:
         pool.shutdown(wait=True)
 
 
-class HubReader:
+class HubReader(safefile.OpenFiles):
     """Ranged reads of a Hub-layout model's tensors; a context manager (it keeps files open)."""
 
     def __init__(self, model: hublayout.HubModel, verified: Mapping[str, VerifiedFile] | None = None):
+        super().__init__()
         self.model = model
         self.verified = dict(verified or {})
         self.bytes_read = 0
         self._tensors = model.tensors
-        self._fds: dict[str, int] = {}
         self._direct: dict[str, int | None] = {}  # O_DIRECT descriptors (None: refused)
 
-    def __enter__(self) -> HubReader:
-        return self
-
-    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
-
     def close(self) -> None:
-        fds, self._fds = self._fds, {}
+        super().close()
         direct, self._direct = self._direct, {}
-        for fd in [*fds.values(), *(d for d in direct.values() if d is not None)]:
+        for fd in [d for d in direct.values() if d is not None]:
             os.close(fd)
 
     def entry(self, name: str) -> stheader.TensorEntry:
@@ -238,17 +231,8 @@ class HubReader:
         return self._direct[file]
 
     def _open(self, file: str) -> int:
-        fd = self._fds.get(file)
-        if fd is None:
-            what = str(self.model.root / file)
-            fd = safefile.open_regular(self.model.path(file), what, ModelFileError)
-            if os.fstat(fd).st_size != self.model.headers[file].file_size:
-                os.close(fd)
-                raise ModelFileError(f"{what}: changed since its header was read")
-            if hasattr(os, "posix_fadvise"):  # read what is asked for, not a readahead window more
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            self._fds[file] = fd
-        return fd
+        what, size = str(self.model.root / file), self.model.headers[file].file_size
+        return self.opened(file, self.model.path(file), what, size, "its header was read", ModelFileError)
 
 
 def _aligned(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
