@@ -10,7 +10,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -269,7 +269,7 @@ def checkpoint_table(infos: Sequence[layout.CheckpointInfo], pinned: frozenset[i
 def utc(created_unix: float | None) -> str:
     if created_unix is None:
         return "-"
-    return datetime.fromtimestamp(created_unix, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    return datetime.fromtimestamp(created_unix, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def human_bytes(n: int) -> str:

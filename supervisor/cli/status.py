@@ -10,7 +10,7 @@ import argparse
 import json
 import os
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -280,7 +280,7 @@ def _incident_lines(out: dict[str, Any]) -> list[str]:
 def _utc(t: object) -> str:
     if not isinstance(t, (int, float)):
         return "?"
-    return datetime.fromtimestamp(t, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return datetime.fromtimestamp(t, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _age(s: float) -> str:

@@ -9,7 +9,7 @@ import os
 import re
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -71,7 +71,7 @@ def test_a_hang_is_detected_in_time_while_the_store_is_hostile(tmp_path: Path) -
     try:
         wait_for(lambda: (tmp_path / "ckpt" / layout.step_dirname(4)).is_dir(), 180, "no first checkpoint")
         plant_hostile(tmp_path / "ckpt")  # before the hang at step 10, while the daemon scans
-        planted_at = datetime.now(timezone.utc).isoformat()
+        planted_at = datetime.now(UTC).isoformat()
         out, _ = proc.communicate(timeout=300)
     finally:
         kill_tree(proc.pid)
