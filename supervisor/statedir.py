@@ -185,7 +185,7 @@ def read_json(
 ) -> T | None:
     """`parse` of the JSON object in a file as `read_private` reads it (None when there is none); `error(message)`
     raised naming the path and what is wrong: a link, not a regular file, too large, someone else's, not a JSON
-    object, or what `parse` raised it for."""
+    object, or what `parse` raised it or a ValueError for (a parser's own check of a value passed on)."""
     try:
         data = read_private(path, max_bytes, owner=owner)
     except OSError as e:
@@ -198,7 +198,7 @@ def read_json(
         raise error(f"{path}: {e}") from None
     try:
         return parse(body)
-    except error as e:
+    except (error, ValueError, RecursionError) as e:
         raise error(f"{path}: {e}") from None
 
 

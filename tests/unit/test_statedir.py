@@ -121,6 +121,17 @@ def test_a_state_file_holding_no_json_object_is_refused_never_read_as_missing(tm
         statedir.read_json(path, 100, UsageError, dict)
 
 
+def test_a_value_error_of_the_parser_is_the_files_error_naming_it(tmp_path):
+    path = tmp_path / "journal.json"
+    path.write_text("{}")
+
+    def parse(body):
+        raise ValueError("'goodput' is not a record")
+
+    with pytest.raises(UsageError, match=r"journal.json: 'goodput' is not a record"):
+        statedir.read_json(path, 100, UsageError, parse)
+
+
 def test_a_missing_state_file_reads_as_none(tmp_path):
     assert statedir.read_json(tmp_path / "ranks.json", 100, UsageError, dict) is None
 
