@@ -138,7 +138,9 @@ def test_an_eviction_saves_exits_5_and_the_next_run_finishes_bitwise_the_uninter
     code, tail = supervise(tmp_path, evict)
     assert code == EXIT_EVICTED
     latest = layout.latest_consistent(tmp_path / "ckpt", deep=True)
-    assert (latest.step, latest.kind) == (tail.max_step(), "emergency")
+    # Under load the request can reach the ranks only at a periodic save's step: that save serves it.
+    kind = "periodic" if latest.step % EVAL_EVERY == 0 else "emergency"
+    assert (latest.step, latest.kind) == (tail.max_step(), kind)
     code, _ = supervise(tmp_path)
     assert code == 0
     assert (hexes(tmp_path), failures(tmp_path)) == (reference["hexes"], [])
