@@ -32,7 +32,7 @@ MODEL = ["--n-layer", "1", "--n-embd", "32", "--seq-len", "16", "--corpus-bytes"
 
 
 def write_job(tmp: Path, endpoint: str, bucket: str) -> Path:
-    command = [sys.executable, "-m", "ftsup.trainer.examples.gpt", *MODEL, "--steps", str(STEPS), "--ckpt-every", "4"]
+    command = [sys.executable, "-m", "ftsup.trainer.examples.gpt", *MODEL, "--steps", str(STEPS), "--ckpt-every", "5"]
     command += ["--min-step-s", "0.3", "--loss-log", str(tmp / "loss.jsonl")]
     tier = {"url": f"s3://{bucket}/job", "endpoint_url": endpoint, "request_timeout_s": 2}
     cfg = {
