@@ -1,11 +1,23 @@
-"""The suite's collection: `-m alone` (the README's second pytest command) imports only the files that hold a test
-marked `alone`, instead of every test module for the ten tests it runs."""
+"""The suite's set-up: the checkout's bytecode compiled once where Python may not write it, and `-m alone` (the
+README's second pytest command) importing only the files that hold a test marked `alone`."""
 
 from __future__ import annotations
 
+import compileall
+import sys
 from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # With PYTHONDONTWRITEBYTECODE set, every rank, agent and supervisor the suite starts would compile the
+    # checkout's modules from source again; compiled once here, they are read like the installed packages'.
+    if sys.dont_write_bytecode and not hasattr(config, "workerinput"):
+        for folder in ("ftsup", "supervisor", "trainer", "tests"):
+            compileall.compile_dir(REPO / folder, quiet=2, workers=1)
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
