@@ -64,6 +64,7 @@ is inconsistent after the first, and listing them all costs time and screens."""
 
 _STEP_RE = re.compile(r"^step-(\d{9,18})$")
 _PARTIAL_RE = re.compile(r"^step-(\d{9,18})\.partial$")
+_SUBSET_RE = re.compile(r"^step-(\d{9,18})\.subset$")
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,255}")  # no "/": all validate_relpath asks, "." and ".." apart
 
 
@@ -89,6 +90,12 @@ def parse_step_dirname(name: str) -> int | None:
 def parse_partial_dirname(name: str) -> int | None:
     m = _PARTIAL_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+def subset_dirname(step: int) -> str:
+    """A copy of checkpoint `step` holding only the files its `subset.json` names (`nodes.SUBSET_FILE`): never a
+    committed checkpoint, whatever it holds."""
+    return step_dirname(step) + ".subset"
 
 
 def shard_name(rank: int) -> str:
@@ -311,7 +318,8 @@ def check_checkpoint(ckpt_dir: str | os.PathLike[str], *, deep: bool = False) ->
         return None, [Problem(MANIFEST_NAME, str(e))]
     base = os.fspath(ckpt_dir)
     try:  # a node-local store's copy holds its node's files only (`ftsup.store.nodes`)
-        held = nodes.held_files(base, manifest.files, manifest.nodes)
+        subset = _SUBSET_RE.match(Path(base).name) is not None
+        held = nodes.held_files(base, manifest.files, manifest.nodes, subset=subset)
     except ManifestError as e:
         return None, [Problem(nodes.NODE_FILE, str(e))]
     dir_fd = safefile.open_dir(base)  # names looked up in it: a path walked from / for 50,000 files costs more

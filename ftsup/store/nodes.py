@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -19,6 +19,9 @@ from ftsup.store.errors import ManifestError
 NODE_FILE = "node.json"
 """In a node-local store's `step-N/`: the node whose files this directory holds (not listed in the manifest)."""
 NODE_FILE_MAX_BYTES = 4096
+SUBSET_FILE = "subset.json"
+"""In a `step-N.subset/` directory (`layout.subset_dirname`): the files of the manifest that copy holds (not listed in
+the manifest). Honoured in a directory of that name only: a committed `step-N/` holding one still holds every file."""
 MARKER_MAX_BYTES = 16 << 20
 MAX_NODES = 4096
 _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -85,16 +88,39 @@ def sent_by(files: Mapping[str, Any], nodes: Nodes, node: str) -> list[str]:
     return sorted(rel for rel in files if ((r := rank_of(rel)) is None and 0 in ranks) or r in ranks)
 
 
-def held_files(ckpt_dir: str | os.PathLike[str], files: Mapping[str, T], nodes: Nodes | None) -> Mapping[str, T]:
+def held_files(
+    ckpt_dir: str | os.PathLike[str], files: Mapping[str, T], nodes: Nodes | None, *, subset: bool = False
+) -> Mapping[str, T]:
     """The entries of `files` that the copy in `ckpt_dir` should hold: all of them, but where the manifest records
-    nodes and the directory's `node.json` names one of them, that node's (`held_by`). ManifestError when the node
-    file is there but not a regular file of a node the manifest records."""
+    nodes and the directory's `node.json` names one of them, that node's (`held_by`); `subset` (a `step-N.subset/`
+    directory): those its `subset.json` names. ManifestError when the node file is there but not a regular file of a
+    node the manifest records, or a subset's file is missing or names a file the manifest does not."""
+    if subset:
+        where = str(Path(ckpt_dir) / SUBSET_FILE)
+        raw = safefile.read_regular(where, where, MARKER_MAX_BYTES, error=ManifestError)
+        return {rel: files[rel] for rel in parse_subset_file(raw, files, where)}
     path = Path(ckpt_dir) / NODE_FILE
     if nodes is None or not os.path.lexists(path):
         return files
     raw = safefile.read_regular(path, str(path), NODE_FILE_MAX_BYTES, error=ManifestError)
     node = parse_node_file(raw, nodes, str(path))
     return {rel: files[rel] for rel in held_by(files, nodes, node)}
+
+
+def subset_file_bytes(rels: Iterable[str]) -> bytes:
+    return json.dumps({"files": sorted(set(rels))}, separators=(",", ":")).encode()
+
+
+def parse_subset_file(raw: bytes, files: Mapping[str, Any], where: str) -> list[str]:
+    """The files a `subset.json` names, each one the manifest's `files` records, once; ManifestError otherwise."""
+    obj = safefile.loads(raw, where, max_values=len(files) + 4, error=ManifestError)
+    listed = obj.get("files") if isinstance(obj, dict) and set(obj) == {"files"} else None
+    if not isinstance(listed, list) or len(set(map(str, listed))) != len(listed):
+        raise ManifestError(f'{where}: must be an object naming each file it holds once ({{"files": [...]}})')
+    for rel in listed:
+        if not isinstance(rel, str) or rel not in files:
+            raise ManifestError(f"{where}: names {rel!r:.120}, which the manifest does not")
+    return sorted(listed)
 
 
 def node_file_bytes(node: str) -> bytes:

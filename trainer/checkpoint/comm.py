@@ -21,7 +21,7 @@ class LocalComm:
     def gather(self, obj: Any) -> list[Any] | None:
         return [obj]
 
-    def broadcast(self, obj: Any) -> Any:
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
 
     def scatter(self, objs: list[Any] | None) -> Any:
@@ -43,9 +43,10 @@ class GroupComm:
         dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0), group=self.group)
         return out
 
-    def broadcast(self, obj: Any) -> Any:
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """`obj` of group rank `src`, on every rank."""
         box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src), group=self.group)
         return box[0]
 
     def scatter(self, objs: list[Any] | None) -> Any:

@@ -464,9 +464,10 @@ class CheckpointEngine:
             self._reading = shardio.reading_pool()
         with gcpause.paused():
             started, restored = time.perf_counter(), None
+            flat, _ = codec.flatten(codec.state_dicts(state))
             if self._ring is not None and self._memory is not None and step is None:
                 restored = peerload.before_load(
-                    self._comm, self._memory, self._ring, self.directory, at_most, node_local
+                    self._comm, self._memory, self._ring, self.directory, at_most, node_local, flat
                 )
             try:
                 return loading.load(
@@ -482,6 +483,7 @@ class CheckpointEngine:
                     memory=self._memory.directory if self._memory and not node_local and self._ring is None else None,
                     restored=restored,
                     started=started,
+                    flat=flat,
                 )
             finally:
                 if restored is not None and self._memory is not None and self._memory.leader:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +72,7 @@ def load(
     memory: Path | None = None,
     restored: Restored | None = None,
     started: float | None = None,
+    flat: dict[str, torch.Tensor] | None = None,
 ) -> LoadResult:
     """`CheckpointEngine.load` (see there); a collective over the engine's group. `durable_tier`: the durable
     tier's location, where a checkpoint newer than the local store's consistent ones may be read from.
@@ -81,9 +82,11 @@ def load(
     holds the checkpoint chosen, verified; a copy there that fails is passed over and the store's is read.
     `restored`: the whole copy this rank's node made of the newest checkpoint its nodes hold (`peerload`), read
     first; passed over, and the store's choice made, where it fails. `started`: when the caller's load began (its
-    `time.perf_counter()`), counted in `load_s`: the copy made from the peers is a part of the load."""
+    `time.perf_counter()`), counted in `load_s`: the copy made from the peers is a part of the load. `flat`: `state`
+    flattened (`codec.flatten`), where the caller has done it already."""
     t0 = time.perf_counter() if started is None else started
-    flat, _ = codec.flatten(codec.state_dicts(state))
+    if flat is None:
+        flat, _ = codec.flatten(codec.state_dicts(state))
     given_up: list[choice.Passed] = []  # rank 0's: what was passed over, for the error if nothing is left
     in_memory = _MemoryCopies(memory)
     tier = LazyTier(durable_tier, _durable_timeout_s())
@@ -95,8 +98,8 @@ def load(
                     chosen = _restored(restored) if restored is not None else None
                     chosen = chosen or in_memory.instead(_choose(directory, step, at_most, given_up, tier))
                 chosen = comm.broadcast(chosen)
-                if chosen.get("restored") and restored is not None:  # each node reads its own copy
-                    chosen = dict(chosen, path=str(restored.path), tier=restored.tier)
+                if chosen.get("restored") and restored is not None:  # each node reads its own copy, of what it holds
+                    chosen = dict(chosen, path=str(restored.path), tier=restored.tier, held=restored.held)
                 if "error" in chosen:
                     raise NoCheckpointError(chosen["error"], rejected=chosen["rejected"])
                 from_tier = chosen.get("tier") == tiers.DURABLE
@@ -128,7 +131,9 @@ def _restored(restored: Restored) -> dict[str, Any] | None:
     its manifest or metadata fail."""
     try:
         manifest = layout.read_manifest(restored.path)
-        meta = read_dcp_metadata(restored.path, manifest)
+        packed = (
+            restored.meta if restored.meta is not None else loadplan.pack(read_dcp_metadata(restored.path, manifest))
+        )
     except (CheckpointError, OSError) as e:
         log.warning("checkpoint_peer_passed_over", step=restored.step, rank=0, reason=str(e))
         return None
@@ -138,7 +143,7 @@ def _restored(restored: Restored) -> dict[str, Any] | None:
         "step": manifest.step,
         "path": str(restored.path),
         "manifest": manifest.to_json(),
-        "meta": loadplan.pack(meta),
+        "meta": packed,
     }
 
 
@@ -352,7 +357,7 @@ def _load_from(
                 )
                 rank_state = _read_node_rank_state(source, comm.rank)
             elif tier is None:
-                rank_state = _read_own_rank_state(Path(path), manifest, comm.rank)
+                rank_state = _read_own_rank_state(Path(path), manifest, comm.rank, chosen.get("held"))
             else:
                 source = DurableSource(tier.get(), pick_from(chosen))
                 rank_state = _read_durable_rank_state(source, comm.rank)
@@ -370,7 +375,7 @@ def _load_from(
         )
     if agreed == 1:
         raise corrupt or CheckpointCorruptError(f"{path}: another rank found a corrupt file", path=str(path))
-    reader = ShardReader(path, manifest, meta, comm, source, names=flat, pool=pool)
+    reader = ShardReader(path, manifest, meta, comm, source, names=flat, pool=pool, held=chosen.get("held"))
     reader.load(flat, DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=False))
     rebuilt = codec.rebuild(meta["skeleton"], flat)
     for key, value in state.items():
@@ -406,10 +411,14 @@ def _load_from(
     )
 
 
-def _read_own_rank_state(path: Path, manifest: layout.Manifest, rank: int) -> Any:
+def _read_own_rank_state(path: Path, manifest: layout.Manifest, rank: int, held: Collection[str] | None = None) -> Any:
     name = layout.rank_state_name(rank)
     if name not in manifest.files:
         return None  # this rank did not exist when the checkpoint was saved
+    if held is not None and name not in held:
+        raise CheckpointCorruptError(
+            f"{path}: {name} is not in this copy (the restore did not fetch it)", path=str(path)
+        )
     raw = layout.read_verified(path, manifest, name, layout.RANK_STATE_MAX_BYTES)
     return _decode_rank_state(raw, str(path), f"{path}/{name}", name)
 

@@ -1,7 +1,7 @@
 """A load where the nodes keep their parts in memory: what every node holds (its own part in memory or on disk, its
-peers' parts), the newest step whose every part some node holds, and each node's whole copy of it made in its
-memory, the parts it lacks received from the nodes holding them and verified (trainer/checkpoint/DESIGN.md,
-Recovery from peers).
+peers' parts), the newest step whose every part some node holds, and each node's copy of the files its ranks' loads
+read made in its memory, those it lacks received from the nodes holding them and verified (trainer/checkpoint/
+DESIGN.md, Recovery from peers).
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+import torch
 
 from ftsup import memtier
-from ftsup.store import layout, nodes, safefile
+from ftsup.store import dcpmeta, layout, nodes, safefile
 from ftsup.store.errors import CheckpointError
+from ftsup.trainer.checkpoint import loadplan
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
 from ftsup.trainer.checkpoint.commit import Committer
 from ftsup.trainer.checkpoint.peermsg import PeerError, check_offer, offer, rank_files, reason_of
@@ -34,6 +36,7 @@ from ftsup.trainer.checkpoint.peers import (
     reader,
     write_part,
 )
+from ftsup.trainer.checkpoint.reader import ShardReader
 
 log = structlog.get_logger("ftsup.checkpoint")
 
@@ -44,12 +47,15 @@ _PREFERENCE = {MEMORY: 0, PEERS: 1, DISK: 2}  # a part from memory first, then a
 
 @dataclass(frozen=True)
 class Restored:
-    """The whole copy of checkpoint `step` this rank's node made in its memory, and where its parts came from:
-    `memory` (its own), `peers` (any part from another node or a replica)."""
+    """The copy of checkpoint `step` this rank's node made in its memory, and where its parts came from: `memory`
+    (its own), `peers` (any part from another node or a replica). `held`: the files of the manifest it holds (those
+    its node's ranks' loads read; None: every one); `meta`: its DCP metadata, verified and packed (`loadplan.pack`)."""
 
     path: Path
     step: int
     tier: str
+    held: frozenset[str] | None = None
+    meta: Mapping[str, Any] | None = None
 
 
 def holdings(memory: Path, disk: Path | None) -> tuple[list[dict[str, Any]], dict[str, str]]:
@@ -150,15 +156,53 @@ def _plan(
             moves.append({"from": rank, "path": h["path"], "to": lr, "part": part, "common": common})
             common = False
     plan = {"step": step, "digest": digest, "manifest": text, "links": links, "moves": moves}
-    return plan | {"leaders": dict(leaders)}
+    return plan | {"leaders": dict(leaders), "meta": [copies[0][0], copies[0][1]["path"]]}
+
+
+def narrow(plan: Mapping[str, Any], manifest: layout.Manifest, needs: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """Rank 0: `plan` with each node's links and moves narrowed to the files its ranks' loads read (`needs`: each
+    rank's {node, files}; files None: every file), each named (`files`); the files of every node come once to each
+    node's copy, with its first link or else its first move; a move left with no file is dropped."""
+    assert manifest.nodes is not None
+    want: dict[str, set[str] | None] = {}
+    for n in needs:
+        got = want.get(n["node"], set())
+        want[n["node"]] = None if got is None or n["files"] is None else got | set(n["files"])
+    common = [rel for rel in sorted(manifest.files) if nodes.rank_of(rel) is None]
+    links: dict[int, list[list[Any]]] = {}
+    moves: list[dict[str, Any]] = []
+    for node, lr in sorted(plan["leaders"].items()):
+        w = want.get(node)
+        own = [
+            [part, path, tier, [r for r in rank_files(manifest, manifest.nodes[part]) if w is None or r in w]]
+            for part, path, tier in plan["links"].get(lr, [])
+        ]
+        mine = [
+            dict(m, files=[r for r in rank_files(manifest, manifest.nodes[m["part"]]) if w is None or r in w])
+            for m in plan["moves"]
+            if m["to"] == lr
+        ]
+        first = own[0][3] if own else next((m["files"] for m in mine if m["files"]), mine[0]["files"] if mine else None)
+        if first is not None:
+            first += common
+        links[lr] = [entry for entry in own if entry[3]]
+        moves += [m for m in mine if m["files"]]
+    return dict(plan, links=links, moves=moves)
 
 
 def before_load(
-    comm: LocalComm | GroupComm, memory: Committer, ring: Ring, directory: Path, at_most: int | None, node_local: bool
+    comm: LocalComm | GroupComm,
+    memory: Committer,
+    ring: Ring,
+    directory: Path,
+    at_most: int | None,
+    node_local: bool,
+    flat: Mapping[str, torch.Tensor] | None = None,
 ) -> Restored | None:
-    """The engine's load, every rank alike: each node's whole copy of the newest checkpoint the nodes hold together
+    """The engine's load, every rank alike: each node's copy of the newest checkpoint the nodes hold together
     (`restore`), unless the shared store `directory` holds a newer one; `node_local`: `directory` is the node's own,
-    whose part is offered too."""
+    whose part is offered too; `flat`: the state the load reads into (`codec.flatten`), whose plan says which files
+    each node's copy needs (None: every file)."""
     if not isinstance(comm, GroupComm):
         return None
     store_step = None
@@ -166,7 +210,7 @@ def before_load(
         newest = layout.latest_consistent(directory, below=None if at_most is None else at_most + 1)
         store_step = newest.step if newest is not None else None
     disk = directory if node_local else None
-    return restore(comm, memory.directory, disk, ring.node, memory.leader, at_most, store_step)
+    return restore(comm, memory.directory, disk, ring.node, memory.leader, at_most, store_step, flat)
 
 
 def restore(
@@ -177,9 +221,11 @@ def restore(
     leader: bool,
     at_most: int | None,
     store_step: int | None,
+    flat: Mapping[str, torch.Tensor] | None = None,
 ) -> Restored | None:
-    """Every rank alike: each node's whole copy of the newest checkpoint its nodes' memories and disks can make
-    together, in `memory/restore/step-N/`; None (logged) when there is none or making it failed anywhere."""
+    """Every rank alike: each node's copy of the newest checkpoint its nodes' memories and disks can make together,
+    of the files its ranks' loads of `flat` read (every file without it), in `memory/restore/step-N.subset/`; None
+    (logged) when there is none or making it failed anywhere."""
     t0 = time.perf_counter()
     report: dict[str, Any] = {"node": node, "leader": leader, "at_most": at_most}
     if leader:
@@ -194,19 +240,21 @@ def restore(
     if hashlib.sha256(plan["manifest"].encode()).hexdigest() != plan["digest"]:
         raise PeerError(f"step {step}: the chosen manifest is not the one its digest names")
     assert manifest.nodes is not None
-    final = memory / RESTORE_DIRNAME / layout.step_dirname(step)
-    partial = final.with_name(layout.partial_dirname(step))
-    common = [rel for rel in manifest.files if nodes.rank_of(rel) is None]
+    meta = _meta(comm, plan, manifest)
+    needs = comm.gather({"node": node, "files": _reads(comm, manifest, meta, flat)})
+    plan = comm.broadcast(narrow(plan, manifest, needs) if comm.rank == 0 and needs is not None else None)
+    final = memory / RESTORE_DIRNAME / layout.subset_dirname(step)
+    partial = memory / RESTORE_DIRNAME / layout.partial_dirname(step)
     sends, recvs = [], []
     for m in plan["moves"]:
-        part_files = rank_files(manifest, manifest.nodes[m["part"]]) + (common if m["common"] else [])
         if m["from"] == comm.rank:
             source = Path(m["path"])
-            header = offer(step, m["part"], part_files, manifest)
-            sends.append(Transfer(m["to"], m["part"], header, part_files, reader(source, manifest), manifest=manifest))
+            header = offer(step, m["part"], m["files"], manifest)
+            sends.append(Transfer(m["to"], m["part"], header, m["files"], reader(source, manifest), manifest=manifest))
         if m["to"] == comm.rank:
-            check = _checker(manifest, step, m["part"], part_files)
+            check = _checker(manifest, step, m["part"], m["files"])
             recvs.append(Transfer(m["from"], m["part"], check=check, manifest=manifest))
+    held = _held(plan, plan["leaders"][node])
     failed: str | None = None
     try:
         if leader:
@@ -215,7 +263,7 @@ def restore(
         exchange(comm, sends, recvs)
         failed = next((t.error for t in sends + recvs if t.error), None)
         if failed is None and leader:
-            _assemble(partial, manifest, plan["links"].get(comm.rank, []), recvs, plan["manifest"].encode(), common)
+            _assemble(partial, plan["links"].get(comm.rank, []), recvs, plan["manifest"].encode(), held)
             os.rename(partial, final)
     except Exception as e:  # adapter boundary (gloo's errors are RuntimeErrors): every rank must reach the vote
         failed = reason_of(e)
@@ -226,42 +274,78 @@ def restore(
         return None
     tier = _tier_of(plan, plan["leaders"][node])
     if leader:
-        parts = {p: f"{t} {path}" for p, path, t in plan["links"].get(comm.rank, [])}
+        parts = {p: f"{t} {path}" for p, path, t, _ in plan["links"].get(comm.rank, [])}
         parts |= {m["part"]: f"{PEERS} from group rank {m['from']}" for m in plan["moves"] if m["to"] == comm.rank}
-        took = round(time.perf_counter() - t0, 4)
         log.info(
-            "checkpoint_peer_restored", step=step, rank=comm.rank, node=node, tier=tier, parts=parts, duration_s=took
+            "checkpoint_peer_restored",
+            step=step,
+            rank=comm.rank,
+            node=node,
+            tier=tier,
+            parts=parts,
+            received_bytes=sum(
+                manifest.files[rel].size for m in plan["moves"] if m["to"] == comm.rank for rel in m["files"]
+            ),
+            held_bytes=sum(manifest.files[rel].size for rel in held),
+            checkpoint_bytes=sum(e.size for e in manifest.files.values()),
+            duration_s=round(time.perf_counter() - t0, 4),
         )
-    return Restored(final, step, tier)
+    return Restored(final, step, tier, frozenset(held), None if "error" in meta else meta)
+
+
+def _meta(comm: GroupComm, plan: Mapping[str, Any], manifest: layout.Manifest) -> dict[str, Any]:
+    """Every rank alike: the chosen checkpoint's DCP metadata, packed (`loadplan.pack`), as the holder of its
+    preferred copy read and verified it; {"error"} where that failed there."""
+    src, path = plan["meta"]
+    packed: dict[str, Any] | None = None
+    if comm.rank == src:
+        try:
+            packed = loadplan.pack(dcpmeta.read(Path(path), manifest))
+        except (CheckpointError, OSError) as e:
+            packed = {"error": reason_of(e)}
+    return comm.broadcast(packed, src=src)
+
+
+def _reads(
+    comm: GroupComm, manifest: layout.Manifest, meta: Mapping[str, Any], flat: Mapping[str, torch.Tensor] | None
+) -> list[str] | None:
+    """The files this rank's load of `flat` will read (its shards' and its rank state), planned as the load plans
+    them; None (every file) without a state, without the metadata, or where the state does not fit the checkpoint:
+    the load says why."""
+    if flat is None or "error" in meta:
+        return None
+    try:
+        files = ShardReader("the chosen checkpoint", manifest, meta, comm, names=flat).planned_files(dict(flat))
+    except Exception:  # adapter boundary (DCP's planner): the whole copy is made, and the load raises what is wrong
+        return None
+    own = layout.rank_state_name(comm.rank)
+    return sorted(files | ({own} if own in manifest.files else set()))
+
+
+def _held(plan: Mapping[str, Any], leader: int) -> list[str]:
+    """The files of the manifest node `leader`'s copy holds, as `narrow` named them."""
+    rels = [rel for *_, files in plan["links"].get(leader, []) for rel in files]
+    return sorted(set(rels + [rel for m in plan["moves"] if m["to"] == leader for rel in m["files"]]))
 
 
 def _tier_of(plan: Mapping[str, Any], leader: int) -> str:
     """A node's tier for the load: `memory` when every part it reads was in its own memory, `peers` else."""
     received = any(m["to"] == leader for m in plan["moves"])
-    return PEERS if received or any(t != MEMORY for _, _, t in plan["links"].get(leader, [])) else MEMORY
+    return PEERS if received or any(t != MEMORY for _, _, t, _ in plan["links"].get(leader, [])) else MEMORY
 
 
 def _checker(manifest: layout.Manifest, step: int, part: str, expected: list[str]) -> Any:
     return lambda raw: check_offer(raw, manifest, step, part, expected)
 
 
-def _assemble(
-    partial: Path,
-    manifest: layout.Manifest,
-    links: list[list[str]],
-    recvs: list[Transfer],
-    raw: bytes,
-    common: list[str],
-) -> None:
-    """The leader: the whole copy in `partial`: the parts received, and those of its own copies (linked in memory,
-    copied from a disk), the files of every node from its first own copy, the manifest."""
-    assert manifest.nodes is not None
-    got: dict[str, bytes | memoryview] = {layout.MANIFEST_NAME: raw}
+def _assemble(partial: Path, links: list[list[Any]], recvs: list[Transfer], raw: bytes, held: list[str]) -> None:
+    """The leader: its copy in `partial`: the files received, those of its own copies (linked in memory, copied from
+    a disk), the manifest and `subset.json` naming the files held."""
+    got: dict[str, bytes | memoryview] = {layout.MANIFEST_NAME: raw, nodes.SUBSET_FILE: nodes.subset_file_bytes(held)}
     for r in recvs:
         got |= r.got
     write_part(partial, got)
-    for i, (part, path, _) in enumerate(links):
-        rels = rank_files(manifest, manifest.nodes[part]) + (common if i == 0 else [])
+    for _, path, _, rels in links:
         for rel in rels:
             src = safefile.resolve_inside(path, rel)
             try:

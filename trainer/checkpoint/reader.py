@@ -4,13 +4,14 @@ into the caller's tensors (trainer/checkpoint/DESIGN.md, Loading).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -61,12 +62,15 @@ class ShardReader(StorageReader):
         *,
         names: Iterable[str] | None = None,
         pool: ThreadPoolExecutor | None = None,
+        held: Collection[str] | None = None,
     ) -> None:
         """`meta`: the checked DCP metadata (`dcpmeta.read`), or rank 0's packing of it (`loadplan.pack`), of
         which only the tensors `names` (all when None) are unpacked: this rank's, at thousands of ranks. `pool`:
-        the reading threads of the local store's files (`shardio.reading_pool`; None: new ones for this load)."""
+        the reading threads of the local store's files (`shardio.reading_pool`; None: new ones for this load).
+        `held`: the only files `path` holds (a copy of some of them, `peerload`); reading another is an error."""
         self.path = path
         self.pool = pool
+        self.held = None if held is None else frozenset(held)
         self.manifest = manifest
         self.comm = comm
         self.source = source
@@ -119,6 +123,17 @@ class ShardReader(StorageReader):
         fut: torch.futures.Future[None] = torch.futures.Future()
         fut.set_result(None)
         return fut
+
+    def planned_files(self, flat: dict[str, torch.Tensor]) -> set[str]:
+        """The files (shards and their block checksums) this rank's `load(flat, ...)` reads, planned as it plans
+        them; raises what DCP's planner raises where `flat` does not fit the checkpoint."""
+        planner = DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=False)
+        planner.set_up_planner(flat, self.metadata, self.comm.rank == 0)
+        out: set[str] = set()
+        for req in planner.create_local_plan().items:
+            loc = self.locs[req.storage_index]
+            out |= {loc.file, loc.crc_file}
+        return out
 
     def load(self, flat: dict[str, torch.Tensor], planner: LoadPlanner) -> None:
         """Read this checkpoint into `flat` as `dcp.load` would, without its central planning: DCP's load planner
@@ -180,6 +195,13 @@ class ShardReader(StorageReader):
         files = []
         for file, reqs in by_file.items():
             crc_file = reqs[0][1].crc_file
+            if self.held is not None and not {file, crc_file} <= self.held:
+                raise CheckpointCorruptError(
+                    f"{self.path}: {file} is not in this copy: the restore fetched only the files its load plan "
+                    "read, and this load reads another",
+                    path=str(self.path),
+                    file=file,
+                )
             if self.source is not None:
                 vf = self.source.verified_file(file, crc_file)
             else:
