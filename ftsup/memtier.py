@@ -15,7 +15,7 @@ MAX_CHARS = 4096
 PEERS_DIRNAME = "peers"
 """Under the tier's directory: `peers/<node>/step-N/`, the parts of other nodes this node holds."""
 RESTORE_DIRNAME = "restore"
-"""Under the tier's directory: `restore/step-N/`, the whole copy a load reads, removed after it."""
+"""Under the tier's directory: `restore/step-N.subset/`, the copy of the files a load reads, removed after it."""
 MAX_REPLICAS = 3
 """The most other nodes' memories a node's part of a checkpoint is copied to."""
 _DOMAIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")

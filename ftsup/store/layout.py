@@ -321,7 +321,7 @@ def check_checkpoint(ckpt_dir: str | os.PathLike[str], *, deep: bool = False) ->
         subset = _SUBSET_RE.match(Path(base).name) is not None
         held = nodes.held_files(base, manifest.files, manifest.nodes, subset=subset)
     except ManifestError as e:
-        return None, [Problem(nodes.NODE_FILE, str(e))]
+        return None, [Problem(nodes.SUBSET_FILE if subset else nodes.NODE_FILE, str(e))]
     dir_fd = safefile.open_dir(base)  # names looked up in it: a path walked from / for 50,000 files costs more
     try:
         return manifest, _check_files(base, dir_fd, manifest, held, deep)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ftsup.store import layout
+from ftsup.store import layout, nodes
 from tests.procs import torchrun
 
 pytestmark = pytest.mark.multiprocess
@@ -53,12 +53,39 @@ def test_a_save_reaches_memory_and_the_peers_and_each_node_holds_the_others_part
         assert layout.read_manifest(replica) == layout.read_manifest(own)
 
 
-def test_a_node_lost_whole_is_restored_from_its_peers_memory_bitwise(saved: tuple[Path, dict], copy: Path) -> None:
-    shutil.rmtree(copy / "ckpt" / "node-1")
-    shutil.rmtree(copy / "mem" / "node-1")
-    loaded, output = _run("load", copy, copy / "load.json")
+@pytest.fixture(scope="module")
+def lost(saved: tuple[Path, dict], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
+    """Node 1 lost whole (its disk and its memory) and the job loaded again: the copy it left, what the load said."""
+    base = tmp_path_factory.mktemp("lost")
+    for name in ("ckpt", "mem"):
+        shutil.copytree(saved[0] / name, base / name)
+    shutil.rmtree(base / "ckpt" / "node-1")
+    shutil.rmtree(base / "mem" / "node-1")
+    loaded, output = _run("load", base, base / "load.json")
+    return base, loaded, output
+
+
+def test_a_node_lost_whole_is_restored_from_its_peers_memory_bitwise(
+    saved: tuple[Path, dict], lost: tuple[Path, dict, str]
+) -> None:
+    base, loaded, _ = lost
     assert (loaded["step"], loaded["digests"], loaded["tiers"]) == (2, saved[1]["digests_2"], ["peers", "peers"])
-    assert not (copy / "mem" / "node-0" / "restore").exists()  # the copy a load reads goes with it
+    assert not (base / "mem" / "node-0" / "restore").exists()  # the copy a load reads goes with it
+
+
+def test_a_node_lost_whole_receives_the_files_its_rank_reads_not_the_whole_checkpoint(
+    lost: tuple[Path, dict, str],
+) -> None:
+    base, _, output = lost
+    [restored] = [e for e in _events(output, "checkpoint_peer_restored") if "node=node-1" in e]
+    got = dict(kv.split("=", 1) for kv in restored.split() if kv.split("=", 1)[0].endswith("_bytes"))
+    manifest = layout.read_manifest(base / "mem" / "node-0" / layout.step_dirname(2))
+    # The saved FSDP shards: rank 1's load reads its own shard (and, as every rank, the files of every node), none of
+    # node 0's; before, the whole checkpoint moved.
+    own = sum(manifest.files[rel].size for rel in nodes.held_by(manifest.files, manifest.nodes or {}, "node-1"))
+    whole = sum(e.size for e in manifest.files.values())
+    assert (int(got["received_bytes"]), int(got["checkpoint_bytes"])) == (own, whole), restored
+    assert own < whole * 0.6
 
 
 @pytest.mark.parametrize("damage", ["flip", "tear"])

@@ -131,6 +131,64 @@ def test_a_copy_without_a_node_file_must_hold_every_file(tmp_path: Path) -> None
     assert not info.consistent and "shard-00000.safetensors" in {p.file for p in info.problems}
 
 
+# --------------------------------------------------------------------------- a copy of some files (a peer restore's)
+
+SOME = ["dcp_metadata.json", "rank-00001.json", "shard-00000.crc32", "shard-00000.safetensors"]
+
+
+def subset_copy(root: Path, rels: list[str], name: str = layout.subset_dirname(7)) -> Path:
+    ckpt = root / name
+    ckpt.mkdir(parents=True)
+    for rel in rels:
+        (ckpt / rel).write_bytes(FILES[rel])
+    (ckpt / nodes.SUBSET_FILE).write_bytes(nodes.subset_file_bytes(rels))
+    (ckpt / layout.MANIFEST_NAME).write_bytes(json.dumps(manifest().to_json()).encode())
+    return ckpt
+
+
+def test_a_subset_copy_holding_the_files_its_marker_names_verifies_deep(tmp_path: Path) -> None:
+    info = layout.inspect_checkpoint(subset_copy(tmp_path, SOME), deep=True)
+    assert (info.consistent, info.step) == (True, 7), info.problems
+
+
+def test_a_subset_copy_missing_a_file_its_marker_names_is_not_consistent(tmp_path: Path) -> None:
+    ckpt = subset_copy(tmp_path, SOME)
+    (ckpt / "rank-00001.json").unlink()
+    assert [p.file for p in layout.inspect_checkpoint(ckpt).problems] == ["rank-00001.json"]
+
+
+def test_a_subset_marker_in_a_committed_step_is_ignored_and_every_file_checked(tmp_path: Path) -> None:
+    info = layout.inspect_checkpoint(subset_copy(tmp_path, SOME, layout.step_dirname(7)))
+    assert not info.consistent and "shard-00001.safetensors" in {p.file for p in info.problems}
+    assert layout.committed_dirs(tmp_path) == [(7, tmp_path / layout.step_dirname(7))]
+    assert layout.committed_dirs(subset_copy(tmp_path / "other", SOME).parent) == []  # never a committed step
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"[]",
+        b'{"files": "dcp_metadata.json"}',
+        b'{"files": ["nope.json"]}',
+        b'{"files": [1]}',
+        b'{"files": ["rank-00001.json", "rank-00001.json"]}',
+        b'{"files": [], "more": 1}',
+    ],
+)
+def test_a_hostile_subset_marker_is_not_consistent_naming_it(tmp_path: Path, body: bytes) -> None:
+    ckpt = subset_copy(tmp_path, SOME)
+    (ckpt / nodes.SUBSET_FILE).write_bytes(body)
+    info = layout.inspect_checkpoint(ckpt)
+    assert not info.consistent and info.problems[0].file == nodes.SUBSET_FILE, info.problems
+
+
+def test_a_subset_copy_without_its_marker_is_not_consistent(tmp_path: Path) -> None:
+    ckpt = subset_copy(tmp_path, SOME)
+    (ckpt / nodes.SUBSET_FILE).unlink()
+    assert [p.file for p in layout.inspect_checkpoint(ckpt).problems] == [nodes.SUBSET_FILE]
+
+
 # --------------------------------------------------------------------------- markers and the commit rule
 
 

@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from ftsup.store import layout
-from ftsup.trainer.checkpoint.peerload import choose
+from ftsup.trainer.checkpoint.peerload import choose, narrow
 
 
 def manifest(step: int, created: float = 0.0) -> str:
@@ -71,3 +71,50 @@ def test_a_manifest_that_does_not_parse_or_lies_about_its_step_is_never_chosen()
     assert choose([a, report("b", [])], None) is None
     lying = report("a", [(9, "a", "memory", M8), (9, "b", "peers", M8)])
     assert choose([lying, report("b", [])], None) is None
+
+
+# --------------------------------------------------------------------------- what each node fetches (`narrow`)
+
+FILES = ["dcp_metadata.json", "rank-00000.json", "rank-00001.json"]
+FILES += [f"shard-0000{r}.{ext}" for r in (0, 1) for ext in ("crc32", "safetensors")]
+
+
+def whole(step: int) -> layout.Manifest:
+    files = {rel: layout.FileEntry(1, "crc32cx64k:00000000") for rel in FILES}
+    return layout.Manifest(step, 2, "periodic", 0.0, files, 2, nodes={"a": (0,), "b": (1,)})
+
+
+def lost_b() -> tuple[dict[str, Any], layout.Manifest]:
+    """Node b came back empty: a holds its own part and its replica of b's."""
+    text = json.dumps(whole(8).to_json())
+    plan = choose([report("a", [(8, "a", "memory", text), (8, "b", "peers", text)]), report("b", [])], None)
+    assert plan is not None
+    return plan, whole(8)
+
+
+def test_a_node_whose_rank_reads_its_own_part_receives_that_part_and_the_files_of_every_node_only() -> None:
+    plan, m = lost_b()
+    b_reads = ["rank-00001.json", "shard-00001.crc32", "shard-00001.safetensors"]
+    a_reads = ["rank-00000.json", "shard-00000.crc32", "shard-00000.safetensors", "shard-00001.safetensors"]
+    narrowed = narrow(plan, m, [{"node": "a", "files": a_reads}, {"node": "b", "files": b_reads}])
+    assert [(mv["from"], mv["to"], mv["part"], mv["files"]) for mv in narrowed["moves"]] == [
+        (0, 1, "b", [*b_reads, "dcp_metadata.json"])
+    ]
+    assert narrowed["links"][0] == [
+        ["a", "/memory/a/8", "memory", ["rank-00000.json", "shard-00000.crc32", "shard-00000.safetensors", *FILES[:1]]],
+        ["b", "/peers/b/8", "peers", ["shard-00001.safetensors"]],
+    ]
+
+
+def test_a_rank_that_could_not_plan_its_reads_gets_its_node_every_file() -> None:
+    plan, m = lost_b()
+    narrowed = narrow(plan, m, [{"node": "a", "files": []}, {"node": "b", "files": None}])
+    got = sorted(rel for mv in narrowed["moves"] for rel in mv["files"])
+    assert got == sorted(FILES) and [mv["part"] for mv in narrowed["moves"]] == ["a", "b"]
+
+
+def test_a_node_that_reads_no_part_still_receives_the_files_of_every_node() -> None:
+    plan, m = lost_b()
+    narrowed = narrow(plan, m, [{"node": "a", "files": []}, {"node": "b", "files": []}])
+    assert [(mv["part"], mv["files"]) for mv in narrowed["moves"]] == [("a", ["dcp_metadata.json"])]
+    assert narrowed["links"][0] == [["a", "/memory/a/8", "memory", ["dcp_metadata.json"]]]
