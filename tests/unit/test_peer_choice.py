@@ -38,10 +38,8 @@ def test_a_node_that_came_back_empty_receives_both_parts_from_the_node_holding_t
     plan = choose([a, report("b", [])], None)
     assert plan is not None and plan["step"] == 8
     assert plan["links"] == {0: [["a", "/memory/a/8", "memory"], ["b", "/peers/b/8", "peers"]], 1: []}
-    assert [(m["from"], m["to"], m["part"], m["common"]) for m in plan["moves"]] == [
-        (0, 1, "a", True),
-        (0, 1, "b", False),
-    ]
+    assert [(m["from"], m["to"], m["part"]) for m in plan["moves"]] == [(0, 1, "a"), (0, 1, "b")]
+    assert plan["meta"] == [0, "/memory/a/8"]  # the preferred copy's holder reads the metadata
 
 
 def test_the_newest_step_every_part_of_which_is_held_is_chosen() -> None:

@@ -94,9 +94,10 @@ def holdings(memory: Path, disk: Path | None) -> tuple[list[dict[str, Any]], dic
 
 
 def choose(reports: list[Mapping[str, Any]], store_step: int | None) -> dict[str, Any] | None:
-    """Rank 0: the newest step (at most every rank's bound) whose every part some live node holds, and how each
-    node gets each part (`links`: from a copy of its own; `moves`: from another node); None when there is none, or
-    the shared store holds a newer one (`store_step`)."""
+    """Rank 0: the newest step (at most every rank's bound) whose every part some live node holds, how each node gets
+    each part (`links`: from a copy of its own; `moves`: from another node) and who reads its metadata (`meta`: the
+    holder of its preferred copy, and where); None when there is none, or the shared store holds a newer one
+    (`store_step`). Which files of each part move is `narrow`'s."""
     bounds = [r["at_most"] for r in reports if r.get("at_most") is not None]
     bound = min(bounds) if bounds else None
     leaders = {r["node"]: rank for rank, r in enumerate(reports) if r.get("leader")}
@@ -148,13 +149,11 @@ def _plan(
             if rank == lr:
                 mine.setdefault(h["part"], h)
         links[lr] = [[p, mine[p]["path"], mine[p]["tier"]] for p in sorted(manifest.nodes) if p in mine]
-        common = not links[lr]  # the files of every node come with the first part received
         for part in sorted(set(manifest.nodes) - set(mine)):
             holders = [(rank, h) for rank, h in copies if h["part"] == part]
             rank, h = min(holders, key=lambda c: (_PREFERENCE[c[1]["tier"]], load.get(c[0], 0)))
             load[rank] = load.get(rank, 0) + 1
-            moves.append({"from": rank, "path": h["path"], "to": lr, "part": part, "common": common})
-            common = False
+            moves.append({"from": rank, "path": h["path"], "to": lr, "part": part})
     plan = {"step": step, "digest": digest, "manifest": text, "links": links, "moves": moves}
     return plan | {"leaders": dict(leaders), "meta": [copies[0][0], copies[0][1]["path"]]}
 
