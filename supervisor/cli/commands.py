@@ -7,14 +7,15 @@ so tooling is imported only by the command that runs it (DESIGN.md, Layout and t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import signal
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ftsup import extras
 from ftsup.store.errors import CheckpointError
@@ -288,85 +289,102 @@ def _seconds(text: str) -> float:
 
 def _build_ckpt(ckpt: argparse.ArgumentParser, rest: Sequence[str]) -> None:
     actions = ckpt.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
-
-    p = actions.add_parser(
+    _add_store_read(
+        actions,
         "list",
-        help="list committed checkpoints, oldest first",
-        description="List every committed checkpoint under DIR, oldest first, and whether it "
+        "list committed checkpoints, oldest first",
+        "List every committed checkpoint under DIR, oldest first, and whether it "
         "is consistent (manifest parses, files have the recorded sizes; --deep: checksums).",
+        cli_ckpt.cmd_list,
     )
-    p.add_argument(
-        "dir", metavar="DIR", type=_store, help="the checkpoint directory, or a durable tier s3://BUCKET/PREFIX"
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--deep", action="store_true", help="also verify every checksum (reads all)")
-    _timeout_argument(p)
-    p.set_defaults(handler=cli_ckpt.cmd_list)
-
-    p = actions.add_parser(
+    _add_store_read(
+        actions,
         "verify",
-        help="verify one checkpoint (default: the newest committed)",
-        description="Verify the checkpoint of --step, or else the newest committed one (even "
+        "verify one checkpoint (default: the newest committed)",
+        "Verify the checkpoint of --step, or else the newest committed one (even "
         "when it is broken: then verify fails). Exit 0 when consistent, 1 when not.",
+        cli_ckpt.cmd_verify,
+        step_help="the step to verify (default: newest)",
     )
-    p.add_argument(
-        "dir", metavar="DIR", type=_store, help="the checkpoint directory, or a durable tier s3://BUCKET/PREFIX"
-    )
-    p.add_argument("--step", type=_step_number, help="the step to verify (default: newest)")
-    p.add_argument("--deep", action="store_true", help="also verify every checksum (reads all)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    _timeout_argument(p)
-    p.set_defaults(handler=cli_ckpt.cmd_verify)
     cli_show.add_command(actions, _step_number)
     cli_ckpt.add_commands(actions, _step_number)  # pin, unpin
+    for name, help, module, handler in _TORCH_COMMANDS:
+        p = actions.add_parser(name, help=help, description=module.DESCRIPTION)
+        module.add_arguments(p, _step_number)
+        p.set_defaults(handler=handler)
 
-    p = actions.add_parser(
-        "export-hf",
-        help="export a checkpoint's model as a Hugging Face model directory (needs torch)",
-        description=export_hf.DESCRIPTION,
-    )
-    export_hf.add_arguments(p, _step_number)
-    p.set_defaults(handler=cmd_ckpt_export_hf)
 
-    p = actions.add_parser(
-        "export-dcp",
-        help="export a checkpoint's tensors as a torch.distributed.checkpoint directory (needs torch)",
-        description=export_dcp.DESCRIPTION,
+def _add_store_read(
+    actions: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    help: str,
+    description: str,
+    handler: Handler,
+    *,
+    step_help: str | None = None,
+) -> None:
+    """A command that reads a checkpoint directory or a durable tier: DIR, --step (where `step_help` says what it
+    picks), --deep, --json and --timeout."""
+    p = actions.add_parser(name, help=help, description=description)
+    p.add_argument(
+        "dir", metavar="DIR", type=_store, help="the checkpoint directory, or a durable tier s3://BUCKET/PREFIX"
     )
-    export_dcp.add_arguments(p, _step_number)
-    p.set_defaults(handler=cmd_ckpt_export_dcp)
+    if step_help is not None:
+        p.add_argument("--step", type=_step_number, help=step_help)
+    p.add_argument("--deep", action="store_true", help="also verify every checksum (reads all)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _timeout_argument(p)
+    p.set_defaults(handler=handler)
 
-    p = actions.add_parser(
-        "import-deepspeed",
-        help="convert a DeepSpeed ZeRO checkpoint's weights to a Hugging Face model directory (needs torch)",
-        description=import_deepspeed.DESCRIPTION,
-    )
-    import_deepspeed.add_arguments(p)
-    p.set_defaults(handler=cmd_ckpt_import_deepspeed)
+
+@contextlib.contextmanager
+def _needs_torch(command: str) -> Iterator[None]:
+    """The lazy import of a command that needs the trainer extra: a missing library is a usage error naming it."""
+    try:
+        yield
+    except ModuleNotFoundError as e:
+        raise UsageError(extras.needs(e, command)) from None
 
 
 def cmd_ckpt_export_hf(args: argparse.Namespace) -> int:
-    try:
+    with _needs_torch("ftsup ckpt export-hf"):
         from ftsup.trainer.hf import export as hf
-    except ModuleNotFoundError as e:
-        raise UsageError(extras.needs(e, "ftsup ckpt export-hf")) from None
     return export_hf.run(args, hf)
 
 
 def cmd_ckpt_import_deepspeed(args: argparse.Namespace) -> int:
-    try:
+    with _needs_torch("ftsup ckpt import-deepspeed"):
         from ftsup.trainer.deepspeed import convert
-    except ModuleNotFoundError as e:
-        raise UsageError(extras.needs(e, "ftsup ckpt import-deepspeed")) from None
     return import_deepspeed.run(args, convert)
 
 
 def cmd_ckpt_export_dcp(args: argparse.Namespace) -> int:
-    try:
+    with _needs_torch("ftsup ckpt export-dcp"):
         from ftsup.trainer.dcp import export as dcp
-    except ModuleNotFoundError as e:
-        raise UsageError(extras.needs(e, "ftsup ckpt export-dcp")) from None
     return export_dcp.run(args, dcp)
+
+
+_TORCH_COMMANDS: tuple[tuple[str, str, Any, Handler], ...] = (
+    (
+        "export-hf",
+        "export a checkpoint's model as a Hugging Face model directory (needs torch)",
+        export_hf,
+        cmd_ckpt_export_hf,
+    ),
+    (
+        "export-dcp",
+        "export a checkpoint's tensors as a torch.distributed.checkpoint directory (needs torch)",
+        export_dcp,
+        cmd_ckpt_export_dcp,
+    ),
+    (
+        "import-deepspeed",
+        "convert a DeepSpeed ZeRO checkpoint's weights to a Hugging Face model directory (needs torch)",
+        import_deepspeed,
+        cmd_ckpt_import_deepspeed,
+    ),
+)
+"""The ckpt commands whose run needs torch: name, help, the torch-free module of their flags, handler."""
 
 
 def _step_number(text: str) -> int:

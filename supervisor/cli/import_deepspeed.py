@@ -22,7 +22,9 @@ DESCRIPTION = (
 )
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser, step: Any = None) -> None:
+    """Its flags (`step`, the step-number type the export commands take, is not one of them: a DeepSpeed save is
+    named by its tag)."""
     p.add_argument("dir", metavar="DIR", type=Path, help="a DeepSpeed save directory, or one tag's directory")
     p.add_argument("out", metavar="OUT", type=Path, help="the output directory")
     p.add_argument("--tag", help="the tag to convert (default: `latest` when whole, else the newest whole)")
