@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ftsup.store import checksums, layout, retention, safefile
 from ftsup.store.durable import tier as durable
+from ftsup.store.durable.backend import Backend
 from ftsup.store.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -28,14 +29,13 @@ _UPLOAD = re.compile(r"^\.step-\d{9,18}\.upload-data-[0-9a-f]{24}$")
 _LEFTOVER = re.compile(r"^\..+\.tmp-[0-9a-f]{8}$")
 
 
-class FilesystemTier(durable.DurableTier):
+class FilesystemTier(Backend):
     """A durable tier in the directory `location.path` (see the module docstring)."""
 
     def __init__(self, location: durable.Location, options: durable.DurableOptions) -> None:
         if location.path is None:
             raise ValueError("not a filesystem location")
-        self.location = location
-        self.options = options
+        super().__init__(location, options)
         self.root = location.path
 
     def step_url(self, step: int) -> str:
@@ -193,16 +193,10 @@ class FilesystemTier(durable.DurableTier):
             raise ManifestError(f"{where}: records step {manifest.step} but lives in {ckpt.name}")
         return manifest, raw
 
-    def read_range(self, step: int, token: str, rel: str, offset: int, length: int) -> bytes:
-        got: list[bytes] = []
-        self._pread(step, rel, offset, length, max(length, 1), lambda at, data: got.append(data))
-        return got[0] if len(got) == 1 else b"".join(got)
-
-    def read_pieces(self, step: int, token: str, rel: str, offset: int, length: int, each: durable.PieceHook) -> None:
-        self._pread(step, rel, offset, length, durable.READ_PIECE_BYTES, each)
-
-    def _pread(self, step: int, rel: str, offset: int, length: int, piece: int, each: durable.PieceHook) -> None:
-        """`length` bytes at `offset` of the regular file `rel`, handed to `each` in pieces of `piece` bytes."""
+    def read_into(
+        self, step: int, token: str, rel: str, offset: int, length: int, piece: int, each: durable.PieceHook
+    ) -> None:
+        """Read from the regular file `rel` of the step's folder (`token` names the data of an object store only)."""
         ckpt = self.root / layout.step_dirname(step)
         path = safefile.resolve_inside(ckpt, rel)
         fd = safefile.open_regular(path, str(path))

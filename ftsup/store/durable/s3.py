@@ -16,6 +16,7 @@ from ftsup.extras import explained
 from ftsup.store import layout, safefile
 from ftsup.store.durable import s3list, s3nodes, s3upload
 from ftsup.store.durable import tier as durable
+from ftsup.store.durable.backend import Backend
 from ftsup.store.errors import (
     CheckpointCorruptError,
     DurableTierError,
@@ -55,14 +56,13 @@ def _code(error: ClientError) -> str:
     return str(error.response.get("Error", {}).get("Code", ""))
 
 
-class S3Tier(durable.DurableTier):
+class S3Tier(Backend):
     """A durable tier at `s3://bucket/prefix` (see the module docstring)."""
 
     def __init__(self, location: durable.Location, options: durable.DurableOptions) -> None:
         if location.bucket is None:
             raise ValueError("not an s3:// location")
-        self.location = location
-        self.options = options
+        super().__init__(location, options)
         self.bucket = location.bucket
         self.transport: s3http.Transport | None = None
         try:
@@ -163,19 +163,10 @@ class S3Tier(durable.DurableTier):
             raise ManifestError(f"{where}: records step {manifest.step} but lives in {layout.step_dirname(step)}")
         return manifest, raw
 
-    def read_range(self, step: int, token: str, rel: str, offset: int, length: int) -> bytes:
-        got: list[bytes] = []
-        self._stream(step, token, rel, offset, length, length, lambda at, data: got.append(data))
-        return got[0] if len(got) == 1 else b"".join(got)
-
-    def read_pieces(self, step: int, token: str, rel: str, offset: int, length: int, each: durable.PieceHook) -> None:
-        self._stream(step, token, rel, offset, length, durable.READ_PIECE_BYTES, each)
-
-    def _stream(
+    def read_into(
         self, step: int, token: str, rel: str, offset: int, length: int, piece: int, each: durable.PieceHook
     ) -> None:
-        """One ranged GET of `length` bytes at `offset`, handed to `each` in pieces of `piece` bytes (the last may be
-        shorter). Whatever length the answer says, it is read no further than one byte past the range."""
+        """One ranged GET. Whatever length the answer says, it is read no further than one byte past the range."""
         key = self.data_key(step, token, rel)
         where = f"s3://{self.bucket}/{key}"
         if length == 0:
