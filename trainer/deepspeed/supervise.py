@@ -151,31 +151,21 @@ class EngineSupervision:
             shutil.rmtree(root, ignore_errors=True)
 
     def _commit(self, engine: Any, src: Path, kind: str, tag: str) -> None:
-        step, t0 = engine.global_steps, time.monotonic()
-        error, committed = None, None
-        if self.rank == 0:
-            assert self.store is not None
-            meta = {"tag": tag, "zero_stage": engine.zero_optimization_stage(), "world_size": self.world_size}
-            try:
-                tags.check_tag(src)  # what a resume will check, checked now: a tag DeepSpeed left incomplete stays out
-                committed = store.commit_hf_checkpoint(
-                    src, self.store, step, kind=kind, world_size=self.world_size, metadata=meta, format=FORMAT
-                )
-            except (CheckpointError, OSError) as e:
-                error = str(e)
-        ok = self._all(error is None)
         assert self.store is not None
-        store.settle(
+        store.commit_agreed(
             self.rt,
-            leader=self.rank == 0,
-            step=step,
+            src,
+            self.store,
+            engine.global_steps,
             kind=kind,
-            ok=ok,
-            error=error,
-            committed=committed,
-            root=self.store,
+            leader=self.rank == 0,
+            agree=self._all,
+            world_size=self.world_size,
+            metadata={"tag": tag, "zero_stage": engine.zero_optimization_stage(), "world_size": self.world_size},
             policy=self.retention,
-            save_s=time.monotonic() - t0,
+            started=time.monotonic(),
+            format=FORMAT,
+            check=tags.check_tag,  # what a resume will check, checked now: a tag DeepSpeed left incomplete stays out
         )
 
     # ------------------------------------------------------------------ resume

@@ -29,7 +29,6 @@ except ModuleNotFoundError as e:  # `from ftsup import FtsupCallback` without th
     ) from None
 
 from ftsup.protocol import Phase
-from ftsup.store.errors import CheckpointSaveError
 from ftsup.store.retention import RetentionPolicy
 from ftsup.trainer.hf import store as hf_store
 from ftsup.trainer.runtime import RuntimeClient, agree, runtime
@@ -81,11 +80,9 @@ class FtsupCallback(TrainerCallback):
 
     @property
     def checkpoint_dir(self) -> Path:
-        if (given := hf_store.given_store(self._dir, self.rt)) is not None:
-            return given
-        if self._args is None:
-            raise RuntimeError("FtsupCallback: pass it to Trainer(callbacks=[...]) first, or give it checkpoint_dir")
-        return Path(str(self._args.output_dir))
+        output_dir = None if self._args is None else Path(str(self._args.output_dir))
+        unknown = "FtsupCallback: pass it to Trainer(callbacks=[...]) first, or give it checkpoint_dir"
+        return hf_store.callback_store(self._dir, self.rt, output_dir, unknown)
 
     def latest_checkpoint(self) -> str | None:
         """The checkpoint to pass as `trainer.train(resume_from_checkpoint=...)`: the newest
@@ -177,35 +174,20 @@ class FtsupCallback(TrainerCallback):
         kind = "emergency" if self._emergency else "final" if step >= state.max_steps else "periodic"
         self._emergency = False
         self._all(True)  # every rank's files are written
-        error: str | None = None
-        committed = None
-        if args.process_index == 0:
-            try:
-                committed = hf_store.commit_hf_checkpoint(
-                    hf_store.hf_checkpoint_dir(str(args.output_dir), step),
-                    self.checkpoint_dir,
-                    step,
-                    kind=kind,
-                    world_size=args.world_size,
-                    metadata=self._metadata(args, state),
-                )
-            except CheckpointSaveError as e:
-                error = str(e)
-        ok = self._all(error is None)
-        save_s = time.monotonic() - self._save_t0
-        hf_store.settle(
+        hf_store.commit_agreed(
             self.rt,
-            leader=args.process_index == 0,
-            step=step,
+            hf_store.hf_checkpoint_dir(str(args.output_dir), step),
+            self.checkpoint_dir,
+            step,
             kind=kind,
-            ok=ok,
-            error=error,
-            committed=committed,
-            root=self.checkpoint_dir,
-            policy=self.retention,
-            save_s=save_s,
+            leader=args.process_index == 0,
+            agree=self._all,
             world_size=args.world_size,
-            duration_s=round(save_s, 4),
+            metadata=self._metadata(args, state),
+            policy=self.retention,
+            started=self._save_t0,
+            timed=True,
+            logged={"world_size": args.world_size},
         )
         self._pending.discard(_SAVE)
         self._next_phase(step)

@@ -13,7 +13,7 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -122,6 +122,61 @@ def retain(root: str | os.PathLike[str], policy: RetentionPolicy, newest: int) -
     return None
 
 
+ANOTHER_RANK = "another rank failed"
+"""A failed save's reason where the leader's own part did not fail."""
+
+
+def commit_agreed(
+    rt: RuntimeClient,
+    src: str | os.PathLike[str],
+    root: str | os.PathLike[str],
+    step: int,
+    *,
+    kind: str,
+    leader: bool,
+    agree: Callable[[bool], bool],
+    world_size: int,
+    metadata: Mapping[str, Any],
+    policy: RetentionPolicy,
+    started: float,
+    format: str = FORMAT,
+    error: str | None = None,
+    check: Callable[[Path], None] | None = None,
+    timed: bool = False,
+    logged: Mapping[str, Any] | None = None,
+) -> None:
+    """A framework's save whose files are all in `src`, on every rank: the leader commits it as `step-N` of `root`
+    (`check(src)` first) unless `error` says what failed already, every rank learns through `agree(ok)` (true on
+    every rank) whether it is in, then `settle` (`started`: the save's start, `time.monotonic()`; `logged`: more
+    fields of its log line, `timed`: its duration among them as `duration_s`)."""
+    committed = None
+    if leader and error is None:
+        try:
+            if check is not None:
+                check(Path(src))
+            committed = commit_hf_checkpoint(
+                src, root, step, kind=kind, world_size=world_size, metadata=metadata, format=format
+            )
+        except (CheckpointError, OSError) as e:
+            error = str(e)
+    ok = agree(error is None)
+    save_s = time.monotonic() - started
+    fields = {**(logged or {}), **({"duration_s": round(save_s, 4)} if timed else {})}
+    settle(
+        rt,
+        leader=leader,
+        step=step,
+        kind=kind,
+        ok=ok,
+        error=error,
+        committed=committed,
+        root=root,
+        policy=policy,
+        save_s=save_s,
+        **fields,
+    )
+
+
 def settle(
     rt: RuntimeClient,
     *,
@@ -147,7 +202,7 @@ def settle(
                 log.warning("checkpoint_retention_failed", step=step, reason=problem)
         elif not ok:
             event = "emergency_save_failed" if kind == "emergency" else "checkpoint_save_failed"
-            log.error(event, step=step, kind=kind, reason=error or "another rank failed")
+            log.error(event, step=step, kind=kind, reason=error or ANOTHER_RANK)
     if ok:
         figures: dict[str, float] = {"save_s": save_s, COMMITTED_STEP: step}
         if kind == "emergency":
@@ -174,12 +229,16 @@ def latest_hf_checkpoint(
     return picked.info, picked.passed
 
 
-def given_store(checkpoint_dir: Path | None, rt: RuntimeClient) -> Path | None:
-    """The store a callback was given: its own `checkpoint_dir`, else the supervisor's (`FTSUP_CHECKPOINT_DIR`);
-    None: the Trainer's default is the callback's to say."""
+def callback_store(checkpoint_dir: Path | None, rt: RuntimeClient, default: Path | None, unknown: str) -> Path:
+    """A callback's store: its own `checkpoint_dir`, else the supervisor's (`FTSUP_CHECKPOINT_DIR`), else `default`
+    (the Trainer's, None until the callback has seen the Trainer: RuntimeError `unknown` then)."""
     if checkpoint_dir is not None:
         return checkpoint_dir
-    return Path(rt.env.checkpoint_dir) if rt.env.checkpoint_dir else None
+    if rt.env.checkpoint_dir:
+        return Path(rt.env.checkpoint_dir)
+    if default is None:
+        raise RuntimeError(unknown)
+    return default
 
 
 def resume_choice(

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ftsup.protocol import Phase
-from ftsup.store.errors import CheckpointError, CheckpointSaveError
+from ftsup.store.errors import CheckpointError
 from ftsup.store.retention import RetentionPolicy
 from ftsup.trainer import rng
 from ftsup.trainer.hf import store
@@ -74,11 +74,9 @@ class LightningCallbackCore:
 
     @property
     def checkpoint_dir(self) -> Path:
-        if (given := store.given_store(self._dir, self.rt)) is not None:
-            return given
-        if self._root_dir is None:
-            raise RuntimeError("FtsupLightningCallback: pass it to Trainer(callbacks=[...]) first, or give it a dir")
-        return self._root_dir / "ftsup-checkpoints"
+        default = None if self._root_dir is None else self._root_dir / "ftsup-checkpoints"
+        unknown = "FtsupLightningCallback: pass it to Trainer(callbacks=[...]) first, or give it a dir"
+        return store.callback_store(self._dir, self.rt, default, unknown)
 
     def latest_checkpoint(self) -> str | None:
         """The `ckpt_path` to pass to `trainer.fit`: the newest deep-verified checkpoint of at most the supervisor's
@@ -201,36 +199,24 @@ class LightningCallbackCore:
                 torch.save(self._rank_state, staging / _rank_file(rank))
         except (OSError, CheckpointError) as e:
             error = f"rank {rank}: {e}"
-        committed = None
-        if self._all(trainer, error is None) and rank == 0:
-            meta = {"world_size": trainer.world_size, "epoch": trainer.current_epoch, "global_step": step}
-            try:
-                committed = store.commit_hf_checkpoint(
-                    staging,
-                    self.checkpoint_dir,
-                    step,
-                    kind=kind,
-                    world_size=trainer.world_size,
-                    metadata=meta,
-                    format=FORMAT,
-                )
-            except CheckpointSaveError as e:
-                error = str(e)
-        ok = self._all(trainer, error is None)
+        ready = self._all(trainer, error is None)  # every rank's files are in `staging`
+        store.commit_agreed(
+            self.rt,
+            staging,
+            self.checkpoint_dir,
+            step,
+            kind=kind,
+            leader=rank == 0,
+            agree=functools.partial(self._all, trainer),
+            world_size=trainer.world_size,
+            metadata={"world_size": trainer.world_size, "epoch": trainer.current_epoch, "global_step": step},
+            policy=self.retention,
+            started=t0,
+            format=FORMAT,
+            error=error if ready else error or store.ANOTHER_RANK,
+        )
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
-        store.settle(
-            self.rt,
-            leader=rank == 0,
-            step=step,
-            kind=kind,
-            ok=ok,
-            error=error,
-            committed=committed,
-            root=self.checkpoint_dir,
-            policy=self.retention,
-            save_s=time.monotonic() - t0,
-        )
 
     def _all(self, trainer: Any, ok: bool) -> bool:
         """Whether `ok` holds on every rank (an all-reduce on a gloo group; also a barrier)."""
