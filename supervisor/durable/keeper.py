@@ -189,55 +189,45 @@ class DurableKeeper:
             "last_error": self._failing,
         }
 
+    def _tier_event(self, level: str, event: str, step: int | None, url: str | None = None, **fields: Any) -> None:
+        """An event of this tier: its `step` and `url` (default: the tier's), then `fields`."""
+        self._emit(level, event, step=step, url=self.url if url is None else url, **fields)
+
     def _missed(self, step: int | None, why: str, detail: str) -> None:
         newest = f"step {self.newest}" if self.newest is not None else "none known"
         what = f"the checkpoint of step {step} is {detail}" if step is not None else detail
         if self._failing is not None and step is not None:
             what += f" (waiting for: {self._failing})"
-        self._emit(
+        self._tier_event(
             "warning",
             "durable_deadline_missed",
-            step=step,
-            url=self.url,
+            step,
             newest_durable_step=self.newest,
             reason=f"{why}: {what}; the newest durable checkpoint in {self.url} is {newest}",
         )
 
     def _started(self, step: int, path: str) -> None:
-        self._emit("info", "durable_upload_started", step=step, url=self.url, path=path)
+        self._tier_event("info", "durable_upload_started", step, path=path)
 
     def _retry(self, step: int, why: str, wait: float) -> None:
         self._failing = why
-        self._emit("warning", "durable_upload_failed", step=step, url=self.url, reason=why, retry_in_s=round(wait, 3))
+        self._tier_event("warning", "durable_upload_failed", step, reason=why, retry_in_s=round(wait, 3))
 
     def _waiting(self, step: int, why: str, wait: float) -> None:
         """This node's part of `step` is in the tier; its commit waits for the other nodes' (logged once a step)."""
         self._failing = why
         if step not in self._parts:
             self._parts = {*sorted(self._parts)[-16:], step}
-            self._emit(
-                "info",
-                "durable_part_uploaded",
-                step=step,
-                url=self.url,
-                node=self.node,
-                reason=why,
-                retry_in_s=round(wait, 3),
+            self._tier_event(
+                "info", "durable_part_uploaded", step, node=self.node, reason=why, retry_in_s=round(wait, 3)
             )
 
     def _outcome(self, o: Outcome) -> None:
         if o.skipped:
             return  # not this node's to upload, by the pick every node agrees on
         if not o.committed or o.report is None:
-            self._emit(
-                "error",
-                "durable_dropped",
-                step=o.step,
-                url=self.url,
-                path=o.path,
-                attempts=o.attempts,
-                reason=o.error or "not uploaded",
-            )
+            reason = o.error or "not uploaded"
+            self._tier_event("error", "durable_dropped", o.step, path=o.path, attempts=o.attempts, reason=reason)
             return
         r = o.report
         rate = durable_rules.measured_rate(r.bytes_sent, o.send_s)
@@ -245,11 +235,11 @@ class DurableKeeper:
             self._rates = [*self._rates, rate][-durable_rules.RATE_HISTORY :]
         self._failing = None
         self._known(o.step, self._wall())
-        self._emit(
+        self._tier_event(
             "info",
             "durable_committed",
-            step=o.step,
-            url=r.url,
+            o.step,
+            r.url,  # the step's own
             outcome=r.outcome,
             node=self.node,
             files=r.files,
@@ -278,7 +268,7 @@ class DurableKeeper:
         try:
             listing = tier.list_checkpoints(deep=False)
         except Exception as e:  # noqa: BLE001 - the tier's failure is logged; the next commit lists again
-            self._later("warning", "durable_retention_failed", step=committed, reason=f"listing: {_error_line(e)}")
+            self._retention_failed(committed, f"listing: {_error_line(e)}")
             return
         good = [c for c in listing.checkpoints if c.consistent]
         if good:
@@ -291,12 +281,7 @@ class DurableKeeper:
         pinned = pins.read_pins(self.cfg.checkpoint.dir)
         if not pinned.readable:
             why = "; ".join(str(p) for p in pinned.problems)
-            self._later(
-                "warning",
-                "durable_retention_failed",
-                step=committed,
-                reason=f"the pins cannot be read ({why}): nothing is deleted",
-            )
+            self._retention_failed(committed, f"the pins cannot be read ({why}): nothing is deleted")
             return
         doomed = durable_rules.victims(
             ((c.step, c.consistent) for c in listing.checkpoints),
@@ -312,16 +297,9 @@ class DurableKeeper:
             try:
                 removed = tier.delete(step)
             except Exception as e:  # noqa: BLE001 - one failed deletion must not stop the uploads
-                self._later("warning", "durable_retention_failed", step=step, reason=_error_line(e))
+                self._retention_failed(step, _error_line(e))
                 continue
-            self._later(
-                "info",
-                "durable_deleted",
-                step=step,
-                url=self.url,
-                objects=removed,
-                reason=f"durable retention (keep_last {self.tier_cfg.keep_last})",
-            )
+            self._deleted(step, removed, f"durable retention (keep_last {self.tier_cfg.keep_last})")
         if self.node is not None and len(good) >= 2:
             self._sweep(tier, {c.step for c in listing.checkpoints}, good[-1].step, good[-2].step)
 
@@ -335,24 +313,23 @@ class DurableKeeper:
             job = {*(manifest.nodes or ()), *([self.node] if self.node else [])}
             stale = [s for s in tier.committed_steps() if s < below and s not in committed]
         except Exception as e:  # noqa: BLE001 - the tier's failure is logged; the next commit sweeps again
-            self._later("warning", "durable_retention_failed", step=newest, reason=f"sweep: {_error_line(e)}")
+            self._retention_failed(newest, f"sweep: {_error_line(e)}")
             return
         for step in stale:
             try:
                 removed = tier.sweep(step, job)
             except Exception as e:  # noqa: BLE001 - one failed deletion must not stop the uploads
-                self._later("warning", "durable_retention_failed", step=step, reason=_error_line(e))
+                self._retention_failed(step, _error_line(e))
                 continue
             if removed:
-                self._later(
-                    "info",
-                    "durable_deleted",
-                    step=step,
-                    url=self.url,
-                    objects=removed,
-                    reason=f"never committed, superseded by step {newest}",
-                )
+                self._deleted(step, removed, f"never committed, superseded by step {newest}")
 
     def _later(self, level: str, event: str, **fields: Any) -> None:
         """An event for the loop's thread to log (logging and metrics are the loop's)."""
         self._todo.append(lambda: self._emit(level, event, **fields))
+
+    def _retention_failed(self, step: int | None, reason: str) -> None:
+        self._later("warning", "durable_retention_failed", step=step, reason=reason)
+
+    def _deleted(self, step: int, objects: int, reason: str) -> None:
+        self._later("info", "durable_deleted", step=step, url=self.url, objects=objects, reason=reason)
