@@ -166,20 +166,10 @@ class ResumeChoice:
         """Log what a choice quarantined, skipped or abandoned on its way (`late`: fields of a choice made after
         its attempt stopped waiting for it)."""
         for p in resume.picked.passed:
-            if p.action == choice.QUARANTINED:
-                self._emit(
-                    "error",
-                    "checkpoint_quarantined",
-                    attempt=attempt,
-                    step=p.step,
-                    reason=p.reason,
-                    path=p.moved_to,
-                    **late,
-                )
-            else:
-                self._emit(
-                    "warning", "checkpoint_skipped", attempt=attempt, step=p.step, reason=p.reason, path=p.path, **late
-                )
+            quarantined = p.action == choice.QUARANTINED  # else skipped: `path` is where it lies now either way
+            level, path = ("error", p.moved_to) if quarantined else ("warning", p.path)
+            event = "checkpoint_quarantined" if quarantined else "checkpoint_skipped"
+            self._emit(level, event, attempt=attempt, step=p.step, reason=p.reason, path=path, **late)
         for p in resume.abandoned:
             level = "warning" if p.action == choice.ABANDONED else "error"  # one not renamed stays a resume point
             self._emit(
