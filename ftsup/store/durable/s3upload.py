@@ -227,16 +227,9 @@ def _part(
         plan.etags[number] = md5.hex()
         return 0, "kept"
     else:
-        sent = tier.on_object(
-            "send a part of",
-            plan.key,
-            tier.client.upload_part,
-            UploadId=plan.upload_id,
-            PartNumber=number,
-            Body=data if pause is None else _PausingBody(data, pause),
-            ContentMD5=b64(md5),
-        )
-        etag = str(sent.get("ETag", "")).strip('"')
+        body = data if pause is None else _PausingBody(data, pause)
+        send = tier.client.upload_part
+        etag = _etag_of(tier, plan, "send a part of", send, PartNumber=number, Body=body, ContentMD5=b64(md5))
         if etag and len(etag) == 32 and etag != md5.hex():
             raise DurableTierError(
                 f"s3://{tier.bucket}/{plan.key}: part {number} stored as {etag}, sent as {md5.hex()}"
@@ -264,20 +257,20 @@ def _finish(tier: S3Tier, local: durable.LocalCheckpoint, plan: FilePlan) -> boo
     if plan.single:
         return True
     parts = [{"PartNumber": n, "ETag": f'"{plan.etags[n]}"'} for n in sorted(plan.etags)]
+    complete = tier.client.complete_multipart_upload
     try:
-        done = tier.on_object(
-            "complete the upload of",
-            plan.key,
-            tier.client.complete_multipart_upload,
-            UploadId=plan.upload_id,
-            MultipartUpload={"Parts": parts},
-        )
+        etag = _etag_of(tier, plan, "complete the upload of", complete, MultipartUpload={"Parts": parts})
     except UploadGone:
         return False
-    etag = str(done.get("ETag", "")).strip('"')
     if etag.endswith(f"-{len(parts)}") and etag != expected:
         raise DurableTierError(f"s3://{tier.bucket}/{plan.key}: completed as {etag}, expected {expected}")
     return True
+
+
+def _etag_of(tier: S3Tier, plan: FilePlan, what: str, fn: Any, **kwargs: Any) -> str:
+    """The ETag (unquoted; "" for none) of the store's answer to `fn` on the multipart upload of `plan`."""
+    answer = tier.on_object(what, plan.key, fn, UploadId=plan.upload_id, **kwargs)
+    return str(answer.get("ETag", "")).strip('"')
 
 
 def _check_objects(tier: S3Tier, step: int, token: str, manifest: layout.Manifest) -> None:
