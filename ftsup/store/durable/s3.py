@@ -305,24 +305,22 @@ class S3Tier(Backend):
     def parts_of(self, key: str, upload_id: str) -> dict[int, tuple[str, int]]:
         """The parts an unfinished upload holds: number -> (ETag, size), from at most `s3list.MAX_PAGES` pages."""
         parts: dict[int, tuple[str, int]] = {}
-        marker = 0
-        for _page in range(s3list.MAX_PAGES):
-            got = self.on_object(
-                "list the parts of",
-                key,
-                self.client.list_parts,
-                UploadId=upload_id,
-                PartNumberMarker=marker,
-            )
+        first = {"PartNumberMarker": 0}
+        listing = self.client.list_parts
+        for got in s3list.pages(self, "list the parts of", key, listing, _by_part, first, Key=key, UploadId=upload_id):
             for p in got.get("Parts", []) or []:
                 n, etag, size = p.get("PartNumber"), p.get("ETag"), p.get("Size")
                 if type(n) is int and 1 <= n <= durable.MAX_PARTS and isinstance(etag, str) and type(size) is int:
                     parts[n] = (etag.strip('"'), size)
-            nxt = got.get("NextPartNumberMarker")
-            if not got.get("IsTruncated") or type(nxt) is not int or not marker < nxt < durable.MAX_PARTS:
-                break
-            marker = nxt
         return parts
+
+
+def _by_part(got: dict[str, Any], markers: dict[str, Any]) -> dict[str, Any] | None:
+    """The next page of a `list_parts`: a part number past the page's, below the most parts an upload has."""
+    nxt = got.get("NextPartNumberMarker")
+    if not got.get("IsTruncated") or type(nxt) is not int or not markers["PartNumberMarker"] < nxt < durable.MAX_PARTS:
+        return None
+    return {"PartNumberMarker": nxt}
 
 
 def _sign_parts_by_md5(client: Any) -> None:

@@ -5,6 +5,7 @@ Requests go through the tier's own wrappers (`S3Tier.call`); this module has no 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ftsup.store import layout
@@ -79,24 +80,47 @@ def _past_cap(tier: S3Tier, what: str) -> DurableTierError:
     return DurableTierError(f"{tier.url}: the listing from {endpoint} ran on ({what}); the rest was not read")
 
 
+def pages(
+    tier: S3Tier,
+    what: str,
+    key: str,
+    fn: Any,
+    follow: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any] | None],
+    first: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Iterator[dict[str, Any]]:
+    """The answers to `tier.call(what, key, fn, **kwargs, **markers)`, page after page, at most MAX_PAGES: the
+    markers are `first`, then `follow(answer, markers)` of the page before; it ends where that is None (no more) or
+    the markers the page had (a store that repeats itself)."""
+    markers = first or {}
+    for _page in range(MAX_PAGES):
+        got = tier.call(what, key, fn, **kwargs, **markers)
+        yield got
+        nxt = follow(got, markers)
+        if nxt is None or nxt == markers:
+            return
+        markers = nxt
+
+
+def _by_token(got: dict[str, Any], markers: dict[str, Any]) -> dict[str, Any] | None:
+    """The next page of a `list_objects_v2`."""
+    token = got.get("NextContinuationToken")
+    if not got.get("IsTruncated") or not isinstance(token, str) or not token:
+        return None
+    return {"ContinuationToken": token}
+
+
 def object_sizes(tier: S3Tier, prefix: str, expected: int) -> dict[str, int]:
     """Key -> size of the objects under `prefix`, reading at most `expected` names and a few pages more."""
     sizes: dict[str, int] = {}
-    token: str | None = None
     limit = expected + 2 * PAGE
-    for _page in range(MAX_PAGES):
-        if len(sizes) >= limit:
-            break
-        kwargs: dict[str, Any] = {"Prefix": prefix, "MaxKeys": PAGE}
-        if token:
-            kwargs["ContinuationToken"] = token
-        got = tier.call("list", prefix, tier.client.list_objects_v2, **kwargs)
+    listing = tier.client.list_objects_v2
+    for got in pages(tier, "list", prefix, listing, _by_token, Prefix=prefix, MaxKeys=PAGE):
         for obj in got.get("Contents", []) or []:
             key, size = (obj.get("Key"), obj.get("Size")) if isinstance(obj, dict) else (None, None)
             if isinstance(key, str) and key.startswith(prefix) and type(size) is int and size >= 0:
                 sizes[key] = size
-        last, token = token, got.get("NextContinuationToken")
-        if not got.get("IsTruncated") or not isinstance(token, str) or not token or token == last:
+        if len(sizes) >= limit:
             break
     return sizes
 
@@ -104,32 +128,25 @@ def object_sizes(tier: S3Tier, prefix: str, expected: int) -> dict[str, int]:
 def uploads_under(tier: S3Tier, prefix: str) -> dict[str, list[str]]:
     """Key -> ids of the unfinished multipart uploads under `prefix`, oldest first (at most MAX_NAMES read)."""
     found: dict[str, list[tuple[str, str]]] = {}
-    markers: dict[str, str] = {}
     seen = 0
-    for _page in range(MAX_PAGES):
-        if seen >= MAX_NAMES:
-            break
-        got = tier.call(
-            "list the uploads under",
-            prefix,
-            tier.client.list_multipart_uploads,
-            Prefix=prefix,
-            MaxUploads=PAGE,
-            **markers,
-        )
+    listing = tier.client.list_multipart_uploads
+    for got in pages(tier, "list the uploads under", prefix, listing, _by_upload, Prefix=prefix, MaxUploads=PAGE):
         for up in got.get("Uploads", []) or []:
             seen += 1
             key, upload_id = (up.get("Key"), up.get("UploadId")) if isinstance(up, dict) else (None, None)
             if isinstance(key, str) and key.startswith(prefix) and isinstance(upload_id, str) and upload_id:
                 found.setdefault(key, []).append((str(up.get("Initiated", "")), upload_id))
-        key_marker, id_marker = got.get("NextKeyMarker"), got.get("NextUploadIdMarker")
-        if not got.get("IsTruncated") or not isinstance(key_marker, str) or not key_marker:
+        if seen >= MAX_NAMES:
             break
-        nxt = {"KeyMarker": key_marker, "UploadIdMarker": id_marker if isinstance(id_marker, str) else ""}
-        if nxt == markers:
-            break
-        markers = nxt
     return {key: [i for _, i in sorted(ups)] for key, ups in found.items()}
+
+
+def _by_upload(got: dict[str, Any], markers: dict[str, Any]) -> dict[str, Any] | None:
+    """The next page of a `list_multipart_uploads`."""
+    key_marker, id_marker = got.get("NextKeyMarker"), got.get("NextUploadIdMarker")
+    if not got.get("IsTruncated") or not isinstance(key_marker, str) or not key_marker:
+        return None
+    return {"KeyMarker": key_marker, "UploadIdMarker": id_marker if isinstance(id_marker, str) else ""}
 
 
 def inspect(tier: S3Tier, step: int, *, deep: bool = False) -> layout.CheckpointInfo:
