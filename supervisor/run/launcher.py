@@ -184,6 +184,23 @@ def _take_rdzv_conf(args: list[str]) -> tuple[str | None, list[str]]:
     return value, rest
 
 
+@dataclass(frozen=True)
+class Launch:
+    """An attempt to start: its number, torchrun's `argv` (`torchrun_argv`), where and with what environment it
+    runs, the log file its output goes to, and the mark its processes carry."""
+
+    number: int
+    argv: Sequence[str]
+    env: Mapping[str, str]
+    cwd: str | os.PathLike[str]
+    log_path: Path
+    mark: procs.Mark
+
+    def environ(self, guard_env: Mapping[str, str]) -> dict[str, str]:
+        """The environment torchrun starts with: `env`, the mark's variables and the guard's (`guard.wrap`)."""
+        return {**self.env, **self.mark.environ(), **guard_env}
+
+
 @dataclass
 class RunningAttempt:
     number: int
@@ -237,34 +254,24 @@ class RunningAttempt:
         return left
 
 
-def start(
-    number: int,
-    argv: Sequence[str],
-    *,
-    env: Mapping[str, str],
-    cwd: str | os.PathLike[str],
-    log_path: Path,
-    mark: procs.Mark,
-    ignore_signals: tuple[int, ...] = (),
-) -> RunningAttempt:
-    """Start torchrun (`argv`) behind the parent-death guard, in a session of its own.
+def start(launch: Launch, *, ignore_signals: tuple[int, ...] = ()) -> RunningAttempt:
+    """Start the attempt `launch` (torchrun) behind the parent-death guard, in a session of its own.
 
     Notice signals (`ignore_signals`) are the supervisor's. Slurm delivers a step's signals to
     every process in it, and SIGUSR1's default action would kill torchrun and the ranks before
     they could save; the guard sets them to SIG_IGN before exec, which survives exec, so the
     whole tree ignores them.
     """
-    wrapped, guard_env = guard.wrap(argv, ignore=ignore_signals)
-    full_env = {**env, **mark.environ(), **guard_env}
+    wrapped, guard_env = guard.wrap(launch.argv, ignore=ignore_signals)
     started_at = time.time()
-    with statedir.open_append(log_path) as out:
+    with statedir.open_append(launch.log_path) as out:
         proc = subprocess.Popen(
             wrapped,
-            env=full_env,
-            cwd=cwd,
+            env=launch.environ(guard_env),
+            cwd=launch.cwd,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    return RunningAttempt(number, proc, log_path, started_at, mark)
+    return RunningAttempt(launch.number, proc, launch.log_path, started_at, launch.mark)

@@ -11,7 +11,7 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,27 +37,19 @@ class Spare:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def go(
-        self,
-        number: int,
-        argv: Sequence[str],
-        *,
-        env: Mapping[str, str],
-        cwd: str | os.PathLike[str],
-        log_path: Path,
-        mark: procs.Mark,
-    ) -> launcher.RunningAttempt | None:
-        """Start attempt `number` (torchrun's `argv`, as `launcher.torchrun_argv` builds it) in this spare; None
-        (and the spare stopped) when it cannot be: the caller then starts the attempt cold. Either way the spare is
-        spent. Raises OSError only for the log file, as a cold start would."""
+    def go(self, launch: launcher.Launch) -> launcher.RunningAttempt | None:
+        """Start the attempt `launch` in this spare; None (and the spare stopped) when it cannot be: the caller then
+        starts the attempt cold. Either way the spare is spent. Raises OSError only for the log file, as a cold start
+        would."""
         head = [self.python, "-m", MODULE]
-        if number != self.number or mark != self.mark or list(argv[:3]) != head or not self.alive():
+        argv = launch.argv
+        if launch.number != self.number or launch.mark != self.mark or list(argv[:3]) != head or not self.alive():
             self.discard()
             return None
-        full_env = {**env, **mark.environ(), **self.guard_env}
-        body = json.dumps({"argv": list(argv[3:]), "env": full_env, "cwd": os.fspath(cwd)}).encode()
+        env = launch.environ(self.guard_env)
+        body = json.dumps({"argv": list(argv[3:]), "env": env, "cwd": os.fspath(launch.cwd)}).encode()
         try:
-            out = statedir.open_append(log_path)
+            out = statedir.open_append(launch.log_path)
         except OSError:
             self.discard()
             raise
@@ -70,7 +62,7 @@ class Spare:
                 self.discard()
                 return None
         self.sock.close()
-        return launcher.RunningAttempt(number, self.proc, log_path, self.started_at, mark)
+        return launcher.RunningAttempt(launch.number, self.proc, launch.log_path, self.started_at, launch.mark)
 
     def discard(self) -> None:
         """Stop the spare (parked, it has no children), reap it and close its channel."""

@@ -233,11 +233,10 @@ class Workers:
         begins = echo.size_of(log_path)  # appended to: the attempt's output begins at its end now
         mark = procs.Mark(self.cfg.job.run_id, self.cfg.launch.node_id, action.attempt)
         argv = launcher.torchrun_argv(launcher.spec_from(self.cfg, action.nproc, ranklogs.ranks_dir(log_path)))
+        launch = launcher.Launch(action.attempt, argv, env, self.cfg.job.workdir, log_path, mark)
         spare, self._spare = self._spare, None
-        warm = None
-        if spare is not None:
-            warm = spare.go(action.attempt, argv, env=env, cwd=self.cfg.job.workdir, log_path=log_path, mark=mark)
-        self.attempt = warm or self._start_cold(action.attempt, argv, env, log_path, mark)
+        warm = spare.go(launch) if spare is not None else None
+        self.attempt = warm or self._start_cold(launch)
         self._end_echo()
         self._echo = echo.Echo(log_path, begins) if self.cfg.logging.echo else None
         # The spare's environment at exec (what /proc shows of it) has no attempt's resume step or skips in it.
@@ -247,25 +246,29 @@ class Workers:
             self._emit("info", "spare_agent_used", attempt=action.attempt, pid=warm.pid)
         self._post(policy.WorkersStarted(action.attempt, (self.attempt.pid,), log=str(log_path)))
 
-    def _start_cold(
-        self, number: int, argv: list[str], env: Mapping[str, str], log_path: Path, mark: procs.Mark
-    ) -> launcher.RunningAttempt:
+    def _start_cold(self, launch: launcher.Launch) -> launcher.RunningAttempt:
         """An attempt with no spare parked for it. With `launch.warm_agent` it starts in a spare too, parked and
         handed the attempt at once (the imports are waited for as a plain torchrun's would be; its exit is quick);
         plain torchrun (`launcher.start`) where that cannot be done."""
-        cwd, ignored = self.cfg.job.workdir, self._ignored()
+        ignored = self._ignored()
         if self.cfg.launch.warm_agent:
             try:
                 spare = warmagent.park(
-                    number, argv[0], env=env, cwd=cwd, mark=mark, ignore_signals=ignored, log_path=log_path
+                    launch.number,
+                    launch.argv[0],
+                    env=launch.env,
+                    cwd=launch.cwd,
+                    mark=launch.mark,
+                    ignore_signals=ignored,
+                    log_path=launch.log_path,
                 )
             except OSError as e:
-                self._emit("warning", "spare_agent_failed", attempt=number, reason=error_line(e))
+                self._emit("warning", "spare_agent_failed", attempt=launch.number, reason=error_line(e))
             else:
-                att = spare.go(number, argv, env=env, cwd=cwd, log_path=log_path, mark=mark)
+                att = spare.go(launch)
                 if att is not None:
                     return att
-        return launcher.start(number, argv, env=env, cwd=cwd, log_path=log_path, mark=mark, ignore_signals=ignored)
+        return launcher.start(launch, ignore_signals=ignored)
 
     def _park_spare(self, att: launcher.RunningAttempt) -> None:
         """With `launch.warm_agent`, park a spare for the next attempt once this one trains (its ranks' imports

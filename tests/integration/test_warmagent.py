@@ -52,7 +52,7 @@ def test_a_spare_runs_the_attempt_it_was_parked_for_with_the_environment_cwd_and
     try:
         env = {**os.environ, "FTSUP_WARM_PROBE": "handed-over", "PYTHONUNBUFFERED": "1"}
         log = tmp_path / "attempt-0003.log"
-        att = spare.go(3, argv_for(tmp_path, 3), env=env, cwd=tmp_path, log_path=log, mark=mark(3))
+        att = spare.go(launcher.Launch(3, argv_for(tmp_path, 3), env, tmp_path, log, mark(3)))
         assert att is not None and att.pid == spare.proc.pid and att.started_at == spare.started_at
         assert att.proc.wait(timeout=120) == 0, log.read_text()[-3000:]
         text = log.read_text()
@@ -65,11 +65,11 @@ def test_a_spare_runs_the_attempt_it_was_parked_for_with_the_environment_cwd_and
 def test_a_spare_parked_for_another_attempt_or_interpreter_is_stopped_and_not_used(tmp_path):
     spare = park(tmp_path, 2)
     argv = argv_for(tmp_path, 5)
-    assert spare.go(5, argv, env=dict(os.environ), cwd=tmp_path, log_path=tmp_path / "a.log", mark=mark(5)) is None
+    assert spare.go(launcher.Launch(5, argv, dict(os.environ), tmp_path, tmp_path / "a.log", mark(5))) is None
     assert spare.proc.returncode is not None  # stopped and reaped
     other = park(tmp_path, 5)
     argv[0] = "/usr/bin/python3-other"
-    assert other.go(5, argv, env=dict(os.environ), cwd=tmp_path, log_path=tmp_path / "b.log", mark=mark(5)) is None
+    assert other.go(launcher.Launch(5, argv, dict(os.environ), tmp_path, tmp_path / "b.log", mark(5))) is None
     assert other.proc.returncode is not None and not (tmp_path / "b.log").exists()
 
 
@@ -78,7 +78,7 @@ def test_a_dead_spare_is_not_used_and_its_attempt_starts_cold(tmp_path):
     spare.proc.send_signal(signal.SIGKILL)
     spare.proc.wait(timeout=10)
     argv = argv_for(tmp_path, 1)
-    assert spare.go(1, argv, env=dict(os.environ), cwd=tmp_path, log_path=tmp_path / "c.log", mark=mark(1)) is None
+    assert spare.go(launcher.Launch(1, argv, dict(os.environ), tmp_path, tmp_path / "c.log", mark(1))) is None
 
 
 def test_a_log_file_that_cannot_be_opened_fails_the_launch_as_a_cold_start_would(tmp_path):
@@ -87,7 +87,7 @@ def test_a_log_file_that_cannot_be_opened_fails_the_launch_as_a_cold_start_would
     (tmp_path / "d.log").symlink_to(tmp_path / "target")  # never written through a link
     argv = argv_for(tmp_path, 1)
     with pytest.raises(OSError):
-        spare.go(1, argv, env=dict(os.environ), cwd=tmp_path, log_path=tmp_path / "d.log", mark=mark(1))
+        spare.go(launcher.Launch(1, argv, dict(os.environ), tmp_path, tmp_path / "d.log", mark(1)))
     assert spare.proc.returncode is not None and (tmp_path / "target").read_text() == ""
 
 
@@ -257,7 +257,7 @@ def test_a_failed_rank_gives_the_agent_torchruns_exit_status_and_report_as_a_pla
     argv = launcher.torchrun_argv(spec)
     log = tmp_path / "attempt-0001.log"
     spare = warmagent.park(1, sys.executable, env=dict(os.environ), cwd=REPO, mark=mark(1), log_path=log)
-    att = spare.go(1, argv, env=dict(os.environ), cwd=tmp_path, log_path=log, mark=mark(1))
+    att = spare.go(launcher.Launch(1, argv, dict(os.environ), tmp_path, log, mark(1)))
     assert att is not None
     assert att.proc.wait(timeout=120) == 1
     text = log.read_text()
@@ -270,7 +270,7 @@ def test_an_interpreter_that_cannot_import_torchrun_says_so_in_the_attempts_log(
     (tmp_path / "torch").mkdir()
     (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('this torch is broken on purpose')\n")
     spare = warmagent.park(1, sys.executable, env=env, cwd=tmp_path, mark=mark(1), log_path=log)
-    att = spare.go(1, argv_for(tmp_path, 1), env=env, cwd=tmp_path, log_path=log, mark=mark(1))
+    att = spare.go(launcher.Launch(1, argv_for(tmp_path, 1), env, tmp_path, log, mark(1)))
     rc = spare.proc.wait(timeout=60) if att is None else att.proc.wait(timeout=60)
     assert rc == 1 and "ImportError: this torch is broken on purpose" in log.read_text()
 
