@@ -141,7 +141,7 @@ def commit_agreed(
     started: float,
     format: str = FORMAT,
     error: str | None = None,
-    check: Callable[[Path], None] | None = None,
+    check: Callable[[Path], object] | None = None,
     timed: bool = False,
     logged: Mapping[str, Any] | None = None,
 ) -> None:
