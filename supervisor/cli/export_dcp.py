@@ -8,15 +8,14 @@ import argparse
 import sys
 from typing import Any, TextIO
 
-from ftsup.supervisor.cli.export_hf import add_source_arguments, progress_printer
+from ftsup.supervisor.cli.export_hf import VERIFIED, add_source_arguments, progress_printer
 
 DESCRIPTION = (
     "Write every tensor of checkpoint --step (default: the latest consistent one), whatever world size saved it, as "
     "torch.distributed.checkpoint.save writes a state dict: OUT/.metadata and OUT/__0_0.distcp, each tensor under "
     "its name in the checkpoint (ftsup ckpt show lists them; --prefix P: only those under P, without it), so that "
     "torch.distributed.checkpoint.load loads it on any number of ranks (torchtitan's checkpoint.initial_load_path "
-    "reads it too). Every byte exported is verified against the checkpoint's checksums as it is read; OUT must not "
-    "exist or be empty, and appears only when complete."
+    f"reads it too). {VERIFIED}"
 )
 
 

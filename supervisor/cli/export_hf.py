@@ -15,13 +15,17 @@ from typing import Any, TextIO
 from ftsup.store import dtypes, hublayout
 from ftsup.supervisor.errors import UsageError
 
+VERIFIED = (
+    "Every byte exported is verified against the checkpoint's checksums as it is read; OUT must not exist or be "
+    "empty, and appears only when complete."
+)
+"""What every export promises, the end of its --help."""
 DESCRIPTION = (
     "Write the model of checkpoint --step (default: the latest consistent one), whatever world size saved it, as "
     "huggingface_hub's save_torch_state_dict writes one: OUT/model.safetensors, or past --max-shard-size "
     "OUT/model-0000k-of-0000n.safetensors and OUT/model.safetensors.index.json; and OUT/config.json, so that "
     "AutoModelForCausalLM.from_pretrained(OUT) loads it. config.json is the model config the checkpoint holds, or "
-    "--config FILE. Every byte exported is verified against the checkpoint's checksums as it is read; OUT must not "
-    "exist or be empty, and appears only when complete."
+    f"--config FILE. {VERIFIED}"
 )
 
 
