@@ -1,9 +1,11 @@
-"""The suite's set-up: the checkout's bytecode compiled once where Python may not write it, and `-m alone` (the
-README's second pytest command) importing only the files that hold a test marked `alone`."""
+"""The suite's set-up: the checkout's bytecode compiled once where Python may not write it, DeepSpeed's builds kept
+in this environment, and `-m alone` (the README's second pytest command) importing only the files that hold a test
+marked `alone`."""
 
 from __future__ import annotations
 
 import compileall
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +15,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # DeepSpeed's ranks build a C++ extension on first use, by default in a cache every checkout of this user shares:
+    # two checkouts' builds (their flags differ) rebuild each other's, and one killed leaves a lock the other's wait
+    # on. This environment's builds stay in it.
+    if os.access(sys.prefix, os.W_OK):
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     # With PYTHONDONTWRITEBYTECODE set, every rank, agent and supervisor the suite starts would compile the
     # checkout's modules from source again; compiled once here, they are read like the installed packages'.
     if sys.dont_write_bytecode and not hasattr(config, "workerinput"):
