@@ -19,9 +19,9 @@ pytestmark = pytest.mark.multiprocess
 REPLICA = Path("peers") / "node-1" / layout.step_dirname(2) / layout.shard_name(1)
 
 
-def _run(mode: str, base: Path, out: Path) -> tuple[dict, str]:
+def _run(mode: str, base: Path, out: Path, nproc: int = 2) -> tuple[dict, str]:
     args = [mode, "--dir", str(base / "ckpt"), "--memory", str(base / "mem"), "--out", str(out), "--node-local"]
-    r = torchrun("ckpt_worker.py", [*args, "--steps", "1,2"] if mode == "save" else args, nproc=2)
+    r = torchrun("ckpt_worker.py", [*args, "--steps", "1,2"] if mode == "save" else args, nproc=nproc)
     assert r.returncode == 0, r.output[-4000:]
     return json.loads(out.read_text()), r.output
 
@@ -86,6 +86,19 @@ def test_a_node_lost_whole_receives_the_files_its_rank_reads_not_the_whole_check
     whole = sum(e.size for e in manifest.files.values())
     assert (int(got["received_bytes"]), int(got["checkpoint_bytes"])) == (own, whole), restored
     assert own < whole * 0.6
+
+
+def test_the_node_left_alone_after_a_loss_resumes_from_the_replica_in_its_own_memory_bitwise(
+    saved: tuple[Path, dict], copy: Path
+) -> None:
+    # Node 1 lost whole and the job shrunk to node 0 (one rank, one node: no ring): node 1's part is only in the
+    # replica node 0's memory holds, and the load reads it from there (its disk's copy lacks that part).
+    shutil.rmtree(copy / "ckpt" / "node-1")
+    shutil.rmtree(copy / "mem" / "node-1")
+    loaded, output = _run("load", copy, copy / "load.json", nproc=1)
+    assert (loaded["step"], loaded["digests"], loaded["tiers"]) == (2, saved[1]["digests_2"], ["peers"])
+    [restored] = _events(output, "checkpoint_peer_restored")
+    assert "node=node-0" in restored and "received_bytes=0" in restored, restored
 
 
 @pytest.mark.parametrize("damage", ["flip", "tear"])

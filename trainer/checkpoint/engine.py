@@ -465,10 +465,16 @@ class CheckpointEngine:
         with gcpause.paused():
             started, restored = time.perf_counter(), None
             flat, _ = codec.flatten(codec.state_dicts(state))
-            if self._ring is not None and self._memory is not None and step is None:
-                restored = peerload.before_load(
-                    self._comm, self._memory, self._ring, self.directory, at_most, node_local, flat
-                )
+            if self._memory is not None and step is None:
+                # Several nodes: their parts, gathered. One node left of several (node-local stores): the parts its
+                # own memory holds, the replicas of the nodes it lost among them (trainer/checkpoint/DESIGN.md).
+                node = self._ring.node if self._ring is not None else self._committer.node
+                if node is not None and (
+                    self._ring is not None or (node_local and peerload.holds_peers(self._memory.directory))
+                ):
+                    restored = peerload.before_load(
+                        self._comm, self._memory, node, self.directory, at_most, node_local, flat
+                    )
             try:
                 return loading.load(
                     self.directory,

@@ -29,7 +29,6 @@ from ftsup.trainer.checkpoint.peers import (
     MEMORY,
     PEERS,
     PEERS_DIRNAME,
-    Ring,
     Transfer,
     exchange,
     own_dir,
@@ -192,28 +191,34 @@ def narrow(plan: Mapping[str, Any], manifest: layout.Manifest, needs: list[Mappi
 def before_load(
     comm: LocalComm | GroupComm,
     memory: Committer,
-    ring: Ring,
+    node: str,
     directory: Path,
     at_most: int | None,
     node_local: bool,
     flat: Mapping[str, torch.Tensor] | None = None,
 ) -> Restored | None:
     """The engine's load, every rank alike: each node's copy of the newest checkpoint the nodes hold together
-    (`restore`), unless the shared store `directory` holds a newer one; `node_local`: `directory` is the node's own,
-    whose part is offered too; `flat`: the state the load reads into (`codec.flatten`), whose plan says which files
-    each node's copy needs (None: every file)."""
-    if not isinstance(comm, GroupComm):
-        return None
+    (`restore`), unless the shared store `directory` holds a newer one; `node`: this rank's node; `node_local`:
+    `directory` is the node's own, whose part is offered too; `flat`: the state the load reads into
+    (`codec.flatten`), whose plan says which files each node's copy needs (None: every file)."""
     store_step = None
     if comm.rank == 0 and not node_local:
         newest = layout.latest_consistent(directory, below=None if at_most is None else at_most + 1)
         store_step = newest.step if newest is not None else None
     disk = directory if node_local else None
-    return restore(comm, memory.directory, disk, ring.node, memory.leader, at_most, store_step, flat)
+    return restore(comm, memory.directory, disk, node, memory.leader, at_most, store_step, flat)
+
+
+def holds_peers(memory: Path) -> bool:
+    """Whether this node's memory holds other nodes' parts: it was one node of several, whose replicas it kept."""
+    try:
+        return any(nodes.is_node_id(e.name) for e in os.scandir(memory / PEERS_DIRNAME))
+    except OSError:
+        return False
 
 
 def restore(
-    comm: GroupComm,
+    comm: LocalComm | GroupComm,
     memory: Path,
     disk: Path | None,
     node: str,
@@ -259,7 +264,9 @@ def restore(
         if leader:
             shutil.rmtree(memory / RESTORE_DIRNAME, ignore_errors=True)  # never through a link: rmtree refuses one
             own_dir(memory / RESTORE_DIRNAME)
-        exchange(comm, sends, recvs)
+        if plan["moves"]:  # every rank alike: where each node holds what it needs, nothing crosses
+            assert isinstance(comm, GroupComm)
+            exchange(comm, sends, recvs)
         failed = next((t.error for t in sends + recvs if t.error), None)
         if failed is None and leader:
             _assemble(partial, plan["links"].get(comm.rank, []), recvs, plan["manifest"].encode(), held)
@@ -292,7 +299,7 @@ def restore(
     return Restored(final, step, tier, frozenset(held), None if "error" in meta else meta)
 
 
-def _meta(comm: GroupComm, plan: Mapping[str, Any], manifest: layout.Manifest) -> dict[str, Any]:
+def _meta(comm: LocalComm | GroupComm, plan: Mapping[str, Any], manifest: layout.Manifest) -> dict[str, Any]:
     """Every rank alike: the chosen checkpoint's DCP metadata, packed (`loadplan.pack`), as the holder of its
     preferred copy read and verified it; {"error"} where that failed there."""
     src, path = plan["meta"]
@@ -306,7 +313,10 @@ def _meta(comm: GroupComm, plan: Mapping[str, Any], manifest: layout.Manifest) -
 
 
 def _reads(
-    comm: GroupComm, manifest: layout.Manifest, meta: Mapping[str, Any], flat: Mapping[str, torch.Tensor] | None
+    comm: LocalComm | GroupComm,
+    manifest: layout.Manifest,
+    meta: Mapping[str, Any],
+    flat: Mapping[str, torch.Tensor] | None,
 ) -> list[str] | None:
     """The files this rank's load of `flat` will read (its shards' and its rank state), planned as the load plans
     them; None (every file) without a state, without the metadata, or where the state does not fit the checkpoint:
