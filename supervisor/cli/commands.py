@@ -439,6 +439,11 @@ BENCHMARKS = (
         "ftsup.tools.bench.goodput",
     ),
     Tool(
+        "node-loss",
+        "goodput of a two-node job under node losses: ftsup with peer memories vs durable tier vs torchrun",
+        "ftsup.tools.bench.goodput.nodecommand",
+    ),
+    Tool(
         "forensics",
         "the evidence of a hang: every rank's stacks captured before the kill, per choice of stack tools",
         "ftsup.tools.bench.forensics.command",
