@@ -52,6 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=",".join(twonode.NAMES),
         help=f"comma-separated, of {', '.join(twonode.NAMES)} (default: all)",
     )
+    p.add_argument(
+        "--nnodes",
+        choices=("1:2", "2:2"),
+        default="1:2",
+        help="every launcher's node range: 1:2, the survivor trains alone until the replacement joins (default); "
+        "2:2, it waits for it",
+    )
     p.add_argument("--max-restarts", type=shared.positive, default=50, help="every launcher's budget, default 50")
     p.add_argument("--timeout-s", type=shared.seconds, default=1200.0, help="one contender's whole run, default 1200")
 
@@ -99,10 +106,20 @@ def run(args: argparse.Namespace) -> int:
             f"after both nodes first trained together (each once they train together again), "
             f"replaced {args.replace_s:g} s later",
         },
-        "job": {"steps": args.steps, "ckpt_every": args.ckpt_every, "min_step_s": args.min_step_s, "nodes": 2},
+        "job": {
+            "steps": args.steps,
+            "ckpt_every": args.ckpt_every,
+            "min_step_s": args.min_step_s,
+            "nodes": 2,
+            "nnodes": args.nnodes,
+        },
         "environment": {"cpus": os.cpu_count(), "loadavg_start": _load(), "dir": str(root)},
     }
-    print(f"ftsup bench node-loss in {root}: {args.steps} steps; {out['schedule']['description']}", flush=True)
+    print(
+        f"ftsup bench node-loss in {root}: {args.steps} steps, --nnodes {args.nnodes}; "
+        f"{out['schedule']['description']}",
+        flush=True,
+    )
     ok = True
     with _sigterm_unwinds(), contextlib.ExitStack() as stack:
         env: dict[str, str] = {}
@@ -115,6 +132,11 @@ def run(args: argparse.Namespace) -> int:
         memory_root = _memory_root()
         stack.callback(shutil.rmtree, memory_root, True)
         for c in twonode.contenders(names, url):
+            reason = c.missing()
+            if reason is not None:
+                print(f"{c.name}: not run: {reason}", flush=True)
+                out["results"].append(nodeloss.not_run(c.name, c.command, reason))
+                continue
             r = _one(c, args, root, memory_root, env)
             out["results"].append(r)
             ok = ok and not r["orphans"] and (r["completed"] or not c.name.startswith("ftsup"))
@@ -135,7 +157,7 @@ def _one(c: twonode.NodeContender, args: argparse.Namespace, root: Path, memory:
         min_step_s=args.min_step_s,
         nproc=1,
     )
-    job = twonode.TwoNodeJob(base, free_port(), memory / c.name, args.max_restarts)
+    job = twonode.TwoNodeJob(base, free_port(), memory / c.name, args.max_restarts, args.nnodes)
     print(f"{c.name}: {c.command} ...", flush=True)
     times = nodeloss.loss_times(args.seed, args.mean_interval_s, args.losses, args.timeout_s)
     got = drive(c, job, times, replace_s=args.replace_s, timeout_s=args.timeout_s, env=env)

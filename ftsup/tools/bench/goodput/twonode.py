@@ -1,7 +1,8 @@
 """The contenders of `ftsup bench node-loss`: the reference trainer as one job of two nodes on 127.0.0.1 (c10d,
-`--nnodes 1:2`, one rank each), each node with its own disk and memory directories, started by `ftsup run` with the
-peer-memory tier (`ftsup-peers`) or with the durable tier instead (`ftsup-durable`), or by plain elastic `torchrun`
-(the trainer resuming by itself from its node-local directories). Config and argv only: `nodedrive` runs them.
+`--nnodes 1:2` or `2:2`, one rank each), each node with its own disk and memory directories, started by `ftsup run`
+with the peer-memory tier (`ftsup-peers`) or the durable tier instead (`ftsup-durable`), or by plain elastic
+`torchrun` or `ft_launcher` (tuned timeouts), the trainer resuming by itself from its node-local directories.
+Config and argv only: `nodedrive` runs them.
 """
 
 from __future__ import annotations
@@ -14,11 +15,18 @@ from typing import Any
 import yaml
 
 from ftsup.protocol import NODE_ID_ENV, NODE_LOCAL_ENV
-from ftsup.tools.bench.goodput.contenders import TORCH_WORKAROUND, TRAINER
+from ftsup.tools.bench.goodput.contenders import (
+    NVRX_LAUNCHER,
+    NVRX_RANK,
+    TORCH_WORKAROUND,
+    TRAINER,
+    Contender,
+    NvrxTimeouts,
+)
 from ftsup.tools.faults.nodes import RDZV_CONF
 from ftsup.tools.faults.refjob import TrainerJob, child_env
 
-NAMES = ("ftsup-peers", "ftsup-durable", "torchrun")
+NAMES = ("ftsup-peers", "ftsup-durable", "torchrun", "nvrx-tuned")
 KEEP_LAST = 2  # the memory tier's and the durable tier's retention (the memory tier allows at most 2)
 
 
@@ -61,6 +69,7 @@ class TwoNodeJob:
     port: int
     memory_root: Path
     max_restarts: int
+    nnodes: str = "1:2"  # "2:2": the survivor waits for the replacement instead of training alone
 
     def nodes(self) -> tuple[Node, Node]:
         prefix = self.base.run_id
@@ -85,9 +94,15 @@ class NodeContender:
     @property
     def command(self) -> str:
         if self.name == "torchrun":
-            return "torchrun --nnodes 1:2 --rdzv-backend c10d --max-restarts N (node-local checkpoint dirs)"
+            return "torchrun --rdzv-backend c10d --max-restarts N (node-local checkpoint dirs)"
+        if self.name == "nvrx-tuned":
+            return f"ft_launcher --rdzv-backend c10d {' '.join(NvrxTimeouts().flags())} (as torchrun)"
         tier = "checkpoint.memory replicas 1" if self.name == "ftsup-peers" else "checkpoint.durable on SeaweedFS"
-        return f"ftsup run (launch.nnodes 1:2, checkpoint.dir_shared false, {tier})"
+        return f"ftsup run (checkpoint.dir_shared false, {tier})"
+
+    def missing(self) -> str | None:
+        """Why this contender cannot run here (the one-node bench's answer: ft_launcher not installed), or None."""
+        return Contender(self.name, 0, 0.0).missing()
 
     def checkpoint(self, job: TwoNodeJob, node: Node) -> dict[str, Any]:
         """The `checkpoint` section of a node's ftsup config."""
@@ -108,7 +123,7 @@ class NodeContender:
         cfg["job"]["env"].update(TORCH_WORKAROUND)
         cfg["launch"] = {
             "nproc_per_node": job.base.nproc,
-            "nnodes": "1:2",
+            "nnodes": job.nnodes,
             "rdzv_endpoint": f"127.0.0.1:{job.port}",
             "node_id": node.node_id,
             "torchrun_args": [RDZV_CONF],
@@ -119,20 +134,24 @@ class NodeContender:
 
     def argv(self, job: TwoNodeJob, node: Node) -> list[str]:
         """The command that starts `node` (its config written first, for ftsup)."""
-        if self.name == "torchrun":
+        if not self.name.startswith("ftsup"):
+            launcher, rank = (
+                ("torch.distributed.run", TRAINER) if self.name == "torchrun" else (NVRX_LAUNCHER, NVRX_RANK)
+            )
             return [
                 sys.executable,
                 "-m",
-                "torch.distributed.run",
-                "--nnodes=1:2",
+                launcher,
+                f"--nnodes={job.nnodes}",
                 f"--nproc-per-node={job.base.nproc}",
                 "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{job.port}",
                 f"--rdzv-id={job.base.run_id}",
                 RDZV_CONF,
                 f"--max-restarts={job.max_restarts}",
+                *(NvrxTimeouts().flags() if self.name == "nvrx-tuned" else []),
                 "-m",
-                TRAINER,
+                rank,
                 *job.trainer_args(node.disk),
             ]
         node.config_path.write_text(yaml.safe_dump(self.config(job, node), sort_keys=False))
@@ -142,7 +161,7 @@ class NodeContender:
         """The launcher's environment: its node id (every process of the node inherits it: the bench finds them
         by it), and for torchrun the trainer's node-local store (what ftsup's config says for the others)."""
         env = {**extra, **TORCH_WORKAROUND, NODE_ID_ENV: node.node_id}
-        if self.name == "torchrun":
+        if not self.name.startswith("ftsup"):
             env[NODE_LOCAL_ENV] = "1"
         return child_env(**env)
 
