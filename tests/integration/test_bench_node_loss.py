@@ -1,6 +1,7 @@
 """`ftsup bench node-loss`, run small for real: the two ftsup contenders (the peer-memory tier; the durable tier on
 the SeaweedFS the command starts), 60 steps, one loss of node B (killed whole, its disk and memory wiped) about 3 s
-after both nodes first trained together, a replacement 1 s later. The torchrun contender's command line is a unit
+after both nodes first trained together, a replacement 1 s later that the survivor waits for (`--nnodes 2:2`: one
+restart, whose resume reads B's part from A's memory or from the durable tier). The torchrun contender's command line is a unit
 test's (tests/unit/test_bench_node_loss.py): its run would double this one's CPU time.
 """
 
@@ -33,7 +34,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = work / "out.json"
     argv = [sys.executable, "-m", "ftsup.supervisor.cli", "bench", "node-loss", "--contenders", ",".join(NAMES)]
     argv += ["--steps", str(STEPS), "--ckpt-every", "5", "--losses", "1", "--mean-interval-s", "1.5"]
-    argv += ["--replace-s", "1", "--timeout-s", "240", "--dir", str(work / "d"), "--json", str(out)]
+    argv += ["--replace-s", "1", "--nnodes", "2:2", "--timeout-s", "240", "--dir", str(work / "d"), "--json", str(out)]
     done = run(argv, timeout=600)
     data = json.loads(out.read_text()) if out.exists() else None
     return {"rc": done.returncode, "output": done.output, "data": data, "work": work}
@@ -68,7 +69,12 @@ def test_the_peer_contender_resumed_from_the_peers_memory_and_the_other_from_the
     bench: dict[str, Any],
 ) -> None:
     got = {n: r["resume_tiers"] for n, r in rows(bench).items()}
-    assert got == {"ftsup-peers": ["peers"], "ftsup-durable": ["durable"]}, bench["output"][-4000:]
+    # the durable contender's survivor may read its own part from its disk (`fast`): B's comes from the store
+    assert (got["ftsup-peers"], "durable" in got["ftsup-durable"], "peers" in got["ftsup-durable"]) == (
+        ["peers"],
+        True,
+        False,
+    ), bench["output"][-4000:]
 
 
 def test_neither_contender_started_over_after_the_loss(bench: dict[str, Any]) -> None:

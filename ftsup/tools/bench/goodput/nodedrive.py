@@ -122,10 +122,15 @@ def drive(
                 before = tail.max_step()
                 t = nodes.lose_b()
                 losses.append(Loss(t, before, None))
-                while time.time() < min(deadline, t + replace_s):
+                finished = False
+                while time.time() < min(deadline, t + replace_s) and not finished:
                     if (why := nodes.exited()) is not None:
-                        raise chaos.ChaosError(f"{why} while node b was down")
+                        if nodes.codes["a"] != 0:
+                            raise chaos.ChaosError(f"{why} while node b was down")
+                        finished = True  # the survivor finished the job alone: nothing left to join
                     time.sleep(POLL_S)  # the replacement's boot, not a wait for an event
+                if finished:
+                    break
                 joined = time.time()
                 nodes.start(nodes.b)
                 losses[-1] = Loss(t, before, joined)
@@ -137,7 +142,8 @@ def drive(
         orphans = nodes.close()
     lines = [StepLine(ln.t, ln.step, int(ln.record.get("world_size") or 0)) for ln in tail.lines()]
     steps = {ln.step for ln in lines}
-    completed = ended_by is None and all(c == 0 for c in nodes.codes.values())
+    # a node lost last and not replaced (the survivor finished alone) has no exit status to count
+    completed = ended_by is None and all(nodes.codes[k] == 0 for k, p in nodes.procs.items() if p is not None)
     completed = completed and steps >= set(range(1, job.base.steps + 1))
     if ended_by is None and not completed:
         ended_by = f"exit statuses {nodes.codes}, {len(steps)} of {job.base.steps} steps logged"

@@ -72,7 +72,7 @@ def per_loss(lines: Sequence[StepLine], loss: Loss, t0: float) -> dict[str, Any]
     rejoin = _first(lines, loss.back_t, 2) if loss.back_t is not None else None
     before_rejoin = max((ln.step for ln in lines if rejoin is not None and ln.t < rejoin.t), default=0)
     lost = None if first is None else max(0, reached - (first.step - 1))
-    if rejoin is first:  # the job resumed on both nodes at once: one restart for the loss and the rejoin
+    if rejoin is first or loss.back_t is None:  # one restart for the loss and the rejoin; or no replacement
         lost_rejoin: int | None = 0
     else:
         lost_rejoin = None if rejoin is None else max(0, before_rejoin - (rejoin.step - 1))
