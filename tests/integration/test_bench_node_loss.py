@@ -1,8 +1,8 @@
 """`ftsup bench node-loss`, run small for real: the two ftsup contenders (the peer-memory tier; the durable tier on
 the SeaweedFS the command starts), 60 steps, one loss of node B (killed whole, its disk and memory wiped) about 3 s
 after both nodes first trained together, a replacement 1 s later that the survivor waits for (`--nnodes 2:2`: one
-restart, whose resume reads B's part from A's memory or from the durable tier). The torchrun contender's command line is a unit
-test's (tests/unit/test_bench_node_loss.py): its run would double this one's CPU time.
+restart, reading B's part from A's memory or from the durable tier). The torchrun contender's command line is a
+unit test's (tests/unit/test_bench_node_loss.py): its run would double this one's CPU time.
 """
 
 from __future__ import annotations
