@@ -81,6 +81,12 @@ def test_a_survivor_that_finished_alone_lost_only_the_steps_of_its_own_resume() 
     assert nodeloss.per_loss(log, Loss(10.0, 30, None), t0=0.0)["lost_steps_total"] == 10
 
 
+def test_a_rejoin_counts_the_steps_past_its_checkpoint_from_where_the_survivor_was_not_the_most_ever_reached() -> None:
+    log = [*steps(7.0, 1, 30, 2), *steps(20.0, 1, 12, 1), *steps(40.0, 11, 20, 2)]
+    got = nodeloss.per_loss(log, Loss(10.0, 30, 30.0), t0=0.0)
+    assert (got["lost_steps"], got["lost_steps_rejoin"], got["lost_steps_total"]) == (30, 2, 32)
+
+
 def test_a_restart_from_scratch_loses_every_step() -> None:
     log = [*steps(7.0, 1, 30, 2), *steps(30.0, 1, 10, 2)]
     assert nodeloss.per_loss(log, Loss(10.0, 30, 25.0), t0=0.0)["lost_steps_total"] == 30

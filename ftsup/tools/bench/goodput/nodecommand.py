@@ -175,6 +175,15 @@ def _one(c: twonode.NodeContender, args: argparse.Namespace, root: Path, memory:
         ended_by=got.ended_by,
         orphans=got.orphans,
         loadavg_end=_load(),
+        # the raw marks, seconds from the first launch, from which every figure above can be worked out again
+        raw={
+            "lines": [[round(ln.t - got.t0, 3), ln.step, ln.world_size] for ln in got.lines],
+            "losses": [
+                [round(x.t - got.t0, 3), x.max_step_before, None if x.back_t is None else round(x.back_t - got.t0, 3)]
+                for x in got.losses
+            ],
+            "end_s": round(got.end - got.t0, 3),
+        },
     )
     print(
         f"{c.name}: goodput {r['goodput']}, {len(losses)} loss(es), "

@@ -119,7 +119,8 @@ def drive(
             for at in times:
                 if not _ready(nodes, tail, at, joined, job.base.steps, deadline):
                     break
-                before = tail.max_step()
+                seen = tail.lines()
+                before = seen[-1].step if seen else 0  # where training was, not the most it ever reached
                 t = nodes.lose_b()
                 losses.append(Loss(t, before, None))
                 finished = False

@@ -31,8 +31,8 @@ class StepLine:
 
 @dataclass(frozen=True)
 class Loss:
-    """A node loss as the bench delivered it: node B killed at `t`, when the log had reached `max_step_before`;
-    its replacement started at `back_t` (None: never)."""
+    """A node loss as the bench delivered it: node B killed at `t`, when the log's last line was of step
+    `max_step_before`; its replacement started at `back_t` (None: never)."""
 
     t: float
     max_step_before: int
@@ -70,7 +70,8 @@ def per_loss(lines: Sequence[StepLine], loss: Loss, t0: float) -> dict[str, Any]
     first step of both nodes again. A mark never seen is None."""
     first, reached, _ = resumed(lines, loss)
     rejoin = _first(lines, loss.back_t, 2) if loss.back_t is not None else None
-    before_rejoin = max((ln.step for ln in lines if rejoin is not None and ln.t < rejoin.t), default=0)
+    # where training was just before the rejoin (the survivor's last step), not the most it ever reached
+    before_rejoin = next((ln.step for ln in reversed(lines) if rejoin is not None and ln.t < rejoin.t), 0)
     lost = None if first is None else max(0, reached - (first.step - 1))
     if rejoin is first or loss.back_t is None:  # one restart for the loss and the rejoin; or no replacement
         lost_rejoin: int | None = 0
