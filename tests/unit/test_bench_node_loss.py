@@ -126,17 +126,28 @@ def test_a_node_local_load_that_read_files_from_the_durable_tier_is_the_durable_
 
 
 def test_the_check_passes_only_where_the_peer_tier_is_above_each_other_contender() -> None:
-    rows = [{"name": "ftsup-peers", "goodput": 0.8}, {"name": "ftsup-durable", "goodput": 0.7}]
-    rows += [{"name": "torchrun", "goodput": 0.85}]
+    rows = [{"name": "ftsup-peers", "goodput": 0.8, "completed": True}]
+    rows += [{"name": "ftsup-durable", "goodput": 0.7, "completed": True}]
+    rows += [{"name": "torchrun", "goodput": 0.85, "completed": True}]
     assert nodeloss.checks(rows) == {
-        "peers_over_ftsup_durable": {"margin": 0.1, "pass": True},
-        "peers_over_torchrun": {"margin": -0.05, "pass": False},
+        "peers_over_ftsup_durable": {"margin": 0.1, "completed": [True, True], "pass": True},
+        "peers_over_torchrun": {"margin": -0.05, "completed": [True, True], "pass": False},
+    }
+
+
+def test_a_contender_whose_job_did_not_complete_is_below_one_that_did_whatever_its_goodput_so_far() -> None:
+    rows = [{"name": "ftsup-peers", "goodput": 0.4, "completed": True}]
+    rows += [{"name": "nvrx-tuned", "goodput": 0.6, "completed": False}]
+    assert nodeloss.checks(rows)["peers_over_nvrx_tuned"] == {
+        "margin": -0.2,
+        "completed": [True, False],
+        "pass": True,
     }
 
 
 def test_a_contender_that_did_not_run_leaves_its_check_unmeasured() -> None:
     rows = [{"name": "ftsup-peers", "goodput": 0.8}, nodeloss.not_run("torchrun", "torchrun", "no torch")]
-    assert nodeloss.checks(rows) == {"peers_over_torchrun": {"margin": None, "pass": None}}
+    assert nodeloss.checks(rows)["peers_over_torchrun"]["pass"] is None
 
 
 def test_the_table_has_a_line_per_contender() -> None:

@@ -172,15 +172,22 @@ def not_run(name: str, command: str, reason: str) -> dict[str, Any]:
 
 def checks(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """The target: ftsup with the peer tier above ftsup without it and above every other contender (null where a
-    row needed did not run or measured nothing)."""
-    by = {r["name"]: r.get("goodput") for r in rows}
-    peers = by.get("ftsup-peers")
+    row needed did not run or measured nothing). A row whose job did not complete is below one that did, whatever
+    its goodput so far: its wall time ended early."""
+    by = {r["name"]: r for r in rows}
+    peers = by.get("ftsup-peers", {})
+    mine, done = peers.get("goodput"), bool(peers.get("completed"))
     out = {}
-    for name, other in by.items():
+    for name, r in by.items():
         if name == "ftsup-peers":
             continue
-        margin = None if peers is None or other is None else round(peers - other, 4)
-        out[f"peers_over_{name.replace('-', '_')}"] = {"margin": margin, "pass": None if margin is None else margin > 0}
+        other = r.get("goodput")
+        margin = None if mine is None or other is None else round(mine - other, 4)
+        verdict = None if margin is None else margin > 0
+        if margin is not None and done != bool(r.get("completed")):
+            verdict = done
+        key = f"peers_over_{name.replace('-', '_')}"
+        out[key] = {"margin": margin, "completed": [done, bool(r.get("completed"))], "pass": verdict}
     return out
 
 
