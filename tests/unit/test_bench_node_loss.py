@@ -76,6 +76,12 @@ def test_a_loss_the_job_never_came_back_from_has_no_figures() -> None:
     assert (got["first_step"], got["lost_steps"], got["rejoin_s"], got["lost_steps_total"]) == (None, None, None, None)
 
 
+def test_a_replacement_that_never_trained_before_the_survivor_finished_cost_no_steps() -> None:
+    log = [*steps(7.0, 1, 30, 2), *steps(20.0, 21, 60, 1)]
+    got = nodeloss.per_loss(log, Loss(10.0, 30, 22.0), t0=0.0)
+    assert (got["rejoin_s"], got["lost_steps_rejoin"], got["lost_steps_total"]) == (None, 0, 10)
+
+
 def test_a_survivor_that_finished_alone_lost_only_the_steps_of_its_own_resume() -> None:
     log = [*steps(7.0, 1, 30, 2), *steps(20.0, 21, 40, 1)]
     assert nodeloss.per_loss(log, Loss(10.0, 30, None), t0=0.0)["lost_steps_total"] == 10

@@ -73,7 +73,7 @@ def per_loss(lines: Sequence[StepLine], loss: Loss, t0: float) -> dict[str, Any]
     # where training was just before the rejoin (the survivor's last step), not the most it ever reached
     before_rejoin = next((ln.step for ln in reversed(lines) if rejoin is not None and ln.t < rejoin.t), 0)
     lost = None if first is None else max(0, reached - (first.step - 1))
-    if rejoin is first or loss.back_t is None:  # one restart for the loss and the rejoin; or no replacement
+    if rejoin is first or rejoin is None:  # one restart for the loss and the rejoin; or the job ended before it
         lost_rejoin: int | None = 0
     else:
         lost_rejoin = None if rejoin is None else max(0, before_rejoin - (rejoin.step - 1))
