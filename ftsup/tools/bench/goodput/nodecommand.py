@@ -1,6 +1,7 @@
 """`ftsup bench node-loss`: goodput of a two-node job under a seeded schedule of node losses (node B killed whole,
-its disk and memory wiped, replaced), for ftsup with the peer-memory tier, ftsup with the durable tier instead and
-plain elastic torchrun, side by side (docs/benchmarks.md, "Goodput under node losses"). Never imports torch.
+its disk and memory wiped, replaced), for ftsup with the peer-memory tier, ftsup with the durable tier instead,
+plain elastic torchrun and ft_launcher, side by side (docs/benchmarks.md, "Goodput under node losses"). Never
+imports torch.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (
         "Goodput of the reference trainer as one job of two nodes on 127.0.0.1 under a seeded schedule of node "
         "losses (node B killed, its disk and memory wiped, replaced --replace-s later), for ftsup with the "
-        "peer-memory tier, ftsup with the durable tier on a local SeaweedFS, and plain elastic torchrun."
+        "peer-memory tier, ftsup with the durable tier on a local SeaweedFS, plain elastic torchrun and ft_launcher."
     )
     shared.add_output(p)
     p.add_argument("--steps", type=shared.positive, default=300, help="steps of the job, default 300")
