@@ -311,7 +311,8 @@ def test_bench_help_lists_every_benchmark_without_loading_the_checkpoint_one(
     fake = FakeBench()
     monkeypatch.setitem(sys.modules, "ftsup.tools.bench.checkpoint.command", fake)
     code, out, _ = run(capsys, "bench", "--help")
-    benchmarks = ["recovery", "eviction", "checkpoint", "scale", "anomaly", "goodput", "forensics", "instrument"]
+    benchmarks = ["recovery", "eviction", "checkpoint", "scale", "anomaly", "goodput", "node-loss", "forensics"]
+    benchmarks.append("instrument")
     assert (code, listed(out), fake.parsers_built) == (0, benchmarks, 0)
 
 
@@ -323,6 +324,7 @@ def test_bench_help_lists_every_benchmark_without_loading_the_checkpoint_one(
         (["bench", "eviction"], "--evictions"),
         (["bench", "anomaly"], "--clean-steps"),
         (["bench", "goodput"], "--mean-interval-s"),
+        (["bench", "node-loss"], "--replace-s"),
         (["bench", "forensics"], "--ranks"),
     ],
 )
