@@ -140,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
                 continue
             r = _one(c, args, root, memory_root, env)
             out["results"].append(r)
+            if args.json:  # each row as soon as it is measured: a later contender may run until its timeout
+                Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
             ok = ok and not r["orphans"] and (r["completed"] or not c.name.startswith("ftsup"))
     out["checks"] = nodeloss.checks(out["results"])
     out["environment"]["loadavg_end"] = _load()
