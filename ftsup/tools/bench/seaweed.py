@@ -33,6 +33,40 @@ def weed_binary() -> str | None:
     return str(here) if here.is_file() else shutil.which("weed")
 
 
+def server_argv(binary: str, data_dir: Path, ports: list[int], access_key: str, secret_key: str) -> list[str]:
+    """`weed server` over `data_dir` with an S3 gateway that knows one identity: 127.0.0.1 only, the master, volume,
+    filer and S3 ports `ports` and each one's gRPC twin pinned, telemetry off (writes its S3 config there)."""
+    config = data_dir / "s3.json"
+    identity = {
+        "name": "ftsup",
+        "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+    }
+    config.write_text(json.dumps({"identities": [identity]}))
+    store = data_dir / "data"
+    store.mkdir(parents=True, exist_ok=True)
+    argv = [binary, "server", f"-dir={store}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-filer", "-s3"]
+    for role, port in zip(("master", "volume", "filer", "s3"), ports, strict=True):
+        argv += [f"-{role}.port={port}", f"-{role}.port.grpc={port + GRPC_OFFSET}"]
+    return [
+        *argv,
+        f"-s3.config={config}",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        "-s3.iam=false",
+        "-master.telemetry=false",
+        "-master.resumeState=false",
+        "-master.volumeSizeLimitMB=256",
+        # Volume slots: with 0 SeaweedFS derives them from the free space over the volume size, and each bucket takes
+        # 7 at its first write (a disk with 20 GB free held 11 buckets, then answered every PUT with InternalError);
+        # a slot costs nothing until written.
+        "-volume.max=4000",
+        "-volume.preStopSeconds=0",
+        f"-filer.localSocket={data_dir / 'filer.sock'}",
+        f"-s3.localSocket={data_dir / 's3.sock'}",
+    ]
+
+
 def _free_pair() -> int:
     """A port free on 127.0.0.1 with its gRPC twin, below the twin's ceiling (the OS draws it)."""
     for _ in range(200):
@@ -71,33 +105,7 @@ class Seaweed:
         }
 
     def _argv(self, binary: str) -> list[str]:
-        master, volume, filer, s3 = self.ports
-        config = self.data_dir / "s3.json"
-        identity = {
-            "name": "ftsup",
-            "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-        }
-        config.write_text(json.dumps({"identities": [identity]}))
-        store = self.data_dir / "data"
-        store.mkdir(parents=True, exist_ok=True)
-        argv = [binary, "server", f"-dir={store}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-filer", "-s3"]
-        for role, port in zip(("master", "volume", "filer", "s3"), self.ports, strict=True):
-            argv += [f"-{role}.port={port}", f"-{role}.port.grpc={port + GRPC_OFFSET}"]
-        return [
-            *argv,
-            f"-s3.config={config}",
-            "-s3.port.iceberg=0",
-            "-s3.port.lance=0",
-            "-s3.iam=false",
-            "-master.telemetry=false",
-            "-master.resumeState=false",
-            "-master.volumeSizeLimitMB=256",
-            "-volume.max=4000",  # slots cost nothing until written; derived from free space, a full disk has few
-            "-volume.preStopSeconds=0",
-            f"-filer.localSocket={self.data_dir / 'filer.sock'}",
-            f"-s3.localSocket={self.data_dir / 's3.sock'}",
-        ]
+        return server_argv(binary, self.data_dir, self.ports, ACCESS_KEY, SECRET_KEY)
 
     def __enter__(self) -> Seaweed:
         self.start()
