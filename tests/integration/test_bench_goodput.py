@@ -96,9 +96,15 @@ def test_ftsup_survives_every_fault_and_loses_no_step_to_its_eviction(bench: dic
 
 
 def test_every_row_counts_its_evictions_fired_and_ftsups_one_fired(bench: dict[str, Any]) -> None:
-    got = {n: (r["evictions"], r["evictions_fired"] <= r["evictions"]) for n, r in rows(bench).items()}
+    # A contender still recovering when the eviction comes due meets it folded into the next delivery (on a loaded
+    # host, torchrun's capped hang can last past it): a row counts the evictions it was delivered.
+    got = {
+        n: (r["evictions"] == sum(f["kind"] == "evict" for f in r["faults"]), r["evictions_fired"] <= r["evictions"])
+        for n, r in rows(bench).items()
+    }
     ftsup = rows(bench)["ftsup"]
-    assert (got, ftsup["evictions_fired"], ftsup["fired_rate"]) == (dict.fromkeys(NAMES, (1, True)), 1, 1.0)
+    want = (dict.fromkeys(NAMES, (True, True)), 1, 1, 1.0)
+    assert (got, ftsup["evictions"], ftsup["evictions_fired"], ftsup["fired_rate"]) == want, bench["output"]
     assert "ftsup: 1 of 1 eviction(s) fired" in bench["output"]
 
 
