@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ftsup.tools.bench.goodput.nodeloss import Loss, StepLine
@@ -71,13 +71,26 @@ class _Nodes:
         shutil.rmtree(self.job.memory(self.b), ignore_errors=True)
         return t
 
-    def wait_all(self, deadline: float) -> None:
-        for key, p in self.procs.items():
-            if p is not None:
-                try:
-                    self.codes[key] = p.wait(timeout=max(0.1, deadline - time.time()))
-                except subprocess.TimeoutExpired:
-                    raise chaos.ChaosError(f"node {key}'s launcher did not exit before the run's timeout") from None
+    def wait_all(self, deadline: float, done: Callable[[], bool]) -> None:
+        """Both launchers' exits; a replacement still running once the other node has finished the job (`done()`:
+        its last step logged) is stopped, not counted: it joined a job that was over, and alone it would start
+        the job again from its empty directories."""
+        while time.time() < deadline:
+            for key, p in self.procs.items():
+                if p is not None and self.codes[key] is None and p.poll() is not None:
+                    self.codes[key] = p.returncode
+            running = [k for k, p in self.procs.items() if p is not None and self.codes[k] is None]
+            if not running:
+                return
+            if running == ["b"] and self.codes["a"] == 0 and done():
+                chaos.stop_all(chaos.matching_processes([self.b.marker()]))
+                p, self.procs["b"] = self.procs["b"], None
+                if p is not None:
+                    p.kill()
+                    p.wait(timeout=30)
+                return
+            time.sleep(POLL_S)
+        raise chaos.ChaosError("a node's launcher did not exit before the run's timeout")
 
     def close(self) -> list[str]:
         """SIGKILL whatever of either node is left and reap it; what was left, described."""
@@ -135,7 +148,7 @@ def drive(
                 joined = time.time()
                 nodes.start(nodes.b)
                 losses[-1] = Loss(t, before, joined)
-            nodes.wait_all(deadline)
+            nodes.wait_all(deadline, lambda: job.base.steps in {ln.step for ln in tail.lines()})
     except chaos.ChaosError as e:
         ended_by = str(e)
     finally:
