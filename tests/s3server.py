@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ftsup.tools.bench.seaweed import GRPC_OFFSET, server_argv, weed_binary
+from ftsup.tools.bench.seaweed import GRPC_OFFSET, client_env, server_argv, weed_binary
 
 __all__ = ["SeaweedS3", "free_port_pairs", "weed_binary"]
 ACCESS_KEY = "ftsuptestkey"
@@ -84,14 +84,7 @@ class SeaweedS3:
         return self.data_dir / "weed.log"
 
     def env(self) -> dict[str, str]:
-        """The standard AWS variables a client of this store reads (endpoint and credentials)."""
-        return {
-            "AWS_ENDPOINT_URL_S3": self.endpoint,
-            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_EC2_METADATA_DISABLED": "true",
-        }
+        return client_env(self.endpoint, ACCESS_KEY, SECRET_KEY)
 
     def _argv(self) -> list[str]:
         return server_argv(self.binary, self.data_dir, self.ports, ACCESS_KEY, SECRET_KEY)

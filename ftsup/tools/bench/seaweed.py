@@ -33,6 +33,17 @@ def weed_binary() -> str | None:
     return str(here) if here.is_file() else shutil.which("weed")
 
 
+def client_env(endpoint: str, access_key: str, secret_key: str) -> dict[str, str]:
+    """The standard AWS variables a client of the store at `endpoint` reads (endpoint and credentials)."""
+    return {
+        "AWS_ENDPOINT_URL_S3": endpoint,
+        "AWS_ACCESS_KEY_ID": access_key,
+        "AWS_SECRET_ACCESS_KEY": secret_key,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+
+
 def server_argv(binary: str, data_dir: Path, ports: list[int], access_key: str, secret_key: str) -> list[str]:
     """`weed server` over `data_dir` with an S3 gateway that knows one identity: 127.0.0.1 only, the master, volume,
     filer and S3 ports `ports` and each one's gRPC twin pinned, telemetry off (writes its S3 config there)."""
@@ -95,14 +106,7 @@ class Seaweed:
         return f"http://127.0.0.1:{self.ports[3]}"
 
     def env(self) -> dict[str, str]:
-        """The standard AWS variables a client of this store reads."""
-        return {
-            "AWS_ENDPOINT_URL_S3": self.endpoint,
-            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_EC2_METADATA_DISABLED": "true",
-        }
+        return client_env(self.endpoint, ACCESS_KEY, SECRET_KEY)
 
     def _argv(self, binary: str) -> list[str]:
         return server_argv(binary, self.data_dir, self.ports, ACCESS_KEY, SECRET_KEY)
