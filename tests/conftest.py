@@ -1,6 +1,6 @@
 """The suite's set-up: the checkout's bytecode compiled once where Python may not write it, DeepSpeed's builds kept
-in this environment, and `-m alone` (the README's second pytest command) importing only the files that hold a test
-marked `alone`."""
+in this environment, the start-up hook of `tests/site` on the `PYTHONPATH` processes inherit, and `-m alone` (the
+README's second pytest command) importing only the files that hold a test marked `alone`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.procs import REPO, SITE
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -20,6 +20,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # on. This environment's builds stay in it.
     if os.access(sys.prefix, os.W_OK):
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    # Tools that build their children's environment from this one (the benchmarks, chaos, the demo) pass it on.
+    if str(SITE) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(SITE)]))
     # With PYTHONDONTWRITEBYTECODE set, every rank, agent and supervisor the suite starts would compile the
     # checkout's modules from source again; compiled once here, they are read like the installed packages'.
     if sys.dont_write_bytecode and not hasattr(config, "workerinput"):

@@ -20,6 +20,8 @@ from ftsup import procs
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = REPO / "tests" / "bin"
+SITE = REPO / "tests" / "site"  # the suite's start-up hook, in every process the tests start
+PYTHONPATH = os.pathsep.join([str(REPO), str(SITE)])
 
 
 T = TypeVar("T")
@@ -58,7 +60,7 @@ def kill_tree(pid: int) -> None:
 
 
 def run(argv: list[str], *, timeout: float = 120, env: dict[str, str] | None = None, cwd: Path = REPO) -> Finished:
-    full_env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(env or {}))
+    full_env = dict(os.environ, PYTHONPATH=PYTHONPATH, OMP_NUM_THREADS="1", **(env or {}))
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, cwd=cwd)
     try:
         out, _ = proc.communicate(timeout=timeout)

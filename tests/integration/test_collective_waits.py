@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from ftsup import procs
-from tests.procs import BIN, REPO, kill_tree, wait_for
+from tests.procs import BIN, PYTHONPATH, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -29,7 +29,7 @@ HANGS = ("heartbeat_timed_out", "progress_timed_out", "startup_timed_out")
 def start(workdir: Path, *args: str) -> subprocess.Popen[bytes]:
     """`ftsup run --nproc-per-node 2 ARGS` in `workdir`, its output in workdir/ftsup.out."""
     argv = [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--nproc-per-node", "2", *args]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **ENV)
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH, OMP_NUM_THREADS="1", **ENV)
     with (workdir / "ftsup.out").open("wb") as out:
         return subprocess.Popen(argv, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
 

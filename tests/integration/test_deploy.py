@@ -27,7 +27,7 @@ import yaml
 from ftsup.store import layout
 from ftsup.supervisor.config.job import load_config
 from ftsup.supervisor.policy import machine as policy
-from tests.procs import REPO, kill_tree, wait_for
+from tests.procs import PYTHONPATH, REPO, kill_tree, wait_for
 
 UNIT = REPO / "deploy" / "systemd" / "ftsup@.service"
 SBATCH = REPO / "deploy" / "slurm" / "ftsup.sbatch"
@@ -89,7 +89,7 @@ def test_ftsup_run_sends_ready_then_extends_the_stop_timeout_on_sigterm_and_exit
             "command": command,
             "workdir": str(REPO),
             "state_dir": str(tmp_path / "state"),
-            "env": {"PYTHONPATH": str(REPO)},
+            "env": {"PYTHONPATH": PYTHONPATH},
         },
         "launch": {"nproc_per_node": 1},
         "checkpoint": {"dir": str(tmp_path / "ckpt")},
@@ -102,7 +102,7 @@ def test_ftsup_run_sends_ready_then_extends_the_stop_timeout_on_sigterm_and_exit
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.bind(str(sock_path))
         sock.settimeout(0.2)
-        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", NOTIFY_SOCKET=str(sock_path))
+        env = dict(os.environ, PYTHONPATH=PYTHONPATH, OMP_NUM_THREADS="1", NOTIFY_SOCKET=str(sock_path))
         proc = subprocess.Popen(
             [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
             env=env,
@@ -205,7 +205,7 @@ def fake_slurm(tmp: Path) -> dict[str, str]:
     return dict(
         os.environ,
         PATH=f"{fakes}:{os.environ['PATH']}",
-        PYTHONPATH=str(REPO),
+        PYTHONPATH=PYTHONPATH,
         FAKE_DIR=str(tmp / "fake"),
         FAKE_NODES="n1 n2",
         FAKE_EXIT="5",

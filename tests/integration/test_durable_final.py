@@ -15,7 +15,7 @@ import yaml
 
 from ftsup.supervisor.policy.machine import EXIT_NOT_DURABLE
 from tests.helpers import default_files, make_fake_checkpoint
-from tests.procs import REPO, kill_tree
+from tests.procs import PYTHONPATH, REPO, kill_tree
 
 pytestmark = pytest.mark.multiprocess
 
@@ -31,7 +31,7 @@ def test_a_finished_job_whose_final_checkpoint_is_not_durable_exits_9(tmp_path: 
             "command": [sys.executable, *TRAINER, "--steps", str(STEPS)],
             "workdir": str(REPO),
             "state_dir": str(tmp_path / "state"),
-            "env": {"PYTHONPATH": str(REPO)},
+            "env": {"PYTHONPATH": PYTHONPATH},
         },
         "launch": {"nproc_per_node": 1, "warm_agent": False},
         "checkpoint": {"dir": str(tmp_path / "ckpt"), "durable": {"url": str(tmp_path / "durable")}},
@@ -40,7 +40,7 @@ def test_a_finished_job_whose_final_checkpoint_is_not_durable_exits_9(tmp_path: 
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
     proc = subprocess.Popen(
         [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(tmp_path / "job.yaml")],
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        env=dict(os.environ, PYTHONPATH=PYTHONPATH),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

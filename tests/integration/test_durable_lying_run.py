@@ -22,7 +22,7 @@ from ftsup.store import durable, layout
 from tests import lying_s3 as lies
 from tests.hostile_s3 import Reply, Request
 from tests.lying_s3 import LyingS3
-from tests.procs import REPO, kill_tree, run, wait_for
+from tests.procs import PYTHONPATH, REPO, kill_tree, run, wait_for
 from tests.s3fixtures import client
 from tests.s3server import SeaweedS3
 
@@ -42,7 +42,7 @@ def write_job(tmp: Path, tier: dict[str, Any], *, steps: int, min_step_s: float,
             "command": command,
             "workdir": str(REPO),
             "state_dir": str(tmp / "state"),
-            "env": {"PYTHONPATH": str(REPO)},
+            "env": {"PYTHONPATH": PYTHONPATH},
         },
         "launch": {"nproc_per_node": 1, "warm_agent": False},
         "checkpoint": {"dir": str(tmp / "ckpt"), "durable": tier},
@@ -56,7 +56,7 @@ def write_job(tmp: Path, tier: dict[str, Any], *, steps: int, min_step_s: float,
 
 
 def start(job: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH)
     argv = [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)]
     return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

@@ -20,7 +20,7 @@ from ftsup.protocol import DURABLE_TIER_ENV
 from ftsup.store import durable, layout
 from ftsup.trainer.checkpoint import CheckpointEngine
 from ftsup.trainer.checkpoint.stateful import ModelOptimState
-from tests.procs import REPO, free_port, run, torchrun
+from tests.procs import PYTHONPATH, REPO, free_port, run, torchrun
 from tests.s3fixtures import client
 from tests.s3server import SeaweedS3
 
@@ -174,7 +174,7 @@ def job(tmp: Path, name: str, env: dict[str, str]) -> Path:
             "command": [sys.executable, *TRAINER, "--loss-log", str(tmp / f"{name}.jsonl")],
             "workdir": str(REPO),
             "state_dir": str(tmp / name / "state"),
-            "env": {"PYTHONPATH": str(REPO), **env},
+            "env": {"PYTHONPATH": PYTHONPATH, **env},
         },
         "launch": {"nproc_per_node": 1},
         "checkpoint": {"dir": str(tmp / name / "ckpt")},

@@ -18,7 +18,7 @@ import yaml
 
 from ftsup.store import durable, layout
 from ftsup.supervisor.policy.machine import EXIT_EVICTED
-from tests.procs import REPO, kill_tree, wait_for
+from tests.procs import PYTHONPATH, REPO, kill_tree, wait_for
 from tests.s3fixtures import client, start_server, use_server
 
 pytestmark = pytest.mark.multiprocess
@@ -35,7 +35,7 @@ def write_job(tmp: Path, durable_tier: object, *, steps: int, min_step_s: float,
             "command": command,
             "workdir": str(REPO),
             "state_dir": str(tmp / "state"),
-            "env": {"PYTHONPATH": str(REPO)},
+            "env": {"PYTHONPATH": PYTHONPATH},
         },
         "launch": {"nproc_per_node": 1, "warm_agent": False},
         "checkpoint": {"dir": str(tmp / "ckpt"), "durable": durable_tier},
@@ -49,7 +49,7 @@ def write_job(tmp: Path, durable_tier: object, *, steps: int, min_step_s: float,
 
 
 def start(job: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH)
     return subprocess.Popen(
         [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
         env=env,

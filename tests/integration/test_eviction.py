@@ -20,7 +20,7 @@ import yaml
 from ftsup.store import layout
 from ftsup.supervisor.policy.machine import EXIT_EVICTED
 from tests.metadata_server import MetadataServer
-from tests.procs import REPO, kill_tree, run
+from tests.procs import PYTHONPATH, REPO, kill_tree, run
 
 pytestmark = pytest.mark.multiprocess
 
@@ -37,7 +37,7 @@ def write_job(tmp: Path, **eviction) -> Path:
             "command": [sys.executable, *TRAINER, "--loss-log", str(tmp / "loss.jsonl")],
             "workdir": str(REPO),
             "state_dir": str(tmp / "state"),
-            "env": {"PYTHONPATH": str(REPO)},
+            "env": {"PYTHONPATH": PYTHONPATH},
         },
         "launch": {"nproc_per_node": 2},
         "checkpoint": {"dir": str(tmp / "ckpt")},
@@ -62,7 +62,7 @@ def events(tmp: Path) -> list[dict]:
 
 
 def start(job: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH)
     return subprocess.Popen(
         [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
         env=env,

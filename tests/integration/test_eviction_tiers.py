@@ -22,7 +22,7 @@ from ftsup.supervisor.policy.machine import EXIT_EVICTED
 from tests import lying_s3 as lies
 from tests.hostile_s3 import Reply, Request
 from tests.lying_s3 import LyingS3
-from tests.procs import REPO, kill_tree, run, wait_for
+from tests.procs import PYTHONPATH, REPO, kill_tree, run, wait_for
 from tests.s3server import SeaweedS3
 
 pytestmark = pytest.mark.multiprocess
@@ -75,7 +75,7 @@ def test_an_eviction_with_a_durable_tier_too_slow_lands_in_memory_first_and_resu
     bucket: str, s3_server: SeaweedS3, tmp_path: Path
 ) -> None:
     slow = SlowUploads()
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH)
     with LyingS3(s3_server.endpoint, slow) as store:
         slow.store = store
         job = write_job(tmp_path, store.endpoint, bucket)

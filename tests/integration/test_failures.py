@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.procs import BIN, REPO, kill_tree, run, wait_for
+from tests.procs import BIN, PYTHONPATH, kill_tree, run, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -25,7 +25,7 @@ def write_job(tmp: Path, *command: str, nproc: int = 2, **sections: Any) -> Path
             "command": list(command),
             "workdir": str(tmp),
             "state_dir": str(tmp / "state"),
-            "env": {"PYTHONPATH": str(REPO)},
+            "env": {"PYTHONPATH": PYTHONPATH},
         },
         "launch": {"nproc_per_node": nproc},
         "checkpoint": {"dir": str(tmp / "ckpt")},
@@ -175,7 +175,7 @@ def test_status_shows_a_running_jobs_ranks_and_then_that_no_supervisor_runs(tmp_
     job = write_job(
         tmp_path, sys.executable, str(BIN / "beater.py"), "--steps", "1", "--step-s", "0.05", "--until", str(until)
     )
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH)
     proc = subprocess.Popen(
         [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
         env=env,

@@ -24,7 +24,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.procs import BIN, REPO, kill_tree, wait_for
+from tests.procs import BIN, PYTHONPATH, REPO, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -42,7 +42,7 @@ class Job:
                 "command": [*BEATER, "--until", str(self.done), *beater_args],
                 "workdir": str(REPO),
                 "state_dir": str(tmp / "state"),
-                "env": {"PYTHONPATH": str(REPO)},
+                "env": {"PYTHONPATH": PYTHONPATH},
             },
             "launch": {"nproc_per_node": nproc},
             "checkpoint": {"dir": str(tmp / "ckpt")},
@@ -52,7 +52,7 @@ class Job:
         for name, values in sections.items():
             cfg.setdefault(name, {}).update(values)
         (tmp / "job.yaml").write_text(yaml.safe_dump(cfg))
-        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONPATH=PYTHONPATH, OMP_NUM_THREADS="1")
         with open(tmp / "stderr.log", "wb") as err:  # a file, not a pipe: nobody would drain a pipe
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(tmp / "job.yaml")],
@@ -147,7 +147,7 @@ def timed_out(j: Job) -> list[str]:
 def flood(path: Path, seconds: float, out: Path) -> subprocess.Popen[bytes]:
     """A flood of malformed messages from a process outside the attempt (this test's child)."""
     return subprocess.Popen(
-        [*BEATER, "flood", str(path), str(seconds), str(out)], env=dict(os.environ, PYTHONPATH=str(REPO))
+        [*BEATER, "flood", str(path), str(seconds), str(out)], env=dict(os.environ, PYTHONPATH=PYTHONPATH)
     )
 
 

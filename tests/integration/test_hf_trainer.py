@@ -23,7 +23,7 @@ import yaml
 from ftsup.store import layout
 from ftsup.supervisor.policy.machine import EXIT_EVICTED
 from ftsup.tools.faults import chaos
-from tests.procs import REPO, kill_tree, run, wait_for
+from tests.procs import PYTHONPATH, kill_tree, run, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -41,7 +41,7 @@ def write_job(tmp: Path, *extra: str) -> Path:
             "command": [sys.executable, *trainer],
             "workdir": str(tmp),
             "state_dir": str(tmp / "state"),
-            "env": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+            "env": {"PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"},
         },
         "launch": {"nproc_per_node": 2},
         "checkpoint": {"dir": str(tmp / "ckpt")},
@@ -55,7 +55,7 @@ def write_job(tmp: Path, *extra: str) -> Path:
 
 
 def ftsup_run(job: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH)
     argv = [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)]
     return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

@@ -28,7 +28,7 @@ from ftsup.supervisor.policy.detectors import KINDS
 from ftsup.supervisor.policy.goodput import CAUSES
 from ftsup.supervisor.telemetry.logs import EVENTS
 from ftsup.supervisor.telemetry.metrics import DURABLE_OUTCOMES, FAILURE_KINDS, PHASES, STORAGE_PURPOSES, TRIGGERS
-from tests.procs import BIN, REPO, free_port, kill_tree, wait_for
+from tests.procs import BIN, PYTHONPATH, REPO, free_port, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -69,7 +69,7 @@ def probed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "workdir": str(REPO),
             "state_dir": str(tmp / "state"),
             "run_id": RUN_ID,
-            "env": {"PYTHONPATH": str(REPO)},
+            "env": {"PYTHONPATH": PYTHONPATH},
         },
         "launch": {"nproc_per_node": 1, "node_id": NODE_ID},
         "checkpoint": {"dir": str(tmp / "ckpt")},
@@ -95,7 +95,7 @@ def probed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         except (FileNotFoundError, ValueError):
             return 0
 
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(tmp / "job.yaml")],
         env=env,

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from ftsup.store import layout
-from tests.procs import REPO, free_port, kill_tree, wait_for
+from tests.procs import PYTHONPATH, REPO, free_port, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -35,7 +35,7 @@ def node_config(tmp: Path, node: str, port: int, *, run_id: str = "mn-test", che
             "workdir": str(REPO),
             "run_id": run_id,
             "state_dir": str(tmp / node),
-            "env": {"PYTHONPATH": str(REPO)},
+            "env": {"PYTHONPATH": PYTHONPATH},
         },
         "launch": {
             "nproc_per_node": 1,
@@ -53,7 +53,7 @@ def node_config(tmp: Path, node: str, port: int, *, run_id: str = "mn-test", che
 
 
 def start(cfg: Path, out: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH)
     return subprocess.Popen(
         [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(cfg)],
         env=env,

@@ -22,7 +22,7 @@ from ftsup.store import layout
 from ftsup.supervisor.policy.machine import EXIT_EVICTED
 from ftsup.tools.faults import chaos
 from ftsup.trainer.examples import corpus
-from tests.procs import REPO, kill_tree, run
+from tests.procs import PYTHONPATH, REPO, kill_tree, run
 
 pytestmark = pytest.mark.multiprocess
 
@@ -80,7 +80,7 @@ def start(argv: list[str], work: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
             argv,
             cwd=work,
-            env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **ENV),
+            env=dict(os.environ, PYTHONPATH=PYTHONPATH, OMP_NUM_THREADS="1", **ENV),
             stdout=out,
             stderr=out,
         )

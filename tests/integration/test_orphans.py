@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from ftsup import procs
-from tests.procs import REPO, wait_for
+from tests.procs import PYTHONPATH, REPO, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -51,7 +51,7 @@ def write_job(tmp: Path, run_id: str, hold: str | None = None) -> Path:
             "workdir": str(tmp),
             "state_dir": str(tmp / "state"),
             "run_id": run_id,
-            "env": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+            "env": {"PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"},
         },
         "launch": {"nproc_per_node": 2},
         "checkpoint": {"dir": str(tmp / "ckpt")},
@@ -128,7 +128,7 @@ def wait_for_moment(moment: str, tmp: Path) -> psutil.Process:
 def test_sigkill_leaves_no_process_of_the_attempt(tmp_path: Path, target: str, moment: str) -> None:
     run_id = f"orphans-{uuid.uuid4().hex[:8]}"
     job = write_job(tmp_path, run_id, HOLD.get(moment))
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH, OMP_NUM_THREADS="1")
     sup = subprocess.Popen(
         [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
         env=env,

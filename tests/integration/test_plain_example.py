@@ -27,7 +27,7 @@ import yaml
 from ftsup.store import layout
 from ftsup.supervisor.policy.machine import EXIT_EVICTED
 from ftsup.tools.faults import chaos
-from tests.procs import REPO, kill_tree, run
+from tests.procs import PYTHONPATH, REPO, kill_tree, run
 
 pytestmark = pytest.mark.multiprocess
 
@@ -44,7 +44,7 @@ def write_job(tmp: Path, nproc: int = 2) -> Path:
             "command": command,
             "workdir": str(REPO),
             "state_dir": str(tmp / "state"),
-            "env": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+            "env": {"PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"},
         },
         "launch": {"nproc_per_node": nproc},
         "checkpoint": {"dir": str(tmp / "ckpt")},
@@ -59,7 +59,7 @@ def write_job(tmp: Path, nproc: int = 2) -> Path:
 def start(job: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        env=dict(os.environ, PYTHONPATH=PYTHONPATH),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

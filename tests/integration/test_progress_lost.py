@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from ftsup import procs
-from tests.procs import BIN, REPO, kill_tree, wait_for
+from tests.procs import BIN, PYTHONPATH, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -39,7 +39,7 @@ def killed_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     job = [str(BIN / "ddp_beats.py"), "--dir", str(workdir), "--steps", "80", "--step-s", "0.03"]
     argv = [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--nproc-per-node", "2", "--logging-format", "console"]
     argv += ["--restart-backoff-initial-s", "0.2", "--", *job]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **ENV)
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH, OMP_NUM_THREADS="1", **ENV)
     with (workdir / "stdout").open("wb") as out, (workdir / "stderr").open("wb") as err:
         proc = subprocess.Popen(argv, cwd=workdir, env=env, stdout=out, stderr=err)
     try:

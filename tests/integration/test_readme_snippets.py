@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import REPO
+from tests.procs import PYTHONPATH, REPO
 
 FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 FRAGMENT = "# fragment"
@@ -68,7 +68,7 @@ def test_the_snippets_are_found_in_the_readme_and_in_docs():
 def test_a_snippet_runs_alone(tmp_path: Path, line: str, code: str):
     (tmp_path / "snippet.py").write_text(code)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FTSUP_")}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", FTSUP_CHECKPOINT_DIR=str(tmp_path / "ckpt"))
+    env.update(PYTHONPATH=PYTHONPATH, OMP_NUM_THREADS="1", FTSUP_CHECKPOINT_DIR=str(tmp_path / "ckpt"))
     done = subprocess.run(
         [sys.executable, "snippet.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
     )

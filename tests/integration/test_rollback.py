@@ -15,7 +15,7 @@ import pytest
 
 from ftsup.store import layout
 from tests.integration.test_supervisor import events, ftsup, write_job
-from tests.procs import REPO, kill_tree, wait_for
+from tests.procs import PYTHONPATH, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -54,7 +54,7 @@ def test_ftsup_rollback_resumes_a_running_job_from_the_step_with_the_skip(tmp_pa
     out = open(tmp_path / "supervisor.out", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": PYTHONPATH},
         stdout=out,
         stderr=subprocess.STDOUT,
     )

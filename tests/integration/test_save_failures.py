@@ -16,7 +16,7 @@ import pytest
 
 from ftsup.protocol import Request, encode_control
 from ftsup.store import layout
-from tests.procs import run
+from tests.procs import PYTHONPATH, run
 
 SMALL = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--corpus-bytes", "50000"]
 SMALL += ["--ckpt-every", "2"]
@@ -99,7 +99,7 @@ def test_under_ftsup_run_an_eviction_on_a_full_disk_exits_8_naming_the_steps_los
                 "command": [*command, "--loss-log", str(loss)],
                 "workdir": str(REPO),
                 "state_dir": str(tmp_path / "state"),
-                "env": {"PYTHONPATH": str(REPO)},
+                "env": {"PYTHONPATH": PYTHONPATH},
             },
             "launch": {"nproc_per_node": 2},
             "checkpoint": {"dir": str(disk.store)},
@@ -108,7 +108,7 @@ def test_under_ftsup_run_an_eviction_on_a_full_disk_exits_8_naming_the_steps_los
         }
         (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
         argv = [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(tmp_path / "job.yaml")]
-        env = dict(os.environ, PYTHONPATH=str(REPO))
+        env = dict(os.environ, PYTHONPATH=PYTHONPATH)
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_for(lambda: max(logged_steps(loss), default=0) >= 5, 180, "the run never reached step 5")

@@ -16,7 +16,7 @@ import yaml
 from ftsup.protocol import CHECKPOINT_DIR_ENV, CONTROL_FILE_ENV, HEARTBEAT_SOCKET_ENV, Request, encode_control
 from ftsup.store import layout
 from ftsup.supervisor.run.heartbeat import HeartbeatReceiver
-from tests.procs import BIN, REPO, run
+from tests.procs import BIN, PYTHONPATH, REPO, run
 
 pytestmark = pytest.mark.multiprocess
 
@@ -60,7 +60,7 @@ def test_a_hang_inside_an_eval_is_caught_by_the_phases_own_timeout_and_the_job_f
             "command": command,
             "workdir": str(REPO),
             "state_dir": str(tmp_path / "state"),
-            "env": {"PYTHONPATH": str(REPO)},
+            "env": {"PYTHONPATH": PYTHONPATH},
         },
         "launch": {"nproc_per_node": 1},
         "checkpoint": {"dir": str(tmp_path / "ckpt")},

@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from ftsup.store import layout
-from tests.procs import REPO, free_port, run, wait_for
+from tests.procs import PYTHONPATH, REPO, free_port, run, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -219,7 +219,7 @@ def test_usr1_to_the_batch_shell_saves_requeues_and_the_requeued_job_finishes_bi
             "command": [sys.executable, *TRAINER, "--loss-log", str(loss)],
             "workdir": str(REPO),
             "state_dir": str(state),
-            "env": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+            "env": {"PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"},
         },
         "launch": {"nproc_per_node": 2},
         "checkpoint": {"dir": str(ckpt)},
@@ -229,7 +229,7 @@ def test_usr1_to_the_batch_shell_saves_requeues_and_the_requeued_job_finishes_bi
     job.write_text(yaml.safe_dump(cfg))
     (tmp_path / "tmp").mkdir()
     slurm.env.update(
-        PYTHONPATH=str(REPO),
+        PYTHONPATH=PYTHONPATH,
         OMP_NUM_THREADS="1",
         FTSUP_PYTHON=sys.executable,
         FTSUP_RDZV_PORT=str(free_port()),

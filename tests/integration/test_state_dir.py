@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from ftsup.protocol import Phase, encode_beat
-from tests.procs import REPO, kill_tree, run, wait_for
+from tests.procs import PYTHONPATH, kill_tree, run, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -42,7 +42,7 @@ def write_job(where: Path, tmp: Path, *, steps: int = 2, state_dir: Path | None 
         "job": {
             "command": trainer(tmp, steps, "--min-step-s", "0.05"),
             "run_id": "sd-test",
-            "env": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+            "env": {"PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"},
             **job,
         },
         "launch": {"nproc_per_node": 1, "node_id": NODE},
@@ -63,7 +63,7 @@ def ftsup(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
 def start(job: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
-        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+        env={**os.environ, "PYTHONPATH": PYTHONPATH, **(env or {})},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -20,7 +20,7 @@ import yaml
 
 from ftsup.store import layout
 from ftsup.supervisor.policy.machine import EXIT_EVICTED
-from tests.procs import REPO, kill_tree, wait_for
+from tests.procs import PYTHONPATH, REPO, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -34,7 +34,7 @@ def write_job(tmp: Path, store: Path, steps: int, **checkpoint: Any) -> Path:
             "command": [*command, "--min-step-s", "0.1", "--loss-log", str(tmp / "loss.jsonl")],
             "workdir": str(REPO),
             "state_dir": str(tmp / "state"),
-            "env": {"PYTHONPATH": str(REPO)},
+            "env": {"PYTHONPATH": PYTHONPATH},
         },
         "launch": {"nproc_per_node": 2},
         "checkpoint": {"dir": str(store), **checkpoint},
@@ -48,7 +48,7 @@ def write_job(tmp: Path, store: Path, steps: int, **checkpoint: Any) -> Path:
 
 def start(job: Path) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH)
     return subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

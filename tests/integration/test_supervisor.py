@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from ftsup.store import layout
-from tests.procs import REPO, kill_tree, run, wait_for
+from tests.procs import PYTHONPATH, REPO, kill_tree, run, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -32,7 +32,7 @@ def write_job(tmp: Path, *trainer_args: str, nproc: int = 2, **sections: dict) -
             "command": [sys.executable, *TRAINER, "--loss-log", str(tmp / "loss.jsonl"), *trainer_args],
             "workdir": str(REPO),
             "state_dir": str(tmp / "state"),
-            "env": {"PYTHONPATH": str(REPO)},
+            "env": {"PYTHONPATH": PYTHONPATH},
         },
         "launch": {"nproc_per_node": nproc},
         "checkpoint": {"dir": str(tmp / "ckpt")},
@@ -177,7 +177,7 @@ def test_a_supervisor_killed_with_sigkill_leaves_nothing_and_a_restart_finishes_
     # Steps of at least 0.5 s (a sleep, which changes no loss) leave seconds between the first
     # checkpoint and the end of the run, in which the supervisor is killed.
     job = write_job(tmp_path, "--min-step-s", "0.5")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH)
     proc = subprocess.Popen(
         [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
         env=env,

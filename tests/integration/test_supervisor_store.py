@@ -17,7 +17,7 @@ import yaml
 
 from ftsup.store import checksums, layout
 from tests.helpers import default_files, make_fake_checkpoint
-from tests.procs import REPO, kill_tree, wait_for
+from tests.procs import PYTHONPATH, REPO, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -31,7 +31,7 @@ def write_job(tmp: Path, *trainer_args: str) -> Path:
             "command": [sys.executable, *TRAINER, "--loss-log", str(tmp / "loss.jsonl"), *trainer_args],
             "workdir": str(REPO),
             "state_dir": str(tmp / "state"),
-            "env": {"PYTHONPATH": str(REPO)},
+            "env": {"PYTHONPATH": PYTHONPATH},
         },
         "launch": {"nproc_per_node": 2},
         "checkpoint": {"dir": str(tmp / "ckpt")},
@@ -63,7 +63,7 @@ def test_a_hang_is_detected_in_time_while_the_store_is_hostile(tmp_path: Path) -
     proc = subprocess.Popen(
         [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
         cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        env=dict(os.environ, PYTHONPATH=PYTHONPATH),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

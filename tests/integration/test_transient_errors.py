@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.procs import REPO, kill_tree, wait_for
+from tests.procs import PYTHONPATH, REPO, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -33,7 +33,7 @@ def test_the_checkpoint_directory_replaced_by_a_file_mid_run_is_survived_and_the
             "command": command,
             "workdir": str(REPO),
             "state_dir": str(tmp_path / "state"),
-            "env": {"PYTHONPATH": str(REPO)},
+            "env": {"PYTHONPATH": PYTHONPATH},
         },
         "launch": {"nproc_per_node": 1},
         "checkpoint": {"dir": str(tmp_path / "ckpt")},
@@ -42,7 +42,7 @@ def test_the_checkpoint_directory_replaced_by_a_file_mid_run_is_survived_and_the
     (tmp_path / "ckpt").mkdir()
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(cfg))
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
         env=env,

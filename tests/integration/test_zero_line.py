@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from ftsup import procs
-from tests.procs import BIN, REPO, kill_tree, run, wait_for
+from tests.procs import BIN, PYTHONPATH, kill_tree, run, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -58,7 +58,7 @@ def killed_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     script = [str(BIN / "plain_ddp.py"), "--steps", str(STEPS), "--dir", str(workdir)]
     argv = ftsup("run", "--nproc-per-node", "2", "--no-instrument", "--set", "heartbeat.startup_timeout_s=1", *FAST)
     argv += ["--", *script]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **ENV)
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH, OMP_NUM_THREADS="1", **ENV)
     with (workdir / "ftsup.out").open("w") as out:
         proc = subprocess.Popen(argv, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:

@@ -27,7 +27,7 @@ from ftsup.supervisor.run.instrument import hook_dir
 from ftsup.supervisor.state import ranks
 from ftsup.tools.faults import chaos
 from ftsup.trainer.examples import corpus
-from tests.procs import BIN, REPO, kill_tree, run, wait_for
+from tests.procs import BIN, PYTHONPATH, REPO, kill_tree, run, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -64,7 +64,7 @@ def unix(event: dict[str, Any]) -> float:
 def test_a_sigstopped_rank_of_a_script_without_ftsup_is_caught_as_a_hang_named_and_the_job_goes_on(tmp_path):
     script = [str(BIN / "elastic_ddp.py"), "4", "1", "--batch_size", "64", "--pause_s", "0.05"]
     argv = ftsup("run", "--nproc-per-node", "2", "--heartbeat-min-timeout-s", "2", *FAST, "--", *script)
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **ENV)
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH, OMP_NUM_THREADS="1", **ENV)
     with (tmp_path / "ftsup.out").open("w") as out:
         proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:

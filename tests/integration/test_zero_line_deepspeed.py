@@ -21,13 +21,13 @@ import pytest
 from ftsup.store import layout
 from ftsup.supervisor.policy.machine import EXIT_EVICTED, EXIT_SAVE_LOST
 from ftsup.tools.faults import chaos
-from tests.procs import BIN, REPO, free_port, kill_tree, run, wait_for
+from tests.procs import BIN, PYTHONPATH, free_port, kill_tree, run, wait_for
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.multiprocess
 
 STEPS, EVERY = 12, 3
-ENV = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+ENV = dict(os.environ, PYTHONPATH=PYTHONPATH, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
 
 
 def script(stage: int, steps: int = STEPS) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from ftsup.tools.faults import chaos
-from tests.procs import REPO, kill_tree
+from tests.procs import PYTHONPATH, kill_tree
 
 pytestmark = pytest.mark.multiprocess
 
@@ -30,7 +30,7 @@ def supervise_killed(tmp: Path, script: list[str], kill_after: int) -> tuple[int
     """`ftsup run` of `script` on 2 ranks in `tmp`, rank 1 SIGKILLed once the loss log is past `kill_after`."""
     argv = [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--nproc-per-node", "2"]
     argv += ["--job-state-dir", str(tmp / "state"), *FAST, "--", *script]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH, OMP_NUM_THREADS="1")
     with (tmp / "ftsup.out").open("w") as out:
         proc = subprocess.Popen(argv, cwd=tmp, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:

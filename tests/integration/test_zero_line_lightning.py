@@ -21,7 +21,7 @@ import pytest
 from ftsup.store import layout
 from ftsup.supervisor.policy.machine import EXIT_EVICTED
 from ftsup.tools.faults import chaos
-from tests.procs import BIN, REPO, kill_tree, wait_for
+from tests.procs import BIN, PYTHONPATH, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -37,7 +37,7 @@ def supervise(
     script += ["--epochs", str(EPOCHS), "--pause-s", "0.2"]
     argv = [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--nproc-per-node", "2"]
     argv += ["--restart-backoff-initial-s", "0.2", "--restart-stop-grace-s", "3", "--", *script]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH, OMP_NUM_THREADS="1")
     with (workdir / "ftsup.out").open("w") as out:
         proc = subprocess.Popen(argv, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:

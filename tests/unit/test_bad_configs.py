@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from ftsup.supervisor.cli.commands import main
-from tests.procs import REPO
+from tests.procs import PYTHONPATH, REPO
 
 
 def good(tmp: Path) -> dict[str, Any]:
@@ -269,7 +269,7 @@ def test_a_bad_config_exits_2_with_one_line_from_a_real_ftsup_process(kind: str,
         text=True,
         timeout=60,
         cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        env=dict(os.environ, PYTHONPATH=PYTHONPATH),
     )
     lines = r.stderr.splitlines()
     assert (r.returncode, r.stdout, len(lines), expected_name(case, config) in r.stderr) == (2, "", 1, True), r.stderr

@@ -17,7 +17,7 @@ import yaml
 
 from ftsup.store.errors import os_error_line
 from tests.helpers import default_files, make_fake_checkpoint
-from tests.procs import REPO
+from tests.procs import PYTHONPATH, REPO
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def test_a_path_of_the_wrong_kind_is_one_line_in_words_and_exit_2(case: Case, tm
         text=True,
         timeout=60,
         cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        env=dict(os.environ, PYTHONPATH=PYTHONPATH),
     )
     lines = r.stderr.splitlines()
     raw = re.search(r"\[Errno|Errno \d|Error\(|Traceback", r.stderr)
