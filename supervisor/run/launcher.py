@@ -209,6 +209,7 @@ class RunningAttempt:
     started_at: float  # wall clock, just before torchrun was started
     mark: procs.Mark
     known_pids: set[int] = field(default_factory=set)  # pids claimed in heartbeats: never signalled as such
+    _ranks: tuple[psutil.Process, ...] = field(default=(), repr=False)  # what `rank_pids` found last
 
     @property
     def pid(self) -> int:
@@ -218,11 +219,21 @@ class RunningAttempt:
         return self.proc.poll()
 
     def rank_pids(self) -> frozenset[int]:
-        """torchrun's direct children: the rank processes of the current worker group."""
+        """torchrun's direct children: the rank processes of the current worker group. torchrun replaces a group
+        whole, stopping its ranks first, so while each rank found last is still its live child the group is the
+        same, and the node's whole process table (what finding a process's children reads) is not read again."""
+        if not (self._ranks and all(self._still_a_rank(p) for p in self._ranks)):
+            try:
+                self._ranks = tuple(c for c in psutil.Process(self.proc.pid).children() if procs.alive(c))
+            except psutil.NoSuchProcess:
+                self._ranks = ()
+        return frozenset(p.pid for p in self._ranks)
+
+    def _still_a_rank(self, p: psutil.Process) -> bool:
         try:
-            return frozenset(c.pid for c in psutil.Process(self.proc.pid).children() if procs.alive(c))
+            return procs.alive(p) and p.ppid() == self.proc.pid
         except psutil.NoSuchProcess:
-            return frozenset()
+            return False
 
     def tree(self) -> list[psutil.Process]:
         """Every live process of this attempt: torchrun and its descendants (we started them),

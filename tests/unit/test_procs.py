@@ -177,3 +177,35 @@ def test_the_guard_names_the_command_as_the_parent_for_the_next_guard(tmp_path):
     out = subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=30, check=True)
     named, pid = out.stdout.split()
     assert named == pid
+
+
+# A stand-in for torchrun: a worker group of two sleeping ranks, replaced whole on each line of its input.
+GROUP = """
+import subprocess, sys
+def group():
+    kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    print(" ".join(str(k.pid) for k in kids), flush=True)
+    return kids
+kids = group()
+for line in sys.stdin:
+    for k in kids:
+        k.kill()
+        k.wait()
+    kids = group()
+"""
+
+
+def test_rank_pids_follows_a_replaced_group_and_reads_the_process_table_only_when_it_changed(started, monkeypatch):
+    p = subprocess.Popen([sys.executable, "-c", GROUP], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    started.append(p)
+    assert p.stdin is not None and p.stdout is not None
+    first = frozenset(map(int, p.stdout.readline().split()))
+    att = launcher.RunningAttempt(1, p, Path(os.devnull), time.time(), MARK)  # type: ignore[arg-type]
+    scans: list[int] = []
+    children = psutil.Process.children
+    monkeypatch.setattr(psutil.Process, "children", lambda self, **kw: scans.append(self.pid) or children(self, **kw))
+    unchanged = [att.rank_pids() for _ in range(5)]
+    p.stdin.write(b"replace\n")
+    p.stdin.flush()
+    second = frozenset(map(int, p.stdout.readline().split()))
+    assert (unchanged, len(scans), att.rank_pids(), scans) == ([first] * 5, 1, second, [p.pid, p.pid])
