@@ -30,6 +30,12 @@ def pytest_configure(config: pytest.Config) -> None:
             compileall.compile_dir(REPO / folder, quiet=2, workers=1)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # `--dist loadfile` hands the modules out in this order: the long ones first, so that no worker is still in one
+    # while the other has run out of modules (docs/testing.md, Where the time goes).
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     if config.getoption("markexpr") != "alone" or collection_path.suffix != ".py":
         return None

@@ -60,7 +60,7 @@ def kill_tree(pid: int) -> None:
 
 
 def run(argv: list[str], *, timeout: float = 120, env: dict[str, str] | None = None, cwd: Path = REPO) -> Finished:
-    full_env = dict(os.environ, PYTHONPATH=PYTHONPATH, OMP_NUM_THREADS="1", **(env or {}))
+    full_env = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, cwd=cwd)
     try:
         out, _ = proc.communicate(timeout=timeout)

@@ -24,7 +24,7 @@ from ftsup.tools.bench.checkpoint.report import CORE_FIELDS, ROW_NAMES
 from tests.s3fixtures import client
 from tests.s3server import SeaweedS3
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 210

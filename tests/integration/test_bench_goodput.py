@@ -27,6 +27,7 @@ from tests.procs import kill_tree, run, wait_for
 MISSING = "ft_launcher is missing: nvidia-resiliency-ext is not installed (pip install -e '.[test]')"
 pytestmark = [
     pytest.mark.multiprocess,
+    pytest.mark.long,
     pytest.mark.skipif(importlib.util.find_spec("nvidia_resiliency_ext") is None, reason=MISSING),
 ]
 

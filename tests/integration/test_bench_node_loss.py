@@ -20,7 +20,7 @@ import pytest
 from ftsup.tools.bench.goodput.account import CAUSES
 from tests.procs import kill_tree, run, wait_for
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 STEPS = 150
 NAMES = ["ftsup-peers", "ftsup-durable"]

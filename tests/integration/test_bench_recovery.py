@@ -18,7 +18,7 @@ import pytest
 from ftsup.tools.bench.recovery.common import aim
 from tests.procs import REPO, run
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 TIMEOUT_S = 170
 ROW_KEYS = {"name", "fault", "detect_s", "recover_s", "lost_steps", "orphans", "split", "note"}

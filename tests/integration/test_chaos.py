@@ -19,7 +19,7 @@ import pytest
 from ftsup.tools.faults.plan import KINDS
 from tests.procs import run
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 TIMEOUT_S = 900
 SEED = 1

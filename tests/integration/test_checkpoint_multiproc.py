@@ -14,7 +14,7 @@ import pytest
 from ftsup.store import layout
 from tests.procs import torchrun
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 
 def _save(ckpt: Path, out: Path, *extra: str, nproc: int = 2, parallel: str = "fsdp") -> dict:

@@ -15,7 +15,7 @@ from ftsup.store.errors import CheckpointError
 from tests.procs import BIN, free_port, run
 
 pytest.importorskip("deepspeed")
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 
 def deepspeed_checkpoint(out: Path, stage: int, *extra: str) -> Path:

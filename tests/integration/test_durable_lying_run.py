@@ -26,7 +26,7 @@ from tests.procs import PYTHONPATH, REPO, kill_tree, run, wait_for
 from tests.s3fixtures import client
 from tests.s3server import SeaweedS3
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 BOUND_MIB = 256
 MODEL = ["--n-layer", "1", "--n-embd", "32", "--seq-len", "16", "--corpus-bytes", "50000"]

@@ -21,7 +21,7 @@ from ftsup.supervisor.policy.machine import EXIT_EVICTED
 from tests.procs import PYTHONPATH, REPO, kill_tree, wait_for
 from tests.s3fixtures import client, start_server, use_server
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 TRAINER = ["-m", "ftsup.trainer.examples.gpt", "--ckpt-every", "5"]
 TRAINER += ["--n-layer", "1", "--n-embd", "32", "--seq-len", "16", "--corpus-bytes", "50000"]

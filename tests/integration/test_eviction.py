@@ -22,7 +22,7 @@ from ftsup.supervisor.policy.machine import EXIT_EVICTED
 from tests.metadata_server import MetadataServer
 from tests.procs import PYTHONPATH, REPO, kill_tree, run
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 STEPS = 30
 SMALL_MODEL = ["--n-layer", "2", "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000"]

@@ -19,7 +19,7 @@ import pytest
 from ftsup.store import layout
 from tests.procs import run
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 STEPS = 12
 SMALL = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--seq-len", "32", "--corpus-bytes", "200000"]

@@ -16,7 +16,7 @@ import yaml
 
 from tests.procs import BIN, PYTHONPATH, kill_tree, run, wait_for
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 
 def write_job(tmp: Path, *command: str, nproc: int = 2, **sections: Any) -> Path:

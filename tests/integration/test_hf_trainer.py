@@ -25,7 +25,7 @@ from ftsup.supervisor.policy.machine import EXIT_EVICTED
 from ftsup.tools.faults import chaos
 from tests.procs import PYTHONPATH, kill_tree, run, wait_for
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 STEPS = 24
 EVAL_PAD_S = 1.6  # each evaluation: longer than the heartbeat timeout in force (min_timeout_s, 3 x ~0.1 s steps)

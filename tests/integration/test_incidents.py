@@ -19,7 +19,7 @@ import pytest
 from ftsup.supervisor.policy.machine import EXIT_ANOMALY
 from tests.integration.test_supervisor import events, ftsup, last_lines, write_job
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 STEPS = 50  # the faults hit at step 30, past the detectors' warm-up (anomaly.warmup_steps: 20)
 ALARMS = {"anomaly_detected", "straggler_detected", "throughput_drift_detected", "rollback_started"}

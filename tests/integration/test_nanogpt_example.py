@@ -24,7 +24,7 @@ from ftsup.tools.faults import chaos
 from ftsup.trainer.examples import corpus
 from tests.procs import PYTHONPATH, REPO, kill_tree, run
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 BASELINE, ADOPTED = REPO / "trainer/examples/nanogpt_baseline.py", REPO / "trainer/examples/nanogpt.py"
 MAX_ITERS, EVAL_INTERVAL, FAULT_AFTER = 15, 4, 6  # iterations 0..15; checkpoints of 4, 8, 12 steps and the final 16

@@ -14,7 +14,7 @@ import pytest
 from ftsup.store import layout, nodes
 from tests.procs import torchrun
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 REPLICA = Path("peers") / "node-1" / layout.step_dirname(2) / layout.shard_name(1)
 

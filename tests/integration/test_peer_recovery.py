@@ -24,7 +24,7 @@ from ftsup.store import layout
 from tests.integration.test_multinode import lines, node_config, start
 from tests.procs import free_port, kill_tree, run, wait_for
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 STEPS = 40
 

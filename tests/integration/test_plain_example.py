@@ -29,7 +29,7 @@ from ftsup.supervisor.policy.machine import EXIT_EVICTED
 from ftsup.tools.faults import chaos
 from tests.procs import PYTHONPATH, REPO, kill_tree, run
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 STEPS, EVAL_EVERY, EVAL_S = 24, 8, 3.0
 FAILURES = ("worker_exited", "heartbeat_timed_out", "progress_timed_out", "startup_timed_out")

@@ -29,7 +29,7 @@ import yaml
 from ftsup.store import layout
 from tests.procs import PYTHONPATH, REPO, free_port, run, wait_for
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 SBATCH = REPO / "deploy" / "slurm" / "ftsup.sbatch"
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue", "sinfo", "srun")

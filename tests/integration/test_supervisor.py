@@ -19,7 +19,7 @@ import yaml
 from ftsup.store import layout
 from tests.procs import PYTHONPATH, REPO, kill_tree, run, wait_for
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 STEPS = 16
 SMALL_MODEL = ["--n-layer", "2", "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000"]

@@ -42,24 +42,25 @@ def write_job(tmp: Path, *trainer_args: str) -> Path:
     return path
 
 
-def plant_hostile(root: Path) -> None:
-    """Newer than anything the run writes: a FIFO manifest, one nested 5000 deep, one of 150,000 entries."""
-    fifo = make_fake_checkpoint(root / ".staging", 97, default_files(3))
+def hostile(root: Path) -> list[Path]:
+    """Newer than anything the run writes: a FIFO manifest, one nested 5000 deep, one of 150,000 entries, made in
+    `root` ahead of time, so that moving them into the store takes a rename each."""
+    fifo = make_fake_checkpoint(root, 97, default_files(3))
     (fifo / layout.MANIFEST_NAME).unlink()
     os.mkfifo(fifo / layout.MANIFEST_NAME)
-    nested = make_fake_checkpoint(root / ".staging", 98, default_files(4))
+    nested = make_fake_checkpoint(root, 98, default_files(4))
     (nested / layout.MANIFEST_NAME).write_bytes(b'{"files": ' + b"[" * 5000 + b"]" * 5000 + b"}")
-    huge = make_fake_checkpoint(root / ".staging", 99, default_files(5))
+    huge = make_fake_checkpoint(root, 99, default_files(5))
     obj = json.loads((huge / layout.MANIFEST_NAME).read_text())
     entry = {"size": 1, "checksum": checksums.checksum_bytes(b"x")}
     obj["files"].update({f"shard-{i:06d}.safetensors": entry for i in range(150_000)})
     (huge / layout.MANIFEST_NAME).write_text(json.dumps(obj))
-    for ckpt in (fifo, nested, huge):
-        ckpt.rename(root / ckpt.name)
+    return [fifo, nested, huge]
 
 
 def test_a_hang_is_detected_in_time_while_the_store_is_hostile(tmp_path: Path) -> None:
     job = write_job(tmp_path, "--fault", "stop@10", "--fault-rank", "1", "--min-step-s", "0.3")
+    planted = hostile(tmp_path / "hostile")
     proc = subprocess.Popen(
         [sys.executable, "-m", "ftsup.supervisor.cli", "run", "--config", str(job)],
         cwd=REPO,
@@ -70,7 +71,8 @@ def test_a_hang_is_detected_in_time_while_the_store_is_hostile(tmp_path: Path) -
     )
     try:
         wait_for(lambda: (tmp_path / "ckpt" / layout.step_dirname(4)).is_dir(), 180, "no first checkpoint")
-        plant_hostile(tmp_path / "ckpt")  # before the hang at step 10, while the daemon scans
+        for ckpt in planted:  # before the hang at step 10, while the daemon scans
+            ckpt.rename(tmp_path / "ckpt" / ckpt.name)
         planted_at = datetime.now(UTC).isoformat()
         out, _ = proc.communicate(timeout=300)
     finally:

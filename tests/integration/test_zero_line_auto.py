@@ -29,7 +29,7 @@ from ftsup.tools.faults import chaos
 from ftsup.trainer.examples import corpus
 from tests.procs import BIN, PYTHONPATH, REPO, kill_tree, run, wait_for
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 ENV = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', os.defpath)}"}
 FAST = ["--restart-backoff-initial-s", "0.2", "--restart-stop-grace-s", "3"]
@@ -121,7 +121,8 @@ def test_no_instrument_leaves_a_script_as_it_was(tmp_path):
         workdir = tmp_path / ("plain" if flags else "instrumented")
         workdir.mkdir()
         probe = [str(BIN / "instrument_probe.py"), str(workdir / "probe.json")]
-        r = run(ftsup("run", *flags, "--", *probe), cwd=workdir, env=ENV, timeout=120)
+        # The suite's own start-up hook (tests/site) left out: the probe names the `sitecustomize` it runs under.
+        r = run(ftsup("run", *flags, "--", *probe), cwd=workdir, env={**ENV, "PYTHONPATH": str(REPO)}, timeout=120)
         assert r.returncode == 0, r.output[-3000:]
         started = [e for e in events(workdir) if e["event"] in ("supervisor_started", "first_step_reached")]
         found[bool(flags)] = (json.loads((workdir / "probe.json").read_text()), [e["event"] for e in started])

@@ -24,7 +24,7 @@ from ftsup.tools.faults import chaos
 from tests.procs import BIN, PYTHONPATH, free_port, kill_tree, run, wait_for
 
 pytest.importorskip("deepspeed")
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 STEPS, EVERY = 12, 3
 ENV = dict(os.environ, PYTHONPATH=PYTHONPATH, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")

@@ -23,7 +23,7 @@ from ftsup.supervisor.policy.machine import EXIT_EVICTED
 from ftsup.tools.faults import chaos
 from tests.procs import BIN, PYTHONPATH, kill_tree, wait_for
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 EPOCHS, PER_EPOCH, KILL_AFTER = 3, 8, 10  # 64 windows, 4 a batch, 2 ranks: 8 optimizer steps an epoch
 
