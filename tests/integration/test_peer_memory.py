@@ -129,6 +129,29 @@ def test_with_its_only_replica_damaged_a_lost_node_resumes_from_the_older_step_a
     assert (loaded["step"], loaded["digests"]) == (1, saved[1]["digests_1"])
 
 
+def test_a_flipped_byte_in_a_replica_file_only_sent_is_refused_on_arrival_and_the_older_step_is_loaded(
+    saved: tuple[Path, dict], copy: Path
+) -> None:
+    # Rank 1's state is read by rank 1 alone: node 0 sends it from its replica and links none of it, so only the
+    # receiver's check finds the flip (the offer makes no deep check); the plan made again goes without that copy.
+    state = copy / "mem" / "node-0" / REPLICA.parent / layout.rank_state_name(1)
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    state.write_bytes(data)
+    shutil.rmtree(copy / "ckpt" / "node-1")
+    shutil.rmtree(copy / "mem" / "node-1")
+    loaded, output = _run("load", copy, copy / "load.json")
+    assert (loaded["step"], loaded["digests"], loaded["rank_state"]) == (
+        1,
+        saved[1]["digests_1"],
+        {"rank": 0, "step": 1},
+    )
+    [skipped] = _events(output, "checkpoint_peer_copy_skipped")
+    assert "step=2" in skipped and "tier=peers" in skipped and "from group rank 0" in skipped, skipped
+    assert layout.rank_state_name(1) in skipped, skipped
+    assert any("step=1" in e and "node=node-1" in e for e in _events(output, "checkpoint_peer_restored")), output
+
+
 def test_with_two_ranks_a_node_every_ranks_part_is_replicated_and_restored_bitwise(tmp_path: Path) -> None:
     def run(mode: str, *extra: str) -> dict:
         args = [mode, "--dir", str(tmp_path / "ckpt"), "--memory", str(tmp_path / "mem"), "--node-local", *extra]

@@ -10,7 +10,7 @@ import hashlib
 import os
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ import structlog
 import torch
 
 from ftsup import memtier
-from ftsup.store import dcpmeta, layout, nodes, safefile
+from ftsup.store import checksums, dcpmeta, layout, nodes, safefile
 from ftsup.store.errors import CheckpointError
 from ftsup.trainer.checkpoint import loadplan
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm
@@ -42,6 +42,7 @@ log = structlog.get_logger("ftsup.checkpoint")
 RESTORE_DIRNAME = memtier.RESTORE_DIRNAME
 DISK = "disk"
 _PREFERENCE = {MEMORY: 0, PEERS: 1, DISK: 2}  # a part from memory first, then a peer's memory, then a disk
+_MAX_TRIES = 8  # plans made again, each without the copies the last one found damaged
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class Restored:
 
 def holdings(memory: Path, disk: Path | None) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """A leader: each committed copy of a node's part it holds that passes the fast check ({step, part, tier, path,
-    digest}), and each manifest's text by its digest."""
+    digest}), and each manifest's text by its digest. Checksums are left to the files the plan links or sends."""
     held: list[dict[str, Any]] = []
     texts: dict[str, str] = {}
     roots: list[tuple[Path, str]] = [(memory, MEMORY)] + ([(disk, DISK)] if disk is not None else [])
@@ -70,9 +71,10 @@ def holdings(memory: Path, disk: Path | None) -> tuple[list[dict[str, Any]], dic
     except OSError:
         pass  # none held
     for root, tier in roots:
-        # Copies in memory are read whole (at memory speed): one with a flipped byte is never offered, and the part
-        # comes from another copy. A disk's copy gets the fast check; the load verifies every block it reads.
-        for info in layout.list_checkpoints(root, deep=tier != DISK):
+        # The fast check only: a file of a copy in memory is verified where the plan links it (`_verify_links`) or
+        # sends it (on arrival), and a copy with a damaged one is planned around (`restore`). A disk's copy: the load
+        # verifies every block it reads.
+        for info in layout.list_checkpoints(root, deep=False):
             if not info.consistent:
                 reason = "; ".join(map(str, info.problems))
                 log.warning("checkpoint_peer_copy_skipped", step=info.step, tier=tier, path=info.path, reason=reason)
@@ -92,11 +94,14 @@ def holdings(memory: Path, disk: Path | None) -> tuple[list[dict[str, Any]], dic
     return held, texts
 
 
-def choose(reports: list[Mapping[str, Any]], store_step: int | None) -> dict[str, Any] | None:
+def choose(
+    reports: list[Mapping[str, Any]], store_step: int | None, skip: Collection[tuple[int, str]] = ()
+) -> dict[str, Any] | None:
     """Rank 0: the newest step (at most every rank's bound) whose every part some live node holds, how each node gets
     each part (`links`: from a copy of its own; `moves`: from another node) and who reads its metadata (`meta`: the
     holder of its preferred copy, and where); None when there is none, or the shared store holds a newer one
-    (`store_step`). Which files of each part move is `narrow`'s."""
+    (`store_step`). `skip`: the copies (group rank, path) found damaged, never chosen. Which files of each part move
+    is `narrow`'s."""
     bounds = [r["at_most"] for r in reports if r.get("at_most") is not None]
     bound = min(bounds) if bounds else None
     leaders = {r["node"]: rank for rank, r in enumerate(reports) if r.get("leader")}
@@ -105,7 +110,7 @@ def choose(reports: list[Mapping[str, Any]], store_step: int | None) -> dict[str
     for rank, r in enumerate(reports):
         if r.get("leader"):
             texts.update(r["texts"])
-            held += [(rank, h) for h in r["held"]]
+            held += [(rank, h) for h in r["held"] if (rank, h["path"]) not in skip]
     steps = sorted({h["step"] for _, h in held if bound is None or h["step"] <= bound}, reverse=True)
     for step in steps:
         if store_step is not None and store_step > step:
@@ -152,7 +157,7 @@ def _plan(
             holders = [(rank, h) for rank, h in copies if h["part"] == part]
             rank, h = min(holders, key=lambda c: (_PREFERENCE[c[1]["tier"]], load.get(c[0], 0)))
             load[rank] = load.get(rank, 0) + 1
-            moves.append({"from": rank, "path": h["path"], "to": lr, "part": part})
+            moves.append({"from": rank, "path": h["path"], "tier": h["tier"], "to": lr, "part": part})
     plan = {"step": step, "digest": digest, "manifest": text, "links": links, "moves": moves}
     return plan | {"leaders": dict(leaders), "meta": [copies[0][0], copies[0][1]["path"]]}
 
@@ -229,16 +234,38 @@ def restore(
 ) -> Restored | None:
     """Every rank alike: each node's copy of the newest checkpoint its nodes' memories and disks can make together,
     of the files its ranks' loads of `flat` read (every file without it), in `memory/restore/step-N.subset/`; None
-    (logged) when there is none or making it failed anywhere."""
+    (logged) when there is none or making it failed anywhere. A copy a file of which failed its checksum where it was
+    linked or received is planned around: the plan is made again without it (logged)."""
     t0 = time.perf_counter()
     report: dict[str, Any] = {"node": node, "leader": leader, "at_most": at_most}
     if leader:
         report["held"], report["texts"] = holdings(memory, disk)
     reports = comm.gather(report)
-    plan = choose(reports, store_step) if comm.rank == 0 and reports is not None else None
-    plan = comm.broadcast(plan)
-    if plan is None:
-        return None
+    skip: list[tuple[int, str]] = []
+    for _ in range(_MAX_TRIES):
+        plan = choose(reports, store_step, skip) if comm.rank == 0 and reports is not None else None
+        plan = comm.broadcast(plan)
+        if plan is None:
+            return None
+        restored, damaged = _attempt(comm, plan, memory, node, leader, flat, t0)
+        if not damaged:
+            return restored
+        skip += [(rank, path) for rank, path in damaged]
+    log.warning("checkpoint_peer_restore_failed", rank=comm.rank, reason=f"{_MAX_TRIES} plans met damaged copies")
+    return None
+
+
+def _attempt(
+    comm: LocalComm | GroupComm,
+    plan: dict[str, Any],
+    memory: Path,
+    node: str,
+    leader: bool,
+    flat: Mapping[str, torch.Tensor] | None,
+    t0: float,
+) -> tuple[Restored | None, list[list[Any]]]:
+    """Every rank alike: `plan` carried out; (the copy, []), (None, []) where it failed, or (None, the copies
+    [group rank, path] a file of which failed its checksum where it was linked or received, on any rank)."""
     step = plan["step"]
     manifest = layout.parse_manifest(plan["manifest"], f"the chosen manifest of step {step}")
     if hashlib.sha256(plan["manifest"].encode()).hexdigest() != plan["digest"]:
@@ -257,27 +284,38 @@ def restore(
             sends.append(Transfer(m["to"], m["part"], header, m["files"], reader(source, manifest), manifest=manifest))
         if m["to"] == comm.rank:
             check = _checker(manifest, step, m["part"], m["files"])
-            recvs.append(Transfer(m["from"], m["part"], check=check, manifest=manifest))
+            recvs.append((m, Transfer(m["from"], m["part"], check=check, manifest=manifest)))
     held = _held(plan, plan["leaders"][node])
     failed: str | None = None
+    damaged: list[list[Any]] = []
     try:
         if leader:
             shutil.rmtree(memory / RESTORE_DIRNAME, ignore_errors=True)  # never through a link: rmtree refuses one
             own_dir(memory / RESTORE_DIRNAME)
         if plan["moves"]:  # every rank alike: where each node holds what it needs, nothing crosses
             assert isinstance(comm, GroupComm)
-            exchange(comm, sends, recvs)
-        failed = next((t.error for t in sends + recvs if t.error), None)
-        if failed is None and leader:
-            _assemble(partial, plan["links"].get(comm.rank, []), recvs, plan["manifest"].encode(), held)
+            exchange(comm, sends, [r for _, r in recvs])
+        # A send's error is its receiver's too (an offer refused, or zeros that fail the checksum there).
+        for m, r in recvs:
+            if r.error:
+                _skipped(step, m["tier"], m["path"], f"from group rank {m['from']}: {r.error}")
+                damaged.append([m["from"], m["path"]])
+        links = plan["links"].get(comm.rank, []) if leader else []
+        damaged += [[comm.rank, path] for path in _verify_links(step, links, manifest)]
+        if not damaged and leader:
+            _assemble(partial, links, [r for _, r in recvs], plan["manifest"].encode(), held)
             os.rename(partial, final)
     except Exception as e:  # adapter boundary (gloo's errors are RuntimeErrors): every rank must reach the vote
         failed = reason_of(e)
-    if comm.all_reduce_max(1 if failed else 0):
-        log.warning("checkpoint_peer_restore_failed", step=step, rank=comm.rank, reason=failed or "another rank failed")
+    verdict = comm.all_reduce_max(2 if failed else 1 if damaged else 0)
+    if verdict:
         if leader:
             shutil.rmtree(memory / RESTORE_DIRNAME, ignore_errors=True)
-        return None
+        if verdict == 1:  # every copy found damaged anywhere, for the next plan
+            found = comm.gather(damaged)
+            return None, comm.broadcast(None if found is None else [d for ds in found for d in ds])
+        log.warning("checkpoint_peer_restore_failed", step=step, rank=comm.rank, reason=failed or "another rank failed")
+        return None, []
     tier = _tier_of(plan, plan["leaders"][node])
     if leader:
         parts = {p: f"{t} {path}" for p, path, t, _ in plan["links"].get(comm.rank, [])}
@@ -296,7 +334,31 @@ def restore(
             checkpoint_bytes=sum(e.size for e in manifest.files.values()),
             duration_s=round(time.perf_counter() - t0, 4),
         )
-    return Restored(final, step, tier, frozenset(held), None if "error" in meta else meta)
+    return Restored(final, step, tier, frozenset(held), None if "error" in meta else meta), []
+
+
+def _verify_links(step: int, links: list[list[Any]], manifest: layout.Manifest) -> list[str]:
+    """A leader: the paths of its copies in memory (its own, a replica) a file of which, among those it links, is
+    not of the manifest's checksum (logged); a disk's copy is left to the load, which verifies every block it reads."""
+    bad = []
+    for _, path, tier, rels in links:
+        if tier == DISK:
+            continue
+        for rel in rels:
+            try:
+                actual = checksums.file_checksum(safefile.resolve_inside(path, rel), manifest.checksum_algorithm)
+                problem = None if actual == manifest.files[rel].checksum else f"checksum {actual} != recorded"
+            except (CheckpointError, OSError) as e:
+                problem = reason_of(e)
+            if problem is not None:
+                _skipped(step, tier, path, f"{rel}: {problem}")
+                bad.append(path)
+                break
+    return bad
+
+
+def _skipped(step: int, tier: str, path: str, reason: str) -> None:
+    log.warning("checkpoint_peer_copy_skipped", step=step, tier=tier, path=path, reason=reason)
 
 
 def _meta(comm: LocalComm | GroupComm, plan: Mapping[str, Any], manifest: layout.Manifest) -> dict[str, Any]:
