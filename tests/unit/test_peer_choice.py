@@ -63,6 +63,23 @@ def test_a_part_comes_from_memory_before_a_disk_and_from_the_nodes_own_copy() ->
     assert [(m["from"], m["part"]) for m in plan["moves"]] == [(0, "a")]
 
 
+def test_a_copy_found_damaged_is_never_chosen_and_the_part_comes_from_the_next_copy() -> None:
+    a = report("a", [(8, "a", "memory", M8), (8, "b", "peers", M8)])
+    b = report("b", [(8, "b", "disk", M8)])
+    plan = choose([a, b], None, skip=[(0, "/peers/b/8")])
+    assert plan is not None and plan["links"][0] == [["a", "/memory/a/8", "memory"]]
+    assert [(m["from"], m["to"], m["part"], m["tier"]) for m in plan["moves"]] == [
+        (1, 0, "b", "disk"),
+        (0, 1, "a", "memory"),
+    ]
+
+
+def test_with_the_only_copy_of_a_part_damaged_the_older_step_all_hold_is_chosen() -> None:
+    a = report("a", [(12, "a", "memory", M12), (12, "b", "peers", M12), (8, "a", "memory", M8), (8, "b", "peers", M8)])
+    plan = choose([a, report("b", [])], None, skip=[(0, "/peers/b/12")])
+    assert plan is not None and plan["step"] == 8
+
+
 def test_a_manifest_that_does_not_parse_or_lies_about_its_step_is_never_chosen() -> None:
     bad = "{not json"
     a = report("a", [(8, "a", "memory", bad), (8, "b", "peers", bad)])
