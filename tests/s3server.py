@@ -15,13 +15,12 @@ import signal
 import socket
 import stat
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ftsup.tools.bench.seaweed import GRPC_OFFSET, client_env, server_argv, weed_binary
+from ftsup.tools.bench.seaweed import GRPC_OFFSET, client_env, server_argv, wait_ready, weed_binary
 
 __all__ = ["SeaweedS3", "free_port_pairs", "weed_binary"]
 ACCESS_KEY = "ftsuptestkey"
@@ -108,17 +107,10 @@ class SeaweedS3:
             )
         finally:
             log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                code = self.proc.returncode
-                self.stop()
-                raise AssertionError(f"weed server exited {code}; log:\n{self.log_tail()}")
-            if self._answers():
-                return
-            time.sleep(0.1)  # a poll interval under a deadline
-        self.stop()
-        raise AssertionError(f"weed server's S3 port did not answer within {timeout_s}s; log:\n{self.log_tail()}")
+        why = wait_ready(self.proc, self._answers, timeout_s, 0.1)
+        if why is not None:
+            self.stop()
+            raise AssertionError(f"{why}; log:\n{self.log_tail()}")
 
     def _answers(self) -> bool:
         """True once the S3 gateway serves a signed request (the filer and a volume behind it are up)."""

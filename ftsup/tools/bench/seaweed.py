@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -78,6 +79,19 @@ def server_argv(binary: str, data_dir: Path, ports: list[int], access_key: str, 
     ]
 
 
+def wait_ready(proc: subprocess.Popen[bytes], ready: Callable[[], bool], timeout_s: float, poll_s: float) -> str | None:
+    """Poll `ready()` until it holds (None), or say why it never did: the server `proc` exited, or the deadline
+    passed. The caller stops the server and adds its log."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"weed server exited {proc.returncode}"
+        if ready():
+            return None
+        time.sleep(poll_s)  # a poll interval under a deadline
+    return f"weed server's S3 port did not answer within {timeout_s:g} s"
+
+
 def _free_pair() -> int:
     """A port free on 127.0.0.1 with its gRPC twin, below the twin's ceiling (the OS draws it)."""
     for _ in range(200):
@@ -137,19 +151,10 @@ class Seaweed:
             self.proc = subprocess.Popen(
                 wrapped, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.data_dir, env=env
             )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                code = self.proc.returncode
-                self.stop()
-                raise SeaweedError(f"weed server exited {code}; its log ends:\n{self._tail()}")
-            if self._made_bucket():
-                return
-            time.sleep(0.2)  # a poll interval under a deadline
-        self.stop()
-        raise SeaweedError(
-            f"weed server's S3 port did not answer within {timeout_s:g} s; its log ends:\n{self._tail()}"
-        )
+        why = wait_ready(self.proc, self._made_bucket, timeout_s, 0.2)
+        if why is not None:
+            self.stop()
+            raise SeaweedError(f"{why}; its log ends:\n{self._tail()}")
 
     def client(self) -> Any:
         import boto3
