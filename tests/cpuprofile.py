@@ -1,6 +1,7 @@
 """Where the suite's CPU goes: `-p tests.cpuprofile --cpu-log FILE` records each test's CPU time, its own and its
 reaped children's (torchrun, ranks, supervisors), one JSON line per test; `python -m tests.cpuprofile FILE` sums
-them by module (docs/testing.md, Where the time goes)."""
+them by module, or with `--procs` a `FTSUP_TEST_PROC_LOG` file by kind of process (docs/testing.md, Where the time
+goes)."""
 
 from __future__ import annotations
 
@@ -55,13 +56,47 @@ def by_module(lines: list[dict[str, Any]]) -> list[tuple[str, float, float, int]
     return sorted(((m, cpu[m], wall[m], count[m]) for m in cpu), key=lambda r: -r[1])
 
 
+def kind(argv: list[str]) -> str:
+    """What a process of the suite was, from its command line: `-m MODULE` (with the CLI's subcommand), a
+    script's file name, or `-c`."""
+    args = [a for a in argv if a not in ("-u", "-X", "-B", "-E", "-s")]
+    if not args:
+        return "python"
+    if args[0] == "-m" and len(args) > 1:
+        sub = args[2] if len(args) > 2 and args[1].endswith(".cli") and not args[2].startswith("-") else ""
+        return f"-m {args[1]} {sub}".rstrip()
+    if args[0] == "-c":
+        return "-c"
+    name = os.path.basename(args[0])
+    return f"{name} {args[1]}" if name == "warmrun.py" and len(args) > 1 else name
+
+
+def by_kind(lines: list[dict[str, Any]]) -> list[tuple[str, float, int]]:
+    """(kind of process, CPU seconds, processes), most CPU first, from a `FTSUP_TEST_PROC_LOG` file."""
+    cpu: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for line in lines:
+        k = kind(line["argv"])
+        cpu[k] += line["cpu_s"]
+        count[k] += 1
+    return sorted(((k, cpu[k], count[k]) for k in cpu), key=lambda r: -r[1])
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.cpuprofile", description="Sum a --cpu-log file by test module.")
     p.add_argument("log", help="the file --cpu-log wrote")
     p.add_argument("--top", type=int, default=30, help="how many modules to list (default 30)")
+    p.add_argument("--procs", action="store_true", help="the log is FTSUP_TEST_PROC_LOG's: sum it by process kind")
     args = p.parse_args(argv)
     with open(args.log) as f:
         lines = [json.loads(text) for text in f if text.strip()]
+    if args.procs:
+        kinds = by_kind(lines)
+        print(f"{len(lines)} processes, {sum(r[1] for r in kinds):.0f} CPU-s")
+        print(f"{'CPU-s':>8} {'procs':>6} {'each':>6}  kind")
+        for name, cpu, count in kinds[: args.top]:
+            print(f"{cpu:8.1f} {count:6d} {cpu / count:6.2f}  {name}")
+        return 0
     rows = by_module(lines)
     total = sum(r[1] for r in rows)
     print(f"{len(lines)} tests, {total:.0f} CPU-s, {sum(r[2] for r in rows):.0f} s of test time")

@@ -1,10 +1,36 @@
 """The suite's start-up hook in the Python processes its tests start (on their `PYTHONPATH`: `tests/procs.py`).
 
 At exit, once every `atexit` handler has run, the collector's last pass skips the objects alive then: for an
-interpreter holding torch that pass is most of its exit's CPU (docs/testing.md, Where the time goes).
+interpreter holding torch that pass is most of its exit's CPU. With `FTSUP_TEST_PROC_LOG` set, each process that
+exits by itself appends its command line and CPU seconds to that file (docs/testing.md, Where the time goes).
 """
 
 import atexit
 import gc
+import os
+import sys
 
 atexit.register(gc.freeze)  # registered first, so run last
+
+
+def _log_cpu(path: str) -> None:
+    import json
+
+    times = os.times()
+    line = {"argv": sys.orig_argv[1:8], "cpu_s": round(times.user + times.system, 3), "pid": os.getpid()}
+    try:
+        with open(path, "a") as f:  # one write per line, appended: every process of the suite shares the file
+            f.write(json.dumps(line) + "\n")
+    except OSError:
+        pass  # a measurement, never a reason for the process to fail
+
+
+if os.environ.get("FTSUP_TEST_PROC_LOG"):
+    _path, _os_exit = os.environ["FTSUP_TEST_PROC_LOG"], os._exit
+    atexit.register(_log_cpu, _path)
+
+    def _logged_exit(code: int) -> None:  # the examples end in os._exit, which skips atexit
+        _log_cpu(_path)
+        _os_exit(code)
+
+    os._exit = _logged_exit
