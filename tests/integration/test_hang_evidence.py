@@ -16,7 +16,7 @@ import pytest
 
 from ftsup.supervisor.cli.incidents import render
 from ftsup.supervisor.state.incidents import Incident, Store
-from tests.integration.test_collective_waits import events, output, start
+from tests.integration.test_collective_waits import FLOOR, events, output, start
 from tests.procs import BIN, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.multiprocess
 def hang(tmp_path: Path, how: str, *flags: str) -> subprocess.Popen[bytes]:
     """`hang_rank.py` under `ftsup run`: rank 1 hangs (`how`) at step 20 of attempt 1; attempt 2 trains on."""
     job = ["--", str(BIN / "hang_rank.py"), "--dir", str(tmp_path), "--steps", "100000", "--at", "20", "--how", how]
-    return start(tmp_path, "--restart-backoff-initial-s", "0.1", *flags, *job)
+    return start(tmp_path, "--restart-backoff-initial-s", "0.1", *FLOOR, *flags, *job)
 
 
 def incident_and_relaunch(tmp_path: Path, proc: subprocess.Popen[bytes]) -> Incident:
@@ -60,7 +60,6 @@ def frames(incident: Incident, rank: int) -> list[str]:
     return [f for t in r.threads if t.main for f in t.frames]
 
 
-@pytest.mark.alone  # a 2 s heartbeat timeout: another test's processes beside it could stall a rank that long
 def test_a_sigstopped_rank_1_is_named_by_the_incident_which_holds_rank_0_waiting_in_the_all_reduce(tmp_path: Path):
     proc = hang(tmp_path, "stop")
     try:
@@ -86,7 +85,6 @@ def test_a_sigstopped_rank_1_is_named_by_the_incident_which_holds_rank_0_waiting
     assert shows == (True, True), "\n".join(shown)
 
 
-@pytest.mark.alone  # the same 2 s timeout
 def test_a_rank_spinning_in_python_is_named_though_the_heartbeats_alone_could_blame_either(tmp_path: Path):
     proc = hang(tmp_path, "spin")
     try:
@@ -116,7 +114,6 @@ def stuck_tools() -> list[int]:
     return [p.pid for p in psutil.process_iter(["cmdline"]) if "stuck_tool" in " ".join(p.info["cmdline"] or ())]
 
 
-@pytest.mark.alone  # the same 2 s timeout
 def test_a_stack_tool_that_hangs_is_stopped_at_the_bound_and_the_attempt_is_restarted(tmp_path: Path):
     tools = f"forensics.tools=[{BIN / 'stuck_tool' / 'pystack'}]"
     proc = hang(tmp_path, "stop", "--set", tools, "--set", "forensics.timeout_s=1.5")
@@ -135,7 +132,6 @@ def test_a_stack_tool_that_hangs_is_stopped_at_the_bound_and_the_attempt_is_rest
     assert (kernel != [], stuck_tools()) == (True, [])
 
 
-@pytest.mark.alone  # the same 2 s timeout
 def test_with_the_stack_tool_missing_the_kernels_view_is_kept_and_the_attempt_is_restarted(tmp_path: Path):
     proc = hang(tmp_path, "stop", "--set", "forensics.tools=[/nowhere/pystack]")
     try:

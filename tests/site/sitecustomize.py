@@ -9,6 +9,7 @@ import atexit
 import gc
 import os
 import sys
+from typing import NoReturn
 
 atexit.register(gc.freeze)  # registered first, so run last
 
@@ -29,8 +30,8 @@ if os.environ.get("FTSUP_TEST_PROC_LOG"):
     _path, _os_exit = os.environ["FTSUP_TEST_PROC_LOG"], os._exit
     atexit.register(_log_cpu, _path)
 
-    def _logged_exit(code: int) -> None:  # the examples end in os._exit, which skips atexit
+    def _logged_exit(status: int) -> NoReturn:  # the examples end in os._exit, which skips atexit
         _log_cpu(_path)
-        _os_exit(code)
+        _os_exit(status)
 
     os._exit = _logged_exit
