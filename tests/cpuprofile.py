@@ -59,7 +59,9 @@ def by_module(lines: list[dict[str, Any]]) -> list[tuple[str, float, float, int]
 def kind(argv: list[str]) -> str:
     """What a process of the suite was, from its command line: `-m MODULE` (with the CLI's subcommand), a
     script's file name, or `-c`."""
-    args = [a for a in argv if a not in ("-u", "-X", "-B", "-E", "-s")]
+    args = list(argv)
+    while args and args[0].startswith("-") and args[0] not in ("-m", "-c"):  # the interpreter's own options
+        args = args[2:] if args[0] in ("-X", "-W") else args[1:]
     if not args:
         return "python"
     if args[0] == "-m" and len(args) > 1:
@@ -84,7 +86,7 @@ def by_kind(lines: list[dict[str, Any]]) -> list[tuple[str, float, int]]:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.cpuprofile", description="Sum a --cpu-log file by test module.")
-    p.add_argument("log", help="the file --cpu-log wrote")
+    p.add_argument("log", help="the file --cpu-log wrote (with --procs: the file FTSUP_TEST_PROC_LOG named)")
     p.add_argument("--top", type=int, default=30, help="how many modules to list (default 30)")
     p.add_argument("--procs", action="store_true", help="the log is FTSUP_TEST_PROC_LOG's: sum it by process kind")
     args = p.parse_args(argv)

@@ -13,7 +13,7 @@ MAIN_JOB = f"{INSTALL} && .venv/bin/ftsup demo"
 # systemd-analyze (tests/integration/test_deploy.py), Prometheus and promtool
 # (tests/integration/test_metrics_prometheus.py).
 APT = "apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y slurm-wlm munge systemd prometheus"
-# The suite runs two test modules at a time (pytest-xdist, one module per worker), then the tests marked `alone`
+# The suite runs three test modules at a time (pytest-xdist, one module per worker), then the tests marked `alone`
 # with nothing beside them.
 PYTEST = ".venv/bin/python -m pytest -q"
 TESTS = f"{APT} && {INSTALL} && {PYTEST} -n 3 --dist loadfile -m 'not alone' tests && {PYTEST} -m alone tests"

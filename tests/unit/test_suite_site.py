@@ -45,9 +45,11 @@ def test_a_process_is_named_by_its_module_and_subcommand_or_its_script() -> None
         kind(["-u", "-m", "ftsup.trainer.examples.gpt", "--steps", "4"]),
         kind(["/r/ftsup/warmrun.py", "torch.distributed.run"]),
         kind(["-u", "/r/tests/bin/ddp_beats.py", "--dir", "d"]),
+        kind(["-X", "importtime", "-u", "-m", "ftsup.tools.bench"]),
     ] == [
         "-m ftsup.supervisor.cli run",
         "-m ftsup.trainer.examples.gpt",
         "warmrun.py torch.distributed.run",
         "ddp_beats.py",
+        "-m ftsup.tools.bench",
     ]
