@@ -112,7 +112,8 @@ def test_two_nodes_with_separate_fast_tiers_commit_once_per_step_and_a_wiped_nod
         picked = {e["step"] for e in events(tmp_path, other, "durable_upload_started")}
         for e in events(tmp_path, node, "durable_upload_started"):
             manifest = read_manifest(tmp_path / "node-a" / "ckpt" / f"step-{e['step']:09d}")
-            if e["timestamp"] > rejoined and manifest.kind == "periodic" and node_of_rank(manifest.nodes, 0) == other:
+            led = node_of_rank(manifest.nodes or {}, 0)
+            if e["timestamp"] > rejoined and manifest.kind == "periodic" and led == other:
                 assert e["step"] in picked, (node, e["step"], sorted(picked))
                 followed += 1
     assert followed, "no node sent a step another node led"

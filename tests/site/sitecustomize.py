@@ -14,9 +14,16 @@ from typing import NoReturn
 atexit.register(gc.freeze)  # registered first, so run last
 
 
+_logged: list[bool] = []
+
+
 def _log_cpu(path: str) -> None:
+    """Once per process: `ftsup.warmrun.finish` runs the `atexit` handlers itself, then calls `os._exit`."""
     import json
 
+    if _logged:
+        return
+    _logged.append(True)
     times = os.times()
     line = {"argv": sys.orig_argv[1:8], "cpu_s": round(times.user + times.system, 3), "pid": os.getpid()}
     try:

@@ -21,11 +21,14 @@ STUCK = BIN / "stuck_tool"
 
 @pytest.fixture
 def sleeper():
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    code = "import sys, time; print('sleeping', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline() == b"sleeping\n"  # past its start-up's own waits
     wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_SLEEPING, 10, "the sleeper to sleep")
     yield proc
     proc.kill()
     proc.wait()
+    proc.stdout.close()
 
 
 def test_a_tool_that_never_answers_is_stopped_at_its_deadline_with_the_child_it_started():

@@ -29,12 +29,14 @@ def test_with_a_process_log_asked_for_each_process_appends_its_command_line_and_
 ) -> None:
     log = tmp_path / "procs.jsonl"
     env = dict(os.environ, FTSUP_TEST_PROC_LOG=str(log))
-    for code in ("pass", "import os; os._exit(3)"):
+    finish = "import atexit, os; atexit._run_exitfuncs(); os._exit(0)"  # as `ftsup.warmrun.finish` ends: once
+    for code in ("pass", "import os; os._exit(3)", finish):
         subprocess.run([sys.executable, "-c", code], env=env, timeout=60, check=False)
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(d["argv"], d["cpu_s"] >= 0) for d in lines] == [
         (["-c", "pass"], True),
         (["-c", "import os; os._exit(3)"], True),
+        (["-c", finish], True),
     ]
     assert [r[0] for r in by_kind(lines)] == ["-c"]
 
