@@ -7,13 +7,16 @@ side is `ftsup.supervisor.run.warmagent` (docs/design/process-and-protocol.md, T
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import os
 import runpy
+import select
 import socket
 import struct
 import sys
 import threading
+import time
 
 HEADER = struct.Struct(">Q")
 MAX_MESSAGE = 16 << 20  # an environment of many megabytes is not an environment
@@ -64,11 +67,13 @@ def main(args: list[str]) -> int:
         print("warmrun: usage: warmrun.py MODULE (the message comes on standard input)", file=sys.stderr)
         return _EXIT_BAD_MESSAGE
     module = args[0]
-    _import_in_background(module)  # the slow part, done before anyone waits for it
-    # Run afresh as __main__ below (runpy would warn that the module is imported already); its imports stay cached.
-    sys.modules.pop(module, None)
     sock = socket.socket(fileno=os.dup(0))
+    lowered = _set_session_nice(IMPORT_NICE)
+    importing = _Import(module)  # the slow part, done before anyone waits for it
     try:
+        importing.wait_or_readable(sock)
+        if lowered and not _set_session_nice(0):  # the message may be here: torchrun runs at the usual priority
+            print(f"warmrun: cannot set the session's nice back to 0 in {AUTOGROUP}", file=sys.stderr)
         got = _read_message(sock)
         if got is None:
             return 0
@@ -79,6 +84,9 @@ def main(args: list[str]) -> int:
         return _EXIT_BAD_MESSAGE
     finally:
         sock.close()
+    importing.finish()  # before the environment changes under it
+    # Run afresh as __main__ below (runpy would warn that the module is imported already); its imports stay cached.
+    sys.modules.pop(module, None)
     os.environ.clear()
     os.environ.update(env)
     null = os.open(os.devnull, os.O_RDONLY)
@@ -99,33 +107,69 @@ def main(args: list[str]) -> int:
 
 
 IMPORT_NICE = 19
-"""How much lower the importing thread's priority is than the rest of the process's: the spare imports while the
-ranks it will replace train, and on a node with few cores its import must not slow one of them."""
+"""How much lower the import's priority is: the spare imports while the ranks it will replace train, and on a node
+with few cores its import must not slow one of them."""
+AUTOGROUP = "/proc/self/autogroup"
+_AUTOGROUP_RETRY_S = 2.0  # an unprivileged change is refused (EAGAIN) within 0.1 s of anyone's last one
 
 
-def _import_in_background(module: str) -> None:
-    """Import `module` on a thread of its own whose nice value is raised by IMPORT_NICE (on Linux a thread's own: this
-    thread's stays as it was, and so does everything it starts later, torchrun and the ranks among them); waits for
-    it. An import that fails there (a module that must be imported on the main thread) is made again here, where
-    any error is the interpreter's own, as with `python -m`."""
-    done: list[bool] = []
+def _set_session_nice(nice: int) -> bool:
+    """Set the nice of this session's scheduling group (Linux's autogroup, where each session competes with the
+    others as one: a thread's own nice counts only inside it, and the ranks run in sessions of their own). Only as
+    the session's leader, whose session it is; True when set."""
+    if os.getsid(0) != os.getpid():
+        return False
+    deadline = time.monotonic() + _AUTOGROUP_RETRY_S
+    while True:
+        try:
+            fd = os.open(AUTOGROUP, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.write(fd, str(nice).encode())
+            finally:
+                os.close(fd)
+            return True
+        except OSError as e:
+            if e.errno != errno.EAGAIN or time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
 
-    def work() -> None:
+
+class _Import:
+    """`module` imported on a thread of its own whose nice value is raised by IMPORT_NICE (on Linux a thread's own:
+    the main thread's stays as it was, and so does everything it starts later, torchrun and the ranks among them).
+    An import that fails there (a module that must be imported on the main thread) is made again on the main
+    thread, where any error is the interpreter's own, as with `python -m`."""
+
+    def __init__(self, module: str) -> None:
+        self.module = module
+        self.done: list[bool] = []
+        self._signal_r, self._signal_w = os.pipe()
+        self._thread = threading.Thread(target=self._work, name="warmrun-import", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IMPORT_NICE)
         except (OSError, AttributeError):
             pass  # no per-thread priority here: imported at the process's own
         try:
-            __import__(module)
-            done.append(True)
+            __import__(self.module)
+            self.done.append(True)
         except BaseException:  # noqa: BLE001 - made again on the main thread, which reports it
             pass
+        finally:
+            os.write(self._signal_w, b"x")
 
-    t = threading.Thread(target=work, name="warmrun-import", daemon=True)
-    t.start()
-    t.join()
-    if not done:
-        __import__(module)
+    def wait_or_readable(self, sock: socket.socket) -> None:
+        """Return once the import is over or `sock` has something to read (the message, or its end), first."""
+        select.select([self._signal_r, sock.fileno()], [], [])
+
+    def finish(self) -> None:
+        self._thread.join()
+        os.close(self._signal_r)
+        os.close(self._signal_w)
+        if not self.done:
+            __import__(self.module)
 
 
 def _run(module: str) -> int:

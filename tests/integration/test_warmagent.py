@@ -23,7 +23,7 @@ from ftsup.supervisor.config.job import parse_config
 from ftsup.supervisor.policy import machine as policy
 from ftsup.supervisor.run import launcher, warmagent, workers
 from ftsup.supervisor.run.outages import Outages
-from tests.procs import REPO, kill_tree, wait_for
+from tests.procs import BIN, PYTHONPATH, REPO, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -303,3 +303,44 @@ def test_the_chaos_check_for_stale_processes_passes_over_a_parked_spare_and_flag
             a.close()
             proc.kill()
             proc.wait(timeout=10)
+
+
+def session_nice(pid: int) -> str:
+    with open(f"/proc/{pid}/autogroup") as f:  # "/autogroup-N nice K"
+        return f.read().split()[-1]
+
+
+@pytest.mark.skipif(not os.path.exists(warmrun.AUTOGROUP), reason="this kernel has no autogroup")
+def test_a_spare_imports_at_its_sessions_lowest_priority_and_takes_the_message_at_the_usual_one(tmp_path):
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    env = {**os.environ, "PYTHONPATH": f"{BIN}{os.pathsep}{PYTHONPATH}", "FTSUP_TEST_GATE": str(gate)}
+    with open(tmp_path / "parked.log", "ab") as parked:
+        proc = subprocess.Popen(
+            [sys.executable, warmrun.__file__, "gated_import"],
+            stdin=theirs.fileno(),
+            stdout=parked,
+            stderr=parked,
+            env=env,
+            start_new_session=True,
+        )
+    theirs.close()
+    try:
+        wait_for(lambda: session_nice(proc.pid) == str(warmrun.IMPORT_NICE), 60, "the session's nice was not raised")
+        body = json.dumps({"argv": ["handed-over"], "env": env, "cwd": str(tmp_path)}).encode()
+        with open(tmp_path / "attempt.log", "ab") as out:
+            socket.send_fds(ours, [warmrun.HEADER.pack(len(body))], [out.fileno()])
+        ours.sendall(body)
+        # The message came while the import waits behind the gate: the session is back at the usual priority.
+        wait_for(lambda: session_nice(proc.pid) == "0", 60, "the session's nice was not set back")
+        assert proc.poll() is None
+        with open(gate, "w"):
+            pass  # the import goes on, then the module runs as __main__ at the usual priority
+        assert proc.wait(timeout=60) == 0, (tmp_path / "parked.log").read_text()
+        assert "ran ['handed-over']" in (tmp_path / "attempt.log").read_text()
+        assert (tmp_path / "attempt.log").read_text().strip().endswith("nice 0")
+    finally:
+        ours.close()
+        kill_tree(proc.pid)
+        proc.wait(timeout=10)
