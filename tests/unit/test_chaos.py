@@ -1,13 +1,19 @@
-"""`ftsup.tools.faults.chaos` observers on files written by hand: no processes, no torch."""
+"""`ftsup.tools.faults.chaos` observers on files written by hand, and whose processes a chaos job takes for its own:
+no torch."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from ftsup.tools.faults import chaos
+from ftsup.protocol import NODE_ID_ENV
+from ftsup.tools.faults import chaos, nodes
+from ftsup.tools.faults.refjob import TrainerJob
 
 
 def line(step: int, loss_hex: str = "0x1p+0") -> str:
@@ -78,3 +84,20 @@ def test_median_ignores_missing_values(values: list[float | None], expected: flo
 
 def test_p99_is_the_policys_nearest_rank_percentile() -> None:
     assert (chaos.p99([0.1] * 99 + [5.0]), chaos.p99([0.1] * 98 + [5.0, 6.0])) == (0.1, 5.0)
+
+
+def test_a_chaos_node_is_known_by_its_runs_node_id_not_by_a_node_name_another_job_shares(tmp_path: Path) -> None:
+    job = nodes.NodeJob(TrainerJob(tmp_path, "chaos-nodes-0123abcd", steps=10), 29500)
+    job.write_configs(1)
+    node_id = yaml.safe_load(job.config_path("node-b").read_text())["launch"]["node_id"]
+    code = "import sys; sys.stdin.read()"  # lives until its standard input closes
+    procs = {
+        name: subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, env={NODE_ID_ENV: name})
+        for name in ("node-b", node_id)  # another job's node-b, and this run's
+    }
+    try:
+        found = {p.pid for p in chaos.matching_processes(job.markers("node-b"))}
+        assert (node_id, found) == ("chaos-nodes-0123abcd-node-b", {procs[node_id].pid})
+    finally:
+        for p in procs.values():
+            p.communicate(timeout=30)

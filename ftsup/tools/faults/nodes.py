@@ -43,9 +43,13 @@ class NodeJob:
     def log(self, node: str) -> Path:
         return self.state_dir(node) / "logs" / "supervisor.jsonl"
 
+    def node_id(self, node: str) -> str:
+        """The node's id, this run's alone: another job on the host may have a node named `node` too."""
+        return f"{self.base.run_id}-{node}"
+
     def markers(self, node: str) -> list[str]:
         """What only this node's processes carry: its config path (the supervisor), its node id (the rest)."""
-        return [str(self.config_path(node)), f"{NODE_ID_ENV}={node}"]
+        return [str(self.config_path(node)), f"{NODE_ID_ENV}={self.node_id(node)}"]
 
     def write_configs(self, losses: int) -> None:
         """Both nodes' configs; the restart budget covers `losses` node losses (each may cost the survivor a
@@ -54,7 +58,10 @@ class NodeJob:
             cfg = self.base.config()
             cfg["job"]["state_dir"] = str(self.state_dir(node))
             cfg["launch"].update(
-                nnodes="1:2", rdzv_endpoint=f"127.0.0.1:{self.port}", node_id=node, torchrun_args=[RDZV_CONF]
+                nnodes="1:2",
+                rdzv_endpoint=f"127.0.0.1:{self.port}",
+                node_id=self.node_id(node),
+                torchrun_args=[RDZV_CONF],
             )
             cfg.setdefault("restart", {}).update(backoff_initial_s=0.5, max_restarts=5 * losses + 10)
             self.base.root.mkdir(parents=True, exist_ok=True)
@@ -144,7 +151,7 @@ def _lose_node(
     rejoined = _wait_line(
         tail, lambda ln: ln.t > t_back and ln.record.get("world_size") == 2, procs, timeout_s, f"{lost} rejoining"
     )
-    stale = stale_processes(job.base.run_id, {n: chaos.journal_attempt(job.state_dir(n)) for n in NODES})
+    stale = stale_processes(job.base.run_id, {job.node_id(n): chaos.journal_attempt(job.state_dir(n)) for n in NODES})
     return {
         "t_fault": t_fault,
         "max_step_before": trained,
