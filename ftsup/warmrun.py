@@ -70,10 +70,12 @@ def main(args: list[str]) -> int:
     sock = socket.socket(fileno=os.dup(0))
     lowered = _set_session_nice(IMPORT_NICE)
     importing = _Import(module)  # the slow part, done before anyone waits for it
+    over = importing.wait_or_readable(sock)
+    if lowered and not _set_session_nice(0):  # the message may be here: torchrun runs at the usual priority
+        print(f"warmrun: cannot set the session's nice back to 0 in {AUTOGROUP}", file=sys.stderr)
+    if over:
+        importing.finish()  # one that failed on its thread is made again now, before the message is taken
     try:
-        importing.wait_or_readable(sock)
-        if lowered and not _set_session_nice(0):  # the message may be here: torchrun runs at the usual priority
-            print(f"warmrun: cannot set the session's nice back to 0 in {AUTOGROUP}", file=sys.stderr)
         got = _read_message(sock)
         if got is None:
             return 0
@@ -160,14 +162,20 @@ class _Import:
         finally:
             os.write(self._signal_w, b"x")
 
-    def wait_or_readable(self, sock: socket.socket) -> None:
-        """Return once the import is over or `sock` has something to read (the message, or its end), first."""
-        select.select([self._signal_r, sock.fileno()], [], [])
+    def wait_or_readable(self, sock: socket.socket) -> bool:
+        """Wait until the import is over or `sock` has something to read (the message, or its end); whether the
+        import is over."""
+        ready, _, _ = select.select([self._signal_r, sock.fileno()], [], [])
+        return self._signal_r in ready
 
     def finish(self) -> None:
+        """Wait for the import; one that failed on the thread is made again on this one. Once."""
+        if self._signal_r < 0:
+            return
         self._thread.join()
         os.close(self._signal_r)
         os.close(self._signal_w)
+        self._signal_r = self._signal_w = -1
         if not self.done:
             __import__(self.module)
 

@@ -344,3 +344,40 @@ def test_a_spare_imports_at_its_sessions_lowest_priority_and_takes_the_message_a
         ours.close()
         kill_tree(proc.pid)
         proc.wait(timeout=10)
+
+
+MAIN_ONLY = """
+import threading
+if threading.current_thread() is not threading.main_thread():
+    raise RuntimeError("import me on the main thread")
+if __name__ == "__main__":
+    print("ran", flush=True)
+"""
+
+
+def test_an_import_the_thread_cannot_make_is_made_on_the_main_thread_and_one_that_fails_stops_the_spare_unasked(
+    tmp_path,
+):
+    (tmp_path / "main_only.py").write_text(MAIN_ONLY)
+    (tmp_path / "broken.py").write_text("raise ImportError('broken on purpose')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    for module in ("main_only", "broken"):
+        a, b = socket.socketpair()
+        proc = subprocess.Popen(
+            [sys.executable, warmrun.__file__, module], stdin=b, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        )
+        b.close()
+        try:
+            if module == "broken":  # dead before any message: the supervisor starts the attempt cold
+                _, err = proc.communicate(timeout=60)
+                assert (proc.returncode, b"broken on purpose" in err) == (1, True)
+                continue
+            body = json.dumps({"argv": [], "env": env, "cwd": str(tmp_path)}).encode()
+            with open(tmp_path / "main_only.log", "wb") as out:
+                socket.send_fds(a, [warmrun.HEADER.pack(len(body))], [out.fileno()])
+            a.sendall(body)
+            assert proc.wait(timeout=60) == 0 and (tmp_path / "main_only.log").read_text() == "ran\n"
+        finally:
+            a.close()
+            kill_tree(proc.pid)
+            proc.communicate(timeout=10)
