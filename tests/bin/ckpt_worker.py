@@ -1,7 +1,7 @@
 """A tiny training rank for checkpoint tests, run under torchrun (or alone, as one rank).
 
     ckpt_worker.py save --dir D --parallel fsdp|ddp|none --steps 1,2 [--async] [--train-during N]
-                        [--kill-at POINT:STEP:RANK] [--process-group auto|none] --out FILE
+                        [--kill-at POINT:STEP:RANK] [--process-group auto|none] [--also-dir D2]... --out FILE
     ckpt_worker.py load --dir D --parallel ... [--step N] --out FILE
 
 `save` trains a small model deterministically and saves at the listed steps; `load` builds the
@@ -96,6 +96,7 @@ def main() -> int:
     p.add_argument("--node-local", action="store_true", help="each rank a node of its own, with --dir/node-<rank>")
     p.add_argument("--ranks-per-node", type=int, default=1, help="with --node-local: ranks r*N..r*N+N-1 a node")
     p.add_argument("--memory", default="", help="the memory tier (with --node-local: DIR/node-<rank>, one replica)")
+    p.add_argument("--also-dir", action="append", default=[], help="save: first a save of the last step here too")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -120,6 +121,10 @@ def main() -> int:
     state = ModelOptimState(model, optim)
     group = None if args.process_group == "none" else "auto"
     memory = MemoryTier(args.memory, keep_last=2) if args.memory else None
+    for also in args.also_dir:  # the same save first into each of these, with an engine of its own
+        more = CheckpointEngine(also, process_group=group, retention=RetentionPolicy(keep_last=10))
+        more.save(max(map(int, args.steps.split(","))), {"app": state}, rank_state={"rank": rank})
+        more.close()
     engine = CheckpointEngine(
         args.dir, process_group=group, retention=RetentionPolicy(keep_last=10), hook=hook, memory=memory
     )

@@ -99,18 +99,29 @@ KILL_POINTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def torn(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Each kill point's save of steps 1 and 2 on 2 ranks, SIGKILLed there in step 2's save, in a store of its own;
+    then one next save (step 3) into every store."""
+    got: dict[str, dict] = {}
+    for point, rank in KILL_POINTS:
+        ckpt = tmp_path_factory.mktemp(f"torn-{point}") / "ckpt"
+        save = ["save", "--dir", str(ckpt), "--steps", "1,2", "--kill-at", f"{point}:2:{rank}"]
+        r = torchrun("ckpt_worker.py", [*save, "--out", str(ckpt.parent / "s.json")], nproc=2)
+        latest = layout.latest_consistent(ckpt, deep=True)
+        listed = [i.step for i in layout.list_checkpoints(ckpt)]
+        got[point] = {"ckpt": ckpt, "code": r.returncode, "latest": latest and latest.step, "listed": listed}
+    first, *others = (got[point]["ckpt"] for point, _ in KILL_POINTS)
+    also = [a for ckpt in others for a in ("--also-dir", str(ckpt))]
+    _save(first, first.parent / "s2.json", "--steps", "3", *also)
+    return got
+
+
 @pytest.mark.parametrize(("point", "rank"), KILL_POINTS)
-def test_sigkill_during_a_save_never_tears_the_latest_checkpoint(tmp_path, point, rank):
-    ckpt = tmp_path / "ckpt"
-    save = ["save", "--dir", str(ckpt), "--steps", "1,2", "--kill-at", f"{point}:2:{rank}"]
-    r = torchrun("ckpt_worker.py", [*save, "--out", str(tmp_path / "s.json")], nproc=2)
-    assert r.returncode != 0
-    latest = layout.latest_consistent(ckpt, deep=True)
-    assert latest is not None
+def test_sigkill_during_a_save_never_tears_the_latest_checkpoint(torn, point, rank):
     committed = point == "renamed"
-    assert latest.step == (2 if committed else 1)
-    assert [i.step for i in layout.list_checkpoints(ckpt)] == ([1, 2] if committed else [1])
+    t = torn[point]
+    assert (t["code"] != 0, t["latest"], t["listed"]) == (True, 2 if committed else 1, [1, 2] if committed else [1])
     # The next save succeeds (and cleans the torn .partial).
-    _save(ckpt, tmp_path / "s2.json", "--steps", "3")
-    assert layout.latest_consistent(ckpt, deep=True).step == 3
-    assert not list(ckpt.glob("*.partial"))
+    assert layout.latest_consistent(t["ckpt"], deep=True).step == 3
+    assert not list(t["ckpt"].glob("*.partial"))
