@@ -68,10 +68,10 @@ def main(args: list[str]) -> int:
         return _EXIT_BAD_MESSAGE
     module = args[0]
     sock = socket.socket(fileno=os.dup(0))
-    lowered = _set_session_nice(IMPORT_NICE)
+    lowered = set_session_nice(IMPORT_NICE)
     importing = _Import(module)  # the slow part, done before anyone waits for it
     over = importing.wait_or_readable(sock)
-    if lowered and not _set_session_nice(0):  # the message may be here: torchrun runs at the usual priority
+    if lowered and not set_session_nice(0):  # the message may be here: torchrun runs at the usual priority
         print(f"warmrun: cannot set the session's nice back to 0 in {AUTOGROUP}", file=sys.stderr)
     if over:
         importing.finish()  # one that failed on its thread is made again now, before the message is taken
@@ -115,16 +115,17 @@ AUTOGROUP = "/proc/self/autogroup"
 _AUTOGROUP_RETRY_S = 2.0  # an unprivileged change is refused (EAGAIN) within 0.1 s of anyone's last one
 
 
-def _set_session_nice(nice: int) -> bool:
-    """Set the nice of this session's scheduling group (Linux's autogroup, where each session competes with the
-    others as one: a thread's own nice counts only inside it, and the ranks run in sessions of their own). Only as
-    the session's leader, whose session it is; True when set."""
-    if os.getsid(0) != os.getpid():
+def set_session_nice(nice: int, pid: int | None = None) -> bool:
+    """Set the nice of the scheduling group of the session that `pid` (None: this process) leads (Linux's
+    autogroup, where each session competes with the others as one: a thread's own nice counts only inside it, and
+    the ranks run in sessions of their own). Only for a session's leader, whose session it is; True when set."""
+    if os.getsid(pid or 0) != (pid or os.getpid()):
         return False
+    path = AUTOGROUP if pid is None else f"/proc/{int(pid)}/autogroup"
     deadline = time.monotonic() + _AUTOGROUP_RETRY_S
     while True:
         try:
-            fd = os.open(AUTOGROUP, os.O_WRONLY | os.O_CLOEXEC)
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
             try:
                 os.write(fd, str(nice).encode())
             finally:

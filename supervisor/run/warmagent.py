@@ -65,10 +65,13 @@ class Spare:
         return launcher.RunningAttempt(launch.number, self.proc, launch.log_path, self.started_at, launch.mark)
 
     def discard(self) -> None:
-        """Stop the spare (parked, it has no children), reap it and close its channel."""
+        """Stop the spare (parked, it has no children), reap it and close its channel. Its session goes back to
+        the usual priority first: killed while it imports, at nice +19 beside busy ranks, it would be slow to exit."""
         with contextlib.suppress(OSError):
             self.sock.close()
         if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                warmrun.set_session_nice(0, self.proc.pid)
             with contextlib.suppress(OSError):
                 self.proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):

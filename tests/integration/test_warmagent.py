@@ -381,3 +381,26 @@ def test_an_import_the_thread_cannot_make_is_made_on_the_main_thread_and_one_tha
             a.close()
             kill_tree(proc.pid)
             proc.communicate(timeout=10)
+
+
+@pytest.mark.skipif(not os.path.exists(warmrun.AUTOGROUP), reason="this kernel has no autogroup")
+def test_the_supervisor_sets_a_spares_session_back_to_the_usual_priority_and_no_other_session(tmp_path):
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    env = {**os.environ, "PYTHONPATH": f"{BIN}{os.pathsep}{PYTHONPATH}", "FTSUP_TEST_GATE": str(gate)}
+    spare = subprocess.Popen(
+        [sys.executable, warmrun.__file__, "gated_import"], stdin=theirs, env=env, start_new_session=True
+    )
+    member = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    theirs.close()
+    try:
+        wait_for(lambda: session_nice(spare.pid) == str(warmrun.IMPORT_NICE), 60, "the session's nice was not raised")
+        # What `Spare.discard` does before its SIGKILL; a process that leads no session of its own is left alone.
+        assert (warmrun.set_session_nice(0, spare.pid), session_nice(spare.pid)) == (True, "0")
+        assert warmrun.set_session_nice(5, member.pid) is False
+    finally:
+        ours.close()
+        member.communicate(timeout=30)
+        kill_tree(spare.pid)
+        spare.wait(timeout=10)
