@@ -10,6 +10,7 @@ every sample exactly once. Its final checkpoint, exported with `ftsup ckpt expor
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ import yaml
 from ftsup.store import layout
 from ftsup.supervisor.policy.machine import EXIT_EVICTED
 from ftsup.tools.faults import chaos
-from tests.procs import PYTHONPATH, REPO, kill_tree, run
+from tests.procs import PYTHONPATH, REPO, kill_tree, run, wait_for
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
@@ -91,6 +92,12 @@ def hexes(tmp: Path) -> dict[int, str]:
     return {s: j["loss_hex"] for s, j in chaos.last_line_per_step(tmp / "loss.jsonl").items()}
 
 
+def committed(tmp: Path) -> int:
+    """The newest consistent checkpoint's step in the job's store; 0 with none."""
+    newest = layout.latest_consistent(tmp / "ckpt")
+    return newest.step if newest is not None else 0
+
+
 def signal_rank_after_step(step: int, sig: int, rank: int = 1):
     def fault(proc: subprocess.Popen[bytes], tail: chaos.LossLogTail, tmp: Path) -> None:
         tail.wait_for_step(step, 240)
@@ -118,10 +125,13 @@ def test_the_reference_run_evaluates_for_over_10_steps_time_without_a_false_hang
 def test_a_sigkilled_rank_then_a_sigstopped_one_are_relaunched_and_the_loss_log_is_bitwise_the_uninterrupted_one(
     reference, tmp_path
 ):
-    # One run, two faults: a SIGKILL after step 10, then a SIGSTOP of the relaunched ranks after step 18.
+    # One run, two faults: a SIGKILL after step 10, then a SIGSTOP of the relaunched ranks after step 18, each once
+    # the save of the evaluation's step before it is committed (on a loaded host it may still be in flight).
     def kill_then_stop(proc: subprocess.Popen[bytes], tail: chaos.LossLogTail, tmp: Path) -> None:
-        signal_rank_after_step(EVAL_EVERY + 2, signal.SIGKILL)(proc, tail, tmp)
-        signal_rank_after_step(2 * EVAL_EVERY + 2, signal.SIGSTOP)(proc, tail, tmp)
+        for n, sig in ((1, signal.SIGKILL), (2, signal.SIGSTOP)):
+            saved = n * EVAL_EVERY
+            wait_for(functools.partial(lambda at: committed(tmp) >= at, saved), 240, f"no checkpoint of step {saved}")
+            signal_rank_after_step(saved + 2, sig)(proc, tail, tmp)
 
     code, _ = supervise(tmp_path, kill_then_stop)
     assert code == 0

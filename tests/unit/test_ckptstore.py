@@ -36,13 +36,19 @@ def view_after(s: StoreScanner, scans: int) -> StoreView:
     return wait_for(ready, 10, lambda: f"stuck at {s.view()}")
 
 
-def test_a_scan_reports_the_newest_consistent_checkpoint_and_the_count(tmp_path: Path, scanner: StoreScanner) -> None:
+def test_a_scan_reports_the_newest_consistent_checkpoint_and_the_count(tmp_path: Path) -> None:
     make_fake_checkpoint(tmp_path / "ckpt", 100, default_files(1))
     broken = make_fake_checkpoint(tmp_path / "ckpt", 200, default_files(2))
     (broken / "shard-00000.safetensors").write_bytes(b"torn")
-    first = view_after(scanner, 1)
-    wait_for(lambda: scanner.view().committed == 2, 10, "the checkpoints never showed")
-    view = scanner.view()
+    # Started on the finished store: one scanning while step 200 was whole would keep that result, the listing
+    # unchanged by the tear (`test_an_unchanged_store_is_not_checked_again`).
+    scanner = StoreScanner(tmp_path / "ckpt", interval_s=0.05).start()
+    try:
+        first = view_after(scanner, 1)
+        wait_for(lambda: scanner.view().committed == 2, 10, "the checkpoints never showed")
+        view = scanner.view()
+    finally:
+        scanner.close()
     assert (view.latest.step if view.latest else None, view.committed, view.errors) == (100, 2, 0)
     assert first.scans >= 1 and broken.is_dir()  # a scan never quarantines
 
