@@ -145,7 +145,7 @@ class _Import:
 
     def __init__(self, module: str) -> None:
         self.module = module
-        self.done: list[bool] = []
+        self.done = False
         self._signal_r, self._signal_w = os.pipe()
         self._thread = threading.Thread(target=self._work, name="warmrun-import", daemon=True)
         self._thread.start()
@@ -157,7 +157,7 @@ class _Import:
             pass  # no per-thread priority here: imported at the process's own
         try:
             __import__(self.module)
-            self.done.append(True)
+            self.done = True
         except BaseException:  # noqa: BLE001 - made again on the main thread, which reports it
             pass
         finally:

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import IO
 
 import psutil
 import pytest
@@ -310,25 +311,26 @@ def session_nice(pid: int) -> str:
         return f.read().split()[-1]
 
 
-@pytest.mark.skipif(not os.path.exists(warmrun.AUTOGROUP), reason="this kernel has no autogroup")
-def test_a_spare_imports_at_its_sessions_lowest_priority_and_takes_the_message_at_the_usual_one(tmp_path):
-    gate = tmp_path / "gate"
+def gated_spare(tmp: Path, out: IO[bytes] | None = None) -> tuple[subprocess.Popen[bytes], socket.socket, Path]:
+    """A spare, in a session of its own, its output to `out`, whose import (`tests/bin/gated_import.py`) waits until
+    the FIFO it returns is opened and closed for writing; the supervisor's end of its channel."""
+    gate = tmp / "gate"
     os.mkfifo(gate)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     env = {**os.environ, "PYTHONPATH": f"{BIN}{os.pathsep}{PYTHONPATH}", "FTSUP_TEST_GATE": str(gate)}
+    argv = [sys.executable, warmrun.__file__, "gated_import"]
+    with theirs:
+        proc = subprocess.Popen(argv, stdin=theirs.fileno(), stdout=out, stderr=out, env=env, start_new_session=True)
+    return proc, ours, gate
+
+
+@pytest.mark.skipif(not os.path.exists(warmrun.AUTOGROUP), reason="this kernel has no autogroup")
+def test_a_spare_imports_at_its_sessions_lowest_priority_and_takes_the_message_at_the_usual_one(tmp_path):
     with open(tmp_path / "parked.log", "ab") as parked:
-        proc = subprocess.Popen(
-            [sys.executable, warmrun.__file__, "gated_import"],
-            stdin=theirs.fileno(),
-            stdout=parked,
-            stderr=parked,
-            env=env,
-            start_new_session=True,
-        )
-    theirs.close()
+        proc, ours, gate = gated_spare(tmp_path, parked)
     try:
         wait_for(lambda: session_nice(proc.pid) == str(warmrun.IMPORT_NICE), 60, "the session's nice was not raised")
-        body = json.dumps({"argv": ["handed-over"], "env": env, "cwd": str(tmp_path)}).encode()
+        body = json.dumps({"argv": ["handed-over"], "env": dict(os.environ), "cwd": str(tmp_path)}).encode()
         with open(tmp_path / "attempt.log", "ab") as out:
             socket.send_fds(ours, [warmrun.HEADER.pack(len(body))], [out.fileno()])
         ours.sendall(body)
@@ -385,15 +387,8 @@ def test_an_import_the_thread_cannot_make_is_made_on_the_main_thread_and_one_tha
 
 @pytest.mark.skipif(not os.path.exists(warmrun.AUTOGROUP), reason="this kernel has no autogroup")
 def test_the_supervisor_sets_a_spares_session_back_to_the_usual_priority_and_no_other_session(tmp_path):
-    gate = tmp_path / "gate"
-    os.mkfifo(gate)
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    env = {**os.environ, "PYTHONPATH": f"{BIN}{os.pathsep}{PYTHONPATH}", "FTSUP_TEST_GATE": str(gate)}
-    spare = subprocess.Popen(
-        [sys.executable, warmrun.__file__, "gated_import"], stdin=theirs, env=env, start_new_session=True
-    )
+    spare, ours, _gate = gated_spare(tmp_path)
     member = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
-    theirs.close()
     try:
         wait_for(lambda: session_nice(spare.pid) == str(warmrun.IMPORT_NICE), 60, "the session's nice was not raised")
         # What `Spare.discard` does before its SIGKILL; a process that leads no session of its own is left alone.
