@@ -37,6 +37,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     yield
     own, kids = _cpu()
     line = {"id": item.nodeid, "own_s": own - own0, "children_s": kids - kids0, "wall_s": time.monotonic() - t0}
+    line["end"] = time.time()  # with the worker's name, the suite's timeline: how busy each worker was when
+    line["worker"] = os.environ.get("PYTEST_XDIST_WORKER", "")
     line["load"] = os.getloadavg()[0]
     with open(path, "a") as f:  # one write per line, appended: the workers of pytest-xdist share the file
         f.write(json.dumps(line) + "\n")

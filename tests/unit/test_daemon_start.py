@@ -48,16 +48,33 @@ def daemon(tmp: Path, **sections: dict[str, Any]) -> Daemon:
     return Daemon(load_config(tmp / "job.yaml", hostname="node-a"))
 
 
-def process_state() -> dict[str, object]:
-    """What a start that failed must leave as it found it."""
+def process_state() -> dict[str, Any]:
+    """What a start that failed must leave as it found it: threads and open fds by identity (an fd number the start
+    reused for something else is a new fd), so that one another test left, closing meanwhile, is no leak of ours."""
     wakeup_fd = signal.set_wakeup_fd(-1)
     signal.set_wakeup_fd(wakeup_fd)
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
+        except FileNotFoundError:  # the listing's own fd, or one closed since
+            pass
     return {
-        "threads": sorted(t.name for t in threading.enumerate()),
-        "fds": sorted(os.listdir("/proc/self/fd")),
+        "threads": {(t.name, t.ident) for t in threading.enumerate()},
+        "fds": fds,
         "handlers": [signal.getsignal(s) for s in SIGNALS],
         "wakeup_fd": wakeup_fd,
     }
+
+
+def started_since(before: dict[str, Any]) -> dict[str, Any]:
+    """What is alive or set now that was not in `before`: empty sets and no changed values when nothing was left."""
+    now = process_state()
+    return {k: now[k] - before[k] if isinstance(now[k], set) else (before[k], now[k]) for k in now}
+
+
+def nothing_since(before: dict[str, Any]) -> dict[str, Any]:
+    return {k: set() if isinstance(v, set) else (v, v) for k, v in before.items()}
 
 
 def lock_is_free(state_dir: Path) -> bool:
@@ -73,8 +90,12 @@ def test_a_metrics_port_in_use_fails_the_start_and_leaves_nothing_started(tmp_pa
         before = process_state()
         with pytest.raises(ConfigError, match="cannot serve /metrics there"):
             d.run()
-        after = process_state()
-    assert (after, (tmp_path / "state" / "run").exists(), lock_is_free(tmp_path / "state")) == (before, False, True)
+        left = started_since(before)
+    assert (left, (tmp_path / "state" / "run").exists(), lock_is_free(tmp_path / "state")) == (
+        nothing_since(before),
+        False,
+        True,
+    )
 
 
 def test_a_heartbeat_socket_path_that_cannot_be_bound_fails_the_start_and_leaves_nothing_started(
@@ -88,8 +109,8 @@ def test_a_heartbeat_socket_path_that_cannot_be_bound_fails_the_start_and_leaves
     before = process_state()
     with pytest.raises(OSError, match="AF_UNIX path too long"):
         d.run()
-    after = process_state()
-    assert (after, list(runtime.iterdir()), lock_is_free(tmp_path / "state")) == (before, [], True)
+    left = started_since(before)
+    assert (left, list(runtime.iterdir()), lock_is_free(tmp_path / "state")) == (nothing_since(before), [], True)
     # The endpoint had started before the heartbeat socket (so had the signal handlers and the watcher's thread):
     # it was served, and is closed.
     assert d.metrics_server is not None
