@@ -9,11 +9,13 @@ the checkpoint from the store, and the job completes with every step's samples i
 from __future__ import annotations
 
 import collections
+import json
 import re
 import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ftsup.store import durable
 from ftsup.store.layout import read_manifest
@@ -32,7 +34,19 @@ def node_config(tmp: Path, node: str, port: int, url: str) -> Path:
         "dir_shared": False,
         "durable": {"url": url, "keep_last": 100, "part_bytes": 5 << 20, "periodic_every": 2},
     }
-    return multinode.node_config(tmp, node, port, run_id="mn-durable-test", checkpoint=checkpoint)
+    path = multinode.node_config(tmp, node, port, run_id="mn-durable-test", checkpoint=checkpoint)
+    # A start that never reaches its first step is a hang taken with its evidence (every rank's stacks in an
+    # incident) well within the test's own time, rather than a timeout that leaves nothing to read.
+    cfg = yaml.safe_load(path.read_text())
+    cfg["heartbeat"] = {"startup_timeout_s": 90}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def hangs(tmp: Path) -> str:
+    """Every hang's incident record the two nodes wrote (every rank's stacks), for a failure's message."""
+    found = [p.read_text() for p in sorted(tmp.glob("node-*/incidents/*.json"))]
+    return "\n".join(text[:6000] for text in found if json.loads(text).get("trigger") == "hang")
 
 
 def events(tmp: Path, node: str, name: str) -> list[dict]:
@@ -77,13 +91,14 @@ def test_two_nodes_with_separate_fast_tiers_commit_once_per_step_and_a_wiped_nod
         b.wait(timeout=10)
         shutil.rmtree(tmp_path / "node-b" / "ckpt")  # a new machine: its fast tier is gone
         b2 = start(b_cfg, tmp_path / "b2.out")
-        assert a.wait(timeout=240) == 0, (tmp_path / "a.out").read_text()[-3000:]
-        assert b2.wait(timeout=90) == 0, (tmp_path / "b2.out").read_text()[-3000:]
+        assert a.wait(timeout=240) == 0, (tmp_path / "a.out").read_text()[-3000:] + hangs(tmp_path)
+        assert b2.wait(timeout=90) == 0, (tmp_path / "b2.out").read_text()[-3000:] + hangs(tmp_path)
     finally:
         for p in (a, b, b2):
             if p is not None:
                 kill_tree(p.pid)
     multinode.assert_every_step_once_in_order(tmp_path / "loss.jsonl")
+    assert not hangs(tmp_path), hangs(tmp_path)
     # One commit per step in the store, whichever node made it; both nodes uploaded parts.
     committed = [e for n in ("node-a", "node-b") for e in events(tmp_path, n, "durable_committed")]
     commits = collections.Counter(e["step"] for e in committed if e["outcome"] == "committed")

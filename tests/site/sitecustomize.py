@@ -1,17 +1,54 @@
 """The suite's start-up hook in the Python processes its tests start (on their `PYTHONPATH`: `tests/procs.py`).
 
-At exit, once every `atexit` handler has run, the collector's last pass skips the objects alive then: for an
-interpreter holding torch that pass is most of its exit's CPU. With `FTSUP_TEST_PROC_LOG` set, each process that
+While torch imports, the collector makes no full pass, and the objects alive once it has imported are frozen: its
+module objects, hundreds of thousands, are then never scanned again. At exit, once every `atexit` handler has run,
+the collector's last pass skips the objects alive then: for an interpreter holding torch that pass is most of its
+exit's CPU (docs/testing.md, Where the time goes). With `FTSUP_TEST_PROC_LOG` set, each process that
 exits by itself appends its command line and CPU seconds to that file (docs/testing.md, Where the time goes).
 """
 
 import atexit
 import gc
+import importlib.abc
+import importlib.machinery
 import os
 import sys
-from typing import NoReturn
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any, NoReturn
 
 atexit.register(gc.freeze)  # registered first, so run last
+
+
+class _FreezeAfterTorch(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when `torch` is first imported, its loader's `exec_module` runs without full passes
+    and freezes what is alive at its end."""
+
+    def find_spec(self, name: str, path: Sequence[str] | None = None, target: ModuleType | None = None) -> Any:
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            thresholds = gc.get_threshold()
+            gc.set_threshold(thresholds[0], thresholds[1], 1 << 30)
+            try:
+                run(module)
+            finally:
+                gc.set_threshold(*thresholds)
+                gc.freeze()
+
+        loader.exec_module = exec_module
+        return spec
+
+
+if "torch" not in sys.modules:
+    sys.meta_path.insert(0, _FreezeAfterTorch())
 
 
 _logged: list[bool] = []
