@@ -24,8 +24,10 @@ pytestmark = pytest.mark.multiprocess
 STEPS = 60
 
 
-def node_config(tmp: Path, node: str, port: int, *, run_id: str = "mn-test", checkpoint: dict | None = None) -> Path:
-    """Node `node`'s job file; `checkpoint` replaces the shared store of `tmp / "ckpt"`."""
+def node_config(
+    tmp: Path, node: str, port: int, *, run_id: str = "mn-test", checkpoint: dict | None = None, **sections: dict
+) -> Path:
+    """Node `node`'s job file; `checkpoint` replaces the shared store of `tmp / "ckpt"`, `sections` are added."""
     command = [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "4"]
     command += ["--n-layer", "2", "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000"]
     command += ["--min-step-s", "0.15", "--loss-log", str(tmp / "loss.jsonl")]
@@ -46,6 +48,7 @@ def node_config(tmp: Path, node: str, port: int, *, run_id: str = "mn-test", che
         },
         "checkpoint": checkpoint or {"dir": str(tmp / "ckpt")},
         "restart": {"backoff_initial_s": 0.5, "stop_grace_s": 3, "max_attempts_without_progress": 5},
+        **sections,
     }
     path = tmp / f"{node}.yaml"
     path.write_text(yaml.safe_dump(cfg))

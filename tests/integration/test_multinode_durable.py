@@ -15,7 +15,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import yaml
 
 from ftsup.store import durable
 from ftsup.store.layout import read_manifest
@@ -34,13 +33,10 @@ def node_config(tmp: Path, node: str, port: int, url: str) -> Path:
         "dir_shared": False,
         "durable": {"url": url, "keep_last": 100, "part_bytes": 5 << 20, "periodic_every": 2},
     }
-    path = multinode.node_config(tmp, node, port, run_id="mn-durable-test", checkpoint=checkpoint)
     # A start that never reaches its first step is a hang taken with its evidence (every rank's stacks in an
     # incident) well within the test's own time, rather than a timeout that leaves nothing to read.
-    cfg = yaml.safe_load(path.read_text())
-    cfg["heartbeat"] = {"startup_timeout_s": 90}
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    heartbeat = {"startup_timeout_s": 90}
+    return multinode.node_config(tmp, node, port, run_id="mn-durable-test", checkpoint=checkpoint, heartbeat=heartbeat)
 
 
 def hangs(tmp: Path) -> str:

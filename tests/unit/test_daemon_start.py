@@ -67,14 +67,11 @@ def process_state() -> dict[str, Any]:
     }
 
 
-def started_since(before: dict[str, Any]) -> dict[str, Any]:
-    """What is alive or set now that was not in `before`: empty sets and no changed values when nothing was left."""
+def left_since(before: dict[str, Any]) -> dict[str, Any]:
+    """What is alive, open or set now that was not in `before` (a thread, an fd, a changed handler): {} if nothing."""
     now = process_state()
-    return {k: now[k] - before[k] if isinstance(now[k], set) else (before[k], now[k]) for k in now}
-
-
-def nothing_since(before: dict[str, Any]) -> dict[str, Any]:
-    return {k: set() if isinstance(v, set) else (v, v) for k, v in before.items()}
+    new = {k: now[k] - before[k] for k in now if isinstance(now[k], set) and now[k] - before[k]}
+    return new | {k: (before[k], now[k]) for k in now if not isinstance(now[k], set) and now[k] != before[k]}
 
 
 def lock_is_free(state_dir: Path) -> bool:
@@ -90,12 +87,8 @@ def test_a_metrics_port_in_use_fails_the_start_and_leaves_nothing_started(tmp_pa
         before = process_state()
         with pytest.raises(ConfigError, match="cannot serve /metrics there"):
             d.run()
-        left = started_since(before)
-    assert (left, (tmp_path / "state" / "run").exists(), lock_is_free(tmp_path / "state")) == (
-        nothing_since(before),
-        False,
-        True,
-    )
+        left = left_since(before)
+    assert (left, (tmp_path / "state" / "run").exists(), lock_is_free(tmp_path / "state")) == ({}, False, True)
 
 
 def test_a_heartbeat_socket_path_that_cannot_be_bound_fails_the_start_and_leaves_nothing_started(
@@ -109,8 +102,8 @@ def test_a_heartbeat_socket_path_that_cannot_be_bound_fails_the_start_and_leaves
     before = process_state()
     with pytest.raises(OSError, match="AF_UNIX path too long"):
         d.run()
-    left = started_since(before)
-    assert (left, list(runtime.iterdir()), lock_is_free(tmp_path / "state")) == (nothing_since(before), [], True)
+    left = left_since(before)
+    assert (left, list(runtime.iterdir()), lock_is_free(tmp_path / "state")) == ({}, [], True)
     # The endpoint had started before the heartbeat socket (so had the signal handlers and the watcher's thread):
     # it was served, and is closed.
     assert d.metrics_server is not None

@@ -113,4 +113,4 @@ def test_py_spy_stops_a_process_for_its_native_frames_only_alone_and_reads_it_un
 @pytest.mark.skipif(not os.access("/proc/self/task", os.R_OK), reason="no /proc")
 def test_a_thread_waiting_in_the_kernel_says_where(sleeper: subprocess.Popen[bytes]):
     # Once in its long sleep: a read in the moment between its print and its sleep finds it running (None).
-    wait_for(lambda: stacktools.wchan(sleeper.pid) not in (None, "0"), 10, "the sleeper's wait channel")
+    wait_for(lambda: stacktools.wchan(sleeper.pid) is not None, 10, "the sleeper's wait channel")
