@@ -71,10 +71,14 @@ def main(args: list[str]) -> int:
     lowered = set_session_nice(IMPORT_NICE)
     importing = _Import(module)  # the slow part, done before anyone waits for it
     over = importing.wait_or_readable(sock)
-    if lowered and not set_session_nice(0):  # the message may be here: torchrun runs at the usual priority
+    # The message may be here: torchrun runs at the usual priority. The supervisor sets the session back before it
+    # sends one (a session at +19 beside busy cores may wait seconds for the CPU to set itself back).
+    if lowered and not set_session_nice(0):
         print(f"warmrun: cannot set the session's nice back to 0 in {AUTOGROUP}", file=sys.stderr)
     if over:
         importing.finish()  # one that failed on its thread is made again now, before the message is taken
+    else:
+        importing.hurry()
     try:
         got = _read_message(sock)
         if got is None:
@@ -115,12 +119,23 @@ AUTOGROUP = "/proc/self/autogroup"
 _AUTOGROUP_RETRY_S = 2.0  # an unprivileged change is refused (EAGAIN) within 0.1 s of anyone's last one
 
 
+def session_nice(pid: int | None = None) -> int | None:
+    """The nice of the scheduling group of `pid`'s session (None: this process's); None without autogroup."""
+    try:
+        with open(AUTOGROUP if pid is None else f"/proc/{int(pid)}/autogroup") as f:  # "/autogroup-12 nice 0"
+            return int(f.read().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def set_session_nice(nice: int, pid: int | None = None) -> bool:
     """Set the nice of the scheduling group of the session that `pid` (None: this process) leads (Linux's
     autogroup, where each session competes with the others as one: a thread's own nice counts only inside it, and
     the ranks run in sessions of their own). Only for a session's leader, whose session it is; True when set."""
     if os.getsid(pid or 0) != (pid or os.getpid()):
         return False
+    if session_nice(pid) == nice:
+        return True  # a write would only start the kernel's wait before the next change
     path = AUTOGROUP if pid is None else f"/proc/{int(pid)}/autogroup"
     deadline = time.monotonic() + _AUTOGROUP_RETRY_S
     while True:
@@ -146,21 +161,29 @@ class _Import:
     def __init__(self, module: str) -> None:
         self.module = module
         self.done = False
+        self._tid: int | None = None
+        self._hurried = False
+        self._lock = threading.Lock()
         self._signal_r, self._signal_w = os.pipe()
         self._thread = threading.Thread(target=self._work, name="warmrun-import", daemon=True)
         self._thread.start()
 
     def _work(self) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IMPORT_NICE)
-        except (OSError, AttributeError):
-            pass  # no per-thread priority here: imported at the process's own
+        with self._lock:
+            self._tid = threading.get_native_id()
+            try:
+                if not self._hurried:
+                    os.setpriority(os.PRIO_PROCESS, self._tid, IMPORT_NICE)
+            except (OSError, AttributeError):
+                pass  # no per-thread priority here: imported at the process's own
         try:
             __import__(self.module)
             self.done = True
         except BaseException:  # noqa: BLE001 - made again on the main thread, which reports it
             pass
         finally:
+            with self._lock:
+                self._tid = None  # a thread id is reused once the thread is gone: never reniced after that
             os.write(self._signal_w, b"x")
 
     def wait_or_readable(self, sock: socket.socket) -> bool:
@@ -168,6 +191,17 @@ class _Import:
         import is over."""
         ready, _, _ = select.select([self._signal_r, sock.fileno()], [], [])
         return self._signal_r in ready
+
+    def hurry(self) -> None:
+        """The message came first: the import goes on at the main thread's priority where this process may lower
+        a nice (root, or RLIMIT_NICE); elsewhere at its own, which weighs only inside the session with autogroup."""
+        with self._lock:
+            self._hurried = True
+            if self._tid is not None:
+                try:
+                    os.setpriority(os.PRIO_PROCESS, self._tid, os.getpriority(os.PRIO_PROCESS, 0))
+                except OSError:
+                    pass
 
     def finish(self) -> None:
         """Wait for the import; one that failed on the thread is made again on this one. Once."""

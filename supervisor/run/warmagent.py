@@ -54,6 +54,10 @@ class Spare:
             self.discard()
             raise
         with out:
+            # Its session back at the usual priority before it is asked: one left at +19 beside busy cores may wait
+            # many seconds for the CPU it needs to set itself back.
+            with contextlib.suppress(OSError):
+                warmrun.set_session_nice(0, self.proc.pid)
             try:
                 self.sock.settimeout(SEND_TIMEOUT_S)
                 socket.send_fds(self.sock, [warmrun.HEADER.pack(len(body))], [out.fileno()])
