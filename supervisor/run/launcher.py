@@ -69,6 +69,11 @@ def job_command(command: tuple[str, ...] | list[str]) -> tuple[str, ...]:
     return cmd
 
 
+SEPARATE_WORKER_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+"""torchrun's workers bootstrap from a store of their own, not the agent's (docs/design/run-loop.md, The workers'
+store); a value the environment gives stays."""
+
+
 def rank_env(
     cfg: JobConfig,
     runtime_dir: Path,
@@ -92,7 +97,8 @@ def rank_env(
     prefix = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": ranklogs.PREFIX_TEMPLATE}
     window = cfg.anomaly.detection_window_steps
     history = {protocol.KEEP_OLDER_THAN_STEPS_ENV: str(window)} if cfg.anomaly.enabled else {}
-    env = {"PYTHONFAULTHANDLER": "1", **base, **prefix, **history, **cfg.job.env, **channel, "PYTHONUNBUFFERED": "1"}
+    defaults = {"PYTHONFAULTHANDLER": "1", **SEPARATE_WORKER_STORE}
+    env = {**defaults, **base, **prefix, **history, **cfg.job.env, **channel, "PYTHONUNBUFFERED": "1"}
     env.update(durable_env(cfg))
     if cfg.checkpoint.memory is not None:
         env[protocol.MEMORY_TIER_ENV] = cfg.checkpoint.memory.tier(cfg.job.run_id).encode()

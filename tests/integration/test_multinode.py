@@ -25,9 +25,17 @@ STEPS = 60
 
 
 def node_config(
-    tmp: Path, node: str, port: int, *, run_id: str = "mn-test", checkpoint: dict | None = None, **sections: dict
+    tmp: Path,
+    node: str,
+    port: int,
+    *,
+    run_id: str = "mn-test",
+    checkpoint: dict | None = None,
+    local_addr: str | None = None,
+    **sections: dict,
 ) -> Path:
-    """Node `node`'s job file; `checkpoint` replaces the shared store of `tmp / "ckpt"`, `sections` are added."""
+    """Node `node`'s job file; `checkpoint` replaces the shared store of `tmp / "ckpt"`, `local_addr` is torchrun's
+    address for the node (its rank in a round: nodes are ranked by address, then agent pid), `sections` are added."""
     command = [sys.executable, "-m", "ftsup.trainer.examples.gpt", "--steps", str(STEPS), "--ckpt-every", "4"]
     command += ["--n-layer", "2", "--n-embd", "64", "--seq-len", "32", "--corpus-bytes", "200000"]
     command += ["--min-step-s", "0.15", "--loss-log", str(tmp / "loss.jsonl")]
@@ -44,7 +52,8 @@ def node_config(
             "nnodes": "1:2",
             "rdzv_endpoint": f"127.0.0.1:{port}",
             "node_id": node,
-            "torchrun_args": ["--rdzv-conf=last_call_timeout=2,join_timeout=120,read_timeout=10"],
+            "torchrun_args": ["--rdzv-conf=last_call_timeout=2,join_timeout=120,read_timeout=10"]
+            + ([f"--local-addr={local_addr}"] if local_addr else []),
         },
         "checkpoint": checkpoint or {"dir": str(tmp / "ckpt")},
         "restart": {"backoff_initial_s": 0.5, "stop_grace_s": 3, "max_attempts_without_progress": 5},
@@ -79,8 +88,13 @@ def assert_every_step_once_in_order(loss_log: Path) -> None:
 
 
 def test_losing_a_node_relaunches_smaller_and_the_node_can_rejoin(tmp_path):
+    # B's address ranks it first in every round it is in: A, alone after B's loss, is rank 0 of its round and then
+    # rank 1 of the round B rejoins, its torchrun restarting its worker in place. With torchrun's store shared with
+    # the workers, A's agent kept the bootstrap address of the round it led, and the two workers waited in
+    # init_process_group for each other at two different stores (docs/design/run-loop.md, the workers' store).
     port = free_port()
-    a_cfg, b_cfg = node_config(tmp_path, "node-a", port), node_config(tmp_path, "node-b", port)
+    a_cfg = node_config(tmp_path, "node-a", port, local_addr="localhost", heartbeat={"startup_timeout_s": 90})
+    b_cfg = node_config(tmp_path, "node-b", port, local_addr="127.0.0.1", heartbeat={"startup_timeout_s": 90})
     a = start(a_cfg, tmp_path / "a.out")
     b = start(b_cfg, tmp_path / "b.out")
     b2 = None
@@ -114,3 +128,5 @@ def test_losing_a_node_relaunches_smaller_and_the_node_can_rejoin(tmp_path):
     a_events = [json.loads(x) for x in (tmp_path / "node-a" / "logs" / "supervisor.jsonl").read_text().splitlines()]
     launches = [e for e in a_events if e["event"] == "workers_launched"]
     assert len(launches) >= 2 and launches[1]["resume_step"] is not None
+    b_events = [json.loads(x) for x in (tmp_path / "node-b" / "logs" / "supervisor.jsonl").read_text().splitlines()]
+    assert [e for e in a_events + b_events if e["event"] in ("heartbeat_timed_out", "startup_timed_out")] == []
