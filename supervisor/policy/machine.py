@@ -89,7 +89,8 @@ class Attempt:
     started: bool = False
     ranks: tuple[tuple[int, RankView], ...] = ()
     max_step: int = -1
-    progress_at: float = 0.0  # when max_step last grew (or launch)
+    progress_at: float = 0.0  # when max_step or since_restart last grew (or launch, or a restart in place)
+    since_restart: int = -1  # the highest step its ranks reported since torchrun last restarted them in place
     best_before: int = -1  # the highest step any earlier attempt reached
     waited_until: float = -math.inf  # when a rank last left a long phase that the others may have waited for
     log: str | None = None  # its log file, named in its failure events
@@ -154,7 +155,8 @@ def step(s: Settings, st: State, ev: Event, now: float) -> tuple[State, list[Act
             log("workers_launched", attempt=att.number, world_size=att.nproc, resume_step=att.resume_step, log=ev.log)
         ]
     if isinstance(ev, WorkersRestarted) and att and ev.attempt == att.number and st.phase == SupervisorPhase.RUNNING:
-        fresh = replace(st, attempt=replace(att, ranks=(), launched_at=now, progress_at=now))
+        # Ranks restarted in place resume from a checkpoint: the steps they train again are progress for them.
+        fresh = replace(st, attempt=replace(att, ranks=(), launched_at=now, progress_at=now, since_restart=-1))
         if not ev.new_ranks:
             return fresh, []
         return fresh, [log("workers_restarted", attempt=att.number, world_size=att.nproc, step=att.reached())]
@@ -224,8 +226,8 @@ def _heartbeat(st: State, att: Attempt, ev: Heartbeat, now: float) -> State:
     att = replace(att, ranks=tuple(sorted(ranks.items())), stopped_elsewhere=saves.elsewhere(att.stopped_elsewhere, ev))
     if prev is not None and prev.phase in LONG_PHASES and ev.phase not in LONG_PHASES:
         att = replace(att, waited_until=now)  # the ranks that waited for it in a collective beat again soon
-    if ev.phase == Phase.TRAIN and ev.step > att.max_step:
-        att = replace(att, max_step=ev.step, progress_at=now)
+    if ev.phase == Phase.TRAIN and ev.step > att.since_restart:  # never above max_step: the same but after a restart
+        att = replace(att, max_step=max(att.max_step, ev.step), since_restart=ev.step, progress_at=now)
     elif ev.phase == Phase.TRAIN and prev is not None and prev.phase in LONG_PHASES:
         att = replace(att, progress_at=max(att.progress_at, now))  # time in a long phase is not a stall
     return replace(st, attempt=att, step_times=step_times, best_step=max(st.best_step, att.max_step))

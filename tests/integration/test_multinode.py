@@ -129,4 +129,4 @@ def test_losing_a_node_relaunches_smaller_and_the_node_can_rejoin(tmp_path):
     launches = [e for e in a_events if e["event"] == "workers_launched"]
     assert len(launches) >= 2 and launches[1]["resume_step"] is not None
     b_events = [json.loads(x) for x in (tmp_path / "node-b" / "logs" / "supervisor.jsonl").read_text().splitlines()]
-    assert [e for e in a_events + b_events if e["event"] in ("heartbeat_timed_out", "startup_timed_out")] == []
+    assert [e for e in a_events + b_events if e["event"].endswith("_timed_out")] == []

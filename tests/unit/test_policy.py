@@ -175,6 +175,20 @@ def test_heartbeats_without_step_progress_time_out():
     assert "progress_timed_out" in d.events()
 
 
+def test_ranks_torchrun_restarted_in_place_make_progress_on_the_steps_they_train_again():
+    # A node joined: torchrun restarted the ranks in place, and they resume from a checkpoint behind step 6.
+    d = Driver(settings(nproc_max=2, progress_timeout_s=10.0, heartbeat_timeout_s=100.0))
+    d.launch()
+    d.train(range(1, 41))
+    d.feed(P.WorkersRestarted(1, new_ranks=True), at=d.now + 1)
+    d.beat_all(0, "init")
+    d.feed(P.Tick(), at=d.now + 8)  # their start-up: no training rank yet, so no stall
+    for step in range(3, 46):  # steps 3-40 again (19 s at 0.5 s a step), then new ones: each one progress
+        d.train(range(step, step + 1))
+        d.feed(P.Tick())
+    assert ("progress_timed_out" in d.events(), d.st.attempt and d.st.attempt.max_step) == (False, 45)
+
+
 def test_a_failure_after_progress_restarts_at_once_from_the_latest_checkpoint():
     d = Driver()
     d.launch()
