@@ -1,9 +1,10 @@
-"""A TCP proxy on 127.0.0.1 for the tests, that cuts its connections when told: a network fault between a client and
-a real server (the S3 store of `tests/s3server.py`), in the middle of whatever crosses.
+"""A TCP proxy on 127.0.0.1 for the tests, that cuts its connections when told: a network fault between a client and a
+real server (the S3 store of `tests/s3server.py`), in the middle of whatever crosses.
 
 `cut()` resets every connection open now (the client sees its request fail mid-transfer); `refusing = True` closes
-each new one at once (the store unreachable) until set back. Every thread it starts is joined by `close()` (or the
-context manager).
+each new one at once (the store unreachable) until set back; `truncate_after(n)`: the first connection to carry `n`
+bytes to the server carries no more, the rest swallowed, so that the server answers a body that came short. Every
+thread it starts is joined by `close()` (or the context manager).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ class CuttingProxy:
         self.listener.settimeout(0.2)
         self.refusing = False
         self.cuts = 0
+        self.truncated = 0
+        self._truncate_at: int | None = None
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
@@ -38,6 +41,11 @@ class CuttingProxy:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+    def truncate_after(self, n: int) -> None:
+        """The first connection to carry `n` bytes to the server from now on: the rest goes nowhere; counted in
+        `truncated`."""
+        self._truncate_at = n
 
     def cut(self) -> None:
         """Reset every connection open now (SO_LINGER 0: an RST, not a polite FIN); counted in `cuts`."""
@@ -80,18 +88,31 @@ class CuttingProxy:
                 continue
             with self._lock:
                 self._open.update((client, upstream))
-            for a, b in ((client, upstream), (upstream, client)):
-                t = threading.Thread(target=self._pump, args=(a, b), name="proxy-pump", daemon=True)
+            for a, b, upward in ((client, upstream, True), (upstream, client, False)):
+                t = threading.Thread(target=self._pump, args=(a, b, upward), name="proxy-pump", daemon=True)
                 self._threads.append(t)
                 t.start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, upward: bool = False) -> None:
+        carried = 0
         try:
             src.settimeout(None)
             while True:
                 data = src.recv(1 << 16)
                 if not data:
                     break
+                armed = self._truncate_at if upward else None
+                if armed is not None and carried + len(data) >= armed:
+                    with self._lock:
+                        at, self._truncate_at = self._truncate_at, None
+                    if at is not None:
+                        dst.sendall(data[: at - carried])
+                        dst.shutdown(socket.SHUT_WR)  # the server reads a body that ends short
+                        self.truncated += 1
+                        while src.recv(1 << 16):
+                            pass  # the client sends the rest into nothing, then reads the server's answer
+                        return
+                carried += len(data)
                 dst.sendall(data)
         except OSError:
             pass  # cut, or the other side closed

@@ -73,3 +73,17 @@ def test_a_store_unreachable_mid_upload_fails_it_lists_nothing_and_the_next_uplo
         info = direct.inspect(12, deep=True)
     assert meanwhile.checkpoints == []
     assert (report.outcome, report.parts_kept >= 2, info.consistent) == ("committed", True, True)
+
+
+def test_a_part_whose_body_the_store_says_came_short_is_sent_again(
+    bucket: str, tmp_path: Path, s3_server: SeaweedS3
+) -> None:
+    local = make_fake_checkpoint(tmp_path / "fast", 13, files())
+    with CuttingProxy(s3_server.ports[3]) as proxy:
+        proxy.truncate_after(1 << 20)  # the first connection: its first part arrives with 1 MiB of its body
+        options = dataclasses.replace(OPTIONS, endpoint_url=proxy.endpoint)
+        with durable.open_tier(f"s3://{bucket}/run", options) as tier:
+            report = tier.upload(local)
+    with durable.open_tier(f"s3://{bucket}/run", OPTIONS) as direct:
+        info = direct.inspect(13, deep=True)
+    assert (proxy.truncated, report.outcome, info.consistent) == (1, "committed", True)

@@ -251,7 +251,11 @@ class S3Tier(Backend):
             return fn(Bucket=self.bucket, **kwargs)
         except (ClientError, BotoCoreError) as e:
             if isinstance(e, ClientError) and _code(e) == "BadDigest":
-                raise DurableTierError(f"s3://{self.bucket}/{key}: arrived torn (Content-MD5 refused)") from None
+                raise s3upload.BodyTorn(f"s3://{self.bucket}/{key}: arrived torn (Content-MD5 refused)") from None
+            if isinstance(e, ClientError) and _code(e) in s3upload.SHORT_BODY_CODES:
+                raise s3upload.BodyTorn(
+                    s3_error(f"s3://{self.bucket}/{key}: arrived short: cannot {what}", e)
+                ) from None
             if isinstance(e, ClientError) and _code(e) == "NoSuchUpload":
                 raise s3upload.UploadGone(f"s3://{self.bucket}/{key}: its multipart upload is gone") from None
             raise s3_error(f"s3://{self.bucket}/{key}: cannot {what}", e) from None

@@ -38,6 +38,17 @@ class PreconditionFailed(Exception):
     """The store refused a conditional write: the object is there."""
 
 
+class BodyTorn(DurableTierError):
+    """The store says a request's body did not arrive whole (`SHORT_BODY_CODES`, or its Content-MD5 refused): a part
+    is sent again, `BODY_RESENDS` times at most, before its upload fails."""
+
+
+SHORT_BODY_CODES = frozenset({"IncompleteBody", "RequestTimeout", "ClientDisconnected"})
+"""S3's answers for a body that came short or stalled (SeaweedFS's ClientDisconnected among them); botocore retries
+RequestTimeout by itself, the others not."""
+BODY_RESENDS = 2
+
+
 class UploadGone(DurableTierError):
     """A multipart upload the store no longer knows (completed by another writer of the same bytes, aborted by a
     lifecycle rule or another client): its file is looked up again, and sent again in a new one unless it is there."""
@@ -227,9 +238,15 @@ def _part(
         plan.etags[number] = md5.hex()
         return 0, "kept"
     else:
-        body = data if pause is None else _PausingBody(data, pause)
         send = tier.client.upload_part
-        etag = _etag_of(tier, plan, "send a part of", send, PartNumber=number, Body=body, ContentMD5=b64(md5))
+        for resend in range(BODY_RESENDS + 1):
+            body = data if pause is None else _PausingBody(data, pause)
+            try:
+                etag = _etag_of(tier, plan, "send a part of", send, PartNumber=number, Body=body, ContentMD5=b64(md5))
+                break
+            except BodyTorn:
+                if resend == BODY_RESENDS:
+                    raise
         if etag and len(etag) == 32 and etag != md5.hex():
             raise DurableTierError(
                 f"s3://{tier.bucket}/{plan.key}: part {number} stored as {etag}, sent as {md5.hex()}"

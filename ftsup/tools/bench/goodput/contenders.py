@@ -24,8 +24,8 @@ TRAINER = "ftsup.trainer.examples.gpt"
 NAMES = ("ftsup", "torchrun", "nvrx-default", "nvrx-tuned")
 # With torch 2.13 and gloo, the workers a torchrun agent restarts in place now and then never get past
 # init_process_group (they wait on the agent's shared rendezvous store; pytorch/pytorch#135712): a torch bug, not
-# the design being measured. Every contender runs with its documented workaround (ftsup too, where it changes
-# nothing: its torchrun never restarts workers in place).
+# the design being measured. Every contender runs with its documented workaround (ftsup sets it for its torchrun
+# by itself: docs/design/run-loop.md, The workers' store).
 TORCH_WORKAROUND = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
