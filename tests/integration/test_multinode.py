@@ -90,10 +90,11 @@ def assert_every_step_once_in_order(loss_log: Path) -> None:
 def test_losing_a_node_relaunches_smaller_and_the_node_can_rejoin(tmp_path):
     # B's address ranks it first in every round it is in: A, alone after B's loss, is rank 0 of its round and then
     # rank 1 of the round B rejoins, its torchrun restarting its worker in place. With torchrun's store shared with
-    # the workers, A's agent kept the bootstrap address of the round it led, and the two workers waited in
-    # init_process_group for each other at two different stores (docs/design/run-loop.md, the workers' store).
+    # the workers, A's agent kept the bootstrap address of the round it led: the two workers waited for each other in
+    # init_process_group at two stores, or failed to connect, and both nodes relaunched (docs/design/run-loop.md,
+    # the workers' store).
     port = free_port()
-    a_cfg = node_config(tmp_path, "node-a", port, local_addr="localhost", heartbeat={"startup_timeout_s": 90})
+    a_cfg = node_config(tmp_path, "node-a", port, local_addr="127.0.0.2", heartbeat={"startup_timeout_s": 90})
     b_cfg = node_config(tmp_path, "node-b", port, local_addr="127.0.0.1", heartbeat={"startup_timeout_s": 90})
     a = start(a_cfg, tmp_path / "a.out")
     b = start(b_cfg, tmp_path / "b.out")
@@ -130,3 +131,9 @@ def test_losing_a_node_relaunches_smaller_and_the_node_can_rejoin(tmp_path):
     assert len(launches) >= 2 and launches[1]["resume_step"] is not None
     b_events = [json.loads(x) for x in (tmp_path / "node-b" / "logs" / "supervisor.jsonl").read_text().splitlines()]
     assert [e for e in a_events + b_events if e["event"].endswith("_timed_out")] == []
+    # The rejoin is a restart in place on A and B's one launch: neither node's workers failed after it.
+    rejoined = next((i for i, e in enumerate(a_events) if e["event"] == "workers_restarted"), None)
+    assert rejoined is not None, "A's torchrun never restarted its worker for the round B rejoined"
+    b_launches = [e for e in b_events if e["event"] == "workers_launched"]
+    failed = [e for e in a_events[rejoined:] + b_events if e["event"] == "worker_exited" and e["attempt"] > 1]
+    assert (len(b_launches), failed) == (2, []), failed
