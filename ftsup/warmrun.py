@@ -119,10 +119,14 @@ AUTOGROUP = "/proc/self/autogroup"
 _AUTOGROUP_RETRY_S = 2.0  # an unprivileged change is refused (EAGAIN) within 0.1 s of anyone's last one
 
 
+def _autogroup(pid: int | None) -> str:
+    return AUTOGROUP if pid is None else f"/proc/{int(pid)}/autogroup"
+
+
 def session_nice(pid: int | None = None) -> int | None:
     """The nice of the scheduling group of `pid`'s session (None: this process's); None without autogroup."""
     try:
-        with open(AUTOGROUP if pid is None else f"/proc/{int(pid)}/autogroup") as f:  # "/autogroup-12 nice 0"
+        with open(_autogroup(pid)) as f:  # "/autogroup-12 nice 0"
             return int(f.read().split()[-1])
     except (OSError, ValueError, IndexError):
         return None
@@ -136,7 +140,7 @@ def set_session_nice(nice: int, pid: int | None = None) -> bool:
         return False
     if session_nice(pid) == nice:
         return True  # a write would only start the kernel's wait before the next change
-    path = AUTOGROUP if pid is None else f"/proc/{int(pid)}/autogroup"
+    path = _autogroup(pid)
     deadline = time.monotonic() + _AUTOGROUP_RETRY_S
     while True:
         try:

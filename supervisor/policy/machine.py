@@ -226,7 +226,7 @@ def _heartbeat(st: State, att: Attempt, ev: Heartbeat, now: float) -> State:
     att = replace(att, ranks=tuple(sorted(ranks.items())), stopped_elsewhere=saves.elsewhere(att.stopped_elsewhere, ev))
     if prev is not None and prev.phase in LONG_PHASES and ev.phase not in LONG_PHASES:
         att = replace(att, waited_until=now)  # the ranks that waited for it in a collective beat again soon
-    if ev.phase == Phase.TRAIN and ev.step > att.since_restart:  # never above max_step: the same but after a restart
+    if ev.phase == Phase.TRAIN and ev.step > att.since_restart:  # max_step, but from -1 after a restart in place
         att = replace(att, max_step=max(att.max_step, ev.step), since_restart=ev.step, progress_at=now)
     elif ev.phase == Phase.TRAIN and prev is not None and prev.phase in LONG_PHASES:
         att = replace(att, progress_at=max(att.progress_at, now))  # time in a long phase is not a stall

@@ -250,15 +250,20 @@ class S3Tier(Backend):
         try:
             return fn(Bucket=self.bucket, **kwargs)
         except (ClientError, BotoCoreError) as e:
-            if isinstance(e, ClientError) and _code(e) == "BadDigest":
-                raise s3upload.BodyTorn(f"s3://{self.bucket}/{key}: arrived torn (Content-MD5 refused)") from None
-            if isinstance(e, ClientError) and _code(e) in s3upload.SHORT_BODY_CODES:
-                raise s3upload.BodyTorn(
-                    s3_error(f"s3://{self.bucket}/{key}: arrived short: cannot {what}", e)
-                ) from None
+            if (torn := self._torn(key, what, e)) is not None:
+                raise torn from None
             if isinstance(e, ClientError) and _code(e) == "NoSuchUpload":
                 raise s3upload.UploadGone(f"s3://{self.bucket}/{key}: its multipart upload is gone") from None
             raise s3_error(f"s3://{self.bucket}/{key}: cannot {what}", e) from None
+
+    def _torn(self, key: str, what: str, e: Exception) -> s3upload.BodyTorn | None:
+        """The BodyTorn for a store's answer that a request's body did not arrive whole; None for any other error."""
+        code = _code(e) if isinstance(e, ClientError) else ""
+        if code == "BadDigest":
+            return s3upload.BodyTorn(f"s3://{self.bucket}/{key}: arrived torn (Content-MD5 refused)")
+        if code in s3upload.SHORT_BODY_CODES:
+            return s3upload.BodyTorn(str(s3_error(f"s3://{self.bucket}/{key}: arrived short: cannot {what}", e)))
+        return None
 
     def on_object(self, what: str, key: str, fn: Any, **kwargs: Any) -> Any:
         """`call` of an operation on the object `key` (its Key, as its errors name it)."""
@@ -302,6 +307,8 @@ class S3Tier(Backend):
         except ClientError as e:
             if if_none_match and _code(e) in MANIFEST_PUT_CODES:
                 raise s3upload.PreconditionFailed() from None
+            if (torn := self._torn(key, "write", e)) is not None:
+                raise torn from None
             raise s3_error(f"s3://{self.bucket}/{key}: cannot write", e) from None
         except BotoCoreError as e:
             raise s3_error(f"s3://{self.bucket}/{key}: cannot write", e) from None

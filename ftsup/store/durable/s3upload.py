@@ -39,8 +39,8 @@ class PreconditionFailed(Exception):
 
 
 class BodyTorn(DurableTierError):
-    """The store says a request's body did not arrive whole (`SHORT_BODY_CODES`, or its Content-MD5 refused): a part
-    is sent again, `BODY_RESENDS` times at most, before its upload fails."""
+    """The store says a request's body did not arrive whole (`SHORT_BODY_CODES`, or its Content-MD5 refused): a part,
+    or a file sent whole, is sent again, `BODY_RESENDS` times at most, before its upload fails."""
 
 
 SHORT_BODY_CODES = frozenset({"IncompleteBody", "RequestTimeout", "ClientDisconnected"})
@@ -232,21 +232,17 @@ def _part(
     plan.md5s[number] = md5
     if plan.done_etag is not None:
         return 0, "checked"  # decided when the file's parts are all checked (`_finish`)
-    if plan.single:
-        tier.put(plan.key, data, metadata={"ftsup-checksum": plan.entry.checksum}, md5=md5)
-    elif plan.have.get(number) == (md5.hex(), length):
+    if not plan.single and plan.have.get(number) == (md5.hex(), length):
         plan.etags[number] = md5.hex()
         return 0, "kept"
-    else:
-        send = tier.client.upload_part
-        for resend in range(BODY_RESENDS + 1):
-            body = data if pause is None else _PausingBody(data, pause)
-            try:
-                etag = _etag_of(tier, plan, "send a part of", send, PartNumber=number, Body=body, ContentMD5=b64(md5))
-                break
-            except BodyTorn:
-                if resend == BODY_RESENDS:
-                    raise
+    for resend in range(BODY_RESENDS + 1):
+        try:
+            etag = _send(tier, plan, number, data, md5, pause)
+            break
+        except BodyTorn:
+            if resend == BODY_RESENDS:
+                raise
+    if not plan.single:
         if etag and len(etag) == 32 and etag != md5.hex():
             raise DurableTierError(
                 f"s3://{tier.bucket}/{plan.key}: part {number} stored as {etag}, sent as {md5.hex()}"
@@ -255,6 +251,18 @@ def _part(
     if on_part is not None:
         on_part(plan.rel, number)
     return length, "sent"
+
+
+def _send(
+    tier: S3Tier, plan: FilePlan, number: int, data: bytearray, md5: bytes, pause: durable.PauseHook | None
+) -> str:
+    """Send part `number` (`data`, whose MD5 is `md5`): the ETag the store answers ("" for a file sent whole)."""
+    if plan.single:
+        tier.put(plan.key, data, metadata={"ftsup-checksum": plan.entry.checksum}, md5=md5)
+        return ""
+    body = data if pause is None else _PausingBody(data, pause)
+    send = tier.client.upload_part
+    return _etag_of(tier, plan, "send a part of", send, PartNumber=number, Body=body, ContentMD5=b64(md5))
 
 
 def _finish(tier: S3Tier, local: durable.LocalCheckpoint, plan: FilePlan) -> bool:
