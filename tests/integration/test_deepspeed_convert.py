@@ -27,7 +27,9 @@ def deepspeed_checkpoint(out: Path, stage: int, *extra: str) -> Path:
     return out
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+# Stage 1 is stage 2's optimizer class (DeepSpeed's `stage_1_and_2.py`) and writes its layout: zero_to_fp32 and the
+# conversion read both alike.
+@pytest.mark.parametrize("stage", [2, 3])
 def test_the_hub_weights_are_bitwise_what_zero_to_fp32_consolidates(tmp_path, stage):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file

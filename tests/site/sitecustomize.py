@@ -1,9 +1,9 @@
 """The suite's start-up hook in the Python processes its tests start (on their `PYTHONPATH`: `tests/procs.py`).
 
-At exit, once every `atexit` handler has run, the collector's last pass skips the objects alive then: for an
-interpreter holding torch that pass is most of its exit's CPU. With `FTSUP_TEST_PROC_LOG` set, each process that
-exits by itself appends its command line and CPU seconds to that file (docs/testing.md, Where the time goes).
-"""
+Full collections come ten times less often, and at exit, once every `atexit` handler has run, the collector's last
+pass skips the objects alive then: for an interpreter holding torch those passes are much of its start's and exit's
+CPU. With `FTSUP_TEST_PROC_LOG` set, each process that exits by itself appends its command line and CPU seconds to
+that file (docs/testing.md, Where the time goes)."""
 
 import atexit
 import gc
@@ -12,6 +12,10 @@ import sys
 from typing import NoReturn
 
 atexit.register(gc.freeze)  # registered first, so run last
+# Full collections walk every object alive, and an interpreter importing torch makes about a million of them: at
+# the default thresholds it walks them several times on the way. The suite's processes live minutes; a full
+# collection every hundred of the middle generation's still runs in any that churns (docs/testing.md).
+gc.set_threshold(700, 10, 100)
 
 
 _logged: list[bool] = []
