@@ -1,8 +1,8 @@
 """`ftsup bench goodput`, run small for real: ftsup run, torchrun and ft_launcher with tuned timeouts, once each,
-over 240 steps and the first three faults of a fixed schedule (seed 1472, one every 10 s on average: a hang due at
-2.5 s, an eviction at 14.7 s, a kill at 26.1 s, which 240 steps of at least 0.1 s outlast under every contender),
-hangs capped at 8 s. ft_launcher with its default timeouts runs the same code as tuned and waits out a hang as
-torchrun does: its row is the full benchmark's (docs/benchmarks.md).
+over 240 steps and the first three faults of a fixed schedule (seed 1472, one every 10 s on average: a hang due
+2.5 s after the job's first step, an eviction at 14.7 s, a kill at 26.1 s, which 240 steps of at least 0.1 s outlast
+under every contender), hangs capped at 8 s. ft_launcher with its default timeouts runs the same code as tuned and
+waits out a hang as torchrun does: its row is the full benchmark's (docs/benchmarks.md).
 
 One module-scoped run serves every claim. A fault that comes due while a contender is still recovering is folded
 into the next delivery (`coalesced`), so the claims about one fault's outcome are about the first one, which every

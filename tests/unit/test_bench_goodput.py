@@ -4,6 +4,7 @@ timeline in exactly one bucket), on timelines written by hand."""
 from __future__ import annotations
 
 import math
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -256,3 +257,45 @@ def test_an_eviction_fired_when_its_checkpoint_survived_and_the_rate_counts_only
     ]
     assert fired(faults) == {"evictions": 3, "evictions_fired": 1, "fired_rate": 0.3333}
     assert fired([{"kind": "hang", "fired": None}]) == {"evictions": 0, "evictions_fired": 0, "fired_rate": None}
+
+
+# --------------------------------------------------------------------------- delivery
+
+
+class _Proc:
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+
+    def send_signal(self, sig: int) -> None:
+        self.signals.append(sig)
+
+
+class _Tail:
+    def max_step(self) -> int:
+        return 0
+
+
+def test_the_schedule_counts_from_the_first_step_so_a_slow_start_folds_no_fault() -> None:
+    # Launched at 100, first step at 112: the eviction (due 3 s in) waits for 115, alone; the kill is due at 120.
+    from types import SimpleNamespace
+
+    from ftsup.tools.bench.goodput.drive import SETTLE_STEPS, _Loop
+    from ftsup.tools.bench.goodput.schedule import Fault
+    from ftsup.tools.faults.chaos import LossLine
+
+    proc = _Proc()
+    faults = [Fault(0, 3.0, "evict", 0), Fault(1, 8.0, "kill", 1)]
+    job = SimpleNamespace(nproc=2)
+    loop = _Loop(None, job, faults, None, 100.0, _Tail(), [proc])  # type: ignore[arg-type, list-item]
+    ranks = {r: SimpleNamespace(pid=1000 + r, rank=r) for r in (0, 1)}
+    lines = [LossLine(112.0 + 0.5 * i, i + 1, {}) for i in range(2 * SETTLE_STEPS)]
+    loop._deliver(114.0, ranks, lines)  # type: ignore[arg-type]  # 14 s after the launch, 2 after the first step
+    assert (loop.cur, proc.signals) == (None, [])
+    loop._deliver(115.5, ranks, lines)  # type: ignore[arg-type]
+    assert loop.cur is not None and proc.signals == [signal.SIGTERM]
+    assert (loop.cur.kind, loop.cur.due_t, loop.cur.coalesced, [f.index for f in loop.queue]) == (
+        "evict",
+        115.0,
+        [],
+        [1],
+    )

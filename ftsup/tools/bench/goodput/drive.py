@@ -135,6 +135,7 @@ class _Loop:
         self.gone_since: float | None = None  # when one of `known` went without a fault of ours
         self.codes: list[int] = []
         self.since = t0  # the latest launch or relaunch
+        self.clock: float | None = None  # the schedule's zero: the job's first step (docs/benchmarks.md, Goodput)
 
     @property
     def proc(self) -> subprocess.Popen[bytes]:
@@ -204,19 +205,21 @@ class _Loop:
             self.known = pids
 
     def _deliver(self, now: float, ranks: dict[int, chaos.RankProcess], lines: Sequence[chaos.LossLine]) -> None:
-        if not self.queue or now - self.t0 < self.queue[0].at_s or self.gone_since is not None:
+        if self.clock is None and lines:
+            self.clock = min(ln.t for ln in lines)
+        if self.clock is None or not self.queue or now - self.clock < self.queue[0].at_s or self.gone_since is not None:
             return
         if len(ranks) != self.job.nproc or sum(1 for ln in lines if ln.t > self.since) < SETTLE_STEPS:
             return  # due, but the job is not training (yet): it waits
         fault = self.queue.popleft()
         merged = []  # also due by now: a job that is down is brought down once
-        while self.queue and now - self.t0 >= self.queue[0].at_s:
+        while self.queue and now - self.clock >= self.queue[0].at_s:
             merged.append(self.queue.popleft())
         pending = _Pending(
             fault.kind,
             0.0,
             fault=fault,
-            due_t=self.t0 + fault.at_s,
+            due_t=self.clock + fault.at_s,
             pids=frozenset(r.pid for r in ranks.values()),
             max_step_before=self.tail.max_step(),
             coalesced=merged,

@@ -1,4 +1,4 @@
-"""The seeded fault schedule of `ftsup bench goodput`: which fault, on which rank, how long after the first launch.
+"""The seeded fault schedule of `ftsup bench goodput`: which fault, on which rank, how long into the run.
 
 Faults arrive as a Poisson process in wall time, each of a kind drawn from `mix` by weight and aimed at a rank drawn
 uniformly; every fault draws the same three numbers from one `random.Random(seed)`, so that a longer horizon only
@@ -19,7 +19,7 @@ DEFAULT_MEAN_INTERVAL_S = 60.0
 
 @dataclass(frozen=True)
 class Fault:
-    """One scheduled fault: the `index`-th, due `at_s` seconds after the contender's first launch."""
+    """One scheduled fault: the `index`-th, due `at_s` seconds into the run (goodput: after the job's first step)."""
 
     index: int
     at_s: float
