@@ -40,6 +40,14 @@ def test_the_tail_thread_sees_lines_written_while_it_runs(tmp_path: Path) -> Non
     assert (got.step, tail.max_step()) == (3, 3)
 
 
+def test_the_current_step_is_the_files_though_the_thread_has_not_polled_since(tmp_path: Path) -> None:
+    log = tmp_path / "loss.jsonl"
+    log.write_text(line(1))
+    with chaos.LossLogTail(log, interval_s=3600) as tail:  # a thread that never polls: a starved one
+        log.write_text(line(1) + line(2) + line(3))
+        assert (tail.max_step(), tail.current_step(), tail.max_step()) == (0, 3, 3)
+
+
 def test_waiting_for_a_step_that_never_comes_is_a_chaos_error(tmp_path: Path) -> None:
     with chaos.LossLogTail(tmp_path / "loss.jsonl") as tail, pytest.raises(chaos.ChaosError, match="step 5"):
         tail.wait_for_step(5, timeout_s=0.05)

@@ -234,6 +234,7 @@ class LossLogTail:
         self._offset = 0
         self._partial = b""
         self._lock = threading.Lock()
+        self._reading = threading.Lock()  # the thread's reads and `current_step`'s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"tail {self.path.name}", daemon=True)
 
@@ -255,6 +256,10 @@ class LossLogTail:
             self._read()
 
     def _read(self) -> None:
+        with self._reading:
+            self._read_locked()
+
+    def _read_locked(self) -> None:
         try:
             with open(self.path, "rb") as f:
                 f.seek(self._offset)
@@ -280,6 +285,12 @@ class LossLogTail:
     def lines(self) -> list[LossLine]:
         with self._lock:
             return list(self._lines)
+
+    def current_step(self) -> int:
+        """The highest step the file holds now: read first, since the thread's view lags by a poll, and by seconds
+        where the host is busy."""
+        self._read()
+        return self.max_step()
 
     def max_step(self, before: float | None = None) -> int:
         """The highest step logged (before wall time `before`), 0 when none."""

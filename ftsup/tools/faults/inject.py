@@ -255,20 +255,25 @@ def _disk_full(t: Target, f: Planned, rec: dict[str, Any]) -> dict[str, Any]:
     if t.disk is None:
         raise chaos.ChaosError("disk-full needs the store on a tmpfs of its own")
     k = t.job.ckpt_every
-    chaos.poll_until(lambda: t.tail.max_step() % k == k - 2, t.timeout_s, "two steps before a periodic save")
+    # The steps are read off the file itself: the tail thread's view of them can lag by more than a save interval
+    # on a loaded host, and a store filled then and freed by that view could miss every save.
+    chaos.poll_until(lambda: t.tail.current_step() % k == k - 2, t.timeout_s, "two steps before a periodic save")
     attempt = chaos.journal_attempt(t.job.state_dir)
     failed_before = _save_failures(t.job, attempt)
-    t_fault, start = time.time(), t.tail.max_step()
+    t_fault = time.time()
     took = t.disk.fill()
+    start = t.tail.current_step()  # the saves after this step meet the full store
     try:
         chaos.poll_until(
-            lambda: _save_failures(t.job, attempt) > failed_before or t.tail.max_step() >= start + DISK_FULL_STEPS * k,
+            lambda: (
+                _save_failures(t.job, attempt) > failed_before or t.tail.current_step() >= start + DISK_FULL_STEPS * k
+            ),
             t.timeout_s,
             "a save on the full store",
         )
     finally:
         t.disk.release()
-    t_release, at_release = time.time(), t.tail.max_step()  # within a poll of the failure logged, when it was
+    t_release, at_release = time.time(), t.tail.current_step()  # within a poll of the failure logged, when it was
 
     def committed() -> layout.CheckpointInfo | None:
         info = layout.latest_consistent(t.job.ckpt_dir)
