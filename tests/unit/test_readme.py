@@ -16,7 +16,7 @@ APT = "apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y slurm
 # The suite runs three test modules at a time (pytest-xdist, one module per worker), then the tests marked `alone`
 # with nothing beside them.
 PYTEST = ".venv/bin/python -m pytest -q"
-TESTS = f"{APT} && {INSTALL} && {PYTEST} -n 4 --dist loadfile -m 'not alone' tests && {PYTEST} -m alone tests"
+TESTS = f"{APT} && {INSTALL} && {PYTEST} -n 3 --dist loadfile -m 'not alone' tests && {PYTEST} -m alone tests"
 
 # A title line, then two one-line bash blocks, with nothing but blank lines around them.
 OPENING = re.compile(r"\A# [^\n]+\n\s*```bash\n([^\n]+)\n```\n\s*```bash\n([^\n]+)\n```\n")
