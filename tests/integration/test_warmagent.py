@@ -317,6 +317,24 @@ def test_the_chaos_check_for_stale_processes_passes_over_a_parked_spare_and_flag
             proc.wait(timeout=10)
 
 
+def test_a_process_of_the_attempt_that_began_during_the_check_is_not_stale_and_an_earlier_ones_is(tmp_path):
+    from ftsup.protocol import ATTEMPT_ENV, RUN_ID_ENV
+    from ftsup.tools.faults.inject import stale_after_relaunch
+
+    run_id = f"moved-{os.getpid()}"
+    argv = [sys.executable, "-c", "import time; time.sleep(60)"]
+    started = [subprocess.Popen(argv, env={**os.environ, RUN_ID_ENV: run_id, ATTEMPT_ENV: str(n)}) for n in (2, 4)]
+    reads = iter([{None: 3}, {None: 4}])  # the job's attempt 4 began while the processes were scanned
+    try:
+        wait_for(lambda: all(procs.alive(psutil.Process(p.pid)) for p in started), 30, "the processes starting")
+        stale = stale_after_relaunch(run_id, lambda: next(reads))
+        assert [int(s.split()[1]) for s in stale] == [started[0].pid], stale
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 def session_nice(pid: int) -> str:
     with open(f"/proc/{pid}/autogroup") as f:  # "/autogroup-N nice K"
         return f.read().split()[-1]

@@ -343,8 +343,25 @@ def _resumed_from(t: Target, first_step: int) -> dict[str, Any]:
         "loaded_step": loaded,
         "loaded_consistent": consistent,
         "attempt_after": attempt,
-        "stale_processes": stale_processes(t.job.run_id, {None: attempt}),
+        "stale_processes": stale_after_relaunch(t.job.run_id, lambda: {None: chaos.journal_attempt(t.job.state_dir)}),
     }
+
+
+def stale_after_relaunch(run_id: str, attempts: Callable[[], dict[str | None, int]]) -> list[str]:
+    """`stale_processes`, judged again by the attempts read at its end where the job moved on meanwhile (a loaded
+    host: the scan takes seconds, and by its end a spare parked for the next attempt may run it). Stale is what
+    both judge stale."""
+    before = attempts()
+    stale = stale_processes(run_id, before)
+    after = attempts()
+    if not stale or after == before:
+        return stale
+    again = {_pid(s) for s in stale_processes(run_id, after)}
+    return [s for s in stale if _pid(s) in again]
+
+
+def _pid(described: str) -> int:
+    return int(described.split()[1])  # `chaos.describe`: "pid N (status): command line"
 
 
 def stale_processes(run_id: str, attempts: dict[str | None, int]) -> list[str]:

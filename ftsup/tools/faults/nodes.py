@@ -19,7 +19,7 @@ import yaml
 from ftsup.protocol import NODE_ID_ENV
 from ftsup.store import layout
 from ftsup.tools.faults import chaos
-from ftsup.tools.faults.inject import stale_processes
+from ftsup.tools.faults.inject import stale_after_relaunch
 from ftsup.tools.faults.plan import KINDS, Planned
 from ftsup.tools.faults.refjob import TrainerJob, child_env, start_guarded, stop_process, wait_exit
 
@@ -151,7 +151,9 @@ def _lose_node(
     rejoined = _wait_line(
         tail, lambda ln: ln.t > t_back and ln.record.get("world_size") == 2, procs, timeout_s, f"{lost} rejoining"
     )
-    stale = stale_processes(job.base.run_id, {job.node_id(n): chaos.journal_attempt(job.state_dir(n)) for n in NODES})
+    stale = stale_after_relaunch(
+        job.base.run_id, lambda: {job.node_id(n): chaos.journal_attempt(job.state_dir(n)) for n in NODES}
+    )
     return {
         "t_fault": t_fault,
         "max_step_before": trained,
