@@ -352,22 +352,22 @@ def stale_after_relaunch(run_id: str, attempts: Callable[[], dict[str | None, in
     host: the scan takes seconds, and by its end a spare parked for the next attempt may run it). Stale is what
     both judge stale."""
     before = attempts()
-    stale = stale_processes(run_id, before)
+    stale = _stale(run_id, before)
     after = attempts()
-    if not stale or after == before:
-        return stale
-    again = {_pid(s) for s in stale_processes(run_id, after)}
-    return [s for s in stale if _pid(s) in again]
-
-
-def _pid(described: str) -> int:
-    return int(described.split()[1])  # `chaos.describe`: "pid N (status): command line"
+    if stale and after != before:
+        again = {p.pid for p in _stale(run_id, after)}
+        stale = [p for p in stale if p.pid in again]
+    return [chaos.describe(p) for p in stale]
 
 
 def stale_processes(run_id: str, attempts: dict[str | None, int]) -> list[str]:
     """Live processes of `run_id` whose attempt is not the current one of their node (`attempts`: node id ->
     attempt; the key None stands for any node), but the spare agent the supervisor parks for the next attempt
     (`launch.warm_agent`: it carries that attempt's mark from its start; DESIGN.md, "The spare agent")."""
+    return [chaos.describe(p) for p in _stale(run_id, attempts)]
+
+
+def _stale(run_id: str, attempts: dict[str | None, int]) -> list[psutil.Process]:
     out = []
     for p in chaos.matching_processes([f"{RUN_ID_ENV}={run_id}"]):
         try:
@@ -379,7 +379,7 @@ def stale_processes(run_id: str, attempts: dict[str | None, int]) -> list[str]:
             continue
         if current is not None and env.get(ATTEMPT_ENV) == str(current + 1) and _is_spare(p):
             continue
-        out.append(chaos.describe(p))
+        out.append(p)
     return out
 
 
