@@ -270,23 +270,18 @@ class _Proc:
         self.signals.append(sig)
 
 
-class _Tail:
-    def max_step(self) -> int:
-        return 0
-
-
-def test_the_schedule_counts_from_the_first_step_so_a_slow_start_folds_no_fault() -> None:
+def test_the_schedule_counts_from_the_first_step_so_a_slow_start_folds_no_fault(tmp_path: Path) -> None:
     # Launched at 100, first step at 112: the eviction (due 3 s in) waits for 115, alone; the kill is due at 120.
     from types import SimpleNamespace
 
     from ftsup.tools.bench.goodput.drive import SETTLE_STEPS, _Loop
     from ftsup.tools.bench.goodput.schedule import Fault
-    from ftsup.tools.faults.chaos import LossLine
+    from ftsup.tools.faults.chaos import LossLine, LossLogTail
 
     proc = _Proc()
     faults = [Fault(0, 3.0, "evict", 0), Fault(1, 8.0, "kill", 1)]
     job = SimpleNamespace(nproc=2)
-    loop = _Loop(None, job, faults, None, 100.0, _Tail(), [proc])  # type: ignore[arg-type, list-item]
+    loop = _Loop(None, job, faults, None, 100.0, LossLogTail(tmp_path / "loss.jsonl"), [proc])  # type: ignore[arg-type, list-item]
     ranks = {r: SimpleNamespace(pid=1000 + r, rank=r) for r in (0, 1)}
     lines = [LossLine(112.0 + 0.5 * i, i + 1, {}) for i in range(2 * SETTLE_STEPS)]
     loop._deliver(114.0, ranks, lines)  # type: ignore[arg-type]  # 14 s after the launch, 2 after the first step

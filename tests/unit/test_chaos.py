@@ -4,10 +4,12 @@ no torch."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -109,3 +111,30 @@ def test_a_chaos_node_is_known_by_its_runs_node_id_not_by_a_node_name_another_jo
     finally:
         for p in procs.values():
             p.communicate(timeout=30)
+
+
+def test_the_latest_step_is_the_line_logged_last_behind_the_best_after_a_rollback(tmp_path: Path) -> None:
+    log = tmp_path / "loss.jsonl"
+    log.write_text(line(1) + line(2) + line(3) + line(2))  # step 3 was lost; step 2 is trained again
+    with chaos.LossLogTail(log, interval_s=3600) as tail:
+        assert (tail.latest_step(), tail.max_step()) == (2, 3)
+
+
+def test_a_sigstop_a_tracer_swallowed_is_sent_again_until_the_rank_is_stopped() -> None:
+    tracer = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parents[1] / "bin" / "swallow_stop.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert tracer.stdout is not None and tracer.stdin is not None
+        pid = int(tracer.stdout.readline())
+        target = chaos.RankProcess(0, 0, pid, psutil.Process(pid).create_time())
+        chaos.send(target, signal.SIGSTOP)
+        got = (psutil.Process(pid).status(), tracer.stdout.readline().strip())
+        assert got == (psutil.STATUS_STOPPED, "swallowed SIGSTOP")
+    finally:
+        if tracer.stdin is not None:
+            tracer.stdin.close()
+        tracer.wait(timeout=30)

@@ -28,6 +28,8 @@ from ftsup.supervisor.state import incidents, journal
 T = TypeVar("T")
 
 POLL_S = 0.01
+STOP_RESEND_S = 0.25  # a SIGSTOP not seen to take by then is sent again
+STOP_CONFIRM_S = 5.0
 FAILURE_EVENTS = ("worker_exited", "heartbeat_timed_out", "progress_timed_out", "startup_timed_out")
 _AGENT_MARK = "torch.distributed.run"
 _LOAD_RE = re.compile(r"checkpoint_loaded\b.*?\bduration_s=([0-9.]+)")
@@ -149,7 +151,11 @@ def wait_for_ranks(find: Callable[[], dict[int, RankProcess]], n: int, timeout_s
 
 
 def send(rank: RankProcess, sig: int) -> float:
-    """Signal one rank; returns when it was sent. Raises ChaosError when the process is gone."""
+    """Signal one rank; returns when it was sent. Raises ChaosError when the process is gone.
+
+    A SIGSTOP is sent until the rank is seen stopped (state T): one that arrives while a tracer attaches to the
+    rank (a stack capture: ptrace's own stop) merges with the tracer's stop and is gone when it detaches, and the
+    rank goes on. The time returned is that of the SIGSTOP that took."""
     p = rank.process()
     if p is None:
         raise ChaosError(
@@ -157,7 +163,20 @@ def send(rank: RankProcess, sig: int) -> float:
         )
     t = time.time()
     p.send_signal(sig)
-    return t
+    if sig != signal.SIGSTOP:
+        return t
+    deadline = t + STOP_CONFIRM_S
+    while time.time() < deadline:
+        time.sleep(POLL_S)
+        try:
+            if p.status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                return t
+            if time.time() - t >= STOP_RESEND_S:
+                t = time.time()
+                p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            return t
+    raise ChaosError(f"rank {rank.rank} (pid {rank.pid}) was sent SIGSTOP and is not stopped {STOP_CONFIRM_S:g} s on")
 
 
 def hang_incident(state_dir: str | os.PathLike[str], since_unix: float) -> dict[str, Any]:
@@ -291,6 +310,13 @@ class LossLogTail:
         where the host is busy."""
         self._read()
         return self.max_step()
+
+    def latest_step(self) -> int:
+        """The step of the line logged last (read first, as `current_step`), 0 when none: where the job is now,
+        behind `max_step` while it trains again what a rollback lost."""
+        self._read()
+        lines = self.lines()
+        return lines[-1].step if lines else 0
 
     def max_step(self, before: float | None = None) -> int:
         """The highest step logged (before wall time `before`), 0 when none."""

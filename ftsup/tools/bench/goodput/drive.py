@@ -43,7 +43,7 @@ class _Pending:
     due_t: float | None = None
     target: chaos.RankProcess | None = None
     pids: frozenset[int] = frozenset()
-    max_step_before: int = 0
+    step_before: int = 0  # the step the job was at (its latest line): behind its best while it redoes a rollback
     reacted_t: float | None = None
     relaunched_t: float | None = None
     recovered_t: float | None = None
@@ -72,11 +72,11 @@ class _Pending:
             "recover_s": since(self.recovered_t, self.t),
             "capped": self.capped,
             # steps logged before the fault and trained again (none when training went on past the notice)
-            "lost_steps": None if self.first_step is None else max(0, self.max_step_before - (self.first_step - 1)),
+            "lost_steps": None if self.first_step is None else max(0, self.step_before - (self.first_step - 1)),
             # an eviction whose checkpoint survived the node: the job resumed at or past the step of the notice
             "fired": None
             if self.kind != "evict"
-            else self.first_step is not None and self.first_step > self.max_step_before,
+            else self.first_step is not None and self.first_step > self.step_before,
             "survived": self.recovered_t is not None,
             "coalesced": [f.index for f in self.coalesced],
         }
@@ -199,7 +199,7 @@ class _Loop:
             self.gone_since = now
         if self.gone_since is not None and pids - self.known and len(pids) == self.job.nproc:
             other = _Pending(OTHER, self.gone_since, pids=self.known, reacted_t=self.gone_since, relaunched_t=now)
-            other.max_step_before = self.tail.max_step()
+            other.step_before = self.tail.latest_step()
             self.cur, self.gone_since = other, None
         elif self.gone_since is None and len(pids) == self.job.nproc:
             self.known = pids
@@ -221,7 +221,7 @@ class _Loop:
             fault=fault,
             due_t=self.clock + fault.at_s,
             pids=frozenset(r.pid for r in ranks.values()),
-            max_step_before=self.tail.max_step(),
+            step_before=self.tail.latest_step(),
             coalesced=merged,
         )
         if fault.kind == "evict":
