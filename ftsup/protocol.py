@@ -31,7 +31,8 @@ HEARTBEAT_SOCKET_ENV = "FTSUP_HEARTBEAT_SOCKET"
 HEARTBEAT_INTERVAL_ENV = "FTSUP_HEARTBEAT_INTERVAL_S"
 CONTROL_FILE_ENV = "FTSUP_CONTROL_FILE"
 CHECKPOINT_DIR_ENV = "FTSUP_CHECKPOINT_DIR"
-RESUME_STEP_ENV = "FTSUP_RESUME_STEP"  # empty: no checkpoint to resume from
+RESUME_STEP_ENV = "FTSUP_RESUME_STEP"  # the checkpoint chosen at the attempt's launch; empty: none
+RESUME_BOUND_ENV = "FTSUP_RESUME_BOUND"  # after a rollback: ftsup's loaders take no checkpoint past it; empty: none
 ATTEMPT_ENV = "FTSUP_ATTEMPT"  # this and the next two are the attempt's mark (`ftsup.procs.Mark`)
 RUN_ID_ENV = "FTSUP_RUN_ID"
 NODE_ID_ENV = "FTSUP_NODE_ID"
@@ -49,6 +50,7 @@ ENV_NAMES = (
     CONTROL_FILE_ENV,
     CHECKPOINT_DIR_ENV,
     RESUME_STEP_ENV,
+    RESUME_BOUND_ENV,
     ATTEMPT_ENV,
     RUN_ID_ENV,
     NODE_ID_ENV,
@@ -90,6 +92,7 @@ class RuntimeEnv:
     control_file: str | None = None
     checkpoint_dir: str | None = None
     resume_step: int | None = None
+    resume_bound: int | None = None  # RESUME_BOUND_ENV: a rollback's; a load takes no checkpoint past it
     durable_tier: str | None = None
     """DURABLE_TIER_ENV: where the durable tier is, for a resume from a checkpoint only it holds."""
     attempt: int = 0
@@ -97,15 +100,13 @@ class RuntimeEnv:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
-    data_skips: DataSkips = ()
-    """The skips in force (DATA_SKIPS_ENV): data positions this run's schedule never serves."""
+    data_skips: DataSkips = ()  # DATA_SKIPS_ENV: the data positions this run's schedule never serves
     node_id: str | None = None
     """NODE_ID_ENV: the id of this rank's node."""
     node_local: bool = False
     """NODE_LOCAL_ENV: each node keeps its own checkpoint dir (its first local rank commits there)."""
     durable_timeout_s: float | None = None
-    """DURABLE_TIMEOUT_ENV: the longest a load reads one checkpoint of the durable tier before it passes over to the
-    next newest (None: the tier's own `operation_timeout_s`)."""
+    """DURABLE_TIMEOUT_ENV: the longest a load reads one durable checkpoint before the next (None: the tier's own)."""
     fallback_dir: str | None = None
     """FALLBACK_DIR_ENV: where an emergency save is written again when the checkpoint dir refuses it."""
     memory_tier: memtier.MemoryTier | None = None
@@ -143,6 +144,7 @@ class RuntimeEnv:
             control_file=env.get(CONTROL_FILE_ENV) or None,
             checkpoint_dir=env.get(CHECKPOINT_DIR_ENV) or None,
             resume_step=num(RESUME_STEP_ENV, None),
+            resume_bound=num(RESUME_BOUND_ENV, None),
             durable_tier=env.get(DURABLE_TIER_ENV) or None,
             attempt=num(ATTEMPT_ENV, 0) or 0,
             run_id=env.get(RUN_ID_ENV) or None,

@@ -116,7 +116,7 @@ class Session:
             if self._source is not None:
                 st.batch_source, st.source_position = self._source.kind, self._source.position
             with rt.phase("load"):
-                self.loaded: LoadResult | None = st.resume(engine, at_most=rt.env.resume_step, restore_streams=False)
+                self.loaded: LoadResult | None = st.resume(engine, at_most=rt.env.resume_bound, restore_streams=False)
                 self.hf_init: HfInit | None = None
                 """What `init_from_hf` loaded (None: a checkpoint was resumed, or no Hugging Face model was given)."""
                 if self.loaded is None and init_from_hf is not None:

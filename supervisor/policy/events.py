@@ -249,6 +249,7 @@ class Launch:
     nproc: int  # local ranks for this attempt
     resume_step: int | None
     skips: tuple[tuple[int, int], ...] = ()  # the data skips in force (FTSUP_DATA_SKIPS)
+    resume_bound: int | None = None  # a rollback's (FTSUP_RESUME_BOUND): no other launch bounds the ranks' load
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,7 @@ def rank_env(
     resume_step: int | None,
     base: Mapping[str, str],
     skips: tuple[tuple[int, int], ...] = (),
+    resume_bound: int | None = None,
 ) -> dict[str, str]:
     """`base` (the supervisor's environment), `job.env`, then the channel to this supervisor; the attempt's mark
     (FTSUP_RUN_ID, FTSUP_NODE_ID, FTSUP_ATTEMPT) is added by `start`. The data skips in force (`skips`, and any
@@ -92,6 +93,7 @@ def rank_env(
         checkpoint_dir=str(cfg.checkpoint.dir),
         resume_step=resume_step,
     )
+    channel[protocol.RESUME_BOUND_ENV] = "" if resume_bound is None else str(resume_bound)
     # A rank that dies of SIGSEGV, SIGBUS, SIGFPE or SIGABRT prints its Python stack first (unless the environment
     # says otherwise); torchrun prefixes each rank's lines so that `ranklogs` can tell them from its own.
     prefix = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": ranklogs.PREFIX_TEMPLATE}

@@ -220,7 +220,9 @@ class Workers:
             self._post(policy.WorkersExited(action.attempt, 127))
 
     def _launch(self, action: policy.Launch) -> None:
-        env = launcher.rank_env(self.cfg, self._runtime(), action.resume_step, os.environ, action.skips)
+        env = launcher.rank_env(
+            self.cfg, self._runtime(), action.resume_step, os.environ, action.skips, action.resume_bound
+        )
         if self.cfg.forensics.enabled and self.cfg.forensics.nccl_flight_recorder:  # a hang's evidence: NCCL's record
             env.update(flightrec.rank_env(Path(self.cfg.job.state_dir), action.attempt, env))
         self._ranks_seen = frozenset()

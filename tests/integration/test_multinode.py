@@ -118,6 +118,12 @@ def test_losing_a_node_relaunches_smaller_and_the_node_can_rejoin(tmp_path):
         )
         alone = [j for j in lines(tmp_path / "loss.jsonl") if j["world_size"] == 1]
         assert alone[0]["step"] <= saved + 4 + 1  # resumed from a checkpoint at most one interval back
+        solo_saved = alone[0]["step"] - 1 + 3 * 4  # three checkpoints A commits alone, so a rejoin can lose them
+        wait_for(
+            lambda: (i := layout.latest_consistent(tmp_path / "ckpt")) is not None and i.step >= solo_saved,
+            120,
+            f"node A alone never committed step {solo_saved}",
+        )
         b2 = start(b_cfg, tmp_path / "b2.out")
         assert a.wait(timeout=240) == 0, (tmp_path / "a.out").read_text()[-3000:]
         assert b2.wait(timeout=60) == 0, (tmp_path / "b2.out").read_text()[-3000:]
@@ -126,6 +132,12 @@ def test_losing_a_node_relaunches_smaller_and_the_node_can_rejoin(tmp_path):
             if p is not None:
                 kill_tree(p.pid)
     assert_every_step_once_in_order(tmp_path / "loss.jsonl")
+    # The round B rejoins resumes from A's newest checkpoint, not from the one A's attempt was launched with (its
+    # ranks restarted in place keep their launch's environment): it trains again at most two intervals of A's.
+    logged = lines(tmp_path / "loss.jsonl")
+    solo = next(i for i, j in enumerate(logged) if j["world_size"] == 1)
+    rejoin = next(i for i in range(solo, len(logged)) if logged[i]["world_size"] == 2)
+    assert logged[rejoin - 1]["step"] - (logged[rejoin]["step"] - 1) <= 2 * 4, logged[solo : rejoin + 1]
     a_events = [json.loads(x) for x in (tmp_path / "node-a" / "logs" / "supervisor.jsonl").read_text().splitlines()]
     launches = [e for e in a_events if e["event"] == "workers_launched"]
     assert len(launches) >= 2 and launches[1]["resume_step"] is not None

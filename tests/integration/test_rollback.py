@@ -72,7 +72,7 @@ def test_ftsup_rollback_resumes_a_running_job_from_the_step_with_the_skip(tmp_pa
     requested = [e for e in events(tmp_path) if e["event"] == "rollback_requested"]
     seen = {
         "asked": (asked.returncode, "the running supervisor serves it" in asked.output),
-        "env": (env.get("FTSUP_RESUME_STEP"), env.get("FTSUP_DATA_SKIPS")),
+        "env": (env.get("FTSUP_RESUME_STEP"), env.get("FTSUP_RESUME_BOUND"), env.get("FTSUP_DATA_SKIPS")),
         "journal": (rec["skips"], len(rec["rollbacks_served"]), rec["incident"]["kind"]),
         "launched": [e["resume_step"] for e in launched],
         "requested": [(e["to_step"], e["reason"], e["who"].split(" pid ")[0] != "") for e in requested],
@@ -81,7 +81,7 @@ def test_ftsup_rollback_resumes_a_running_job_from_the_step_with_the_skip(tmp_pa
     }
     assert seen == {
         "asked": (0, True),
-        "env": ("8", "96:120"),
+        "env": ("8", "8", "96:120"),
         "journal": ([[96, 120]], 1, "operator"),
         "launched": [None, 8],
         "requested": [(8, "a test", True)],

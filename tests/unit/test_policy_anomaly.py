@@ -271,6 +271,19 @@ def test_an_operator_rollback_is_logged_with_who_and_why():
     assert [(a["who"], a["reason"]) for a in d.logged("rollback_requested")] == [("ops@node1 pid 7", "bad shard")]
 
 
+def test_only_a_rollbacks_launch_bounds_the_ranks_load_the_next_one_does_not():
+    # Ranks restarted in place (a node joining the round) load with their launch's environment: a bound there would
+    # hold them to the checkpoint of the attempt's launch, behind the ones it committed since.
+    d = Health(S)
+    first = d.launch()
+    d.feed(REQ)
+    rollback = d.relaunch(resume=16)
+    d.feed(P.WorkersExited(rollback.attempt, 1))
+    d.feed(P.Tick(), at=d.now + S.backoff_max_s)
+    (after,) = [a for a in d.feed(P.LaunchReady(2, 40)) if isinstance(a, P.Launch)]
+    assert [(x.resume_step, x.resume_bound) for x in (first, rollback, after)] == [(None, None), (16, 16), (40, None)]
+
+
 def test_an_operator_request_is_served_once():
     d = Health(S)
     d.launch()

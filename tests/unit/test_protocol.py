@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ftsup import procs
+from ftsup import procs, protocol
 from ftsup.protocol import (
     BEAT_VERSION,
     CONTROL_VERSION,
@@ -304,13 +304,16 @@ def test_the_channel_the_supervisor_exports_is_what_a_rank_reads():
         checkpoint_dir="/ckpt",
         resume_step=1200,
     )
-    got = RuntimeEnv.from_environ({**env, **procs.Mark("run-1", "node-0", 3).environ()})
+    got = RuntimeEnv.from_environ(
+        {**env, protocol.RESUME_BOUND_ENV: "1200", **procs.Mark("run-1", "node-0", 3).environ()}
+    )
     assert got == RuntimeEnv(
         heartbeat_socket="/run/ftsup/j/heartbeat.sock",
         heartbeat_interval_s=0.25,
         control_file="/run/ftsup/j/control.json",
         checkpoint_dir="/ckpt",
         resume_step=1200,
+        resume_bound=1200,
         attempt=3,
         run_id="run-1",
         node_id="node-0",
@@ -319,7 +322,8 @@ def test_the_channel_the_supervisor_exports_is_what_a_rank_reads():
 
 def test_no_resume_step_travels_as_empty_and_reads_as_none():
     env = channel_env(heartbeat_socket="s", interval_s=1.0, control_file="c", checkpoint_dir="d", resume_step=None)
-    assert RuntimeEnv.from_environ(env).resume_step is None
+    got = RuntimeEnv.from_environ(env)
+    assert (got.resume_step, got.resume_bound) == (None, None)
 
 
 def test_the_data_skips_the_supervisor_exports_are_what_a_rank_reads():

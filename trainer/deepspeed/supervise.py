@@ -186,7 +186,7 @@ class EngineSupervision:
         if self.store is not None:
             try:
                 info, passed = store.latest_hf_checkpoint(
-                    self.store, at_most=self.rt.env.resume_step, quarantine=True, format=FORMAT
+                    self.store, at_most=self.rt.env.resume_bound, quarantine=True, format=FORMAT
                 )
             except CheckpointError as e:
                 log.warning("deepspeed_store_refused", path=str(self.store), reason=str(e))

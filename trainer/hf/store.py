@@ -247,7 +247,7 @@ def resume_choice(
     """`latest_hf_checkpoint` of at most the supervisor's resume step, as a rank of the job makes it: rank 0
     quarantines what fails verification and logs what it passed over."""
     rank0 = rt.env.rank == 0
-    info, passed = latest_hf_checkpoint(root, at_most=rt.env.resume_step, quarantine=rank0, format=format)
+    info, passed = latest_hf_checkpoint(root, at_most=rt.env.resume_bound, quarantine=rank0, format=format)
     if rank0:
         tell_passed(passed)
     return info, passed
