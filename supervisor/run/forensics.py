@@ -51,6 +51,7 @@ class _Taken:
     tool: str | None = None
     problems: list[str] = field(default_factory=list)
     done: bool = False
+    held: bool = False  # a tool that stops the rank to read it was killed before it let go
 
 
 class Forensics:
@@ -152,8 +153,9 @@ class Forensics:
         for worker in workers:
             worker.join(max(0.0, stacks_until - self._clock()))
         got = {local: self._settled(taken[local], t) for local, t in ((t.local_rank, t) for t in targets)}
-        for t in targets:  # a rank whose capture is still running is continued by it once its tools are gone
-            if continue_left(t.pid, *before[t.local_rank]):
+        for t in targets:  # a capture still running may hold its rank stopped: the stop found is taken for its tools'
+            left = taken[t.local_rank]
+            if (left.held or not left.done) and continue_left(t.pid, *before[t.local_rank]):
                 got[t.local_rank].problems.append(CONTINUED)
         try:
             self.store.ensure()
@@ -248,10 +250,13 @@ class Forensics:
         self, out: _Taken, t: Target, before: tuple[str, int | None], tools: Sequence[stacktools.Tool], until: float
     ) -> None:
         try:
-            out.threads, out.tool = stacktools.take(tools, t.pid, before[0], until, self._clock, out.problems)
+            out.threads, out.tool, out.held = stacktools.take(tools, t.pid, before[0], until, self._clock, out.problems)
         except Exception as e:  # a thread of this adapter: what failed is said in the record, never raised
             out.problems.append(f"capture failed: {error_line(e)}")
-        if continue_left(t.pid, *before):  # its tools are gone: even past the bound, a rank is never left stopped
+            out.held = True  # its tools' fate unknown: a stop found is taken for theirs
+        # Its tools are gone: even past the bound, a rank a tool left stopped is never left so. A stop that came while
+        # every tool let go of it on its own is someone else's (an operator, a scheduler's suspend): it stays.
+        if out.held and continue_left(t.pid, *before):
             out.problems.append(CONTINUED)
         out.done = True
 

@@ -69,6 +69,11 @@ def commands(tools: Sequence[Tool], pid: int, state: str | None) -> list[tuple[T
     return out
 
 
+def stops(command: Sequence[str]) -> bool:
+    """Whether `command` (of `commands`) stops the process to read it: pystack, and py-spy unless --nonblocking."""
+    return "remote" in command[1:2] or "--nonblocking" not in command
+
+
 def parse(tool: Tool, text: str, pid: int) -> list[Thread]:
     return stacks.parse_pystack(text, pid) if tool.kind == "pystack" else stacks.parse_pyspy(text, pid)
 
@@ -141,13 +146,15 @@ def take(
     until: float,
     clock: Callable[[], float],
     problems: list[str],
-) -> tuple[list[Thread], str | None]:
-    """`pid`'s stacks, and the kind of the tool that gave them: every command of `commands` runs at once, and the
-    first that gives a stack by `until` is taken, so that native frames come when pystack (or py-spy alone) answers in
-    time, and Python frames when only py-spy's reading without a stop does. What failed is appended to `problems` as
-    it is known, so a caller cut short by its own deadline still has it."""
+) -> tuple[list[Thread], str | None, bool]:
+    """`pid`'s stacks, the kind of the tool that gave them, and whether a tool that stops the process to read it was
+    killed before it let go (it may have left the process stopped): every command of `commands` runs at once, and
+    the first that gives a stack by `until` is taken, so that native frames come when pystack (or py-spy alone)
+    answers in time, and Python frames when only py-spy's reading without a stop does. What failed is appended to
+    `problems` as it is known, so a caller cut short by its own deadline still has it."""
     todo = commands(tools, pid, state)
     results: list[list[Thread] | str | None] = [None] * len(todo)
+    let_go = [False] * len(todo)  # the command exited by itself, or never started
     cancel = threading.Event()
 
     def go(i: int) -> None:
@@ -155,8 +162,9 @@ def take(
         try:
             ran = run(command, until, clock, cancel)
         except OSError as e:
-            results[i] = f"{name}: cannot run {tool.path}: {e.strerror or e}"
+            results[i], let_go[i] = f"{name}: cannot run {tool.path}: {e.strerror or e}", True
             return
+        let_go[i] = ran.code is not None
         threads = parse(tool, ran.out.decode("utf-8", "replace"), pid)
         last = next((ln for ln in reversed(ran.err.decode("utf-8", "replace").splitlines()) if ln.strip()), "")
         said = f": {stacks.clean(last)[:200]}" if last else ""
@@ -174,18 +182,21 @@ def take(
     ]
     for w in workers:
         w.start()
+    taken: tuple[list[Thread], str | None] = ([], None)
     try:
         for i, w in enumerate(workers):
             w.join(max(0.0, until - clock()))
             got = results[i]
             if isinstance(got, list):
-                return got, todo[i][0].kind
+                taken = got, todo[i][0].kind
+                break
             problems.append(got if isinstance(got, str) else f"{todo[i][1]}: no answer within the bound; stopped")
-        return [], None
     finally:
         cancel.set()  # the tools after the one taken are not needed: stopped, and reaped (a tracer gone) by now
         for w in workers:
             w.join(max(0.0, max(clock(), until) + CANCEL_POLL_S + STOP_S - clock()))
+    held = any(stops(c) and not let_go[i] for i, (_, _, c) in enumerate(todo))
+    return *taken, held
 
 
 def _read(path: str, cap: int = 4096) -> str | None:

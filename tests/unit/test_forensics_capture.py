@@ -1,5 +1,6 @@
 """A capture (`run.forensics`) over real processes: with a stack tool that stops what it reads and never answers it
-ends within its bound, a rank the tool left stopped is continued and one stopped before stays so; a record that
+ends within its bound, a rank the tool left stopped is continued and one stopped before, or by someone else while
+the tools let go of it, stays so; a record that
 cannot be written, or a capture that fails, is logged and the capture returns: the stop after it is never held."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ftsup.supervisor.policy.events import CaptureEvidence
 from ftsup.supervisor.run import forensics as forensics_module
 from ftsup.supervisor.run.forensics import CONTINUED, Forensics, Target
 from ftsup.supervisor.run.outages import Outages
+from ftsup.supervisor.state import incidents
 from tests.procs import wait_for
 
 BOUND_S = 1.0
@@ -47,15 +49,11 @@ def sleepers() -> Iterator[list[subprocess.Popen[bytes]]]:
             p.wait()
 
 
-def test_a_rank_a_stopped_tool_left_stopped_is_continued_and_a_rank_stopped_before_stays_so(
-    sleepers: list[subprocess.Popen[bytes]], tmp_path: Path
-):
-    tool = tmp_path / "pystack"  # stops the rank it is asked for (as a tracer's attach does), then never answers
-    tool.write_text('#!/bin/sh\neval pid=\\${$#}\nkill -STOP "$pid"\nsleep 60 &\nwait\n')
+def capture_with(script: str, sleepers: list[subprocess.Popen[bytes]], tmp_path: Path) -> incidents.Incident:
+    """A hang's capture of the sleepers, with `script` (shell, given the pid last) as the only stack tool."""
+    tool = tmp_path / "pystack"
+    tool.write_text("#!/bin/sh\neval pid=\\${$#}\n" + script)
     tool.chmod(0o755)
-    running, stopped = sleepers
-    stopped.send_signal(signal.SIGSTOP)
-    wait_for(lambda: (procs.run_state(stopped.pid) or ("?",))[0] == "T", 10, "the hung rank to stop")
     raw = {"job": {"command": ["true"], "state_dir": str(tmp_path / "state")}, "forensics": {"tools": [str(tool)]}}
     cfg = parse_config(raw, base_dir=tmp_path, hostname="node")
     said: list[str] = []
@@ -67,6 +65,17 @@ def test_a_rank_a_stopped_tool_left_stopped_is_continued_and_a_rank_stopped_befo
     finally:
         forensics.close()
     assert incident is not None, said
+    return incident
+
+
+def test_a_rank_a_stopped_tool_left_stopped_is_continued_and_a_rank_stopped_before_stays_so(
+    sleepers: list[subprocess.Popen[bytes]], tmp_path: Path
+):
+    running, stopped = sleepers
+    stopped.send_signal(signal.SIGSTOP)
+    wait_for(lambda: (procs.run_state(stopped.pid) or ("?",))[0] == "T", 10, "the hung rank to stop")
+    # The tool stops the rank it is asked for (as a tracer's attach does), then never answers.
+    incident = capture_with('kill -STOP "$pid"\nsleep 60 &\nwait\n', sleepers, tmp_path)
     continued = {r.rank: CONTINUED in r.problems for r in incident.ranks}
     states = [settled(running.pid), settled(stopped.pid)]
     assert ((incident.duration_s or 0.0) <= BOUND_S, continued, states, incident.culprit) == (
@@ -75,6 +84,15 @@ def test_a_rank_a_stopped_tool_left_stopped_is_continued_and_a_rank_stopped_befo
         ["S", "T"],
         1,
     ), incident
+
+
+def test_a_stop_that_comes_while_the_tools_let_go_on_their_own_is_someone_elses_and_stays(
+    sleepers: list[subprocess.Popen[bytes]], tmp_path: Path
+):
+    # An operator's SIGSTOP (or a scheduler's suspend) comes during the capture; the tool exits on its own.
+    incident = capture_with('kill -STOP "$pid"\nexit 0\n', sleepers, tmp_path)
+    got = ([CONTINUED in r.problems for r in incident.ranks], [settled(p.pid) for p in sleepers])
+    assert got == ([False, False], ["T", "T"]), incident
 
 
 @pytest.mark.parametrize("bad", ["file", "link"])
