@@ -1,7 +1,7 @@
 """A capture (`run.forensics`) over real processes: with a stack tool that stops what it reads and never answers it
 ends within its bound, a rank the tool left stopped is continued and one stopped before, or by someone else while
-the tools let go of it, stays so; a record that
-cannot be written, or a capture that fails, is logged and the capture returns: the stop after it is never held."""
+the tools let go of it, stays so; a record that cannot be written, or a capture that fails, is logged and the
+capture returns: the stop after it is never held."""
 
 from __future__ import annotations
 
