@@ -12,7 +12,7 @@ from typing import Any
 from ftsup.protocol import MAX_DATA_SKIPS, DataSkips
 from ftsup.supervisor.config.anomaly import AnomalyConfig
 from ftsup.supervisor.policy import detectors
-from ftsup.supervisor.policy.events import Exit, Heartbeat, Log, RollbackRequested, WriteJournal, log
+from ftsup.supervisor.policy.events import Exit, Heartbeat, LaunchReady, Log, RollbackRequested, WriteJournal, log
 
 EXIT_ANOMALY = 7
 MAX_SERVED = 64  # request ids remembered: a request is served once, and a file holds one request at a time
@@ -88,6 +88,13 @@ class AnomalyState:
 
 def bound(an: AnomalyState) -> int | None:
     return an.pending.at_most if an.pending is not None else None
+
+
+def resume_bound(ev: LaunchReady) -> int | None:
+    """The bound on the ranks' load (`FTSUP_RESUME_BOUND`): a rollback's only. Any other would hold ranks that
+    torchrun restarts in place (a node joining the round) to the checkpoint of the attempt's launch, behind those
+    the attempt committed since (docs/design/policy.md, The resume bound)."""
+    return ev.resume_step if ev.at_most is not None else None
 
 
 def launched(an: AnomalyState, resume_step: int | None, resume_samples: int | None) -> AnomalyState:

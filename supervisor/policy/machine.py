@@ -194,7 +194,7 @@ def _launch(s: Settings, st: State, ev: LaunchReady, now: float) -> tuple[State,
     if st.anomaly.pending is not None:  # progress is measured from a rollback's step: the steps after it are new
         st = replace(st, best_step=min(st.best_step, ev.resume_step or 0))
     att = Attempt(st.attempt_no, n, ev.resume_step, launched_at=now, progress_at=now, best_before=st.best_step)
-    launch = Launch(st.attempt_no, n, standby.bound(s, ev), st.anomaly.skips, standby.rollback_bound(ev))
+    launch = Launch(st.attempt_no, n, standby.bound(s, ev), st.anomaly.skips, policy_anomaly.resume_bound(ev))
     anomaly = policy_anomaly.launched(st.anomaly, ev.resume_step, ev.resume_samples)
     st = replace(st, newest_checkpoint=ev.resume_step)  # the newest checkpoint is the one this attempt resumes from
     return replace(st, phase=SupervisorPhase.RUNNING, attempt=att, last_launch=launch, anomaly=anomaly), [

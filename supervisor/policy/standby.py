@@ -90,10 +90,3 @@ def bound(s: Settings, ev: LaunchReady) -> int | None:
     """The resume step the ranks are given (`FTSUP_RESUME_STEP`): a spare may join a round long after its launch,
     when newer checkpoints exist, so it is given none unless a rollback bounds it."""
     return None if s.standby and ev.at_most is None else ev.resume_step
-
-
-def rollback_bound(ev: LaunchReady) -> int | None:
-    """The bound on the ranks' load (`FTSUP_RESUME_BOUND`): a rollback's only. Any other would hold ranks that
-    torchrun restarts in place (a node joining the round) to the checkpoint of the attempt's launch, behind those
-    the attempt committed since (docs/design/policy.md, The resume bound)."""
-    return ev.resume_step if ev.at_most is not None else None

@@ -70,8 +70,8 @@ def commands(tools: Sequence[Tool], pid: int, state: str | None) -> list[tuple[T
 
 
 def stops(command: Sequence[str]) -> bool:
-    """Whether `command` (of `commands`) stops the process to read it: pystack, and py-spy unless --nonblocking."""
-    return "remote" in command[1:2] or "--nonblocking" not in command
+    """Whether `command` (of `commands`) stops the process to read it: every one but py-spy's --nonblocking."""
+    return "--nonblocking" not in command
 
 
 def parse(tool: Tool, text: str, pid: int) -> list[Thread]:

@@ -244,8 +244,8 @@ def callback_store(checkpoint_dir: Path | None, rt: RuntimeClient, default: Path
 def resume_choice(
     root: str | os.PathLike[str], rt: RuntimeClient, *, format: str = FORMAT
 ) -> tuple[layout.CheckpointInfo | None, tuple[choice.Passed, ...]]:
-    """`latest_hf_checkpoint` of at most the supervisor's resume step, as a rank of the job makes it: rank 0
-    quarantines what fails verification and logs what it passed over."""
+    """`latest_hf_checkpoint` of at most a rollback's bound (`FTSUP_RESUME_BOUND`), as a rank of the job makes it:
+    rank 0 quarantines what fails verification and logs what it passed over."""
     rank0 = rt.env.rank == 0
     info, passed = latest_hf_checkpoint(root, at_most=rt.env.resume_bound, quarantine=rank0, format=format)
     if rank0:
