@@ -86,6 +86,8 @@ def test_a_node_lost_whole_receives_the_files_its_rank_reads_not_the_whole_check
     whole = sum(e.size for e in manifest.files.values())
     assert (int(got["received_bytes"]), int(got["checkpoint_bytes"])) == (own, whole), restored
     assert own < whole * 0.6
+    # Its shard, read by its rank alone, is loaded as received, not written into the copy and read back.
+    assert int(got["kept_bytes"]) == manifest.files[layout.shard_name(1)].size, restored
 
 
 def test_the_node_left_alone_after_a_loss_resumes_from_the_replica_in_its_own_memory_bitwise(

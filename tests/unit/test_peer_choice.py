@@ -133,3 +133,22 @@ def test_a_node_that_reads_no_part_still_receives_the_files_of_every_node() -> N
     narrowed = narrow(plan, m, [{"node": "a", "files": []}, {"node": "b", "files": []}])
     assert [(mv["part"], mv["files"]) for mv in narrowed["moves"]] == [("a", ["dcp_metadata.json"])]
     assert narrowed["links"][0] == [["a", "/memory/a/8", "memory", ["dcp_metadata.json"]]]
+
+
+def test_a_leader_keeps_as_received_only_the_files_no_other_rank_of_its_node_reads() -> None:
+    def reads(*ranks: int) -> list[str]:
+        return [f"shard-0000{r}.{ext}" for r in ranks for ext in ("crc32", "safetensors")]
+
+    files = {rel: layout.FileEntry(1, "crc32cx64k:00000000") for rel in [*reads(0, 1, 2, 3), "dcp_metadata.json"]}
+    m = layout.Manifest(8, 4, "periodic", 0.0, files, 4, nodes={"a": (0, 1), "b": (2, 3)})
+    text = json.dumps(m.to_json())
+    follower = {"leader": False, "at_most": None}
+    reports = [report("a", [(8, "a", "memory", text), (8, "b", "peers", text)]), {"node": "a", **follower}]
+    plan = choose([*reports, report("b", []), {"node": "b", **follower}], None)
+    assert plan is not None and plan["leaders"] == {"a": 0, "b": 2}
+    needs = [{"node": "a", "files": reads(0)}, {"node": "a", "files": reads(1)}, {"node": "b", "files": reads(2)}]
+    # Rank 3 reads a shard of rank 2's too (a tensor saved once, by rank 2): rank 2 keeps nothing of its own.
+    assert narrow(plan, m, [*needs, {"node": "b", "files": reads(2, 3)}])["alone"] == {0: reads(0), 2: []}
+    assert narrow(plan, m, [*needs, {"node": "b", "files": reads(3)}])["alone"] == {0: reads(0), 2: reads(2)}
+    # A rank that could not plan its reads reads every file: its leader keeps none.
+    assert narrow(plan, m, [*needs, {"node": "b", "files": None}])["alone"] == {0: reads(0)}

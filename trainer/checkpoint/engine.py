@@ -31,6 +31,7 @@ from ftsup.trainer.checkpoint import codec, devcopy, gcpause, loading, peerload,
 from ftsup.trainer.checkpoint import memory as memtiers
 from ftsup.trainer.checkpoint.comm import GroupComm, LocalComm, make_comm
 from ftsup.trainer.checkpoint.commit import Committer, Hook, SaveResult, StagedSave, log_quietly
+from ftsup.trainer.checkpoint.freshoptim import clear_made, flat_state
 from ftsup.trainer.checkpoint.loading import LoadResult, read_rank_state
 from ftsup.trainer.checkpoint.shardio import aligned_buffer
 
@@ -464,7 +465,7 @@ class CheckpointEngine:
             self._reading = shardio.reading_pool()
         with gcpause.paused():
             started, restored = time.perf_counter(), None
-            flat, _ = codec.flatten(codec.state_dicts(state))
+            flat, fresh = flat_state(state)
             if self._memory is not None and step is None:
                 # Several nodes: their parts, gathered. One node left of several (node-local stores): the parts its
                 # own memory holds, the replicas of the nodes it lost among them (trainer/checkpoint/DESIGN.md).
@@ -473,7 +474,7 @@ class CheckpointEngine:
                     self._ring is not None or (node_local and peerload.holds_peers(self._memory.directory))
                 ):
                     restored = peerload.before_load(
-                        self._comm, self._memory, node, self.directory, at_most, node_local, flat
+                        self._comm, self._memory, node, self.directory, at_most, node_local, flat, self._reading
                     )
             try:
                 return loading.load(
@@ -491,6 +492,9 @@ class CheckpointEngine:
                     started=started,
                     flat=flat,
                 )
+            except BaseException:
+                clear_made(fresh)  # fresh again, not left with a state made to be loaded into
+                raise
             finally:
                 if restored is not None and self._memory is not None and self._memory.leader:
                     shutil.rmtree(restored.path.parent, ignore_errors=True)

@@ -99,7 +99,9 @@ def load(
                     chosen = chosen or in_memory.instead(_choose(directory, step, at_most, given_up, tier))
                 chosen = comm.broadcast(chosen)
                 if chosen.get("restored") and restored is not None:  # each node reads its own copy, of what it holds
-                    chosen = dict(chosen, path=str(restored.path), tier=restored.tier, held=restored.held)
+                    chosen = dict(
+                        chosen, path=str(restored.path), tier=restored.tier, held=restored.held, kept=restored.kept
+                    )
                 if "error" in chosen:
                     raise NoCheckpointError(chosen["error"], rejected=chosen["rejected"])
                 from_tier = chosen.get("tier") == tiers.DURABLE
@@ -375,7 +377,9 @@ def _load_from(
         )
     if agreed == 1:
         raise corrupt or CheckpointCorruptError(f"{path}: another rank found a corrupt file", path=str(path))
-    reader = ShardReader(path, manifest, meta, comm, source, names=flat, pool=pool, held=chosen.get("held"))
+    reader = ShardReader(
+        path, manifest, meta, comm, source, names=flat, pool=pool, held=chosen.get("held"), kept=chosen.get("kept")
+    )
     reader.load(flat, DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=False))
     rebuilt = codec.rebuild(meta["skeleton"], flat)
     for key, value in state.items():

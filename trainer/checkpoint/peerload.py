@@ -11,6 +11,7 @@ import os
 import shutil
 import time
 from collections.abc import Collection, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from ftsup.trainer.checkpoint.peers import (
     write_part,
 )
 from ftsup.trainer.checkpoint.reader import ShardReader
+from ftsup.trainer.checkpoint.shardio import VerifiedFile, read_files
 
 log = structlog.get_logger("ftsup.checkpoint")
 
@@ -49,13 +51,16 @@ _MAX_TRIES = 8  # plans made again, each without the copies the last one found d
 class Restored:
     """The copy of checkpoint `step` this rank's node made in its memory, and where its parts came from: `memory`
     (its own), `peers` (any part from another node or a replica). `held`: the files of the manifest it holds (those
-    its node's ranks' loads read; None: every one); `meta`: its DCP metadata, verified and packed (`loadplan.pack`)."""
+    its node's ranks' loads read; None: every one); `meta`: its DCP metadata, verified and packed (`loadplan.pack`);
+    `kept`: the regions (start, bytes) of the shard files no other rank of the node reads, as received or read from
+    a copy in memory and verified then, instead of in the copy, for this rank's load to read from."""
 
     path: Path
     step: int
     tier: str
     held: frozenset[str] | None = None
     meta: Mapping[str, Any] | None = None
+    kept: Mapping[str, list[tuple[int, torch.Tensor]]] | None = None
 
 
 def holdings(memory: Path, disk: Path | None) -> tuple[list[dict[str, Any]], dict[str, str]]:
@@ -165,7 +170,8 @@ def _plan(
 def narrow(plan: Mapping[str, Any], manifest: layout.Manifest, needs: list[Mapping[str, Any]]) -> dict[str, Any]:
     """Rank 0: `plan` with each node's links and moves narrowed to the files its ranks' loads read (`needs`: each
     rank's {node, files}; files None: every file), each named (`files`); the files of every node come once to each
-    node's copy, with its first link or else its first move; a move left with no file is dropped."""
+    node's copy, with its first link or else its first move; a move left with no file is dropped. `alone`: for
+    each leader, the files it reads that no other rank of its node reads."""
     assert manifest.nodes is not None
     want: dict[str, set[str] | None] = {}
     for n in needs:
@@ -174,8 +180,12 @@ def narrow(plan: Mapping[str, Any], manifest: layout.Manifest, needs: list[Mappi
     common = [rel for rel in sorted(manifest.files) if nodes.rank_of(rel) is None]
     links: dict[int, list[list[Any]]] = {}
     moves: list[dict[str, Any]] = []
+    alone: dict[int, list[str]] = {}
     for node, lr in sorted(plan["leaders"].items()):
         w = want.get(node)
+        others = [n["files"] for r, n in enumerate(needs) if n["node"] == node and r != lr]
+        if lr < len(needs) and needs[lr]["files"] is not None and None not in others:
+            alone[lr] = sorted(set(needs[lr]["files"]).difference(*others))
         own = [
             [part, path, tier, [r for r in rank_files(manifest, manifest.nodes[part]) if w is None or r in w]]
             for part, path, tier in plan["links"].get(lr, [])
@@ -190,7 +200,7 @@ def narrow(plan: Mapping[str, Any], manifest: layout.Manifest, needs: list[Mappi
             first += common
         links[lr] = [entry for entry in own if entry[3]]
         moves += [m for m in mine if m["files"]]
-    return dict(plan, links=links, moves=moves)
+    return dict(plan, links=links, moves=moves, alone=alone)
 
 
 def before_load(
@@ -201,17 +211,19 @@ def before_load(
     at_most: int | None,
     node_local: bool,
     flat: Mapping[str, torch.Tensor] | None = None,
+    pool: ThreadPoolExecutor | None = None,
 ) -> Restored | None:
     """The engine's load, every rank alike: each node's copy of the newest checkpoint the nodes hold together
     (`restore`), unless the shared store `directory` holds a newer one; `node`: this rank's node; `node_local`:
     `directory` is the node's own, whose part is offered too; `flat`: the state the load reads into
-    (`codec.flatten`), whose plan says which files each node's copy needs (None: every file)."""
+    (`codec.flatten`), whose plan says which files each node's copy needs (None: every file); `pool`: the engine's
+    reading threads (`shardio.reading_pool`)."""
     store_step = None
     if comm.rank == 0 and not node_local:
         newest = layout.latest_consistent(directory, below=None if at_most is None else at_most + 1)
         store_step = newest.step if newest is not None else None
     disk = directory if node_local else None
-    return restore(comm, memory.directory, disk, node, memory.leader, at_most, store_step, flat)
+    return restore(comm, memory.directory, disk, node, memory.leader, at_most, store_step, flat, pool)
 
 
 def holds_peers(memory: Path) -> bool:
@@ -231,6 +243,7 @@ def restore(
     at_most: int | None,
     store_step: int | None,
     flat: Mapping[str, torch.Tensor] | None = None,
+    pool: ThreadPoolExecutor | None = None,
 ) -> Restored | None:
     """Every rank alike: each node's copy of the newest checkpoint its nodes' memories and disks can make together,
     of the files its ranks' loads of `flat` read (every file without it), in `memory/restore/step-N.subset/`; None
@@ -247,7 +260,7 @@ def restore(
         plan = comm.broadcast(plan)
         if plan is None:
             return None
-        restored, damaged = _attempt(comm, plan, memory, node, leader, flat, t0)
+        restored, damaged = _attempt(comm, plan, memory, node, leader, flat, t0, pool)
         if not damaged:
             return restored
         skip += [(rank, path) for rank, path in damaged]
@@ -263,6 +276,7 @@ def _attempt(
     leader: bool,
     flat: Mapping[str, torch.Tensor] | None,
     t0: float,
+    pool: ThreadPoolExecutor | None = None,
 ) -> tuple[Restored | None, list[list[Any]]]:
     """Every rank alike: `plan` carried out; (the copy, []), (None, []) where it failed, or (None, the copies
     [group rank, path] a file of which failed its checksum where it was linked or received, on any rank)."""
@@ -272,7 +286,8 @@ def _attempt(
         raise PeerError(f"step {step}: the chosen manifest is not the one its digest names")
     assert manifest.nodes is not None
     meta = _meta(comm, plan, manifest)
-    needs = comm.gather({"node": node, "files": _reads(comm, manifest, meta, flat)})
+    ranges = _reads(comm, manifest, meta, flat)
+    needs = comm.gather({"node": node, "files": None if ranges is None else sorted(ranges)})
     plan = comm.broadcast(narrow(plan, manifest, needs) if comm.rank == 0 and needs is not None else None)
     final = memory / RESTORE_DIRNAME / layout.subset_dirname(step)
     partial = memory / RESTORE_DIRNAME / layout.partial_dirname(step)
@@ -286,24 +301,31 @@ def _attempt(
             check = _checker(manifest, step, m["part"], m["files"])
             recvs.append((m, Transfer(m["from"], m["part"], check=check, manifest=manifest)))
     held = _held(plan, plan["leaders"][node])
+    kept: dict[str, list[tuple[int, torch.Tensor]]] = {}
     failed: str | None = None
     damaged: list[list[Any]] = []
     try:
         if leader:
             shutil.rmtree(memory / RESTORE_DIRNAME, ignore_errors=True)  # never through a link: rmtree refuses one
             own_dir(memory / RESTORE_DIRNAME)
-        if plan["moves"]:  # every rank alike: where each node holds what it needs, nothing crosses
-            assert isinstance(comm, GroupComm)
-            exchange(comm, sends, [r for _, r in recvs])
+        links = plan["links"].get(comm.rank, []) if leader else []
+        alone = {rel: ranges[rel] for rel in plan.get("alone", {}).get(comm.rank, ()) if ranges and rel in ranges}
+        # The files linked are read and checked while the exchange runs: the exchange waits on the network.
+        with ThreadPoolExecutor(1, thread_name_prefix="ftsup-ckpt-links") as beside:
+            linked = beside.submit(_verify_links, step, links, manifest, alone, pool)
+            if plan["moves"]:  # every rank alike: where each node holds what it needs, nothing crosses
+                assert isinstance(comm, GroupComm)
+                exchange(comm, sends, [r for _, r in recvs])
+            bad, kept = linked.result()
         # A send's error is its receiver's too (an offer refused, or zeros that fail the checksum there).
         for m, r in recvs:
             if r.error:
                 _skipped(step, m["tier"], m["path"], f"from group rank {m['from']}: {r.error}")
                 damaged.append([m["from"], m["path"]])
-        links = plan["links"].get(comm.rank, []) if leader else []
-        damaged += [[comm.rank, path] for path in _verify_links(step, links, manifest)]
+        damaged += [[comm.rank, path] for path in bad]
         if not damaged and leader:
-            _assemble(partial, links, [r for _, r in recvs], plan["manifest"].encode(), held)
+            kept |= _kept([r for _, r in recvs], alone, manifest)
+            _assemble(partial, links, [r for _, r in recvs], plan["manifest"].encode(), held, kept)
             os.rename(partial, final)
     except Exception as e:  # adapter boundary (gloo's errors are RuntimeErrors): every rank must reach the vote
         failed = reason_of(e)
@@ -327,6 +349,7 @@ def _attempt(
             node=node,
             tier=tier,
             parts=parts,
+            kept_bytes=sum(region.numel() for regions in kept.values() for _, region in regions),
             received_bytes=sum(
                 manifest.files[rel].size for m in plan["moves"] if m["to"] == comm.rank for rel in m["files"]
             ),
@@ -334,27 +357,55 @@ def _attempt(
             checkpoint_bytes=sum(e.size for e in manifest.files.values()),
             duration_s=round(time.perf_counter() - t0, 4),
         )
-    return Restored(final, step, tier, frozenset(held), None if "error" in meta else meta), []
+    return Restored(final, step, tier, frozenset(held), None if "error" in meta else meta, kept), []
 
 
-def _verify_links(step: int, links: list[list[Any]], manifest: layout.Manifest) -> list[str]:
+def _verify_links(
+    step: int,
+    links: list[list[Any]],
+    manifest: layout.Manifest,
+    alone: Mapping[str, list[tuple[int, int]]] | None = None,
+    pool: ThreadPoolExecutor | None = None,
+) -> tuple[list[str], dict[str, list[tuple[int, torch.Tensor]]]]:
     """A leader: the paths of its copies in memory (its own, a replica) a file of which, among those it links, is
-    not of the manifest's checksum (logged); a disk's copy is left to the load, which verifies every block it reads."""
-    bad = []
+    not of the manifest's checksum (logged; a disk's copy is left to the load, which verifies every block it reads);
+    and of the shard files among them only the leader reads (`alone`, with the ranges its load reads), those ranges
+    read and verified block by block for its load to read from (`Restored.kept`): one pass over what the load reads,
+    where a check of each whole file and then the load's read made two."""
+    alone = alone or {}
+    bad: list[str] = []
+    kept: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for _, path, tier, rels in links:
         if tier == DISK:
             continue
-        for rel in rels:
-            try:
+        whole = {rel: crc for rel in rels if rel in alone and (crc := _sidecar_of(rel, manifest)) is not None}
+        problem: str | None = None
+        try:
+            files = [(VerifiedFile.in_checkpoint(path, manifest, rel, crc), rel) for rel, crc in whole.items()]
+            got = read_files([(vf, alone[rel]) for vf, rel in files], pool=pool) if files else []
+            for (_, rel), regions in zip(files, got, strict=True):
+                kept[rel] = regions
+            for rel in (r for r in rels if r not in whole):
                 actual = checksums.file_checksum(safefile.resolve_inside(path, rel), manifest.checksum_algorithm)
-                problem = None if actual == manifest.files[rel].checksum else f"checksum {actual} != recorded"
-            except (CheckpointError, OSError) as e:
-                problem = reason_of(e)
-            if problem is not None:
-                _skipped(step, tier, path, f"{rel}: {problem}")
-                bad.append(path)
-                break
-    return bad
+                if actual != manifest.files[rel].checksum:
+                    problem = f"{rel}: checksum {actual} != recorded"
+                    break
+        except (CheckpointError, OSError) as e:
+            problem = reason_of(e)
+        if problem is not None:
+            _skipped(step, tier, path, problem)
+            bad.append(path)
+            for rel in whole:
+                kept.pop(rel, None)
+    return bad, kept
+
+
+def _sidecar_of(rel: str, manifest: layout.Manifest) -> str | None:
+    """The block checksums' file of shard file `rel`; None for a file that is not a rank's shard."""
+    k = nodes.rank_of(rel)
+    if k is None or rel != layout.shard_name(k) or layout.crc_name(k) not in manifest.files:
+        return None
+    return layout.crc_name(k)
 
 
 def _skipped(step: int, tier: str, path: str, reason: str) -> None:
@@ -379,18 +430,18 @@ def _reads(
     manifest: layout.Manifest,
     meta: Mapping[str, Any],
     flat: Mapping[str, torch.Tensor] | None,
-) -> list[str] | None:
-    """The files this rank's load of `flat` will read (its shards' and its rank state), planned as the load plans
-    them; None (every file) without a state, without the metadata, or where the state does not fit the checkpoint:
-    the load says why."""
+) -> dict[str, list[tuple[int, int]]] | None:
+    """The files this rank's load of `flat` will read (its shards', with the byte ranges it reads, their block
+    checksums and its rank state), planned as the load plans them; None (every file) without a state, without the
+    metadata, or where the state does not fit the checkpoint: the load says why."""
     if flat is None or "error" in meta:
         return None
     try:
-        files = ShardReader("the chosen checkpoint", manifest, meta, comm, names=flat).planned_files(dict(flat))
+        files = ShardReader("the chosen checkpoint", manifest, meta, comm, names=flat).planned_ranges(dict(flat))
     except Exception:  # adapter boundary (DCP's planner): the whole copy is made, and the load raises what is wrong
         return None
     own = layout.rank_state_name(comm.rank)
-    return sorted(files | ({own} if own in manifest.files else set()))
+    return files | ({own: []} if own in manifest.files else {})
 
 
 def _held(plan: Mapping[str, Any], leader: int) -> list[str]:
@@ -409,15 +460,38 @@ def _checker(manifest: layout.Manifest, step: int, part: str, expected: list[str
     return lambda raw: check_offer(raw, manifest, step, part, expected)
 
 
-def _assemble(partial: Path, links: list[list[Any]], recvs: list[Transfer], raw: bytes, held: list[str]) -> None:
-    """The leader: its copy in `partial`: the files received, those of its own copies (linked in memory, copied from
-    a disk), the manifest and `subset.json` naming the files held."""
-    got: dict[str, bytes | memoryview] = {layout.MANIFEST_NAME: raw, nodes.SUBSET_FILE: nodes.subset_file_bytes(held)}
+def _kept(
+    recvs: list[Transfer], alone: Collection[str], manifest: layout.Manifest
+) -> dict[str, list[tuple[int, torch.Tensor]]]:
+    """The shard files received that only the leader reads (`alone`): its load reads them as received, verified on
+    arrival, so they are neither written into the copy nor read back from it (trainer/checkpoint/DESIGN.md, Recovery
+    from peers)."""
+    only = set(alone)
+    return {
+        rel: [(0, torch.frombuffer(data, dtype=torch.uint8))] if len(data) else []
+        for r in recvs
+        for rel, data in r.got.items()
+        if rel in only and isinstance(data, memoryview) and _sidecar_of(rel, manifest) is not None
+    }
+
+
+def _assemble(
+    partial: Path,
+    links: list[list[Any]],
+    recvs: list[Transfer],
+    raw: bytes,
+    held: list[str],
+    kept: Collection[str],
+) -> None:
+    """The leader: its copy in `partial`: the files received and those of its own copies (linked in
+    memory, copied from a disk) but those `kept`, the manifest and `subset.json` naming the files it holds."""
+    listed = nodes.subset_file_bytes([rel for rel in held if rel not in kept])  # what the directory holds
+    got: dict[str, bytes | memoryview] = {layout.MANIFEST_NAME: raw, nodes.SUBSET_FILE: listed}
     for r in recvs:
-        got |= r.got
+        got |= {rel: data for rel, data in r.got.items() if rel not in kept}
     write_part(partial, got)
     for _, path, _, rels in links:
-        for rel in rels:
+        for rel in (r for r in rels if r not in kept):
             src = safefile.resolve_inside(path, rel)
             try:
                 os.link(src, partial / rel, follow_symlinks=False)

@@ -24,6 +24,7 @@ from ftsup.store.retention import RetentionPolicy, apply_retention
 from ftsup.trainer.checkpoint.comm import GroupComm
 from ftsup.trainer.checkpoint.commit import log_quietly
 from ftsup.trainer.checkpoint.peermsg import HEADER_BYTES, check_file, check_offer, offer, rank_files, reason_of
+from ftsup.trainer.checkpoint.shardio import PAGE, aligned_buffer, round_up
 
 log = structlog.get_logger("ftsup.checkpoint")
 
@@ -89,9 +90,13 @@ def exchange(comm: GroupComm, sends: list[Transfer], recvs: list[Transfer]) -> N
             s.error = f"group rank {s.peer} refused the offer of node {s.node}'s part"
             continue
         out += [(s.peer, _tensor(_read(s, rel))) for rel in sorted(s.rels)]  # the offer's order
-    incoming = [
-        (r, rel, torch.empty(max(_size(r, rel), 1), dtype=torch.uint8)) for r in recvs if not r.error for rel in r.rels
-    ]
+    wanted = [(r, rel) for r in recvs if not r.error for rel in r.rels]
+    arena = aligned_buffer(sum(round_up(max(_size(r, rel), 1), PAGE) for r, rel in wanted), populate=True, huge=True)
+    incoming, pos = [], 0
+    for r, rel in wanted:
+        n = max(_size(r, rel), 1)
+        incoming.append((r, rel, arena[pos : pos + n]))
+        pos += round_up(n, PAGE)
     _round(comm, out, [(r.peer, t) for r, _, t in incoming])
     for r, rel, t in incoming:
         data = t.numpy().data[: _size(r, rel)]  # no copy: checked, then written from here

@@ -63,14 +63,18 @@ class ShardReader(StorageReader):
         names: Iterable[str] | None = None,
         pool: ThreadPoolExecutor | None = None,
         held: Collection[str] | None = None,
+        kept: Mapping[str, list[tuple[int, torch.Tensor]]] | None = None,
     ) -> None:
         """`meta`: the checked DCP metadata (`dcpmeta.read`), or rank 0's packing of it (`loadplan.pack`), of
         which only the tensors `names` (all when None) are unpacked: this rank's, at thousands of ranks. `pool`:
         the reading threads of the local store's files (`shardio.reading_pool`; None: new ones for this load).
-        `held`: the only files `path` holds (a copy of some of them, `peerload`); reading another is an error."""
+        `held`: the only files `path` holds (a copy of some of them, `peerload`); reading another is an error.
+        `kept`: regions (start, bytes) of shard files this process holds, verified when they were received or read
+        (`peerload.Restored.kept`): read from there, with no copy and no second check."""
         self.path = path
         self.pool = pool
         self.held = None if held is None else frozenset(held)
+        self.kept = kept or {}
         self.manifest = manifest
         self.comm = comm
         self.source = source
@@ -124,16 +128,30 @@ class ShardReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    def planned_files(self, flat: dict[str, torch.Tensor]) -> set[str]:
-        """The files (shards and their block checksums) this rank's `load(flat, ...)` reads, planned as it plans
-        them; raises what DCP's planner raises where `flat` does not fit the checkpoint."""
+    def planned_ranges(self, flat: dict[str, torch.Tensor]) -> dict[str, list[tuple[int, int]]]:
+        """The byte ranges [start, end) of each file this rank's `load(flat, ...)` reads, planned as it plans them,
+        and each shard's block checksums (no range: read whole); raises what DCP's planner raises where `flat` does
+        not fit the checkpoint."""
         planner = DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=False)
         planner.set_up_planner(flat, self.metadata, self.comm.rank == 0)
-        out: set[str] = set()
+        out: dict[str, list[tuple[int, int]]] = {}
         for req in planner.create_local_plan().items:
-            loc = self.locs[req.storage_index]
-            out |= {loc.file, loc.crc_file}
+            loc, start, end = self._range(req)
+            out.setdefault(loc.file, []).append((start, end))
+            out.setdefault(loc.crc_file, [])
         return out
+
+    def _range(self, req: Any) -> tuple[ChunkLocation, int, int]:
+        """Where read request `req`'s bytes lie: the smallest range of its saved chunk's file that covers them."""
+        loc = self.locs.get(req.storage_index)
+        if loc is None:
+            raise CheckpointCorruptError(f"{self.path}: no stored chunk for {req.storage_index.fqn}")
+        strides = _contiguous_strides(loc.sizes)
+        first = sum(o * s for o, s in zip(req.storage_offsets, strides, strict=True))
+        last = sum((o + n - 1) * s for o, n, s in zip(req.storage_offsets, req.lengths, strides, strict=True))
+        n_elems = last - first + 1 if all(n > 0 for n in req.lengths) else 0
+        start = loc.byte_offset + first * loc.dtype.itemsize
+        return loc, start, start + n_elems * loc.dtype.itemsize
 
     def load(self, flat: dict[str, torch.Tensor], planner: LoadPlanner) -> None:
         """Read this checkpoint into `flat` as `dcp.load` would, without its central planning: DCP's load planner
@@ -180,21 +198,17 @@ class ShardReader(StorageReader):
                 planner.commit_tensor(req, target)
 
     def _read_verified(self, plan: LoadPlan) -> list[tuple[Any, torch.Tensor]]:
-        by_file: dict[str, list[tuple[Any, ChunkLocation, int, int, int]]] = {}
+        by_file: dict[str, list[tuple[Any, ChunkLocation, int, int]]] = {}
         for req in plan.items:
-            loc = self.locs.get(req.storage_index)
-            if loc is None:
-                raise CheckpointCorruptError(f"{self.path}: no stored chunk for {req.storage_index.fqn}")
-            strides = _contiguous_strides(loc.sizes)
-            first = sum(o * s for o, s in zip(req.storage_offsets, strides, strict=True))
-            last = sum((o + n - 1) * s for o, n, s in zip(req.storage_offsets, req.lengths, strides, strict=True))
-            n_elems = last - first + 1 if all(n > 0 for n in req.lengths) else 0
-            item = loc.dtype.itemsize
-            start = loc.byte_offset + first * item
-            by_file.setdefault(loc.file, []).append((req, loc, start, start + n_elems * item, first))
-        files = []
+            loc, start, end = self._range(req)
+            by_file.setdefault(loc.file, []).append((req, loc, start, end))
+        files, read = [], []
+        regions_of: dict[str, list[tuple[int, torch.Tensor]]] = {}
         for file, reqs in by_file.items():
             crc_file = reqs[0][1].crc_file
+            if file in self.kept:
+                regions_of[file] = list(self.kept[file])
+                continue
             if self.held is not None and not {file, crc_file} <= self.held:
                 raise CheckpointCorruptError(
                     f"{self.path}: {file} is not in this copy: the restore fetched only the files its load plan "
@@ -206,19 +220,25 @@ class ShardReader(StorageReader):
                 vf = self.source.verified_file(file, crc_file)
             else:
                 vf = VerifiedFile.in_checkpoint(self.path, self.manifest, file, crc_file)
-            files.append((vf, [(s, e) for _, _, s, e, _ in reqs]))
+            files.append((vf, [(s, e) for _, _, s, e in reqs]))
+            read.append(file)
         if self.source is None:
             got = read_files(files, pool=self.pool)
         else:
             got = read_files(files, threads=self.source.threads, piece=self.source.piece)
-        ready = []
-        for (vf, _), regions, reqs in zip(files, got, by_file.values(), strict=True):
+        for file, (vf, _), regions in zip(read, files, got, strict=True):
             self.bytes_read += vf.bytes_read
-            for req, loc, s, e, _ in reqs:
+            regions_of[file] = regions
+        ready = []
+        for file, reqs in by_file.items():
+            regions = regions_of[file]
+            for req, loc, s, e in reqs:
                 if e == s:
                     ready.append((req, torch.empty(tuple(req.lengths), dtype=loc.dtype)))
                     continue
-                base, region = next((b, r) for b, r in regions if b <= s and e <= b + r.numel())
+                base, region = next(((b, r) for b, r in regions if b <= s and e <= b + r.numel()), (-1, None))
+                if region is None:  # a region held (`kept`) that does not cover what the plan reads now
+                    raise CheckpointCorruptError(f"{self.path}: bytes {s}..{e} of {file} are not held", file=file)
                 span = region[s - base : e - base].view(loc.dtype)
                 src = span.as_strided(tuple(req.lengths), _contiguous_strides(loc.sizes), span.storage_offset())
                 ready.append((req, src))
