@@ -5,11 +5,16 @@ left waiting (a rank stuck in a round would hold the other until gloo's 30-minut
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from ftsup.trainer.checkpoint.peers import mapped_file
 from tests.procs import torchrun
 
 pytestmark = pytest.mark.multiprocess
@@ -54,3 +59,31 @@ def test_a_read_raising_what_no_read_expects_sends_zeros_that_fail_there(tmp_pat
     assert got["kept"] == {"rank-00000.json": True}
     assert got["sender_error"] == "shard-00000.safetensors: KeyError: 'shard-00000.safetensors'"
     assert "shard-00000.safetensors received from group rank 0: checksum mismatch" in got["receiver_error"]
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("mounting a size-limited tmpfs needs root")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_file_received_into_a_full_memory_tier_is_an_error_not_a_sigbus(small_tmpfs: Path) -> None:
+    # A receive writes the file through its mapping: a page the tmpfs cannot give would be a SIGBUS in gloo's thread,
+    # killing the rank; the space is taken first, so a full tier is an error of that replica alone.
+    with pytest.raises(OSError) as e:
+        mapped_file(small_tmpfs, "shard-00001.safetensors", 64 << 20)
+    assert e.value.errno == errno.ENOSPC
+    t = mapped_file(small_tmpfs, "shard-00002.safetensors", 1 << 20)
+    t.fill_(7)
+    del t
+    assert (small_tmpfs / "shard-00002.safetensors").read_bytes() == bytes([7]) * (1 << 20)
+    (small_tmpfs / "shard-00003.safetensors").symlink_to(small_tmpfs / "elsewhere")
+    with pytest.raises(FileExistsError):  # never written through a link planted there
+        mapped_file(small_tmpfs, "shard-00003.safetensors", 10)
+    assert not (small_tmpfs / "elsewhere").exists()

@@ -5,6 +5,7 @@ on arrival, each node's part of a checkpoint committed in its peers' memories un
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import shutil
@@ -54,7 +55,8 @@ class Ring:
 class Transfer:
     """One part's files between two group ranks. The sender's: the offer `header`, the files `rels` and `read`
     (rel -> bytes); the receiver's: `check` (the offer -> the files it expects); both: the `manifest` giving their
-    sizes. Filled by `exchange`: `got` (verified files) or `error`."""
+    sizes; `into` (the receiver's, optional): where each file it receives is written (`mapped_file`), else a buffer.
+    Filled by `exchange`: `got` (verified files) or `error`."""
 
     peer: int
     node: str
@@ -65,6 +67,7 @@ class Transfer:
     manifest: layout.Manifest | None = None
     got: dict[str, bytes | memoryview] = field(default_factory=dict)
     error: str | None = None
+    into: Callable[[str, int], torch.Tensor] | None = None
 
 
 def exchange(comm: GroupComm, sends: list[Transfer], recvs: list[Transfer]) -> None:
@@ -91,15 +94,28 @@ def exchange(comm: GroupComm, sends: list[Transfer], recvs: list[Transfer]) -> N
             continue
         out += [(s.peer, _tensor(_read(s, rel))) for rel in sorted(s.rels)]  # the offer's order
     wanted = [(r, rel) for r in recvs if not r.error for rel in r.rels]
-    arena = aligned_buffer(sum(round_up(max(_size(r, rel), 1), PAGE) for r, rel in wanted), populate=True, huge=True)
+    # One buffer for the files received into memory, its pages populated up front rather than faulted in by the
+    # receive, 4 KiB at a time (trainer/checkpoint/DESIGN.md, Peer memories).
+    need = sum(round_up(max(_size(r, rel), 1), PAGE) for r, rel in wanted if r.into is None)
+    arena = aligned_buffer(need, populate=True, huge=True) if need else None
     incoming, pos = [], 0
     for r, rel in wanted:
         n = max(_size(r, rel), 1)
-        incoming.append((r, rel, arena[pos : pos + n]))
-        pos += round_up(n, PAGE)
+        if r.into is None:
+            assert arena is not None
+            incoming.append((r, rel, arena[pos : pos + n]))
+            pos += round_up(n, PAGE)
+            continue
+        try:
+            incoming.append((r, rel, r.into(rel, _size(r, rel))))
+        except Exception as e:  # the bytes still come: taken into a buffer and dropped, the error is this transfer's
+            r.error = r.error or f"{rel}: {reason_of(e)}"
+            incoming.append((r, rel, torch.empty(n, dtype=torch.uint8)))
     _round(comm, out, [(r.peer, t) for r, _, t in incoming])
     for r, rel, t in incoming:
-        data = t.numpy().data[: _size(r, rel)]  # no copy: checked, then written from here
+        if r.error:
+            continue
+        data = t.numpy().data[: _size(r, rel)]  # no copy: checked where it was received
         try:
             assert r.manifest is not None
             check_file(rel, data, r.manifest, f"group rank {r.peer}")
@@ -170,9 +186,27 @@ def own_dir(path: Path) -> Path:
     return path
 
 
-def write_part(partial: Path, files: Mapping[str, bytes | memoryview]) -> None:
-    """`files` written as new regular files under `partial` (made here; never through a link)."""
-    os.makedirs(partial, mode=0o700)
+def mapped_file(partial: Path, rel: str, size: int) -> torch.Tensor:
+    """A new regular file `rel` of `size` bytes under `partial` (never through a link), its space allocated (a full
+    tmpfs is an error here, not a SIGBUS in the receive), as a tensor over its shared mapping: a receive into it
+    writes the file, with no buffer and no copy between (trainer/checkpoint/DESIGN.md, Peer memories)."""
+    path = partial / safefile.validate_relpath(rel)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        if size == 0:
+            return torch.zeros(1, dtype=torch.uint8)  # the one byte a sender sends for an empty file, not kept
+        os.posix_fallocate(fd, 0, size)
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # its pages mapped now, not one fault each
+        m = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(m, dtype=torch.uint8)
+
+
+def write_part(partial: Path, files: Mapping[str, bytes | memoryview], *, made: bool = False) -> None:
+    """`files` written as new regular files under `partial` (made here unless `made`; never through a link)."""
+    if not made:
+        os.makedirs(partial, mode=0o700)
     for rel, data in files.items():
         path = partial / safefile.validate_relpath(rel)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -212,23 +246,36 @@ def _replicate(ring: Ring, comm: GroupComm, memory: Path, step: int) -> bool:
         Transfer(ring.leaders[t], ring.node, header, rels, read, manifest=manifest) for t in ring.targets[ring.node]
     ]
     recvs: list[Transfer] = []
-    if ring.leaders[ring.node] == comm.rank:
-        for src in ring.sources(ring.node):
-            for r in ring.ranks[src]:
-                expected = rank_files(manifest, [r])
-                check = _checker(manifest, step, src, expected)
-                recvs.append(Transfer(r, src, check=check, manifest=manifest))
     failed: str | None = None
-    partials: list[Path] = []
+    partials: dict[str, Path] = {}
+    try:
+        if ring.leaders[ring.node] == comm.rank:
+            for src in ring.sources(ring.node):
+                partials[src] = partial = _partial(memory, src, step)
+                into = functools.partial(mapped_file, partial)
+                for r in ring.ranks[src]:
+                    check = _checker(manifest, step, src, rank_files(manifest, [r]))
+                    recvs.append(Transfer(r, src, check=check, manifest=manifest, into=into))
+    except Exception as e:  # adapter boundary: every rank must reach the exchange and the vote
+        failed = reason_of(e)
+        recvs = (
+            [
+                Transfer(r, src, check=_refuse(failed), manifest=manifest)
+                for src in ring.sources(ring.node)
+                for r in ring.ranks[src]
+            ]
+            if ring.leaders[ring.node] == comm.rank
+            else []
+        )
     try:
         exchange(comm, sends, recvs)
-        failed = next((t.error for t in sends + recvs if t.error), None)
+        failed = failed or next((t.error for t in sends + recvs if t.error), None)
         if failed is None and recvs:
-            partials = _stage(memory, mine, manifest, raw, step, recvs)
+            _stage(partials, mine, manifest, raw, recvs)
     except Exception as e:  # adapter boundary (gloo's errors are RuntimeErrors): every rank must reach the vote
         failed = reason_of(e)
     ok = comm.all_reduce_max(1 if failed else 0) == 0
-    for partial in partials:
+    for partial in partials.values():
         _finish(partial, ok)
     if not ok:
         if failed is not None:
@@ -247,26 +294,34 @@ def _checker(manifest: layout.Manifest, step: int, node: str, expected: list[str
     return lambda raw: check_offer(raw, manifest, step, node, expected)
 
 
+def _partial(memory: Path, src: str, step: int) -> Path:
+    """The leader: `peers/<src>/step-N.partial/`, made afresh, where node `src`'s part is received."""
+    partial = own_dir(own_dir(memory / PEERS_DIRNAME) / src) / layout.partial_dirname(step)
+    if os.path.lexists(partial):
+        shutil.rmtree(partial)
+    os.makedirs(partial, mode=0o700)
+    return partial
+
+
+def _refuse(reason: str) -> Callable[[bytes], list[str]]:
+    def refuse(raw: bytes) -> list[str]:
+        raise CheckpointError(reason)
+
+    return refuse
+
+
 def _stage(
-    memory: Path, mine: Path, manifest: layout.Manifest, raw: bytes, step: int, recvs: list[Transfer]
-) -> list[Path]:
-    """The leader: each source node's part, as received, with the checkpoint's files of every node (from this node's
-    own committed copy) and `node.json` naming that node, in `peers/<node>/step-N.partial/`."""
+    partials: Mapping[str, Path], mine: Path, manifest: layout.Manifest, raw: bytes, recvs: list[Transfer]
+) -> None:
+    """The leader: next to each source node's part, received into `peers/<node>/step-N.partial/`, the checkpoint's
+    files of every node (from this node's own committed copy) and `node.json` naming that node."""
     read = reader(mine, manifest)
     common = {rel: read(rel) for rel in manifest.files if nodes.rank_of(rel) is None}
-    by_node: dict[str, dict[str, bytes | memoryview]] = {}
+    for src in {r.node for r in recvs}:
+        files = common | {layout.MANIFEST_NAME: raw, nodes.NODE_FILE: nodes.node_file_bytes(src)}
+        write_part(partials[src], files, made=True)
     for r in recvs:
-        by_node.setdefault(r.node, {}).update(r.got)
-    out = []
-    for src, got in by_node.items():
-        root = own_dir(own_dir(memory / PEERS_DIRNAME) / src)
-        partial = root / layout.partial_dirname(step)
-        if os.path.lexists(partial):
-            shutil.rmtree(partial)
-        files = got | common | {layout.MANIFEST_NAME: raw, nodes.NODE_FILE: nodes.node_file_bytes(src)}
-        write_part(partial, files)
-        out.append(partial)
-    return out
+        r.got.clear()  # the received files' mappings let go
 
 
 def _finish(partial: Path, ok: bool) -> None:
