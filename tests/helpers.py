@@ -7,11 +7,15 @@ reader, the CLI and the supervisor see what a real save produces, minus the tens
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from ftsup.store import checksums, durable, layout
 
@@ -148,3 +152,18 @@ def node_read_events(text: str) -> list[dict[str, Any]]:
             where = re.search(r'"?path"?[=:] ?"?([^",\s]+)', event)
             found.append(fields | {"path": where.group(1) if where else ""})
     return found
+
+
+def mounted_tmpfs(where: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (mount's notation: "8m") at the new directory `where`, for a fixture to yield from; the test
+    is skipped where it cannot be mounted (not root). Unmounted lazily afterwards."""
+    where.mkdir()
+    if (
+        os.geteuid() != 0
+        or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)]).returncode
+    ):
+        pytest.skip("mounting a size-limited tmpfs needs root")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)

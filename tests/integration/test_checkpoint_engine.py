@@ -6,7 +6,6 @@ import gc
 import json
 import os
 import shutil
-import subprocess
 import uuid
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from ftsup.trainer.checkpoint import (
 )
 from ftsup.trainer.checkpoint.engine import read_rank_state
 from ftsup.trainer.checkpoint.stateful import ModelOptimState
-from tests.helpers import flip_byte
+from tests.helpers import flip_byte, mounted_tmpfs
 
 
 def make_state(width: int = 32, seed: int = 0) -> ModelOptimState:
@@ -244,14 +243,7 @@ def test_rank_state_of_any_rank_can_be_read_back(engine):
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)]).returncode:
-        pytest.skip("mounting a size-limited tmpfs needs root")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    yield from mounted_tmpfs(tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}", "8m")
 
 
 def test_disk_full_during_a_background_save_is_logged_counted_and_training_goes_on(small_tmpfs):

@@ -4,7 +4,6 @@ and an emergency save the store refuses is committed in the fallback directory."
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import uuid
@@ -17,6 +16,7 @@ import torch
 
 from ftsup.store import layout
 from ftsup.trainer.checkpoint import CheckpointEngine, CheckpointSaveError
+from tests.helpers import mounted_tmpfs
 from tests.integration.test_checkpoint_engine import make_state, same, snapshot
 
 
@@ -69,14 +69,7 @@ def test_a_link_to_nothing_in_its_place_is_never_followed(tmp_path: Path) -> Non
 
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)]).returncode:
-        pytest.skip("mounting a filesystem needs root")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    yield from mounted_tmpfs(tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}", "16m")
 
 
 def test_a_directory_that_cannot_be_made_again_fails_the_save_naming_why(tmpfs: Path) -> None:

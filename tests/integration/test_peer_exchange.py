@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import errno
 import json
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ftsup.trainer.checkpoint.peers import mapped_file
+from tests.helpers import mounted_tmpfs
 from tests.procs import torchrun
 
 pytestmark = pytest.mark.multiprocess
@@ -63,14 +62,7 @@ def test_a_read_raising_what_no_read_expects_sends_zeros_that_fail_there(tmp_pat
 
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)]).returncode:
-        pytest.skip("mounting a size-limited tmpfs needs root")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    yield from mounted_tmpfs(tmp_path / "tmpfs", "4m")
 
 
 def test_a_file_received_into_a_full_memory_tier_is_an_error_not_a_sigbus(small_tmpfs: Path) -> None:

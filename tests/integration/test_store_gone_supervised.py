@@ -20,6 +20,7 @@ import yaml
 
 from ftsup.store import layout
 from ftsup.supervisor.policy.machine import EXIT_EVICTED
+from tests.helpers import mounted_tmpfs
 from tests.procs import PYTHONPATH, REPO, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -89,14 +90,7 @@ def test_a_store_removed_mid_run_is_made_again_and_the_job_finishes_without_a_re
 
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)]).returncode:
-        pytest.skip("mounting a filesystem needs root")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    yield from mounted_tmpfs(tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}", "64m")
 
 
 def test_an_emergency_save_a_read_only_store_refuses_goes_durable_from_the_fallback_and_is_resumed(
