@@ -312,11 +312,11 @@ def _attempt(
         alone = {rel: ranges[rel] for rel in plan.get("alone", {}).get(comm.rank, ()) if ranges and rel in ranges}
         # The files linked are read and checked while the exchange runs: the exchange waits on the network.
         with ThreadPoolExecutor(1, thread_name_prefix="ftsup-ckpt-links") as beside:
-            linked = beside.submit(_verify_links, step, links, manifest, alone, pool)
+            linked = beside.submit(_verify_links, step, links, manifest, alone, pool) if links else None
             if plan["moves"]:  # every rank alike: where each node holds what it needs, nothing crosses
                 assert isinstance(comm, GroupComm)
                 exchange(comm, sends, [r for _, r in recvs])
-            bad, kept = linked.result()
+            bad, kept = linked.result() if linked is not None else ([], {})
         # A send's error is its receiver's too (an offer refused, or zeros that fail the checksum there).
         for m, r in recvs:
             if r.error:
