@@ -140,7 +140,9 @@ def test_a_spare_dies_with_the_process_that_parked_it(tmp_path):
         assert parent.stdout is not None
         pid = int(parent.stdout.readline())
         spare = psutil.Process(pid)
-        assert spare.ppid() == parent.pid and "torch.distributed.run" in spare.cmdline()
+        # Between its fork and its exec a child's command line reads empty: the spare is looked at once it runs.
+        wait_for(lambda: "torch.distributed.run" in spare.cmdline(), 30, "the spare never ran torch.distributed.run")
+        assert spare.ppid() == parent.pid
         parent.kill()
         parent.wait(timeout=10)
         wait_for(lambda: not procs.alive(spare), 30, "the spare outlived the process that parked it")
