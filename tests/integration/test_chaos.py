@@ -2,7 +2,8 @@
 under `ftsup run` (real torchrun, gloo, CPU; two supervisors for the node loss; the store on a
 size-limited tmpfs when running as root, which the CI is), every invariant checked.
 
-One module-scoped run serves every claim; it takes about four minutes on 2 busy cores.
+One module-scoped run serves every claim; it takes about two and a half minutes on 2 busy cores. The seed is the one
+of 0-4999 whose plan needs the fewest steps per job: 138 (`plan.steps_needed`; seed 1's needed 183).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tests.procs import run
 pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 TIMEOUT_S = 900
-SEED = 1
+SEED = 1439
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ refused naming its file; at most the largest tensor plus 256 MiB held while conv
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -27,16 +28,25 @@ def deepspeed_checkpoint(out: Path, stage: int, *extra: str) -> Path:
     return out
 
 
+SMALL = ("--width", "63", "--depth", "2")  # two layers whose partitions over 2 ranks leave padding
+
+
+@pytest.fixture(scope="module")
+def stage_2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small ZeRO stage 2 checkpoint: converted by the test of stage 2, a copy of it torn by the torn tag's."""
+    return deepspeed_checkpoint(tmp_path_factory.mktemp("stage-2") / "ds", 2, *SMALL)
+
+
 # Stage 1 is stage 2's optimizer class (DeepSpeed's `stage_1_and_2.py`) and writes its layout: zero_to_fp32 and the
 # conversion read both alike.
 @pytest.mark.parametrize("stage", [2, 3])
-def test_the_hub_weights_are_bitwise_what_zero_to_fp32_consolidates(tmp_path, stage):
+def test_the_hub_weights_are_bitwise_what_zero_to_fp32_consolidates(request, tmp_path, stage):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file
 
     from ftsup.supervisor.cli.commands import main
 
-    ckpt = deepspeed_checkpoint(tmp_path / "ds", stage, "--width", "63", "--depth", "2")
+    ckpt = request.getfixturevalue("stage_2") if stage == 2 else deepspeed_checkpoint(tmp_path / "ds", stage, *SMALL)
     assert main(["ckpt", "import-deepspeed", str(ckpt), str(tmp_path / "hf")]) == 0
     got = load_file(tmp_path / "hf" / "model.safetensors")
     want = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
@@ -44,10 +54,10 @@ def test_the_hub_weights_are_bitwise_what_zero_to_fp32_consolidates(tmp_path, st
     assert [k for k in want if not torch.equal(got[k], want[k].contiguous())] == []
 
 
-def test_a_tag_with_a_rank_file_cut_short_is_refused_naming_it(tmp_path):
+def test_a_tag_with_a_rank_file_cut_short_is_refused_naming_it(stage_2, tmp_path):
     from ftsup.trainer.deepspeed.convert import import_deepspeed
 
-    ckpt = deepspeed_checkpoint(tmp_path / "ds", 2)
+    ckpt = Path(shutil.copytree(stage_2, tmp_path / "ds"))
     torn = ckpt / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     os.truncate(torn, torn.stat().st_size - 64)
     with pytest.raises(CheckpointError, match=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt: not a whole"):

@@ -1,7 +1,9 @@
 """The evidence a hang leaves behind, under `ftsup run` with two gloo DDP ranks of `tests/bin/hang_rank.py`: before
 the hung attempt is stopped, every rank's stacks are captured and kept in an incident record that names the rank to
 blame: one stopped by SIGSTOP, or one stuck in a Python loop while the other waits in DDP's all-reduce; with the stack
-tool hanging or missing the capture ends within its bound, and the attempt is restarted all the same."""
+tool hanging or missing the capture ends within its bound, and the attempt is restarted all the same. The SIGSTOPped
+rank's run also holds test_collective_waits.py's claim for a DDP job: its hang event blames rank 1, not rank 0 that
+waits for it."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 
 from ftsup.supervisor.cli.incidents import render
 from ftsup.supervisor.state.incidents import Incident, Store
-from tests.integration.test_collective_waits import FLOOR, events, output, start
+from tests.integration.test_collective_waits import FLOOR, HANGS, events, output, start
 from tests.procs import BIN, kill_tree, wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -76,6 +78,9 @@ def test_a_sigstopped_rank_1_is_named_by_the_incident_which_holds_rank_0_waiting
         stopped_before_captured(tmp_path),
     )
     assert told == ("hang", 1, "stopped (SIGSTOP/state T)", [0, 1], True), incident
+    (event,) = [e for e in events(tmp_path) if e["event"] in HANGS]  # rank 1 blamed, not rank 0 that waits for it
+    blamed = (event["event"], event["rank"], event.get("state"), event.get("waiting"), event["reason"].split(",")[0])
+    assert blamed == ("heartbeat_timed_out", 1, "T", [0], "rank 1 stopped (SIGSTOP/state T)"), event
     assert (by_rank[0].state, by_rank[0].collective, by_rank[1].state, by_rank[1].tool) == ("S", True, "T", "pystack")
     assert any("c10d::Reducer::finalize_backward" in f for f in frames(incident, 0)), frames(incident, 0)
     assert any(f.endswith("os.kill(os.getpid(), signal.SIGSTOP)") for f in frames(incident, 1)), frames(incident, 1)

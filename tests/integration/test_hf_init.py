@@ -277,16 +277,25 @@ def first_loss(tmp_path: Path, name: str, nproc: int, init: Path | None, paralle
     return json.loads((tmp_path / f"{name}.jsonl").read_text().splitlines()[0])["loss"]
 
 
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A hub model, and the reference trainer's first loss on one rank started from it and from its own weights: the
+    same for both cases below, which train two ranks from the model."""
+    tmp = tmp_path_factory.mktemp("one-rank")
+    hub_model(tmp / "hf")
+    return {"hf": tmp / "hf", "one": first_loss(tmp, "one", 1, tmp / "hf"), "own": first_loss(tmp, "own", 1, None)}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_the_reference_trainer_starts_from_a_hub_model_with_the_same_first_loss_on_one_rank_and_two(tmp_path, parallel):
-    hub_model(tmp_path / "hf")
-    one = first_loss(tmp_path, "one", 1, tmp_path / "hf")
-    two = first_loss(tmp_path, "two", 2, tmp_path / "hf", parallel)
-    own = first_loss(tmp_path, "own", 1, None)
+def test_the_reference_trainer_starts_from_a_hub_model_with_the_same_first_loss_on_one_rank_and_two(
+    one_rank, tmp_path, parallel
+):
+    one, own, hf = one_rank["one"], one_rank["own"], one_rank["hf"]
+    two = first_loss(tmp_path, "two", 2, hf, parallel)
     assert (abs(one - two) <= 1e-4 * abs(one), one != own) == (True, True), (one, two, own)
     meta = layout.read_manifest(tmp_path / "two" / layout.step_dirname(1)).metadata
-    assert meta["init_from_hf"]["dir"] == str((tmp_path / "hf").resolve())
+    assert meta["init_from_hf"]["dir"] == str(hf.resolve())
 
 
 @pytest.mark.parametrize(
